@@ -1,0 +1,33 @@
+"""kvserve: a KV-cache-centric LLM inference engine.
+
+Heavy modules (torch, the engine) are imported lazily so that light tools such as
+``kvserve plan`` and the task generators start fast.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "__version__"]
+
+if TYPE_CHECKING:
+    from kvserve.engine import LLM, LLMEngine
+    from kvserve.request import RequestOutput, SamplingParams
+
+_LAZY = {
+    "LLM": "kvserve.engine",
+    "LLMEngine": "kvserve.engine",
+    "SamplingParams": "kvserve.request",
+    "RequestOutput": "kvserve.request",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvserve' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,1 @@
+"""Quality gate: long-context recall, perplexity and agreement against the exact baseline."""
