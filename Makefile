@@ -1,0 +1,33 @@
+# Two entry points on a fresh machine with Python 3.11: `make run` and `make test`.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint format bench-quick clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch is pinned to the CPU wheel (2.13.0); a looser pin would pull a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/python -m kvserve.main_job
+
+test: $(STAMP)
+	$(BIN)/ruff check kvserve tests benchmarks scripts
+	$(BIN)/ruff format --check kvserve tests benchmarks scripts
+	$(BIN)/python -m pytest tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check kvserve tests benchmarks scripts
+
+format: $(STAMP)
+	$(BIN)/ruff format kvserve tests benchmarks scripts
+	$(BIN)/ruff check --fix kvserve tests benchmarks scripts
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache .ruff_cache

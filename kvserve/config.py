@@ -1,0 +1,304 @@
+"""Engine configuration as validated data.
+
+Every dataclass validates itself once in ``__post_init__`` and raises :class:`ConfigError`
+with a message that names the field and its allowed values. Nothing here imports torch, so
+tools such as ``kvserve plan`` can use it on a machine without an accelerator stack.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = (
+    "auto",
+    "bfloat16",
+    "float16",
+    "float32",
+    "fp8",
+    "fp8_e4m3",
+    "fp8_e5m2",
+    "int8",
+    "kivi4",
+    "kivi2",
+)
+SCHEDULING_POLICIES = ("fcfs", "lpm")
+ALLOWED_BLOCK_SIZES = tuple(2**i for i in range(9))  # 1, 2, 4, ... 256
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range; the message names the field."""
+
+
+def parse_bytes(value: int | float | str, field_name: str = "kv_cache_memory") -> int:
+    """Parse ``2GiB``, ``512 MiB``, ``1.5GB``, ``1e9`` or a plain integer into bytes."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{field_name}: expected a size such as '2GiB', got {value!r}")
+    if isinstance(value, int | float):
+        if value <= 0:
+            raise ConfigError(f"{field_name}: must be > 0 bytes, got {value!r}")
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([KMGT]i?B?|B)?\s*", str(value))
+    if not m:
+        raise ConfigError(
+            f"{field_name}: expected a size such as '2GiB', '512MiB' or a byte count, got {value!r}"
+        )
+    number, unit = float(m.group(1)), (m.group(2) or "B").upper()
+    scale = {"B": 1}
+    for i, p in enumerate("KMGT", start=1):
+        scale[f"{p}IB"] = scale[f"{p}I"] = 1024**i
+        scale[f"{p}B"] = scale[p] = 1000**i
+    nbytes = int(number * scale[unit])
+    if nbytes <= 0:
+        raise ConfigError(f"{field_name}: must be > 0 bytes, got {value!r}")
+    return nbytes
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """The architecture facts the engine needs, read from a Hugging Face ``config.json``."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    partial_rotary_factor: float = 1.0
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    # Per-layer sliding window (None = full attention for that layer).
+    layer_windows: tuple[int | None, ...] = ()
+    torch_dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    k_scale: float | None = None
+    v_scale: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"architectures: unsupported architecture {self.architecture!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.num_attention_heads <= 0 or self.num_key_value_heads <= 0:
+            raise ConfigError("num_attention_heads / num_key_value_heads: must be > 0")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_key_value_heads: {self.num_key_value_heads} must divide "
+                f"num_attention_heads ({self.num_attention_heads})"
+            )
+        if not self.layer_windows:
+            self.layer_windows = (None,) * self.num_hidden_layers
+        if len(self.layer_windows) != self.num_hidden_layers:
+            raise ConfigError(
+                f"layer_types: {len(self.layer_windows)} entries for "
+                f"{self.num_hidden_layers} layers"
+            )
+
+    @property
+    def model_type(self) -> str:
+        return {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}.get(
+            self.architecture, "mistral"
+        )
+
+    def num_parameters(self) -> int:
+        """Parameter count from the shapes (embeddings counted once when tied)."""
+        h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
+        q = self.num_attention_heads * self.head_dim
+        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
+        mlp = 3 * h * self.intermediate_size
+        layer = attn + mlp + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * layer + emb + h
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        if not archs:
+            mt = cfg.get("model_type")
+            archs = [
+                {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}.get(
+                    mt, "MistralForCausalLM" if mt == "mistral" else str(mt)
+                )
+            ]
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"architectures: unsupported architecture {arch!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        try:
+            heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            layers = int(cfg["num_hidden_layers"])
+            vocab = int(cfg["vocab_size"])
+            inter = int(cfg["intermediate_size"])
+        except KeyError as e:
+            raise ConfigError(f"config.json: missing required field {e.args[0]!r}") from None
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+
+        # transformers >= 5 writes rope_parameters; older configs write rope_theta/rope_scaling.
+        rope = dict(cfg.get("rope_parameters") or {})
+        theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        scaling = cfg.get("rope_scaling") or (rope if rope else None)
+        partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+        if scaling is not None:
+            scaling = dict(scaling)
+            rtype = scaling.get("rope_type", scaling.get("type", "default"))
+            if rtype not in ("default", "linear", "llama3"):
+                raise ConfigError(
+                    f"rope_scaling.rope_type: unsupported {rtype!r}; supported: default, "
+                    "linear, llama3"
+                )
+            scaling["rope_type"] = rtype
+            if rtype == "default":
+                scaling = None
+
+        layer_windows = _layer_windows(cfg, arch, layers)
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            architecture=arch,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            partial_rotary_factor=partial,
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            layer_windows=layer_windows,
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            k_scale=cfg.get("k_scale"),
+            v_scale=cfg.get("v_scale"),
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        p = Path(path)
+        cfg_path = p / "config.json" if p.is_dir() else p
+        if not cfg_path.exists():
+            where = "model directory" if not p.exists() else "config.json"
+            raise FileNotFoundError(f"model: {where} not found: {cfg_path}")
+        with open(cfg_path) as f:
+            return cls.from_dict(json.load(f))
+
+
+def _layer_windows(cfg: dict[str, Any], arch: str, layers: int) -> tuple[int | None, ...]:
+    """Which layers use sliding-window attention, following transformers' rules."""
+    window = cfg.get("sliding_window")
+    types = cfg.get("layer_types")
+    if types:
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    if not window:
+        return (None,) * layers
+    if arch == "Qwen2ForCausalLM":
+        if not cfg.get("use_sliding_window", False):
+            return (None,) * layers
+        first = int(cfg.get("max_window_layers", layers))
+        return tuple(window if i >= first else None for i in range(layers))
+    return (int(window),) * layers
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    """Paged KV cache: block geometry, pool size, storage format and prefix caching."""
+
+    block_size: int = 16
+    num_gpu_blocks: int | None = None
+    kv_cache_memory: int | str | None = None
+    kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    calculate_kv_scales: bool = False
+
+    def __post_init__(self) -> None:
+        if self.block_size not in ALLOWED_BLOCK_SIZES:
+            raise ConfigError(
+                f"block_size: must be a power of two from 1 to 256, got {self.block_size}"
+            )
+        if self.num_gpu_blocks is not None and self.kv_cache_memory is not None:
+            raise ConfigError("num_gpu_blocks / kv_cache_memory: give one or the other, not both")
+        if self.num_gpu_blocks is not None and (
+            not isinstance(self.num_gpu_blocks, int) or self.num_gpu_blocks < 1
+        ):
+            raise ConfigError(f"num_gpu_blocks: must be an integer >= 1, got {self.num_gpu_blocks}")
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Continuous batching limits: sequences per step and the per-step token budget."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    # lpm: a waiting request skipped this many times is scheduled next regardless.
+    lpm_max_skips: int = 32
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(
+                f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len: must be >= 1, got {self.max_model_len}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError(
+                f"scheduling_policy: must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                f"got {self.scheduling_policy!r}"
+            )
+        if self.lpm_max_skips < 0:
+            raise ConfigError(f"lpm_max_skips: must be >= 0, got {self.lpm_max_skips}")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything the engine needs; built by :class:`kvserve.engine.LLM` from keyword args."""
+
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.seed, int):
+            raise ConfigError(f"seed: must be an integer, got {self.seed!r}")

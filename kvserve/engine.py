@@ -1,0 +1,589 @@
+"""LLMEngine (add_request / step / abort) and the offline ``LLM.generate`` API, vLLM-shaped."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvserve.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig
+from kvserve.kv.manager import KVCacheManager, cdiv
+from kvserve.kv.storage import TORCH_DTYPES, KVStorage
+from kvserve.model.loader import load_model, resolve_dtype
+from kvserve.model.sampler import Sampler
+from kvserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvserve.request import (
+    CompletionOutput,
+    InvalidRequestError,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+)
+from kvserve.runner import ModelRunner
+from kvserve.scheduler import Scheduler
+
+PromptType = str | list[int] | dict[str, Any]
+DEFAULT_KV_CACHE_MEMORY = 4 * 1024**3
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot after a step. Counters are totals since start; gauges are current."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    kv_cached_free_blocks: int
+    token_slots_held: int
+    token_slots_allocated: int
+    num_preemptions: int
+    step_prefill_tokens: int
+    step_decode_tokens: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_evictions: int
+    num_steps: int
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total
+
+    @property
+    def token_occupancy(self) -> float:
+        if not self.token_slots_allocated:
+            return 1.0
+        return self.token_slots_held / self.token_slots_allocated
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """A stable identity of a checkpoint for prefix-cache keys: its config and weight files."""
+    h = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for p in sorted(model_dir.glob("*.safetensors")):
+        h.update(f"{p.name}:{p.stat().st_size}".encode())
+    return h.hexdigest()[:32]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_dir = Path(config.model)
+        if not model_dir.is_dir():
+            raise FileNotFoundError(f"model: directory not found: {model_dir}")
+        self.model_config = mc = ModelConfig.from_pretrained(model_dir)
+        tok_dir = Path(config.tokenizer or model_dir)
+        self.tokenizer: Tokenizer | None = None
+        if (tok_dir / "tokenizer.json").exists():
+            self.tokenizer = Tokenizer(tok_dir, mc.eos_token_ids)
+        self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else mc.eos_token_ids
+
+        sc = config.scheduler
+        self.max_model_len = sc.max_model_len or mc.max_position_embeddings
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ConfigError(
+                f"max_model_len: {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings ({mc.max_position_embeddings})"
+            )
+        self.device = torch.device(config.device)
+        self.dtype = resolve_dtype(config.dtype, mc)
+        cc = config.cache
+        kv_name = cc.kv_cache_dtype
+        if kv_name == "auto":
+            kv_dtype = self.dtype
+            kv_name = str(kv_dtype).removeprefix("torch.")
+        elif kv_name in TORCH_DTYPES:
+            kv_dtype = TORCH_DTYPES[kv_name]
+        else:
+            raise ConfigError(f"kv_cache_dtype: {kv_name!r} is not implemented yet")
+        self.kv_cache_dtype = kv_name
+        self.block_size = cc.block_size
+        self.bytes_per_token = KVStorage.bytes_per_token(
+            mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, kv_dtype
+        )
+        self.num_blocks = self._num_blocks(cc, sc)
+
+        self.model = load_model(model_dir, mc, self.dtype, self.device, self.max_model_len)
+        self.storage = KVStorage(
+            mc.num_hidden_layers,
+            self.num_blocks,
+            self.block_size,
+            mc.num_key_value_heads,
+            mc.head_dim,
+            kv_dtype,
+            self.device,
+        )
+        self.kv = KVCacheManager(
+            self.num_blocks,
+            self.block_size,
+            cc.enable_prefix_caching,
+            model_id=model_fingerprint(model_dir),
+            kv_format=f"{kv_name}/bs{self.block_size}",
+        )
+        self.scheduler = Scheduler(sc, self.kv)
+        self.sampler = Sampler(mc.vocab_size, config.seed, self.device)
+        self.runner = ModelRunner(self.model, self.storage, self.sampler, self.kv, self.device)
+        self.requests: dict[str, Request] = {}
+        self._families: dict[str, _Family] = {}
+        self._ids = itertools.count()
+        self._last_step = (0, 0)
+        self.num_steps = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    def _num_blocks(self, cc: CacheConfig, sc: SchedulerConfig) -> int:
+        if cc.num_gpu_blocks is not None:
+            return cc.num_gpu_blocks
+        block_bytes = self.bytes_per_token * self.block_size
+        if cc.kv_cache_memory is not None:
+            n = int(cc.kv_cache_memory // block_bytes)
+            if n < 1:
+                raise ConfigError(
+                    f"kv_cache_memory: {cc.kv_cache_memory} bytes holds no block of "
+                    f"{int(block_bytes)} bytes; give at least that much"
+                )
+            return n
+        # Default: enough for max_num_seqs full-length sequences, capped at 4 GiB.
+        want = sc.max_num_seqs * cdiv(self.max_model_len, self.block_size)
+        return max(1, min(want, int(DEFAULT_KV_CACHE_MEMORY // block_bytes)))
+
+    # -- requests -----------------------------------------------------------------------
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
+        salt = None
+        if isinstance(prompt, dict):
+            salt = prompt.get("cache_salt")
+            if salt is not None and not isinstance(salt, str):
+                raise InvalidRequestError("cache_salt: must be a string", "cache_salt")
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise InvalidRequestError(
+                    "prompt: a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt"
+                )
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt: must not be empty", "prompt")
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    "prompt: this model has no tokenizer.json; send token ids", "prompt"
+                )
+            return prompt, self.tokenizer.encode(prompt), salt
+        if isinstance(prompt, list | tuple):
+            ids = list(prompt)
+            if not ids:
+                raise InvalidRequestError("prompt: must not be empty", "prompt")
+            v = self.model_config.vocab_size
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < v:
+                    raise InvalidRequestError(
+                        f"prompt_token_ids: token id {t!r} is out of range [0, {v})",
+                        "prompt_token_ids",
+                    )
+            return None, ids, salt
+        raise InvalidRequestError(
+            f"prompt: must be a string, a list of token ids or a prompt dict, "
+            f"got {type(prompt).__name__}",
+            "prompt",
+        )
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        stream: bool = False,
+    ) -> str:
+        """Validate and queue a request; raises :class:`InvalidRequestError` (nothing queued)."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(
+                "sampling_params: must be a SamplingParams", "sampling_params"
+            )
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self._families:
+            raise InvalidRequestError(
+                f"request_id: {request_id!r} is already running", "request_id"
+            )
+        text, ids, salt = self._tokenize(prompt)
+        n_prompt = len(ids)
+        if n_prompt >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt: {n_prompt} tokens; the prompt must be shorter than max_model_len "
+                f"({self.max_model_len}) to leave room for output",
+                "prompt",
+            )
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - n_prompt
+        if n_prompt + max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"max_tokens: prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len}); allowed max_tokens <= "
+                f"{self.max_model_len - n_prompt}",
+                "max_tokens",
+            )
+        need = cdiv(n_prompt + max_tokens, self.block_size)
+        if need > self.num_blocks:
+            raise InvalidRequestError(
+                f"max_tokens: prompt + max_tokens needs {need} KV blocks but the whole pool has "
+                f"{self.num_blocks}; lower max_tokens or give a larger kv_cache_memory",
+                "max_tokens",
+            )
+        family = _Family(request_id, text, ids, params, stream)
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            # As vLLM: sample i of a seeded request uses seed + i, so samples differ.
+            child_params = (
+                params if params.seed is None or i == 0 else params.clone(seed=params.seed + i)
+            )
+            req = Request(
+                child_id,
+                ids,
+                child_params,
+                max_tokens,
+                self.eos_token_ids,
+                prompt=text,
+                cache_salt=salt,
+                arrival_time=arrival_time,
+                parent_id=request_id,
+                index=i,
+            )
+            if self.tokenizer is not None:
+                req.detokenizer = IncrementalDetokenizer(
+                    self.tokenizer, ids, params.skip_special_tokens
+                )
+            family.children.append(req)
+            self.requests[child_id] = req
+        self._families[request_id] = family
+        # Siblings wait for the first child's prefill and then share its blocks (fork).
+        self.scheduler.add_request(family.children[0])
+        family.pending_forks = family.children[1:]
+        return request_id
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> None:
+        """Stop requests now and free their blocks; unknown ids are ignored."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            family = self._families.pop(rid, None)
+            if family is None:
+                continue
+            for child in family.children:
+                if not child.is_finished:
+                    self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
+                self.requests.pop(child.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._families)
+
+    # -- the step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        self._last_step = (sched.num_prefill_tokens, sched.num_decode_tokens)
+        if not sched.scheduled:
+            return []
+        self.num_steps += 1
+        sampling, out = self.runner.execute(sched)
+        now = time.monotonic()
+        for s in sched.scheduled:
+            r = s.request
+            if r.num_computed_tokens < r.num_prompt_tokens:
+                self.prompt_tokens_total += min(
+                    s.num_new_tokens, r.num_prompt_tokens - r.num_computed_tokens
+                )
+            r.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_computed_blocks(r)
+
+        touched: dict[str, _Family] = {}
+        finished: list[Request] = []
+        if out is not None:
+            for i, s in enumerate(sampling):
+                r = s.request
+                token = out.token_ids[i]
+                r.all_token_ids.append(token)
+                self.generation_tokens_total += 1
+                if r.output_logprobs is not None and out.logprobs[i] is not None:
+                    r.output_logprobs.append(out.logprobs[i])
+                if out.sampled_logprobs is not None:
+                    r.cumulative_logprob += out.sampled_logprobs[i]
+                if r.metrics.first_token_time is None:
+                    r.metrics.first_token_time = now
+                r.metrics.token_times.append(now)
+                family = self._families[r.parent_id]
+                if family.pending_forks and r is family.children[0]:
+                    self._fork(r, family)
+                if self._check_stop(r, token, family.stream):
+                    finished.append(r)
+                touched[family.request_id] = family
+        for r in finished:
+            r.metrics.finished_time = now
+            self.scheduler.finish(r, r.status)
+        return [o for f in touched.values() if (o := self._output(f)) is not None]
+
+    def _fork(self, first: Request, family: _Family) -> None:
+        """Give each waiting sibling the first child's prompt blocks; each recomputes only the
+        last prompt token (into a private copy of the shared block) to draw its own token."""
+        for sib in family.pending_forks:
+            self.kv.fork(first, sib)
+            sib.num_computed_tokens = sib.num_prompt_tokens - 1
+            sib.num_cached_tokens = first.num_cached_tokens
+            self.scheduler.waiting.appendleft(sib)
+        family.pending_forks = []
+
+    def _check_stop(self, r: Request, token: int, stream: bool) -> bool:
+        p = r.sampling_params
+        n_out = r.num_output_tokens
+        text_needed = stream or bool(p.stop)
+        if text_needed and r.detokenizer is not None:
+            before = len(r.detokenizer.text)
+            r.detokenizer.update(r.output_token_ids)
+            if p.stop and n_out >= p.min_tokens:
+                text = r.detokenizer.text
+                start = max(0, before - max(len(s) for s in p.stop) + 1)
+                hits = [(i, s) for s in p.stop if (i := text.find(s, start)) >= 0]
+                if hits:
+                    idx, stop = min(hits)
+                    end = idx + len(stop) if p.include_stop_str_in_output else idx
+                    r.detokenizer.text = text[:end]
+                    r.stop_reason = stop
+                    r.status = RequestStatus.FINISHED_STOPPED
+                    return True
+        if n_out >= p.min_tokens:
+            if token in r.eos_token_ids:
+                r.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if p.stop_token_ids and token in p.stop_token_ids:
+                r.stop_reason = token
+                r.status = RequestStatus.FINISHED_STOPPED
+                return True
+        if n_out >= r.max_tokens or r.num_tokens >= self.max_model_len:
+            r.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    def _output(self, family: _Family) -> RequestOutput | None:
+        done = all(c.is_finished for c in family.children)
+        if not family.stream and not done:
+            return None
+        outputs = []
+        for c in family.children:
+            if c.detokenizer is not None:
+                c.detokenizer.update(c.output_token_ids, final=c.is_finished)
+            text = c.detokenizer.text if c.detokenizer is not None else ""
+            ids = c.output_token_ids
+            lps = c.output_logprobs
+            if family.stream:
+                sent_t, sent_i = family.sent.get(c.index, (0, 0))
+                if sent_i == len(ids) and not (c.is_finished and c.index not in family.closed):
+                    continue
+                family.sent[c.index] = (len(text), len(ids))
+                text, ids = text[sent_t:], ids[sent_i:]
+                lps = lps[sent_i:] if lps is not None else None
+                if c.is_finished:
+                    family.closed.add(c.index)
+            outputs.append(
+                CompletionOutput(
+                    index=c.index,
+                    text=text,
+                    token_ids=list(ids),
+                    cumulative_logprob=c.cumulative_logprob if lps is not None else None,
+                    logprobs=lps,
+                    finish_reason=c.status.value if c.is_finished else None,
+                    stop_reason=c.stop_reason,
+                )
+            )
+        first = family.children[0]
+        if done:
+            self._families.pop(family.request_id, None)
+            for c in family.children:
+                self.requests.pop(c.request_id, None)
+        return RequestOutput(
+            request_id=family.request_id,
+            prompt=family.prompt,
+            prompt_token_ids=family.prompt_token_ids,
+            outputs=outputs,
+            finished=done,
+            metrics=first.metrics,
+            num_cached_tokens=max(first.num_cached_tokens, 0),
+        )
+
+    # -- observability -------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        pool = self.kv.pool
+        held_waste = 0
+        for rid, blocks in self.kv.req_blocks.items():
+            r = self.requests.get(rid)
+            if r is not None and r.status == RequestStatus.RUNNING:
+                held_waste += len(blocks) * self.block_size - r.num_computed_tokens
+        allocated = pool.num_used_blocks * self.block_size
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_used=pool.num_used_blocks,
+            kv_blocks_total=pool.num_blocks,
+            kv_cached_free_blocks=pool.num_cached_free,
+            token_slots_held=max(0, allocated - held_waste),
+            token_slots_allocated=allocated,
+            num_preemptions=self.scheduler.num_preemptions,
+            step_prefill_tokens=self._last_step[0],
+            step_decode_tokens=self._last_step[1],
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            prefix_cache_queries=self.kv.stats.queries,
+            prefix_cache_hits=self.kv.stats.hits,
+            prefix_cache_evictions=pool.num_evictions,
+            num_steps=self.num_steps,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
+
+
+class _Family:
+    """A user request and its ``n`` sampled sequences (children)."""
+
+    __slots__ = (
+        "request_id",
+        "prompt",
+        "prompt_token_ids",
+        "params",
+        "stream",
+        "children",
+        "pending_forks",
+        "sent",
+        "closed",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        ids: list[int],
+        params: SamplingParams,
+        stream: bool,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = ids
+        self.params = params
+        self.stream = stream
+        self.children: list[Request] = []
+        self.pending_forks: list[Request] = []
+        self.sent: dict[int, tuple[int, int]] = {}
+        self.closed: set[int] = set()
+
+
+class LLM:
+    """Offline batched generation, vLLM-style: ``LLM(model=DIR).generate(prompts, params)``."""
+
+    def __init__(
+        self,
+        model: str,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        num_gpu_blocks: int | None = None,
+        kv_cache_memory: int | str | None = None,
+        kv_cache_dtype: str = "auto",
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        scheduling_policy: str = "fcfs",
+        seed: int = 0,
+        device: str = "cpu",
+        calculate_kv_scales: bool = False,
+    ) -> None:
+        config = EngineConfig(
+            model=str(model),
+            tokenizer=tokenizer,
+            dtype=dtype,
+            device=device,
+            seed=seed,
+            cache=CacheConfig(
+                block_size=block_size,
+                num_gpu_blocks=num_gpu_blocks,
+                kv_cache_memory=kv_cache_memory,
+                kv_cache_dtype=kv_cache_dtype,
+                enable_prefix_caching=enable_prefix_caching,
+                calculate_kv_scales=calculate_kv_scales,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=enable_chunked_prefill,
+                scheduling_policy=scheduling_policy,
+            ),
+        )
+        self.engine = LLMEngine(config)
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; returns one output per prompt, in order. A prompt that
+        fails validation raises before any is queued, so nothing is half-submitted."""
+        if isinstance(prompts, str | dict) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            params = [SamplingParams()] * len(prompts)
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise InvalidRequestError(
+                    f"sampling_params: {len(params)} given for {len(prompts)} prompts",
+                    "sampling_params",
+                )
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                ids.append(self.engine.add_request(None, prompt, p))
+        except Exception:
+            self.engine.abort_request(ids)
+            raise
+        results: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+        return [results[i] for i in ids]
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | None = None,
+    ) -> list[RequestOutput]:
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise InvalidRequestError("messages: this model has no tokenizer", "messages")
+        convs = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [{"prompt_token_ids": tok.encode_chat(m)} for m in convs]  # type: ignore[arg-type]
+        return self.generate(prompts, sampling_params)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()

@@ -1,0 +1,1 @@
+"""The paged KV cache: block pool, manager, block hashing and storage formats."""

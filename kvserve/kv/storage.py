@@ -1,0 +1,82 @@
+"""Where K/V bytes live: per-layer tensors indexed by (block, offset in block).
+
+The storage is the seam between the paged cache and its storage format. The model writes new
+K/V through :meth:`KVStorage.write` and reads whole blocks back, in the compute dtype, through
+:meth:`KVStorage.gather`. Quantized formats subclass it: a block then holds codes plus its own
+scales, and ``bytes_per_token`` counts both, so the pool size follows from the real bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+TORCH_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+class KVStorage:
+    """Full-precision paged K/V: ``[num_blocks, block_size, kv_heads, head_dim]`` per layer."""
+
+    format_name = "dense"
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        # Zero-filled: padded block-table entries point at real blocks whose values are masked
+        # out, and masked values must be finite (0 * NaN would poison the weighted sum).
+        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+
+    @classmethod
+    def bytes_per_token(
+        cls, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> float:
+        """K and V bytes one token occupies across all layers (metadata included)."""
+        return (
+            2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        )
+
+    def write(
+        self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Store new tokens' K/V (``[T, kv_heads, head_dim]``) at flat slot indices."""
+        flat = (-1, self.num_kv_heads, self.head_dim)
+        self.k[layer].view(flat).index_copy_(0, slot_mapping, k.to(self.dtype))
+        self.v[layer].view(flat).index_copy_(0, slot_mapping, v.to(self.dtype))
+
+    def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of whole blocks, ``[B, num_blocks_per_seq * block_size, kv_heads, head_dim]``."""
+        b, n = block_tables.shape
+        shape = (b, n * self.block_size, self.num_kv_heads, self.head_dim)
+        return self.k[layer][block_tables].view(shape), self.v[layer][block_tables].view(shape)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (copy-on-write of a shared partial block)."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        for layer in range(self.num_layers):
+            self.k[layer][dst] = self.k[layer][src]
+            self.v[layer][dst] = self.v[layer][src]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)

@@ -1,0 +1,1 @@
+"""Model code: the Llama-family network, paged attention, loading, tokenizer, sampler."""

@@ -1,0 +1,147 @@
+"""Paged attention over one flat "varlen" batch, in plain PyTorch.
+
+The runner orders the flat batch as ``[decode tokens | prefill chunk 1 | prefill chunk 2 ...]``.
+Decode tokens (one query each) are attended in a single fused call: each sequence's blocks are
+gathered by its block table into a padded batch and a length mask hides the padding. GQA needs
+no K/V repetition there: the ``G`` query heads that share a KV head become the query-length
+axis of that head. Each prefill chunk is attended on its own, against the fresh K/V when it
+starts the sequence (the common case: causal, no gather) or against its gathered blocks when it
+continues a cached prefix or an earlier chunk.
+
+Masks depend only on the batch layout, so they are built once per step and shared by layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.kv.storage import KVStorage
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    q_start: int  # offset in the flat batch
+    q_len: int
+    ctx_len: int  # tokens of this sequence already in the cache before the chunk
+    block_table: torch.Tensor | None  # [num_blocks] when ctx_len > 0
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] flat slot index of each new token
+    block_size: int
+    num_decode: int = 0
+    decode_block_tables: torch.Tensor | None = None  # [Bd, max_blocks]
+    decode_seq_lens: torch.Tensor | None = None  # [Bd] tokens incl. the new one
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    _masks: dict = field(default_factory=dict)
+
+    def decode_mask(self, window: int | None) -> torch.Tensor:
+        """[Bd, 1, 1, S]: key j is visible iff j < seq_len (and inside the window)."""
+        key = ("decode", window)
+        mask = self._masks.get(key)
+        if mask is None:
+            assert self.decode_block_tables is not None and self.decode_seq_lens is not None
+            s = self.decode_block_tables.shape[1] * self.block_size
+            j = torch.arange(s, device=self.decode_seq_lens.device)
+            lens = self.decode_seq_lens[:, None]
+            mask = j[None, :] < lens
+            if window is not None:
+                mask &= j[None, :] >= lens - window
+            mask = mask[:, None, None, :]
+            self._masks[key] = mask
+        return mask
+
+    def prefill_mask(self, i: int, window: int | None, num_keys: int) -> torch.Tensor | None:
+        """[q_len, num_keys] causal mask offset by the cached context; None = plain causal."""
+        p = self.prefills[i]
+        if p.ctx_len == 0 and (window is None or window >= p.q_len):
+            return None
+        key = (i, window)
+        mask = self._masks.get(key)
+        if mask is None:
+            dev = self.slot_mapping.device
+            qpos = p.ctx_len + torch.arange(p.q_len, device=dev)[:, None]
+            kpos = torch.arange(num_keys, device=dev)[None, :]
+            mask = kpos <= qpos
+            if window is not None:
+                mask &= kpos > qpos - window
+            self._masks[key] = mask
+        return mask
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    storage: KVStorage,
+    meta: AttentionMetadata,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Write this step's K/V into the cache, then attend. q: [T, H, D]; k, v: [T, KVH, D]."""
+    storage.write(layer, meta.slot_mapping, k, v)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+
+    nd = meta.num_decode
+    if nd:
+        assert meta.decode_block_tables is not None
+        kc, vc = storage.gather(layer, meta.decode_block_tables)  # [Bd, S, KVH, D]
+        qd = q[:nd].view(nd, num_kv_heads, group, head_dim)
+        od = F.scaled_dot_product_attention(
+            qd,
+            kc.transpose(1, 2),
+            vc.transpose(1, 2),
+            attn_mask=meta.decode_mask(window),
+        )
+        out[:nd] = od.reshape(nd, num_heads, head_dim)
+
+    for i, p in enumerate(meta.prefills):
+        sl = slice(p.q_start, p.q_start + p.q_len)
+        qp = q[sl].transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
+        if p.ctx_len == 0:
+            kp, vp = k[sl], v[sl]
+            num_keys = p.q_len
+        else:
+            assert p.block_table is not None
+            num_keys = p.ctx_len + p.q_len
+            kc, vc = storage.gather(layer, p.block_table[None])
+            kp, vp = kc[0, :num_keys], vc[0, :num_keys]
+        mask = meta.prefill_mask(i, window, num_keys)
+        op = F.scaled_dot_product_attention(
+            qp,
+            kp.transpose(0, 1).unsqueeze(0),
+            vp.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            is_causal=mask is None,
+            enable_gqa=group > 1,
+        )
+        out[sl] = op[0].transpose(0, 1)
+    return out
+
+
+def reference_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    q_positions: torch.Tensor,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Naive causal attention of one sequence for tests: q [L, H, D], keys/values [S, KVH, D]
+    holding positions 0..S-1."""
+    num_heads, num_kv = q.shape[1], keys.shape[1]
+    kr = keys.repeat_interleave(num_heads // num_kv, dim=1)
+    vr = values.repeat_interleave(num_heads // num_kv, dim=1)
+    scores = torch.einsum("lhd,shd->hls", q.float(), kr.float()) / q.shape[-1] ** 0.5
+    kpos = torch.arange(keys.shape[0])[None, :]
+    allowed = kpos <= q_positions[:, None]
+    if window is not None:
+        allowed &= kpos > q_positions[:, None] - window
+    scores = scores.masked_fill(~allowed[None], float("-inf"))
+    return torch.einsum("hls,shd->lhd", scores.softmax(-1), vr.float()).to(q.dtype)

@@ -1,0 +1,149 @@
+"""The Llama family (Llama, Qwen2 with qkv bias, Mistral with sliding windows) over a flat batch.
+
+The network sees one flat batch of tokens (``[T]`` ids and positions) from many sequences; only
+attention knows about sequences, through :class:`AttentionMetadata`. Q/K/V and gate/up
+projections are fused into one matmul each at load time. Keys are stored after rotary
+embedding, as transformers does, so cached K/V equal the reference's bit for bit in float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.config import ModelConfig
+from kvserve.kv.storage import KVStorage
+from kvserve.model.attention import AttentionMetadata, paged_attention
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies with the checkpoint's rope scaling (default, linear, llama3)."""
+    dim = int(cfg.head_dim * cfg.partial_rotary_factor)
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    sc = cfg.rope_scaling
+    if not sc:
+        return inv
+    factor = float(sc.get("factor", 1.0))
+    if sc["rope_type"] == "linear":
+        return inv / factor
+    # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth ramp between.
+    low, high = float(sc.get("low_freq_factor", 1.0)), float(sc.get("high_freq_factor", 4.0))
+    old_len = float(sc.get("original_max_position_embeddings", cfg.max_position_embeddings))
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device) -> None:
+        super().__init__()
+        inv = rope_inv_freq(cfg).to(device)
+        t = torch.arange(max_positions, device=device, dtype=torch.int64).float()
+        freqs = torch.outer(t, inv)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.rot_dim = emb.shape[-1]
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].to(q.dtype)[:, None, :]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return _apply_rotary(q, cos, sin, self.rot_dim), _apply_rotary(k, cos, sin, self.rot_dim)
+
+
+def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) -> torch.Tensor:
+    if rot < x.shape[-1]:
+        x_rot, x_pass = x[..., :rot], x[..., rot:]
+        return torch.cat((_apply_rotary(x_rot, cos, sin, rot), x_pass), dim=-1)
+    half = rot // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.window = cfg.layer_windows[layer_idx]
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_size, self.kv_size = q, kv
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        storage: KVStorage,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(self.input_layernorm(x))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        attn = paged_attention(q, k, v, self.layer_idx, storage, meta, self.window)
+        h = x + self.o_proj(attn.reshape(t, self.q_size))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
+        return h + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Qwen2 / Mistral decoder over a flat batch of tokens with a paged KV cache."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg, max_positions, device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        storage: KVStorage,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` (normed); logits come from :meth:`logits`."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rotary, storage, meta)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

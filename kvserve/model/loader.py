@@ -1,0 +1,121 @@
+"""Load a Hugging Face checkpoint directory (single or sharded safetensors) into our model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kvserve.config import ConfigError, ModelConfig
+from kvserve.kv.storage import TORCH_DTYPES
+from kvserve.model.llama import LlamaForCausalLM, RotaryEmbedding
+
+
+class ModelLoadError(ValueError):
+    """The checkpoint is missing a file or a tensor, or a tensor has the wrong shape."""
+
+
+def resolve_dtype(dtype: str, cfg: ModelConfig) -> torch.dtype:
+    """``auto`` follows the checkpoint's ``torch_dtype`` (float32 when it names none)."""
+    if dtype == "auto":
+        return TORCH_DTYPES.get(cfg.torch_dtype, torch.float32)
+    if dtype not in TORCH_DTYPES:
+        raise ConfigError(f"dtype: must be one of auto, {', '.join(TORCH_DTYPES)}, got {dtype!r}")
+    return TORCH_DTYPES[dtype]
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        files = [model_dir / s for s in shards]
+        missing = [str(p) for p in files if not p.exists()]
+        if missing:
+            raise ModelLoadError(f"model: missing weight shard(s): {', '.join(missing)}")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.exists():
+        return [single]
+    raise ModelLoadError(
+        f"model: no weights in {model_dir} (expected model.safetensors or "
+        "model.safetensors.index.json; .bin checkpoints are not supported)"
+    )
+
+
+def _read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def load_model(
+    model_dir: str | Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+) -> LlamaForCausalLM:
+    model_dir = Path(model_dir)
+    tensors = _read_tensors(weight_files(model_dir))
+
+    def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = tensors.get(name)
+        if t is None:
+            raise ModelLoadError(f"model: missing tensor {name!r} in {model_dir}")
+        if tuple(t.shape) != shape:
+            raise ModelLoadError(
+                f"model: tensor {name!r} has shape {tuple(t.shape)}, expected {shape}"
+            )
+        return t
+
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    state: dict[str, torch.Tensor] = {
+        "embed_tokens.weight": take("model.embed_tokens.weight", (cfg.vocab_size, h)),
+        "norm.weight": take("model.norm.weight", (h,)),
+    }
+    if cfg.tie_word_embeddings:
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    else:
+        state["lm_head.weight"] = take("lm_head.weight", (cfg.vocab_size, h))
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        state[f"layers.{i}.qkv_proj.weight"] = torch.cat(
+            [take(a + "q_proj.weight", (q, h)), take(a + "k_proj.weight", (kv, h)),
+             take(a + "v_proj.weight", (kv, h))]
+        )  # fmt: skip
+        if cfg.attention_bias:
+            state[f"layers.{i}.qkv_proj.bias"] = torch.cat(
+                [take(a + "q_proj.bias", (q,)), take(a + "k_proj.bias", (kv,)),
+                 take(a + "v_proj.bias", (kv,))]
+            )  # fmt: skip
+        state[f"layers.{i}.o_proj.weight"] = take(a + "o_proj.weight", (h, q))
+        state[f"layers.{i}.gate_up_proj.weight"] = torch.cat(
+            [
+                take(p + "mlp.gate_proj.weight", (inter, h)),
+                take(p + "mlp.up_proj.weight", (inter, h)),
+            ]
+        )
+        state[f"layers.{i}.down_proj.weight"] = take(p + "mlp.down_proj.weight", (h, inter))
+        state[f"layers.{i}.input_layernorm.weight"] = take(p + "input_layernorm.weight", (h,))
+        state[f"layers.{i}.post_attention_layernorm.weight"] = take(
+            p + "post_attention_layernorm.weight", (h,)
+        )
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, max_positions, torch.device("meta"))
+    model = model.to_empty(device=device)
+    tied = state["lm_head.weight"] is state["embed_tokens.weight"]
+    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    if tied:
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    model.rotary = RotaryEmbedding(cfg, max_positions, device)
+    return model.eval().requires_grad_(False)

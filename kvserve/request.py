@@ -1,0 +1,290 @@
+"""Requests, sampling parameters and the outputs the engine streams back (vLLM-shaped)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class InvalidRequestError(ValueError):
+    """A request field is out of range; the message names the field and its allowed values."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def _bad(field: str, message: str) -> InvalidRequestError:
+    return InvalidRequestError(f"{field}: {message}", field=field)
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop; the fields and defaults follow vLLM."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    MAX_LOGPROBS = 20
+
+    def __post_init__(self) -> None:
+        def number(name: str) -> float:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                raise _bad(name, f"must be a number, got {v!r}")
+            if v != v or v in (float("inf"), float("-inf")):
+                raise _bad(name, f"must be finite, got {v!r}")
+            return float(v)
+
+        def integer(name: str) -> int:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise _bad(name, f"must be an integer, got {v!r}")
+            return v
+
+        if integer("n") < 1 or self.n > 128:
+            raise _bad("n", f"must be in [1, 128], got {self.n}")
+        if number("temperature") < 0:
+            raise _bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 < number("top_p") <= 1:
+            raise _bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if integer("top_k") < -1 or self.top_k == 0:
+            raise _bad("top_k", f"must be -1 (disabled) or >= 1, got {self.top_k}")
+        if not 0 <= number("min_p") <= 1:
+            raise _bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= number(name) <= 2:
+                raise _bad(name, f"must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < number("repetition_penalty") <= 2:
+            raise _bad("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
+        if self.seed is not None:
+            integer("seed")
+        if self.max_tokens is not None and integer("max_tokens") < 1:
+            raise _bad("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if integer("min_tokens") < 0:
+            raise _bad("min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise _bad(
+                "min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        if self.logprobs is not None and not 0 <= integer("logprobs") <= self.MAX_LOGPROBS:
+            raise _bad("logprobs", f"must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None:
+            if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+                raise _bad("stop", "must be a string or a list of strings")
+            if any(s == "" for s in self.stop):
+                raise _bad("stop", "stop strings must be non-empty")
+            if len(self.stop) > 16:
+                raise _bad("stop", f"at most 16 stop strings, got {len(self.stop)}")
+        if self.stop_token_ids is not None and not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise _bad("stop_token_ids", "must be a list of non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def clone(self, **changes: Any) -> SamplingParams:
+        values = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        values.update(changes)
+        return SamplingParams(**values)
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Wall-clock times (``time.monotonic()``) of a request's life."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+
+class Request:
+    """One sequence being generated: its tokens, progress and sampling state.
+
+    ``num_computed_tokens`` counts tokens whose K/V sit in the cache; the scheduler hands the
+    model ``all_token_ids[num_computed_tokens:]`` (bounded by the budget), which is the whole
+    prompt chunk by chunk during prefill and the single newest token during decode.
+    """
+
+    __slots__ = (
+        "request_id",
+        "prompt",
+        "prompt_token_ids",
+        "all_token_ids",
+        "sampling_params",
+        "max_tokens",
+        "eos_token_ids",
+        "cache_salt",
+        "arrival_time",
+        "status",
+        "num_computed_tokens",
+        "num_cached_tokens",
+        "num_preemptions",
+        "block_hashes",
+        "output_logprobs",
+        "cumulative_logprob",
+        "stop_reason",
+        "metrics",
+        "generator",
+        "detokenizer",
+        "output_text",
+        "lpm_skips",
+        "parent_id",
+        "index",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        max_tokens: int,
+        eos_token_ids: tuple[int, ...] = (),
+        prompt: str | None = None,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+        parent_id: str | None = None,
+        index: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.all_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.max_tokens = max_tokens
+        self.eos_token_ids = () if sampling_params.ignore_eos else tuple(eos_token_ids)
+        self.cache_salt = cache_salt
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # set at first scheduling
+        self.num_preemptions = 0
+        self.block_hashes: list[bytes] = []
+        self.output_logprobs: list[dict[int, float]] | None = (
+            [] if sampling_params.logprobs is not None else None
+        )
+        self.cumulative_logprob = 0.0
+        self.stop_reason: int | str | None = None
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        self.generator: Any = None
+        self.detokenizer: Any = None
+        self.output_text = ""
+        self.lpm_skips = 0
+        self.parent_id = parent_id
+        self.index = index
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.value}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens})"
+        )
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One sampled sequence of a request (``n`` of them when ``SamplingParams.n > 1``)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What the engine returns for a request after a step (streamed) or at the end."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0

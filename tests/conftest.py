@@ -1,0 +1,78 @@
+"""Shared fixtures: tiny seeded checkpoints and an engine factory that checks block
+conservation after every test that uses it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvserve.model.synthetic import make_random_checkpoint
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+# name -> make_random_checkpoint kwargs
+CHECKPOINTS = {
+    "llama_gqa": dict(arch="llama", num_heads=4, num_kv_heads=2, seed=1),
+    "llama_mha": dict(arch="llama", num_heads=4, num_kv_heads=4, seed=2, tie_word_embeddings=True),
+    "llama_mqa": dict(arch="llama", num_heads=4, num_kv_heads=1, seed=3),
+    "llama3_rope": dict(
+        arch="llama",
+        seed=4,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    ),
+    "llama_linear_rope": dict(
+        arch="llama", seed=5, rope_scaling={"rope_type": "linear", "factor": 2.0}
+    ),
+    "qwen2": dict(arch="qwen2", num_heads=4, num_kv_heads=2, seed=6, rope_theta=1e6),
+    "mistral_swa": dict(arch="mistral", num_heads=4, num_kv_heads=2, seed=7, sliding_window=24),
+}
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """checkpoint(name) -> path of a tiny HF-format checkpoint, built once per session."""
+    cache: dict[str, str] = {}
+
+    def get(name: str, **overrides) -> str:
+        key = name + repr(sorted(overrides.items()))
+        if key not in cache:
+            kwargs = {**CHECKPOINTS[name], **overrides}
+            path = tmp_path_factory.mktemp(name)
+            cache[key] = str(make_random_checkpoint(path, **kwargs))
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture
+def make_llm():
+    """Build LLM instances; after the test, every engine must hold no blocks and keep its
+    pool invariants (free + cached-free + in-use = total, ref counts match tables)."""
+    from kvserve import LLM
+
+    engines = []
+
+    def build(model: str, **kwargs):
+        llm = LLM(model, **kwargs)
+        engines.append(llm.engine)
+        return llm
+
+    yield build
+    for engine in engines:
+        engine.kv.check_invariants()
+        if not engine.has_unfinished_requests():
+            assert engine.kv.pool.num_used_blocks == 0, "blocks leaked after all requests ended"
+
+
+def prompts_of_lengths(lengths, vocab=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
