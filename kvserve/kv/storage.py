@@ -17,6 +17,18 @@ TORCH_DTYPES = {
 }
 
 
+def kv_bytes_per_token(
+    kv_cache_dtype: str, num_layers: int, num_kv_heads: int, head_dim: int, model_dtype: str
+) -> float:
+    """Bytes one token's K and V occupy across all layers in the given storage format,
+    metadata (scales, zero points) included. The engine sizes its pool with this figure and
+    ``kvserve plan`` reports it, so the two always agree. ``auto`` follows the model dtype."""
+    name = model_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+    if name not in TORCH_DTYPES:
+        raise NotImplementedError(f"kv_cache_dtype: {kv_cache_dtype!r} is not implemented yet")
+    return KVStorage.bytes_per_token(num_layers, num_kv_heads, head_dim, TORCH_DTYPES[name])
+
+
 class KVStorage:
     """Full-precision paged K/V: ``[num_blocks, block_size, kv_heads, head_dim]`` per layer."""
 
