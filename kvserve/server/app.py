@@ -1,0 +1,263 @@
+"""The FastAPI app, its error handling, and the uvicorn runner behind ``kvserve serve``.
+
+Bodies are parsed by hand (bytes -> UTF-8 -> JSON -> pydantic) rather than by FastAPI's
+dependency machinery so that every failure, including invalid UTF-8 and malformed JSON, comes
+back as a 400 in OpenAI's error shape naming the field, never as FastAPI's 422 format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import socket
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvserve.engine import LLMEngine
+from kvserve.server.args import DEFAULT_MAX_BODY_BYTES
+from kvserve.server.engine_loop import EngineLoop
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    api_error_from_validation,
+    bad_request,
+)
+from kvserve.server.serving import ServerState, create_chat_completion, create_completion
+from kvserve.server.tenants import TenantResolver
+
+log = logging.getLogger("kvserve.server")
+
+
+class _BodyTooLarge(APIError):
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"body: the request body exceeds {limit} bytes", param="body")
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over ``max_bytes``: at once from Content-Length, or while reading a
+    chunked body, so an oversized upload is never buffered whole."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            err = _BodyTooLarge(self.max_bytes)
+            return await JSONResponse(err.body(), 413, headers={"Connection": "close"})(
+                scope, receive, send
+            )
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _BodyTooLarge(self.max_bytes)
+            return msg
+
+        await self.app(scope, limited, send)
+
+
+def _error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> Any:
+    raw = await request.body()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad_request("body", f"is not valid UTF-8 (byte {e.start})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise bad_request("body", f"is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise bad_request("body", f"must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise api_error_from_validation(e) from None
+
+
+def build_app(state: ServerState) -> FastAPI:
+    """The app for one engine loop. The loop starts with the app (lifespan) and stops after
+    uvicorn has drained connections, aborting whatever is still in flight."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.loop.start()
+        yield
+        state.draining = True
+        await asyncio.to_thread(state.loop.shutdown)
+
+    app = FastAPI(title="kvserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.kvserve = state
+    app.add_middleware(BodyLimitMiddleware, max_bytes=state.max_body_bytes)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        msg = f"{request.method} {request.url.path}: {exc.detail}"
+        return _error_response(APIError(exc.status_code, msg, headers=exc.headers))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error in %s", request.url.path)
+        return _error_response(APIError(500, f"internal error: {type(exc).__name__}"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.draining or not state.loop.alive:
+            reason = state.loop.error or "the server is shutting down"
+            return _error_response(APIError(503, reason))
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        state.tenants.authenticate(request.headers.get("authorization"))
+        data = [{"id": name, "object": "model", "created": state.created, "owned_by": "kvserve",
+                 "max_model_len": state.max_model_len} for name in state.model_names]  # fmt: skip
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        tenant = state.tenants.authenticate(request.headers.get("authorization"))
+        req = await _parse(request, CompletionRequest)
+        return await create_completion(state, req, tenant, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        tenant = state.tenants.authenticate(request.headers.get("authorization"))
+        req = await _parse(request, ChatCompletionRequest)
+        return await create_chat_completion(state, req, tenant, request)
+
+    return app
+
+
+def build_state(
+    engine: LLMEngine,
+    model_names: list[str],
+    tenants: TenantResolver | None = None,
+    max_queue: int | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> ServerState:
+    """Wire an engine to a server: metrics, the engine loop (not started yet), tenants."""
+    holder: list[EngineLoop] = []
+    cache_info = {
+        "block_size": str(engine.block_size),
+        "kv_cache_dtype": engine.kv_cache_dtype,
+        "num_gpu_blocks": str(engine.num_blocks),
+        "enable_prefix_caching": str(engine.config.cache.enable_prefix_caching),
+        "max_model_len": str(engine.max_model_len),
+    }
+    metrics = ServerMetrics(lambda: holder[0].stats if holder else None, cache_info)
+    loop = EngineLoop(engine, max_queue=max_queue, metrics=metrics)
+    holder.append(loop)
+    return ServerState(
+        loop=loop,
+        tenants=tenants or TenantResolver(),
+        metrics=metrics,
+        model_names=model_names,
+        tokenizer=engine.tokenizer,
+        max_model_len=engine.max_model_len,
+        max_body_bytes=max_body_bytes,
+    )
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, plus: on SIGTERM/SIGINT mark the app draining (503 for new work,
+    /health fails so a load balancer stops sending) before uvicorn drains connections."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.kvserve_state = state
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.kvserve_state.draining = True
+        super().handle_exit(sig, frame)
+
+
+class BackgroundServer:
+    """uvicorn on 127.0.0.1 and an ephemeral port in a daemon thread (tests, benchmarks)."""
+
+    def __init__(self, state: ServerState, host: str = "127.0.0.1") -> None:
+        self.state = state
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://{host}:{self.port}"
+        config = uvicorn.Config(build_app(state), log_level="warning", access_log=False,
+                                timeout_graceful_shutdown=5, backlog=1024)  # fmt: skip
+        self.server = _Server(config, state)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)  # fmt: skip
+
+    def __enter__(self) -> BackgroundServer:
+        self.thread.start()
+        for _ in range(1000):
+            if self.server.started:
+                return self
+            if not self.thread.is_alive():
+                raise RuntimeError("the server thread exited during startup")
+            threading.Event().wait(0.01)
+        raise TimeoutError("the server did not start within 10 s")
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """``kvserve serve``: build the engine, serve until SIGTERM/SIGINT, then exit 0."""
+    from kvserve import LLM
+    from kvserve.cli import engine_kwargs
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    kwargs = engine_kwargs(args)
+    tenants = TenantResolver.from_args(args.api_key, args.tenants)
+    engine = LLM(**kwargs).engine
+    names = args.served_model_name or [args.model or Path(kwargs["model"]).name]
+    state = build_state(engine, names, tenants, args.max_queue, args.max_body_bytes)
+    config = uvicorn.Config(
+        build_app(state),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=not args.disable_access_log,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+        backlog=2048,
+    )
+    log.info("serving %s on http://%s:%d (KV blocks %d x %d tokens, %s)", names[0], args.host,
+             args.port, engine.num_blocks, engine.block_size, engine.kv_cache_dtype)  # fmt: skip
+    _Server(config, state).run()
+    return 0

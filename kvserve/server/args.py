@@ -1,0 +1,55 @@
+"""``kvserve serve`` flags. Import-light: building the CLI parser must not import FastAPI."""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+def build_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``serve`` on the ``kvserve`` subparsers: engine flags plus server flags."""
+    from kvserve.cli import add_engine_args  # here, not at import: cli imports this module
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with Prometheus metrics")
+    add_engine_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    g.add_argument(
+        "--tenants",
+        default=None,
+        metavar="FILE",
+        help='JSON {"API_KEY": "tenant"}; each tenant gets its own prefix-cache partition',
+    )
+    g.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="model name(s) clients use (default: the --model argument)",
+    )
+    g.add_argument(
+        "--max-queue",
+        type=int,
+        default=1024,
+        help="sequences admitted beyond --max-num-seqs; more get 429 with Retry-After",
+    )
+    g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    g.add_argument(
+        "--shutdown-timeout",
+        type=int,
+        default=30,
+        help="seconds SIGTERM waits for in-flight requests before aborting them",
+    )
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--disable-access-log", action="store_true")
+    return p
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    if args.max_queue < 0:
+        raise ValueError(f"max_queue: must be >= 0, got {args.max_queue}")
+    from kvserve.server.app import run_server
+
+    return run_server(args)

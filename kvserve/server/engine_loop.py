@@ -1,0 +1,305 @@
+"""The engine loop: one thread owns the :class:`LLMEngine`; coroutines talk to it by queues.
+
+The engine is not thread-safe and ``step()`` is CPU-bound PyTorch work, so it can neither be
+shared nor run on the event loop (that would stall every connection for a whole step). One
+dedicated thread runs ``apply commands -> step -> deliver outputs`` forever:
+
+- HTTP handlers put commands (add, abort, call) on a thread-safe queue and wake the thread;
+  commands are applied *between* steps, so an abort takes effect before the next step and the
+  request's blocks are freed at once.
+- Outputs of a step go back to each request's ``asyncio.Queue`` in one
+  ``call_soon_threadsafe`` per step, not one per token.
+- Admission is decided in this thread too, against the exact count of sequences in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvserve.engine import EngineStats, LLMEngine
+from kvserve.request import InvalidRequestError, Request, RequestOutput, SamplingParams
+
+log = logging.getLogger("kvserve.server")
+
+
+class QueueFullError(Exception):
+    """More sequences in flight than ``max_num_seqs + max_queue``: answer 429."""
+
+
+class EngineUnavailableError(Exception):
+    """The loop is stopping or has died: answer 503."""
+
+
+class _Admitted:
+    pass
+
+
+ADMITTED = _Admitted()
+
+
+@dataclass(slots=True)
+class SubOutput:
+    """An engine output for prompt ``index`` of a (possibly multi-prompt) HTTP request."""
+
+    index: int
+    output: RequestOutput
+
+
+class RequestHandle:
+    """One HTTP request's engine requests (one per prompt) and the queue their outputs come on."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompts: list[dict[str, Any]],
+        params: SamplingParams,
+        stream: bool,
+        arrival_time: float,
+    ) -> None:
+        self.request_id = request_id
+        self.prompts = prompts
+        self.params = params
+        self.stream = stream
+        self.arrival_time = arrival_time
+        self.engine_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.event_loop = asyncio.get_running_loop()
+        self.finished = False  # set by the consumer when every prompt's last output arrived
+        # Owned by the engine thread: the stop-string hold-back state (see _hold_back).
+        self.children: list[list[Request]] = []
+        self.sent: dict[tuple[int, int], int] = {}
+        self.hold = 0
+
+    @property
+    def num_seqs(self) -> int:
+        return self.params.n * len(self.prompts)
+
+    async def outputs(self) -> AsyncIterator[SubOutput]:
+        """Every output until each prompt has finished; raises what the engine thread sent."""
+        remaining = len(self.prompts)
+        while remaining:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.output.finished:
+                remaining -= 1
+        self.finished = True
+
+
+class EngineLoop:
+    """Runs the engine in a background thread. ``max_queue`` bounds the sequences admitted
+    beyond ``max_num_seqs`` (None: unbounded)."""
+
+    def __init__(self, engine: LLMEngine, max_queue: int | None = None, metrics: Any = None):
+        self.engine = engine
+        self.metrics = metrics
+        max_seqs = engine.config.scheduler.max_num_seqs
+        self.capacity = None if max_queue is None else max_seqs + max_queue
+        self.admitted_seqs = 0
+        self.peak_admitted_seqs = 0
+        self.stats: EngineStats = engine.stats()
+        self.error: str | None = None
+        self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._running: dict[str, tuple[RequestHandle, int]] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+
+    # -- called from the event loop -------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread (idempotent: an app may be started after a test did)."""
+        if not self._thread.is_alive() and not self._stopping:
+            self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping and self.error is None
+
+    async def submit(self, handle: RequestHandle) -> None:
+        """Queue a request and wait for the engine thread to admit it. Raises
+        :class:`InvalidRequestError` (400), :class:`QueueFullError` (429) or
+        :class:`EngineUnavailableError` (503); on success outputs follow on ``handle.queue``."""
+        if not self.alive:
+            raise EngineUnavailableError(self.error or "the engine is shutting down")
+        self._send("add", handle)
+        try:
+            first = await handle.queue.get()
+        except asyncio.CancelledError:
+            self.abort(handle)  # FIFO: applied after the add, so nothing is left behind
+            raise
+        if isinstance(first, BaseException):
+            raise first
+
+    def abort(self, handle: RequestHandle) -> None:
+        """Abort whatever of the request is still running, before the next engine step."""
+        if not handle.finished:
+            self._send("abort", handle)
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run ``fn(engine)`` on the engine thread between steps (tests, admin)."""
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._send("call", fn, fut)
+        return await fut
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort what is still in flight and stop the thread."""
+        self._send("stop")
+        self._thread.join(timeout)
+
+    def _send(self, *cmd: Any) -> None:
+        self._commands.put(cmd)
+        self._wake.set()
+
+    # -- the engine thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            out: list[tuple[RequestHandle, Any]] = []
+            self._apply_commands(out)
+            if self._stopping:
+                break
+            busy = self.engine.has_unfinished_requests()
+            if busy:
+                try:
+                    self._dispatch(self.engine.step(), out)
+                except Exception as e:  # an engine bug: fail the batch, keep serving if we can
+                    log.exception("engine step failed")
+                    self._fail_all(out, f"engine step failed: {type(e).__name__}: {e}")
+            self.stats = s = self.engine.stats()
+            self._deliver(out)
+            if not busy:
+                self._wake.wait(0.5)
+                self._wake.clear()
+            elif s.step_prefill_tokens + s.step_decode_tokens == 0:
+                time.sleep(0.001)  # nothing schedulable this step: do not spin
+        out = []
+        self._fail_all(out, "the server is shutting down")
+        self.stats = self.engine.stats()
+        self._deliver(out)
+
+    def _apply_commands(self, out: list[tuple[RequestHandle, Any]]) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            kind = cmd[0]
+            if kind == "add":
+                out.append((cmd[1], self._add(cmd[1])))
+            elif kind == "abort":
+                self._abort(cmd[1])
+            elif kind == "call":
+                fn, fut = cmd[1], cmd[2]
+                try:
+                    result: Any = fn(self.engine)
+                    setter = fut.set_result
+                except Exception as e:
+                    result, setter = e, fut.set_exception
+                _threadsafe(fut.get_loop(), lambda s=setter, r=result, f=fut: f.done() or s(r))
+            elif kind == "stop":
+                self._stopping = True
+
+    def _add(self, h: RequestHandle) -> Any:
+        if self._stopping or self.error is not None:
+            return EngineUnavailableError(self.error or "the engine is shutting down")
+        if self.capacity is not None and self.admitted_seqs + h.num_seqs > self.capacity:
+            if h.num_seqs > self.capacity:
+                return InvalidRequestError(
+                    f"n: {h.num_seqs} sequences exceed this server's capacity "
+                    f"({self.capacity}: max_num_seqs + max_queue)",
+                    "n",
+                )
+            return QueueFullError(f"{self.admitted_seqs} sequences in flight; the queue is full")
+        added: list[str] = []
+        try:
+            for prompt, rid in zip(h.prompts, h.engine_ids, strict=True):
+                self.engine.add_request(rid, prompt, h.params, h.arrival_time, stream=h.stream)
+                added.append(rid)
+        except Exception as e:
+            self.engine.abort_request(added)
+            if isinstance(e, InvalidRequestError):
+                return e
+            log.exception("add_request failed")
+            return RuntimeError(f"add_request failed: {type(e).__name__}: {e}")
+        for i, rid in enumerate(added):
+            self._running[rid] = (h, i)
+        if h.stream and h.params.stop and self.engine.tokenizer is not None:
+            h.hold = max(len(s) for s in h.params.stop) - 1
+            n = h.params.n
+            ids = [[rid] if n == 1 else [f"{rid}#{j}" for j in range(n)] for rid in added]
+            h.children = [[self.engine.requests[c] for c in group] for group in ids]
+        self.admitted_seqs += h.num_seqs
+        self.peak_admitted_seqs = max(self.peak_admitted_seqs, self.admitted_seqs)
+        return ADMITTED
+
+    def _abort(self, h: RequestHandle) -> None:
+        for rid in h.engine_ids:
+            if self._running.pop(rid, None) is not None:
+                self.engine.abort_request(rid)
+                self.admitted_seqs -= h.params.n
+                if self.metrics is not None:
+                    self.metrics.success.labels("abort").inc(h.params.n)
+
+    def _dispatch(self, outputs: list[RequestOutput], out: list[tuple[RequestHandle, Any]]):
+        for o in outputs:
+            entry = self._running.get(o.request_id)
+            if entry is None:
+                continue
+            h, i = entry
+            if h.hold:
+                self._hold_back(h, i, o)
+            out.append((h, SubOutput(i, o)))
+            if self.metrics is not None:
+                for c in o.outputs:
+                    if c.finish_reason is not None:
+                        self.metrics.success.labels(c.finish_reason).inc()
+            if o.finished:
+                del self._running[o.request_id]
+                self.admitted_seqs -= h.params.n
+                if self.metrics is not None:
+                    self.metrics.observe_finished(o)
+
+    @staticmethod
+    def _hold_back(h: RequestHandle, i: int, o: RequestOutput) -> None:
+        """Streamed text minus the last ``len(longest stop) - 1`` characters until the sequence
+        ends, so a stop string that completes in a later step (and is cut from the final text)
+        was never sent. Works around the engine's stream deltas, which do not hold back."""
+        for c in o.outputs:
+            text = h.children[i][c.index].detokenizer.text
+            sent = h.sent.get((i, c.index), 0)
+            upto = len(text) if c.finish_reason is not None else max(sent, len(text) - h.hold)
+            c.text = text[sent:upto]
+            h.sent[(i, c.index)] = upto
+
+    def _fail_all(self, out: list[tuple[RequestHandle, Any]], message: str) -> None:
+        handles = {h.request_id: h for h, _ in self._running.values()}
+        for h in handles.values():
+            try:
+                self._abort(h)
+            except Exception:
+                log.exception("abort failed; the engine is unusable")
+                self.error = message
+            out.append((h, EngineUnavailableError(message)))
+        self._running.clear()
+
+    def _deliver(self, out: list[tuple[RequestHandle, Any]]) -> None:
+        """Hand a step's outputs to their event loops in one callback per loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, Any]]] = {}
+        for h, item in out:
+            by_loop.setdefault(h.event_loop, []).append((h, item))
+        for loop, items in by_loop.items():
+            _threadsafe(loop, lambda items=items: [h.queue.put_nowait(x) for h, x in items])
+
+
+def _threadsafe(loop: asyncio.AbstractEventLoop, fn: Callable[[], Any]) -> None:
+    try:
+        loop.call_soon_threadsafe(fn)
+    except RuntimeError:  # the event loop has closed: nobody is listening any more
+        pass

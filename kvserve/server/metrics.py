@@ -1,0 +1,125 @@
+"""Prometheus metrics, named like vLLM's ``vllm:*`` with the ``kvserve:`` prefix.
+
+Engine gauges and counters are read at scrape time from the snapshot the engine loop takes
+after every step (the engine is single-threaded, so the scrape never touches it directly).
+Latency histograms are observed by the engine loop when a request finishes. Every instance
+has its own registry, so several servers in one process (tests) do not collide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvserve.request import RequestOutput
+
+PREFIX = "kvserve:"
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)  # fmt: skip
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+               0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0)  # fmt: skip
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+               30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)  # fmt: skip
+
+
+class _EngineCollector(Collector):
+    """Gauges and totals straight from the latest :class:`EngineStats` snapshot."""
+
+    def __init__(self, snapshot: Callable[[], Any]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._snapshot()
+        if s is None:
+            return
+        gauges = {
+            "num_requests_running": ("Sequences in the running batch.", s.num_running),
+            "num_requests_waiting": ("Sequences waiting to be scheduled.", s.num_waiting),
+            "kv_cache_usage_perc": (
+                "Fraction of KV blocks in use (1 = full); cached-but-free blocks count as free.",
+                s.kv_usage,
+            ),
+            "kv_cache_token_occupancy": (
+                "Token slots holding K/V over slots allocated in used blocks (1 = no waste).",
+                s.token_occupancy,
+            ),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(PREFIX + name, doc, value=value)
+        counters = {
+            "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.",
+                                     s.prefix_cache_queries),
+            "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
+            "prefix_cache_evictions": ("Cached blocks evicted for reuse.",
+                                       s.prefix_cache_evictions),
+            "num_preemptions": ("Sequences preempted (recomputed later).", s.num_preemptions),
+            "prompt_tokens": ("Prompt tokens computed (prefilled); cache hits excluded.",
+                              s.prompt_tokens_total),
+            "generation_tokens": ("Tokens generated.", s.generation_tokens_total),
+            "engine_steps": ("Engine steps that ran the model.", s.num_steps),
+        }  # fmt: skip
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(PREFIX + name, doc, value=value)
+
+
+class ServerMetrics:
+    def __init__(self, snapshot: Callable[[], Any], cache_info: dict[str, str]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Arrival to first output token.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between consecutive output tokens of a sequence.",
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Arrival to last output token.",
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            PREFIX + "request_queue_time_seconds",
+            "Arrival to first scheduled.",
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.success = Counter(
+            PREFIX + "request_success",
+            "Finished sequences by reason (stop, length, abort).",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.rejected = Counter(PREFIX + "request_rejected",
+                                "Requests refused before reaching the engine, by HTTP status.",
+                                ["status"], registry=r)  # fmt: skip
+        Info(PREFIX + "cache_config", "KV cache configuration.", registry=r).info(cache_info)
+        r.register(_EngineCollector(snapshot))
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        """Latencies of a finished request (its first sequence's timeline)."""
+        m = out.metrics
+        if m is None:
+            return
+        if m.first_token_time is not None:
+            self.ttft.observe(m.first_token_time - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+        if m.finished_time is not None:
+            self.e2e.observe(m.finished_time - m.arrival_time)
+        times = m.token_times
+        for a, b in zip(times, times[1:], strict=False):
+            self.itl.observe(b - a)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,307 @@
+"""OpenAI request models (pydantic), the mapping onto :class:`SamplingParams`, and errors.
+
+Models are strict (``"1"`` is not an integer, ``1.5`` is not ``n``) so a wrong type is refused
+rather than guessed at. Range checks are left to :class:`SamplingParams`, the single place that
+knows the allowed values; its :class:`InvalidRequestError` names the engine field, which
+:func:`api_error_from_invalid` renames to the HTTP field the client actually sent.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+from kvserve.request import InvalidRequestError, SamplingParams
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+}
+# Fields of OpenAI's API that this server does not implement: refused, never silently ignored.
+UNSUPPORTED = ("suffix", "logit_bias", "tools", "tool_choice", "functions", "function_call")
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: ``{"error": {message, type, param, code}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        kind = ERROR_TYPES.get(self.status, "invalid_request_error")
+        return {
+            "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
+        }
+
+
+def bad_request(param: str, message: str) -> APIError:
+    """A 400 whose message starts with the field, as the engine's own errors do."""
+    return APIError(400, f"{param}: {message}", param=param)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal", "is-instance"}
+
+
+def format_loc(loc: tuple[int | str, ...]) -> str:
+    """``("messages", 0, "role")`` -> ``messages[0].role``; drops pydantic's union-member tags."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part.lower() in _TYPE_TAGS or any(c in part for c in "[-'("):
+            continue
+        else:
+            out += f".{part}" if out else part
+    return out or "body"
+
+
+def api_error_from_validation(err: ValidationError) -> APIError:
+    first = err.errors()[0]
+    param = format_loc(tuple(first["loc"]))
+    return bad_request(param, first["msg"])
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields common to /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: Any = None
+    stop_token_ids: list[int] | None = None
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Client-chosen cache partition *within* its tenant (vLLM: cache_salt; OpenAI's name).
+    cache_salt: str | None = None
+    prompt_cache_key: str | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, v: Any) -> Any:
+        if v is None or isinstance(v, str):
+            return v
+        if isinstance(v, list) and all(isinstance(s, str) for s in v):
+            return v
+        raise ValueError("must be a string or a list of strings")
+
+    def check_common(self) -> None:
+        """Cross-field rules that pydantic's per-field types cannot express."""
+        extra = self.model_extra or {}
+        for name in UNSUPPORTED:
+            if extra.get(name) not in (None, [], {}):
+                raise bad_request(name, "is not supported by this server")
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request("best_of", "is not supported (only best_of == n)")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options", "is only allowed when stream is true")
+
+    @property
+    def client_salt(self) -> str | None:
+        return self.cache_salt if self.cache_salt is not None else self.prompt_cache_key
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """Only the fields the client set; SamplingParams' defaults (vLLM's) fill the rest."""
+        kw: dict[str, Any] = {
+            "n": self.n,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos,
+            "min_tokens": self.min_tokens,
+            "skip_special_tokens": self.skip_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "seed": self.seed,
+        }
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                kw[name] = value
+        return kw
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions. ``max_tokens`` defaults to 16, as in OpenAI's API."""
+
+    prompt: Any
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list) and v:
+            if all(isinstance(x, str) for x in v):
+                return v
+            if all(_is_int(x) for x in v):
+                return v
+            if all(isinstance(x, list) and x and all(_is_int(t) for t in x) for x in v):
+                return v
+        if isinstance(v, list) and not v:
+            raise ValueError("must not be empty")
+        raise ValueError(
+            "must be a string, a list of strings, a list of token ids or a list of such lists"
+        )
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: text or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if isinstance(p[0], int):
+            return [list(p)]
+        return list(p)
+
+    def sampling_params(self) -> SamplingParams:
+        self.check_common()
+        if self.echo:
+            raise bad_request("echo", "is not supported by this server")
+        kw = self.sampling_kwargs()
+        kw["max_tokens"] = self.max_tokens
+        kw["logprobs"] = self.logprobs
+        return _build_params(kw, {})
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Role
+    content: Any = None
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, v: Any) -> Any:
+        """Text or a list of text parts (joined by newlines, as vLLM does)."""
+        if v is None or isinstance(v, str):
+            return v
+        if isinstance(v, list):
+            texts = []
+            for part in v:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise ValueError("only text content parts ({'type': 'text'}) are supported")
+                if not isinstance(part.get("text"), str):
+                    raise ValueError("a text part needs a string 'text'")
+                texts.append(part["text"])
+            return "\n".join(texts)
+        raise ValueError("must be a string or a list of text parts")
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions. ``max_completion_tokens`` is OpenAI's newer name for
+    ``max_tokens``; without either, the reply may run to max_model_len."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+        if not v:
+            raise ValueError("must contain at least one message")
+        return v
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        out = []
+        for m in self.messages:
+            d: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+            if m.name is not None:
+                d["name"] = m.name
+            out.append(d)
+        return out
+
+    def sampling_params(self) -> SamplingParams:
+        self.check_common()
+        if self.response_format not in (None, {"type": "text"}):
+            raise bad_request("response_format", "only {'type': 'text'} is supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs", "requires logprobs to be true")
+        kw = self.sampling_kwargs()
+        use_mct = self.max_completion_tokens is not None
+        kw["max_tokens"] = self.max_completion_tokens if use_mct else self.max_tokens
+        kw["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
+        rename = {"logprobs": "top_logprobs"}
+        if use_mct:
+            rename["max_tokens"] = "max_completion_tokens"
+        return _build_params(kw, rename)
+
+
+def _build_params(kw: dict[str, Any], rename: dict[str, str]) -> SamplingParams:
+    try:
+        return SamplingParams(**kw)
+    except InvalidRequestError as e:
+        raise api_error_from_invalid(e, rename) from None
+
+
+def api_error_from_invalid(e: InvalidRequestError, rename: dict[str, str]) -> APIError:
+    """An engine validation error as a 400, renamed to the field the client sent."""
+    field = e.field or "body"
+    param = rename.get(field, field)
+    message = str(e)
+    if param != field and message.startswith(f"{field}:"):
+        message = f"{param}:{message[len(field) + 1 :]}"
+    return APIError(400, message, param=param)

@@ -1,0 +1,309 @@
+"""/v1/completions and /v1/chat/completions: prompts in, OpenAI-shaped JSON or SSE out.
+
+Both endpoints share one path: tokenize here (so the engine thread never spends a step on
+it), submit one engine request per prompt, then either stream deltas as server-sent events
+or wait for the final outputs. Either way the request is aborted the moment its client goes
+away: a streaming response is cancelled by Starlette on disconnect (the generator's
+``finally`` aborts), a plain one races its result against ``http.disconnect``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
+
+from kvserve.model.tokenizer import ChatTemplateError, Tokenizer
+from kvserve.request import CompletionOutput, InvalidRequestError, RequestOutput, SamplingParams
+from kvserve.server.engine_loop import (
+    EngineLoop,
+    EngineUnavailableError,
+    QueueFullError,
+    RequestHandle,
+)
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    api_error_from_invalid,
+    bad_request,
+)
+from kvserve.server.tenants import TenantResolver
+
+
+@dataclass
+class ServerState:
+    """Everything a request handler needs; one per app (no module globals)."""
+
+    loop: EngineLoop
+    tenants: TenantResolver
+    metrics: ServerMetrics
+    model_names: list[str]
+    tokenizer: Tokenizer | None
+    max_model_len: int
+    max_body_bytes: int
+    retry_after_s: int = 1
+    draining: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def check_model(self, name: str | None) -> str:
+        if name is None:
+            return self.model_names[0]
+        if name not in self.model_names:
+            raise APIError(
+                404,
+                f"model: the model '{name}' does not exist; this server serves "
+                f"{', '.join(repr(n) for n in self.model_names)}",
+                param="model",
+                code="model_not_found",
+            )
+        return name
+
+
+def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+class _Logprobs:
+    """Engine logprobs (``{token_id: logprob}`` per position, sampled token + top-n) in the
+    two OpenAI shapes: the legacy completions one and chat's ``content`` list."""
+
+    def __init__(self, tok: Tokenizer | None, top_n: int) -> None:
+        self.tok = tok
+        self.top_n = top_n
+        self.offset: dict[int, int] = {}
+
+    def _s(self, tid: int) -> str:
+        return self.tok.decode([tid], skip_special_tokens=False) if self.tok else str(tid)
+
+    def completion(self, k: int, c: CompletionOutput) -> dict[str, Any] | None:
+        if c.logprobs is None:
+            return None
+        out: dict[str, list[Any]] = {
+            "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []
+        }  # fmt: skip
+        for tid, lps in zip(c.token_ids, c.logprobs, strict=False):
+            s = self._s(tid)
+            out["tokens"].append(s)
+            out["token_logprobs"].append(lps.get(tid))
+            top = sorted(lps.items(), key=lambda kv: -kv[1])
+            out["top_logprobs"].append({self._s(t): lp for t, lp in top})
+            out["text_offset"].append(self.offset.get(k, 0))
+            self.offset[k] = self.offset.get(k, 0) + len(s)
+        return out
+
+    def chat(self, c: CompletionOutput) -> dict[str, Any] | None:
+        if c.logprobs is None:
+            return None
+        content = []
+        for tid, lps in zip(c.token_ids, c.logprobs, strict=False):
+            s = self._s(tid)
+            top = sorted(lps.items(), key=lambda kv: -kv[1])[: self.top_n]
+            content.append({
+                "token": s, "logprob": lps.get(tid), "bytes": list(s.encode()),
+                "top_logprobs": [
+                    {"token": (t := self._s(i)), "logprob": lp, "bytes": list(t.encode())}
+                    for i, lp in top
+                ],
+            })  # fmt: skip
+        return {"content": content}
+
+
+@dataclass
+class _Job:
+    """One HTTP request on its way through the engine."""
+
+    kind: str  # "completion" | "chat"
+    model: str
+    params: SamplingParams
+    prompt_ids: list[list[int]]
+    stream: bool
+    include_usage: bool
+    logprobs: _Logprobs
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def object(self) -> str:
+        if self.kind == "chat":
+            return "chat.completion.chunk" if self.stream else "chat.completion"
+        return "text_completion"
+
+    def envelope(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {"id": self.id, "object": self.object, "created": self.created,
+                "model": self.model, "choices": choices, **extra}  # fmt: skip
+
+    def choice(self, k: int, c: CompletionOutput, delta: bool) -> dict[str, Any]:
+        if self.kind == "completion":
+            return {"index": k, "text": c.text, "logprobs": self.logprobs.completion(k, c),
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}  # fmt: skip
+        msg = {"content": c.text} if delta else {"role": "assistant", "content": c.text}
+        return {"index": k, ("delta" if delta else "message"): msg,
+                "logprobs": self.logprobs.chat(c), "finish_reason": c.finish_reason}  # fmt: skip
+
+
+def _prompt_ids(state: ServerState, prompts: list[str | list[int]]) -> list[list[int]]:
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            if not p:
+                raise bad_request("prompt", "must not be empty")
+            if state.tokenizer is None:
+                raise bad_request("prompt", "this model has no tokenizer.json; send token ids")
+            p = state.tokenizer.encode(p)
+        out.append(p)
+    return out
+
+
+async def create_completion(
+    state: ServerState, req: CompletionRequest, tenant: str, raw: Request
+) -> Response:
+    model = state.check_model(req.model)
+    params = req.sampling_params()
+    ids = _prompt_ids(state, req.prompts())
+    lps = _Logprobs(state.tokenizer, req.logprobs or 0)
+    job = _Job("completion", model, params, ids, req.stream, req.include_usage, lps,
+               "cmpl-" + uuid.uuid4().hex)  # fmt: skip
+    salt = state.tenants.cache_salt(tenant, req.client_salt)
+    return await _run(state, job, salt, raw, {"prompt_token_ids": "prompt"})
+
+
+async def create_chat_completion(
+    state: ServerState, req: ChatCompletionRequest, tenant: str, raw: Request
+) -> Response:
+    model = state.check_model(req.model)
+    params = req.sampling_params()
+    tok = state.tokenizer
+    if tok is None:
+        raise bad_request("messages", "this model has no tokenizer; use /v1/completions")
+    try:
+        text = tok.apply_chat_template(req.message_dicts(), req.add_generation_prompt)
+    except (ChatTemplateError, TemplateError) as e:
+        msg = str(e).removeprefix("messages: ")
+        raise bad_request("messages", f"the chat template refused them: {msg}") from None
+    ids = tok.encode(text, add_special_tokens=False)
+    job = _Job("chat", model, params, [ids], req.stream, req.include_usage,
+               _Logprobs(tok, req.top_logprobs or 0), "chatcmpl-" + uuid.uuid4().hex)  # fmt: skip
+    salt = state.tenants.cache_salt(tenant, req.client_salt)
+    rename = {"prompt": "messages", "prompt_token_ids": "messages"}
+    if req.max_completion_tokens is not None:
+        rename["max_tokens"] = "max_completion_tokens"
+    return await _run(state, job, salt, raw, rename)
+
+
+async def _run(
+    state: ServerState, job: _Job, salt: str, raw: Request, rename: dict[str, str]
+) -> Response:
+    if state.draining:
+        raise APIError(503, "the server is shutting down")
+    prompts = [{"prompt_token_ids": ids, "cache_salt": salt} for ids in job.prompt_ids]
+    arrival = time.monotonic()
+    handle = RequestHandle(job.id, prompts, job.params, job.stream, arrival)
+    try:
+        await state.loop.submit(handle)
+    except InvalidRequestError as e:
+        raise api_error_from_invalid(e, rename) from None
+    except QueueFullError as e:
+        state.metrics.rejected.labels("429").inc()
+        raise APIError(429, f"{e}; retry later", code="rate_limit_exceeded",
+                       headers={"Retry-After": str(state.retry_after_s)}) from None  # fmt: skip
+    except EngineUnavailableError as e:
+        raise APIError(503, str(e)) from None
+    if job.stream:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(_sse(state, job, handle), media_type="text/event-stream",
+                                 headers=headers)  # fmt: skip
+    finals = await _collect(state, handle, raw)
+    if finals is None:  # the client went away; the request was aborted
+        return Response(status_code=499)
+    return JSONResponse(_final_body(job, finals))
+
+
+def _final_body(job: _Job, finals: list[RequestOutput]) -> dict[str, Any]:
+    n = job.params.n
+    choices, completion = [], 0
+    for i, out in enumerate(finals):
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            completion += len(c.token_ids)
+            choices.append(job.choice(i * n + c.index, c, delta=False))
+    prompt = sum(len(p) for p in job.prompt_ids)
+    cached = sum(o.num_cached_tokens for o in finals)
+    return job.envelope(choices, usage=_usage(prompt, completion, cached))
+
+
+async def _collect(
+    state: ServerState, handle: RequestHandle, raw: Request
+) -> list[RequestOutput] | None:
+    """The final output of every prompt, or None if the client disconnected first."""
+    finals: list[Any] = [None] * len(handle.prompts)
+
+    async def consume() -> None:
+        async for sub in handle.outputs():
+            if sub.output.finished:
+                finals[sub.index] = sub.output
+
+    async def disconnected() -> None:
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    work, watch = asyncio.ensure_future(consume()), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if work.done():
+            if (e := work.exception()) is not None:
+                raise APIError(503, str(e)) if isinstance(e, EngineUnavailableError) else e
+            return finals
+        return None
+    finally:
+        work.cancel()
+        watch.cancel()
+        state.loop.abort(handle)
+
+
+def _sse_event(payload: dict[str, Any] | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+async def _sse(state: ServerState, job: _Job, handle: RequestHandle) -> AsyncIterator[str]:
+    n = job.params.n
+    usage_field = {"usage": None} if job.include_usage else {}
+    completion, cached = 0, [0] * len(job.prompt_ids)
+    try:
+        if job.kind == "chat":
+            first = [{"index": k, "delta": {"role": "assistant", "content": ""},
+                      "logprobs": None, "finish_reason": None}
+                     for k in range(n * len(job.prompt_ids))]  # fmt: skip
+            yield _sse_event(job.envelope(first, **usage_field))
+        async for sub in handle.outputs():
+            o = sub.output
+            cached[sub.index] = o.num_cached_tokens
+            choices = []
+            for c in o.outputs:
+                completion += len(c.token_ids)
+                if c.text or c.token_ids or c.finish_reason is not None:
+                    choices.append(job.choice(sub.index * n + c.index, c, delta=True))
+            if choices:
+                yield _sse_event(job.envelope(choices, **usage_field))
+        if job.include_usage:
+            prompt = sum(len(p) for p in job.prompt_ids)
+            yield _sse_event(job.envelope([], usage=_usage(prompt, completion, sum(cached))))
+    except EngineUnavailableError as e:
+        yield _sse_event(APIError(503, str(e)).body())
+    finally:
+        state.loop.abort(handle)  # a no-op when finished; otherwise the client left
+    yield _sse_event("[DONE]")
