@@ -30,7 +30,12 @@ def kv_bytes_per_token(
 
 
 class KVStorage:
-    """Full-precision paged K/V: ``[num_blocks, block_size, kv_heads, head_dim]`` per layer."""
+    """Full-precision paged K/V: ``[num_blocks, kv_heads, block_size, head_dim]`` per layer.
+
+    Blocks are head-major so that one KV head's rows of a block are contiguous: the decode
+    kernel streams them, and a gather yields ``[B, kv_heads, tokens, head_dim]`` with each
+    (sequence, head) matrix contiguous, which is what SDPA wants.
+    """
 
     format_name = "dense"
 
@@ -43,6 +48,7 @@ class KVStorage:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        use_kernels: bool = True,
     ) -> None:
         self.num_layers = num_layers
         self.num_blocks = num_blocks
@@ -51,34 +57,63 @@ class KVStorage:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_blocks, num_kv_heads, block_size, head_dim)
         # Zero-filled: padded block-table entries point at real blocks whose values are masked
         # out, and masked values must be finite (0 * NaN would poison the weighted sum).
         self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.use_kernels = use_kernels
 
     @classmethod
     def bytes_per_token(
         cls, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> float:
         """K and V bytes one token occupies across all layers (metadata included)."""
-        return (
-            2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-        )
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * num_kv_heads * head_dim * itemsize
 
     def write(
         self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         """Store new tokens' K/V (``[T, kv_heads, head_dim]``) at flat slot indices."""
-        flat = (-1, self.num_kv_heads, self.head_dim)
-        self.k[layer].view(flat).index_copy_(0, slot_mapping, k.to(self.dtype))
-        self.v[layer].view(flat).index_copy_(0, slot_mapping, v.to(self.dtype))
+        blk = slot_mapping // self.block_size
+        off = slot_mapping % self.block_size
+        self.k[layer][blk, :, off] = k.to(self.dtype)
+        self.v[layer][blk, :, off] = v.to(self.dtype)
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of whole blocks, ``[B, num_blocks_per_seq * block_size, kv_heads, head_dim]``."""
+        """K/V of whole blocks in the compute dtype: ``[B, kv_heads, n * block_size, head_dim]``
+        for ``block_tables`` of shape ``[B, n]`` (the reference path)."""
         b, n = block_tables.shape
-        shape = (b, n * self.block_size, self.num_kv_heads, self.head_dim)
-        return self.k[layer][block_tables].view(shape), self.v[layer][block_tables].view(shape)
+        flat = block_tables.reshape(-1)
+        shape = (b, self.num_kv_heads, n * self.block_size, self.head_dim)
+
+        def one(cache: torch.Tensor) -> torch.Tensor:
+            blocks = cache.index_select(0, flat).view(b, n, *cache.shape[1:])
+            return blocks.transpose(1, 2).reshape(shape)
+
+        return one(self.k[layer]), one(self.v[layer])
+
+    def decode_attention(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        window: int | None,
+    ) -> torch.Tensor | None:
+        """Fused decode attention straight from the blocks, or None when no kernel applies
+        (the caller then gathers and runs SDPA)."""
+        from kvserve import kernels
+
+        g = q.shape[1] // self.num_kv_heads
+        if not self.use_kernels or not kernels.supports(
+            self.dtype, self.device, g, self.head_dim, self.block_size
+        ):
+            return None
+        return kernels.paged_decode_attention(
+            q, self.k[layer], self.v[layer], block_tables, seq_lens, window
+        )
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks (copy-on-write of a shared partial block)."""

@@ -91,36 +91,33 @@ def paged_attention(
 
     nd = meta.num_decode
     if nd:
-        assert meta.decode_block_tables is not None
-        kc, vc = storage.gather(layer, meta.decode_block_tables)  # [Bd, S, KVH, D]
-        qd = q[:nd].view(nd, num_kv_heads, group, head_dim)
-        od = F.scaled_dot_product_attention(
-            qd,
-            kc.transpose(1, 2),
-            vc.transpose(1, 2),
-            attn_mask=meta.decode_mask(window),
+        assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
+        fused = storage.decode_attention(
+            layer, q[:nd], meta.decode_block_tables, meta.decode_seq_lens, window
         )
-        out[:nd] = od.reshape(nd, num_heads, head_dim)
+        if fused is not None:
+            out[:nd] = fused
+        else:
+            kc, vc = storage.gather(layer, meta.decode_block_tables)  # [Bd, KVH, S, D]
+            qd = q[:nd].view(nd, num_kv_heads, group, head_dim)
+            od = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=meta.decode_mask(window))
+            out[:nd] = od.reshape(nd, num_heads, head_dim)
 
     for i, p in enumerate(meta.prefills):
         sl = slice(p.q_start, p.q_start + p.q_len)
         qp = q[sl].transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
         if p.ctx_len == 0:
-            kp, vp = k[sl], v[sl]
+            kp = k[sl].transpose(0, 1).unsqueeze(0)
+            vp = v[sl].transpose(0, 1).unsqueeze(0)
             num_keys = p.q_len
         else:
             assert p.block_table is not None
             num_keys = p.ctx_len + p.q_len
             kc, vc = storage.gather(layer, p.block_table[None])
-            kp, vp = kc[0, :num_keys], vc[0, :num_keys]
+            kp, vp = kc[:, :, :num_keys], vc[:, :, :num_keys]
         mask = meta.prefill_mask(i, window, num_keys)
         op = F.scaled_dot_product_attention(
-            qp,
-            kp.transpose(0, 1).unsqueeze(0),
-            vp.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask,
-            is_causal=mask is None,
-            enable_gqa=group > 1,
+            qp, kp, vp, attn_mask=mask, is_causal=mask is None, enable_gqa=group > 1
         )
         out[sl] = op[0].transpose(0, 1)
     return out
