@@ -127,6 +127,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--stop", action="append")
     handlers["generate"] = cmd_generate
+
+    from kvserve.plan.cli import add_plan_parser
+
+    handlers["plan"] = add_plan_parser(sub)
     return parser, handlers
 
 

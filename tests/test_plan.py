@@ -1,0 +1,213 @@
+"""kvserve plan: the KV formula against hand-computed figures, and --validate against the engine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvserve.cli import main
+from kvserve.config import KV_CACHE_DTYPES
+from kvserve.plan.capacity import (
+    arch_from_config,
+    bytes_per_token,
+    capacity,
+    checkpoint_bytes,
+    format_table,
+    kv_heads_per_gpu,
+    window_fraction,
+)
+from kvserve.plan.cli import plan, validate
+from kvserve.plan.cost import decode_roofline, expected_experts_touched, usd_per_million
+from kvserve.plan.gpus import GPUS, get_gpu
+
+GiB = 1024**3
+
+# The seed's example: 32 layers, 8 KV heads, head dim 128 (Llama-3-8B shapes), bf16.
+SEED = {
+    "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "vocab_size": 128256, "intermediate_size": 14336, "max_position_embeddings": 131072,
+    "torch_dtype": "bfloat16",
+}  # fmt: skip
+LLAMA3_8B_PARAMS = 8_030_261_248  # 32 x (41,943,040 attn + 176,160,768 mlp + 8,192 norms)
+#                                   + 2 x 128,256 x 4,096 embeddings + 4,096 final norm
+
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+    "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128,
+    "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "intermediate_size": 18432, "moe_intermediate_size": 2048, "n_routed_experts": 256,
+    "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+    "vocab_size": 129280, "max_position_embeddings": 163840, "torch_dtype": "bfloat16",
+    "quantization_config": {"quant_method": "fp8"},
+}  # fmt: skip
+
+
+def test_seed_example_exactly():
+    spec = arch_from_config(SEED)
+    assert bytes_per_token(spec, "bfloat16") == 2 * 32 * 8 * 128 * 2 == 131072
+    one = capacity(spec, "bfloat16", 80 * GiB, context=32768, batch=1)
+    eight = capacity(spec, "bfloat16", 80 * GiB, context=32768, batch=8)
+    assert one.kv_bytes_per_sequence == 4 * GiB
+    assert one.kv_bytes_total == 4 * GiB
+    assert eight.kv_bytes_total == 32 * GiB
+
+
+def test_seed_example_through_cli_json(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(SEED))
+    rc = main(["plan", str(tmp_path / "config.json"), "--context", "32768", "--batch", "8",
+               "--kv-cache-dtype", "bfloat16", "--gpu", "h100-sxm", "--json"])  # fmt: skip
+    assert rc == 0
+    p = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert p["kv_bytes_per_token"] == 131072
+    assert p["kv_bytes_per_sequence"] == 4 * GiB
+    assert p["kv_bytes_total"] == 32 * GiB
+    # 0.9 x 80 GiB - 8,030,261,248 x 2 bytes of weights = 61,248,888,832 bytes of KV budget
+    # = 29,205 blocks of 16 x 128 KiB; a 32,768-token sequence takes 2,048 blocks -> 14.
+    assert p["weight_bytes"] == LLAMA3_8B_PARAMS * 2
+    assert p["num_blocks"] == 29205
+    assert p["max_concurrent_sequences"] == 14
+    assert p["warnings"] == []
+
+
+def test_capacity_hand_computed_tiny_model():
+    cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+           "vocab_size": 100, "intermediate_size": 128, "torch_dtype": "float32"}  # fmt: skip
+    spec = arch_from_config(cfg)
+    # 2 x (2*64*64 + 2*64*32 + 3*64*128 + 2*64) + 2*100*64 + 64
+    assert spec.num_parameters == 86848
+    c = capacity(spec, "bfloat16", 1 * GiB, context=1000, gpu_memory_utilization=1.0)
+    assert c.kv_bytes_per_token == 2 * 2 * 2 * 16 * 2 == 256
+    assert c.weight_bytes == 86848 * 4
+    assert c.num_blocks == (GiB - 86848 * 4) // (256 * 16) == 262059
+    assert c.kv_capacity_tokens == 262059 * 16
+    assert c.max_concurrent_sequences == 262059 // 63 == 4159  # ceil(1000 / 16) = 63 blocks
+
+
+def test_gqa_mqa_and_tensor_parallel_heads():
+    mqa = arch_from_config({**SEED, "num_key_value_heads": 1})
+    assert bytes_per_token(mqa, "bfloat16") == 2 * 32 * 1 * 128 * 2
+    gqa = arch_from_config(SEED)
+    assert kv_heads_per_gpu(gqa, 2) == 4
+    assert bytes_per_token(gqa, "bfloat16", tp=2) == 131072 / 2
+    assert kv_heads_per_gpu(gqa, 16) == 1  # fewer heads than ranks: replicated
+    assert bytes_per_token(gqa, "bfloat16", tp=16) == 131072 / 8
+    assert bytes_per_token(gqa, "float32") == 2 * 131072
+
+
+def test_sliding_window_layers():
+    mistral = arch_from_config(
+        {**SEED, "architectures": ["MistralForCausalLM"], "sliding_window": 4096}
+    )
+    assert window_fraction(mistral, 32768) == 4096 / 32768
+    c = capacity(mistral, "bfloat16", 80 * GiB, context=32768)
+    assert c.kv_bytes_per_sequence == 4 * GiB  # the engine gives every layer the full table
+    assert c.kv_bytes_per_sequence_window_aware == 512 * 1024**2
+    assert c.max_concurrent_sequences_window_aware > c.max_concurrent_sequences
+    gemma = arch_from_config({
+        **SEED, "architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 6,
+        "sliding_window": 1024, "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+    })  # fmt: skip
+    assert gemma.layer_windows == (1024,) * 5 + (None,)
+    assert window_fraction(gemma, 4096) == (5 * 1024 + 4096) / (6 * 4096)
+    assert window_fraction(gemma, 512) == 1.0
+
+
+def test_mla_deepseek_v3():
+    spec = arch_from_config(DEEPSEEK_V3)
+    assert spec.is_mla and spec.mla_latent_dim == 512 + 64
+    # One latent of 576 bf16 elements per token per layer, not a K and a V per head.
+    assert bytes_per_token(spec, "bfloat16") == 61 * 576 * 2 == 70272
+    assert bytes_per_token(spec, "bfloat16", tp=8) == 70272  # replicated across ranks
+    assert abs(spec.num_parameters / 671e9 - 1) < 0.005  # the published 671 B
+    assert abs(spec.num_active_parameters / 37e9 - 1) < 0.03  # and 37 B active
+    assert spec.weight_bytes() == spec.num_parameters  # fp8 checkpoint: 1 byte each
+
+
+def test_every_format_is_either_planned_or_reported_missing():
+    ok, missing = format_table(arch_from_config(SEED))
+    assert set(ok) | set(missing) == set(KV_CACHE_DTYPES) - {"auto"}
+    assert not set(ok) & set(missing)
+    assert {"bfloat16", "float16", "float32"} <= set(ok)
+    for fmt, b in ok.items():
+        if fmt not in ("float32", "bfloat16", "float16"):
+            assert b < 131072, f"{fmt} should be smaller than bf16"
+
+
+def test_roofline_and_cost_hand_computed():
+    spec = arch_from_config(SEED)
+    gpu = get_gpu("custom:10:1:100")  # 1 TB/s, 100 TFLOPS
+    r = decode_roofline(spec, gpu, 131072, LLAMA3_8B_PARAMS * 2, batch=1, context=32768)
+    weights, kv = 16_060_522_496, 4_294_967_296
+    assert r.weight_bytes_read == weights and r.kv_bytes_read == kv
+    assert r.memory_time_s == pytest.approx((weights + kv) / 1e12)
+    # 2 FLOPs per parameter + 4 x context x layers x heads x head_dim for QK^T and PV
+    assert r.flops == 2 * LLAMA3_8B_PARAMS + 4 * 32768 * 32 * 32 * 128
+    assert r.bound == "memory"
+    assert r.tokens_per_s == pytest.approx(1e12 / (weights + kv))
+    assert usd_per_million(1000.0, 3.6, 1) == pytest.approx(1.0)  # $3.6/h at 1000 tok/s
+    assert usd_per_million(500.0, 3.6, 2) == pytest.approx(4.0)
+    assert usd_per_million(0.0, 3.6) is None
+    assert expected_experts_touched(256, 8, 1) == pytest.approx(8)
+    assert expected_experts_touched(256, 8, 10_000) == pytest.approx(256)
+
+
+def test_plan_json_keys_and_gpu_table(tmp_path, capsys):
+    for g in GPUS.values():
+        assert g.source.startswith("https://") and g.memory_gib > 0 and g.bandwidth_tbs > 0
+    assert get_gpu("H100-SXM").bandwidth_tbs == 3.35 and get_gpu("h200").memory_gib == 141
+    with pytest.raises(ValueError, match="gpu: unknown"):
+        get_gpu("tpu-v9")
+    p = plan(arch_from_config(SEED), "h200", context=8192, gpu_hour_cost=3.0)
+    for key in ("kv_bytes_per_token", "kv_bytes_per_sequence", "kv_bytes_total",
+                "max_concurrent_sequences", "kv_capacity_tokens", "weight_bytes", "roofline",
+                "usd_per_million_tokens", "formats", "formats_not_implemented"):  # fmt: skip
+        assert key in p, key
+    assert p["batch"] == p["max_concurrent_sequences"]  # default batch: the ceiling
+    assert p["usd_per_million_tokens"] == pytest.approx(
+        3.0 / 3600 / p["roofline"]["tokens_per_s"] * 1e6
+    )
+    big = plan(arch_from_config(SEED), "l4", context=131072, batch=4)
+    assert any("does not fit" in w for w in big["warnings"])
+
+
+def test_checkpoint_bytes_reads_safetensors_headers(checkpoint):
+    from kvserve.config import ModelConfig
+
+    ckpt = checkpoint("llama_gqa")
+    n = ModelConfig.from_pretrained(ckpt).num_parameters()
+    from pathlib import Path
+
+    assert checkpoint_bytes(Path(ckpt)) == n * 4  # float32 checkpoint
+
+
+def test_validate_against_engine_every_implemented_format(checkpoint):
+    ckpt = checkpoint("llama_gqa")
+    rows = validate(ckpt, 1024**2, block_size=16)
+    ok, _ = format_table(arch_from_config(json.load(open(f"{ckpt}/config.json"))))
+    assert [r.kv_cache_dtype for r in rows] == list(ok)
+    assert "bfloat16" in ok
+    for r in rows:
+        assert r.ok, r
+        assert r.engine_blocks == r.predicted_blocks
+
+
+def test_plan_validate_cli(checkpoint, capsys):
+    ckpt = checkpoint("llama_gqa")
+    rc = main(["plan", ckpt, "--validate", "--validate-memory", "1MiB", "--json"])
+    p = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0
+    assert p["validation"] and all(r["ok"] for r in p["validation"])
+    assert {"bfloat16"} <= {r["kv_cache_dtype"] for r in p["validation"]}
+
+
+def test_plan_errors_name_the_field(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    assert main(["plan", str(tmp_path)]) == 2
+    assert "num_hidden_layers" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text(json.dumps(SEED))
+    assert main(["plan", str(tmp_path), "--validate"]) == 2
+    assert "validate" in capsys.readouterr().err
