@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import logging
+import signal
 import socket
 import threading
 from collections.abc import AsyncIterator
@@ -259,5 +260,8 @@ def run_server(args: argparse.Namespace) -> int:
     )
     log.info("serving %s on http://%s:%d (KV blocks %d x %d tokens, %s)", names[0], args.host,
              args.port, engine.num_blocks, engine.block_size, engine.kv_cache_dtype)  # fmt: skip
+    # uvicorn re-raises a captured SIGTERM after its graceful shutdown; with the default
+    # handler that would kill the process (exit -15) after a clean drain. Exit 0 instead.
+    signal.signal(signal.SIGTERM, lambda *_: None)
     _Server(config, state).run()
     return 0

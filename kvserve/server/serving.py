@@ -78,17 +78,56 @@ def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
     }
 
 
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode: byte-level BPE vocab characters -> bytes."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    cs, extra = list(bs), 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+_BYTE_DECODER = _gpt2_byte_decoder()
+
+
 class _Logprobs:
     """Engine logprobs (``{token_id: logprob}`` per position, sampled token + top-n) in the
-    two OpenAI shapes: the legacy completions one and chat's ``content`` list."""
+    two OpenAI shapes: the legacy completions one and chat's ``content`` list.
+
+    A token is shown by its own bytes, not by decoding it alone: byte-level tokens that are
+    part of a multi-byte character would all decode to U+FFFD and collide as dict keys. Bytes
+    that are not valid UTF-8 are written ``bytes:\\xNN`` as OpenAI does."""
 
     def __init__(self, tok: Tokenizer | None, top_n: int) -> None:
         self.tok = tok
         self.top_n = top_n
         self.offset: dict[int, int] = {}
+        self._cache: dict[int, tuple[str, bytes]] = {}
+
+    def _token(self, tid: int) -> tuple[str, bytes]:
+        if tid not in self._cache:
+            raw = self.tok.id_to_token(tid) if self.tok else None
+            if raw is None:  # an id the model has but the tokenizer does not
+                data = f"token_id:{tid}".encode()
+            elif len(raw) == 6 and raw.startswith("<0x") and raw.endswith(">"):
+                data = bytes([int(raw[3:5], 16)])  # SentencePiece byte fallback
+            elif all(ch in _BYTE_DECODER for ch in raw):
+                data = bytes(_BYTE_DECODER[ch] for ch in raw)
+            else:
+                assert self.tok is not None
+                data = self.tok.decode([tid], skip_special_tokens=False).encode()
+            try:
+                text = data.decode()
+            except UnicodeDecodeError:
+                text = "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+            self._cache[tid] = (text, data)
+        return self._cache[tid]
 
     def _s(self, tid: int) -> str:
-        return self.tok.decode([tid], skip_special_tokens=False) if self.tok else str(tid)
+        return self._token(tid)[0]
 
     def completion(self, k: int, c: CompletionOutput) -> dict[str, Any] | None:
         if c.logprobs is None:
@@ -100,10 +139,12 @@ class _Logprobs:
             s = self._s(tid)
             out["tokens"].append(s)
             out["token_logprobs"].append(lps.get(tid))
-            top = sorted(lps.items(), key=lambda kv: -kv[1])
-            out["top_logprobs"].append({self._s(t): lp for t, lp in top})
+            top: dict[str, float] = {}
+            for t, lp in sorted(lps.items(), key=lambda kv: -kv[1]):
+                top.setdefault(self._s(t), lp)  # ids that decode alike keep the best logprob
+            out["top_logprobs"].append(top)
             out["text_offset"].append(self.offset.get(k, 0))
-            self.offset[k] = self.offset.get(k, 0) + len(s)
+            self.offset[k] = self.offset.get(k, 0) + (0 if s.startswith("bytes:") else len(s))
         return out
 
     def chat(self, c: CompletionOutput) -> dict[str, Any] | None:
@@ -111,12 +152,12 @@ class _Logprobs:
             return None
         content = []
         for tid, lps in zip(c.token_ids, c.logprobs, strict=False):
-            s = self._s(tid)
+            s, data = self._token(tid)
             top = sorted(lps.items(), key=lambda kv: -kv[1])[: self.top_n]
             content.append({
-                "token": s, "logprob": lps.get(tid), "bytes": list(s.encode()),
+                "token": s, "logprob": lps.get(tid), "bytes": list(data),
                 "top_logprobs": [
-                    {"token": (t := self._s(i)), "logprob": lp, "bytes": list(t.encode())}
+                    {"token": self._s(i), "logprob": lp, "bytes": list(self._token(i)[1])}
                     for i, lp in top
                 ],
             })  # fmt: skip
