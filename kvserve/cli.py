@@ -128,6 +128,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
     g.add_argument("--stop", action="append")
     handlers["generate"] = cmd_generate
 
+    from kvserve.server.args import build_serve_parser, cmd_serve
+
+    build_serve_parser(sub)
+    handlers["serve"] = cmd_serve
+
     from kvserve.plan.cli import add_plan_parser
 
     handlers["plan"] = add_plan_parser(sub)
