@@ -40,6 +40,11 @@ def _idle_after(request):
         wait_idle(request.getfixturevalue("server").state)
 
 
+def _delta(before: dict, after: dict, name: str, **labels: str) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
 C, H = "/v1/completions", "/v1/chat/completions"
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -133,9 +138,13 @@ def _check_error(r: httpx.Response, status: int, field: str) -> None:
 @pytest.mark.parametrize("path, body, status, field", CASES, ids=[f"{c[3]}-{i}" for i, c in
                                                                  enumerate(CASES)])  # fmt: skip
 def test_bad_input_gets_4xx_naming_the_field(server, path, body, status, field):
+    before = scrape(server.url)
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     r = httpx.post(server.url + path, content=content, headers=AUTH, timeout=30)
     _check_error(r, status, field)
+    after = scrape(server.url)
+    assert _delta(before, after, "kvserve:request_rejected_total", status=str(status)) == 1
+    assert _delta(before, after, "kvserve:request_success_total", finished_reason="abort") == 0
 
 
 def test_bad_input_outside_the_body(server):
@@ -157,9 +166,30 @@ def test_bad_input_outside_the_body(server):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
 
-def _delta(before: dict, after: dict, name: str, **labels: str) -> float:
-    key = (name, tuple(sorted(labels.items())))
-    return after.get(key, 0.0) - before.get(key, 0.0)
+def test_engine_step_failure_fails_the_batch_and_keeps_serving(server):
+    """A step that raises (an engine bug) ends the in-flight requests with a 503 and frees
+    their blocks; the next request is served normally."""
+    engine = server.state.loop.engine
+    real_step = engine.step
+    calls = []
+
+    def failing_step():
+        out = real_step()  # the step ran (blocks allocated), then its outputs are lost
+        if not calls:
+            calls.append(1)
+            raise RuntimeError("injected")
+        return out
+
+    engine.step = failing_step
+    try:
+        r = httpx.post(server.url + C, json=comp(max_tokens=5, ignore_eos=True), headers=AUTH)
+    finally:
+        engine.step = real_step
+    assert r.status_code == 503 and "injected" in r.json()["error"]["message"]
+    wait_idle(server.state)
+    assert server.state.loop.alive
+    r = httpx.post(server.url + C, json=comp(max_tokens=5, ignore_eos=True), headers=AUTH)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
 
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
@@ -244,10 +274,13 @@ def test_overload_every_request_completes_or_gets_429(checkpoint, capsys):
     assert state.loop.peak_admitted_seqs <= 20 + 10
     assert m[("kvserve:request_rejected_total", (("status", "429"),))] == rejected
     p99 = float(np.percentile(ok, 99))
+    ttft = "kvserve:time_to_first_token_seconds"
+    server_mean = m[(f"{ttft}_sum", ())] / m[(f"{ttft}_count", ())]
     with capsys.disabled():
         print(f"\n[overload] {clients} streaming clients: {len(ok)} completed, {rejected} got "
               f"429; peak admitted {state.loop.peak_admitted_seqs} seqs; p99 TTFT of admitted "
-              f"{p99 * 1000:.0f} ms (p50 {np.percentile(ok, 50) * 1000:.0f} ms); "
+              f"{p99 * 1000:.0f} ms (p50 {np.percentile(ok, 50) * 1000:.0f} ms; client-side, "
+              f"in-process client); server-side mean TTFT {server_mean * 1000:.0f} ms; "
               f"{wall:.1f} s")  # fmt: skip
     assert llm.engine.kv.pool.num_used_blocks == 0
     llm.engine.kv.check_invariants()

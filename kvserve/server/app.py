@@ -53,9 +53,10 @@ class BodyLimitMiddleware:
     """413 for bodies over ``max_bytes``: at once from Content-Length, or while reading a
     chunked body, so an oversized upload is never buffered whole."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, on_reject: Any = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.on_reject = on_reject
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -63,6 +64,8 @@ class BodyLimitMiddleware:
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             err = _BodyTooLarge(self.max_bytes)
+            if self.on_reject is not None:
+                self.on_reject(err)
             return await JSONResponse(err.body(), 413, headers={"Connection": "close"})(
                 scope, receive, send
             )
@@ -80,7 +83,10 @@ class BodyLimitMiddleware:
         await self.app(scope, limited, send)
 
 
-def _error_response(err: APIError) -> JSONResponse:
+def _error_response(err: APIError, state: ServerState | None = None) -> JSONResponse:
+    """OpenAI's error JSON; counted in ``kvserve:request_rejected_total{status}``."""
+    if state is not None:
+        state.metrics.rejected.labels(str(err.status)).inc()
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
@@ -115,21 +121,23 @@ def build_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="kvserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.kvserve = state
-    app.add_middleware(BodyLimitMiddleware, max_bytes=state.max_body_bytes)
+    reject = state.metrics.rejected
+    app.add_middleware(BodyLimitMiddleware, max_bytes=state.max_body_bytes,
+                       on_reject=lambda e: reject.labels(str(e.status)).inc())  # fmt: skip
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return _error_response(exc)
+        return _error_response(exc, state)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         msg = f"{request.method} {request.url.path}: {exc.detail}"
-        return _error_response(APIError(exc.status_code, msg, headers=exc.headers))
+        return _error_response(APIError(exc.status_code, msg, headers=exc.headers), state)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error in %s", request.url.path)
-        return _error_response(APIError(500, f"internal error: {type(exc).__name__}"))
+        return _error_response(APIError(500, f"internal error: {type(exc).__name__}"), state)
 
     @app.get("/health")
     async def health() -> Response:

@@ -109,6 +109,10 @@ class EngineLoop:
         self.error: str | None = None
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._wake = threading.Event()
+        # Closing and sending share a lock so no command can slip in after the last drain
+        # (an add nobody answers would hang its HTTP handler forever).
+        self._lock = threading.Lock()
+        self._closed = False
         self._running: dict[str, tuple[RequestHandle, int]] = {}
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
@@ -127,9 +131,8 @@ class EngineLoop:
         """Queue a request and wait for the engine thread to admit it. Raises
         :class:`InvalidRequestError` (400), :class:`QueueFullError` (429) or
         :class:`EngineUnavailableError` (503); on success outputs follow on ``handle.queue``."""
-        if not self.alive:
+        if not self.alive or not self._send("add", handle):
             raise EngineUnavailableError(self.error or "the engine is shutting down")
-        self._send("add", handle)
         try:
             first = await handle.queue.get()
         except asyncio.CancelledError:
@@ -146,7 +149,8 @@ class EngineLoop:
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run ``fn(engine)`` on the engine thread between steps (tests, admin)."""
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._send("call", fn, fut)
+        if not self._send("call", fn, fut):
+            raise EngineUnavailableError("the engine loop has stopped")
         return await fut
 
     def shutdown(self, timeout: float = 30.0) -> None:
@@ -154,16 +158,20 @@ class EngineLoop:
         self._send("stop")
         self._thread.join(timeout)
 
-    def _send(self, *cmd: Any) -> None:
-        self._commands.put(cmd)
+    def _send(self, *cmd: Any) -> bool:
+        with self._lock:
+            if self._closed:
+                return False
+            self._commands.put(cmd)
         self._wake.set()
+        return True
 
     # -- the engine thread ----------------------------------------------------------------
     def _run(self) -> None:
         while True:
             out: list[tuple[RequestHandle, Any]] = []
             self._apply_commands(out)
-            if self._stopping:
+            if self._stopping or self.error is not None:
                 break
             busy = self.engine.has_unfinished_requests()
             if busy:
@@ -179,8 +187,12 @@ class EngineLoop:
                 self._wake.clear()
             elif s.step_prefill_tokens + s.step_decode_tokens == 0:
                 time.sleep(0.001)  # nothing schedulable this step: do not spin
+        with self._lock:
+            self._closed = True
+        self._stopping = True
         out = []
-        self._fail_all(out, "the server is shutting down")
+        self._apply_commands(out)  # answers late adds with EngineUnavailableError
+        self._fail_all(out, self.error or "the server is shutting down")
         self.stats = self.engine.stats()
         self._deliver(out)
 

@@ -259,7 +259,6 @@ async def _run(
     except InvalidRequestError as e:
         raise api_error_from_invalid(e, rename) from None
     except QueueFullError as e:
-        state.metrics.rejected.labels("429").inc()
         raise APIError(429, f"{e}; retry later", code="rate_limit_exceeded",
                        headers={"Retry-After": str(state.retry_after_s)}) from None  # fmt: skip
     except EngineUnavailableError as e:
