@@ -133,8 +133,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
     build_serve_parser(sub)
     handlers["serve"] = cmd_serve
 
+    from kvserve.bench.cli import add_bench_parser
     from kvserve.plan.cli import add_plan_parser
 
+    handlers["bench"] = add_bench_parser(sub)
     handlers["plan"] = add_plan_parser(sub)
     return parser, handlers
 

@@ -1,0 +1,266 @@
+"""Console table, Markdown summary, JSON files, PNG plots and side-by-side comparisons.
+
+Plots need matplotlib, which is an optional extra (``pip install 'kvserve[plots]'``; the
+``test`` extra includes it): it pulls in Pillow, fonttools and friends, too much for a serving
+runtime that never draws. Without it the run still writes every other output and says, once,
+that the plots were skipped and how to get them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from kvserve.bench.metrics import RequestRecord
+
+LATENCIES = (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms"))
+STATS = ("mean", "p50", "p90", "p95", "p99")
+PLOTS_MISSING = "plots skipped: matplotlib is not installed (pip install 'kvserve[plots]')"
+
+# (label, dotted key, format, higher is better)
+COMPARE_ROWS: tuple[tuple[str, str, str, bool], ...] = (
+    ("completed", "completed", "{:.0f}", True),
+    ("failed", "failed", "{:.0f}", False),
+    ("duration s", "duration_s", "{:.2f}", False),
+    ("requests/s", "request_throughput", "{:.3f}", True),
+    ("output tok/s", "output_throughput", "{:.1f}", True),
+    ("total tok/s", "total_token_throughput", "{:.1f}", True),
+    ("goodput req/s", "goodput.request_goodput", "{:.3f}", True),
+    ("TTFT mean ms", "ttft_ms.mean", "{:.1f}", False),
+    ("TTFT p50 ms", "ttft_ms.p50", "{:.1f}", False),
+    ("TTFT p99 ms", "ttft_ms.p99", "{:.1f}", False),
+    ("TPOT mean ms", "tpot_ms.mean", "{:.2f}", False),
+    ("TPOT p99 ms", "tpot_ms.p99", "{:.2f}", False),
+    ("ITL p50 ms", "itl_ms.p50", "{:.2f}", False),
+    ("ITL p99 ms", "itl_ms.p99", "{:.2f}", False),
+    ("E2E mean ms", "e2e_ms.mean", "{:.1f}", False),
+    ("E2E p99 ms", "e2e_ms.p99", "{:.1f}", False),
+    ("prefix hit rate", "server.prefix_cache_hit_rate", "{:.1%}", True),
+    ("KV usage max", "server.kv_cache_usage.max", "{:.1%}", False),
+    ("token occupancy", "server.kv_cache_token_occupancy.mean", "{:.1%}", True),
+    ("preemptions", "server.num_preemptions", "{:.0f}", False),
+    ("KV bytes/token", "kv_bytes_per_token", "{:.0f}", False),
+    ("KV blocks", "kv_blocks_total", "{:.0f}", True),
+    ("$/M output tok", "cost.usd_per_million_output_tokens", "{:.4g}", False),
+    ("agreement", "quality.token_agreement", "{:.1%}", True),
+    ("identical outputs", "quality.identical_outputs", "{:.1%}", True),
+    ("outputs compared", "quality.compared", "{:.0f}", True),
+)
+
+
+def get(d: dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(d, dict) or part not in d:
+            return None
+        d = d[part]
+    return d
+
+
+def _f(v: Any, fmt: str = "{:.2f}") -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return fmt.format(v)
+
+
+def _table(
+    header: list[str], rows: list[list[str]], markdown: bool = False, left: bool = False
+) -> str:
+    """A plain-text (or Markdown) table; numbers right-aligned unless ``left``."""
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        return "\n".join(lines)
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
+    fmt = "  ".join(f"{{:<{w}}}" if i == 0 or left else f"{{:>{w}}}" for i, w in enumerate(widths))
+    lines = [fmt.format(*header), "-" * (sum(widths) + 2 * len(widths) - 2)]
+    lines += [fmt.format(*r) for r in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _headline(s: dict[str, Any]) -> list[list[str]]:
+    gp, cost, srv = s["goodput"], s["cost"], s.get("server") or {}
+    slo = ", ".join(f"{k}<={v * 1000:g}ms" for k, v in (gp.get("slo_s") or {}).items())
+    rows = [
+        ["target", str(s.get("target", "-"))],
+        ["workload", f"{s.get('workload', '-')} (seed {s.get('seed', '-')})"],
+        ["load", str(s.get("load", "-"))],
+        ["completed / failed", f"{s['completed']} / {s['failed']}"],
+        ["duration", f"{s['duration_s']:.2f} s"],
+        ["input / output tokens", f"{s['total_input_tokens']} / {s['total_output_tokens']}"],
+        ["request throughput", f"{s['request_throughput']:.3f} req/s"],
+        ["output token throughput", f"{s['output_throughput']:.1f} tok/s"],
+        ["total token throughput", f"{s['total_token_throughput']:.1f} tok/s"],
+    ]
+    if slo:
+        rows.append(
+            [f"goodput ({slo})",
+             f"{gp['request_goodput']:.3f} req/s, attainment {gp['attainment']:.1%}"]
+        )  # fmt: skip
+    if cost.get("gpu_hour_cost") is not None:
+        rows.append(
+            [f"cost (${cost['gpu_hour_cost']:g}/h x {cost['gpus']})",
+             f"${_f(cost['usd_per_million_output_tokens'], '{:.4g}')} per M output tokens, "
+             f"${_f(cost['usd_per_million_total_tokens'], '{:.4g}')} per M total"]
+        )  # fmt: skip
+    if srv.get("available"):
+        kv, occ = srv["kv_cache_usage"], srv["kv_cache_token_occupancy"]
+        rows += [
+            ["KV usage mean / max", f"{_f(kv['mean'], '{:.1%}')} / {_f(kv['max'], '{:.1%}')}"],
+            ["token occupancy mean", _f(occ["mean"], "{:.1%}")],
+            ["preemptions", _f(srv["num_preemptions"], "{:.0f}")],
+            ["prefix cache hits", f"{_f(srv['prefix_cache_hit_rate'], '{:.1%}')} "
+             f"({_f(srv['prefix_cache_hits'], '{:.0f}')} / "
+             f"{_f(srv['prefix_cache_queries'], '{:.0f}')} tokens)"],
+            ["prefix cache evictions", _f(srv["prefix_cache_evictions"], "{:.0f}")],
+        ]  # fmt: skip
+    else:
+        rows.append(["server metrics", "unavailable (no /metrics)"])
+    for reason, n in s["failures"].items():
+        example = s["failure_examples"].get(reason) or ""
+        rows.append([f"failed: {reason}", f"{n}  {example[:80]}"])
+    return rows
+
+
+def _latency_rows(s: dict[str, Any]) -> list[list[str]]:
+    return [[name] + [_f(s[key][st]) for st in STATS] for name, key in LATENCIES]
+
+
+def console_table(s: dict[str, Any]) -> str:
+    """The summary as the console shows it."""
+    title = f"kvserve bench: {s.get('label', '')}"
+    return "\n".join([
+        f"== {title} " + "=" * max(0, 60 - len(title)),
+        _table(["figure", "value"], _headline(s), left=True),
+        "",
+        _table(["latency (ms)", *STATS], _latency_rows(s)),
+    ])  # fmt: skip
+
+
+def markdown(s: dict[str, Any], plots: list[str] | None = None) -> str:
+    parts = [
+        f"# kvserve bench: {s.get('label', '')}",
+        "",
+        _table(["figure", "value"], _headline(s), markdown=True),
+        "",
+        "## Latency (ms)",
+        "",
+        _table(["metric", *STATS], _latency_rows(s), markdown=True),
+    ]
+    if s.get("by_kind"):
+        rows = [[k, str(v["completed"]), str(v["failed"]), _f(v["ttft_p50_ms"]),
+                 _f(v["tpot_p50_ms"])] for k, v in s["by_kind"].items()]  # fmt: skip
+        parts += ["", "## By request kind", "", _table(
+            ["kind", "completed", "failed", "TTFT p50 ms", "TPOT p50 ms"], rows, markdown=True
+        )]  # fmt: skip
+    for p in plots or []:
+        parts += ["", f"![{Path(p).stem}]({Path(p).name})"]
+    return "\n".join(parts) + "\n"
+
+
+def compare_table(named: list[tuple[str, dict[str, Any]]], markdown: bool = False) -> str:
+    """Side by side, with each run's ratio to the first (rows where every run is empty are
+    dropped, so a table of runs without an SLO has no goodput row)."""
+    header = ["metric"] + [n for n, _ in named]
+    header += [f"{n} / {named[0][0]}" for n, _ in named[1:]]
+    rows = []
+    for label, key, fmt, _ in COMPARE_ROWS:
+        vals = [get(s, key) for _, s in named]
+        if all(v is None for v in vals):
+            continue
+        row = [label] + [_f(v, fmt) for v in vals]
+        base = vals[0]
+        for v in vals[1:]:
+            ok = isinstance(base, int | float) and isinstance(v, int | float) and base
+            row.append(f"{v / base:.2f}x" if ok else "-")
+        rows.append(row)
+    return _table(header, rows, markdown)
+
+
+def load_summary(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
+    """(label, summary) pairs from a bench JSON file: one for a run, one per sweep point."""
+    data = json.loads(Path(path).read_text())
+    stem = Path(path).stem
+    if "sweep" in data:
+        return [(f"{stem}@{p['sweep_value']}", p) for p in data["sweep"]]
+    return [(stem, data["summary"])]
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1, default=str))
+    return path
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_latency_cdf(runs: dict[str, list[RequestRecord]], path: Path) -> Path | None:
+    """CDFs of TTFT, ITL and E2E, one line per run; None when matplotlib is absent."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for ax, (title, fn) in zip(
+        axes,
+        (
+            ("TTFT", lambda r: [r.ttft]),
+            ("inter-token latency", lambda r: r.itl),
+            ("end-to-end latency", lambda r: [r.e2e]),
+        ),
+        strict=True,
+    ):
+        for label, recs in runs.items():
+            xs = sorted(x * 1000 for r in recs if r.success for x in fn(r) if x is not None)
+            if xs:
+                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=label)
+        ax.set_title(title)
+        ax.set_xlabel("ms")
+        ax.set_ylabel("fraction of samples")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def plot_sweep(points: list[dict[str, Any]], xlabel: str, path: Path) -> Path | None:
+    """Throughput (and goodput) and p99 latencies against the swept load."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    xs = [p["sweep_value"] for p in points]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
+    a.plot(xs, [p["output_throughput"] for p in points], marker="o", label="output tok/s")
+    a.plot(xs, [p["total_token_throughput"] for p in points], marker="o", label="total tok/s")
+    a.set_ylabel("tokens/s")
+    if any(get(p, "goodput.request_goodput") is not None for p in points):
+        a2 = a.twinx()
+        a2.plot(xs, [get(p, "goodput.request_goodput") for p in points], "k--", marker="x",
+                label="goodput req/s")  # fmt: skip
+        a2.set_ylabel("goodput req/s")
+        a2.legend(loc="lower right", fontsize=8)
+    for key, name in (("ttft_ms", "TTFT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E")):
+        b.plot(xs, [p[key]["p99"] for p in points], marker="o", label=f"{name} p99")
+    b.set_yscale("log")
+    b.set_ylabel("ms")
+    for ax in (a, b):
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

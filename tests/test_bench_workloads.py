@@ -1,0 +1,132 @@
+"""Workloads: same seed, same prompts and arrivals; the shapes each named workload promises."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import pytest
+
+from kvserve.bench.workloads import (
+    KINDS,
+    WORKLOADS,
+    WorkloadSpec,
+    arrival_times,
+    make_workload,
+)
+
+
+def byte_count(text: str) -> int:
+    """A byte-level tokenizer (like the test checkpoints'): one token per UTF-8 byte."""
+    return len(text.encode())
+
+
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_same_seed_same_prompts(name):
+    spec = WorkloadSpec(name, num_prompts=12, seed=5, length_scale=0.2)
+    a, b = make_workload(spec, byte_count), make_workload(spec, byte_count)
+    assert a == b
+    assert [r.index for r in a] == list(range(12))
+    c = make_workload(WorkloadSpec(name, num_prompts=12, seed=6, length_scale=0.2), byte_count)
+    assert [r.prompt for r in a] != [r.prompt for r in c]
+
+
+def test_same_seed_same_arrivals_and_rate():
+    a = arrival_times(2000, request_rate=4.0, seed=1)
+    assert a == arrival_times(2000, request_rate=4.0, seed=1)
+    assert a != arrival_times(2000, request_rate=4.0, seed=2)
+    assert a[0] == 0.0 and all(x < y for x, y in zip(a, a[1:], strict=False))
+    gaps = [y - x for x, y in zip(a, a[1:], strict=False)]
+    assert statistics.fmean(gaps) == pytest.approx(0.25, rel=0.06)
+    cv = statistics.pstdev(gaps) / statistics.fmean(gaps)
+    assert cv == pytest.approx(1.0, abs=0.1)  # exponential gaps: Poisson arrivals
+    bursty = arrival_times(2000, request_rate=4.0, burstiness=0.25, seed=1)
+    bgaps = [y - x for x, y in zip(bursty, bursty[1:], strict=False)]
+    assert statistics.fmean(bgaps) == pytest.approx(0.25, rel=0.15)  # same mean rate
+    bcv = statistics.pstdev(bgaps) / statistics.fmean(bgaps)
+    assert bcv == pytest.approx(2.0, rel=0.2)  # gamma shape k: CV = 1 / sqrt(k)
+    assert arrival_times(3, math.inf) == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="burstiness"):
+        arrival_times(3, 1.0, burstiness=0)
+
+
+def test_lengths_follow_the_token_counter():
+    reqs = make_workload(
+        WorkloadSpec("prefill-heavy", num_prompts=20, seed=0, input_len=400, output_len=8,
+                     range_ratio=0.0),
+        byte_count,
+    )  # fmt: skip
+    for r in reqs:
+        assert r.input_len == byte_count(r.prompt)
+        assert abs(r.input_len - 400) <= 0.05 * 400
+        assert r.max_tokens == 8
+    scaled = make_workload(
+        WorkloadSpec("decode-heavy", num_prompts=50, seed=0, length_scale=0.5), byte_count
+    )
+    mean_out = statistics.fmean(r.max_tokens for r in scaled)
+    assert mean_out == pytest.approx(KINDS["decode-heavy"]["output_len"] * 0.5, rel=0.1)
+
+
+def test_rag_shares_documents():
+    reqs = make_workload(
+        WorkloadSpec("rag", num_prompts=40, seed=0, num_prefixes=3, prefix_share=1.0), byte_count
+    )
+    groups = {r.prefix_group for r in reqs}
+    assert groups <= {"rag/0", "rag/1", "rag/2"} and len(groups) == 3
+    for g in groups:
+        members = [r for r in reqs if r.prefix_group == g]
+        doc = members[0].prompt[: members[0].prefix_len]
+        assert all(m.prompt.startswith(doc) for m in members)
+        assert members[0].prefix_len >= 300
+    unique = make_workload(WorkloadSpec("rag", num_prompts=20, prefix_share=0.0), byte_count)
+    assert all(r.prefix_group is None for r in unique)
+    assert len({r.prompt[:100] for r in unique}) == 20
+
+
+def test_multi_turn_resends_history():
+    reqs = make_workload(WorkloadSpec("multi-turn", num_prompts=8, seed=0, turns=4), byte_count)
+    for conv in (reqs[:4], reqs[4:]):
+        for prev, nxt in zip(conv, conv[1:], strict=False):
+            assert nxt.prompt.startswith(prev.prompt)
+            assert nxt.input_len > prev.input_len
+    assert reqs[1].prefix_group == "multi-turn/0" and reqs[5].prefix_group == "multi-turn/1"
+
+
+def test_mixed_has_every_kind_and_keeps_turn_order():
+    reqs = make_workload(WorkloadSpec("mixed", num_prompts=60, seed=0), byte_count)
+    assert len(reqs) == 60
+    assert {r.kind for r in reqs} == set(KINDS)
+    turns = [r for r in reqs if r.kind == "multi-turn"]
+    # Within a conversation, later turns (which resend the earlier ones) come later.
+    first_conv = [r for r in turns if r.prompt.startswith(turns[0].prompt)]
+    assert len(first_conv) > 1
+    assert [r.index for r in first_conv] == sorted(r.index for r in first_conv)
+
+
+def test_max_model_len_caps_outputs_not_prompts():
+    reqs = make_workload(
+        WorkloadSpec("decode-heavy", num_prompts=10, seed=0, max_model_len=100), byte_count
+    )
+    assert all(r.input_len + r.max_tokens <= 99 for r in reqs)
+    with pytest.raises(ValueError, match="max_model_len"):
+        make_workload(WorkloadSpec("long-doc", num_prompts=2, max_model_len=100), byte_count)
+
+
+def test_jsonl_prompts_and_lengths(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    rows = [{"prompt": "hello there", "max_tokens": 5},
+            {"input_len": 50, "output_len": 7, "prefix_group": "g"}]  # fmt: skip
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    reqs = make_workload(WorkloadSpec(str(path), num_prompts=5, seed=0), byte_count)
+    assert [r.max_tokens for r in reqs] == [5, 7, 5, 7, 5]  # the trace cycles
+    assert reqs[0].prompt == "hello there" and reqs[1].prefix_group == "g"
+    assert abs(reqs[1].input_len - 50) <= 3
+    path.write_text('{"prompt": "x"}\n{not json}\n')
+    with pytest.raises(ValueError, match=r"trace.jsonl:2"):
+        make_workload(WorkloadSpec(str(path), num_prompts=2), byte_count)
+
+
+def test_unknown_workload_names_the_choices():
+    with pytest.raises(ValueError, match="workload: unknown 'nope'"):
+        make_workload(WorkloadSpec("nope", num_prompts=1))
