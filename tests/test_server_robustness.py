@@ -16,8 +16,16 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from kvserve import LLM
+from kvserve import LLM, SamplingParams
+from kvserve.request import InvalidRequestError
 from kvserve.server.app import BackgroundServer, build_state
+from kvserve.server.engine_loop import (
+    ADMITTED,
+    EngineLoop,
+    EngineUnavailableError,
+    QueueFullError,
+    RequestHandle,
+)
 from kvserve.server.tenants import TenantResolver
 from tests.test_server import scrape, wait_idle
 
@@ -190,6 +198,33 @@ def test_engine_step_failure_fails_the_batch_and_keeps_serving(server):
     assert server.state.loop.alive
     r = httpx.post(server.url + C, json=comp(max_tokens=5, ignore_eos=True), headers=AUTH)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+
+
+def test_engine_loop_answers_every_add_even_when_stopping(checkpoint):
+    """One drain holding a good add, a bad add, an add over capacity and a stop: each
+    handler gets its answer (none may wait forever), later sends are refused, no block kept."""
+    llm = LLM(checkpoint("llama_gqa"), max_model_len=64, dtype="float32", max_num_seqs=1)
+    loop = EngineLoop(llm.engine, max_queue=0)
+    params = SamplingParams(max_tokens=2)
+
+    async def main() -> list[list[object]]:
+        def handle(rid: str, ids: list[int]) -> RequestHandle:
+            return RequestHandle(rid, [{"prompt_token_ids": ids}], params, False, time.monotonic())
+
+        handles = [handle("bad", []), handle("good", [1, 2, 3]), handle("full", [4, 5])]
+        for h in handles:
+            assert loop._send("add", h)
+        assert loop._send("stop")
+        await asyncio.to_thread(loop._run)
+        assert not loop._send("add", handle("late", [1]))
+        await asyncio.sleep(0)  # let the delivery callbacks run
+        return [[h.queue.get_nowait() for _ in range(h.queue.qsize())] for h in handles]
+
+    bad, good, full = asyncio.run(main())
+    assert good[0] is ADMITTED and isinstance(good[1], EngineUnavailableError)
+    assert len(bad) == 1 and isinstance(bad[0], InvalidRequestError)
+    assert len(full) == 1 and isinstance(full[0], QueueFullError)
+    assert llm.engine.kv.pool.num_used_blocks == 0 and not llm.engine.has_unfinished_requests()
 
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server):

@@ -168,33 +168,41 @@ class EngineLoop:
 
     # -- the engine thread ----------------------------------------------------------------
     def _run(self) -> None:
-        while True:
-            out: list[tuple[RequestHandle, Any]] = []
-            self._apply_commands(out)
-            if self._stopping or self.error is not None:
-                break
-            busy = self.engine.has_unfinished_requests()
-            if busy:
-                try:
-                    self._dispatch(self.engine.step(), out)
-                except Exception as e:  # an engine bug: fail the batch, keep serving if we can
-                    log.exception("engine step failed")
-                    self._fail_all(out, f"engine step failed: {type(e).__name__}: {e}")
-            self.stats = s = self.engine.stats()
-            self._deliver(out)
-            if not busy:
-                self._wake.wait(0.5)
-                self._wake.clear()
-            elif s.step_prefill_tokens + s.step_decode_tokens == 0:
-                time.sleep(0.001)  # nothing schedulable this step: do not spin
-        with self._lock:
-            self._closed = True
-        self._stopping = True
-        out = []
-        self._apply_commands(out)  # answers late adds with EngineUnavailableError
-        self._fail_all(out, self.error or "the server is shutting down")
-        self.stats = self.engine.stats()
-        self._deliver(out)
+        out: list[tuple[RequestHandle, Any]] = []
+        try:
+            while not (self._stopping or self.error is not None):
+                self._deliver(out)
+                out = []
+                self._apply_commands(out)
+                busy = self.engine.has_unfinished_requests() and not self._stopping
+                if busy:
+                    try:
+                        self._dispatch(self.engine.step(), out)
+                    except Exception as e:  # an engine bug: fail the batch, serve on if we can
+                        log.exception("engine step failed")
+                        self._fail_all(out, f"engine step failed: {type(e).__name__}: {e}")
+                self.stats = s = self.engine.stats()
+                if not busy and not self._stopping:
+                    self._deliver(out)
+                    out = []
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                elif s.step_prefill_tokens + s.step_decode_tokens == 0:
+                    time.sleep(0.001)  # nothing schedulable this step: do not spin
+        except Exception as e:
+            log.exception("engine loop failed")
+            self.error = f"engine loop failed: {type(e).__name__}: {e}"
+        finally:
+            # Whatever happened, every waiting handler gets an answer: nothing may hang.
+            with self._lock:
+                self._closed = True
+            self._stopping = True
+            try:
+                self._apply_commands(out)  # late adds get EngineUnavailableError
+                self._fail_all(out, self.error or "the server is shutting down")
+                self.stats = self.engine.stats()
+            finally:
+                self._deliver(out)
 
     def _apply_commands(self, out: list[tuple[RequestHandle, Any]]) -> None:
         while True:
