@@ -270,7 +270,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         sums = [p.summary for p in points]
         payload = {"sweep": sums, "sweep_by": sweep_label,
                    "records": [[r.to_dict() for r in p.records] for p in points]}  # fmt: skip
-        print(compare_table([(f"{sweep_label.split()[0]}={p.summary['sweep_value']:g}", p.summary)
+        short = "rate" if sweep_label.startswith("request rate") else "concurrency"
+        print(compare_table([(f"{short}={p.summary['sweep_value']:g}", p.summary)
                              for p in points]))  # fmt: skip
         if not args.no_plots:
             path = plot_sweep(sums, sweep_label, out_dir / f"{label}-sweep.png")

@@ -250,7 +250,7 @@ def plot_sweep(points: list[dict[str, Any]], xlabel: str, path: Path) -> Path | 
         a2.plot(xs, [get(p, "goodput.request_goodput") for p in points], "k--", marker="x",
                 label="goodput req/s")  # fmt: skip
         a2.set_ylabel("goodput req/s")
-        a2.legend(loc="lower right", fontsize=8)
+        a2.legend(loc="center right", fontsize=8)
     for key, name in (("ttft_ms", "TTFT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E")):
         b.plot(xs, [p[key]["p99"] for p in points], marker="o", label=f"{name} p99")
     b.set_yscale("log")
