@@ -1,0 +1,93 @@
+"""Shared pieces of the benchmark scripts: the random Llamas, seeded prompts, timing helpers,
+and the one-JSON-line summary every script ends with."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL_CACHE = REPO / ".cache" / "bench-models"
+
+# ~5 M and ~50 M parameter random Llamas (GQA), the sizes the issues quote.
+MODELS: dict[str, dict[str, Any]] = {
+    "5m": dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_layers=4,
+               num_heads=4, num_kv_heads=2),
+    "50m": dict(vocab_size=16384, hidden_size=512, intermediate_size=1536, num_layers=10,
+                num_heads=8, num_kv_heads=4),
+}  # fmt: skip
+
+
+def bench_model(size: str) -> str:
+    """Path of the random checkpoint ``size`` (built once, deterministically, then cached)."""
+    from kvserve.model.synthetic import make_random_checkpoint
+
+    path = MODEL_CACHE / size
+    if not (path / "model.safetensors").exists():
+        make_random_checkpoint(
+            path, seed=0, max_position_embeddings=8192, init_std=0.05, **MODELS[size]
+        )
+    return str(path)
+
+
+def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def set_threads() -> int:
+    n = int(os.environ.get("KVSERVE_BENCH_THREADS", min(2, os.cpu_count() or 1)))
+    torch.set_num_threads(n)
+    return n
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def copy_bandwidth(nbytes: int = 256 * 2**20, reps: int = 5) -> float:
+    """Measured memory copy bandwidth in bytes/s (read + write counted once, as a stream)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32).normal_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return nbytes / median(times)
+
+
+def table(rows: list[dict[str, Any]], cols: list[str]) -> str:
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:,.3f}" if abs(v) < 100 else f"{v:,.0f}"
+        return str(v)
+
+    cells = [[fmt(r.get(c, "")) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(lines)
+
+
+def emit(summary: dict[str, Any]) -> None:
+    """The last line of every benchmark: one JSON object of headline figures."""
+    sys.stdout.flush()
+    print(json.dumps(summary, sort_keys=True))

@@ -1,0 +1,164 @@
+"""Output tokens/s of kvserve against Hugging Face transformers (and vLLM when importable).
+
+Fixed workload: 64 prompts of 128-1024 tokens (seeded), 128 output tokens each, ignore_eos,
+on the ~5 M and ~50 M parameter random Llamas. transformers runs batched ``generate`` with
+left padding at each batch size in ``--hf-batch-sizes`` and its best is kept. The decode step
+time is also compared with the memory-bandwidth roofline: bytes of weights plus KV read per
+step over this machine's measured copy bandwidth (ratio 1.0 = at the bound).
+
+    .venv/bin/python -m benchmarks.throughput [--quick] [--dtype float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import torch
+
+from benchmarks.common import (
+    MODELS,
+    bench_model,
+    copy_bandwidth,
+    emit,
+    median,
+    random_prompts,
+    set_threads,
+    table,
+)
+
+
+def run_kvserve(path: str, prompts, max_tokens: int, dtype: str, budget: int) -> dict:
+    from kvserve import LLM, SamplingParams
+
+    llm = LLM(path, dtype=dtype, max_num_seqs=len(prompts), max_num_batched_tokens=budget,
+              enable_prefix_caching=False)  # fmt: skip
+    engine = llm.engine
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4))  # warm-up
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(None, p, sp)
+    decode_steps: list[tuple[float, int, int]] = []  # (seconds, batch, kv tokens read)
+    t0 = time.perf_counter()
+    n_out = 0
+    while engine.has_unfinished_requests():
+        running = engine.scheduler.running
+        kv_tokens = sum(r.num_computed_tokens + 1 for r in running)
+        ts = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - ts
+        s = engine.stats()
+        if s.step_prefill_tokens == 0 and s.step_decode_tokens:
+            decode_steps.append((dt, s.step_decode_tokens, kv_tokens))
+        n_out += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
+    wall = time.perf_counter() - t0
+    return {"tok_s": n_out / wall, "wall": wall, "decode_steps": decode_steps,
+            "bytes_per_token": engine.bytes_per_token, "model": engine.model}  # fmt: skip
+
+
+def run_transformers(path: str, prompts, max_tokens: int, dtype: str, bsz: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    t0 = time.perf_counter()
+    n_out = 0
+    with torch.no_grad():
+        for i in range(0, len(prompts), bsz):
+            batch = prompts[i : i + bsz]
+            width = max(map(len, batch))
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            out = model.generate(ids, attention_mask=mask, do_sample=False,
+                                 max_new_tokens=max_tokens, min_new_tokens=max_tokens)  # fmt: skip
+            n_out += (out.shape[1] - width) * len(batch)
+    return n_out / (time.perf_counter() - t0)
+
+
+def run_vllm(path: str, prompts, max_tokens: int, dtype: str) -> float | None:
+    try:
+        from vllm import LLM as VLLM  # type: ignore[import-not-found]
+        from vllm import SamplingParams as VParams  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    llm = VLLM(model=path, dtype=dtype, skip_tokenizer_init=True, enforce_eager=True)
+    sp = VParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    reqs = [{"prompt_token_ids": p} for p in prompts]
+    t0 = time.perf_counter()
+    outs = llm.generate(reqs, sp)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+
+
+def weight_bytes(model) -> int:
+    """Bytes a decode step reads from weights: every matrix except the embedding table
+    (only B rows of it are read), counting a tied lm_head once."""
+    seen, total = set(), 0
+    for name, p in model.named_parameters():
+        if name == "embed_tokens.weight" or p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    if model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr():
+        total += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--sizes", default=None, help="comma list of 5m,50m")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
+    ap.add_argument("--hf-batch-sizes", default="16,32,64")
+    args = ap.parse_args()
+    threads = set_threads()
+    sizes = (args.sizes or ("5m" if args.quick else "5m,50m")).split(",")
+    n = 16 if args.quick else args.num_prompts
+    max_tokens = 32 if args.quick else args.max_tokens
+    hf_sizes = [16] if args.quick else [int(b) for b in args.hf_batch_sizes.split(",")]
+    bw = copy_bandwidth()
+    print(f"threads {threads}, dtype {args.dtype}, copy bandwidth {bw / 1e9:.1f} GB/s, "
+          f"{n} prompts of 128-1024 tokens, {max_tokens} output tokens")  # fmt: skip
+
+    rows, summary = [], {}
+    for size in sizes:
+        path = bench_model(size)
+        prompts = random_prompts(n, 128, 1024, MODELS[size]["vocab_size"], seed=0)
+        kv = run_kvserve(path, prompts, max_tokens, args.dtype, args.budget)
+        wbytes = weight_bytes(kv.pop("model"))
+        ratios = [dt / ((wbytes + kv_t * kv["bytes_per_token"]) / bw)
+                  for dt, _, kv_t in kv["decode_steps"]]  # fmt: skip
+        step_ms = median([d[0] for d in kv["decode_steps"]]) * 1e3
+        gc.collect()
+        hf = {b: run_transformers(path, prompts, max_tokens, args.dtype, b) for b in hf_sizes}
+        best_b = max(hf, key=hf.get)
+        vllm = run_vllm(path, prompts, max_tokens, args.dtype)
+        row = {"model": size, "kvserve tok/s": kv["tok_s"], f"hf tok/s (bs {best_b})": hf[best_b],
+               "ratio": kv["tok_s"] / hf[best_b], "decode step ms": step_ms,
+               "roofline x": median(ratios)}  # fmt: skip
+        if vllm is not None:
+            row["vllm tok/s"] = vllm
+        rows.append(row)
+        print(f"[{size}] transformers by batch size: "
+              + ", ".join(f"{b}: {v:.0f} tok/s" for b, v in hf.items()))  # fmt: skip
+        summary[size] = {
+            "kvserve_tok_s": round(kv["tok_s"], 1),
+            "transformers_tok_s": round(hf[best_b], 1),
+            "ratio": round(kv["tok_s"] / hf[best_b], 3),
+            "roofline_ratio": round(median(ratios), 3),
+            "vllm_tok_s": None if vllm is None else round(vllm, 1),
+        }
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    print(table(rows, cols))
+    head = summary[sizes[0]]
+    emit({**{k: head[k] for k in ("kvserve_tok_s", "transformers_tok_s", "ratio",
+                                  "roofline_ratio")}, "by_model": summary,
+          "dtype": args.dtype})  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
