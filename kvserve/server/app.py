@@ -268,8 +268,11 @@ def run_server(args: argparse.Namespace) -> int:
     )
     log.info("serving %s on http://%s:%d (KV blocks %d x %d tokens, %s)", names[0], args.host,
              args.port, engine.num_blocks, engine.block_size, engine.kv_cache_dtype)  # fmt: skip
-    # uvicorn re-raises a captured SIGTERM after its graceful shutdown; with the default
-    # handler that would kill the process (exit -15) after a clean drain. Exit 0 instead.
+    # uvicorn re-raises a captured SIGTERM/SIGINT after its graceful shutdown; by default that
+    # kills the process (-15) or raises KeyboardInterrupt after a clean drain. Exit 0 instead.
     signal.signal(signal.SIGTERM, lambda *_: None)
-    _Server(config, state).run()
+    try:
+        _Server(config, state).run()
+    except KeyboardInterrupt:
+        pass
     return 0
