@@ -13,9 +13,10 @@ from typing import Any
 import torch
 
 from kvserve.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig
+from kvserve.kv.formats import canonical_kv_format, make_kv_storage
 from kvserve.kv.manager import KVCacheManager, cdiv
-from kvserve.kv.storage import TORCH_DTYPES, KVStorage
-from kvserve.model.loader import load_model, resolve_dtype
+from kvserve.kv.storage import KVStorage, kv_bytes_per_token
+from kvserve.model.loader import load_kv_scales, load_model, resolve_dtype
 from kvserve.model.sampler import Sampler
 from kvserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvserve.request import (
@@ -96,38 +97,39 @@ class LLMEngine:
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, mc)
         cc = config.cache
-        kv_name = cc.kv_cache_dtype
-        if kv_name == "auto":
-            kv_dtype = self.dtype
-            kv_name = str(kv_dtype).removeprefix("torch.")
-        elif kv_name in TORCH_DTYPES:
-            kv_dtype = TORCH_DTYPES[kv_name]
-        else:
-            raise ConfigError(f"kv_cache_dtype: {kv_name!r} is not implemented yet")
+        model_dtype = str(self.dtype).removeprefix("torch.")
+        try:
+            kv_name = canonical_kv_format(cc.kv_cache_dtype, model_dtype)
+        except NotImplementedError as e:
+            raise ConfigError(str(e)) from None
         self.kv_cache_dtype = kv_name
         self.block_size = cc.block_size
-        self.bytes_per_token = KVStorage.bytes_per_token(
-            mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, kv_dtype
-        )
+        self.bytes_per_token = kv_bytes_per_token(
+            kv_name, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, model_dtype,
+            block_size=self.block_size,
+        )  # fmt: skip
         self.num_blocks = self._num_blocks(cc, sc)
 
         self.model = load_model(model_dir, mc, self.dtype, self.device, self.max_model_len)
-        self.storage = KVStorage(
-            mc.num_hidden_layers,
-            self.num_blocks,
-            self.block_size,
-            mc.num_key_value_heads,
-            mc.head_dim,
-            kv_dtype,
-            self.device,
-        )
+        k_scales = v_scales = None
+        if kv_name.startswith("fp8") and not cc.calculate_kv_scales:
+            k_scales, v_scales = load_kv_scales(model_dir, mc)
+        self.storage = make_kv_storage(
+            kv_name, mc.num_hidden_layers, self.num_blocks, self.block_size,
+            mc.num_key_value_heads, mc.head_dim, self.dtype, self.device,
+            max_num_seqs=min(sc.max_num_seqs, self.num_blocks),
+            k_scales=k_scales, v_scales=v_scales,
+        )  # fmt: skip
+        layout = kv_name if type(self.storage) is KVStorage else self.storage.format_name
         self.kv = KVCacheManager(
             self.num_blocks,
             self.block_size,
             cc.enable_prefix_caching,
             model_id=model_fingerprint(model_dir),
-            kv_format=f"{kv_name}/bs{self.block_size}",
+            kv_format=f"{layout}/bs{self.block_size}",
         )
+        if hasattr(self.storage, "attach_pool"):
+            self.storage.attach_pool(self.kv.pool)  # reclaims residual slots of freed blocks
         self.scheduler = Scheduler(sc, self.kv)
         self.sampler = Sampler(mc.vocab_size, config.seed, self.device)
         self.runner = ModelRunner(self.model, self.storage, self.sampler, self.kv, self.device)

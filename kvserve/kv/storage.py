@@ -18,15 +18,23 @@ TORCH_DTYPES = {
 
 
 def kv_bytes_per_token(
-    kv_cache_dtype: str, num_layers: int, num_kv_heads: int, head_dim: int, model_dtype: str
+    kv_cache_dtype: str,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    model_dtype: str,
+    block_size: int = 16,
 ) -> float:
     """Bytes one token's K and V occupy across all layers in the given storage format,
     metadata (scales, zero points) included. The engine sizes its pool with this figure and
-    ``kvserve plan`` reports it, so the two always agree. ``auto`` follows the model dtype."""
-    name = model_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
-    if name not in TORCH_DTYPES:
-        raise NotImplementedError(f"kv_cache_dtype: {kv_cache_dtype!r} is not implemented yet")
-    return KVStorage.bytes_per_token(num_layers, num_kv_heads, head_dim, TORCH_DTYPES[name])
+    ``kvserve plan`` reports it, so the two always agree. ``auto`` follows the model dtype.
+
+    ``block_size`` matters only for KIVI formats, whose key metadata is per block (per channel
+    over the block's tokens); the default is the engine's default block size."""
+    from kvserve.kv.formats import canonical_kv_format, format_bytes_per_token
+
+    name = canonical_kv_format(kv_cache_dtype, model_dtype)
+    return format_bytes_per_token(name, num_layers, num_kv_heads, head_dim, block_size)
 
 
 class KVStorage:

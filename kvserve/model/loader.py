@@ -119,3 +119,38 @@ def load_model(
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary = RotaryEmbedding(cfg, max_positions, device)
     return model.eval().requires_grad_(False)
+
+
+def load_kv_scales(
+    model_dir: str | Path, cfg: ModelConfig
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """fp8 KV dequantization scales the checkpoint provides, as ``[num_layers, n]`` float32
+    (``n`` is 1 or the KV head count), for K and for V; None where it provides none.
+
+    Per-layer tensors ``model.layers.{i}.self_attn.k_scale`` / ``v_scale`` (scalars or one per
+    KV head, the layout vLLM-quantized checkpoints use) win over global ``k_scale`` /
+    ``v_scale`` floats in config.json. Only tensor names are listed, no weights are read."""
+    files = weight_files(Path(model_dir))
+    found: dict[str, dict[int, torch.Tensor]] = {"k_scale": {}, "v_scale": {}}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                parts = name.split(".")
+                if len(parts) == 5 and parts[-1] in found and parts[-2] == "self_attn":
+                    found[parts[-1]][int(parts[2])] = f.get_tensor(name).float().reshape(-1)
+    out: list[torch.Tensor | None] = []
+    for key, glob in (("k_scale", cfg.k_scale), ("v_scale", cfg.v_scale)):
+        per_layer = found[key]
+        if len(per_layer) == cfg.num_hidden_layers:
+            rows = [per_layer[i] for i in range(cfg.num_hidden_layers)]
+            width = max(r.numel() for r in rows)
+            out.append(torch.stack([r.expand(width) for r in rows]))
+        elif per_layer:
+            raise ModelLoadError(
+                f"model: {key} present for {len(per_layer)} of {cfg.num_hidden_layers} layers"
+            )
+        elif glob is not None:
+            out.append(torch.full((cfg.num_hidden_layers, 1), float(glob)))
+        else:
+            out.append(None)
+    return out[0], out[1]
