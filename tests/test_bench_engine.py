@@ -149,3 +149,14 @@ def test_cli_without_matplotlib_skips_plots_clearly(checkpoint, tmp_path, capsys
     err = capsys.readouterr().err
     assert "plots skipped: matplotlib is not installed" in err
     assert (tmp_path / "np.json").exists() and not list(tmp_path.glob("*.png"))
+
+
+def test_scrape_after_the_run_sees_the_engine_idle(checkpoint, make_llm):
+    llm = make_llm(checkpoint("llama_gqa"), max_model_len=MAX_LEN)
+    reqs = [BenchRequest(i, "chat", f"question {i}", 3, 4) for i in range(3)]
+    s = run(llm, reqs, LoadSpec(concurrency=1)).summary["server"]
+    assert s["num_requests_running"]["after"] == 0
+    assert s["kv_cache_usage"]["after"] == 0
+    assert s["prefix_cache_queries"] == sum(
+        len(llm.engine.tokenizer.encode(r.prompt)) for r in reqs
+    )

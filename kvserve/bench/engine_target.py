@@ -160,12 +160,14 @@ class EngineTarget:
                     self._resolve(fut)
                 pending.clear()
                 continue
+            # Publish before waking the waiters, so a scrape right after the last request
+            # ends already sees the engine idle.
+            self._publish(engine, sample=True)
             for out in outputs:
                 if out.finished and out.request_id in pending:
                     rec, fut = pending.pop(out.request_id)
                     _fill(rec, out)
                     self._resolve(fut)
-            self._publish(engine, sample=True)
 
     def _publish(self, engine: Any, sample: bool) -> None:
         """Refresh what ``scrape`` returns; a step's snapshot is also a sample of the run,
