@@ -205,8 +205,13 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         stream: bool = False,
+        return_prompt_logits: bool = False,
     ) -> str:
-        """Validate and queue a request; raises :class:`InvalidRequestError` (nothing queued)."""
+        """Validate and queue a request; raises :class:`InvalidRequestError` (nothing queued).
+
+        ``return_prompt_logits`` (for evaluation tools such as the quality gate) attaches the
+        full ``[prompt_len, vocab]`` log-softmax of the prompt to the output; such a request
+        computes every prompt position itself (no prefix-cache hits)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(
@@ -243,6 +248,7 @@ class LLMEngine:
                 "max_tokens",
             )
         family = _Family(request_id, text, ids, params, stream)
+        family.return_prompt_logits = return_prompt_logits
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             # As vLLM: sample i of a seeded request uses seed + i, so samples differ.
@@ -265,6 +271,8 @@ class LLMEngine:
                 req.detokenizer = IncrementalDetokenizer(
                     self.tokenizer, ids, params.skip_special_tokens
                 )
+            if i == 0 and (return_prompt_logits or params.prompt_logprobs is not None):
+                req.prompt_logits = []
             family.children.append(req)
             self.requests[child_id] = req
         self._families[request_id] = family
@@ -406,6 +414,15 @@ class LLMEngine:
                 )
             )
         first = family.children[0]
+        prompt_lp, prompt_logits = None, None
+        if first.prompt_logits and not family.sent_prompt_logits:
+            family.sent_prompt_logits = True
+            prompt_logits = torch.cat(first.prompt_logits)
+            n = first.sampling_params.prompt_logprobs
+            if n is not None:
+                prompt_lp = _prompt_logprobs(prompt_logits, family.prompt_token_ids, n)
+            if not family.return_prompt_logits:
+                prompt_logits = None
         if done:
             self._families.pop(family.request_id, None)
             for c in family.children:
@@ -418,6 +435,8 @@ class LLMEngine:
             finished=done,
             metrics=first.metrics,
             num_cached_tokens=max(first.num_cached_tokens, 0),
+            prompt_logprobs=prompt_lp,
+            prompt_logits=prompt_logits,
         )
 
     # -- observability -------------------------------------------------------------------
@@ -452,6 +471,24 @@ class LLMEngine:
         return self.kv.reset_prefix_cache()
 
 
+def _prompt_logprobs(
+    logits: torch.Tensor, prompt: list[int], n: int
+) -> list[dict[int, float] | None]:
+    """vLLM's prompt_logprobs: None for the first token, then the actual token's log-prob
+    and the top-n at each later position."""
+    rows = logits[: len(prompt) - 1]
+    actual = rows.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist()
+    out: list[dict[int, float] | None] = [None]
+    top_v, top_i = rows.topk(n, dim=-1) if n else (None, None)
+    for pos, tok in enumerate(prompt[1:]):
+        entry = {tok: actual[pos]}
+        if top_i is not None:
+            for t, v in zip(top_i[pos].tolist(), top_v[pos].tolist(), strict=True):
+                entry.setdefault(t, v)
+        out.append(entry)
+    return out
+
+
 class _Family:
     """A user request and its ``n`` sampled sequences (children)."""
 
@@ -465,6 +502,8 @@ class _Family:
         "pending_forks",
         "sent",
         "closed",
+        "return_prompt_logits",
+        "sent_prompt_logits",
     )
 
     def __init__(
@@ -484,6 +523,8 @@ class _Family:
         self.pending_forks: list[Request] = []
         self.sent: dict[int, tuple[int, int]] = {}
         self.closed: set[int] = set()
+        self.return_prompt_logits = False
+        self.sent_prompt_logits = False
 
 
 class LLM:

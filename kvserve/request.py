@@ -39,6 +39,8 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    # Log-probabilities of the prompt's own tokens (top-n beside the actual token), as vLLM.
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
@@ -86,6 +88,13 @@ class SamplingParams:
             )
         if self.logprobs is not None and not 0 <= integer("logprobs") <= self.MAX_LOGPROBS:
             raise _bad("logprobs", f"must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not (
+            0 <= integer("prompt_logprobs") <= self.MAX_LOGPROBS
+        ):
+            raise _bad(
+                "prompt_logprobs",
+                f"must be in [0, {self.MAX_LOGPROBS}], got {self.prompt_logprobs}",
+            )
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None:
@@ -189,6 +198,7 @@ class Request:
         "detokenizer",
         "output_text",
         "lpm_skips",
+        "prompt_logits",
         "parent_id",
         "index",
     )
@@ -230,8 +240,14 @@ class Request:
         self.detokenizer: Any = None
         self.output_text = ""
         self.lpm_skips = 0
+        # Per-chunk [n, vocab] log-softmax rows for prompt positions, when asked for.
+        self.prompt_logits: list[Any] | None = None
         self.parent_id = parent_id
         self.index = index
+
+    @property
+    def wants_prompt_logits(self) -> bool:
+        return self.prompt_logits is not None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -288,3 +304,8 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    # vLLM shape: None for the first token, then {token_id: logprob} per prompt position.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # [num_prompt_tokens, vocab] log-probs (row i predicts token i + 1; the last row the first
+    # output token), only when add_request(..., return_prompt_logits=True): for eval tooling.
+    prompt_logits: Any = None

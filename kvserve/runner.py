@@ -44,20 +44,37 @@ class ModelRunner:
     def execute(
         self, sched: SchedulerOutput
     ) -> tuple[list[ScheduledRequest], SamplerOutput | None]:
-        """Run one step; returns the scheduled requests that sampled and their tokens."""
+        """Run one step; returns the scheduled requests that sampled and their tokens.
+
+        Requests that asked for prompt logits also get the log-softmax of every prompt
+        position of this chunk appended to ``request.prompt_logits``.
+        """
         if self.kv.pending_copies:
             self.storage.copy_blocks(self.kv.pending_copies)
             self.kv.pending_copies.clear()
         items = self._order(sched)
         input_ids, positions, meta, sample_rows = self._prepare(items)
         hidden = self.model(input_ids, positions, self.storage, meta)
+        last = self._last_token_index(items)
         sampling = [items[i] for i in sample_rows]
+        rows = [last[i] for i in sample_rows]
+        spans = []  # (request, first row in `rows`, number of prompt rows)
+        for i, s in enumerate(items):
+            r = s.request
+            if r.wants_prompt_logits and r.num_computed_tokens < r.num_prompt_tokens:
+                n = min(s.num_new_tokens, r.num_prompt_tokens - r.num_computed_tokens)
+                spans.append((r, len(rows), n))
+                rows.extend(
+                    range(last[i] - s.num_new_tokens + 1, last[i] - s.num_new_tokens + 1 + n)
+                )
+        if not rows:
+            return [], None
+        logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
+        for r, start, n in spans:
+            r.prompt_logits.append(torch.log_softmax(logits[start : start + n], dim=-1))
         if not sampling:
             return [], None
-        last = self._last_token_index(items)
-        idx = torch.tensor([last[i] for i in sample_rows], device=self.device)
-        logits = self.model.logits(hidden[idx])
-        out = self.sampler(logits, [s.request for s in sampling])
+        out = self.sampler(logits[: len(sampling)], [s.request for s in sampling])
         return sampling, out
 
     @staticmethod

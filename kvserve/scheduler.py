@@ -96,7 +96,8 @@ class Scheduler:
         ):
             req = self._pick_waiting()
             computed, num_cached = [], 0
-            if req.num_computed_tokens == 0:
+            if req.num_computed_tokens == 0 and not req.wants_prompt_logits:
+                # Prompt logits need every position computed, so such requests skip hits.
                 computed, num_cached = self.kv.get_computed_blocks(req)
             n = req.num_tokens - req.num_computed_tokens - num_cached
             if not self.config.enable_chunked_prefill and n > budget:
@@ -161,6 +162,8 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        if req.prompt_logits is not None:
+            req.prompt_logits = []  # recomputed from scratch
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)

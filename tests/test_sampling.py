@@ -147,3 +147,30 @@ def test_n_samples_share_the_prompt(checkpoint, make_llm):
     one = llm.generate(["parallel sampling prompt " * 3], greedy.clone(n=1))[0].outputs[0]
     many = llm.generate(["parallel sampling prompt " * 3], greedy)[0]
     assert all(c.token_ids == one.token_ids for c in many.outputs)
+
+
+def test_prompt_logprobs_and_logits_match_transformers(checkpoint, make_llm):
+    transformers = pytest.importorskip("transformers")
+    path = checkpoint("llama_gqa")
+    # A small budget splits the prompt into chunks that attend through the paged cache.
+    llm = make_llm(path, dtype="float32", max_num_batched_tokens=16)
+    prompt = list(range(40, 90))
+    engine = llm.engine
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2))  # warm the cache
+    engine.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3),
+                       return_prompt_logits=True)  # fmt: skip
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    (out,) = outs
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0], -1)
+    assert out.num_cached_tokens == 0  # prompt logits need every position computed
+    assert out.prompt_logits.shape == ref.shape
+    torch.testing.assert_close(out.prompt_logits, ref, atol=1e-4, rtol=0)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for pos in range(1, len(prompt)):
+        entry = out.prompt_logprobs[pos]
+        assert abs(entry[prompt[pos]] - ref[pos - 1, prompt[pos]].item()) < 1e-4
+        assert set(ref[pos - 1].topk(3).indices.tolist()) <= set(entry)
