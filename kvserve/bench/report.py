@@ -178,6 +178,42 @@ def compare_table(named: list[tuple[str, dict[str, Any]]], markdown: bool = Fals
     return _table(header, rows, markdown)
 
 
+# Columns of the one-row-per-configuration table (header, dotted key, format, ratio to row 1).
+CONFIG_COLUMNS: tuple[tuple[str, str, str, bool], ...] = (
+    ("req/s", "request_throughput", "{:.2f}", True),
+    ("out tok/s", "output_throughput", "{:.0f}", True),
+    ("TTFT p50", "ttft_ms.p50", "{:.0f}", True),
+    ("TTFT p99", "ttft_ms.p99", "{:.0f}", True),
+    ("TPOT mean", "tpot_ms.mean", "{:.1f}", True),
+    ("ITL p99", "itl_ms.p99", "{:.0f}", False),
+    ("prefix hits", "server.prefix_cache_hit_rate", "{:.0%}", False),
+    ("KV B/token", "kv_bytes_per_token", "{:.0f}", False),
+    ("KV blocks", "kv_blocks_total", "{:.0f}", True),
+    ("agreement", "quality.token_agreement", "{:.1%}", False),
+    ("$/M out", "cost.usd_per_million_output_tokens", "{:.3g}", False),
+)
+
+
+def config_table(named: list[tuple[str, dict[str, Any]]], markdown: bool = False) -> str:
+    """One row per configuration (latencies in ms), ratios to the first row in parentheses:
+    the shape that stays readable with many configurations, where ``compare_table`` (one
+    column each) does not."""
+    header = ["config", "ok/sent", *(c[0] for c in CONFIG_COLUMNS)]
+    base = named[0][1]
+    rows = []
+    for name, s in named:
+        row = [name, f"{s['completed']}/{s['num_requests']}"]
+        for _, key, fmt, ratio in CONFIG_COLUMNS:
+            v, b = get(s, key), get(base, key)
+            cell = _f(v, fmt)
+            numbers = isinstance(v, int | float) and isinstance(b, int | float)
+            if ratio and s is not base and numbers and b:
+                cell += f" ({v / b:.2f}x)"
+            row.append(cell)
+        rows.append(row)
+    return _table(header, rows, markdown)
+
+
 def load_summary(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
     """(label, summary) pairs from a bench JSON file: one for a run, one per sweep point."""
     data = json.loads(Path(path).read_text())
