@@ -34,6 +34,7 @@ FP8_DTYPES: dict[str, torch.dtype] = {
 _FP8_BITS = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
 FP16_MAX = 65504.0
 FP16_TINY = 2.0**-24  # smallest positive float16 (subnormal)
+KEY_MAX = 2.0**100
 KEY_SCALE_STEPS = 8  # log-coded key scales: 8 steps per octave (at most +9 % per channel)
 
 
@@ -174,8 +175,8 @@ def kivi_quantize_keys(
     Returns (packed codes ``[..., T, D * bits // 8]``, per-channel codes ``[..., 2, D]`` uint8
     (zc, sc), base ``[..., 3]`` float32 (z0, zstep, smax))."""
     levels = 2**bits - 1
-    xf = x.float().nan_to_num(nan=0.0, posinf=FP16_MAX, neginf=-FP16_MAX)
-    xf = xf.clamp_(-FP16_MAX, FP16_MAX)
+    # float32 metadata: saturate only far beyond any real key (+-2**100), never at fp16's max.
+    xf = x.float().nan_to_num(nan=0.0, posinf=KEY_MAX, neginf=-KEY_MAX).clamp_(-KEY_MAX, KEY_MAX)
     mn, mx = xf.amin(-2), xf.amax(-2)  # [..., D]
     z0 = mn.amin(-1)
     zstep = (mn.amax(-1) - z0) / 255

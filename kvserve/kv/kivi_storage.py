@@ -207,7 +207,11 @@ class KiviKVStorage(KVStorage):
         self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         """Tokens of partial blocks go to their residual slot; blocks whose last slot is in
-        this write are assembled (residual + new tokens) and quantized, once."""
+        this write are assembled (residual + new tokens) and quantized, once.
+
+        The layers of one step must pass the same ``slot_mapping`` tensor (the model does):
+        the step's bookkeeping is made on the first call and reused while it is the same
+        object."""
         p = self._plan
         if p is None or p.slot_mapping is not slot_mapping:
             p = self._plan = self._make_plan(slot_mapping)

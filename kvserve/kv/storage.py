@@ -8,6 +8,8 @@ scales, and ``bytes_per_token`` counts both, so the pool size follows from the r
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 TORCH_DTYPES = {
@@ -122,6 +124,27 @@ class KVStorage:
         return kernels.paged_decode_attention(
             q, self.k[layer], self.v[layer], block_tables, seq_lens, window
         )
+
+    def fused_attention(
+        self, layer: int, q: torch.Tensor, group: Any, window: int | None, out: torch.Tensor
+    ) -> bool:
+        """Attend the rows of a :class:`~kvserve.model.attention.PagedGroup` (decode tokens
+        and short continuation chunks) straight from the blocks with the native kernel,
+        writing into ``out``; False when the kernel does not apply.
+
+        The kernel reads ``self.k`` / ``self.v`` as dense head-major blocks, so it only serves
+        storages that keep that layout (subclasses that override ``write`` store something
+        else and answer False here; they may offer ``decode_attention`` instead).
+        """
+        from kvserve import kernels
+
+        if type(self).write is not KVStorage.write or not self.use_kernels:
+            return False
+        g = q.shape[1] // self.num_kv_heads
+        if not kernels.supports(self.dtype, self.device, g, self.head_dim, self.block_size):
+            return False
+        kernels.paged_attention(q, self.k[layer], self.v[layer], group, window, out)
+        return True
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks (copy-on-write of a shared partial block)."""
