@@ -266,8 +266,9 @@ def run_server(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=args.shutdown_timeout,
         backlog=2048,
     )
-    log.info("serving %s on http://%s:%d (KV blocks %d x %d tokens, %s)", names[0], args.host,
-             args.port, engine.num_blocks, engine.block_size, engine.kv_cache_dtype)  # fmt: skip
+    log.info("serving %s: KV blocks %d x %d tokens (%s), max_model_len %d", names[0],
+             engine.num_blocks, engine.block_size, engine.kv_cache_dtype,
+             engine.max_model_len)  # fmt: skip
     # uvicorn re-raises a captured SIGTERM/SIGINT after its graceful shutdown; by default that
     # kills the process (-15) or raises KeyboardInterrupt after a clean drain. Exit 0 instead.
     signal.signal(signal.SIGTERM, lambda *_: None)
