@@ -1,10 +1,207 @@
-"""Fused decode attention over quantized KV blocks (not built yet: callers fall back to the
-dequantizing gather + SDPA reference path)."""
+"""Fused decode attention over quantized KV blocks (``quant_attention.c``), built on first use
+with the system C compiler and loaded with ctypes, like the dense kernel beside it.
+
+The storages' ``gather`` (dequantize every block, then SDPA) stays the reference path; tests
+compare the two. ``KVSERVE_DISABLE_KERNELS=1`` or a missing compiler selects the reference.
+No ``-ffast-math`` here: a shared object built with it sets flush-to-zero for the whole process
+when it loads.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
 import torch
 
+from kvserve.kernels import _cache_dir
 
-def supports(storage: object, q: torch.Tensor) -> bool:
-    return False
+log = logging.getLogger("kvserve.kernels")
+_SRC = Path(__file__).with_name("quant_attention.c")
+_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+_RES_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_lib: ctypes.CDLL | None = None
+_tried = False
+_LUTS: dict[object, torch.Tensor] = {}
+
+_p, _i, _i64, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+
+
+class _Cache(ctypes.Structure):
+    _fields_ = [
+        ("fmt", _i),
+        ("D", _i),
+        ("bs", _i),
+        ("KVH", _i),
+        ("bits", _i),
+        ("group", _i),
+        ("k_codes", _p),
+        ("v_codes", _p),
+        ("lut", _p),
+        ("k_head_scale", _p),
+        ("v_head_scale", _p),
+        ("k_tok_scale", _p),
+        ("v_tok_scale", _p),
+        ("k_meta", _p),
+        ("k_base", _p),
+        ("v_scale", _p),
+        ("v_zero", _p),
+        ("res_of_block", _p),
+        ("res_k", _p),
+        ("res_v", _p),
+        ("res_dtype", _i),
+    ]
+
+
+def _build() -> ctypes.CDLL | None:
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        log.warning("no C compiler found: quantized KV uses the dequantize + SDPA reference")
+        return None
+    key = hashlib.sha256(_SRC.read_bytes() + " ".join([cc, *_FLAGS]).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"quant_attention-{key}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        try:
+            subprocess.run(
+                [cc, *_FLAGS, str(_SRC), "-o", tmp, "-lm"],
+                check=True,
+                capture_output=True,
+                timeout=120,
+            )
+            os.replace(tmp, out)
+        except (OSError, subprocess.SubprocessError) as e:
+            log.warning("quantized kernel build failed (%s): using the reference path", e)
+            Path(tmp).unlink(missing_ok=True)
+            return None
+    lib = ctypes.CDLL(str(out))
+    fn = lib.kvserve_quant_decode
+    fn.restype = _i
+    fn.argtypes = [_p, _p, _p, _i64, _p, _i, _i, _i, _f, ctypes.POINTER(_Cache), _i]
+    return lib
+
+
+def native_available() -> bool:
+    global _lib, _tried
+    if os.environ.get("KVSERVE_DISABLE_KERNELS") == "1":
+        return False
+    if not _tried:
+        _tried = True
+        _lib = _build()
+    return _lib is not None
+
+
+def supports(storage, q: torch.Tensor) -> bool:  # noqa: ANN001 - any quantized storage
+    g = q.shape[1] // storage.num_kv_heads
+    return (
+        storage.device.type == "cpu"
+        and g <= 64
+        and storage.head_dim <= 256
+        and storage.block_size <= 256
+        and getattr(storage, "res_k", [torch.empty(0)])[0].dtype in _RES_DTYPES
+        and native_available()
+    )
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _run(q, block_tables, seq_lens, window, cache: _Cache, keep: list) -> torch.Tensor:  # noqa: ANN001
+    assert _lib is not None
+    b, h, d = q.shape
+    qf = q.float().contiguous()
+    out = torch.empty_like(qf)
+    bt, lens = block_tables.contiguous(), seq_lens.contiguous()
+    rc = _lib.kvserve_quant_decode(
+        qf.data_ptr(),
+        out.data_ptr(),
+        bt.data_ptr(),
+        bt.shape[1],
+        lens.data_ptr(),
+        b,
+        h,
+        window or 0,
+        d**-0.5,
+        ctypes.byref(cache),
+        torch.get_num_threads(),
+    )
+    del keep  # tensors whose pointers the call used stay alive until here
+    if rc != 0:
+        raise RuntimeError(f"quantized decode kernel rejected shapes q={tuple(q.shape)}")
+    return out.to(q.dtype)
+
+
+def _lut(dtype: torch.dtype) -> torch.Tensor:
+    if dtype not in _LUTS:
+        _LUTS[dtype] = torch.arange(256, dtype=torch.uint8).view(dtype).float().nan_to_num(0.0)
+    return _LUTS[dtype]
+
+
+def decode_fp8(st, layer: int, q, block_tables, seq_lens, window) -> torch.Tensor:  # noqa: ANN001
+    lut = _lut(st.fp8_dtype)
+    ks, vs = st.k_scale[layer].float().contiguous(), st.v_scale[layer].float().contiguous()
+    c = _Cache(
+        fmt=0,
+        D=st.head_dim,
+        bs=st.block_size,
+        KVH=st.num_kv_heads,
+        k_codes=st.k_codes[layer].data_ptr(),
+        v_codes=st.v_codes[layer].data_ptr(),
+        lut=lut.data_ptr(),
+        k_head_scale=ks.data_ptr(),
+        v_head_scale=vs.data_ptr(),
+    )
+    return _run(q, block_tables, seq_lens, window, c, [lut, ks, vs])
+
+
+def decode_int8(st, layer: int, q, block_tables, seq_lens, window) -> torch.Tensor:  # noqa: ANN001
+    c = _Cache(
+        fmt=1,
+        D=st.head_dim,
+        bs=st.block_size,
+        KVH=st.num_kv_heads,
+        k_codes=st.k_codes[layer].data_ptr(),
+        v_codes=st.v_codes[layer].data_ptr(),
+        k_tok_scale=st.k_scale[layer].data_ptr(),
+        v_tok_scale=st.v_scale[layer].data_ptr(),
+    )
+    return _run(q, block_tables, seq_lens, window, c, [])
+
+
+def decode_kivi(st, layer: int, q, block_tables, seq_lens, window) -> torch.Tensor:  # noqa: ANN001
+    from kvserve.kv.codecs import KEY_SCALE_STEPS
+
+    if "kivi" not in _LUTS:  # key scale codes: 2 ** (-i / 8), the codec's own formula
+        _LUTS["kivi"] = torch.exp2(-torch.arange(256, dtype=torch.float32) / KEY_SCALE_STEPS)
+    lut = _LUTS["kivi"]
+    res = st._res_t.contiguous()
+    rk, rv = st.res_k[layer], st.res_v[layer]
+    c = _Cache(
+        fmt=2,
+        D=st.head_dim,
+        bs=st.block_size,
+        KVH=st.num_kv_heads,
+        bits=st.bits,
+        group=st.group,
+        k_codes=st.k_codes[layer].data_ptr(),
+        v_codes=st.v_codes[layer].data_ptr(),
+        k_meta=st.k_meta[layer].data_ptr(),
+        k_base=st.k_base[layer].data_ptr(),
+        v_scale=st.v_scale[layer].data_ptr(),
+        v_zero=st.v_zero[layer].data_ptr(),
+        res_of_block=res.data_ptr(),
+        res_k=rk.data_ptr(),
+        res_v=rv.data_ptr(),
+        res_dtype=_RES_DTYPES[rk.dtype],
+        lut=lut.data_ptr(),
+    )
+    return _run(q, block_tables, seq_lens, window, c, [res, lut])

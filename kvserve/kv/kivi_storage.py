@@ -255,8 +255,8 @@ class KiviKVStorage(KVStorage):
         res = self._res_t[blocks]
         idx = (res >= 0).nonzero().squeeze(1)
         if idx.numel():
-            k[idx] = self.res_k[layer][res[idx]]
-            v[idx] = self.res_v[layer][res[idx]]
+            k[idx] = self.res_k[layer][res[idx]].to(k.dtype)
+            v[idx] = self.res_v[layer][res[idx]].to(v.dtype)
         return k, v
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -101,7 +101,7 @@ class Fp8KVStorage(KVStorage):
     def write(
         self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        if not self.calibrated[layer]:
+        if not self.calibrated[layer] and k.shape[0]:
             self._calibrate(layer, k, v)
         blk, off = slot_mapping // self.block_size, slot_mapping % self.block_size
         ks, vs = self.k_scale[layer][:, None], self.v_scale[layer][:, None]

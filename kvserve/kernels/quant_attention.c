@@ -1,0 +1,200 @@
+/* Decode attention straight from quantized paged KV blocks (fp8, int8, KIVI 4/2-bit).
+ *
+ * The reference path (kvserve/kv/quant_storage.py, kivi_storage.py) dequantizes every
+ * gathered block into a padded float batch and runs SDPA: the codes are read once but the
+ * float copy is written and read again, which costs more than the bytes quantization saved.
+ * Here each (sequence, KV head) task decodes one block tile at a time into a small float
+ * buffer on the stack ([block_size][head_dim], in L1) and runs an online softmax over it, so
+ * only the codes and their metadata stream from memory.
+ *
+ * Formats (fmt): 0 = fp8 (a 256-entry decode table and one scale per KV head), 1 = int8 (one
+ * float16 scale per token and head), 2 = KIVI (keys: per-channel zero/scale codes against
+ * three floats per block and head, lut[i] = 2**(-i/8) decodes the scale code; values: float16
+ * scale/zero per token per channel group).
+ * A KIVI block that is still partial (res_of_block[blk] >= 0) is read from the full-precision
+ * residual pool instead (float32, bfloat16 or float16).
+ *
+ * No -ffast-math: it would set flush-to-zero for the whole process when the library loads.
+ * The dot products vectorize through `omp simd` reductions instead.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_G 64
+#define MAX_D 256
+#define MAX_BS 256
+
+enum { FMT_FP8 = 0, FMT_INT8 = 1, FMT_KIVI = 2 };
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = ((uint32_t)h) << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
+    if (exp == 0) {
+        if (man == 0) {
+            u = sign;
+        } else { /* subnormal */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            u = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        u = sign | 0x7f800000 | (man << 13);
+    } else {
+        u = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+typedef struct {
+    int fmt, D, bs, KVH, bits, group;
+    const uint8_t *k_codes, *v_codes;
+    const float *lut, *k_head_scale, *v_head_scale;      /* fp8 (lut: also KIVI's) */
+    const uint16_t *k_tok_scale, *v_tok_scale;           /* int8 */
+    const uint8_t *k_meta; const float *k_base;          /* kivi keys */
+    const uint16_t *v_scale, *v_zero;                    /* kivi values */
+    const int64_t *res_of_block; const void *res_k, *res_v; int res_dtype;
+} Cache;
+
+static void load_residual(const void *base, int64_t row0, int n, int D, int dt, float *dst) {
+    if (dt == DT_F32) { memcpy(dst, (const float *)base + row0 * D, sizeof(float) * n * D); return; }
+    const uint16_t *p = (const uint16_t *)base + row0 * D;
+    for (int i = 0; i < n * D; i++) dst[i] = dt == DT_BF16 ? bf16_to_f32(p[i]) : f16_to_f32(p[i]);
+}
+
+/* Decode rows [lo, hi) of block blk, KV head hk, into tile[t][d] (K when is_key, else V). */
+static void decode_tile(const Cache *c, int64_t blk, int hk, int lo, int hi, int is_key,
+                        float *tile) {
+    const int D = c->D, bs = c->bs;
+    const int64_t bh = blk * c->KVH + hk;
+    if (c->fmt == FMT_KIVI && c->res_of_block[blk] >= 0) {
+        const int64_t r = c->res_of_block[blk] * c->KVH + hk;
+        for (int t = lo; t < hi; t++)
+            load_residual(is_key ? c->res_k : c->res_v, r * bs + t, 1, D, c->res_dtype, tile + t * D);
+        return;
+    }
+    const uint8_t *codes = is_key ? c->k_codes : c->v_codes;
+    if (c->fmt == FMT_FP8) {
+        const float s = (is_key ? c->k_head_scale : c->v_head_scale)[hk];
+        for (int t = lo; t < hi; t++) {
+            const uint8_t *row = codes + (bh * bs + t) * D;
+            for (int d = 0; d < D; d++) tile[t * D + d] = c->lut[row[d]] * s;
+        }
+    } else if (c->fmt == FMT_INT8) {
+        const uint16_t *sc = (is_key ? c->k_tok_scale : c->v_tok_scale) + bh * bs;
+        for (int t = lo; t < hi; t++) {
+            const int8_t *row = (const int8_t *)codes + (bh * bs + t) * D;
+            const float s = f16_to_f32(sc[t]);
+#pragma omp simd
+            for (int d = 0; d < D; d++) tile[t * D + d] = (float)row[d] * s;
+        }
+    } else {
+        float s[MAX_D], z[MAX_D];
+        uint8_t cd[MAX_D];
+        if (is_key) { /* per-channel scale and zero of this block: lut[i] = 2**(-i/8) */
+            const uint8_t *meta = c->k_meta + bh * 2 * D;
+            const float *base = c->k_base + bh * 3;
+            for (int d = 0; d < D; d++) {
+                s[d] = base[2] * c->lut[meta[D + d]];
+                z[d] = base[0] + (float)meta[d] * base[1];
+            }
+        }
+        const int P = D * c->bits / 8, NG = D / c->group, gs = c->group;
+        for (int t = lo; t < hi; t++) {
+            const uint8_t *row = codes + (bh * bs + t) * P;
+            if (c->bits == 4) {
+                for (int j = 0; j < P; j++) { cd[2 * j] = row[j] & 15; cd[2 * j + 1] = row[j] >> 4; }
+            } else {
+                for (int j = 0; j < P; j++) {
+                    const uint8_t x = row[j];
+                    cd[4 * j] = x & 3; cd[4 * j + 1] = (x >> 2) & 3;
+                    cd[4 * j + 2] = (x >> 4) & 3; cd[4 * j + 3] = x >> 6;
+                }
+            }
+            float *dst = tile + t * D;
+            if (is_key) {
+#pragma omp simd
+                for (int d = 0; d < D; d++) dst[d] = (float)cd[d] * s[d] + z[d];
+            } else {
+                const uint16_t *vs = c->v_scale + (bh * bs + t) * NG, *vz = c->v_zero + (bh * bs + t) * NG;
+                for (int g = 0; g < NG; g++) {
+                    const float sg = f16_to_f32(vs[g]), zg = f16_to_f32(vz[g]);
+#pragma omp simd
+                    for (int d = g * gs; d < (g + 1) * gs; d++) dst[d] = (float)cd[d] * sg + zg;
+                }
+            }
+        }
+    }
+}
+
+int kvserve_quant_decode(const float *q, float *out, const int64_t *block_tables,
+                         int64_t bt_stride, const int64_t *seq_lens, int B, int H, int window,
+                         float scale, const Cache *c, int num_threads) {
+    const int KVH = c->KVH, D = c->D, bs = c->bs;
+    if (H % KVH || H / KVH > MAX_G || D > MAX_D || bs > MAX_BS) return -1;
+    if (c->fmt == FMT_KIVI && (D % (8 / c->bits) || D % c->group)) return -1;
+    const int G = H / KVH;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t task = 0; task < (int64_t)B * KVH; task++) {
+        const int b = (int)(task / KVH), hk = (int)(task % KVH);
+        float qs[MAX_G][MAX_D], acc[MAX_G][MAX_D], sc[MAX_G][MAX_BS];
+        float kt[bs * D], vt[bs * D]; /* one block tile each, a few KiB */
+        float m[MAX_G], l[MAX_G];
+        for (int g = 0; g < G; g++) {
+            const float *qp = q + ((int64_t)b * H + hk * G + g) * D;
+            for (int d = 0; d < D; d++) { qs[g][d] = qp[d] * scale; acc[g][d] = 0.f; }
+            m[g] = -FLT_MAX;
+            l[g] = 0.f;
+        }
+        const int64_t L = seq_lens[b];
+        const int64_t start = (window > 0 && L > window) ? L - window : 0;
+        for (int64_t t0 = (start / bs) * bs; t0 < L; t0 += bs) {
+            const int64_t blk = block_tables[(int64_t)b * bt_stride + t0 / bs];
+            const int lo = (int)(start > t0 ? start - t0 : 0);
+            const int hi = (int)(L - t0 < bs ? L - t0 : bs);
+            decode_tile(c, blk, hk, lo, hi, 1, kt);
+            for (int t = lo; t < hi; t++)
+                for (int g = 0; g < G; g++) {
+                    float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                    for (int d = 0; d < D; d++) dot += qs[g][d] * kt[t * D + d];
+                    sc[g][t] = dot;
+                }
+            for (int g = 0; g < G; g++) {
+                float mx = m[g];
+                for (int t = lo; t < hi; t++) mx = sc[g][t] > mx ? sc[g][t] : mx;
+                const float corr = expf(m[g] - mx);
+                float sum = l[g] * corr;
+                for (int t = lo; t < hi; t++) { sc[g][t] = expf(sc[g][t] - mx); sum += sc[g][t]; }
+                if (corr != 1.f)
+#pragma omp simd
+                    for (int d = 0; d < D; d++) acc[g][d] *= corr;
+                m[g] = mx;
+                l[g] = sum;
+            }
+            decode_tile(c, blk, hk, lo, hi, 0, vt);
+            for (int t = lo; t < hi; t++)
+                for (int g = 0; g < G; g++) {
+                    const float p = sc[g][t];
+#pragma omp simd
+                    for (int d = 0; d < D; d++) acc[g][d] += p * vt[t * D + d];
+                }
+        }
+        for (int g = 0; g < G; g++) {
+            float *op = out + ((int64_t)b * H + hk * G + g) * D;
+            const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+            for (int d = 0; d < D; d++) op[d] = acc[g][d] * inv;
+        }
+    }
+    return 0;
+}
