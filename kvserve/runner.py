@@ -13,7 +13,7 @@ import torch
 
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.storage import KVStorage
-from kvserve.model.attention import AttentionMetadata, PrefillChunk
+from kvserve.model.attention import KERNEL_MAX_QUERY, AttentionMetadata, PagedGroup, PrefillChunk
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.sampler import Sampler, SamplerOutput
 from kvserve.scheduler import ScheduledRequest, SchedulerOutput
@@ -36,9 +36,17 @@ class ModelRunner:
         self.device = device
 
     def _order(self, sched: SchedulerOutput) -> list[ScheduledRequest]:
-        decodes = [s for s in sched.scheduled if s.num_new_tokens == 1]
-        prefills = [s for s in sched.scheduled if s.num_new_tokens > 1]
-        return decodes + prefills
+        """Decode tokens, then short chunks over a cached context, then other prefills: the
+        first two groups form one contiguous run of rows for the fused paged kernel."""
+        decodes, short, long = [], [], []
+        for s in sched.scheduled:
+            if s.num_new_tokens == 1:
+                decodes.append(s)
+            elif s.request.num_computed_tokens and s.num_new_tokens <= KERNEL_MAX_QUERY:
+                short.append(s)
+            else:
+                long.append(s)
+        return decodes + short + long
 
     @torch.inference_mode()
     def execute(
@@ -115,6 +123,9 @@ class ModelRunner:
             meta.decode_seq_lens = torch.from_numpy(ctx + 1).to(dev)
 
         q_start = nd
+        group_rows: list[tuple[int, int, int, list[int]]] = []  # q_start, q_len, ctx, blocks
+        if nd:
+            group_rows += [(i, 1, int(ctx[i]), block_ids[i]) for i in range(nd)]
         for s, b in zip(items[nd:], block_ids[nd:], strict=True):
             r, n = s.request, s.num_new_tokens
             c = r.num_computed_tokens
@@ -124,8 +135,13 @@ class ModelRunner:
             pos_chunks.append(pos)
             slot_chunks.append(bt[pos // bs] * bs + pos % bs)
             table = torch.from_numpy(bt[: -(-(c + n) // bs)]).to(dev) if c else None
-            meta.prefills.append(PrefillChunk(q_start, n, c, table))
+            in_group = bool(c) and n <= KERNEL_MAX_QUERY
+            meta.prefills.append(PrefillChunk(q_start, n, c, table, in_group))
+            if in_group:
+                group_rows.append((q_start, n, c, b))
             q_start += n
+        if group_rows:
+            meta.paged = _paged_group(group_rows, dev)
 
         for i, s in enumerate(items):
             if s.samples:
@@ -134,3 +150,20 @@ class ModelRunner:
         positions = torch.from_numpy(np.concatenate(pos_chunks)).to(dev)
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         return input_ids, positions, meta, sample_rows
+
+
+def _paged_group(rows: list[tuple[int, int, int, list[int]]], dev: torch.device) -> PagedGroup:
+    """Arrays for the fused kernel over decode tokens and short continuation chunks."""
+    n = len(rows)
+    width = max(len(b) for *_, b in rows)
+    table = np.zeros((n, width), dtype=np.int64)
+    for i, (*_, b) in enumerate(rows):
+        table[i, : len(b)] = b
+    arr = np.array([r[:3] for r in rows], dtype=np.int64)
+    return PagedGroup(
+        num_rows=int(arr[-1, 0] + arr[-1, 1]),
+        q_start=torch.from_numpy(np.ascontiguousarray(arr[:, 0])).to(dev),
+        q_len=torch.from_numpy(np.ascontiguousarray(arr[:, 1])).to(dev),
+        ctx_len=torch.from_numpy(np.ascontiguousarray(arr[:, 2])).to(dev),
+        block_tables=torch.from_numpy(table).to(dev),
+    )

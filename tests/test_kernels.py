@@ -58,3 +58,43 @@ def test_paged_attention_uses_same_math_with_and_without_kernel():
     storage.use_kernels = False
     slow = paged_attention(q, k_new, v_new, 0, storage, meta)
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_kernel_matches_naive_attention(window, dtype):
+    """Short chunks continuing a cached context (and decode rows) in one fused call."""
+    from types import SimpleNamespace
+
+    torch.manual_seed(2)
+    bs, d, kvh, h, nblocks = 4, 16, 2, 6, 64
+    storage = KVStorage(1, nblocks, bs, kvh, d, dtype)
+    storage.k[0].normal_()
+    storage.v[0].normal_()
+    # (q_len, ctx_len): a decode row, a chunk crossing blocks, a 20-query chunk (two tiles).
+    seqs = [(1, 9), (7, 13), (20, 3)]
+    perm = torch.randperm(nblocks).tolist()
+    tables, starts, row = [], [], 0
+    for ql, ctx in seqs:
+        n = -(-(ql + ctx) // bs)
+        tables.append(perm[:n])
+        perm = perm[n:]
+        starts.append(row)
+        row += ql
+    width = max(map(len, tables))
+    group = SimpleNamespace(
+        num_rows=row,
+        q_start=torch.tensor(starts),
+        q_len=torch.tensor([s[0] for s in seqs]),
+        ctx_len=torch.tensor([s[1] for s in seqs]),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+    )
+    q = torch.randn(row, h, d)
+    out = torch.full((row, h, d), float("nan"))
+    kernels.paged_attention(q, storage.k[0], storage.v[0], group, window, out)
+    for (ql, ctx), t, st in zip(seqs, tables, starts, strict=True):
+        keys, vals = storage.gather(0, torch.tensor([t]))
+        keys = keys[0, :, : ctx + ql].transpose(0, 1).float()
+        vals = vals[0, :, : ctx + ql].transpose(0, 1).float()
+        ref = reference_attention(q[st : st + ql], keys, vals, ctx + torch.arange(ql), window)
+        torch.testing.assert_close(out[st : st + ql], ref, atol=2e-5, rtol=1e-4)

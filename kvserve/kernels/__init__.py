@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -65,10 +66,11 @@ def _build() -> ctypes.CDLL | None:
             Path(tmp).unlink(missing_ok=True)
             return None
     lib = ctypes.CDLL(str(out))
-    fn = lib.kvserve_paged_decode
+    fn = lib.kvserve_paged_attention
     fn.restype = ctypes.c_int
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    fn.argtypes = [p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32]
+    fn.argtypes = [p, p, p, p, i64, p, p, p, p, i32, i32, i32, i32, i32, i32,
+                   ctypes.c_float, i32, i32]  # fmt: skip
     return lib
 
 
@@ -84,45 +86,42 @@ def native_available() -> bool:
 
 def supports(dtype: torch.dtype, device: torch.device, num_q_per_kv: int, head_dim: int,
              block_size: int) -> bool:  # fmt: skip
-    return (
-        device.type == "cpu"
-        and dtype in _DTYPES
-        and num_q_per_kv <= 64
-        and head_dim <= 256
-        and block_size <= 256
-        and native_available()
-    )
+    return device.type == "cpu" and dtype in _DTYPES and native_available()
 
 
-def paged_decode_attention(
+def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
+    group: Any,
     window: int | None,
-) -> torch.Tensor:
-    """Attention of one new token per sequence over its cached blocks.
+    out: torch.Tensor,
+) -> None:
+    """Attention of the group's query rows over their cached blocks, written into ``out``.
 
-    q: [B, H, D]; k_cache/v_cache: [num_blocks, KVH, block_size, D]; block_tables: [B, n]
-    int64; seq_lens: [B] int64 keys per sequence. Returns [B, H, D] in q's dtype.
+    q/out: [T, H, D] (rows ``[0, group.num_rows)`` are touched); k_cache/v_cache:
+    [num_blocks, KVH, block_size, D]; ``group`` has int64 tensors q_start, q_len, ctx_len [B]
+    and block_tables [B, n] (see :class:`kvserve.model.attention.PagedGroup`).
     """
     assert _lib is not None
-    b, h, d = q.shape
-    nb, kvh, bs, _ = k_cache.shape
-    qf = q.float().contiguous()
-    out = torch.empty_like(qf)
-    bt = block_tables.contiguous()
-    lens = seq_lens.contiguous()
-    rc = _lib.kvserve_paged_decode(
+    n = group.num_rows
+    _, h, d = q.shape
+    _, kvh, bs, _ = k_cache.shape
+    qf = q[:n].float().contiguous()
+    direct = out.dtype == torch.float32 and out.is_contiguous()
+    dst = out if direct else torch.empty_like(qf)
+    bt = group.block_tables.contiguous()
+    rc = _lib.kvserve_paged_attention(
         qf.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         bt.data_ptr(),
         bt.shape[1],
-        lens.data_ptr(),
-        out.data_ptr(),
-        b,
+        group.q_start.data_ptr(),
+        group.q_len.data_ptr(),
+        group.ctx_len.data_ptr(),
+        dst.data_ptr(),
+        bt.shape[0],
         h,
         kvh,
         d,
@@ -133,5 +132,30 @@ def paged_decode_attention(
         torch.get_num_threads(),
     )
     if rc != 0:
-        raise RuntimeError(f"paged decode kernel rejected shapes q={tuple(q.shape)}")
+        raise RuntimeError(f"paged attention kernel failed (code {rc}) for q={tuple(q.shape)}")
+    if not direct:
+        out[:n] = dst[:n].to(out.dtype)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    window: int | None,
+) -> torch.Tensor:
+    """One new token per sequence: q [B, H, D], seq_lens [B] keys including the new one."""
+    from types import SimpleNamespace
+
+    b = q.shape[0]
+    group = SimpleNamespace(
+        num_rows=b,
+        q_start=torch.arange(b, dtype=torch.int64),
+        q_len=torch.ones(b, dtype=torch.int64),
+        ctx_len=(seq_lens - 1).to(torch.int64).contiguous(),
+        block_tables=block_tables.to(torch.int64),
+    )
+    out = torch.empty(q.shape, dtype=torch.float32)
+    paged_attention(q, k_cache, v_cache, group, window, out)
     return out.to(q.dtype)

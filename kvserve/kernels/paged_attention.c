@@ -1,25 +1,29 @@
-/* Decode attention straight from the paged KV cache, one pass over each block.
+/* Attention straight from the paged KV cache, one pass over each block.
  *
  * The plain-PyTorch path (kvserve/model/attention.py) first gathers every sequence's blocks
  * into a padded batch and then runs SDPA: K and V are read, written and read again, and the
  * padding is read too. This kernel reads each cached K/V row once, in place, with an online
- * softmax (running max and sum per query head), so decode attention runs at close to the
- * memory bandwidth. Work is split over (sequence, KV head) pairs with OpenMP; the G query
- * heads of a GQA group share every K/V row they read, and a block's rows for one KV head are
- * contiguous (head-major blocks), so each task streams 4 KiB runs rather than strided rows.
+ * softmax (running max and sum per query row), so decode attention runs close to the memory
+ * bandwidth. It serves decode tokens (one query per sequence) and short chunks that continue
+ * a cached context (a prefix-cache hit, a forked sample, a question after a cached document);
+ * long prefill chunks are better served by SDPA's blocked matrix products.
  *
- * Layout: q/out [B, H, D] float32; k/v cache [num_blocks, KVH, block_size, D] in float32,
- * bfloat16 or float16; block_tables [B, bt_stride] int64; seq_lens [B] int64 (keys to attend,
- * the new token included). window > 0 restricts keys to the last `window` positions.
+ * Work is split over (sequence, KV head, tile of up to QT queries) with OpenMP. The G query
+ * heads of a GQA group share every K/V row they read, and one KV head's rows of a block are
+ * contiguous (head-major blocks), so each task streams runs of block_size * D values.
+ *
+ * Layout: q/out [T, H, D] float32 (the flat batch); per sequence b its queries are rows
+ * q_start[b] .. q_start[b] + q_len[b] - 1 at positions ctx_len[b] + i; k/v cache
+ * [num_blocks, KVH, block_size, D] in float32, bfloat16 or float16; block_tables [B, stride]
+ * int64. Query at position p sees keys p - window < pos <= p (window 0 = unbounded).
  */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
-#define MAX_G 64
-#define MAX_D 256
-#define MAX_BS 256
+#define QT 16
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 
@@ -50,74 +54,135 @@ static inline float f16_to_f32(uint16_t h) {
     return f;
 }
 
-static inline const float *load_row(const void *base, int64_t idx, int D, int dt, float *tmp) {
+/* n contiguous rows of D values starting at row `idx`, as float32 (converted into tmp). */
+static inline const float *load_rows(const void *base, int64_t idx, int n, int D, int dt,
+                                     float *tmp) {
     if (dt == DT_F32) return (const float *)base + idx * D;
     const uint16_t *p = (const uint16_t *)base + idx * D;
     if (dt == DT_BF16) {
-        for (int d = 0; d < D; d++) tmp[d] = bf16_to_f32(p[d]);
+        for (int j = 0; j < n * D; j++) tmp[j] = bf16_to_f32(p[j]);
     } else {
-        for (int d = 0; d < D; d++) tmp[d] = f16_to_f32(p[d]);
+        for (int j = 0; j < n * D; j++) tmp[j] = f16_to_f32(p[j]);
     }
     return tmp;
 }
 
-int kvserve_paged_decode(const float *q, const void *k_cache, const void *v_cache,
-                         const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens,
-                         float *out, int B, int H, int KVH, int D, int bs, int window,
-                         float scale, int dtype, int num_threads) {
-    if (H % KVH || H / KVH > MAX_G || D > MAX_D || bs > MAX_BS) return -1;
+int kvserve_paged_attention(const float *q, const void *k_cache, const void *v_cache,
+                            const int64_t *block_tables, int64_t bt_stride,
+                            const int64_t *q_start, const int64_t *q_len,
+                            const int64_t *ctx_len, float *out, int B, int H, int KVH, int D,
+                            int bs, int window, float scale, int dtype, int num_threads) {
+    if (H % KVH) return -1;
     const int G = H / KVH;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t task = 0; task < (int64_t)B * KVH; task++) {
-        const int b = (int)(task / KVH), hk = (int)(task % KVH);
-        float qs[MAX_G][MAX_D], acc[MAX_G][MAX_D], s[MAX_G][MAX_BS];
-        float m[MAX_G], l[MAX_G], ktmp[MAX_D], vtmp[MAX_D];
-        for (int g = 0; g < G; g++) {
-            const float *qp = q + ((int64_t)b * H + hk * G + g) * D;
-            for (int d = 0; d < D; d++) { qs[g][d] = qp[d] * scale; acc[g][d] = 0.f; }
-            m[g] = -FLT_MAX;
-            l[g] = 0.f;
+    /* Task list: (sequence, tile) pairs, each for every KV head. */
+    int64_t ntiles = 0;
+    for (int b = 0; b < B; b++) ntiles += (q_len[b] + QT - 1) / QT;
+    int64_t *tile_seq = malloc(sizeof(int64_t) * (ntiles > 0 ? ntiles : 1));
+    int64_t *tile_i0 = malloc(sizeof(int64_t) * (ntiles > 0 ? ntiles : 1));
+    if (!tile_seq || !tile_i0) { free(tile_seq); free(tile_i0); return -2; }
+    for (int b = 0, t = 0; b < B; b++)
+        for (int64_t i0 = 0; i0 < q_len[b]; i0 += QT, t++) { tile_seq[t] = b; tile_i0[t] = i0; }
+    int failed = 0;
+
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int maxr = QT * G;
+        float *qs = malloc(sizeof(float) * maxr * D);
+        float *acc = malloc(sizeof(float) * maxr * D);
+        float *s = malloc(sizeof(float) * maxr * bs);
+        float *m = malloc(sizeof(float) * maxr), *l = malloc(sizeof(float) * maxr);
+        int64_t *qpos = malloc(sizeof(int64_t) * maxr);
+        float *ktmp = malloc(sizeof(float) * bs * D), *vtmp = malloc(sizeof(float) * bs * D);
+        if (!qs || !acc || !s || !m || !l || !qpos || !ktmp || !vtmp) {
+#pragma omp atomic write
+            failed = 1;
         }
-        const int64_t L = seq_lens[b];
-        const int64_t start = (window > 0 && L > window) ? L - window : 0;
-        for (int64_t t0 = (start / bs) * bs; t0 < L; t0 += bs) {
-            const int64_t blk = block_tables[(int64_t)b * bt_stride + t0 / bs];
-            const int lo = (int)(start > t0 ? start - t0 : 0);
-            const int hi = (int)(L - t0 < bs ? L - t0 : bs);
-            for (int t = lo; t < hi; t++) {
-                const float *kr = load_row(k_cache, (blk * KVH + hk) * bs + t, D, dtype, ktmp);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < ntiles * KVH; task++) {
+            if (failed) continue;
+            const int64_t tile = task / KVH;
+            const int hk = (int)(task % KVH);
+            const int b = (int)tile_seq[tile];
+            const int64_t i0 = tile_i0[tile];
+            const int nq = (int)(q_len[b] - i0 < QT ? q_len[b] - i0 : QT);
+            const int R = nq * G;
+            for (int i = 0; i < nq; i++) {
                 for (int g = 0; g < G; g++) {
-                    float dot = 0.f;
+                    const int r = i * G + g;
+                    const float *qp = q + ((q_start[b] + i0 + i) * H + hk * G + g) * D;
+                    for (int d = 0; d < D; d++) { qs[r * D + d] = qp[d] * scale; acc[r * D + d] = 0.f; }
+                    m[r] = -FLT_MAX;
+                    l[r] = 0.f;
+                    qpos[r] = ctx_len[b] + i0 + i;
+                }
+            }
+            const int64_t last = ctx_len[b] + i0 + nq - 1; /* newest key any row sees */
+            const int64_t first = (window > 0 && ctx_len[b] + i0 - window + 1 > 0)
+                                      ? ctx_len[b] + i0 - window + 1 : 0;
+            for (int64_t t0 = (first / bs) * bs; t0 <= last; t0 += bs) {
+                const int64_t blk = block_tables[(int64_t)b * bt_stride + t0 / bs];
+                const int lo = (int)(first > t0 ? first - t0 : 0);
+                const int hi = (int)(last - t0 + 1 < bs ? last - t0 + 1 : bs);
+                const int64_t row0 = (blk * KVH + hk) * bs;
+                const float *kb = load_rows(k_cache, row0, bs, D, dtype, ktmp);
+                for (int r = 0; r < R; r++) {
+                    const float *qr = qs + r * D;
+                    float *sr = s + r * bs;
+                    for (int t = lo; t < hi; t++) {
+                        const float *kr = kb + t * D;
+                        float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-                    for (int d = 0; d < D; d++) dot += qs[g][d] * kr[d];
-                    s[g][t] = dot;
+                        for (int d = 0; d < D; d++) dot += qr[d] * kr[d];
+                        sr[t] = dot;
+                    }
                 }
-            }
-            for (int g = 0; g < G; g++) {
-                float mx = m[g];
-                for (int t = lo; t < hi; t++) mx = s[g][t] > mx ? s[g][t] : mx;
-                const float corr = expf(m[g] - mx);
-                float sum = l[g] * corr;
-                for (int t = lo; t < hi; t++) { s[g][t] = expf(s[g][t] - mx); sum += s[g][t]; }
-                if (corr != 1.f)
-                    for (int d = 0; d < D; d++) acc[g][d] *= corr;
-                m[g] = mx;
-                l[g] = sum;
-            }
-            for (int t = lo; t < hi; t++) {
-                const float *vr = load_row(v_cache, (blk * KVH + hk) * bs + t, D, dtype, vtmp);
-                for (int g = 0; g < G; g++) {
-                    const float p = s[g][t];
+                for (int r = 0; r < R; r++) {
+                    float *sr = s + r * bs;
+                    /* visible keys of this row inside the block: [vlo, vhi), clamped */
+                    int64_t a = window > 0 ? qpos[r] - window + 1 - t0 : lo;
+                    a = a < lo ? lo : (a > hi ? hi : a);
+                    int64_t z = qpos[r] - t0 + 1;
+                    z = z > hi ? hi : (z < a ? a : z);
+                    const int vlo = (int)a, vhi = (int)z;
+                    for (int t = lo; t < vlo; t++) sr[t] = 0.f;
+                    for (int t = vhi; t < hi; t++) sr[t] = 0.f;
+                    if (vhi <= vlo) continue;
+                    float mx = m[r];
+                    for (int t = vlo; t < vhi; t++) mx = sr[t] > mx ? sr[t] : mx;
+                    const float corr = expf(m[r] - mx);
+                    float sum = l[r] * corr;
+                    for (int t = vlo; t < vhi; t++) { sr[t] = expf(sr[t] - mx); sum += sr[t]; }
+                    if (corr != 1.f) {
+                        float *ar = acc + r * D;
+                        for (int d = 0; d < D; d++) ar[d] *= corr;
+                    }
+                    m[r] = mx;
+                    l[r] = sum;
+                }
+                const float *vb = load_rows(v_cache, row0, bs, D, dtype, vtmp);
+                for (int t = lo; t < hi; t++) {
+                    const float *vr = vb + t * D;
+                    for (int r = 0; r < R; r++) {
+                        const float p = s[r * bs + t];
+                        if (p == 0.f) continue;
+                        float *ar = acc + r * D;
 #pragma omp simd
-                    for (int d = 0; d < D; d++) acc[g][d] += p * vr[d];
+                        for (int d = 0; d < D; d++) ar[d] += p * vr[d];
+                    }
+                }
+            }
+            for (int i = 0; i < nq; i++) {
+                for (int g = 0; g < G; g++) {
+                    const int r = i * G + g;
+                    float *op = out + ((q_start[b] + i0 + i) * H + hk * G + g) * D;
+                    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+                    for (int d = 0; d < D; d++) op[d] = acc[r * D + d] * inv;
                 }
             }
         }
-        for (int g = 0; g < G; g++) {
-            float *op = out + ((int64_t)b * H + hk * G + g) * D;
-            const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-            for (int d = 0; d < D; d++) op[d] = acc[g][d] * inv;
-        }
+        free(qs); free(acc); free(s); free(m); free(l); free(qpos); free(ktmp); free(vtmp);
     }
-    return 0;
+    free(tile_seq);
+    free(tile_i0);
+    return failed ? -2 : 0;
 }

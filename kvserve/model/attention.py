@@ -20,6 +20,10 @@ import torch.nn.functional as F
 
 from kvserve.kv.storage import KVStorage
 
+# Chunks over a cached context up to this many queries go to the fused paged kernel; longer
+# ones are better served by SDPA's blocked matrix products after a gather.
+KERNEL_MAX_QUERY = 64
+
 
 @dataclass(slots=True)
 class PrefillChunk:
@@ -27,6 +31,19 @@ class PrefillChunk:
     q_len: int
     ctx_len: int  # tokens of this sequence already in the cache before the chunk
     block_table: torch.Tensor | None  # [num_blocks] when ctx_len > 0
+    in_group: bool = False  # also listed in the PagedGroup
+
+
+@dataclass(slots=True)
+class PagedGroup:
+    """Decode tokens and short continuation chunks: rows ``[0, num_rows)`` of the batch,
+    attended by one fused kernel call straight from the cache."""
+
+    num_rows: int
+    q_start: torch.Tensor  # [B] int64
+    q_len: torch.Tensor  # [B]
+    ctx_len: torch.Tensor  # [B] keys cached before the chunk
+    block_tables: torch.Tensor  # [B, max_blocks]
 
 
 @dataclass(slots=True)
@@ -37,6 +54,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [Bd, max_blocks]
     decode_seq_lens: torch.Tensor | None = None  # [Bd] tokens incl. the new one
     prefills: list[PrefillChunk] = field(default_factory=list)
+    paged: PagedGroup | None = None
     _masks: dict = field(default_factory=dict)
 
     def decode_mask(self, window: int | None) -> torch.Tensor:
@@ -89,7 +107,8 @@ def paged_attention(
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
 
-    nd = meta.num_decode
+    fused = meta.paged is not None and storage.fused_attention(layer, q, meta.paged, window, out)
+    nd = 0 if fused else meta.num_decode
     if nd:
         assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
         fused = storage.decode_attention(
@@ -104,6 +123,8 @@ def paged_attention(
             out[:nd] = od.reshape(nd, num_heads, head_dim)
 
     for i, p in enumerate(meta.prefills):
+        if fused and p.in_group:
+            continue
         sl = slice(p.q_start, p.q_start + p.q_len)
         qp = q[sl].transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
         if p.ctx_len == 0:
