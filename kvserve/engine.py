@@ -48,7 +48,8 @@ class EngineStats:
     num_preemptions: int
     step_prefill_tokens: int
     step_decode_tokens: int
-    prompt_tokens_total: int
+    prompt_tokens_total: int  # every prompt token of requests that started (vLLM's meaning)
+    prefill_tokens_computed_total: int  # prompt tokens actually computed (hits excluded)
     generation_tokens_total: int
     prefix_cache_queries: int
     prefix_cache_hits: int
@@ -139,6 +140,7 @@ class LLMEngine:
         self._last_step = (0, 0)
         self.num_steps = 0
         self.prompt_tokens_total = 0
+        self.prefill_tokens_computed_total = 0
         self.generation_tokens_total = 0
 
     def _num_blocks(self, cc: CacheConfig, sc: SchedulerConfig) -> int:
@@ -309,7 +311,7 @@ class LLMEngine:
         for s in sched.scheduled:
             r = s.request
             if r.num_computed_tokens < r.num_prompt_tokens:
-                self.prompt_tokens_total += min(
+                self.prefill_tokens_computed_total += min(
                     s.num_new_tokens, r.num_prompt_tokens - r.num_computed_tokens
                 )
             r.num_computed_tokens += s.num_new_tokens
@@ -329,6 +331,8 @@ class LLMEngine:
                     r.cumulative_logprob += out.sampled_logprobs[i]
                 if r.metrics.first_token_time is None:
                     r.metrics.first_token_time = now
+                    # vLLM's prompt_tokens counts every prompt token, cached or computed.
+                    self.prompt_tokens_total += r.num_prompt_tokens
                 r.metrics.token_times.append(now)
                 family = self._families[r.parent_id]
                 if family.pending_forks and r is family.children[0]:
@@ -397,8 +401,14 @@ class LLMEngine:
                 sent_t, sent_i = family.sent.get(c.index, (0, 0))
                 if sent_i == len(ids) and not (c.is_finished and c.index not in family.closed):
                     continue
-                family.sent[c.index] = (len(text), len(ids))
-                text, ids = text[sent_t:], ids[sent_i:]
+                # Hold back a possible stop-string prefix until it is decided, so streamed
+                # text never includes characters the final text cuts (as vLLM does).
+                upto = len(text)
+                if c.sampling_params.stop and not c.is_finished:
+                    hold = max(len(x) for x in c.sampling_params.stop) - 1
+                    upto = max(sent_t, len(text) - hold)
+                family.sent[c.index] = (upto, len(ids))
+                text, ids = text[sent_t:upto], ids[sent_i:]
                 lps = lps[sent_i:] if lps is not None else None
                 if c.is_finished:
                     family.closed.add(c.index)
@@ -460,6 +470,7 @@ class LLMEngine:
             step_prefill_tokens=self._last_step[0],
             step_decode_tokens=self._last_step[1],
             prompt_tokens_total=self.prompt_tokens_total,
+            prefill_tokens_computed_total=self.prefill_tokens_computed_total,
             generation_tokens_total=self.generation_tokens_total,
             prefix_cache_queries=self.kv.stats.queries,
             prefix_cache_hits=self.kv.stats.hits,

@@ -313,7 +313,7 @@ def test_metrics_move_as_expected(server, client):
     assert cached == (n_prompt - 1) // 16 * 16 > 0
     m1 = scrape(server.url)
     assert delta(m0, m1, "kvserve:generation_tokens_total") == 24
-    assert delta(m0, m1, "kvserve:prompt_tokens_total") == 2 * n_prompt - cached
+    assert delta(m0, m1, "kvserve:prompt_tokens_total") == 2 * n_prompt  # hits included
     assert delta(m0, m1, "kvserve:prefix_cache_queries_total") == 2 * n_prompt
     assert delta(m0, m1, "kvserve:prefix_cache_hits_total") == cached
     assert delta(m0, m1, "kvserve:request_success_total", finished_reason="length") == 2
@@ -377,3 +377,22 @@ def test_cli_serve_sigterm_finishes_in_flight_and_exits_0(ckpt, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_engine_stream_deltas_hold_back_stop_prefixes(checkpoint, make_llm):
+    """Engine-level: streamed deltas never include text that a later stop string cuts."""
+    from kvserve import SamplingParams
+
+    llm = make_llm(checkpoint("llama_gqa"), dtype="float32")
+    base = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    text = llm.generate(["hold back"], base)[0].outputs[0].text
+    stop = next(text[i : i + 3] for i in range(4, len(text) - 3)
+                if text[i : i + 3].isprintable() and text.index(text[i : i + 3]) == i)  # fmt: skip
+    engine = llm.engine
+    engine.add_request("s", "hold back", base.clone(stop=[stop]), stream=True)
+    streamed = ""
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            streamed += o.outputs[0].text if o.outputs else ""
+            assert stop not in streamed
+    assert streamed == text[: text.index(stop)]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.engine import EngineStats, LLMEngine
-from kvserve.request import InvalidRequestError, Request, RequestOutput, SamplingParams
+from kvserve.request import InvalidRequestError, RequestOutput, SamplingParams
 
 log = logging.getLogger("kvserve.server")
 
@@ -72,10 +72,6 @@ class RequestHandle:
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.event_loop = asyncio.get_running_loop()
         self.finished = False  # set by the consumer when every prompt's last output arrived
-        # Owned by the engine thread: the stop-string hold-back state (see _hold_back).
-        self.children: list[list[Request]] = []
-        self.sent: dict[tuple[int, int], int] = {}
-        self.hold = 0
 
     @property
     def num_seqs(self) -> int:
@@ -250,11 +246,6 @@ class EngineLoop:
             return RuntimeError(f"add_request failed: {type(e).__name__}: {e}")
         for i, rid in enumerate(added):
             self._running[rid] = (h, i)
-        if h.stream and h.params.stop and self.engine.tokenizer is not None:
-            h.hold = max(len(s) for s in h.params.stop) - 1
-            n = h.params.n
-            ids = [[rid] if n == 1 else [f"{rid}#{j}" for j in range(n)] for rid in added]
-            h.children = [[self.engine.requests[c] for c in group] for group in ids]
         self.admitted_seqs += h.num_seqs
         self.peak_admitted_seqs = max(self.peak_admitted_seqs, self.admitted_seqs)
         return ADMITTED
@@ -273,8 +264,6 @@ class EngineLoop:
             if entry is None:
                 continue
             h, i = entry
-            if h.hold:
-                self._hold_back(h, i, o)
             out.append((h, SubOutput(i, o)))
             if self.metrics is not None:
                 for c in o.outputs:
@@ -285,18 +274,6 @@ class EngineLoop:
                 self.admitted_seqs -= h.params.n
                 if self.metrics is not None:
                     self.metrics.observe_finished(o)
-
-    @staticmethod
-    def _hold_back(h: RequestHandle, i: int, o: RequestOutput) -> None:
-        """Streamed text minus the last ``len(longest stop) - 1`` characters until the sequence
-        ends, so a stop string that completes in a later step (and is cut from the final text)
-        was never sent. Works around the engine's stream deltas, which do not hold back."""
-        for c in o.outputs:
-            text = h.children[i][c.index].detokenizer.text
-            sent = h.sent.get((i, c.index), 0)
-            upto = len(text) if c.finish_reason is not None else max(sent, len(text) - h.hold)
-            c.text = text[sent:upto]
-            h.sent[(i, c.index)] = upto
 
     def _fail_all(self, out: list[tuple[RequestHandle, Any]], message: str) -> None:
         handles = {h.request_id: h for h, _ in self._running.values()}

@@ -57,7 +57,7 @@ class _EngineCollector(Collector):
             "prefix_cache_evictions": ("Cached blocks evicted for reuse.",
                                        s.prefix_cache_evictions),
             "num_preemptions": ("Sequences preempted (recomputed later).", s.num_preemptions),
-            "prompt_tokens": ("Prompt tokens computed (prefilled); cache hits excluded.",
+            "prompt_tokens": ("Prompt tokens of started requests, cache hits included (as vLLM).",
                               s.prompt_tokens_total),
             "generation_tokens": ("Tokens generated.", s.generation_tokens_total),
             "engine_steps": ("Engine steps that ran the model.", s.num_steps),
