@@ -161,6 +161,7 @@ def _loads(args: argparse.Namespace) -> tuple[list[Any], str | None]:
 
 
 def workload_spec(args: argparse.Namespace, seed: int, max_model_len: int | None) -> WorkloadSpec:
+    """The workload the flags describe; unset length flags keep each workload's defaults."""
     return WorkloadSpec(
         name=args.workload,
         num_prompts=args.num_prompts,
@@ -220,6 +221,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    """Run the benchmark (one point, or one per sweep value), print the table, write JSON,
+    Markdown and plots under --output-dir; exit 1 only when no request succeeded at all."""
     if args.bench_command == "compare":
         return cmd_compare(args)
     from kvserve.bench.metrics import parse_slo

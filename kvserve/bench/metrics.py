@@ -53,6 +53,7 @@ class RequestRecord:
 
     @property
     def tpot(self) -> float | None:
+        """Mean time per output token after the first (vLLM's TPOT); None below 2 tokens."""
         if not self.success or self.output_tokens < 2 or self.ttft is None or self.e2e is None:
             return None
         return (self.e2e - self.ttft) / (self.output_tokens - 1)

@@ -51,6 +51,7 @@ COMPARE_ROWS: tuple[tuple[str, str, str, bool], ...] = (
 
 
 def get(d: dict[str, Any], dotted: str) -> Any:
+    """``d["a"]["b"]`` for ``"a.b"``, or None where a level is missing (older JSON files)."""
     for part in dotted.split("."):
         if not isinstance(d, dict) or part not in d:
             return None
@@ -139,6 +140,7 @@ def console_table(s: dict[str, Any]) -> str:
 
 
 def markdown(s: dict[str, Any], plots: list[str] | None = None) -> str:
+    """The summary as a Markdown report (headline, latency table, per-kind split, plots)."""
     parts = [
         f"# kvserve bench: {s.get('label', '')}",
         "",
