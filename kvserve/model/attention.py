@@ -111,11 +111,11 @@ def paged_attention(
     nd = 0 if fused else meta.num_decode
     if nd:
         assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
-        fused = storage.decode_attention(
+        dec = storage.decode_attention(
             layer, q[:nd], meta.decode_block_tables, meta.decode_seq_lens, window
         )
-        if fused is not None:
-            out[:nd] = fused
+        if dec is not None:
+            out[:nd] = dec
         else:
             kc, vc = storage.gather(layer, meta.decode_block_tables)  # [Bd, KVH, S, D]
             qd = q[:nd].view(nd, num_kv_heads, group, head_dim)
