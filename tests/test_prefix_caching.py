@@ -139,3 +139,16 @@ def test_parallel_sampling_shares_prompt_blocks(checkpoint, make_llm):
     alone = make_llm(path, dtype="float32").generate([prompt], n1)[0].outputs[0].token_ids
     out = shared.generate([prompt], p)[0]
     assert out.outputs[0].token_ids == alone  # sample 0 uses the request seed itself
+
+
+def test_narrow_dense_cache_with_hits_and_reference_path(checkpoint, make_llm, monkeypatch):
+    """A bfloat16 cache under a float32 model, through the plain-PyTorch path (no kernel):
+    gathered blocks are cast to the compute dtype, and hits give the same tokens."""
+    monkeypatch.setenv("KVSERVE_DISABLE_KERNELS", "1")
+    (system,) = prompts_of_lengths([40], seed=31)
+    prompts = [system + [1, 2, 3], system + [4, 5]]
+    llm = make_llm(checkpoint("llama_gqa"), dtype="float32", kv_cache_dtype="bfloat16")
+    first = _tokens(llm.generate(prompts, GREEDY))
+    again = llm.generate(prompts, GREEDY)
+    assert all(o.num_cached_tokens == 32 for o in again)
+    assert _tokens(again) == first

@@ -92,8 +92,9 @@ class KVStorage:
         self.v[layer][blk, :, off] = v.to(self.dtype)
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of whole blocks in the compute dtype: ``[B, kv_heads, n * block_size, head_dim]``
-        for ``block_tables`` of shape ``[B, n]`` (the reference path)."""
+        """K/V of whole blocks, ``[B, kv_heads, n * block_size, head_dim]`` for
+        ``block_tables`` of shape ``[B, n]`` (the reference path), in the storage dtype for
+        dense formats (the caller casts to its compute dtype)."""
         b, n = block_tables.shape
         flat = block_tables.reshape(-1)
         shape = (b, self.num_kv_heads, n * self.block_size, self.head_dim)

@@ -118,6 +118,7 @@ def paged_attention(
             out[:nd] = dec
         else:
             kc, vc = storage.gather(layer, meta.decode_block_tables)  # [Bd, KVH, S, D]
+            kc, vc = kc.to(q.dtype), vc.to(q.dtype)  # the cache may be stored narrower
             kc, vc = kc.to(q.dtype), vc.to(q.dtype)  # a bf16 cache under fp32 compute
             qd = q[:nd].view(nd, num_kv_heads, group, head_dim)
             od = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=meta.decode_mask(window))
@@ -136,6 +137,7 @@ def paged_attention(
             assert p.block_table is not None
             num_keys = p.ctx_len + p.q_len
             kc, vc = storage.gather(layer, p.block_table[None])
+            kc, vc = kc.to(q.dtype), vc.to(q.dtype)
             kp, vp = kc[:, :, :num_keys].to(q.dtype), vc[:, :, :num_keys].to(q.dtype)
         mask = meta.prefill_mask(i, window, num_keys)
         op = F.scaled_dot_product_attention(
