@@ -138,6 +138,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
 
     handlers["bench"] = add_bench_parser(sub)
     handlers["plan"] = add_plan_parser(sub)
+
+    from kvserve.quality.cli import add_quality_parser
+
+    handlers["quality"] = add_quality_parser(sub)
     return parser, handlers
 
 

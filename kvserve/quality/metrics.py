@@ -1,0 +1,175 @@
+"""Running the suite on one engine, and the figures the gate compares.
+
+One run = the generation tasks (greedy, through ``LLM.generate``) and the held-out passages
+(full prompt log-softmax through ``LLMEngine.add_request(..., return_prompt_logits=True)``).
+Both runs of a gate submit the same requests in the same order to engines with the same
+scheduler settings and pool size, so every step batches the same tokens: any difference in
+the outputs comes from the KV format (or the test-only hook), not from batch composition.
+
+Perplexity, top-1 agreement and KL are all read from the same prompt logits. Row ``i`` of a
+passage's logits predicts token ``i + 1``; every row enters agreement and KL (the last row
+predicts the token after the passage, which is as valid a comparison as any other).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvserve.quality.suite import EARLY_DEPTH, Suite, answers_match
+
+LogitsFn = Callable[[int, torch.Tensor], None]
+
+
+@dataclass(slots=True)
+class RunResult:
+    """What one engine produced for a suite. ``logits`` is kept only when asked (the baseline);
+    the candidate compares each passage as it finishes, so at most one run's logits are held."""
+
+    texts: list[str]
+    hits: list[bool]
+    nll: float  # summed over all predicted passage tokens
+    ppl_tokens: int
+    seconds: float
+    steps: int
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.nll / self.ppl_tokens) if self.ppl_tokens else float("nan")
+
+
+@dataclass(slots=True)
+class LogitComparison:
+    """Candidate vs baseline over the same passage positions."""
+
+    positions: int = 0
+    agree: int = 0
+    kl_sum: float = 0.0
+    kl_max: float = 0.0
+
+    def add(self, base: torch.Tensor, cand: torch.Tensor) -> None:
+        """``base`` / ``cand``: ``[n, vocab]`` log-softmax of the same positions."""
+        if base.shape != cand.shape:
+            raise ValueError(f"logits shape {tuple(cand.shape)} != {tuple(base.shape)}")
+        base, cand = base.float(), cand.float()
+        self.positions += base.shape[0]
+        self.agree += int((base.argmax(-1) == cand.argmax(-1)).sum())
+        # KL(P_base || P_cand); 0 * anything = 0 where the baseline puts no mass
+        p = base.exp()
+        kl = torch.where(p > 0, p * (base - cand), torch.zeros_like(p)).sum(-1)
+        self.kl_sum += float(kl.sum())
+        self.kl_max = max(self.kl_max, float(kl.max()) if kl.numel() else 0.0)
+
+    @property
+    def agreement(self) -> float:
+        return self.agree / self.positions if self.positions else float("nan")
+
+    @property
+    def mean_kl(self) -> float:
+        return self.kl_sum / self.positions if self.positions else float("nan")
+
+
+def passage_nll(logits: torch.Tensor, ids: list[int]) -> tuple[float, int]:
+    """Summed negative log-likelihood of tokens 1.. of ``ids`` and how many were predicted."""
+    if len(ids) < 2:
+        return 0.0, 0
+    target = torch.tensor(ids[1:], dtype=torch.long, device=logits.device)
+    rows = logits[: len(ids) - 1].float()
+    return float(-rows.gather(1, target[:, None]).sum()), len(ids) - 1
+
+
+def run_suite(
+    llm: Any,
+    suite: Suite,
+    keep_logits: bool = False,
+    on_logits: LogitsFn | None = None,
+) -> RunResult:
+    """Run the suite on ``llm`` (a :class:`kvserve.LLM`). ``on_logits(i, logits)`` sees each
+    passage's prompt log-softmax as soon as its request finishes."""
+    from kvserve import SamplingParams
+
+    t0 = time.perf_counter()
+    steps0 = llm.engine.num_steps
+    params = [SamplingParams(temperature=0.0, max_tokens=i.max_tokens) for i in suite.items]
+    prompts = [{"prompt_token_ids": i.prompt_ids} for i in suite.items]
+    outs = llm.generate(prompts, params) if prompts else []
+    texts = [o.outputs[0].text for o in outs]
+    hits = [answers_match(t, i.answer) for t, i in zip(texts, suite.items, strict=True)]
+
+    engine = llm.engine
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    ids = {}
+    for n, p in enumerate(suite.passages):
+        rid = engine.add_request(
+            f"quality-ppl-{n}", {"prompt_token_ids": p}, one, return_prompt_logits=True
+        )
+        ids[rid] = n
+    nll, ntok, kept = 0.0, 0, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if not out.finished:
+                continue
+            n = ids[out.request_id]
+            logits = out.prompt_logits
+            a, b = passage_nll(logits, suite.passages[n])
+            nll, ntok = nll + a, ntok + b
+            if on_logits is not None:
+                on_logits(n, logits)
+            if keep_logits:
+                kept[n] = logits
+    return RunResult(
+        texts=texts,
+        hits=hits,
+        nll=nll,
+        ppl_tokens=ntok,
+        seconds=time.perf_counter() - t0,
+        steps=engine.num_steps - steps0,
+        logits=[kept[n] for n in sorted(kept)],
+    )
+
+
+def recall_groups(suite: Suite) -> dict[str, list[int]]:
+    """Item indices of each recall figure the gate reports."""
+    groups: dict[str, list[int]] = {
+        "needle": [],
+        "needle_depth_0_10": [],
+        "multi_needle": [],
+        "multi_turn": [],
+        "variable_tracking": [],
+    }
+    for n, it in enumerate(suite.items):
+        groups[it.kind].append(n)
+        if it.kind == "needle" and it.meta["depth_percent"] <= EARLY_DEPTH:
+            groups["needle_depth_0_10"].append(n)
+    return {k: v for k, v in groups.items() if v}
+
+
+def recall_grid(suite: Suite, hits: list[bool]) -> dict[str, dict[str, float]]:
+    """Needle recall per context length (rows) and depth percent (columns)."""
+    cells: dict[tuple[int, float], list[bool]] = {}
+    for it, hit in zip(suite.items, hits, strict=True):
+        if it.kind == "needle":
+            key = (it.meta["context_tokens"], it.meta["depth_percent"])
+            cells.setdefault(key, []).append(hit)
+    grid: dict[str, dict[str, float]] = {}
+    for (length, depth), v in sorted(cells.items()):
+        grid.setdefault(str(length), {})[f"{depth:g}"] = sum(v) / len(v)
+    return grid
+
+
+def min_cache_read_share(suite: Suite, chunk: int) -> float:
+    """Lower bound on the share of prompt positions whose attention reads the stored cache.
+
+    The first prefill chunk of a sequence attends to its own fresh full-precision K/V; only
+    later chunks (and decode) read what the KV format stored. A chunk holds at most ``chunk``
+    tokens (the step budget), so at most that many positions per prompt escape the format."""
+    lens = [len(i.prompt_ids) for i in suite.items] + [len(p) for p in suite.passages]
+    total = sum(lens)
+    fresh = sum(min(n, chunk) for n in lens)
+    return 1.0 - fresh / total if total else 0.0

@@ -1,0 +1,224 @@
+"""The gate's prompt set: the generators of :mod:`kvserve.quality.tasks`, rendered through the
+gated model's own tokenizer (and chat template), so any checkpoint the engine loads can be gated.
+
+Why token ids and not text: the baseline and the candidate must see byte-identical inputs, and
+the generators fit each prompt to a target length measured in *this* tokenizer's tokens. Every
+prompt gets a seed derived from (suite seed, task, length, depth, index), so one cell of the
+grid never changes when another is added or removed.
+
+The needle grid spends a fixed token budget per cell (``tokens_per_cell``): short contexts get
+more needles, long ones fewer, so the grid is dense where it is cheap and the run time stays
+bounded by tokens, which is what a CPU run pays for.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from kvserve.quality import tasks as T
+
+EARLY_DEPTH = 10.0  # depth band reported on its own: "important information appears early"
+
+
+class TokenizerLike(Protocol):
+    chat_template: str | None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class SuiteSpec:
+    """What the gate runs. ``default()`` targets <= 5 min for both runs on 2 CPU cores with the
+    bundled model; ``quick()`` <= 60 s (CI)."""
+
+    lengths: tuple[int, ...] = (256, 512, 1024, 2048)
+    depths: tuple[float, ...] = (0.0, 5.0, 10.0, 25.0, 50.0, 75.0, 100.0)
+    tokens_per_cell: int = 2048
+    min_per_cell: int = 2
+    multi_needle: int = 8
+    multi_needle_length: int = 1024
+    num_needles: int = 4
+    multi_turn: int = 8
+    multi_turn_length: int = 1024
+    variable_tracking: int = 6
+    variable_tracking_length: int = 512
+    ppl_passages: int = 4
+    ppl_length: int = 1024
+    seed: int = 0
+
+    @classmethod
+    def default(cls) -> SuiteSpec:
+        return cls()
+
+    @classmethod
+    def quick(cls) -> SuiteSpec:
+        return cls(
+            lengths=(256, 1024),
+            depths=(0.0, 10.0, 50.0, 100.0),
+            tokens_per_cell=512,
+            min_per_cell=1,
+            multi_needle=2,
+            multi_needle_length=512,
+            multi_turn=2,
+            multi_turn_length=512,
+            variable_tracking=2,
+            variable_tracking_length=256,
+            ppl_passages=2,
+            ppl_length=512,
+        )
+
+    def per_cell(self, length: int) -> int:
+        return max(self.min_per_cell, self.tokens_per_cell // length)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class TaskItem:
+    """One generation prompt: the expected ``answer`` and how many tokens to generate."""
+
+    kind: str  # needle | multi_needle | multi_turn | variable_tracking
+    prompt_ids: list[int]
+    answer: str
+    max_tokens: int
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Suite:
+    spec: SuiteSpec
+    items: list[TaskItem]
+    passages: list[list[int]]  # held-out text for perplexity, agreement and KL
+    chat_template: str  # "model" | "none (plain-text turns)"
+    skipped: dict[str, str] = field(default_factory=dict)  # "task@length" -> why
+
+    def total_lens(self) -> list[int]:
+        """Tokens each request holds at its end (prompt + generated), for sizing the pool."""
+        return [len(i.prompt_ids) + i.max_tokens for i in self.items] + [
+            len(p) + 1 for p in self.passages
+        ]
+
+
+def answers_match(text: str, answer: str) -> bool:
+    """Exact match of the greedy continuation: it starts with ``answer`` and does not run on
+    into more of the same word (' 4831907' followed by '2' is a different code)."""
+    if not text.startswith(answer):
+        return False
+    rest = text[len(answer) :]
+    return not rest or not rest[0].isalnum()
+
+
+def _seed(spec: SuiteSpec, *parts: object) -> int:
+    return zlib.crc32(":".join(map(str, (spec.seed, *parts))).encode())
+
+
+def _plain_chat(messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    """Fallback for a model without a chat template: labelled plain-text turns."""
+    text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages)
+    return text + ("Assistant: " if add_generation_prompt else "")
+
+
+def build_suite(tok: TokenizerLike, spec: SuiteSpec, max_model_len: int) -> Suite:
+    """Render every task through ``tok``. A task at a length that does not fit
+    ``max_model_len`` (with room for the answer), or that is too short for the task's own text
+    in this tokenizer, is skipped and listed in ``Suite.skipped``, never silently clipped."""
+
+    def count(text: str) -> int:
+        return len(tok.encode(text, add_special_tokens=True))
+
+    def count_raw(text: str) -> int:
+        return len(tok.encode(text, add_special_tokens=False))
+
+    room = max_model_len - 64  # answers are short; keep a margin for their tokens
+    skipped: dict[str, str] = {}
+
+    def item(p: T.TaskPrompt, special: bool) -> TaskItem:
+        ids = tok.encode(p.prompt, add_special_tokens=special)
+        full = tok.encode(p.prompt + p.answer, add_special_tokens=special)
+        if full[: len(ids)] == ids:
+            n_ans = len(full) - len(ids)
+        else:  # the answer merged with the prompt's last token: count it on its own
+            n_ans = len(tok.encode(p.answer, add_special_tokens=False))
+        # +2: room to see that the answer is not continued ("... 4831907" then "2")
+        return TaskItem(p.kind, ids, p.answer, n_ans + 2, dict(p.meta))
+
+    def group(name: str, length: int, make: Callable[[int], TaskItem], n: int) -> list[TaskItem]:
+        """``n`` items of one task at one length, or none (and why) if it cannot be built."""
+        if length > room:
+            skipped[f"{name}@{length}"] = f"longer than max_model_len - 64 ({room})"
+            return []
+        try:
+            return [make(i) for i in range(n)]
+        except ValueError as e:  # too short for the task's fixed text in this tokenizer
+            skipped[f"{name}@{length}"] = str(e)
+            return []
+
+    def needle(length: int, depth: float) -> Callable[[int], TaskItem]:
+        def make(i: int) -> TaskItem:
+            seed = _seed(spec, "needle", length, depth, i)
+            it = item(T.needle_prompt(seed, length, depth, count), True)
+            it.meta.update(context_tokens=length, depth_percent=depth)
+            return it
+
+        return make
+
+    items: list[TaskItem] = []
+    for length in spec.lengths:
+        for depth in spec.depths:
+            items += group("needle", length, needle(length, depth), spec.per_cell(length))
+
+    n, k = spec.multi_needle_length, spec.num_needles
+    items += group(
+        "multi_needle",
+        n,
+        lambda i: item(T.multi_needle_prompt(_seed(spec, "mn", i), n, count, num_needles=k), True),
+        spec.multi_needle,
+    )
+    n2 = spec.variable_tracking_length
+    items += group(
+        "variable_tracking",
+        n2,
+        lambda i: item(T.variable_tracking_prompt(_seed(spec, "vt", i), n2, count), True),
+        spec.variable_tracking,
+    )
+    render, special, chat = _chat_renderer(tok)
+    turn_count: Callable[[str], int] = count if special else count_raw
+    n3 = spec.multi_turn_length
+    items += group(
+        "multi_turn",
+        n3,
+        lambda i: item(
+            T.multi_turn_prompt(_seed(spec, "mt", i), n3, turn_count, render=render), special
+        ),
+        spec.multi_turn,
+    )
+
+    plen = min(spec.ppl_length, room)
+    texts = T.heldout_passages(spec.ppl_passages, plen, count, seed=_seed(spec, "ppl"))
+    passages = [tok.encode(t, add_special_tokens=True) for t in texts]
+    return Suite(spec, items, passages, chat, skipped)
+
+
+def _chat_renderer(tok: TokenizerLike) -> tuple[T.RenderFn, bool, str]:
+    """The model's chat template if it has one that renders our turns; else plain text.
+    Returns (render, add_special_tokens when encoding, description)."""
+    probe = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    if tok.chat_template:
+        try:
+            tok.apply_chat_template(probe, True)
+
+            def render(messages: list[dict[str, str]], gen: bool) -> str:
+                return tok.apply_chat_template(messages, gen)
+
+            return render, False, "model"
+        except Exception:  # noqa: BLE001 - any template failure means: fall back
+            pass
+    return _plain_chat, True, "none (plain-text turns)"
