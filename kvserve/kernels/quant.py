@@ -28,7 +28,8 @@ _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fP
 _RES_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _lib: ctypes.CDLL | None = None
 _tried = False
-_LUTS: dict[object, torch.Tensor] = {}
+_KIVI_LUT: torch.Tensor | None = None
+_FP8_LUTS: dict[torch.dtype, torch.Tensor] = {}
 
 _p, _i, _i64, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 
@@ -41,6 +42,7 @@ class _Cache(ctypes.Structure):
         ("KVH", _i),
         ("bits", _i),
         ("group", _i),
+        ("e4m3", _i),
         ("k_codes", _p),
         ("v_codes", _p),
         ("lut", _p),
@@ -140,27 +142,25 @@ def _run(q, block_tables, seq_lens, window, cache: _Cache, keep: list) -> torch.
     return out.to(q.dtype)
 
 
-def _lut(dtype: torch.dtype) -> torch.Tensor:
-    if dtype not in _LUTS:
-        _LUTS[dtype] = torch.arange(256, dtype=torch.uint8).view(dtype).float().nan_to_num(0.0)
-    return _LUTS[dtype]
-
-
 def decode_fp8(st, layer: int, q, block_tables, seq_lens, window) -> torch.Tensor:  # noqa: ANN001
-    lut = _lut(st.fp8_dtype)
+    if st.fp8_dtype not in _FP8_LUTS:  # decode table for CPUs without F16C
+        codes = torch.arange(256, dtype=torch.uint8).view(st.fp8_dtype)
+        _FP8_LUTS[st.fp8_dtype] = codes.float().nan_to_num(0.0)
+    lut = _FP8_LUTS[st.fp8_dtype]
     ks, vs = st.k_scale[layer].float().contiguous(), st.v_scale[layer].float().contiguous()
     c = _Cache(
         fmt=0,
         D=st.head_dim,
         bs=st.block_size,
         KVH=st.num_kv_heads,
+        e4m3=int(st.fp8_dtype == torch.float8_e4m3fn),
         k_codes=st.k_codes[layer].data_ptr(),
         v_codes=st.v_codes[layer].data_ptr(),
-        lut=lut.data_ptr(),
         k_head_scale=ks.data_ptr(),
         v_head_scale=vs.data_ptr(),
+        lut=lut.data_ptr(),
     )
-    return _run(q, block_tables, seq_lens, window, c, [lut, ks, vs])
+    return _run(q, block_tables, seq_lens, window, c, [ks, vs, lut])
 
 
 def decode_int8(st, layer: int, q, block_tables, seq_lens, window) -> torch.Tensor:  # noqa: ANN001
@@ -180,9 +180,10 @@ def decode_int8(st, layer: int, q, block_tables, seq_lens, window) -> torch.Tens
 def decode_kivi(st, layer: int, q, block_tables, seq_lens, window) -> torch.Tensor:  # noqa: ANN001
     from kvserve.kv.codecs import KEY_SCALE_STEPS
 
-    if "kivi" not in _LUTS:  # key scale codes: 2 ** (-i / 8), the codec's own formula
-        _LUTS["kivi"] = torch.exp2(-torch.arange(256, dtype=torch.float32) / KEY_SCALE_STEPS)
-    lut = _LUTS["kivi"]
+    global _KIVI_LUT
+    if _KIVI_LUT is None:  # key scale codes: 2 ** (-i / 8), the codec's own formula
+        _KIVI_LUT = torch.exp2(-torch.arange(256, dtype=torch.float32) / KEY_SCALE_STEPS)
+    lut = _KIVI_LUT
     res = st._res_t.contiguous()
     rk, rv = st.res_k[layer], st.res_v[layer]
     c = _Cache(

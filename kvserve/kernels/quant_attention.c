@@ -7,7 +7,7 @@
  * buffer on the stack ([block_size][head_dim], in L1) and runs an online softmax over it, so
  * only the codes and their metadata stream from memory.
  *
- * Formats (fmt): 0 = fp8 (a 256-entry decode table and one scale per KV head), 1 = int8 (one
+ * Formats (fmt): 0 = fp8 (e4m3 or e5m2 codes via F16C, one scale per KV head), 1 = int8 (one
  * float16 scale per token and head), 2 = KIVI (keys: per-channel zero/scale codes against
  * three floats per block and head, lut[i] = 2**(-i/8) decodes the scale code; values: float16
  * scale/zero per token per channel group).
@@ -21,6 +21,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__F16C__) || defined(__SSE2__)
+#include <immintrin.h>
+#endif
 
 #define MAX_G 64
 #define MAX_D 256
@@ -56,10 +59,62 @@ static inline float f16_to_f32(uint16_t h) {
     return f;
 }
 
+/* Byte -> its 2 nibbles / 4 crumbs (lowest first), so unpacking is one table load per byte. */
+static uint16_t NIB[256];
+static uint32_t CRUMB[256];
+static int tables_ready = 0;
+
+static void init_tables(void) {
+    for (int b = 0; b < 256; b++) {
+        const uint8_t n[2] = {(uint8_t)(b & 15), (uint8_t)(b >> 4)};
+        const uint8_t c[4] = {(uint8_t)(b & 3), (uint8_t)((b >> 2) & 3), (uint8_t)((b >> 4) & 3),
+                              (uint8_t)(b >> 6)};
+        memcpy(&NIB[b], n, 2);
+        memcpy(&CRUMB[b], c, 4);
+    }
+    tables_ready = 1;
+}
+
+/* Unpack P bytes of 4-bit (2-bit) codes into 2P (4P) bytes, lowest bits first: SSE2 shifts,
+ * masks and byte interleaves, 16 input bytes at a time; the tables handle the tail. */
+static inline void unpack4(const uint8_t *row, int P, uint8_t *cd) {
+    int j = 0;
+#ifdef __SSE2__
+    const __m128i m = _mm_set1_epi8(0x0f);
+    for (; j + 16 <= P; j += 16) {
+        const __m128i x = _mm_loadu_si128((const __m128i *)(row + j));
+        const __m128i lo = _mm_and_si128(x, m), hi = _mm_and_si128(_mm_srli_epi16(x, 4), m);
+        _mm_storeu_si128((__m128i *)(cd + 2 * j), _mm_unpacklo_epi8(lo, hi));
+        _mm_storeu_si128((__m128i *)(cd + 2 * j + 16), _mm_unpackhi_epi8(lo, hi));
+    }
+#endif
+    for (; j < P; j++) memcpy(cd + 2 * j, &NIB[row[j]], 2);
+}
+
+static inline void unpack2(const uint8_t *row, int P, uint8_t *cd) {
+    int j = 0;
+#ifdef __SSE2__
+    const __m128i m = _mm_set1_epi8(3);
+    for (; j + 16 <= P; j += 16) {
+        const __m128i x = _mm_loadu_si128((const __m128i *)(row + j));
+        const __m128i c0 = _mm_and_si128(x, m), c1 = _mm_and_si128(_mm_srli_epi16(x, 2), m);
+        const __m128i c2 = _mm_and_si128(_mm_srli_epi16(x, 4), m);
+        const __m128i c3 = _mm_and_si128(_mm_srli_epi16(x, 6), m);
+        const __m128i a = _mm_unpacklo_epi8(c0, c1), b = _mm_unpacklo_epi8(c2, c3);
+        const __m128i a2 = _mm_unpackhi_epi8(c0, c1), b2 = _mm_unpackhi_epi8(c2, c3);
+        _mm_storeu_si128((__m128i *)(cd + 4 * j), _mm_unpacklo_epi16(a, b));
+        _mm_storeu_si128((__m128i *)(cd + 4 * j + 16), _mm_unpackhi_epi16(a, b));
+        _mm_storeu_si128((__m128i *)(cd + 4 * j + 32), _mm_unpacklo_epi16(a2, b2));
+        _mm_storeu_si128((__m128i *)(cd + 4 * j + 48), _mm_unpackhi_epi16(a2, b2));
+    }
+#endif
+    for (; j < P; j++) memcpy(cd + 4 * j, &CRUMB[row[j]], 4);
+}
+
 typedef struct {
-    int fmt, D, bs, KVH, bits, group;
+    int fmt, D, bs, KVH, bits, group, e4m3;
     const uint8_t *k_codes, *v_codes;
-    const float *lut, *k_head_scale, *v_head_scale;      /* fp8 (lut: also KIVI's) */
+    const float *lut, *k_head_scale, *v_head_scale;      /* lut: KIVI key scales or fp8 codes */
     const uint16_t *k_tok_scale, *v_tok_scale;           /* int8 */
     const uint8_t *k_meta; const float *k_base;          /* kivi keys */
     const uint16_t *v_scale, *v_zero;                    /* kivi values */
@@ -88,7 +143,23 @@ static void decode_tile(const Cache *c, int64_t blk, int hk, int lo, int hi, int
         const float s = (is_key ? c->k_head_scale : c->v_head_scale)[hk];
         for (int t = lo; t < hi; t++) {
             const uint8_t *row = codes + (bh * bs + t) * D;
-            for (int d = 0; d < D; d++) tile[t * D + d] = c->lut[row[d]] * s;
+            float *dst = tile + t * D;
+            int d = 0;
+#ifdef __F16C__
+            /* fp8 -> float16 bits with shifts (e5m2 is float16's top byte; e4m3's exponent
+             * bias is 8 less: x 2**8), then the hardware conversion, 8 lanes at a time. */
+            const __m256 sv = _mm256_set1_ps(c->e4m3 ? s * 256.f : s);
+            const __m128i m80 = _mm_set1_epi16(0x80), m7f = _mm_set1_epi16(0x7f);
+            for (; d + 8 <= D; d += 8) {
+                const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(row + d)));
+                const __m128i h = c->e4m3
+                    ? _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, m80), 8),
+                                   _mm_slli_epi16(_mm_and_si128(w, m7f), 7))
+                    : _mm_slli_epi16(w, 8);
+                _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_cvtph_ps(h), sv));
+            }
+#endif
+            for (; d < D; d++) dst[d] = c->lut[row[d]] * s;
         }
     } else if (c->fmt == FMT_INT8) {
         const uint16_t *sc = (is_key ? c->k_tok_scale : c->v_tok_scale) + bh * bs;
@@ -112,15 +183,8 @@ static void decode_tile(const Cache *c, int64_t blk, int hk, int lo, int hi, int
         const int P = D * c->bits / 8, NG = D / c->group, gs = c->group;
         for (int t = lo; t < hi; t++) {
             const uint8_t *row = codes + (bh * bs + t) * P;
-            if (c->bits == 4) {
-                for (int j = 0; j < P; j++) { cd[2 * j] = row[j] & 15; cd[2 * j + 1] = row[j] >> 4; }
-            } else {
-                for (int j = 0; j < P; j++) {
-                    const uint8_t x = row[j];
-                    cd[4 * j] = x & 3; cd[4 * j + 1] = (x >> 2) & 3;
-                    cd[4 * j + 2] = (x >> 4) & 3; cd[4 * j + 3] = x >> 6;
-                }
-            }
+            if (c->bits == 4) unpack4(row, P, cd);
+            else unpack2(row, P, cd);
             float *dst = tile + t * D;
             if (is_key) {
 #pragma omp simd
@@ -144,6 +208,7 @@ int kvserve_quant_decode(const float *q, float *out, const int64_t *block_tables
     if (H % KVH || H / KVH > MAX_G || D > MAX_D || bs > MAX_BS) return -1;
     if (c->fmt == FMT_KIVI && (D % (8 / c->bits) || D % c->group)) return -1;
     const int G = H / KVH;
+    if (!tables_ready) init_tables(); /* called from one Python thread at a time (the GIL) */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t task = 0; task < (int64_t)B * KVH; task++) {
         const int b = (int)(task / KVH), hk = (int)(task % KVH);
