@@ -199,6 +199,9 @@ def _judge(
             _row(f"recall_{key}", RECALL_LABELS[key], "recall", b, c, c - b, len(idx),
                  f"drop <= {th.max_recall_drop * 100:.1f} pt", b - c <= th.max_recall_drop + 1e-12)
         )  # fmt: skip
+        # Paired on the same prompts: which answers the candidate lost and which it gained.
+        rows[-1]["lost"] = sum(base.hits[i] and not cand.hits[i] for i in idx)
+        rows[-1]["gained"] = sum(cand.hits[i] and not base.hits[i] for i in idx)
     bp, cp = base.perplexity, cand.perplexity
     inc = cp / bp - 1.0 if bp > 0 else float("nan")
     rows.append(

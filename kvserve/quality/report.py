@@ -72,7 +72,8 @@ def format_table(report: dict[str, Any]) -> str:
                 str(m["n"]),
                 _fmt(m["kind"], m["baseline"]),
                 _fmt(m["kind"], m["candidate"]),
-                _fmt_delta(m["kind"], m["delta"]),
+                _fmt_delta(m["kind"], m["delta"])
+                + (f" (-{m['lost']}/+{m['gained']})" if m.get("lost") or m.get("gained") else ""),
                 m["threshold"],
                 "PASS" if m["passed"] else "FAIL",
             )
@@ -141,7 +142,8 @@ def plot_recall_heatmap(report: dict[str, Any], path: Path) -> Path | None:
         ax.set_xticks(range(len(depths)), depths)
         ax.set_yticks(range(len(lengths)), lengths)
         ax.set_xlabel("needle depth (%)")
-        ax.set_ylabel("context (tokens)")
+        if side == "baseline":
+            ax.set_ylabel("context (tokens)")
         fmt = report["baseline"]["kv_format"] if side == "baseline" else report["label"]
         ax.set_title(f"{side}: {fmt}")
         for i, row in enumerate(data):

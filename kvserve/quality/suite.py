@@ -42,12 +42,12 @@ class SuiteSpec:
     depths: tuple[float, ...] = (0.0, 5.0, 10.0, 25.0, 50.0, 75.0, 100.0)
     tokens_per_cell: int = 2048
     min_per_cell: int = 2
-    multi_needle: int = 8
+    multi_needle: int = 12
     multi_needle_length: int = 1024
     num_needles: int = 4
-    multi_turn: int = 8
+    multi_turn: int = 12
     multi_turn_length: int = 1024
-    variable_tracking: int = 6
+    variable_tracking: int = 8
     variable_tracking_length: int = 512
     ppl_passages: int = 4
     ppl_length: int = 1024
