@@ -119,19 +119,35 @@ def test_decode_attention_matches_dequantized_reference(fmt, use_kernels):
         assert rel < {"int8": 0.01, "kivi2": 0.35}.get(fmt, 0.12), (fmt, rel)
 
 
-def test_kivi_partial_blocks_stay_exact_and_quantize_once():
-    st = KiviKVStorage(1, 16, 4, 2, 8, torch.float32, bits=2, group=8, num_residual=4)
+@pytest.mark.parametrize("flush_batch", [1, 16])
+def test_kivi_partial_blocks_stay_exact_and_quantize_once(flush_batch):
+    st = KiviKVStorage(1, 16, 4, 2, 8, torch.float32, bits=2, group=8, num_residual=4,
+                       flush_batch=flush_batch)  # fmt: skip
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(10, 2, 8, generator=g), torch.randn(10, 2, 8, generator=g)
     table = torch.tensor([5, 2, 9])
     for t in range(10):  # one token per step: the decode pattern
         slot = table[t // 4] * 4 + t % 4
         st.write(0, slot[None], k[t : t + 1], v[t : t + 1])
-    assert st.blocks_quantized == 2 and st.tokens_written == 10  # blocks 5 and 2, once each
+    assert st.tokens_written == 10
+    if flush_batch == 1:  # each full block quantized at the next step
+        assert st.blocks_quantized == 2 and not st.pending
+    else:  # full blocks wait in the residual, still exact, until a batch is ready
+        assert st.blocks_quantized == 0 and list(st.pending) == [5, 2]
+        kg, _ = st.gather(0, table[None])
+        assert torch.equal(kg[0, :, :10].transpose(0, 1), k)
+        st.flush()
+    st.flush()  # nothing left: no block is quantized twice
+    assert st.blocks_quantized == 2
     kg, vg = st.gather(0, table[None])
-    tail = kg[0, :, 8:10].transpose(0, 1)
-    assert torch.equal(tail, k[8:10])  # the partial block is full precision
-    assert not torch.equal(kg[0, :, :8].transpose(0, 1), k[:8])  # full blocks are quantized
+    assert torch.equal(kg[0, :, 8:10].transpose(0, 1), k[8:10])  # the partial block is exact
+    full = kg[0, :, :8].transpose(0, 1)
+    assert not torch.equal(full, k[:8])  # full blocks are quantized, within the codec bound
+    for i in range(2):
+        block = k[4 * i : 4 * i + 4].transpose(0, 1)
+        codes, meta, base = codecs.kivi_quantize_keys(block, 2)
+        bound = codecs.kivi_key_error_bound(block, meta, base, 2).transpose(0, 1)
+        assert torch.all((full[4 * i : 4 * i + 4] - k[4 * i : 4 * i + 4]).abs() <= bound + 1e-6)
     assert st.res_of_block[9] >= 0 and st.res_of_block[5] == -1 and st.res_of_block[2] == -1
 
 
@@ -146,6 +162,8 @@ def test_kivi_copy_on_write_of_partial_block():
             st.write(layer, slots, kv, kv)
         if i == 0:
             st.copy_blocks([(1, 3)])
+    assert sorted(st.pending) == [1, 3]
+    st.flush()
     parent, _ = st.gather(1, torch.tensor([[1]]))
     child, _ = st.gather(1, torch.tensor([[3]]))
     for got, rows in ((parent, torch.cat([x, -y])), (child, torch.cat([x, y]))):
@@ -248,7 +266,10 @@ def test_kivi_quantizes_each_token_once_in_the_engine(make_llm, checkpoint):
     written = 7 + 22 + 2 * 39  # the last sampled token is never written
     assert st.tokens_written == written
     full_blocks = (7 + 39) // 4 + (22 + 39) // 4
-    assert st.blocks_quantized == full_blocks  # once each, versus O(tokens^2 / residual) in HF
+    # Once each (some still waiting for their batch), versus O(tokens^2 / residual) in HF.
+    assert st.blocks_quantized + len(st.pending) == full_blocks
+    st.flush()
+    assert st.blocks_quantized == full_blocks
 
 
 def test_same_memory_holds_proportionally_more_blocks(make_llm, checkpoint):
@@ -309,3 +330,19 @@ def test_greedy_agreement_smoke_on_random_model(checkpoint):
         assert a[f] >= lo, (f, a)
     assert e["int8"] < e["fp8_e4m3"] < e["fp8_e5m2"] and e["kivi4"] < e["kivi2"], e
     assert e["kivi2"] < 0.5, e
+
+
+def test_fp8_global_scales_from_config_json(checkpoint, tmp_path):
+    import shutil
+
+    from kvserve.model.loader import load_kv_scales
+
+    dst = tmp_path / "cfgscaled"
+    shutil.copytree(checkpoint("llama_gqa"), dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    mc = ModelConfig.from_dict(cfg)
+    assert load_kv_scales(dst, mc) == (None, None)  # nothing given: calibrate instead
+    cfg.update(k_scale=0.05, v_scale=0.07)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    k, v = load_kv_scales(dst, ModelConfig.from_dict(cfg))
+    assert k.shape == (mc.num_hidden_layers, 1) and torch.all(k == 0.05) and torch.all(v == 0.07)

@@ -113,10 +113,6 @@ def supports(storage, q: torch.Tensor) -> bool:  # noqa: ANN001 - any quantized 
     )
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
 def _run(q, block_tables, seq_lens, window, cache: _Cache, keep: list) -> torch.Tensor:  # noqa: ANN001
     assert _lib is not None
     b, h, d = q.shape
@@ -142,39 +138,58 @@ def _run(q, block_tables, seq_lens, window, cache: _Cache, keep: list) -> torch.
     return out.to(q.dtype)
 
 
+def _cached(st, layer: int, build) -> tuple[_Cache, list]:  # noqa: ANN001
+    """The per-layer kernel descriptor, built once: code and metadata tensors never move."""
+    cache = st.__dict__.setdefault("_kernel_desc", {})
+    if layer not in cache:
+        cache[layer] = build()
+    return cache[layer]
+
+
 def decode_fp8(st, layer: int, q, block_tables, seq_lens, window) -> torch.Tensor:  # noqa: ANN001
-    if st.fp8_dtype not in _FP8_LUTS:  # decode table for CPUs without F16C
-        codes = torch.arange(256, dtype=torch.uint8).view(st.fp8_dtype)
-        _FP8_LUTS[st.fp8_dtype] = codes.float().nan_to_num(0.0)
-    lut = _FP8_LUTS[st.fp8_dtype]
-    ks, vs = st.k_scale[layer].float().contiguous(), st.v_scale[layer].float().contiguous()
-    c = _Cache(
-        fmt=0,
-        D=st.head_dim,
-        bs=st.block_size,
-        KVH=st.num_kv_heads,
-        e4m3=int(st.fp8_dtype == torch.float8_e4m3fn),
-        k_codes=st.k_codes[layer].data_ptr(),
-        v_codes=st.v_codes[layer].data_ptr(),
-        k_head_scale=ks.data_ptr(),
-        v_head_scale=vs.data_ptr(),
-        lut=lut.data_ptr(),
-    )
-    return _run(q, block_tables, seq_lens, window, c, [ks, vs, lut])
+    def build() -> tuple[_Cache, list]:
+        if st.fp8_dtype not in _FP8_LUTS:  # decode table for CPUs without F16C
+            codes = torch.arange(256, dtype=torch.uint8).view(st.fp8_dtype)
+            _FP8_LUTS[st.fp8_dtype] = codes.float().nan_to_num(0.0)
+        lut = _FP8_LUTS[st.fp8_dtype]
+        ks, vs = st.k_scale[layer].float().contiguous(), st.v_scale[layer].float().contiguous()
+        c = _Cache(
+            fmt=0,
+            D=st.head_dim,
+            bs=st.block_size,
+            KVH=st.num_kv_heads,
+            e4m3=int(st.fp8_dtype == torch.float8_e4m3fn),
+            k_codes=st.k_codes[layer].data_ptr(),
+            v_codes=st.v_codes[layer].data_ptr(),
+            k_head_scale=ks.data_ptr(),
+            v_head_scale=vs.data_ptr(),
+            lut=lut.data_ptr(),
+        )
+        return c, [ks, vs, lut]
+
+    if not st.calibrated[layer]:  # scales may still change: no caching yet
+        c, keep = build()
+    else:
+        c, keep = _cached(st, layer, build)
+    return _run(q, block_tables, seq_lens, window, c, keep)
 
 
 def decode_int8(st, layer: int, q, block_tables, seq_lens, window) -> torch.Tensor:  # noqa: ANN001
-    c = _Cache(
-        fmt=1,
-        D=st.head_dim,
-        bs=st.block_size,
-        KVH=st.num_kv_heads,
-        k_codes=st.k_codes[layer].data_ptr(),
-        v_codes=st.v_codes[layer].data_ptr(),
-        k_tok_scale=st.k_scale[layer].data_ptr(),
-        v_tok_scale=st.v_scale[layer].data_ptr(),
-    )
-    return _run(q, block_tables, seq_lens, window, c, [])
+    def build() -> tuple[_Cache, list]:
+        c = _Cache(
+            fmt=1,
+            D=st.head_dim,
+            bs=st.block_size,
+            KVH=st.num_kv_heads,
+            k_codes=st.k_codes[layer].data_ptr(),
+            v_codes=st.v_codes[layer].data_ptr(),
+            k_tok_scale=st.k_scale[layer].data_ptr(),
+            v_tok_scale=st.v_scale[layer].data_ptr(),
+        )
+        return c, []
+
+    c, keep = _cached(st, layer, build)
+    return _run(q, block_tables, seq_lens, window, c, keep)
 
 
 def decode_kivi(st, layer: int, q, block_tables, seq_lens, window) -> torch.Tensor:  # noqa: ANN001
@@ -184,25 +199,29 @@ def decode_kivi(st, layer: int, q, block_tables, seq_lens, window) -> torch.Tens
     if _KIVI_LUT is None:  # key scale codes: 2 ** (-i / 8), the codec's own formula
         _KIVI_LUT = torch.exp2(-torch.arange(256, dtype=torch.float32) / KEY_SCALE_STEPS)
     lut = _KIVI_LUT
-    res = st._res_t.contiguous()
+
+    def build() -> tuple[_Cache, list]:
+        c = _Cache(
+            fmt=2,
+            D=st.head_dim,
+            bs=st.block_size,
+            KVH=st.num_kv_heads,
+            bits=st.bits,
+            group=st.group,
+            k_codes=st.k_codes[layer].data_ptr(),
+            v_codes=st.v_codes[layer].data_ptr(),
+            k_meta=st.k_meta[layer].data_ptr(),
+            k_base=st.k_base[layer].data_ptr(),
+            v_scale=st.v_scale[layer].data_ptr(),
+            v_zero=st.v_zero[layer].data_ptr(),
+            lut=lut.data_ptr(),
+        )
+        return c, [lut]
+
+    c, keep = _cached(st, layer, build)
+    # The residual map changes every step and the residual pool may grow: refresh those.
+    res = st._res_t
     rk, rv = st.res_k[layer], st.res_v[layer]
-    c = _Cache(
-        fmt=2,
-        D=st.head_dim,
-        bs=st.block_size,
-        KVH=st.num_kv_heads,
-        bits=st.bits,
-        group=st.group,
-        k_codes=st.k_codes[layer].data_ptr(),
-        v_codes=st.v_codes[layer].data_ptr(),
-        k_meta=st.k_meta[layer].data_ptr(),
-        k_base=st.k_base[layer].data_ptr(),
-        v_scale=st.v_scale[layer].data_ptr(),
-        v_zero=st.v_zero[layer].data_ptr(),
-        res_of_block=res.data_ptr(),
-        res_k=rk.data_ptr(),
-        res_v=rv.data_ptr(),
-        res_dtype=_RES_DTYPES[rk.dtype],
-        lut=lut.data_ptr(),
-    )
-    return _run(q, block_tables, seq_lens, window, c, [res, lut])
+    c.res_of_block, c.res_k, c.res_v = res.data_ptr(), rk.data_ptr(), rv.data_ptr()
+    c.res_dtype = _RES_DTYPES[rk.dtype]
+    return _run(q, block_tables, seq_lens, window, c, [*keep, res])

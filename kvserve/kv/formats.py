@@ -58,10 +58,15 @@ def kv_fixed_bytes(
     max_num_seqs: int = 256,
 ) -> int:
     """Bytes a format needs besides its per-token figure: KIVI's residual pool (one
-    full-precision block per running sequence) and fp8's per-(layer, head) scales."""
+    full-precision block per running sequence plus a flush batch) and fp8's per-(layer, head)
+    scales. The engine keeps them outside ``kv_cache_memory``; storages report them as
+    ``fixed_nbytes()``."""
     if name in ("kivi4", "kivi2"):
+        from kvserve.kv.kivi_storage import FLUSH_BATCH
+
         itemsize = torch.empty((), dtype=compute_dtype).element_size()
-        return 2 * num_layers * max_num_seqs * num_kv_heads * block_size * head_dim * itemsize
+        slots = max_num_seqs + FLUSH_BATCH
+        return 2 * num_layers * slots * num_kv_heads * block_size * head_dim * itemsize
     if name.startswith("fp8"):
         return 2 * num_layers * num_kv_heads * 4
     return 0
@@ -99,6 +104,9 @@ def make_kv_storage(
     if name == "int8":
         return Int8KVStorage(*geo, dtype, device, use_kernels=use_kernels)
     if name in ("kivi4", "kivi2"):
+        from kvserve.kv.kivi_storage import FLUSH_BATCH
+
         return KiviKVStorage(*geo, dtype, device, bits=int(name[-1]),
-                             num_residual=max_num_seqs, use_kernels=use_kernels)  # fmt: skip
+                             num_residual=max_num_seqs + FLUSH_BATCH,
+                             use_kernels=use_kernels)  # fmt: skip
     raise NotImplementedError(f"kv_cache_dtype: {name!r} is not implemented")

@@ -10,8 +10,10 @@ Layout per layer (``P = head_dim * bits // 8`` packed bytes, ``G`` the value gro
   ``G`` channels;
 - residual: ``[num_residual, kv_heads, block_size, head_dim]`` in the compute dtype for K and V.
 
-A block is quantized once, when its last slot (offset ``block_size - 1``) is written; until
-then its tokens live in a residual slot. Bookkeeping (which block owns which residual slot)
+A block is quantized exactly once: at once when a single write covers it (prefill), else its
+tokens collect in a residual slot and, once its last slot (offset ``block_size - 1``) is
+written, it waits there -- still read in full precision -- until ``FLUSH_BATCH`` full blocks
+are quantized in one vectorized call (or slots run short). Bookkeeping (which block owns which residual slot)
 is done once per step, on the first layer's write, in NumPy over the step's slot mapping; the
 per-layer work is a fixed number of tensor ops. Residual slots of blocks freed while partial
 are reclaimed by asking the block pool (``attach_pool``) which blocks have no reference left.
@@ -30,6 +32,9 @@ from kvserve.kv.storage import KVStorage
 
 log = logging.getLogger("kvserve.kv")
 DEFAULT_VALUE_GROUP = 64
+# Full blocks wait in the residual until this many can be quantized in one vectorized call:
+# quantizing one block costs ~40 small tensor ops per layer, the same as quantizing 16.
+FLUSH_BATCH = 16
 
 
 def value_group(head_dim: int, group: int = DEFAULT_VALUE_GROUP) -> int:
@@ -44,15 +49,14 @@ class _WritePlan:
     """Where one step's tokens go; shared by every layer's write in that step."""
 
     slot_mapping: torch.Tensor  # identity key: layers of one step pass the same tensor
-    res_tok: torch.Tensor  # tokens of partial blocks -> residual
+    quant_blocks: torch.Tensor  # blocks quantized in this step: flushed ones, then direct ones
+    flush_slots: torch.Tensor  # residual slots of the flushed blocks (complete before the step)
+    direct_tok: torch.Tensor  # tokens of blocks that start and fill within this write
+    direct_row: torch.Tensor
+    direct_off: torch.Tensor
+    res_tok: torch.Tensor  # every other token -> its block's residual slot
     res_slot: torch.Tensor
     res_off: torch.Tensor
-    full_blocks: torch.Tensor  # blocks that fill in this write
-    src_rows: torch.Tensor  # rows of full_blocks whose earlier tokens are in the residual
-    src_slots: torch.Tensor
-    full_tok: torch.Tensor  # tokens of full blocks -> quantization buffer
-    full_row: torch.Tensor
-    full_off: torch.Tensor
 
 
 class KiviKVStorage(KVStorage):
@@ -69,6 +73,7 @@ class KiviKVStorage(KVStorage):
         group: int = DEFAULT_VALUE_GROUP,
         num_residual: int = 64,
         use_kernels: bool = True,
+        flush_batch: int = FLUSH_BATCH,
     ) -> None:
         if bits not in (2, 4):
             raise ValueError(f"bits: must be 2 or 4, got {bits}")
@@ -97,7 +102,9 @@ class KiviKVStorage(KVStorage):
         self.res_of_block = np.full(num_blocks, -1, dtype=np.int64)
         self.block_of_res = np.full(num_residual, -1, dtype=np.int64)
         self._free_res = list(range(num_residual - 1, -1, -1))
-        self._release: list[int] = []
+        # Full blocks still in the residual, waiting to be quantized together (insertion order).
+        self.pending: dict[int, None] = {}
+        self.flush_batch = max(1, flush_batch)
         self._res_t = torch.from_numpy(self.res_of_block).to(dev)
         self._plan: _WritePlan | None = None
         self._pool = None
@@ -139,13 +146,25 @@ class KiviKVStorage(KVStorage):
         return s
 
     def _reclaim(self) -> None:
+        """Free the slots of partial blocks nobody references (freed while partial). Pending
+        full blocks are kept: the prefix cache may still hand them out."""
         if self._pool is None:
             return
         for s, b in enumerate(self.block_of_res.tolist()):
-            if b >= 0 and self.res_of_block[b] == s and self._pool.blocks[b].ref_cnt == 0:
-                self.res_of_block[b] = -1
-                self.block_of_res[s] = -1
-                self._free_res.append(s)
+            if (
+                b >= 0
+                and self.res_of_block[b] == s
+                and b not in self.pending
+                and self._pool.blocks[b].ref_cnt == 0
+            ):
+                self._free_slot(b)
+
+    def _free_slot(self, block: int) -> None:
+        s = int(self.res_of_block[block])
+        if s >= 0:
+            self.res_of_block[block] = -1
+            self.block_of_res[s] = -1
+            self._free_res.append(s)
 
     def _grow(self) -> None:
         old = self.block_of_res.shape[0]
@@ -160,54 +179,93 @@ class KiviKVStorage(KVStorage):
         self._free_res.extend(range(old + extra - 1, old - 1, -1))
 
     def _make_plan(self, slot_mapping: torch.Tensor) -> _WritePlan:
+        """Decide, once per step, which blocks are quantized and where the other tokens go.
+
+        Each layer's write then runs in this order: quantize the flushed blocks from their
+        residual slots, quantize blocks that start and fill within this write straight from
+        the write, and only then write the remaining tokens into residual slots. Reading
+        before writing is what lets a slot freed by a flush be reused in the same step."""
         bs = self.block_size
-        for s in self._release:  # slots of blocks quantized last step: no layer reads them now
-            self.block_of_res[s] = -1
-            self._free_res.append(s)
-        self._release = []
         slots = slot_mapping.cpu().numpy()
         blk, off = slots // bs, slots % bs
         fresh = np.unique(blk[off == 0])
         full = np.unique(blk[off == bs - 1])
-        in_full = np.isin(blk, full)
-        # Earlier tokens of a filling block are in its residual slot, unless it starts here.
-        src = np.where(np.isin(full, fresh), -1, self.res_of_block[full])
-        had = self.res_of_block[full]
-        self._release = had[had >= 0].tolist()
-        self.res_of_block[full] = -1
-        part_blk = blk[~in_full]
-        for b in np.unique(part_blk).tolist():
+        for b in fresh.tolist():  # a block starting over: whatever it held is gone
+            self.pending.pop(b, None)
+        direct = np.intersect1d(full, fresh)  # offsets 0 and bs-1 here: the whole block is
+        completing = np.setdiff1d(full, fresh)  # earlier tokens are in the residual
+        in_direct = np.isin(blk, direct)
+        res_blk = blk[~in_direct]
+        need = sum(1 for b in np.unique(res_blk).tolist() if self.res_of_block[b] < 0)
+        flush: list[int] = []
+        if len(self.pending) >= self.flush_batch or len(self._free_res) < need:
+            flush = list(self.pending)
+            self.pending.clear()
+        flush_slots = self.res_of_block[flush].copy() if flush else np.zeros(0, np.int64)
+        for b in flush + direct.tolist():
+            self._free_slot(b)
+        for b in np.unique(res_blk).tolist():
             if self.res_of_block[b] < 0:
                 self._alloc_res(b)
-        row_of = {b: i for i, b in enumerate(full.tolist())}
-        rows = np.fromiter((row_of[b] for b in blk[in_full].tolist()), np.int64, int(in_full.sum()))
+        for b in completing.tolist():
+            self.pending[b] = None
+        row_of = {b: i for i, b in enumerate(direct.tolist())}
+        rows = np.fromiter((row_of[b] for b in blk[in_direct].tolist()), np.int64)
         self._res_t = torch.from_numpy(self.res_of_block.copy()).to(self.device)
-        self.blocks_quantized += len(full)
+        self.blocks_quantized += len(flush) + len(direct)
         self.tokens_written += len(slots)
 
-        def t(a: np.ndarray) -> torch.Tensor:
+        def t(a: np.ndarray | list[int]) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)
 
         tok = np.arange(len(slots))
         return _WritePlan(
             slot_mapping=slot_mapping,
-            res_tok=t(tok[~in_full]),
-            res_slot=t(self.res_of_block[part_blk]),
-            res_off=t(off[~in_full]),
-            full_blocks=t(full),
-            src_rows=t(np.nonzero(src >= 0)[0]),
-            src_slots=t(src[src >= 0]),
-            full_tok=t(tok[in_full]),
-            full_row=t(rows),
-            full_off=t(off[in_full]),
+            quant_blocks=t(np.concatenate([np.asarray(flush, np.int64), direct])),
+            flush_slots=t(flush_slots),
+            direct_tok=t(tok[in_direct]),
+            direct_row=t(rows),
+            direct_off=t(off[in_direct]),
+            res_tok=t(tok[~in_direct]),
+            res_slot=t(self.res_of_block[res_blk]),
+            res_off=t(off[~in_direct]),
         )
+
+    def _quantize(self, layer: int, blocks: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantize whole blocks ``[n, kv_heads, block_size, head_dim]`` into ``blocks``."""
+        codes, meta, base = codecs.kivi_quantize_keys(k, self.bits)
+        self.k_codes[layer][blocks] = codes
+        self.k_meta[layer][blocks] = meta
+        self.k_base[layer][blocks] = base
+        codes, scale, zero = codecs.kivi_quantize_values(v, self.bits, self.group)
+        self.v_codes[layer][blocks] = codes
+        self.v_scale[layer][blocks] = scale
+        self.v_zero[layer][blocks] = zero
+
+    def flush(self) -> None:
+        """Quantize every pending full block now (all layers) and free its residual slot."""
+        if not self.pending:
+            return
+        blocks = list(self.pending)
+        self.pending.clear()
+        slots = torch.from_numpy(self.res_of_block[blocks].copy()).to(self.device)
+        idx = torch.tensor(blocks, device=self.device)
+        for layer in range(self.num_layers):
+            self._quantize(layer, idx, self.res_k[layer][slots].float(),
+                           self.res_v[layer][slots].float())  # fmt: skip
+        for b in blocks:
+            self._free_slot(b)
+        self.blocks_quantized += len(blocks)
+        self._res_t = torch.from_numpy(self.res_of_block.copy()).to(self.device)
 
     # -- the storage seam ---------------------------------------------------------------------
     def write(
         self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        """Tokens of partial blocks go to their residual slot; blocks whose last slot is in
-        this write are assembled (residual + new tokens) and quantized, once.
+        """Blocks that start and fill within this write are quantized at once; other tokens
+        go to their block's residual slot, and a block that fills there waits (full
+        precision, still read from the residual) until a batch of them is quantized together.
+        Either way each token is quantized exactly once.
 
         The layers of one step must pass the same ``slot_mapping`` tensor (the model does):
         the step's bookkeeping is made on the first call and reused while it is the same
@@ -216,28 +274,18 @@ class KiviKVStorage(KVStorage):
         if p is None or p.slot_mapping is not slot_mapping:
             p = self._plan = self._make_plan(slot_mapping)
         rk, rv = self.res_k[layer], self.res_v[layer]
+        if p.quant_blocks.numel():
+            nd = p.quant_blocks.numel() - p.flush_slots.numel()
+            shape = (nd, self.num_kv_heads, self.block_size, self.head_dim)
+            bufs = []
+            for x, res in ((k, rk), (v, rv)):
+                direct = torch.zeros(shape, dtype=torch.float32, device=self.device)
+                direct[p.direct_row, :, p.direct_off] = x[p.direct_tok].float()
+                bufs.append(torch.cat([res[p.flush_slots].float(), direct]))
+            self._quantize(layer, p.quant_blocks, bufs[0], bufs[1])
         if p.res_tok.numel():
             rk[p.res_slot, :, p.res_off] = k[p.res_tok].to(self.dtype)
             rv[p.res_slot, :, p.res_off] = v[p.res_tok].to(self.dtype)
-        nfull = p.full_blocks.numel()
-        if not nfull:
-            return
-        shape = (nfull, self.num_kv_heads, self.block_size, self.head_dim)
-        for x, res, is_key in ((k, rk, True), (v, rv, False)):
-            buf = torch.zeros(shape, dtype=torch.float32, device=self.device)
-            if p.src_rows.numel():
-                buf[p.src_rows] = res[p.src_slots].float()
-            buf[p.full_row, :, p.full_off] = x[p.full_tok].float()
-            if is_key:
-                codes, meta, base = codecs.kivi_quantize_keys(buf, self.bits)
-                self.k_codes[layer][p.full_blocks] = codes
-                self.k_meta[layer][p.full_blocks] = meta
-                self.k_base[layer][p.full_blocks] = base
-            else:
-                codes, scale, zero = codecs.kivi_quantize_values(buf, self.bits, self.group)
-                self.v_codes[layer][p.full_blocks] = codes
-                self.v_scale[layer][p.full_blocks] = scale
-                self.v_zero[layer][p.full_blocks] = zero
 
     def dequantize_blocks(
         self, layer: int, blocks: torch.Tensor
@@ -282,6 +330,7 @@ class KiviKVStorage(KVStorage):
         if not pairs:
             return
         for s, d in pairs:
+            self.pending.pop(d, None)
             rs = int(self.res_of_block[s])
             if rs >= 0:
                 rd = int(self.res_of_block[d])
@@ -290,12 +339,10 @@ class KiviKVStorage(KVStorage):
                 for lst in (self.res_k, self.res_v):
                     for t in lst:
                         t[rd] = t[rs]
+                if s in self.pending:
+                    self.pending[d] = None
             else:
-                rd = int(self.res_of_block[d])
-                if rd >= 0:
-                    self.res_of_block[d] = -1
-                    self.block_of_res[rd] = -1
-                    self._free_res.append(rd)
+                self._free_slot(d)
                 quantized = self.k_codes + self.k_meta + self.k_base
                 quantized += self.v_codes + self.v_scale + self.v_zero
                 for t in quantized:
@@ -307,6 +354,6 @@ class KiviKVStorage(KVStorage):
         return sum(t.numel() * t.element_size() for t in ts)
 
     def fixed_nbytes(self) -> int:
-        """The residual pool: one full-precision block per sequence, outside the per-token
-        figure (it scales with the number of sequences, not with context)."""
+        """The residual pool: one full-precision block per sequence plus the flush batch,
+        outside the per-token figure (it scales with sequences, not with context)."""
         return sum(t.numel() * t.element_size() for t in self.res_k + self.res_v)
