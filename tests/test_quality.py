@@ -206,3 +206,39 @@ def test_cli_quick_exit_codes_json_and_files(checkpoint, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["quality", "--kv-cache-dtype", "int3"])
     assert e.value.code == 2
+
+
+def test_recall_plumbing_counts_hits_per_cell_and_group(checkpoint):
+    """Random models never retrieve, so check the hit path with a stand-in engine that answers
+    the needles of depth 0 correctly (and runs one on past the answer) and nothing else."""
+    from types import SimpleNamespace
+
+    from kvserve.model.tokenizer import Tokenizer
+    from kvserve.quality.metrics import recall_grid, recall_groups, run_suite
+
+    suite = build_suite(Tokenizer(checkpoint("llama_gqa")), TINY, 2048)
+    suite.passages = []
+
+    class StandIn:
+        engine = SimpleNamespace(num_steps=0, has_unfinished_requests=lambda: False)
+
+        def generate(self, prompts, params):
+            assert [p.max_tokens for p in params] == [i.max_tokens for i in suite.items]
+            texts = []
+            for it in suite.items:
+                if it.kind == "needle" and it.meta["depth_percent"] == 0.0:
+                    texts.append(it.answer + ".\n")
+                else:
+                    texts.append(it.answer + "7")  # the right digits, then one more: a miss
+            return [SimpleNamespace(outputs=[SimpleNamespace(text=t)]) for t in texts]
+
+    run = run_suite(StandIn(), suite)
+    grid = recall_grid(suite, run.hits)
+    assert grid == {
+        "256": {"0": 1.0, "50": 0.0, "100": 0.0},
+        "512": {"0": 1.0, "50": 0.0, "100": 0.0},
+    }
+    groups = recall_groups(suite)
+    early = [run.hits[i] for i in groups["needle_depth_0_10"]]
+    assert early and all(early)
+    assert not any(run.hits[i] for i in groups["multi_turn"] + groups["multi_needle"])
