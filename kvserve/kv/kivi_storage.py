@@ -13,10 +13,11 @@ Layout per layer (``P = head_dim * bits // 8`` packed bytes, ``G`` the value gro
 A block is quantized exactly once: at once when a single write covers it (prefill), else its
 tokens collect in a residual slot and, once its last slot (offset ``block_size - 1``) is
 written, it waits there -- still read in full precision -- until ``FLUSH_BATCH`` full blocks
-are quantized in one vectorized call (or slots run short). Bookkeeping (which block owns which residual slot)
-is done once per step, on the first layer's write, in NumPy over the step's slot mapping; the
-per-layer work is a fixed number of tensor ops. Residual slots of blocks freed while partial
-are reclaimed by asking the block pool (``attach_pool``) which blocks have no reference left.
+are quantized in one vectorized call (or slots run short). Bookkeeping (which block owns which
+residual slot) is done once per step, on the first layer's write, in NumPy over the step's slot
+mapping; the per-layer work is a fixed number of tensor ops. Residual slots of blocks freed
+while partial are reclaimed by asking the block pool (``attach_pool``) which blocks have no
+reference left.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ per-token loops), ``copy_blocks`` for copy-on-write, ``bytes_per_token`` with me
 - KIVI keys are quantized per channel over the tokens of a block, so a block can only be
   quantized once it is full. The partial tail block of each sequence lives in a small
   full-precision *residual* pool (KIVI's residual window, one block per sequence) and is
-  quantized exactly once, after its last slot is written (in batches, see kivi_storage.py). Prefix-cache hits only ever reuse
-  full blocks and copy-on-write only copies partial ones, so both fit this rule.
+  quantized exactly once, after its last slot is written (in batches, see kivi_storage.py).
+  Prefix-cache hits only ever reuse full blocks and copy-on-write only copies partial ones, so
+  both fit this rule.
 """
 
 from __future__ import annotations
