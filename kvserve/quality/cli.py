@@ -27,7 +27,7 @@ GATE_MAX_NUM_SEQS = 16
 def add_quality_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
     """Register ``quality`` on the CLI's subparsers; returns its handler."""
     from kvserve.cli import add_engine_args
-    from kvserve.quality.gate import Thresholds
+    from kvserve.quality.thresholds import Thresholds
 
     th = Thresholds()
     p = sub.add_parser(
@@ -78,10 +78,11 @@ def add_quality_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
 def cmd_quality(args: argparse.Namespace) -> int:
     from kvserve.cli import engine_kwargs
     from kvserve.config import ConfigError
-    from kvserve.quality.gate import Thresholds, run_gate
+    from kvserve.quality.gate import run_gate
     from kvserve.quality.report import HEATMAP_MISSING, format_table, plot_recall_heatmap, slug
     from kvserve.quality.report import write_json as write_report
     from kvserve.quality.suite import SuiteSpec
+    from kvserve.quality.thresholds import Thresholds
 
     if args.threads < 1:
         raise ConfigError(f"threads: must be >= 1, got {args.threads}")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from kvserve.quality.metrics import (
     run_suite,
 )
 from kvserve.quality.suite import Suite, SuiteSpec, build_suite
+from kvserve.quality.thresholds import Thresholds
 
 CandidateSetup = Callable[[Any], None]
 LOSSY_KWARGS = {"kv_cache_dtype": "auto", "calculate_kv_scales": False}
@@ -44,27 +45,6 @@ RECALL_LABELS = {
     "multi_turn": "multi-turn recall",
     "variable_tracking": "variable tracking recall",
 }
-
-
-@dataclass(frozen=True, slots=True)
-class Thresholds:
-    """Defaults: a format that loses more than 5 points of any recall, 5 % perplexity, or
-    that changes the top-1 next token at more than 5 % of positions is not fit for purpose."""
-
-    max_recall_drop: float = 0.05  # absolute, per recall figure (0.05 = 5 points)
-    max_ppl_increase: float = 0.05  # relative (0.05 = +5 %)
-    min_agreement: float = 0.95  # share of positions with the same top-1 token
-    max_kl: float = 0.05  # mean KL(baseline || candidate) per position, nats
-
-    def __post_init__(self) -> None:
-        for name in ("max_recall_drop", "min_agreement"):
-            v = getattr(self, name)
-            if not 0.0 <= v <= 1.0:
-                raise ConfigError(f"{name}: must be in [0, 1], got {v}")
-        for name in ("max_ppl_increase", "max_kl"):
-            v = getattr(self, name)
-            if not v >= 0.0:
-                raise ConfigError(f"{name}: must be >= 0, got {v}")
 
 
 def wrap_kv_storage(llm: Any, wrap: Callable[[Any], Any]) -> None:
