@@ -13,11 +13,12 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "__version__"]
 
 if TYPE_CHECKING:
-    from kvserve.engine import LLM, LLMEngine
+    from kvserve.engine import LLMEngine
+    from kvserve.llm import LLM
     from kvserve.request import RequestOutput, SamplingParams
 
 _LAZY = {
-    "LLM": "kvserve.engine",
+    "LLM": "kvserve.llm",
     "LLMEngine": "kvserve.engine",
     "SamplingParams": "kvserve.request",
     "RequestOutput": "kvserve.request",

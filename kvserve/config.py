@@ -287,7 +287,7 @@ class SchedulerConfig:
 
 @dataclass(slots=True)
 class EngineConfig:
-    """Everything the engine needs; built by :class:`kvserve.engine.LLM` from keyword args."""
+    """Everything the engine needs; built by :class:`kvserve.llm.LLM` from keyword args."""
 
     model: str
     tokenizer: str | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,8 +19,8 @@ from kvserve.kv.storage import KVStorage, kv_bytes_per_token
 from kvserve.model.loader import load_kv_scales, load_model, resolve_dtype
 from kvserve.model.sampler import Sampler
 from kvserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvserve.outputs import RequestFamily, build_output, check_stop
 from kvserve.request import (
-    CompletionOutput,
     InvalidRequestError,
     Request,
     RequestOutput,
@@ -135,7 +135,7 @@ class LLMEngine:
         self.sampler = Sampler(mc.vocab_size, config.seed, self.device)
         self.runner = ModelRunner(self.model, self.storage, self.sampler, self.kv, self.device)
         self.requests: dict[str, Request] = {}
-        self._families: dict[str, _Family] = {}
+        self._families: dict[str, RequestFamily] = {}
         self._ids = itertools.count()
         self._last_step = (0, 0)
         self.num_steps = 0
@@ -249,7 +249,7 @@ class LLMEngine:
                 f"{self.num_blocks}; lower max_tokens or give a larger kv_cache_memory",
                 "max_tokens",
             )
-        family = _Family(request_id, text, ids, params, stream)
+        family = RequestFamily(request_id, text, ids, params, stream)
         family.return_prompt_logits = return_prompt_logits
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
@@ -317,7 +317,7 @@ class LLMEngine:
             r.num_computed_tokens += s.num_new_tokens
             self.kv.cache_computed_blocks(r)
 
-        touched: dict[str, _Family] = {}
+        touched: dict[str, RequestFamily] = {}
         finished: list[Request] = []
         if out is not None:
             for i, s in enumerate(sampling):
@@ -337,15 +337,25 @@ class LLMEngine:
                 family = self._families[r.parent_id]
                 if family.pending_forks and r is family.children[0]:
                     self._fork(r, family)
-                if self._check_stop(r, token, family.stream):
+                if check_stop(r, token, family.stream, self.max_model_len):
                     finished.append(r)
                 touched[family.request_id] = family
         for r in finished:
             r.metrics.finished_time = now
             self.scheduler.finish(r, r.status)
-        return [o for f in touched.values() if (o := self._output(f)) is not None]
+        outputs = []
+        for family in touched.values():
+            out_f = build_output(family)
+            if out_f is None:
+                continue
+            outputs.append(out_f)
+            if out_f.finished:
+                self._families.pop(family.request_id, None)
+                for c in family.children:
+                    self.requests.pop(c.request_id, None)
+        return outputs
 
-    def _fork(self, first: Request, family: _Family) -> None:
+    def _fork(self, first: Request, family: RequestFamily) -> None:
         """Give each waiting sibling the first child's prompt blocks; each recomputes only the
         last prompt token (into a private copy of the shared block) to draw its own token."""
         for sib in family.pending_forks:
@@ -354,100 +364,6 @@ class LLMEngine:
             sib.num_cached_tokens = first.num_cached_tokens
             self.scheduler.waiting.appendleft(sib)
         family.pending_forks = []
-
-    def _check_stop(self, r: Request, token: int, stream: bool) -> bool:
-        p = r.sampling_params
-        n_out = r.num_output_tokens
-        text_needed = stream or bool(p.stop)
-        if text_needed and r.detokenizer is not None:
-            before = len(r.detokenizer.text)
-            r.detokenizer.update(r.output_token_ids)
-            if p.stop and n_out >= p.min_tokens:
-                text = r.detokenizer.text
-                start = max(0, before - max(len(s) for s in p.stop) + 1)
-                hits = [(i, s) for s in p.stop if (i := text.find(s, start)) >= 0]
-                if hits:
-                    idx, stop = min(hits)
-                    end = idx + len(stop) if p.include_stop_str_in_output else idx
-                    r.detokenizer.text = text[:end]
-                    r.stop_reason = stop
-                    r.status = RequestStatus.FINISHED_STOPPED
-                    return True
-        if n_out >= p.min_tokens:
-            if token in r.eos_token_ids:
-                r.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if p.stop_token_ids and token in p.stop_token_ids:
-                r.stop_reason = token
-                r.status = RequestStatus.FINISHED_STOPPED
-                return True
-        if n_out >= r.max_tokens or r.num_tokens >= self.max_model_len:
-            r.status = RequestStatus.FINISHED_LENGTH
-            return True
-        return False
-
-    def _output(self, family: _Family) -> RequestOutput | None:
-        done = all(c.is_finished for c in family.children)
-        if not family.stream and not done:
-            return None
-        outputs = []
-        for c in family.children:
-            if c.detokenizer is not None:
-                c.detokenizer.update(c.output_token_ids, final=c.is_finished)
-            text = c.detokenizer.text if c.detokenizer is not None else ""
-            ids = c.output_token_ids
-            lps = c.output_logprobs
-            if family.stream:
-                sent_t, sent_i = family.sent.get(c.index, (0, 0))
-                if sent_i == len(ids) and not (c.is_finished and c.index not in family.closed):
-                    continue
-                # Hold back a possible stop-string prefix until it is decided, so streamed
-                # text never includes characters the final text cuts (as vLLM does).
-                upto = len(text)
-                if c.sampling_params.stop and not c.is_finished:
-                    hold = max(len(x) for x in c.sampling_params.stop) - 1
-                    upto = max(sent_t, len(text) - hold)
-                family.sent[c.index] = (upto, len(ids))
-                text, ids = text[sent_t:upto], ids[sent_i:]
-                lps = lps[sent_i:] if lps is not None else None
-                if c.is_finished:
-                    family.closed.add(c.index)
-            outputs.append(
-                CompletionOutput(
-                    index=c.index,
-                    text=text,
-                    token_ids=list(ids),
-                    cumulative_logprob=c.cumulative_logprob if lps is not None else None,
-                    logprobs=lps,
-                    finish_reason=c.status.value if c.is_finished else None,
-                    stop_reason=c.stop_reason,
-                )
-            )
-        first = family.children[0]
-        prompt_lp, prompt_logits = None, None
-        if first.prompt_logits and not family.sent_prompt_logits:
-            family.sent_prompt_logits = True
-            prompt_logits = torch.cat(first.prompt_logits)
-            n = first.sampling_params.prompt_logprobs
-            if n is not None:
-                prompt_lp = _prompt_logprobs(prompt_logits, family.prompt_token_ids, n)
-            if not family.return_prompt_logits:
-                prompt_logits = None
-        if done:
-            self._families.pop(family.request_id, None)
-            for c in family.children:
-                self.requests.pop(c.request_id, None)
-        return RequestOutput(
-            request_id=family.request_id,
-            prompt=family.prompt,
-            prompt_token_ids=family.prompt_token_ids,
-            outputs=outputs,
-            finished=done,
-            metrics=first.metrics,
-            num_cached_tokens=max(first.num_cached_tokens, 0),
-            prompt_logprobs=prompt_lp,
-            prompt_logits=prompt_logits,
-        )
 
     # -- observability -------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -481,163 +397,17 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
 
-
-def _prompt_logprobs(
-    logits: torch.Tensor, prompt: list[int], n: int
-) -> list[dict[int, float] | None]:
-    """vLLM's prompt_logprobs: None for the first token, then the actual token's log-prob
-    and the top-n at each later position."""
-    rows = logits[: len(prompt) - 1]
-    actual = rows.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist()
-    out: list[dict[int, float] | None] = [None]
-    top_v, top_i = rows.topk(n, dim=-1) if n else (None, None)
-    for pos, tok in enumerate(prompt[1:]):
-        entry = {tok: actual[pos]}
-        if top_i is not None:
-            for t, v in zip(top_i[pos].tolist(), top_v[pos].tolist(), strict=True):
-                entry.setdefault(t, v)
-        out.append(entry)
-    return out
+    def replace_storage(self, wrap: Callable[[KVStorage], KVStorage]) -> None:
+        """Swap the KV storage for ``wrap(storage)`` (test-only corruptions, instrumented
+        storages); only between steps, while no request holds blocks."""
+        if self.kv.pool.num_used_blocks:
+            raise RuntimeError("replace_storage: requests still hold KV blocks")
+        self.storage = self.runner.storage = wrap(self.storage)
 
 
-class _Family:
-    """A user request and its ``n`` sampled sequences (children)."""
+def __getattr__(name: str):  # LLM moved to kvserve.llm; keep `from kvserve.engine import LLM`
+    if name == "LLM":
+        from kvserve.llm import LLM
 
-    __slots__ = (
-        "request_id",
-        "prompt",
-        "prompt_token_ids",
-        "params",
-        "stream",
-        "children",
-        "pending_forks",
-        "sent",
-        "closed",
-        "return_prompt_logits",
-        "sent_prompt_logits",
-    )
-
-    def __init__(
-        self,
-        request_id: str,
-        prompt: str | None,
-        ids: list[int],
-        params: SamplingParams,
-        stream: bool,
-    ) -> None:
-        self.request_id = request_id
-        self.prompt = prompt
-        self.prompt_token_ids = ids
-        self.params = params
-        self.stream = stream
-        self.children: list[Request] = []
-        self.pending_forks: list[Request] = []
-        self.sent: dict[int, tuple[int, int]] = {}
-        self.closed: set[int] = set()
-        self.return_prompt_logits = False
-        self.sent_prompt_logits = False
-
-
-class LLM:
-    """Offline batched generation, vLLM-style: ``LLM(model=DIR).generate(prompts, params)``."""
-
-    def __init__(
-        self,
-        model: str,
-        tokenizer: str | None = None,
-        dtype: str = "auto",
-        block_size: int = 16,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        num_gpu_blocks: int | None = None,
-        kv_cache_memory: int | str | None = None,
-        kv_cache_dtype: str = "auto",
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        scheduling_policy: str = "fcfs",
-        seed: int = 0,
-        device: str = "cpu",
-        calculate_kv_scales: bool = False,
-    ) -> None:
-        config = EngineConfig(
-            model=str(model),
-            tokenizer=tokenizer,
-            dtype=dtype,
-            device=device,
-            seed=seed,
-            cache=CacheConfig(
-                block_size=block_size,
-                num_gpu_blocks=num_gpu_blocks,
-                kv_cache_memory=kv_cache_memory,
-                kv_cache_dtype=kv_cache_dtype,
-                enable_prefix_caching=enable_prefix_caching,
-                calculate_kv_scales=calculate_kv_scales,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len,
-                enable_chunked_prefill=enable_chunked_prefill,
-                scheduling_policy=scheduling_policy,
-            ),
-        )
-        self.engine = LLMEngine(config)
-
-    def get_tokenizer(self) -> Tokenizer | None:
-        return self.engine.tokenizer
-
-    def generate(
-        self,
-        prompts: PromptType | Sequence[PromptType],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-    ) -> list[RequestOutput]:
-        """Generate for every prompt; returns one output per prompt, in order. A prompt that
-        fails validation raises before any is queued, so nothing is half-submitted."""
-        if isinstance(prompts, str | dict) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
-        if sampling_params is None:
-            params = [SamplingParams()] * len(prompts)
-        elif isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise InvalidRequestError(
-                    f"sampling_params: {len(params)} given for {len(prompts)} prompts",
-                    "sampling_params",
-                )
-        ids: list[str] = []
-        try:
-            for prompt, p in zip(prompts, params, strict=True):
-                ids.append(self.engine.add_request(None, prompt, p))
-        except Exception:
-            self.engine.abort_request(ids)
-            raise
-        results: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    results[out.request_id] = out
-        return [results[i] for i in ids]
-
-    def chat(
-        self,
-        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
-        sampling_params: SamplingParams | None = None,
-    ) -> list[RequestOutput]:
-        tok = self.engine.tokenizer
-        if tok is None:
-            raise InvalidRequestError("messages: this model has no tokenizer", "messages")
-        convs = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [{"prompt_token_ids": tok.encode_chat(m)} for m in convs]  # type: ignore[arg-type]
-        return self.generate(prompts, sampling_params)
-
-    def stats(self) -> EngineStats:
-        return self.engine.stats()
-
-    def reset_prefix_cache(self) -> bool:
-        return self.engine.reset_prefix_cache()
+        return LLM
+    raise AttributeError(f"module 'kvserve.engine' has no attribute {name!r}")

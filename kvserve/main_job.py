@@ -102,7 +102,7 @@ def main() -> int:
     from kvserve.bench.report import config_table, markdown, plot_latency_cdf, write_json
     from kvserve.bench.workloads import WorkloadSpec, make_workload
     from kvserve.cli import default_model
-    from kvserve.engine import LLM
+    from kvserve.llm import LLM
 
     model = default_model()
     rows: list[tuple[str, dict[str, Any]]] = []

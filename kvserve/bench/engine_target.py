@@ -67,7 +67,7 @@ class EngineTarget:
     @classmethod
     def from_kwargs(cls, engine_kwargs: dict[str, Any], **kwargs: Any) -> EngineTarget:
         """Build the engine as ``kvserve generate`` would (the keyword args of ``LLM``)."""
-        from kvserve.engine import LLM
+        from kvserve.llm import LLM
 
         return cls(LLM(**engine_kwargs).engine, **kwargs)
 

@@ -51,10 +51,7 @@ def wrap_kv_storage(llm: Any, wrap: Callable[[Any], Any]) -> None:
     """Replace ``llm``'s KV storage with ``wrap(storage)`` (e.g. a test-only corrupting
     wrapper). Call it from a ``candidate_setup`` before any request runs: the engine and its
     runner hold the same storage object and must keep doing so."""
-    engine = llm.engine
-    if engine.has_unfinished_requests():
-        raise RuntimeError("wrap_kv_storage: the engine already has requests")
-    engine.storage = engine.runner.storage = wrap(engine.storage)
+    llm.engine.replace_storage(wrap)
 
 
 def _pool_blocks(kwargs: dict[str, Any], suite: Suite) -> int:

@@ -1,0 +1,116 @@
+"""The offline API, vLLM-shaped: ``LLM(model=DIR).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvserve.engine import EngineStats, LLMEngine, PromptType
+from kvserve.model.tokenizer import Tokenizer
+from kvserve.request import InvalidRequestError, RequestOutput, SamplingParams
+
+
+class LLM:
+    """Offline batched generation, vLLM-style: ``LLM(model=DIR).generate(prompts, params)``."""
+
+    def __init__(
+        self,
+        model: str,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        num_gpu_blocks: int | None = None,
+        kv_cache_memory: int | str | None = None,
+        kv_cache_dtype: str = "auto",
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        scheduling_policy: str = "fcfs",
+        seed: int = 0,
+        device: str = "cpu",
+        calculate_kv_scales: bool = False,
+    ) -> None:
+        config = EngineConfig(
+            model=str(model),
+            tokenizer=tokenizer,
+            dtype=dtype,
+            device=device,
+            seed=seed,
+            cache=CacheConfig(
+                block_size=block_size,
+                num_gpu_blocks=num_gpu_blocks,
+                kv_cache_memory=kv_cache_memory,
+                kv_cache_dtype=kv_cache_dtype,
+                enable_prefix_caching=enable_prefix_caching,
+                calculate_kv_scales=calculate_kv_scales,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=enable_chunked_prefill,
+                scheduling_policy=scheduling_policy,
+            ),
+        )
+        self.engine = LLMEngine(config)
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; returns one output per prompt, in order. A prompt that
+        fails validation raises before any is queued, so nothing is half-submitted."""
+        if isinstance(prompts, str | dict) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            params = [SamplingParams()] * len(prompts)
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise InvalidRequestError(
+                    f"sampling_params: {len(params)} given for {len(prompts)} prompts",
+                    "sampling_params",
+                )
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                ids.append(self.engine.add_request(None, prompt, p))
+        except Exception:
+            self.engine.abort_request(ids)
+            raise
+        results: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+        return [results[i] for i in ids]
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | None = None,
+    ) -> list[RequestOutput]:
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise InvalidRequestError("messages: this model has no tokenizer", "messages")
+        convs = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [{"prompt_token_ids": tok.encode_chat(m)} for m in convs]  # type: ignore[arg-type]
+        return self.generate(prompts, sampling_params)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
