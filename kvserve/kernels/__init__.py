@@ -24,8 +24,9 @@ import torch
 log = logging.getLogger("kvserve.kernels")
 _SRC = Path(__file__).with_name("paged_attention.c")
 # -ffast-math lets gcc call glibc's vectorised expf; the kernel never sees inf or NaN
-# (masked keys are skipped, not set to -inf), so finite-math assumptions hold.
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+# (masked keys are skipped, not set to -inf), so finite-math assumptions hold. It applies to
+# compilation only (see build_library).
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c11"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -38,34 +39,44 @@ def _cache_dir() -> Path:
     return Path(base) / "kernels"
 
 
-def _build() -> ctypes.CDLL | None:
+def build_library(src: Path, flags: list[str], what: str) -> ctypes.CDLL | None:
+    """Compile ``src`` into a cached shared library and load it; None (with a warning) when
+    there is no compiler or the build fails, so callers fall back to their reference path.
+
+    Compiling and linking are separate steps on purpose: a shared object *linked* with
+    ``-ffast-math`` carries gcc's ``crtfastmath`` constructor, which turns on flush-to-zero
+    for the whole process when it loads; compiled-only, the flags stay inside the kernel.
+    """
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
-        log.warning("no C compiler found: using the PyTorch reference attention")
+        log.warning("no C compiler found: %s uses its PyTorch reference", what)
         return None
-    src = _SRC.read_bytes()
-    key = hashlib.sha256(src + " ".join([cc, *_FLAGS]).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"paged_attention-{key}.so"
+    key = hashlib.sha256(src.read_bytes() + " ".join([cc, *flags]).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"{src.stem}-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-        os.close(fd)
+        tmpdir = tempfile.mkdtemp(dir=out.parent)
+        obj, lib = os.path.join(tmpdir, "k.o"), os.path.join(tmpdir, "k.so")
         try:
-            subprocess.run(
-                [cc, *_FLAGS, str(_SRC), "-o", tmp, "-lm"],
-                check=True,
-                capture_output=True,
-                timeout=120,
-            )
-            os.replace(tmp, out)  # atomic: concurrent builders never see a partial file
+            for cmd in (
+                [cc, *flags, "-fPIC", "-c", str(src), "-o", obj],
+                [cc, "-shared", "-fopenmp", obj, "-o", lib, "-lm"],
+            ):
+                subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+            os.replace(lib, out)  # atomic: concurrent builders never see a partial file
         except (OSError, subprocess.SubprocessError) as e:
-            detail = getattr(e, "stderr", b"") or b""
-            log.warning(
-                "kernel build failed (%s): using the PyTorch reference. %s", e, detail[:500]
-            )
-            Path(tmp).unlink(missing_ok=True)
+            detail = (getattr(e, "stderr", b"") or b"")[:500]
+            log.warning("%s build failed (%s): using the PyTorch reference. %s", what, e, detail)
             return None
-    lib = ctypes.CDLL(str(out))
+        finally:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+    return ctypes.CDLL(str(out))
+
+
+def _build() -> ctypes.CDLL | None:
+    lib = build_library(_SRC, _FLAGS, "paged attention")
+    if lib is None:
+        return None
     fn = lib.kvserve_paged_attention
     fn.restype = ctypes.c_int
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int

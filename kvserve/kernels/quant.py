@@ -3,28 +3,22 @@ with the system C compiler and loaded with ctypes, like the dense kernel beside 
 
 The storages' ``gather`` (dequantize every block, then SDPA) stays the reference path; tests
 compare the two. ``KVSERVE_DISABLE_KERNELS=1`` or a missing compiler selects the reference.
-No ``-ffast-math`` here: a shared object built with it sets flush-to-zero for the whole process
-when it loads.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from kvserve.kernels import _cache_dir
+from kvserve.kernels import build_library
 
 log = logging.getLogger("kvserve.kernels")
 _SRC = Path(__file__).with_name("quant_attention.c")
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=c11"]
 _RES_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -62,29 +56,9 @@ class _Cache(ctypes.Structure):
 
 
 def _build() -> ctypes.CDLL | None:
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        log.warning("no C compiler found: quantized KV uses the dequantize + SDPA reference")
+    lib = build_library(_SRC, _FLAGS, "quantized KV attention")
+    if lib is None:
         return None
-    key = hashlib.sha256(_SRC.read_bytes() + " ".join([cc, *_FLAGS]).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"quant_attention-{key}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-        os.close(fd)
-        try:
-            subprocess.run(
-                [cc, *_FLAGS, str(_SRC), "-o", tmp, "-lm"],
-                check=True,
-                capture_output=True,
-                timeout=120,
-            )
-            os.replace(tmp, out)
-        except (OSError, subprocess.SubprocessError) as e:
-            log.warning("quantized kernel build failed (%s): using the reference path", e)
-            Path(tmp).unlink(missing_ok=True)
-            return None
-    lib = ctypes.CDLL(str(out))
     fn = lib.kvserve_quant_decode
     fn.restype = _i
     fn.argtypes = [_p, _p, _p, _i64, _p, _i, _i, _i, _f, ctypes.POINTER(_Cache), _i]
