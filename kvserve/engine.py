@@ -15,7 +15,7 @@ import torch
 from kvserve.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig
 from kvserve.kv.formats import canonical_kv_format, make_kv_storage
 from kvserve.kv.manager import KVCacheManager, cdiv
-from kvserve.kv.storage import KVStorage, kv_bytes_per_token
+from kvserve.kv.storage import KVStorage, kv_bytes_per_token, pool_num_blocks
 from kvserve.model.loader import load_kv_scales, load_model, resolve_dtype
 from kvserve.model.sampler import Sampler
 from kvserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -148,11 +148,17 @@ class LLMEngine:
             return cc.num_gpu_blocks
         block_bytes = self.bytes_per_token * self.block_size
         if cc.kv_cache_memory is not None:
-            n = int(cc.kv_cache_memory // block_bytes)
+            mc = self.model_config
+            n = pool_num_blocks(
+                cc.kv_cache_memory, self.kv_cache_dtype, mc.num_hidden_layers,
+                mc.num_key_value_heads, mc.head_dim, str(self.dtype).removeprefix("torch."),
+                self.block_size, sc.max_num_seqs,
+            )  # fmt: skip
             if n < 1:
                 raise ConfigError(
                     f"kv_cache_memory: {cc.kv_cache_memory} bytes holds no block of "
-                    f"{int(block_bytes)} bytes; give at least that much"
+                    f"{int(block_bytes)} bytes after the format's fixed bytes; give more, or "
+                    "lower max_num_seqs (KIVI keeps one full-precision block per sequence)"
                 )
             return n
         # Default: enough for max_num_seqs full-length sequences, capped at 4 GiB.

@@ -39,6 +39,31 @@ def kv_bytes_per_token(
     return format_bytes_per_token(name, num_layers, num_kv_heads, head_dim, block_size)
 
 
+def pool_num_blocks(
+    kv_cache_memory: float,
+    kv_cache_dtype: str,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    model_dtype: str,
+    block_size: int = 16,
+    max_num_seqs: int = 256,
+) -> int:
+    """The engine's pool-sizing rule: whole blocks that fit in ``kv_cache_memory`` after the
+    format's fixed bytes (KIVI's full-precision residual for ``max_num_seqs`` partial blocks,
+    fp8's scales). The planner calls the same function, so ``--validate`` compares like with
+    like and no KV byte sits outside the memory the operator gave."""
+    import torch
+
+    from kvserve.kv.formats import canonical_kv_format, kv_fixed_bytes
+
+    name = canonical_kv_format(kv_cache_dtype, model_dtype)
+    fixed = kv_fixed_bytes(name, num_layers, num_kv_heads, head_dim,
+                           getattr(torch, model_dtype), block_size, max_num_seqs)  # fmt: skip
+    bpt = kv_bytes_per_token(name, num_layers, num_kv_heads, head_dim, model_dtype, block_size)
+    return max(0, int((kv_cache_memory - fixed) // (bpt * block_size)))
+
+
 class KVStorage:
     """Full-precision paged K/V: ``[num_blocks, kv_heads, block_size, head_dim]`` per layer.
 

@@ -20,7 +20,6 @@ from kvserve.config import DTYPES, KV_CACHE_DTYPES, parse_bytes
 from kvserve.plan.capacity import (
     ArchSpec,
     PlanError,
-    blocks_for,
     bytes_per_token,
     capacity,
     format_table,
@@ -28,6 +27,9 @@ from kvserve.plan.capacity import (
 )
 from kvserve.plan.cost import decode_roofline, usd_per_million
 from kvserve.plan.gpus import GPUS, get_gpu
+
+# The engine's default; KIVI's residual pool, and so its block count, depends on it.
+VALIDATE_MAX_NUM_SEQS = 256
 
 
 def human_bytes(n: float) -> str:
@@ -269,6 +271,7 @@ def validate(
     a failure: the two must land together."""
     from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from kvserve.engine import LLMEngine
+    from kvserve.kv.storage import pool_num_blocks
     from kvserve.model.loader import resolve_dtype
 
     spec = load_arch(model_dir)
@@ -278,7 +281,10 @@ def validate(
     rows = []
     for fmt in ok:
         bpt = bytes_per_token(spec, fmt, model_dtype=compute)
-        pred = blocks_for(memory_bytes, bpt, block_size)
+        pred = pool_num_blocks(
+            memory_bytes, fmt, spec.num_layers, spec.num_kv_heads, spec.head_dim, compute,
+            block_size, VALIDATE_MAX_NUM_SEQS,
+        )  # fmt: skip
         row = ValidationRow(fmt, pred, None, pred * block_size * bpt, None, False)
         try:
             engine = LLMEngine(
@@ -289,7 +295,10 @@ def validate(
                     cache=CacheConfig(
                         block_size=block_size, kv_cache_memory=memory_bytes, kv_cache_dtype=fmt
                     ),
-                    scheduler=SchedulerConfig(max_model_len=min(256, spec.max_position_embeddings)),
+                    scheduler=SchedulerConfig(
+                        max_model_len=min(256, spec.max_position_embeddings),
+                        max_num_seqs=VALIDATE_MAX_NUM_SEQS,
+                    ),
                 )
             )
         except Exception as e:  # noqa: BLE001 - any refusal is a validation failure to report
