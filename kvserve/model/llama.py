@@ -11,12 +11,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.kv.storage import KVStorage
 from kvserve.model.attention import AttentionMetadata, paged_attention
+from kvserve.model.linear_ops import TorchOps
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -98,6 +98,7 @@ class DecoderLayer(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ops: TorchOps = TorchOps()
 
     def forward(
         self,
@@ -108,16 +109,18 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(self.input_layernorm(x))
+        ops = self.ops
+        qkv = ops.linear(self.input_layernorm(x), self.qkv_proj)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
         attn = paged_attention(q, k, v, self.layer_idx, storage, meta, self.window)
-        h = x + self.o_proj(attn.reshape(t, self.q_size))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
-        return h + self.down_proj(F.silu(gate) * up)
+        h = ops.linear_add(attn.reshape(t, self.q_size), self.o_proj, x)
+        return ops.swiglu_add(
+            self.post_attention_layernorm(h), self.gate_up_proj, self.down_proj, h
+        )
 
 
 class LlamaForCausalLM(nn.Module):
@@ -144,6 +147,11 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             x = layer(x, positions, self.rotary, storage, meta)
         return self.norm(x)
+
+    def set_ops(self, ops: TorchOps) -> None:
+        """Choose the linear-layer backend (see :mod:`kvserve.model.linear_ops`)."""
+        for layer in self.layers:
+            layer.ops = ops
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -10,6 +10,7 @@ from safetensors import safe_open
 
 from kvserve.config import ConfigError, ModelConfig
 from kvserve.kv.storage import TORCH_DTYPES
+from kvserve.model.linear_ops import select_ops
 from kvserve.model.llama import LlamaForCausalLM, RotaryEmbedding
 
 
@@ -118,6 +119,7 @@ def load_model(
         state["lm_head.weight"] = state["embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary = RotaryEmbedding(cfg, max_positions, device)
+    model.set_ops(select_ops(device, dtype))
     return model.eval().requires_grad_(False)
 
 

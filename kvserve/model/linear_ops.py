@@ -1,0 +1,71 @@
+"""The linear layers of a decoder block, as swappable backends.
+
+``TorchOps`` is the reference: plain ``F.linear`` plus separate element-wise ops. ``OneDNNOps``
+is the CPU fast path: oneDNN matmuls with fused epilogues (SiLU on the gate projection, the
+product with the up projection, the residual add after ``o_proj`` and ``down_proj``), so the
+MLP's intermediate activations are written once instead of four times. On a 2-core AVX-512 CPU
+the fused MLP measured ~1.6x faster at 2,048 tokens. The model code calls these three methods
+and never knows which backend runs; tests compare the two.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class TorchOps:
+    name = "torch"
+
+    def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+    def linear_add(self, x: torch.Tensor, layer: nn.Linear, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + x @ W^T`` (no bias: o_proj and down_proj have none in this family)."""
+        return residual + F.linear(x, layer.weight)
+
+    def swiglu_add(
+        self, x: torch.Tensor, gate_up: nn.Linear, down: nn.Linear, residual: torch.Tensor
+    ) -> torch.Tensor:
+        """``residual + down(silu(x Wg^T) * (x Wu^T))`` with ``gate_up`` holding [Wg; Wu]."""
+        gate, up = F.linear(x, gate_up.weight).chunk(2, dim=-1)
+        return residual + F.linear(F.silu(gate) * up, down.weight)
+
+
+class OneDNNOps(TorchOps):
+    name = "onednn"
+
+    def __init__(self) -> None:
+        self._lp = torch.ops.mkldnn._linear_pointwise
+
+    def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+        return self._lp(x, layer.weight, layer.bias, "none", [], "")
+
+    def linear_add(self, x: torch.Tensor, layer: nn.Linear, residual: torch.Tensor) -> torch.Tensor:
+        return self._lp.binary(x, residual, layer.weight, None, "add")
+
+    def swiglu_add(
+        self, x: torch.Tensor, gate_up: nn.Linear, down: nn.Linear, residual: torch.Tensor
+    ) -> torch.Tensor:
+        inter = down.weight.shape[1]
+        w = gate_up.weight  # row slices of a contiguous matrix are contiguous: no copies
+        gate = self._lp(x, w[:inter], None, "swish", [], "")
+        h = self._lp.binary(x, gate, w[inter:], None, "mul")
+        return self._lp.binary(h, residual, down.weight, None, "add")
+
+
+def select_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
+    """oneDNN on CPU for float32/bfloat16 when PyTorch ships it (``KVSERVE_DISABLE_ONEDNN=1``
+    forces the reference); plain PyTorch everywhere else, e.g. on CUDA."""
+    if (
+        device.type == "cpu"
+        and dtype in (torch.float32, torch.bfloat16)
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and os.environ.get("KVSERVE_DISABLE_ONEDNN") != "1"
+    ):
+        return OneDNNOps()
+    return TorchOps()
