@@ -69,8 +69,8 @@ static inline const float *load_rows(const void *base, int64_t idx, int n, int D
 
 /* One block of keys for the R query rows of a task: scores, online-softmax update, and the
  * weighted sum of values into acc. Inlined with a constant D at each call site, so the
- * compiler keeps rows in registers. (Measured: spanning several blocks per update, or
- * prefetching the next block, was slower here.) */
+ * compiler keeps rows in registers. (Measured: spanning several blocks per update was
+ * slower.) */
 static inline __attribute__((always_inline)) void attend_block(
     const float *restrict qs, const float *restrict kb, const float *restrict vb,
     float *restrict s, float *restrict acc, float *restrict m, float *restrict l,
@@ -113,6 +113,69 @@ static inline __attribute__((always_inline)) void attend_block(
         }
     }
 }
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* 16 values of a K/V row as float32, converted in registers (bf16: shift; f16: F16C). */
+static inline __attribute__((always_inline)) __m512 load16(const void *base, int64_t off,
+                                                            const int dt) {
+    if (dt == DT_F32) return _mm512_loadu_ps((const float *)base + off);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off));
+    if (dt == DT_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+
+/* attend_block with explicit AVX-512 for head sizes that are multiples of 16: the query row
+ * and the output accumulator stay in registers, and cached rows are converted in registers
+ * instead of through a scratch buffer. D and dt are constants at each call site. */
+static inline __attribute__((always_inline)) void attend_block_avx512(
+    const float *restrict qs, const void *kraw, const void *vraw, float *restrict s,
+    float *restrict acc, float *restrict m, float *restrict l, const int64_t *restrict qpos,
+    const int R, const int D, const int dt, const int bs, const int lo, const int hi,
+    const int64_t t0, const int window) {
+    enum { MAXV = 16 }; /* up to D = 256 */
+    const int nv = D / 16;
+    for (int r = 0; r < R; r++) {
+        __m512 q[MAXV];
+        for (int j = 0; j < nv; j++) q[j] = _mm512_loadu_ps(qs + r * D + 16 * j);
+        float *restrict sr = s + r * bs;
+        for (int t = lo; t < hi; t++) {
+            __m512 a = _mm512_mul_ps(q[0], load16(kraw, (int64_t)t * D, dt));
+            for (int j = 1; j < nv; j++)
+                a = _mm512_fmadd_ps(q[j], load16(kraw, (int64_t)t * D + 16 * j, dt), a);
+            sr[t] = _mm512_reduce_add_ps(a);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float *restrict sr = s + r * bs;
+        /* visible keys of this row inside the block: [vlo, vhi), clamped */
+        int64_t a = window > 0 ? qpos[r] - window + 1 - t0 : lo;
+        a = a < lo ? lo : (a > hi ? hi : a);
+        int64_t z = qpos[r] - t0 + 1;
+        z = z > hi ? hi : (z < a ? a : z);
+        const int vlo = (int)a, vhi = (int)z;
+        if (vhi <= vlo) continue;
+        float mx = m[r];
+        for (int t = vlo; t < vhi; t++) mx = sr[t] > mx ? sr[t] : mx;
+        const float corr = expf(m[r] - mx);
+        float sum = 0.f;
+        for (int t = vlo; t < vhi; t++) { sr[t] = expf(sr[t] - mx); sum += sr[t]; }
+        m[r] = mx;
+        l[r] = l[r] * corr + sum;
+        __m512 o[MAXV];
+        const __m512 c = _mm512_set1_ps(corr);
+        for (int j = 0; j < nv; j++) o[j] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 16 * j), c);
+        for (int t = vlo; t < vhi; t++) {
+            const __m512 p = _mm512_set1_ps(sr[t]);
+            for (int j = 0; j < nv; j++)
+                o[j] = _mm512_fmadd_ps(p, load16(vraw, (int64_t)t * D + 16 * j, dt), o[j]);
+        }
+        for (int j = 0; j < nv; j++) _mm512_storeu_ps(acc + r * D + 16 * j, o[j]);
+    }
+}
+#define HAVE_AVX512_PATH 1
+#endif
 
 int kvserve_paged_attention(const float *q, const void *k_cache, const void *v_cache,
                             const int64_t *block_tables, int64_t bt_stride,
@@ -171,6 +234,29 @@ int kvserve_paged_attention(const float *q, const void *k_cache, const void *v_c
                 const int lo = (int)(first > t0 ? first - t0 : 0);
                 const int hi = (int)(last - t0 + 1 < bs ? last - t0 + 1 : bs);
                 const int64_t row0 = (blk * KVH + hk) * bs;
+#ifdef HAVE_AVX512_PATH
+                if ((D == 64 || D == 128) && dtype != DT_F16) {
+                    const size_t esz = dtype == DT_F32 ? 4 : 2;
+                    if (t0 + bs <= last) { /* scattered blocks: start fetching the next one */
+                        const int64_t nb2 = block_tables[(int64_t)b * bt_stride + t0 / bs + 1];
+                        const char *kn = (const char *)k_cache + (nb2 * KVH + hk) * bs * D * esz;
+                        const char *vn = (const char *)v_cache + (nb2 * KVH + hk) * bs * D * esz;
+                        for (size_t off = 0; off < (size_t)bs * D * esz; off += 64) {
+                            _mm_prefetch(kn + off, _MM_HINT_T0);
+                            _mm_prefetch(vn + off, _MM_HINT_T0);
+                        }
+                    }
+                    const char *kr = (const char *)k_cache + row0 * D * esz;
+                    const char *vr = (const char *)v_cache + row0 * D * esz;
+#define AVX_CALL(DD, DT) attend_block_avx512(qs, kr, vr, s, acc, m, l, qpos, R, DD, DT, bs, lo, hi, t0, window)
+                    if (D == 64 && dtype == DT_F32) AVX_CALL(64, DT_F32);
+                    else if (D == 64) AVX_CALL(64, DT_BF16);
+                    else if (dtype == DT_F32) AVX_CALL(128, DT_F32);
+                    else AVX_CALL(128, DT_BF16);
+#undef AVX_CALL
+                    continue;
+                }
+#endif
                 const float *kb = load_rows(k_cache, row0, bs, D, dtype, ktmp);
                 const float *vb = load_rows(v_cache, row0, bs, D, dtype, vtmp);
                 switch (D) { /* constant D at the common head sizes */
