@@ -120,7 +120,8 @@ def weight_bytes(model) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    # bfloat16 measured faster end to end here (oneDNN bf16 matmuls, half the KV bytes).
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--sizes", default=None, help="comma list of 5m,50m")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
