@@ -51,7 +51,9 @@ def build_library(src: Path, flags: list[str], what: str) -> ctypes.CDLL | None:
     if cc is None:
         log.warning("no C compiler found: %s uses its PyTorch reference", what)
         return None
-    key = hashlib.sha256(src.read_bytes() + " ".join([cc, *flags]).encode()).hexdigest()[:16]
+    headers = b"".join(p.read_bytes() for p in sorted(src.parent.glob("*.h")))
+    key = hashlib.sha256(src.read_bytes() + headers + " ".join([cc, *flags]).encode())
+    key = key.hexdigest()[:16]
     out = _cache_dir() / f"{src.stem}-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -59,7 +61,7 @@ def build_library(src: Path, flags: list[str], what: str) -> ctypes.CDLL | None:
         obj, lib = os.path.join(tmpdir, "k.o"), os.path.join(tmpdir, "k.so")
         try:
             for cmd in (
-                [cc, *flags, "-fPIC", "-c", str(src), "-o", obj],
+                [cc, *flags, "-fPIC", f"-I{src.parent}", "-c", str(src), "-o", obj],
                 [cc, "-shared", "-fopenmp", obj, "-o", lib, "-lm"],
             ):
                 subprocess.run(cmd, check=True, capture_output=True, timeout=120)

@@ -25,34 +25,7 @@
 
 #define QT 16
 
-enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = ((uint32_t)h) << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline float f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
-    if (exp == 0) {
-        if (man == 0) {
-            u = sign;
-        } else { /* subnormal */
-            exp = 127 - 15 + 1;
-            while (!(man & 0x400)) { man <<= 1; exp--; }
-            u = sign | (exp << 23) | ((man & 0x3ff) << 13);
-        }
-    } else if (exp == 31) {
-        u = sign | 0x7f800000 | (man << 13);
-    } else {
-        u = sign | ((exp + 127 - 15) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+#include "kvserve_kernels.h"
 
 /* n contiguous rows of D values starting at row `idx`, as float32 (converted into tmp). */
 static inline const float *load_rows(const void *base, int64_t idx, int n, int D, int dt,
@@ -65,6 +38,31 @@ static inline const float *load_rows(const void *base, int64_t idx, int n, int D
         for (int j = 0; j < n * D; j++) tmp[j] = f16_to_f32(p[j]);
     }
     return tmp;
+}
+
+/* Online-softmax step for one query row over one block: the keys it may see are
+ * [vlo, vhi) (causal, and inside the sliding window); their scores in sr become exp weights
+ * relative to the new running max *m; *l is rescaled and accumulated. Returns the factor the
+ * row's output accumulator must be multiplied by (exp(old max - new max)). */
+static inline __attribute__((always_inline)) float softmax_update(
+    float *restrict sr, const int lo, const int hi, const int64_t qpos, const int64_t t0,
+    const int window, float *m, float *l, int *vlo_out, int *vhi_out) {
+    int64_t a = window > 0 ? qpos - window + 1 - t0 : lo;
+    a = a < lo ? lo : (a > hi ? hi : a);
+    int64_t z = qpos - t0 + 1;
+    z = z > hi ? hi : (z < a ? a : z);
+    const int vlo = (int)a, vhi = (int)z;
+    *vlo_out = vlo;
+    *vhi_out = vhi;
+    if (vhi <= vlo) return 1.f;
+    float mx = *m;
+    for (int t = vlo; t < vhi; t++) mx = sr[t] > mx ? sr[t] : mx;
+    const float corr = expf(*m - mx);
+    float sum = 0.f;
+    for (int t = vlo; t < vhi; t++) { sr[t] = expf(sr[t] - mx); sum += sr[t]; }
+    *m = mx;
+    *l = *l * corr + sum;
+    return corr;
 }
 
 /* One block of keys for the R query rows of a task: scores, online-softmax update, and the
@@ -89,20 +87,9 @@ static inline __attribute__((always_inline)) void attend_block(
     }
     for (int r = 0; r < R; r++) {
         float *restrict sr = s + r * bs;
-        /* visible keys of this row inside the block: [vlo, vhi), clamped */
-        int64_t a = window > 0 ? qpos[r] - window + 1 - t0 : lo;
-        a = a < lo ? lo : (a > hi ? hi : a);
-        int64_t z = qpos[r] - t0 + 1;
-        z = z > hi ? hi : (z < a ? a : z);
-        const int vlo = (int)a, vhi = (int)z;
+        int vlo, vhi;
+        const float corr = softmax_update(sr, lo, hi, qpos[r], t0, window, &m[r], &l[r], &vlo, &vhi);
         if (vhi <= vlo) continue;
-        float mx = m[r];
-        for (int t = vlo; t < vhi; t++) mx = sr[t] > mx ? sr[t] : mx;
-        const float corr = expf(m[r] - mx);
-        float sum = 0.f;
-        for (int t = vlo; t < vhi; t++) { sr[t] = expf(sr[t] - mx); sum += sr[t]; }
-        m[r] = mx;
-        l[r] = l[r] * corr + sum;
         float *restrict ar = acc + r * D;
         for (int d = 0; d < D; d++) ar[d] *= corr;
         for (int t = vlo; t < vhi; t++) {
@@ -149,20 +136,9 @@ static inline __attribute__((always_inline)) void attend_block_avx512(
     }
     for (int r = 0; r < R; r++) {
         float *restrict sr = s + r * bs;
-        /* visible keys of this row inside the block: [vlo, vhi), clamped */
-        int64_t a = window > 0 ? qpos[r] - window + 1 - t0 : lo;
-        a = a < lo ? lo : (a > hi ? hi : a);
-        int64_t z = qpos[r] - t0 + 1;
-        z = z > hi ? hi : (z < a ? a : z);
-        const int vlo = (int)a, vhi = (int)z;
+        int vlo, vhi;
+        const float corr = softmax_update(sr, lo, hi, qpos[r], t0, window, &m[r], &l[r], &vlo, &vhi);
         if (vhi <= vlo) continue;
-        float mx = m[r];
-        for (int t = vlo; t < vhi; t++) mx = sr[t] > mx ? sr[t] : mx;
-        const float corr = expf(m[r] - mx);
-        float sum = 0.f;
-        for (int t = vlo; t < vhi; t++) { sr[t] = expf(sr[t] - mx); sum += sr[t]; }
-        m[r] = mx;
-        l[r] = l[r] * corr + sum;
         __m512 o[MAXV];
         const __m512 c = _mm512_set1_ps(corr);
         for (int j = 0; j < nv; j++) o[j] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 16 * j), c);

@@ -30,34 +30,7 @@
 #define MAX_BS 256
 
 enum { FMT_FP8 = 0, FMT_INT8 = 1, FMT_KIVI = 2 };
-enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = ((uint32_t)h) << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline float f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
-    if (exp == 0) {
-        if (man == 0) {
-            u = sign;
-        } else { /* subnormal */
-            exp = 127 - 15 + 1;
-            while (!(man & 0x400)) { man <<= 1; exp--; }
-            u = sign | (exp << 23) | ((man & 0x3ff) << 13);
-        }
-    } else if (exp == 31) {
-        u = sign | 0x7f800000 | (man << 13);
-    } else {
-        u = sign | ((exp + 127 - 15) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+#include "kvserve_kernels.h"
 
 /* Byte -> its 2 nibbles / 4 crumbs (lowest first), so unpacking is one table load per byte. */
 static uint16_t NIB[256];

@@ -17,6 +17,7 @@ per-token loops), ``copy_blocks`` for copy-on-write, ``bytes_per_token`` with me
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -110,17 +111,13 @@ class Fp8KVStorage(KVStorage):
         self.v_codes[layer][blk, :, off] = codecs.fp8_quantize(v, vs, self.fp8_dtype)
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        b, n = block_tables.shape
-        flat = block_tables.reshape(-1)
-        shape = (b, self.num_kv_heads, n * self.block_size, self.head_dim)
+        def decode(scale: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+            s = scale.to(self.dtype)[:, None, None]
+            return lambda codes: codes.view(self.fp8_dtype).to(self.dtype) * s
 
-        def one(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-            c = codes.index_select(0, flat).view(self.fp8_dtype).to(self.dtype)
-            x = c * scale.to(self.dtype)[:, None, None]
-            return x.view(b, n, *codes.shape[1:]).transpose(1, 2).reshape(shape)
-
-        return one(self.k_codes[layer], self.k_scale[layer]), one(
-            self.v_codes[layer], self.v_scale[layer]
+        return (
+            self.gather_blocks(block_tables, decode(self.k_scale[layer]), self.k_codes[layer]),
+            self.gather_blocks(block_tables, decode(self.v_scale[layer]), self.v_codes[layer]),
         )
 
     def decode_attention(self, layer, q, block_tables, seq_lens, window):  # noqa: ANN001
@@ -130,13 +127,8 @@ class Fp8KVStorage(KVStorage):
             return None
         return quant.decode_fp8(self, layer, q, block_tables, seq_lens, window)
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        if not pairs:
-            return
-        src = torch.tensor([s for s, _ in pairs], device=self.device)
-        dst = torch.tensor([d for _, d in pairs], device=self.device)
-        for t in self.k_codes + self.v_codes:
-            t[dst] = t[src]
+    def block_tensors(self) -> list[torch.Tensor]:
+        return self.k_codes + self.v_codes  # scales are per (layer, head), not per block
 
     def nbytes(self) -> int:
         return sum(t.numel() for t in self.k_codes + self.v_codes)
@@ -197,18 +189,12 @@ class Int8KVStorage(KVStorage):
             scales[layer][blk, :, off] = s
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        b, n = block_tables.shape
-        flat = block_tables.reshape(-1)
-        shape = (b, self.num_kv_heads, n * self.block_size, self.head_dim)
+        def decode(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            return codes.to(self.dtype) * scale.to(self.dtype)[..., None]
 
-        def one(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-            c = codes.index_select(0, flat).to(self.dtype)
-            x = c * scale.index_select(0, flat).to(self.dtype)[..., None]
-            return x.view(b, n, *codes.shape[1:]).transpose(1, 2).reshape(shape)
-
-        return one(self.k_codes[layer], self.k_scale[layer]), one(
-            self.v_codes[layer], self.v_scale[layer]
-        )
+        k = self.gather_blocks(block_tables, decode, self.k_codes[layer], self.k_scale[layer])
+        v = self.gather_blocks(block_tables, decode, self.v_codes[layer], self.v_scale[layer])
+        return k, v
 
     def decode_attention(self, layer, q, block_tables, seq_lens, window):  # noqa: ANN001
         from kvserve.kernels import quant
@@ -217,13 +203,8 @@ class Int8KVStorage(KVStorage):
             return None
         return quant.decode_int8(self, layer, q, block_tables, seq_lens, window)
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        if not pairs:
-            return
-        src = torch.tensor([s for s, _ in pairs], device=self.device)
-        dst = torch.tensor([d for _, d in pairs], device=self.device)
-        for t in self.k_codes + self.v_codes + self.k_scale + self.v_scale:
-            t[dst] = t[src]
+    def block_tensors(self) -> list[torch.Tensor]:
+        return self.k_codes + self.v_codes + self.k_scale + self.v_scale
 
     def nbytes(self) -> int:
         ts = self.k_codes + self.v_codes + self.k_scale + self.v_scale

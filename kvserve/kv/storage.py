@@ -120,15 +120,10 @@ class KVStorage:
         """K/V of whole blocks, ``[B, kv_heads, n * block_size, head_dim]`` for
         ``block_tables`` of shape ``[B, n]`` (the reference path), in the storage dtype for
         dense formats (the caller casts to its compute dtype)."""
-        b, n = block_tables.shape
-        flat = block_tables.reshape(-1)
-        shape = (b, self.num_kv_heads, n * self.block_size, self.head_dim)
-
-        def one(cache: torch.Tensor) -> torch.Tensor:
-            blocks = cache.index_select(0, flat).view(b, n, *cache.shape[1:])
-            return blocks.transpose(1, 2).reshape(shape)
-
-        return one(self.k[layer]), one(self.v[layer])
+        return (
+            self.gather_blocks(block_tables, lambda x: x, self.k[layer]),
+            self.gather_blocks(block_tables, lambda x: x, self.v[layer]),
+        )
 
     def decode_attention(
         self,
@@ -172,15 +167,31 @@ class KVStorage:
         kernels.paged_attention(q, self.k[layer], self.v[layer], group, window, out)
         return True
 
+    def block_tensors(self) -> list[torch.Tensor]:
+        """Every tensor indexed by block id (codes and per-block metadata): what a block copy
+        must copy. Quantized formats list their codes and scales."""
+        return self.k + self.v
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks (copy-on-write of a shared partial block)."""
         if not pairs:
             return
         src = torch.tensor([s for s, _ in pairs], device=self.device)
         dst = torch.tensor([d for _, d in pairs], device=self.device)
-        for layer in range(self.num_layers):
-            self.k[layer][dst] = self.k[layer][src]
-            self.v[layer][dst] = self.v[layer][src]
+        for t in self.block_tensors():
+            t[dst] = t[src]
+
+    def gather_blocks(
+        self, block_tables: torch.Tensor, decode: Any, *per_layer: torch.Tensor
+    ) -> torch.Tensor:
+        """``[B, kv_heads, n * block_size, head_dim]`` from per-block tensors: the blocks of
+        ``block_tables`` are selected from each tensor in ``per_layer`` and ``decode(*selected)``
+        turns them into values ``[B * n, kv_heads, block_size, head_dim]``."""
+        b, n = block_tables.shape
+        flat = block_tables.reshape(-1)
+        x = decode(*(t.index_select(0, flat) for t in per_layer))
+        shape = (b, self.num_kv_heads, n * self.block_size, self.head_dim)
+        return x.view(b, n, *x.shape[1:]).transpose(1, 2).reshape(shape)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
