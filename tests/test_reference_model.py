@@ -1,0 +1,93 @@
+"""The shared task generators behave, measured with the bundled tokenizer.
+
+The generators are what the quality gate and the trainer agree on, so determinism, length
+targeting and needle placement are tested against the bundled tokenizer itself.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvserve.quality import tasks as T
+
+MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "kvserve-ref"
+
+
+@pytest.fixture(scope="module")
+def hf_tok():
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(MODEL_DIR))
+
+
+@pytest.fixture(scope="module")
+def count(hf_tok):
+    def count(text: str) -> int:
+        return len(hf_tok(text, add_special_tokens=not text.startswith(T.BOS)).input_ids)
+
+    return count
+
+
+def test_tokenizer_and_chat_template(hf_tok):
+    ids = hf_tok("The pass code for silver falcon is 1234567.").input_ids
+    assert ids[0] == hf_tok.bos_token_id
+    toks = hf_tok.convert_ids_to_tokens(ids)
+    assert toks[-8:] == list("1234567.")  # digits one per token
+    msgs = [{"role": "user", "content": "Hi there."}, {"role": "assistant", "content": "Noted."}]
+    rendered = hf_tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert rendered == T.render_chat(msgs, True)
+    assert rendered.startswith(T.BOS) and rendered.endswith("<|assistant|>\n")
+    assert len(hf_tok) <= 8192
+
+
+def test_generators_are_deterministic(count):
+    for make in (
+        lambda s: T.needle_prompt(s, 400, 30, count),
+        lambda s: T.multi_needle_prompt(s, 400, count),
+        lambda s: T.variable_tracking_prompt(s, 400, count),
+        lambda s: T.multi_turn_prompt(s, 400, count),
+    ):
+        a, b, c = make(5), make(5), make(6)
+        assert (a.prompt, a.answer) == (b.prompt, b.answer)
+        assert a.prompt != c.prompt
+
+
+@pytest.mark.parametrize("target", [128, 512, 2048])
+def test_generators_hit_requested_length(count, target):
+    for i, p in enumerate(
+        [T.needle_prompt(i, target, d, count) for i, d in enumerate((0, 5, 50, 100))]
+        + [
+            T.multi_needle_prompt(1, target, count),
+            T.variable_tracking_prompt(2, target, count),
+            T.multi_turn_prompt(3, max(target, 256), count),
+        ]
+    ):
+        want = max(target, 256) if p.kind == "multi_turn" else target
+        assert abs(count(p.prompt) - want) <= T.length_tolerance(want), (i, p.kind, count(p.prompt))
+    with pytest.raises(ValueError, match="context_tokens"):
+        T.multi_turn_prompt(3, 64, count)
+
+
+def test_needle_depth_and_answer_boundary(hf_tok):
+    def count(text: str) -> int:
+        return len(hf_tok(text).input_ids)
+
+    first = T.needle_prompt(11, 1024, 0, count)
+    key = first.meta["key"]
+    assert first.prompt.startswith(T.needle_sentence(key, first.answer.strip()))
+    last = T.needle_prompt(11, 1024, 100, count)
+    assert last.prompt.split("\nQuestion:")[0].endswith(T.needle_sentence(key, last.answer.strip()))
+    mid = T.needle_prompt(12, 1024, 50, count)
+    pos = mid.prompt.index(T.needle_sentence(mid.meta["key"], mid.answer.strip()))
+    assert 0.4 < pos / len(mid.prompt) < 0.6
+    ids = hf_tok(first.prompt).input_ids
+    assert hf_tok(first.prompt + first.answer).input_ids[: len(ids)] == ids
+
+
+def test_heldout_split_is_disjoint():
+    train, held = set(T.haystack_sentences("train")), set(T.haystack_sentences("heldout"))
+    assert len(held) > 1000 and len(train) > 5 * len(held)
+    assert not train & held
+    names = [n for n, _ in T.corpus_documents()]
+    assert names == sorted(names) and any(T.is_heldout(n) for n in names)
