@@ -48,6 +48,8 @@ class ZeroFirstHalf(KVStorage):
     blocks zeroed (K and V). Fused kernels are declined so that every read goes through
     ``gather``."""
 
+    second_half = False
+
     def __init__(self, inner: KVStorage) -> None:  # no super().__init__: nothing to allocate
         self.inner = inner
 
@@ -69,10 +71,17 @@ class ZeroFirstHalf(KVStorage):
     def gather(self, layer, block_tables):  # noqa: ANN001
         k, v = self.inner.gather(layer, block_tables)
         cut = (block_tables.shape[1] // 2) * self.inner.block_size
+        half = slice(cut, None) if self.second_half else slice(None, cut)
         k, v = k.clone(), v.clone()
-        k[:, :, :cut] = 0
-        v[:, :, :cut] = 0
+        k[:, :, half] = 0
+        v[:, :, half] = 0
         return k, v
+
+
+class ZeroSecondHalf(ZeroFirstHalf):
+    """The same corruption on the newest half of each sequence's blocks."""
+
+    second_half = True
 
 
 def engine_kwargs(model: str, **over) -> dict:
