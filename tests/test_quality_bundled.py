@@ -1,7 +1,7 @@
 """``kvserve quality --quick`` on the bundled reference model, the CI use of the gate.
 
-Unlike a random model, the bundled one retrieves (so far only a needle stated right before the
-question), so a corrupted cache must show up as a recall drop too, not only in agreement and KL.
+Unlike a random model, the bundled one retrieves, so a corrupted cache must show up as a recall
+drop too, not only in agreement and KL.
 """
 
 from __future__ import annotations
@@ -61,16 +61,14 @@ def test_quick_exact_baseline_passes():
 def test_quick_corrupted_cache_fails_with_a_recall_drop():
     if not _committed():  # an untrained model attends almost uniformly: nothing to break
         pytest.skip("bundled weights are a training run's work in progress (not committed)")
-    # The committed model retrieves a needle stated just before the question (the depth-100 cells
-    # of the quick grid at 256 tokens), not yet across long text: see models/kvserve-ref/README.md.
-    # Zeroing the newest half of the cache removes exactly that needle.
+    # Zeroing the newest half of each sequence's cache blocks removes the question's context.
     report = run_gate(
         KW, SuiteSpec.quick(), candidate_setup=lambda llm: wrap_kv_storage(llm, ZeroSecondHalf)
     )
     assert not report["passed"]
     needle = metric(report, "recall_needle")
-    assert needle["baseline"] >= 0.15, "the bundled model should retrieve with the exact cache"
-    assert needle["baseline"] - needle["candidate"] >= 0.15
+    assert needle["baseline"] >= 0.6, "the bundled model should retrieve with the exact cache"
+    assert needle["baseline"] - needle["candidate"] >= 0.5
     assert not needle["passed"]
     assert metric(report, "top1_agreement")["candidate"] < 0.9
     assert metric(report, "mean_kl")["candidate"] > 0.1
