@@ -377,7 +377,7 @@ def text_doc(d: Doc, rng: random.Random, n: int, hay: list[str]):
 
 # The mixes of the committed model: dense key/value recall while the copy circuit forms on short
 # sequences, then mostly the gate's own shapes (a needle in a long haystack, multi-turn chats).
-# var_doc and text_doc stay available for pilots (KVREF_MIX).
+# var_doc and text_doc stay available for pilots (--mix).
 MIX = [(kv_doc, 0.6), (needle_doc, 0.15), (repeat_doc, 0.1), (chat_doc, 0.15)]
 MIX_LONG = [(kv_doc, 0.2), (needle_doc, 0.45), (repeat_doc, 0.15), (chat_doc, 0.2)]
 LONG_FROM = 256  # sequence length from which MIX_LONG applies
@@ -385,11 +385,27 @@ LONG_FROM = 256  # sequence length from which MIX_LONG applies
 # included, because phase 1 teaches recall among dense statements but not across long text.
 MIX_HAYSTACK = [(kv_doc, 0.1), (needle_doc, 0.35), (repeat_doc, 0.35), (chat_doc, 0.2)]
 DENSE_SHORT = True  # short needle_doc sequences are dense (phase 1)
-if os.environ.get("KVREF_MIX"):  # pilot runs: "needle_doc:0.6,repeat_doc:0.4"
-    MIX = MIX_LONG = [
-        (globals()[k], float(v))
-        for k, v in (x.split(":") for x in os.environ["KVREF_MIX"].split(","))
-    ]
+DOC_KINDS = {
+    f.__name__: f for f in (kv_doc, needle_doc, var_doc, chat_doc, repeat_doc, copy_doc, text_doc)
+}
+
+
+def parse_mix(spec: str) -> list[tuple]:
+    """``"repeat_doc:0.7,kv_doc:0.3"`` -> [(repeat_doc, 0.7), (kv_doc, 0.3)]."""
+    mix = []
+    for part in spec.split(","):
+        name, _, weight = part.partition(":")
+        if name not in DOC_KINDS:
+            raise ValueError(f"--mix: unknown document kind {name!r}; allowed: {sorted(DOC_KINDS)}")
+        try:
+            w = float(weight)
+        except ValueError:
+            msg = f"--mix: weight of {name} must be a number > 0, got {weight!r}"
+            raise ValueError(msg) from None
+        if not w > 0:
+            raise ValueError(f"--mix: weight of {name} must be > 0, got {w}")
+        mix.append((DOC_KINDS[name], w))
+    return mix
 
 
 def make_batch(tok, cache, hay, rng: random.Random, batch: int, seq_len: int, mix=None):
@@ -469,7 +485,13 @@ def verify_against_transformers(model: Llama, tok, path: Path) -> float:
 
 # ---------------------------------------------------------------- training
 def curriculum(spec: str) -> list[tuple[int, float]]:
-    stages = [(int(a), float(b)) for a, b in (s.split(":") for s in spec.split(","))]
+    """``"64:0.3,128:0.7"`` -> [(seq_len, share of the steps)], shares normalised."""
+    try:
+        stages = [(int(a), float(b)) for a, b in (s.split(":") for s in spec.split(","))]
+    except ValueError:
+        raise ValueError(f"--curriculum: expected LEN:SHARE,..., got {spec!r}") from None
+    if any(n < 2 or f <= 0 for n, f in stages):
+        raise ValueError(f"--curriculum: lengths must be >= 2 and shares > 0, got {spec!r}")
     total = sum(f for _, f in stages)
     return [(n, f / total) for n, f in stages]
 
@@ -524,8 +546,18 @@ def main(argv=None):
     ap.add_argument(
         "--haystack-mix", action="store_true", help="phase 2 data mix (see MIX_HAYSTACK)"
     )
+    ap.add_argument("--mix", default=None, help="one fixed mix at every length, KIND:WEIGHT,...")
     ap.add_argument("--verify", action="store_true", help="only check logits vs transformers")
     args = ap.parse_args(argv)
+    try:
+        stages = curriculum(args.curriculum)
+        fixed_mix = parse_mix(args.mix) if args.mix else None
+    except ValueError as e:
+        ap.error(str(e))
+    if args.stop_after is not None and not 1 <= args.stop_after <= args.steps:
+        ap.error(f"--stop-after must be in [1, --steps={args.steps}], got {args.stop_after}")
+    if args.init_from and not Path(args.init_from).is_file():
+        ap.error(f"--init-from: no checkpoint file at {args.init_from}")
 
     torch.set_num_threads(args.threads)
     global DENSE_SHORT
@@ -578,7 +610,6 @@ def main(argv=None):
         betas=(0.9, 0.95),
         eps=1e-8,
     )
-    stages = curriculum(args.curriculum)
     step, elapsed, history, tokens = 0, 0.0, [], 0
     ckpt = work / "ckpt.pt"
     if args.resume and ckpt.exists():
@@ -619,6 +650,7 @@ def main(argv=None):
         rng = random.Random(args.seed * 1_000_003 + step)
         mix = MIX if seq_len < LONG_FROM else MIX_LONG
         mix = MIX_HAYSTACK if args.haystack_mix else mix
+        mix = fixed_mix or mix
         mix = mix if step >= args.copy_steps else [(copy_doc, 0.5), *mix]
         ids, w, kinds = make_batch(tok, cache, hay, rng, batch, seq_len, mix)
         if step < args.warmup:

@@ -152,3 +152,30 @@ def test_model_recalls_needles_at_every_depth(hf_tok, hf_model, count):
             logits = hf_model(torch.tensor([full])).logits[0]
         ok += logits[len(ids) - 1 : -1].argmax(-1).tolist() == full[len(ids) :]
     assert ok >= 7, ok
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--mix", "needles:1"], "unknown document kind 'needles'"),
+        (["--mix", "kv_doc:x"], "weight of kv_doc must be a number > 0"),
+        (["--mix", "kv_doc:0"], "weight of kv_doc must be > 0"),
+        (["--curriculum", "64-1"], "--curriculum: expected LEN:SHARE"),
+        (["--curriculum", "64:0"], "shares > 0"),
+        (["--steps", "100", "--stop-after", "200"], "--stop-after must be in [1, --steps=100]"),
+        (["--init-from", "/nonexistent/ckpt.pt"], "--init-from: no checkpoint file"),
+    ],
+)
+def test_trainer_rejects_bad_options_naming_them(argv, message, capsys, monkeypatch):
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "train_reference_model.py"
+    spec = importlib.util.spec_from_file_location("train_reference_model", path)
+    trainer = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, trainer)  # dataclasses look their module up
+    spec.loader.exec_module(trainer)
+    with pytest.raises(SystemExit) as exc:
+        trainer.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
