@@ -49,9 +49,28 @@ class _BodyTooLarge(APIError):
         super().__init__(413, f"body: the request body exceeds {limit} bytes", param="body")
 
 
+# An oversized body is read and discarded up to this many bytes before the 413 goes out:
+# closing a socket with unread data makes the kernel send a reset that can destroy the 413
+# on its way to the client (the client then sees "connection closed", not the error).
+# Beyond this bound the connection is simply closed.
+DRAIN_LIMIT_BYTES = 64 * 1024 * 1024
+
+
+async def _drain(receive: Receive, budget: int) -> None:
+    """Read and drop the rest of a request body, at most ``budget`` bytes."""
+    while budget > 0:
+        msg = await receive()
+        if msg["type"] != "http.request":
+            return
+        budget -= len(msg.get("body", b""))
+        if not msg.get("more_body", False):
+            return
+
+
 class BodyLimitMiddleware:
     """413 for bodies over ``max_bytes``: at once from Content-Length, or while reading a
-    chunked body, so an oversized upload is never buffered whole."""
+    chunked body, so an oversized upload is never buffered whole (the rest is drained, not
+    kept, so the client reliably reads the 413)."""
 
     def __init__(self, app: ASGIApp, max_bytes: int, on_reject: Any = None) -> None:
         self.app = app
@@ -66,6 +85,7 @@ class BodyLimitMiddleware:
             err = _BodyTooLarge(self.max_bytes)
             if self.on_reject is not None:
                 self.on_reject(err)
+            await _drain(receive, DRAIN_LIMIT_BYTES)
             return await JSONResponse(err.body(), 413, headers={"Connection": "close"})(
                 scope, receive, send
             )
@@ -77,6 +97,8 @@ class BodyLimitMiddleware:
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
                 if seen > self.max_bytes:
+                    if msg.get("more_body", False):
+                        await _drain(receive, DRAIN_LIMIT_BYTES)
                     raise _BodyTooLarge(self.max_bytes)
             return msg
 
