@@ -27,6 +27,7 @@ import json
 import math
 import os
 import random
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -541,7 +542,12 @@ def main(argv=None):
     ap.add_argument("--ckpt-every", type=float, default=60.0, help="seconds")
     ap.add_argument("--log-every", type=int, default=100)
     ap.add_argument("--resume", action="store_true")
-    ap.add_argument("--init-from", default=None, help="start from another run's ckpt.pt weights")
+    ap.add_argument(
+        "--init-from",
+        default=None,
+        help="start from another run's ckpt.pt, or from an exported model directory "
+        "(its model.safetensors and tokenizer.json, e.g. models/kvserve-ref)",
+    )
     ap.add_argument("--stop-after", type=int, default=None, help="stop (and export) at this step")
     ap.add_argument(
         "--haystack-mix", action="store_true", help="phase 2 data mix (see MIX_HAYSTACK)"
@@ -556,8 +562,10 @@ def main(argv=None):
         ap.error(str(e))
     if args.stop_after is not None and not 1 <= args.stop_after <= args.steps:
         ap.error(f"--stop-after must be in [1, --steps={args.steps}], got {args.stop_after}")
-    if args.init_from and not Path(args.init_from).is_file():
-        ap.error(f"--init-from: no checkpoint file at {args.init_from}")
+    if args.init_from and not (
+        Path(args.init_from).is_file() or (Path(args.init_from) / "model.safetensors").is_file()
+    ):
+        ap.error(f"--init-from: no ckpt.pt file or model directory at {args.init_from}")
 
     torch.set_num_threads(args.threads)
     global DENSE_SHORT
@@ -567,6 +575,10 @@ def main(argv=None):
     work.mkdir(parents=True, exist_ok=True)
     tok_path = work / "tokenizer.json"
     from tokenizers import Tokenizer
+
+    init_dir = Path(args.init_from) if args.init_from and Path(args.init_from).is_dir() else None
+    if init_dir is not None and not tok_path.exists():  # the weights' own tokenizer
+        shutil.copyfile(init_dir / "tokenizer.json", tok_path)
 
     if tok_path.exists():
         tok = Tokenizer.from_file(str(tok_path))
@@ -619,6 +631,11 @@ def main(argv=None):
         step, elapsed, history = state["step"], state["elapsed"], state["history"]
         tokens = state["tokens"]
         print(f"resumed at step {step} ({elapsed / 60:.1f} min)", flush=True)
+    elif init_dir is not None:
+        from safetensors.torch import load_file
+
+        model.load_state_dict(load_file(str(init_dir / "model.safetensors")))
+        print(f"initialised from {init_dir}", flush=True)
     elif args.init_from:
         model.load_state_dict(torch.load(args.init_from, weights_only=False)["model"])
         print(f"initialised from {args.init_from}", flush=True)

@@ -18,8 +18,15 @@ pytestmark = pytest.mark.skipif(
 @pytest.mark.parametrize("kv_heads, heads", [(2, 4), (1, 4), (4, 4)])
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("d", [40, 64])  # 64: the SIMD unpack / F16C paths; 40: their tails
-def test_quant_kernel_matches_reference(fmt, kv_heads, heads, window, dtype, d):
+# 64: the SIMD unpack / F16C paths; 40: their tails; 48, 64: the AVX-512 row path (D % 16 == 0)
+@pytest.mark.parametrize("d", [40, 48, 64])
+@pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
+def test_quant_kernel_matches_reference(fmt, kv_heads, heads, window, dtype, d, portable,
+                                        monkeypatch):  # fmt: skip
+    """``KVSERVE_QUANT_SCALAR`` makes the kernel skip its AVX-512 path, so both are checked
+    on a machine that has AVX-512."""
+    if portable:
+        monkeypatch.setenv("KVSERVE_QUANT_SCALAR", "1")
     torch.manual_seed(0)
     bs, nblocks = 4, 48
     st = make_kv_storage(fmt, 1, nblocks, bs, kv_heads, d, dtype)

@@ -1,5 +1,5 @@
-/* Helpers shared by kvserve's native kernels: storage dtype codes and scalar conversions of
- * 16-bit floats (used where the AVX-512 paths do not apply). */
+/* Helpers shared by kvserve's native kernels: storage dtype codes, scalar conversions of
+ * 16-bit floats (used where the AVX-512 paths do not apply) and the AVX-512 row load. */
 #ifndef KVSERVE_KERNELS_H
 #define KVSERVE_KERNELS_H
 #include <stdint.h>
@@ -33,4 +33,17 @@ static inline float f16_to_f32(uint16_t h) {
     memcpy(&f, &u, 4);
     return f;
 }
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* 16 values of a K/V row as float32, converted in registers (bf16: shift; f16: F16C). */
+static inline __attribute__((always_inline)) __m512 load16(const void *base, int64_t off,
+                                                            const int dt) {
+    if (dt == DT_F32) return _mm512_loadu_ps((const float *)base + off);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off));
+    if (dt == DT_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+#endif
 #endif

@@ -102,16 +102,6 @@ static inline __attribute__((always_inline)) void attend_block(
 }
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
-
-/* 16 values of a K/V row as float32, converted in registers (bf16: shift; f16: F16C). */
-static inline __attribute__((always_inline)) __m512 load16(const void *base, int64_t off,
-                                                            const int dt) {
-    if (dt == DT_F32) return _mm512_loadu_ps((const float *)base + off);
-    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off));
-    if (dt == DT_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    return _mm512_cvtph_ps(h);
-}
 
 /* attend_block with explicit AVX-512 for head sizes that are multiples of 16: the query row
  * and the output accumulator stay in registers, and cached rows are converted in registers

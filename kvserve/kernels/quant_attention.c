@@ -20,6 +20,7 @@
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__F16C__) || defined(__SSE2__)
 #include <immintrin.h>
@@ -196,6 +197,207 @@ static void key_scores(const Cache *c, int64_t blk, int hk, int lo, int hi, int 
         }
 }
 
+#if defined(__AVX512F__)
+/* The AVX-512 path: one K or V row at a time is converted from its codes into float32
+ * registers (16 lanes per vector, D / 16 vectors) and used by all G query heads of the
+ * group, with no float tile in between. Per-row scalar factors (the fp8 head scale, the int8
+ * token scale) scale the score or the softmax weight, not every element.
+ *
+ * KIVI codes are not unpacked into channel order: 16 packed bytes widen to 16 lanes and each
+ * shift by `bits` yields one vector, so lane i of vector v holds channel perm[16 v + i]
+ * (channels interleaved by the codes per byte). A dot product and a weighted sum do not care
+ * about channel order as long as both sides agree, so the task permutes its query rows once,
+ * keeps its output accumulator permuted and un-permutes it when writing out; the per-channel
+ * key scales are built permuted, value group scales are spread to lanes with one permute, and
+ * the rare full-precision residual rows are gathered into the same order. */
+enum { RS_RES, RS_FP8, RS_INT8, RS_KIVI_K, RS_KIVI_V };
+
+typedef struct {
+    int kind, row_bytes, bits, ng, res_dt, e4m3;
+    const int32_t *perm;               /* NULL: channel order; else lane j holds perm[j] */
+    const __m512i *gidx;               /* KIVI values: value group of each lane */
+    const uint8_t *codes;              /* this block's rows for this KV head */
+    const void *res;                   /* residual rows (a KIVI block still filling) */
+    const uint16_t *tok_scale;         /* int8: one float16 scale per row */
+    float head_scale;                  /* fp8 */
+    float s[MAX_D], z[MAX_D];          /* KIVI keys: this block's per-lane scale and zero */
+    const uint16_t *vs, *vz;           /* KIVI values: per row, per channel group */
+} RowSrc;
+
+/* Lane order of KIVI codes (see above); needs D a multiple of 16 codes-per-byte. */
+static void kivi_lane_order(int D, int bits, int32_t *perm) {
+    const int per = 8 / bits;
+    for (int j = 0; j < D; j++) {
+        const int v = j / 16, i = j % 16;
+        perm[j] = (v / per) * 16 * per + per * i + v % per;
+    }
+}
+
+static void row_source(const Cache *c, int64_t blk, int hk, int is_key, const int32_t *perm,
+                       const __m512i *gidx, RowSrc *r) {
+    const int D = c->D, bs = c->bs;
+    const int64_t bh = blk * c->KVH + hk;
+    r->e4m3 = c->e4m3;
+    r->perm = perm;
+    if (c->fmt == FMT_KIVI && c->res_of_block[blk] >= 0) {
+        r->kind = RS_RES;
+        r->res_dt = c->res_dtype;
+        const size_t esz = c->res_dtype == DT_F32 ? 4 : 2;
+        r->res = (const char *)(is_key ? c->res_k : c->res_v)
+                 + (c->res_of_block[blk] * c->KVH + hk) * bs * D * esz;
+        return;
+    }
+    const uint8_t *codes = is_key ? c->k_codes : c->v_codes;
+    if (c->fmt == FMT_FP8) {
+        r->kind = RS_FP8;
+        r->row_bytes = D;
+        r->codes = codes + bh * bs * D;
+        const float sc = (is_key ? c->k_head_scale : c->v_head_scale)[hk];
+        r->head_scale = c->e4m3 ? sc * 256.f : sc; /* e4m3 read as float16: x 2**-8 */
+    } else if (c->fmt == FMT_INT8) {
+        r->kind = RS_INT8;
+        r->row_bytes = D;
+        r->codes = codes + bh * bs * D;
+        r->tok_scale = (is_key ? c->k_tok_scale : c->v_tok_scale) + bh * bs;
+    } else {
+        r->kind = is_key ? RS_KIVI_K : RS_KIVI_V;
+        r->bits = c->bits;
+        r->row_bytes = D * c->bits / 8;
+        r->codes = codes + bh * bs * r->row_bytes;
+        r->ng = D / c->group;
+        r->gidx = gidx;
+        if (is_key) {
+            const uint8_t *meta = c->k_meta + bh * 2 * D;
+            const float *base = c->k_base + bh * 3;
+            for (int j = 0; j < D; j++) {
+                const int d = perm[j];
+                r->s[j] = base[2] * c->lut[meta[D + d]];
+                r->z[j] = base[0] + (float)meta[d] * base[1];
+            }
+        } else {
+            r->vs = c->v_scale + bh * bs * r->ng;
+            r->vz = c->v_zero + bh * bs * r->ng;
+        }
+    }
+}
+
+/* A KIVI row's codes as float vectors in lane order; bits and nv are constants at each call
+ * site, so x stays in registers. */
+static inline __attribute__((always_inline)) void kivi_codes(const uint8_t *row, const int nv,
+                                                             const int bits, __m512 *x) {
+    const int per = 8 / bits;
+    const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
+    for (int cch = 0; cch < nv / per; cch++) {
+        const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + 16 * cch)));
+        for (int k = 0; k < per; k++)
+            x[cch * per + k] =
+                _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w, bits * k), mask));
+    }
+}
+
+/* Row t as nv vectors in x (lane order of r->perm); returns the row's scalar factor. */
+static inline __attribute__((always_inline)) float load_row16(const RowSrc *r, int t,
+                                                              const int nv, __m512 *x) {
+    const int D = 16 * nv;
+    const uint8_t *row = r->codes + (int64_t)t * r->row_bytes;
+    switch (r->kind) {
+    case RS_RES:
+        if (r->perm == NULL) {
+            for (int j = 0; j < nv; j++) x[j] = load16(r->res, (int64_t)t * D + 16 * j, r->res_dt);
+        } else {
+            float tmp[MAX_D];
+            for (int j = 0; j < nv; j++)
+                _mm512_storeu_ps(tmp + 16 * j, load16(r->res, (int64_t)t * D + 16 * j, r->res_dt));
+            for (int j = 0; j < nv; j++)
+                x[j] = _mm512_i32gather_ps(_mm512_loadu_si512(r->perm + 16 * j), tmp, 4);
+        }
+        return 1.f;
+    case RS_FP8: { /* fp8 -> float16 bits with shifts (see decode_tile), then F16C */
+        int j = 0;
+#ifdef __AVX512BW__
+        for (; j + 2 <= nv; j += 2) { /* 32 codes per integer step */
+            const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(row + 16 * j)));
+            const __m512i h = r->e4m3
+                ? _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8),
+                                  _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x7f)), 7))
+                : _mm512_slli_epi16(w, 8);
+            x[j] = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+            x[j + 1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+        }
+#endif
+        for (; j < nv; j++) {
+            const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(row + 16 * j)));
+            const __m256i h = r->e4m3
+                ? _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
+                                  _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7))
+                : _mm256_slli_epi16(w, 8);
+            x[j] = _mm512_cvtph_ps(h);
+        }
+        return r->head_scale;
+    }
+    case RS_INT8:
+        for (int j = 0; j < nv; j++)
+            x[j] = _mm512_cvtepi32_ps(
+                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + 16 * j))));
+        return H2F(r->tok_scale[t]);
+    default: {
+        if (r->bits == 2) kivi_codes(row, nv, 2, x);
+        else kivi_codes(row, nv, 4, x);
+        if (r->kind == RS_KIVI_K) {
+            for (int j = 0; j < nv; j++)
+                x[j] = _mm512_fmadd_ps(x[j], _mm512_loadu_ps(r->s + 16 * j),
+                                       _mm512_loadu_ps(r->z + 16 * j));
+        } else if (r->ng == 1) {
+            const __m512 sv = _mm512_set1_ps(H2F(r->vs[t])), zv = _mm512_set1_ps(H2F(r->vz[t]));
+            for (int j = 0; j < nv; j++) x[j] = _mm512_fmadd_ps(x[j], sv, zv);
+        } else { /* up to 16 groups: their scales in one vector, spread to the lanes */
+            const __mmask16 m = (__mmask16)((1u << r->ng) - 1);
+            const __m512 sv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, r->vs + (int64_t)t * r->ng));
+            const __m512 zv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, r->vz + (int64_t)t * r->ng));
+            for (int j = 0; j < nv; j++)
+                x[j] = _mm512_fmadd_ps(x[j], _mm512_permutexvar_ps(r->gidx[j], sv),
+                                       _mm512_permutexvar_ps(r->gidx[j], zv));
+        }
+        return 1.f;
+    }
+    }
+}
+
+static inline __attribute__((always_inline)) void key_scores_avx512(
+    const Cache *c, int64_t blk, int hk, int lo, int hi, int G, float qs[][MAX_D],
+    float sc[][MAX_BS], const int32_t *perm, const __m512i *gidx, const int nv) {
+    RowSrc r;
+    row_source(c, blk, hk, 1, perm, gidx, &r);
+    for (int t = lo; t < hi; t++) {
+        __m512 x[MAX_D / 16];
+        const float f = load_row16(&r, t, nv, x);
+        for (int g = 0; g < G; g++) {
+            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qs[g]), x[0]);
+            for (int j = 1; j < nv; j++) a = _mm512_fmadd_ps(_mm512_loadu_ps(qs[g] + 16 * j), x[j], a);
+            sc[g][t] = f * _mm512_reduce_add_ps(a);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void values_avx512(
+    const Cache *c, int64_t blk, int hk, int lo, int hi, int G, float sc[][MAX_BS],
+    float acc[][MAX_D], const int32_t *perm, const __m512i *gidx, const int nv) {
+    RowSrc r;
+    row_source(c, blk, hk, 0, perm, gidx, &r);
+    for (int t = lo; t < hi; t++) {
+        __m512 x[MAX_D / 16];
+        const float f = load_row16(&r, t, nv, x);
+        for (int g = 0; g < G; g++) {
+            const __m512 p = _mm512_set1_ps(f * sc[g][t]);
+            for (int j = 0; j < nv; j++)
+                _mm512_storeu_ps(acc[g] + 16 * j,
+                                 _mm512_fmadd_ps(p, x[j], _mm512_loadu_ps(acc[g] + 16 * j)));
+        }
+    }
+}
+#define HAVE_AVX512_PATH 1
+#endif
+
 int kvserve_quant_decode(const float *q, float *out, const int64_t *block_tables,
                          int64_t bt_stride, const int64_t *seq_lens, int B, int H, int window,
                          float scale, const Cache *c, int num_threads) {
@@ -203,6 +405,26 @@ int kvserve_quant_decode(const float *q, float *out, const int64_t *block_tables
     if (H % KVH || H / KVH > MAX_G || D > MAX_D || bs > MAX_BS) return -1;
     if (c->fmt == FMT_KIVI && (D % (8 / c->bits) || D % c->group)) return -1;
     const int G = H / KVH;
+#ifdef HAVE_AVX512_PATH
+    /* KIVI lanes interleave the channels of 16-byte code chunks: D a multiple of 16 x codes
+     * per byte. KVSERVE_QUANT_SCALAR=1 selects the portable path (tests compare both). */
+    const int avx = D % 16 == 0 && getenv("KVSERVE_QUANT_SCALAR") == NULL
+                    && (c->fmt != FMT_KIVI || (c->group % 16 == 0 && D % (128 / c->bits) == 0));
+    int32_t lane_order[MAX_D];
+    const int32_t *perm = NULL;
+    __m512i gidx[MAX_D / 16];
+    if (avx && c->fmt == FMT_KIVI) {
+        kivi_lane_order(D, c->bits, lane_order);
+        perm = lane_order;
+        for (int j = 0; j < D / 16; j++) {
+            int32_t g[16];
+            for (int i = 0; i < 16; i++) g[i] = lane_order[16 * j + i] / c->group;
+            gidx[j] = _mm512_loadu_si512(g);
+        }
+    }
+#else
+    const int32_t *perm = NULL;
+#endif
     if (!tables_ready) init_tables(); /* called from one Python thread at a time (the GIL) */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t task = 0; task < (int64_t)B * KVH; task++) {
@@ -212,7 +434,10 @@ int kvserve_quant_decode(const float *q, float *out, const int64_t *block_tables
         float m[MAX_G], l[MAX_G];
         for (int g = 0; g < G; g++) {
             const float *qp = q + ((int64_t)b * H + hk * G + g) * D;
-            for (int d = 0; d < D; d++) { qs[g][d] = qp[d] * scale; acc[g][d] = 0.f; }
+            for (int d = 0; d < D; d++) { /* in the lane order of the stored rows */
+                qs[g][d] = qp[perm ? perm[d] : d] * scale;
+                acc[g][d] = 0.f;
+            }
             m[g] = -FLT_MAX;
             l[g] = 0.f;
         }
@@ -222,6 +447,15 @@ int kvserve_quant_decode(const float *q, float *out, const int64_t *block_tables
             const int64_t blk = block_tables[(int64_t)b * bt_stride + t0 / bs];
             const int lo = (int)(start > t0 ? start - t0 : 0);
             const int hi = (int)(L - t0 < bs ? L - t0 : bs);
+#ifdef HAVE_AVX512_PATH
+            if (avx) {
+                switch (D) { /* a constant vector count at the common head sizes */
+                case 64: key_scores_avx512(c, blk, hk, lo, hi, G, qs, sc, perm, gidx, 4); break;
+                case 128: key_scores_avx512(c, blk, hk, lo, hi, G, qs, sc, perm, gidx, 8); break;
+                default: key_scores_avx512(c, blk, hk, lo, hi, G, qs, sc, perm, gidx, D / 16);
+                }
+            } else
+#endif
             key_scores(c, blk, hk, lo, hi, G, qs, sc, kt);
             for (int g = 0; g < G; g++) {
                 float mx = m[g];
@@ -235,6 +469,16 @@ int kvserve_quant_decode(const float *q, float *out, const int64_t *block_tables
                 m[g] = mx;
                 l[g] = sum;
             }
+#ifdef HAVE_AVX512_PATH
+            if (avx) {
+                switch (D) {
+                case 64: values_avx512(c, blk, hk, lo, hi, G, sc, acc, perm, gidx, 4); break;
+                case 128: values_avx512(c, blk, hk, lo, hi, G, sc, acc, perm, gidx, 8); break;
+                default: values_avx512(c, blk, hk, lo, hi, G, sc, acc, perm, gidx, D / 16);
+                }
+                continue;
+            }
+#endif
             decode_tile(c, blk, hk, lo, hi, 0, vt);
             for (int t = lo; t < hi; t++)
                 for (int g = 0; g < G; g++) {
@@ -246,7 +490,7 @@ int kvserve_quant_decode(const float *q, float *out, const int64_t *block_tables
         for (int g = 0; g < G; g++) {
             float *op = out + ((int64_t)b * H + hk * G + g) * D;
             const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-            for (int d = 0; d < D; d++) op[d] = acc[g][d] * inv;
+            for (int d = 0; d < D; d++) op[perm ? perm[d] : d] = acc[g][d] * inv;
         }
     }
     return 0;
