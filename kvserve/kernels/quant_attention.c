@@ -363,6 +363,30 @@ static inline __attribute__((always_inline)) float load_row16(const RowSrc *r, i
     }
 }
 
+static inline void prefetch_codes(const Cache *c, int64_t blk, int hk) {
+    const int row_bytes = c->fmt == FMT_KIVI ? c->D * c->bits / 8 : c->D;
+    const size_t n = (size_t)c->bs * row_bytes, off = (size_t)(blk * c->KVH + hk) * n;
+    for (size_t o = 0; o < n; o += 64) {
+        _mm_prefetch((const char *)c->k_codes + off + o, _MM_HINT_T0);
+        _mm_prefetch((const char *)c->v_codes + off + o, _MM_HINT_T0);
+    }
+    const int64_t bh = blk * c->KVH + hk;
+    if (c->fmt == FMT_KIVI) { /* and the metadata: key channel codes, value scales and zeros */
+        const int ng = c->D / c->group;
+        for (int o = 0; o < 2 * c->D; o += 64) _mm_prefetch((const char *)(c->k_meta + bh * 2 * c->D) + o, _MM_HINT_T0);
+        _mm_prefetch((const char *)(c->k_base + bh * 3), _MM_HINT_T0);
+        for (int o = 0; o < c->bs * ng * 2; o += 64) {
+            _mm_prefetch((const char *)(c->v_scale + bh * c->bs * ng) + o, _MM_HINT_T0);
+            _mm_prefetch((const char *)(c->v_zero + bh * c->bs * ng) + o, _MM_HINT_T0);
+        }
+    } else if (c->fmt == FMT_INT8) {
+        for (int o = 0; o < c->bs * 2; o += 64) {
+            _mm_prefetch((const char *)(c->k_tok_scale + bh * c->bs) + o, _MM_HINT_T0);
+            _mm_prefetch((const char *)(c->v_tok_scale + bh * c->bs) + o, _MM_HINT_T0);
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) void key_scores_avx512(
     const Cache *c, int64_t blk, int hk, int lo, int hi, int G, float qs[][MAX_D],
     float sc[][MAX_BS], const int32_t *perm, const __m512i *gidx, const int nv) {
@@ -448,6 +472,8 @@ int kvserve_quant_decode(const float *q, float *out, const int64_t *block_tables
             const int lo = (int)(start > t0 ? start - t0 : 0);
             const int hi = (int)(L - t0 < bs ? L - t0 : bs);
 #ifdef HAVE_AVX512_PATH
+            if (avx && t0 + bs < L) /* scattered blocks: start fetching the next one's codes */
+                prefetch_codes(c, block_tables[(int64_t)b * bt_stride + t0 / bs + 1], hk);
             if (avx) {
                 switch (D) { /* a constant vector count at the common head sizes */
                 case 64: key_scores_avx512(c, blk, hk, lo, hi, G, qs, sc, perm, gidx, 4); break;
