@@ -18,10 +18,12 @@ pytestmark = pytest.mark.skipif(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kv_heads, heads", [(2, 4), (1, 4), (4, 4)])
 @pytest.mark.parametrize("window", [None, 7])
-def test_decode_kernel_matches_reference(dtype, kv_heads, heads, window):
+# (16, 64) and (32, 128): the AVX-512 path with 16-row score reductions; (4, 16): portable.
+@pytest.mark.parametrize("bs, d", [(4, 16), (16, 64), (32, 128)])
+def test_decode_kernel_matches_reference(dtype, kv_heads, heads, window, bs, d):
     torch.manual_seed(0)
-    bs, d, nblocks = 4, 16, 40
-    lens = torch.tensor([1, 5, 13, 37])
+    nblocks = 128
+    lens = torch.tensor([1, 5, 13, 37, 70])
     b = len(lens)
     storage = KVStorage(1, nblocks, bs, kv_heads, d, dtype)
     storage.k[0].normal_()
@@ -62,12 +64,13 @@ def test_paged_attention_uses_same_math_with_and_without_kernel():
 
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_chunk_kernel_matches_naive_attention(window, dtype):
+@pytest.mark.parametrize("bs, d", [(4, 16), (16, 64)])
+def test_chunk_kernel_matches_naive_attention(window, dtype, bs, d):
     """Short chunks continuing a cached context (and decode rows) in one fused call."""
     from types import SimpleNamespace
 
     torch.manual_seed(2)
-    bs, d, kvh, h, nblocks = 4, 16, 2, 6, 64
+    kvh, h, nblocks = 2, 6, 64
     storage = KVStorage(1, nblocks, bs, kvh, d, dtype)
     storage.k[0].normal_()
     storage.v[0].normal_()

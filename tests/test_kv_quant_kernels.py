@@ -18,19 +18,20 @@ pytestmark = pytest.mark.skipif(
 @pytest.mark.parametrize("kv_heads, heads", [(2, 4), (1, 4), (4, 4)])
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# 64: the SIMD unpack / F16C paths; 40: their tails; 48, 64: the AVX-512 row path (D % 16 == 0)
-@pytest.mark.parametrize("d", [40, 48, 64])
+# d 64: the SIMD unpack / F16C paths; 40: their tails; 48, 64: the AVX-512 row path (D % 16
+# == 0; KIVI needs 64); block size 16: full 16-row score reductions.
+@pytest.mark.parametrize("block_size, d", [(4, 40), (4, 64), (16, 48), (16, 64)])
 @pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
 def test_quant_kernel_matches_reference(fmt, kv_heads, heads, window, dtype, d, portable,
-                                        monkeypatch):  # fmt: skip
+                                        block_size, monkeypatch):  # fmt: skip
     """``KVSERVE_QUANT_SCALAR`` makes the kernel skip its AVX-512 path, so both are checked
     on a machine that has AVX-512."""
     if portable:
         monkeypatch.setenv("KVSERVE_QUANT_SCALAR", "1")
     torch.manual_seed(0)
-    bs, nblocks = 4, 48
+    bs, nblocks = block_size, 96
     st = make_kv_storage(fmt, 1, nblocks, bs, kv_heads, d, dtype)
-    lens = torch.tensor([1, 5, 13, 38])
+    lens = torch.tensor([1, 5, 13, 38, 70])
     nb = int(lens.max() + bs - 1) // bs
     tables = torch.randperm(nblocks)[: len(lens) * nb].view(len(lens), nb)
     for i, n in enumerate(lens.tolist()):  # a prefill then decode writes: full + partial blocks

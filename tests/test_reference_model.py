@@ -163,7 +163,10 @@ def test_model_recalls_needles_at_every_depth(hf_tok, hf_model, count):
         (["--curriculum", "64-1"], "--curriculum: expected LEN:SHARE"),
         (["--curriculum", "64:0"], "shares > 0"),
         (["--steps", "100", "--stop-after", "200"], "--stop-after must be in [1, --steps=100]"),
-        (["--init-from", "/nonexistent/ckpt.pt"], "--init-from: no checkpoint file"),
+        (
+            ["--init-from", "/nonexistent/ckpt.pt"],
+            "--init-from: no ckpt.pt file or model directory",
+        ),
     ],
 )
 def test_trainer_rejects_bad_options_naming_them(argv, message, capsys, monkeypatch):

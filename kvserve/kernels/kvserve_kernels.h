@@ -45,5 +45,24 @@ static inline __attribute__((always_inline)) __m512 load16(const void *base, int
     if (dt == DT_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     return _mm512_cvtph_ps(h);
 }
+
+/* The 16 horizontal sums of a[0..15], lane i = sum of a[i]'s lanes: a transposing add tree
+ * (45 shuffles and adds, where 16 separate reductions cost about 140). */
+static inline __attribute__((always_inline)) __m512 hsum16(const __m512 *a) {
+    __m512 x[8], y[4], z[2];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: [r0, r1, r0, r1] of rows 2i, 2i+1 */
+        x[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: rows 4i .. 4i + 3 */
+        const __m512d u = _mm512_castps_pd(x[2 * i]), v = _mm512_castps_pd(x[2 * i + 1]);
+        y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(u, v)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(u, v)));
+    }
+    for (int i = 0; i < 2; i++) /* 128-bit lanes: rows 8i..+3 (twice), rows 8i+4..+7 (twice) */
+        z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88),
+                         _mm512_shuffle_f32x4(z[0], z[1], 0xdd));
+}
 #endif
 #endif

@@ -392,7 +392,21 @@ static inline __attribute__((always_inline)) void key_scores_avx512(
     float sc[][MAX_BS], const int32_t *perm, const __m512i *gidx, const int nv) {
     RowSrc r;
     row_source(c, blk, hk, 1, perm, gidx, &r);
-    for (int t = lo; t < hi; t++) {
+    int t = lo;
+    for (; t + 16 <= hi; t += 16) { /* 16 rows' dot products per head, reduced together */
+        __m512 part[MAX_G][16], f = _mm512_setzero_ps();
+        for (int i = 0; i < 16; i++) {
+            __m512 x[MAX_D / 16];
+            f = _mm512_mask_mov_ps(f, (__mmask16)(1u << i), _mm512_set1_ps(load_row16(&r, t + i, nv, x)));
+            for (int g = 0; g < G; g++) {
+                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qs[g]), x[0]);
+                for (int j = 1; j < nv; j++) a = _mm512_fmadd_ps(_mm512_loadu_ps(qs[g] + 16 * j), x[j], a);
+                part[g][i] = a;
+            }
+        }
+        for (int g = 0; g < G; g++) _mm512_storeu_ps(sc[g] + t, _mm512_mul_ps(f, hsum16(part[g])));
+    }
+    for (; t < hi; t++) {
         __m512 x[MAX_D / 16];
         const float f = load_row16(&r, t, nv, x);
         for (int g = 0; g < G; g++) {
