@@ -252,6 +252,38 @@ def needle_doc(d: Doc, rng: random.Random, n: int, hay: list[str]):
         first = False
 
 
+def early_doc(d: Doc, rng: random.Random, n: int, hay: list[str]):
+    """One needle in the first 15 % of the text, asked at the very end, with a few distractor
+    needles between: the gate's hardest cells (depth 0-10 % of the longest context), where
+    needle_doc's uniformly drawn questions rarely reach."""
+    key, code = T.random_key(rng), T.random_code(rng)
+    at, used, stated, first = int(n * rng.uniform(0, 0.15)), {key}, False, True
+    while True:
+        if not stated and len(d.ids) >= at:
+            d.add_statement(("" if first else " ") + T.needle_sentence(key, code), code)
+            stated = True
+        elif stated and rng.random() < 0.02:
+            other = T.random_key(rng)
+            if other not in used:
+                used.add(other)
+                c = T.random_code(rng)
+                d.add_statement(" " + T.needle_sentence(other, c), c)
+        else:
+            s = d.sentence(rng, hay)
+            s = s if first else " " + s
+            if len(d.ids) + len(d.cache.get(s) or ()) > n - 24:  # room for the question
+                break
+            d.add(s)
+        first = False
+    if not stated:
+        d.add_statement(" " + T.needle_sentence(key, code), code)
+    d.add(T.needle_question(key))
+    d.add(" " + code, W_ANS)
+    d.add(".\n")
+    while len(d.ids) < n:
+        d.add(" " + d.sentence(rng, hay))
+
+
 def kv_doc(d: Doc, rng: random.Random, n: int, hay: list[str]):
     """Dense key/value recall, the start of the curriculum: pass-code statements of which about
     half restate or ask for an earlier key, so a quarter of all positions carry a retrieval loss
@@ -387,7 +419,8 @@ LONG_FROM = 256  # sequence length from which MIX_LONG applies
 MIX_HAYSTACK = [(kv_doc, 0.1), (needle_doc, 0.35), (repeat_doc, 0.35), (chat_doc, 0.2)]
 DENSE_SHORT = True  # short needle_doc sequences are dense (phase 1)
 DOC_KINDS = {
-    f.__name__: f for f in (kv_doc, needle_doc, var_doc, chat_doc, repeat_doc, copy_doc, text_doc)
+    f.__name__: f
+    for f in (kv_doc, needle_doc, early_doc, var_doc, chat_doc, repeat_doc, copy_doc, text_doc)
 }
 
 

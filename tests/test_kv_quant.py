@@ -64,6 +64,8 @@ def dequantize_all(st, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         k = codecs.kivi_dequantize_keys(
             st.k_codes[layer], st.k_meta[layer], st.k_base[layer], st.bits
         )
+        if st.key_rotation is not None:  # stored in a rotated basis: k R, R orthonormal
+            k = k @ st.key_rotation.T
         v = codecs.kivi_dequantize_values(st.v_codes[layer], st.v_scale[layer], st.v_zero[layer],
                                           st.bits)  # fmt: skip
         for b, r in enumerate(st.res_of_block.tolist()):
@@ -350,3 +352,28 @@ def test_fp8_global_scales_from_config_json(checkpoint, tmp_path):
     (dst / "config.json").write_text(json.dumps(cfg))
     k, v = load_kv_scales(dst, ModelConfig.from_dict(cfg))
     assert k.shape == (mc.num_hidden_layers, 1) and torch.all(k == 0.05) and torch.all(v == 0.07)
+
+
+def test_kivi_key_rotation_is_an_orthonormal_hadamard_and_round_trips_within_the_bound():
+    """Rotated keys: the codec's per-element bound holds in the rotated basis, ``gather``
+    returns keys in the original basis, and a query meets them unchanged (q.k = qR.kR)."""
+    from kvserve.kv.kivi_storage import hadamard
+
+    r = hadamard(8)
+    assert torch.allclose(r @ r.T, torch.eye(8), atol=1e-6)
+    assert set((r * 8**0.5).round().unique().tolist()) == {-1.0, 1.0}
+    assert hadamard(12) is None  # not a power of two: no rotation
+    st = KiviKVStorage(1, 4, 4, 1, 8, torch.float32, bits=2, group=8, rotate_keys=True)
+    assert st.format_name == "kivi2-g8-hadamard"
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(4, 1, 8, generator=g)
+    k[:, :, 5] *= 20  # an outlier channel
+    st.write(0, torch.arange(4), k, k)
+    got, _ = st.gather(0, torch.tensor([[0]]))
+    kr = (k.transpose(0, 1) @ r)[None]  # [1, kvh, bs, d] in the rotated basis
+    codes, meta, base = codecs.kivi_quantize_keys(kr, 2)
+    bound = codecs.kivi_key_error_bound(kr, meta, base, 2)
+    assert torch.all((got @ r - kr).abs() <= bound + 1e-5)
+    q = torch.randn(8, generator=g)
+    want = codecs.kivi_dequantize_keys(codes, meta, base, 2) @ (q @ r)
+    torch.testing.assert_close(got @ q, want, atol=1e-4, rtol=1e-5)

@@ -52,6 +52,7 @@ class _Cache(ctypes.Structure):
         ("res_k", _p),
         ("res_v", _p),
         ("res_dtype", _i),
+        ("q_rot", _p),
     ]
 
 
@@ -198,4 +199,9 @@ def decode_kivi(st, layer: int, q, block_tables, seq_lens, window) -> torch.Tens
     rk, rv = st.res_k[layer], st.res_v[layer]
     c.res_of_block, c.res_k, c.res_v = res.data_ptr(), rk.data_ptr(), rv.data_ptr()
     c.res_dtype = _RES_DTYPES[rk.dtype]
-    return _run(q, block_tables, seq_lens, window, c, [*keep, res])
+    extra = [res]
+    if st.key_rotation is not None:  # queries for the rotated keys of quantized blocks
+        q_rot = (q.float() @ st.key_rotation).contiguous()
+        c.q_rot = q_rot.data_ptr()
+        extra.append(q_rot)
+    return _run(q, block_tables, seq_lens, window, c, [*keep, *extra])

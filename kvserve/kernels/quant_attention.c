@@ -99,6 +99,7 @@ typedef struct {
     const uint8_t *k_meta; const float *k_base;          /* kivi keys */
     const uint16_t *v_scale, *v_zero;                    /* kivi values */
     const int64_t *res_of_block; const void *res_k, *res_v; int res_dtype;
+    const float *q_rot; /* KIVI with rotated keys: q times the rotation, for quantized blocks */
 } Cache;
 
 static void load_residual(const void *base, int64_t row0, int n, int D, int dt, float *dst) {
@@ -467,13 +468,14 @@ int kvserve_quant_decode(const float *q, float *out, const int64_t *block_tables
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t task = 0; task < (int64_t)B * KVH; task++) {
         const int b = (int)(task / KVH), hk = (int)(task % KVH);
-        float qs[MAX_G][MAX_D], acc[MAX_G][MAX_D], sc[MAX_G][MAX_BS];
+        float qs[MAX_G][MAX_D], qr[MAX_G][MAX_D], acc[MAX_G][MAX_D], sc[MAX_G][MAX_BS];
         float kt[bs * D], vt[bs * D]; /* one block tile each, a few KiB */
         float m[MAX_G], l[MAX_G];
         for (int g = 0; g < G; g++) {
-            const float *qp = q + ((int64_t)b * H + hk * G + g) * D;
+            const int64_t row = ((int64_t)b * H + hk * G + g) * D;
             for (int d = 0; d < D; d++) { /* in the lane order of the stored rows */
-                qs[g][d] = qp[perm ? perm[d] : d] * scale;
+                qs[g][d] = q[row + (perm ? perm[d] : d)] * scale;
+                if (c->q_rot) qr[g][d] = c->q_rot[row + (perm ? perm[d] : d)] * scale;
                 acc[g][d] = 0.f;
             }
             m[g] = -FLT_MAX;
@@ -485,18 +487,20 @@ int kvserve_quant_decode(const float *q, float *out, const int64_t *block_tables
             const int64_t blk = block_tables[(int64_t)b * bt_stride + t0 / bs];
             const int lo = (int)(start > t0 ? start - t0 : 0);
             const int hi = (int)(L - t0 < bs ? L - t0 : bs);
+            /* rotated keys (quantized KIVI blocks) meet the rotated query */
+            float(*qk)[MAX_D] = c->q_rot && c->res_of_block[blk] < 0 ? qr : qs;
 #ifdef HAVE_AVX512_PATH
             if (avx && t0 + bs < L) /* scattered blocks: start fetching the next one's codes */
                 prefetch_codes(c, block_tables[(int64_t)b * bt_stride + t0 / bs + 1], hk);
             if (avx) {
                 switch (D) { /* a constant vector count at the common head sizes */
-                case 64: key_scores_avx512(c, blk, hk, lo, hi, G, qs, sc, perm, gidx, 4); break;
-                case 128: key_scores_avx512(c, blk, hk, lo, hi, G, qs, sc, perm, gidx, 8); break;
-                default: key_scores_avx512(c, blk, hk, lo, hi, G, qs, sc, perm, gidx, D / 16);
+                case 64: key_scores_avx512(c, blk, hk, lo, hi, G, qk, sc, perm, gidx, 4); break;
+                case 128: key_scores_avx512(c, blk, hk, lo, hi, G, qk, sc, perm, gidx, 8); break;
+                default: key_scores_avx512(c, blk, hk, lo, hi, G, qk, sc, perm, gidx, D / 16);
                 }
             } else
 #endif
-            key_scores(c, blk, hk, lo, hi, G, qs, sc, kt);
+            key_scores(c, blk, hk, lo, hi, G, qk, sc, kt);
             for (int g = 0; g < G; g++) {
                 float mx = m[g];
                 for (int t = lo; t < hi; t++) mx = sc[g][t] > mx ? sc[g][t] : mx;

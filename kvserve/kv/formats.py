@@ -108,5 +108,5 @@ def make_kv_storage(
 
         return KiviKVStorage(*geo, dtype, device, bits=int(name[-1]),
                              num_residual=max_num_seqs + FLUSH_BATCH,
-                             use_kernels=use_kernels)  # fmt: skip
+                             use_kernels=use_kernels, rotate_keys=True)  # fmt: skip
     raise NotImplementedError(f"kv_cache_dtype: {name!r} is not implemented")
