@@ -218,6 +218,7 @@ class Doc:
 
 
 W_ANS = 4.0  # answer-token loss weight (text tokens weigh 1)
+EARLY_AT_START = 0.33  # early_doc: share that states the needle first (phase 7 ran with 0)
 W_REP = 2.0  # repeated-span weight in repeat_doc
 
 
@@ -257,7 +258,9 @@ def early_doc(d: Doc, rng: random.Random, n: int, hay: list[str]):
     needles between: the gate's hardest cells (depth 0-10 % of the longest context), where
     needle_doc's uniformly drawn questions rarely reach."""
     key, code = T.random_key(rng), T.random_code(rng)
-    at, used, stated, first = int(n * rng.uniform(0, 0.15)), {key}, False, True
+    # A third of them open with the needle (depth 0, right after BOS: the weakest cell).
+    at = 0 if rng.random() < EARLY_AT_START else int(n * rng.uniform(0, 0.15))
+    used, stated, first = {key}, False, True
     while True:
         if not stated and len(d.ids) >= at:
             d.add_statement(("" if first else " ") + T.needle_sentence(key, code), code)
