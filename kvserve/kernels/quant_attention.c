@@ -198,8 +198,8 @@ static void key_scores(const Cache *c, int64_t blk, int hk, int lo, int hi, int 
         }
 }
 
-#if defined(__AVX512F__)
-/* The AVX-512 path: one K or V row at a time is converted from its codes into float32
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* The AVX-512 (F, BW, VL) path: one K or V row at a time is converted from its codes into float32
  * registers (16 lanes per vector, D / 16 vectors) and used by all G query heads of the
  * group, with no float tile in between. Per-row scalar factors (the fp8 head scale, the int8
  * token scale) scale the score or the softmax weight, not every element.
@@ -313,29 +313,19 @@ static inline __attribute__((always_inline)) float load_row16(const RowSrc *r, i
                 x[j] = _mm512_i32gather_ps(_mm512_loadu_si512(r->perm + 16 * j), tmp, 4);
         }
         return 1.f;
-    case RS_FP8: { /* fp8 -> float16 bits with shifts (see decode_tile), then F16C */
-        int j = 0;
-#ifdef __AVX512BW__
-        for (; j + 2 <= nv; j += 2) { /* 32 codes per integer step */
-            const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(row + 16 * j)));
+    case RS_FP8: /* fp8 -> float16 bits with shifts (see decode_tile), then F16C; 32 codes per
+                  * integer step, the last 16 alone when nv is odd */
+        for (int j = 0; j < nv; j += 2) {
+            const __mmask32 m = j + 1 < nv ? 0xffffffffu : 0xffffu;
+            const __m512i w = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m, row + 16 * j));
             const __m512i h = r->e4m3
                 ? _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8),
                                   _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x7f)), 7))
                 : _mm512_slli_epi16(w, 8);
             x[j] = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
-            x[j + 1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
-        }
-#endif
-        for (; j < nv; j++) {
-            const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(row + 16 * j)));
-            const __m256i h = r->e4m3
-                ? _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
-                                  _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7))
-                : _mm256_slli_epi16(w, 8);
-            x[j] = _mm512_cvtph_ps(h);
+            if (j + 1 < nv) x[j + 1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
         }
         return r->head_scale;
-    }
     case RS_INT8:
         for (int j = 0; j < nv; j++)
             x[j] = _mm512_cvtepi32_ps(
@@ -365,13 +355,13 @@ static inline __attribute__((always_inline)) float load_row16(const RowSrc *r, i
 }
 
 static inline void prefetch_codes(const Cache *c, int64_t blk, int hk) {
+    const int64_t bh = blk * c->KVH + hk;
     const int row_bytes = c->fmt == FMT_KIVI ? c->D * c->bits / 8 : c->D;
-    const size_t n = (size_t)c->bs * row_bytes, off = (size_t)(blk * c->KVH + hk) * n;
+    const size_t n = (size_t)c->bs * row_bytes, off = (size_t)bh * n;
     for (size_t o = 0; o < n; o += 64) {
         _mm_prefetch((const char *)c->k_codes + off + o, _MM_HINT_T0);
         _mm_prefetch((const char *)c->v_codes + off + o, _MM_HINT_T0);
     }
-    const int64_t bh = blk * c->KVH + hk;
     if (c->fmt == FMT_KIVI) { /* and the metadata: key channel codes, value scales and zeros */
         const int ng = c->D / c->group;
         for (int o = 0; o < 2 * c->D; o += 64) _mm_prefetch((const char *)(c->k_meta + bh * 2 * c->D) + o, _MM_HINT_T0);
@@ -388,6 +378,14 @@ static inline void prefetch_codes(const Cache *c, int64_t blk, int hk) {
     }
 }
 
+/* q . x over nv vectors (q in memory, x in registers), not yet reduced. */
+static inline __attribute__((always_inline)) __m512 qdot(const float *q, const __m512 *x,
+                                                         const int nv) {
+    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), x[0]);
+    for (int j = 1; j < nv; j++) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * j), x[j], a);
+    return a;
+}
+
 static inline __attribute__((always_inline)) void key_scores_avx512(
     const Cache *c, int64_t blk, int hk, int lo, int hi, int G, float qs[][MAX_D],
     float sc[][MAX_BS], const int32_t *perm, const __m512i *gidx, const int nv) {
@@ -399,22 +397,14 @@ static inline __attribute__((always_inline)) void key_scores_avx512(
         for (int i = 0; i < 16; i++) {
             __m512 x[MAX_D / 16];
             f = _mm512_mask_mov_ps(f, (__mmask16)(1u << i), _mm512_set1_ps(load_row16(&r, t + i, nv, x)));
-            for (int g = 0; g < G; g++) {
-                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qs[g]), x[0]);
-                for (int j = 1; j < nv; j++) a = _mm512_fmadd_ps(_mm512_loadu_ps(qs[g] + 16 * j), x[j], a);
-                part[g][i] = a;
-            }
+            for (int g = 0; g < G; g++) part[g][i] = qdot(qs[g], x, nv);
         }
         for (int g = 0; g < G; g++) _mm512_storeu_ps(sc[g] + t, _mm512_mul_ps(f, hsum16(part[g])));
     }
     for (; t < hi; t++) {
         __m512 x[MAX_D / 16];
         const float f = load_row16(&r, t, nv, x);
-        for (int g = 0; g < G; g++) {
-            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qs[g]), x[0]);
-            for (int j = 1; j < nv; j++) a = _mm512_fmadd_ps(_mm512_loadu_ps(qs[g] + 16 * j), x[j], a);
-            sc[g][t] = f * _mm512_reduce_add_ps(a);
-        }
+        for (int g = 0; g < G; g++) sc[g][t] = f * _mm512_reduce_add_ps(qdot(qs[g], x, nv));
     }
 }
 
