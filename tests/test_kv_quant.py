@@ -121,6 +121,32 @@ def test_decode_attention_matches_dequantized_reference(fmt, use_kernels):
         assert rel < {"int8": 0.01, "kivi2": 0.35}.get(fmt, 0.12), (fmt, rel)
 
 
+@pytest.mark.parametrize("fmt", QUANT)
+def test_prefill_chunk_reads_context_dequantized_and_itself_exact(fmt):
+    """A second prefill chunk attends to the earlier chunk through the lossy cache and to its
+    own tokens through their fresh K/V (as a whole-prompt prefill would), not to codes it has
+    just written."""
+    st = make_kv_storage(fmt, 1, 16, 4, 2, 32, torch.float32)
+    g = torch.Generator().manual_seed(1)
+    bs, kvh, d, ctx, n = st.block_size, st.num_kv_heads, st.head_dim, 12, 9
+    table = torch.randperm(16, generator=g)[:6]
+    k = torch.randn(ctx + n, kvh, d, generator=g) * 2 + 0.5
+    v = torch.randn(ctx + n, kvh, d, generator=g)
+    q = torch.randn(ctx + n, 2 * kvh, d, generator=g)
+    for start, length in ((0, ctx), (ctx, n)):
+        pos = torch.arange(start, start + length)
+        meta = AttentionMetadata(slot_mapping=table[pos // bs] * bs + pos % bs, block_size=bs,
+                                 prefills=[PrefillChunk(0, length, start, table)])  # fmt: skip
+        out = paged_attention(q[pos], k[pos], v[pos], 0, st, meta)
+    kd, vd = dequantize_all(st, 0)
+    ctx_pos = torch.arange(ctx)
+    keys = torch.cat([kd[table[ctx_pos // bs], :, ctx_pos % bs], k[ctx:]])
+    vals = torch.cat([vd[table[ctx_pos // bs], :, ctx_pos % bs], v[ctx:]])
+    assert not torch.allclose(keys[:ctx], k[:ctx])  # the context really is lossy
+    ref = reference_attention(q[ctx:], keys, vals, torch.arange(ctx, ctx + n))
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("flush_batch", [1, 16])
 def test_kivi_partial_blocks_stay_exact_and_quantize_once(flush_batch):
     st = KiviKVStorage(1, 16, 4, 2, 8, torch.float32, bits=2, group=8, num_residual=4,

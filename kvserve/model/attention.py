@@ -6,7 +6,8 @@ gathered by its block table into a padded batch and a length mask hides the padd
 no K/V repetition there: the ``G`` query heads that share a KV head become the query-length
 axis of that head. Each prefill chunk is attended on its own, against the fresh K/V when it
 starts the sequence (the common case: causal, no gather) or against its gathered blocks when it
-continues a cached prefix or an earlier chunk.
+continues a cached prefix or an earlier chunk; the chunk's own positions then still use its fresh
+K/V, so a lossy cache format is read only for the context before the chunk.
 
 Masks depend only on the batch layout, so they are built once per step and shared by layers.
 """
@@ -137,8 +138,11 @@ def paged_attention(
             assert p.block_table is not None
             num_keys = p.ctx_len + p.q_len
             kc, vc = storage.gather(layer, p.block_table[None])
-            kc, vc = kc.to(q.dtype), vc.to(q.dtype)
             kp, vp = kc[:, :, :num_keys].to(q.dtype), vc[:, :, :num_keys].to(q.dtype)
+            # The chunk attends to its own tokens' fresh K/V, as a whole-prompt prefill would:
+            # a lossy cache is read only for the context before the chunk (KIVI's prefill).
+            kp[0, :, p.ctx_len :] = k[sl].transpose(0, 1)
+            vp[0, :, p.ctx_len :] = v[sl].transpose(0, 1)
         mask = meta.prefill_mask(i, window, num_keys)
         op = F.scaled_dot_product_attention(
             qp, kp, vp, attn_mask=mask, is_causal=mask is None, enable_gqa=group > 1
