@@ -120,7 +120,6 @@ def paged_attention(
         else:
             kc, vc = storage.gather(layer, meta.decode_block_tables)  # [Bd, KVH, S, D]
             kc, vc = kc.to(q.dtype), vc.to(q.dtype)  # the cache may be stored narrower
-            kc, vc = kc.to(q.dtype), vc.to(q.dtype)  # a bf16 cache under fp32 compute
             qd = q[:nd].view(nd, num_kv_heads, group, head_dim)
             od = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=meta.decode_mask(window))
             out[:nd] = od.reshape(nd, num_heads, head_dim)
@@ -141,6 +140,7 @@ def paged_attention(
             kp, vp = kc[:, :, :num_keys].to(q.dtype), vc[:, :, :num_keys].to(q.dtype)
             # The chunk attends to its own tokens' fresh K/V, as a whole-prompt prefill would:
             # a lossy cache is read only for the context before the chunk (KIVI's prefill).
+            # ``gather`` returns a new tensor, so these writes never touch the cache.
             kp[0, :, p.ctx_len :] = k[sl].transpose(0, 1)
             vp[0, :, p.ctx_len :] = v[sl].transpose(0, 1)
         mask = meta.prefill_mask(i, window, num_keys)
