@@ -56,12 +56,15 @@ def run(batch: int, context: int, rounds: int, scattered: bool) -> dict[str, dic
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=3072)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    for name, value in (("--batch", args.batch), ("--context", args.context)):
+        if value < 1:
+            ap.error(f"{name} must be >= 1, got {value}")
     os.environ.setdefault("KVSERVE_BENCH_THREADS", "1")
     threads = set_threads()
     rounds = 10 if args.quick else 60

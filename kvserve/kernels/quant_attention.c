@@ -464,8 +464,9 @@ int kvserve_quant_decode(const float *q, float *out, const int64_t *block_tables
         for (int g = 0; g < G; g++) {
             const int64_t row = ((int64_t)b * H + hk * G + g) * D;
             for (int d = 0; d < D; d++) { /* in the lane order of the stored rows */
-                qs[g][d] = q[row + (perm ? perm[d] : d)] * scale;
-                if (c->q_rot) qr[g][d] = c->q_rot[row + (perm ? perm[d] : d)] * scale;
+                const int64_t src = row + (perm ? perm[d] : d);
+                qs[g][d] = q[src] * scale;
+                if (c->q_rot) qr[g][d] = c->q_rot[src] * scale;
                 acc[g][d] = 0.f;
             }
             m[g] = -FLT_MAX;
