@@ -445,6 +445,22 @@ def parse_mix(spec: str) -> list[tuple]:
     return mix
 
 
+def parse_stop_when(spec: str) -> tuple[str, float]:
+    """``"repeat_doc:0.6"`` -> ("repeat_doc", 0.6)."""
+    name, _, value = spec.partition(":")
+    if name not in DOC_KINDS:
+        msg = f"--stop-when: unknown document kind {name!r}; allowed: {sorted(DOC_KINDS)}"
+        raise ValueError(msg)
+    try:
+        acc = float(value)
+    except ValueError:
+        msg = f"--stop-when: accuracy must be a number in (0, 1], got {value!r}"
+        raise ValueError(msg) from None
+    if not 0 < acc <= 1:
+        raise ValueError(f"--stop-when: accuracy must be in (0, 1], got {acc}")
+    return name, acc
+
+
 def make_batch(tok, cache, hay, rng: random.Random, batch: int, seq_len: int, mix=None):
     ids, ws, kinds = [], [], []
     mix = mix or MIX
@@ -586,6 +602,12 @@ def main(argv=None):
     )
     ap.add_argument("--stop-after", type=int, default=None, help="stop (and export) at this step")
     ap.add_argument(
+        "--stop-when",
+        default=None,
+        help="KIND:ACC, stop (and export) at the first log line whose running answer accuracy "
+        "for that document kind reaches ACC (e.g. repeat_doc:0.6: the induction head formed)",
+    )
+    ap.add_argument(
         "--haystack-mix", action="store_true", help="phase 2 data mix (see MIX_HAYSTACK)"
     )
     ap.add_argument("--mix", default=None, help="one fixed mix at every length, KIND:WEIGHT,...")
@@ -594,6 +616,7 @@ def main(argv=None):
     try:
         stages = curriculum(args.curriculum)
         fixed_mix = parse_mix(args.mix) if args.mix else None
+        stop_when = parse_stop_when(args.stop_when) if args.stop_when else None
     except ValueError as e:
         ap.error(str(e))
     if args.stop_after is not None and not 1 <= args.stop_after <= args.steps:
@@ -762,6 +785,9 @@ def main(argv=None):
             history.append(rec)
             print(json.dumps(rec), flush=True)
             acc, t_log, tok_since = {}, time.time(), 0
+            if stop_when and rec.get(stop_when[0], 0.0) >= stop_when[1]:
+                print(f"--stop-when {args.stop_when} reached at step {step}", flush=True)
+                break
         if time.time() - last_ckpt > args.ckpt_every:
             save()
             last_ckpt = time.time()

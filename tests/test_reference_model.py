@@ -163,6 +163,9 @@ def test_model_recalls_needles_at_every_depth(hf_tok, hf_model, count):
         (["--curriculum", "64-1"], "--curriculum: expected LEN:SHARE"),
         (["--curriculum", "64:0"], "shares > 0"),
         (["--steps", "100", "--stop-after", "200"], "--stop-after must be in [1, --steps=100]"),
+        (["--stop-when", "needles:0.5"], "--stop-when: unknown document kind 'needles'"),
+        (["--stop-when", "repeat_doc:high"], "accuracy must be a number in (0, 1]"),
+        (["--stop-when", "repeat_doc:1.5"], "accuracy must be in (0, 1], got 1.5"),
         (
             ["--init-from", "/nonexistent/ckpt.pt"],
             "--init-from: no ckpt.pt file or model directory",
@@ -170,15 +173,54 @@ def test_model_recalls_needles_at_every_depth(hf_tok, hf_model, count):
     ],
 )
 def test_trainer_rejects_bad_options_naming_them(argv, message, capsys, monkeypatch):
-    import importlib.util
-    import sys
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "train_reference_model.py"
-    spec = importlib.util.spec_from_file_location("train_reference_model", path)
-    trainer = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, trainer)  # dataclasses look their module up
-    spec.loader.exec_module(trainer)
+    trainer = _load_script("train_reference_model", monkeypatch)
     with pytest.raises(SystemExit) as exc:
         trainer.main(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def _load_script(name: str, monkeypatch):
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_recipe_chains_phases_and_every_phase_parses(tmp_path, monkeypatch, capsys):
+    """Each phase starts from the previous phase's export, only the last one writes --out, and
+    every phase's options pass the trainer's own validation (parsed, not trained)."""
+    recipe = _load_script("train_reference_recipe", monkeypatch)
+    trainer = _load_script("train_reference_model", monkeypatch)
+    work, out = tmp_path / "w", tmp_path / "final"
+    argvs = [
+        recipe.phase_argv(i, name, extra, work, out, 2)
+        for i, (name, extra) in enumerate(recipe.PHASES)
+    ]
+
+    def value(argv, flag):
+        return argv[argv.index(flag) + 1] if flag in argv else None
+
+    assert value(argvs[0], "--init-from") is None
+    for prev, cur in zip(argvs, argvs[1:], strict=False):
+        assert value(cur, "--init-from") == value(prev, "--out")
+    assert value(argvs[-1], "--out") == str(out)
+    assert all(value(a, "--out") != str(out) for a in argvs[:-1])
+    assert len({value(a, "--work-dir") for a in argvs}) == len(argvs)
+    for argv in argvs:  # --stop-after 0 is refused after the other checks, so nothing trains
+        with pytest.raises(SystemExit):
+            trainer.main(argv + ["--stop-after", "0"])
+        assert "--stop-after must be in [1" in capsys.readouterr().err
+
+
+def test_recipe_rejects_bad_threads(capsys, monkeypatch):
+    recipe = _load_script("train_reference_recipe", monkeypatch)
+    with pytest.raises(SystemExit) as exc:
+        recipe.main(["--threads", "0"])
+    assert exc.value.code == 2
+    assert "--threads must be >= 1, got 0" in capsys.readouterr().err
