@@ -110,16 +110,16 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         ops = self.ops
-        qkv = ops.linear(self.input_layernorm(x), self.qkv_proj)
+        qkv = ops.linear(ops.rms_norm(self.input_layernorm, x), self.qkv_proj)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        q, k = ops.rotary(rotary, positions, q, k)  # the fast path rotates q and k in place
         attn = paged_attention(q, k, v, self.layer_idx, storage, meta, self.window)
         h = ops.linear_add(attn.reshape(t, self.q_size), self.o_proj, x)
         return ops.swiglu_add(
-            self.post_attention_layernorm(h), self.gate_up_proj, self.down_proj, h
+            ops.rms_norm(self.post_attention_layernorm, h), self.gate_up_proj, self.down_proj, h
         )
 
 
@@ -134,6 +134,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg, max_positions, device)
+        self.ops: TorchOps = TorchOps()
 
     def forward(
         self,
@@ -146,10 +147,11 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
             x = layer(x, positions, self.rotary, storage, meta)
-        return self.norm(x)
+        return self.ops.rms_norm(self.norm, x)
 
     def set_ops(self, ops: TorchOps) -> None:
-        """Choose the linear-layer backend (see :mod:`kvserve.model.linear_ops`)."""
+        """Choose the compute backend (see :mod:`kvserve.model.linear_ops`)."""
+        self.ops = ops
         for layer in self.layers:
             layer.ops = ops
 

@@ -1,0 +1,132 @@
+/* Fused element-wise ops of a decoder layer: RMSNorm and rotary embedding.
+ *
+ * In PyTorch each is a chain of separate ops (RMSNorm: to float, square, mean, rsqrt, scale,
+ * round, weight; rotary: two gathers of cos/sin, their casts, a negated concatenation, two
+ * products and a sum), each writing a full-size temporary. On a 2,048-token prefill chunk of a
+ * 512-wide bf16 model that is several milliseconds per layer for a few megabytes of data; here
+ * each row is read once and written once.
+ *
+ * Both kernels round exactly where the PyTorch reference rounds (kvserve/model/llama.py), so
+ * the rotary kernel is bit-identical to it in float32 and bfloat16, and the RMSNorm kernel
+ * differs from it only through the order of the sum of squares (its callers use it for 16-bit
+ * dtypes; float32 keeps the reference, which equals transformers bit for bit). Compiled
+ * without -ffast-math and with -ffp-contract=off: a fused multiply-add would round once where
+ * the reference rounds twice.
+ *
+ * Rows are split over OpenMP threads; small inputs (decode steps) run on one thread, where
+ * waking the pool would cost more than the work.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#include "kvserve_kernels.h"
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* float32 -> bfloat16, round to nearest even (PyTorch's conversion; NaN stays NaN). Written
+ * without branches so that loops over it vectorise. */
+INLINE uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint32_t rounded = (u + 0x7fff + ((u >> 16) & 1)) >> 16;
+    const uint32_t nan = (u >> 16) | 0x40;
+    return (uint16_t)((u & 0x7fffffff) > 0x7f800000 ? nan : rounded);
+}
+
+/* Value of x rounded to the storage dtype, kept as float32. */
+INLINE float round_dt(float x, int dt) {
+    return dt == DT_BF16 ? bf16_to_f32(f32_to_bf16(x)) : x;
+}
+
+INLINE float load_dt(const void *base, int64_t i, int dt) {
+    return dt == DT_BF16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+INLINE void store_dt(void *base, int64_t i, float x, int dt) {
+    if (dt == DT_BF16)
+        ((uint16_t *)base)[i] = f32_to_bf16(x);
+    else
+        ((float *)base)[i] = x;
+}
+
+static int threads_for(int64_t elements, int num_threads) {
+    return elements < (1 << 16) ? 1 : num_threads;
+}
+
+/* One row of RMSNorm; inlined with a constant dt so each dtype gets its own vector loop. */
+INLINE void rms_row(const void *x, int64_t xi, const void *w, void *out, int64_t oi, int dim,
+                    float eps, const int dt) {
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int j = 0; j < dim; j++) {
+        const float v = load_dt(x, xi + j, dt);
+        ss += v * v;
+    }
+    const float inv = 1.f / sqrtf(ss / (float)dim + eps);
+#pragma omp simd
+    for (int j = 0; j < dim; j++) {
+        const float y = round_dt(load_dt(x, xi + j, dt) * inv, dt);
+        store_dt(out, oi + j, load_dt(w, j, dt) * y, dt);
+    }
+}
+
+/* out[r] = w * round(x[r] * rsqrt(mean(x[r]^2) + eps)), as RMSNorm.forward computes it.
+ * x rows are `x_stride` elements apart; out is contiguous [rows, dim]. */
+int kvserve_rms_norm(const void *x, int64_t x_stride, const void *w, void *out, int64_t rows,
+                     int dim, float eps, int dt, int num_threads) {
+    if (dt != DT_F32 && dt != DT_BF16) return 1;
+#pragma omp parallel for num_threads(threads_for(rows * dim, num_threads)) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        if (dt == DT_BF16)
+            rms_row(x, r * x_stride, w, out, r * (int64_t)dim, dim, eps, DT_BF16);
+        else
+            rms_row(x, r * x_stride, w, out, r * (int64_t)dim, dim, eps, DT_F32);
+    }
+    return 0;
+}
+
+/* One head of one token: x' = round(round(x * c) + round(rotate_half(x) * s)). */
+INLINE void rotate_head(void *base, int64_t row, const float *c, const float *s, int half,
+                        const int dt) {
+#pragma omp simd
+    for (int j = 0; j < half; j++) {
+        const float a = load_dt(base, row + j, dt), b = load_dt(base, row + j + half, dt);
+        store_dt(base, row + j, round_dt(a * c[j], dt) + round_dt(-b * s[j], dt), dt);
+        store_dt(base, row + j + half,
+                 round_dt(b * c[j + half], dt) + round_dt(a * s[j + half], dt), dt);
+    }
+}
+
+/* Rotate the first `rot` dims of every head of q and k in place (rotate_half convention):
+ * x' = round(round(x * c) + round(rotate_half(x) * s)), with c and s the float32 tables at the
+ * token's position rounded to the dtype, as _apply_rotary does. q rows (tokens) are q_stride
+ * elements apart, k rows k_stride; heads are head_dim apart inside a row. */
+int kvserve_rotary(void *q, int64_t q_stride, int q_heads, void *k, int64_t k_stride,
+                   int k_heads, int head_dim, int rot, const float *cos_table,
+                   const float *sin_table, int64_t table_rows, const int64_t *positions,
+                   int64_t tokens, int dt, int num_threads) {
+    if ((dt != DT_F32 && dt != DT_BF16) || rot % 2 || rot > head_dim || rot > 512) return 1;
+    for (int64_t t = 0; t < tokens; t++)
+        if (positions[t] < 0 || positions[t] >= table_rows) return 2; /* nothing touched */
+    const int half = rot / 2, heads = q_heads + k_heads;
+#pragma omp parallel for num_threads( \
+        threads_for(tokens * heads * rot, num_threads)) schedule(static)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *ct = cos_table + positions[t] * rot, *st = sin_table + positions[t] * rot;
+        float c[512], s[512]; /* rot <= 512, checked above */
+        for (int j = 0; j < rot; j++) {
+            c[j] = round_dt(ct[j], dt);
+            s[j] = round_dt(st[j], dt);
+        }
+        for (int h = 0; h < heads; h++) {
+            void *base = h < q_heads ? q : k;
+            const int64_t row = h < q_heads ? t * q_stride + (int64_t)h * head_dim
+                                            : t * k_stride + (int64_t)(h - q_heads) * head_dim;
+            if (dt == DT_BF16)
+                rotate_head(base, row, c, s, half, DT_BF16);
+            else
+                rotate_head(base, row, c, s, half, DT_F32);
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,109 @@
+"""Fused RMSNorm and in-place rotary embedding (``pointwise.c``), built on first use with the
+system C compiler and loaded with ctypes, like the attention kernels beside it.
+
+``RMSNorm.forward`` and ``RotaryEmbedding.forward`` (kvserve/model/llama.py) stay the reference;
+tests compare the two. Each function returns None / False when it cannot take the input (no
+compiler, ``KVSERVE_DISABLE_KERNELS=1``, a dtype or layout it does not handle), and the caller
+then runs the reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import torch
+
+from kvserve.kernels import build_library
+
+_SRC = Path(__file__).with_name("pointwise.c")
+# No -ffast-math, no contraction: the kernels round where the reference rounds.
+_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp", "-std=c11"]
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_MAX_ROT = 512  # the kernel's per-row scratch
+_lib: ctypes.CDLL | None = None
+_tried = False
+_p, _i, _i64, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+
+
+def _build() -> ctypes.CDLL | None:
+    lib = build_library(_SRC, _FLAGS, "fused RMSNorm / rotary")
+    if lib is None:
+        return None
+    lib.kvserve_rms_norm.restype = _i
+    lib.kvserve_rms_norm.argtypes = [_p, _i64, _p, _p, _i64, _i, _f, _i, _i]
+    lib.kvserve_rotary.restype = _i
+    lib.kvserve_rotary.argtypes = [_p, _i64, _i, _p, _i64, _i, _i, _i, _p, _p, _i64, _p, _i64,
+                                   _i, _i]  # fmt: skip
+    return lib
+
+
+def native_available() -> bool:
+    global _lib, _tried
+    if os.environ.get("KVSERVE_DISABLE_KERNELS") == "1":
+        return False
+    if not _tried:
+        _tried = True
+        _lib = _build()
+    return _lib is not None
+
+
+def _rows_ok(x: torch.Tensor) -> bool:
+    """A 2-D or 3-D CPU tensor whose last dims are packed: rows of the flat batch may be
+    strided (views into a fused QKV output), the values inside a row may not."""
+    if x.device.type != "cpu" or x.dtype not in _DTYPES:
+        return False
+    inner = x.shape[-1] * (x.shape[-2] if x.dim() == 3 else 1)
+    packed = x.stride(-1) == 1 and (x.dim() == 2 or x.stride(-2) == x.shape[-1])
+    return packed and x.stride(0) >= inner
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """``weight * round(x * rsqrt(mean(x^2) + eps))`` for x [T, dim]; None if not handled."""
+    if x.dim() != 2 or not _rows_ok(x) or weight.dtype != x.dtype or not native_available():
+        return None
+    assert _lib is not None
+    w = weight.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype)
+    rc = _lib.kvserve_rms_norm(x.data_ptr(), x.stride(0), w.data_ptr(), out.data_ptr(),
+                               x.shape[0], x.shape[1], eps, _DTYPES[x.dtype],
+                               torch.get_num_threads())  # fmt: skip
+    return out if rc == 0 else None
+
+
+def rotary_(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> bool:
+    """Rotate q [T, H, D] and k [T, KVH, D] in place with the float32 tables cos/sin
+    [max_positions, rot]; False (nothing touched) if not handled. A position outside the
+    tables raises IndexError, as the reference's gather does."""
+    rot = cos.shape[-1]
+    if not (
+        q.dim() == 3
+        and k.dim() == 3
+        and q.dtype == k.dtype
+        and _rows_ok(q)
+        and _rows_ok(k)
+        and positions.dtype == torch.int64
+        and positions.is_contiguous()
+        and cos.dtype == sin.dtype == torch.float32
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+        and rot % 2 == 0
+        and rot <= min(q.shape[-1], _MAX_ROT)
+        and native_available()
+    ):
+        return False
+    assert _lib is not None
+    rc = _lib.kvserve_rotary(q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0),
+                             k.shape[1], q.shape[2], rot, cos.data_ptr(), sin.data_ptr(),
+                             cos.shape[0], positions.data_ptr(), q.shape[0], _DTYPES[q.dtype],
+                             torch.get_num_threads())  # fmt: skip
+    if rc == 2:
+        raise IndexError(f"rotary: a position is outside [0, {cos.shape[0]})")
+    return rc == 0

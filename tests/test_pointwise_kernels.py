@@ -1,0 +1,108 @@
+"""The native RMSNorm and rotary kernels against the PyTorch reference modules in llama.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.config import ModelConfig
+from kvserve.kernels import pointwise
+from kvserve.model.linear_ops import OneDNNOps, TorchOps
+from kvserve.model.llama import RMSNorm, RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(
+    not pointwise.native_available(), reason="no C compiler: the reference is in use"
+)
+
+
+def _rotary(head_dim: int, partial: float = 1.0) -> RotaryEmbedding:
+    cfg = ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=64,
+        hidden_size=4 * head_dim,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=head_dim,
+        rope_theta=10000.0,
+        partial_rotary_factor=partial,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+    )
+    return RotaryEmbedding(cfg, 4096, torch.device("cpu"))
+
+
+def _qkv_views(tokens: int, dtype: torch.dtype, head_dim: int):
+    """q [T, 4, D] and k [T, 2, D] as strided views of one fused projection, as in the model."""
+    qkv = torch.randn(tokens, 8 * head_dim, dtype=torch.float32).to(dtype) * 3
+    q, k, v = qkv.split([4 * head_dim, 2 * head_dim, 2 * head_dim], dim=-1)
+    return qkv, q.view(tokens, 4, head_dim), k.view(tokens, 2, head_dim), v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5, 700])  # 700 tokens run on several threads
+@pytest.mark.parametrize("head_dim, partial", [(64, 1.0), (32, 1.0), (64, 0.5)])
+def test_rotary_kernel_is_bit_identical_to_reference(dtype, tokens, head_dim, partial):
+    torch.manual_seed(tokens)
+    rot = _rotary(head_dim, partial)
+    _, q, k, v = _qkv_views(tokens, dtype, head_dim)
+    positions = torch.randint(0, 4096, (tokens,), dtype=torch.int64)
+    want_q, want_k = rot(positions, q, k)
+    v_before = v.clone()
+    assert pointwise.rotary_(positions, q, k, rot.cos, rot.sin)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(v, v_before)  # the third part of the fused buffer is untouched
+
+
+def test_rotary_kernel_refuses_positions_outside_the_table():
+    rot = _rotary(64)
+    _, q, k, _ = _qkv_views(3, torch.float32, 64)
+    before = q.clone()
+    with pytest.raises(IndexError, match=r"outside \[0, 4096\)"):
+        pointwise.rotary_(torch.tensor([0, 4096, 1]), q, k, rot.cos, rot.sin)
+    assert torch.equal(q, before)
+
+
+def test_kernels_decline_what_they_do_not_handle():
+    rot = _rotary(64)
+    _, q, k, _ = _qkv_views(3, torch.float16, 64)
+    assert not pointwise.rotary_(torch.arange(3), q, k, rot.cos, rot.sin)
+    assert pointwise.rms_norm(torch.randn(3, 8, dtype=torch.float16), torch.ones(8), 1e-5) is None
+    transposed = torch.randn(8, 3, dtype=torch.bfloat16).t()
+    assert pointwise.rms_norm(transposed, torch.ones(8, dtype=torch.bfloat16), 1e-5) is None
+
+
+@pytest.mark.parametrize("tokens", [1, 9, 600])
+def test_rms_norm_kernel_matches_reference(tokens):
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        norm = RMSNorm(512, 1e-5)
+        norm.weight.data = (torch.rand(512) + 0.5).to(dtype)
+        x = (torch.randn(tokens, 512) * 4).to(dtype)
+        want = norm(x)
+        got = pointwise.rms_norm(x, norm.weight, norm.eps)
+        assert got is not None and got.dtype == dtype and got.shape == want.shape
+        if dtype == torch.float32:  # only the order of the sum of squares differs
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        else:  # bfloat16: equal but for rare one-ulp roundings of the normalised value
+            same = (got == want).float().mean().item()
+            assert same > 0.99, same
+            torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-6)
+
+
+def test_fast_ops_norm_and_rotary_equal_reference_ops():
+    """OneDNNOps (the CPU fast path) against TorchOps: rotary bit for bit in both dtypes,
+    RMSNorm bit for bit in float32, where it keeps the reference."""
+    torch.manual_seed(1)
+    ref, fast = TorchOps(), OneDNNOps()
+    rot = _rotary(64)
+    for dtype in (torch.float32, torch.bfloat16):
+        _, q, k, _ = _qkv_views(50, dtype, 64)
+        positions = torch.arange(100, 150)
+        want = ref.rotary(rot, positions, q, k)
+        got = fast.rotary(rot, positions, q.clone(), k.clone())
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    norm = RMSNorm(256, 1e-6)
+    x = torch.randn(40, 256)
+    assert torch.equal(fast.rms_norm(norm, x), ref.rms_norm(norm, x))
