@@ -106,3 +106,19 @@ def test_fast_ops_norm_and_rotary_equal_reference_ops():
     norm = RMSNorm(256, 1e-6)
     x = torch.randn(40, 256)
     assert torch.equal(fast.rms_norm(norm, x), ref.rms_norm(norm, x))
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--passes", "0"], "--passes must be >= 1, got 0"),
+        (["--sizes", "5m,7b"], "--sizes: unknown ['7b']"),
+    ],
+)
+def test_pointwise_benchmark_rejects_bad_options(argv, message, capsys):
+    from benchmarks.pointwise_ops import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
