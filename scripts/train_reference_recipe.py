@@ -3,15 +3,17 @@
 The committed model v3 came from nine hand-run phases (163 min of compute). What those runs
 taught, applied here in order:
 
-1. ``start``: 64-token texts of repeated word spans and dense key/value statements (small
-   updates cross the copy plateau; an adjacent key/value circuit forms).
-2. ``haystack``: 128-512-token haystacks. A from-scratch model forms no general induction head
+1. ``start``: 64-token texts of repeated word spans and key/value statements.
+2. ``kv``: 64-token texts of dense key/value statements (v3's phase 1 mix) until the adjacent
+   key/value circuit forms (``kv_doc`` answer accuracy 0.7, ``--stop-when``); ``start``'s
+   one-in-five key/value texts did not form it in 7,000 steps.
+3. ``haystack``: 128-512-token haystacks. A from-scratch model forms no general induction head
    on 64-token data alone; a longer-context phase before it is what lets the head form.
-3. ``induction``: 64-token repeated spans again until ``repeat_doc`` accuracy reaches 0.6 (the
+4. ``induction``: 64-token repeated spans again until ``repeat_doc`` accuracy reaches 0.6 (the
    head has formed; ``--stop-when``), at most 6,000 steps.
-4. ``to-1024`` and 5. ``to-2048``: haystack curricula doubling the context to 2,048 tokens.
-6. ``early``: ``early_doc`` (a needle in the first 15 % of 2,048 tokens, asked at the end).
-7. ``past-2048``: 2,304-token texts, so a 2,048-token prompt's longest distance is trained.
+5. ``to-1024`` and 6. ``to-2048``: haystack curricula doubling the context to 2,048 tokens.
+7. ``early``: ``early_doc`` (a needle in the first 15 % of 2,048 tokens, asked at the end).
+8. ``past-2048``: 2,304-token texts, so a 2,048-token prompt's longest distance is trained.
 
 Each phase starts from the previous phase's export with a fresh optimizer and schedule; a
 finished phase (its ``out/model.safetensors`` exists) is skipped, and the phase that was
@@ -46,6 +48,12 @@ PHASES: list[tuple[str, list[str]]] = [
         "start",
         ["--mix", "repeat_doc:0.6,kv_doc:0.2,needle_doc:0.2", "--curriculum", "64:1"]
         + ["--steps", "7000", "--lr", "3e-3"],
+    ),
+    (
+        "kv",
+        ["--mix", "kv_doc:0.6,needle_doc:0.15,repeat_doc:0.1,chat_doc:0.15", "--curriculum"]
+        + ["64:1", "--steps", "16000", "--stop-after", "5000", "--stop-when", "kv_doc:0.7"]
+        + ["--lr", "3e-3"],
     ),
     (
         "haystack",
