@@ -87,6 +87,8 @@ def rotary_(
         q.dim() == 3
         and k.dim() == 3
         and q.dtype == k.dtype
+        and q.shape[0] == k.shape[0] == positions.shape[0]
+        and q.shape[2] == k.shape[2]
         and _rows_ok(q)
         and _rows_ok(k)
         and positions.dtype == torch.int64
