@@ -14,12 +14,17 @@ Masks depend only on the batch layout, so they are built once per step and share
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from kvserve.kv.storage import KVStorage
+
+# A backend's causal attention of a chunk over its own fresh K/V, written into ``out``
+# (q [L, H, D], k/v [L, KVH, D], out [L, H, D], window); False if it does not take the input.
+CausalKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int | None], bool]
 
 # Chunks over a cached context up to this many queries go to the fused paged kernel; longer
 # ones are better served by SDPA's blocked matrix products after a gather.
@@ -100,8 +105,11 @@ def paged_attention(
     storage: KVStorage,
     meta: AttentionMetadata,
     window: int | None = None,
+    causal_kernel: CausalKernel | None = None,
 ) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend. q: [T, H, D]; k, v: [T, KVH, D]."""
+    """Write this step's K/V into the cache, then attend. q: [T, H, D]; k, v: [T, KVH, D].
+    ``causal_kernel`` (the backend's, see linear_ops) may serve chunks that start a sequence;
+    SDPA serves what it declines."""
     storage.write(layer, meta.slot_mapping, k, v)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -128,6 +136,9 @@ def paged_attention(
         if fused and p.in_group:
             continue
         sl = slice(p.q_start, p.q_start + p.q_len)
+        if p.ctx_len == 0 and causal_kernel is not None:
+            if causal_kernel(q[sl], k[sl], v[sl], out[sl], window):
+                continue
         qp = q[sl].transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
         if p.ctx_len == 0:
             kp = k[sl].transpose(0, 1).unsqueeze(0)

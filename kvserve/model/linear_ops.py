@@ -5,8 +5,10 @@
 oneDNN matmuls with fused epilogues (SiLU on the gate projection, the product with the up
 projection, the residual add after ``o_proj`` and ``down_proj``), so the MLP's intermediate
 activations are written once instead of four times (~1.6x faster at 2,048 tokens on a 2-core
-AVX-512 CPU), and the native RMSNorm and in-place rotary kernels (kvserve/kernels/pointwise.c),
-which replace chains of full-size temporaries. RMSNorm uses the kernel only for bfloat16: in
+AVX-512 CPU), the native RMSNorm and in-place rotary kernels (kvserve/kernels/pointwise.c),
+which replace chains of full-size temporaries, and the bf16 causal attention of chunks that
+start a sequence (kvserve/kernels/prefill_attention.c), which skips the key blocks above the
+diagonal that SDPA's CPU kernel computes below 768 queries. RMSNorm uses the kernel only for bfloat16: in
 float32 the reference equals transformers bit for bit, and the kernel's sum of squares runs in
 another order. The model code calls these methods and never knows which backend runs; tests
 compare the two.
@@ -20,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.kernels import pointwise
+from kvserve.kernels import pointwise, prefill
 
 
 class TorchOps:
@@ -47,6 +49,17 @@ class TorchOps:
         self, rotary: nn.Module, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return rotary(positions, q, k)
+
+    def causal_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        window: int | None,
+    ) -> bool:
+        """Attention of a chunk that starts its sequence, into ``out``; False = use SDPA."""
+        return False
 
 
 class OneDNNOps(TorchOps):
@@ -82,6 +95,16 @@ class OneDNNOps(TorchOps):
         if pointwise.rotary_(positions, q, k, rotary.cos, rotary.sin):
             return q, k
         return rotary(positions, q, k)
+
+    def causal_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        window: int | None,
+    ) -> bool:
+        return prefill.prefill_attention(q, k, v, out, window)
 
 
 def select_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:

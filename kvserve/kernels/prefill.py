@@ -1,0 +1,85 @@
+"""Causal bf16 attention of a prefill chunk over its own fresh K/V (``prefill_attention.c``),
+built on first use with the system C compiler and loaded with ctypes.
+
+SDPA (``is_causal=True``) stays the reference in kvserve/model/attention.py; tests compare the
+two. :func:`prefill_attention` returns False, with nothing written, wherever the kernel does
+not apply (no compiler or no AVX512-BF16, ``KVSERVE_DISABLE_KERNELS=1``, another dtype, an
+unsupported head size or layout), and the caller runs SDPA.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import torch
+
+from kvserve.kernels import build_library
+
+_SRC = Path(__file__).with_name("prefill_attention.c")
+_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=c11"]
+_lib: ctypes.CDLL | None = None
+_tried = False
+_p, _i, _i64, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+
+
+def _build() -> ctypes.CDLL | None:
+    lib = build_library(_SRC, _FLAGS, "prefill attention")
+    if lib is None:
+        return None
+    fn = lib.kvserve_prefill_attention
+    fn.restype = _i
+    fn.argtypes = [_p, _i64, _p, _p, _i64, _p, _i64, _i, _i, _i, _f, _i, _i]
+    return lib
+
+
+def native_available() -> bool:
+    global _lib, _tried
+    if os.environ.get("KVSERVE_DISABLE_KERNELS") == "1":
+        return False
+    if not _tried:
+        _tried = True
+        _lib = _build()
+    return _lib is not None
+
+
+def _rows(x: torch.Tensor) -> bool:
+    """[L, heads, D] with each token's heads packed (rows may be strided)."""
+    return (
+        x.dim() == 3
+        and x.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and x.stride(2) == 1
+        and x.stride(1) == x.shape[2]
+        and x.stride(0) >= x.shape[1] * x.shape[2]
+    )
+
+
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, window: int | None
+) -> bool:
+    """Causal attention of q [L, H, D] over k/v [L, KVH, D] (positions 0..L-1), written into
+    out [L, H, D] (contiguous); False if not handled."""
+    if not (
+        _rows(q)
+        and _rows(k)
+        and _rows(v)
+        and k.stride(0) == v.stride(0)
+        and q.shape[0] == k.shape[0] == v.shape[0] == out.shape[0]
+        and k.shape == v.shape
+        and q.shape[2] == k.shape[2]
+        and out.shape == q.shape
+        and out.dtype == torch.bfloat16
+        and out.is_contiguous()
+        and native_available()
+    ):
+        return False
+    assert _lib is not None
+    L, h, d = q.shape
+    rc = _lib.kvserve_prefill_attention(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(),
+                                        k.stride(0), out.data_ptr(), L, h, k.shape[1], d,
+                                        d**-0.5, window or 0, torch.get_num_threads())  # fmt: skip
+    if rc == 2:
+        raise MemoryError("prefill attention: could not allocate the packed K/V")
+    return rc == 0

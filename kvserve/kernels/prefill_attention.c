@@ -1,0 +1,258 @@
+/* Causal attention of a prefill chunk that starts its sequence, over its own fresh K/V, bf16.
+ *
+ * PyTorch's CPU flash kernel splits keys into 512-wide blocks below 768 queries, so a causal
+ * mask saves it nothing at the usual prompt lengths: it computes the whole square. This kernel
+ * works in 16-key blocks and skips every block above the diagonal; both matrix products are
+ * float32 FMAs over values converted once (a CPU without AVX512-BF16 has no faster bf16 path).
+ *
+ * Layout: q [L, H, D] and k/v [L, KVH, D] bf16, rows (tokens) q_stride / kv_stride elements
+ * apart (views into the fused QKV projection); out [L, H, D] bf16, contiguous. K and V of each
+ * KV head are first converted to float32 and repacked, once per call:
+ *   kt[block][d][j] = k[16 block + j][d]   (16 keys' values of one dim: one 512-bit load)
+ *   vf[block][j][d] = v[16 block + j][d]
+ * A task is one KV head and a tile of TQ query positions for each of the G query heads that
+ * share it (R = G * TQ rows), with an online softmax (running max and sum per row) in float32.
+ *
+ * Query at position i sees keys j with i - window < j <= i (window 0 = unbounded). Returns 1
+ * (nothing written) where it does not apply: no AVX-512, head size not a multiple of 16 or
+ * above 256, more than 64 rows per task; the caller then uses SDPA.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#define KB 32      /* keys per block: two 16-lane vectors */
+#define MAXD 256   /* largest head size */
+#define MAXR 64    /* largest rows per task */
+#define QK_ROWS 8  /* rows whose scores are computed together */
+
+/* exp(x) for x <= 0 (scores minus the running max), relative error ~2e-7; lanes below -87
+ * give ~0. 2^n * p(f) with n = round(x log2 e) and a degree-6 polynomial on |f| <= ln2 / 2. */
+static inline __m512 exp_neg(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), f);
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline float bf16f(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static void pack_block(const uint16_t *k, const uint16_t *v, int64_t kv_stride, int64_t L,
+                       int D, int64_t b, float *kt, float *vf) {
+    for (int j = 0; j < KB; j++) {
+        const int64_t t = b * KB + j;
+        for (int d = 0; d < D; d++) {
+            kt[d * KB + j] = t < L ? bf16f(k[t * kv_stride + d]) : 0.f;
+            vf[j * D + d] = t < L ? bf16f(v[t * kv_stride + d]) : 0.f;
+        }
+    }
+}
+
+/* For two rows a and b: acc = acc * corr + sum_j p[j] v[j] over the block's keys (masked keys
+ * have p = 0). Each V load serves both rows, and even and odd keys go to separate accumulators,
+ * so the loop is bound by FMAs, not by loads or FMA latency. Inlined with a constant D. */
+static inline __attribute__((always_inline)) void pv_rows_d(float *aa, float *ab,
+                                                            const float *pa, const float *pb,
+                                                            float ca, float cb, const float *vb,
+                                                            const int D) {
+    enum { MAXC = MAXD / 16 };
+    const int nc = D / 16;
+    __m512 a0[MAXC], a1[MAXC], b0[MAXC], b1[MAXC];
+    const __m512 cav = _mm512_set1_ps(ca), cbv = _mm512_set1_ps(cb);
+    for (int c = 0; c < nc; c++) {
+        a0[c] = _mm512_mul_ps(_mm512_loadu_ps(aa + 16 * c), cav);
+        b0[c] = _mm512_mul_ps(_mm512_loadu_ps(ab + 16 * c), cbv);
+        a1[c] = b1[c] = _mm512_setzero_ps();
+    }
+    for (int j = 0; j < KB; j += 2) {
+        const __m512 pa0 = _mm512_set1_ps(pa[j]), pa1 = _mm512_set1_ps(pa[j + 1]);
+        const __m512 pb0 = _mm512_set1_ps(pb[j]), pb1 = _mm512_set1_ps(pb[j + 1]);
+        for (int c = 0; c < nc; c++) {
+            const __m512 v0 = _mm512_load_ps(vb + j * D + 16 * c);
+            const __m512 v1 = _mm512_load_ps(vb + (j + 1) * D + 16 * c);
+            a0[c] = _mm512_fmadd_ps(pa0, v0, a0[c]);
+            b0[c] = _mm512_fmadd_ps(pb0, v0, b0[c]);
+            a1[c] = _mm512_fmadd_ps(pa1, v1, a1[c]);
+            b1[c] = _mm512_fmadd_ps(pb1, v1, b1[c]);
+        }
+    }
+    for (int c = 0; c < nc; c++) {
+        _mm512_storeu_ps(aa + 16 * c, _mm512_add_ps(a0[c], a1[c]));
+        _mm512_storeu_ps(ab + 16 * c, _mm512_add_ps(b0[c], b1[c]));
+    }
+}
+
+static void pv_rows(float *aa, float *ab, const float *pa, const float *pb, float ca, float cb,
+                    const float *vb, int D) {
+    if (D == 64)
+        pv_rows_d(aa, ab, pa, pb, ca, cb, vb, 64);
+    else if (D == 128)
+        pv_rows_d(aa, ab, pa, pb, ca, cb, vb, 128);
+    else
+        pv_rows_d(aa, ab, pa, pb, ca, cb, vb, D);
+}
+
+/* float32 -> bf16, round to nearest even, 16 lanes (no AVX512-BF16 needed). */
+static inline __m256i to_bf16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+int kvserve_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k,
+                              const uint16_t *v, int64_t kv_stride, uint16_t *out, int64_t L,
+                              int H, int KVH, int D, float scale, int window, int num_threads) {
+    const int G = H / KVH;
+    if (D % 16 || D > MAXD || H % KVH || L <= 0) return 1;
+    int TQ = 16 / G;
+    TQ = TQ < 1 ? 1 : TQ;
+    if (G * TQ > MAXR) return 1;
+    const int64_t nb = (L + KB - 1) / KB, block_elems = (int64_t)KB * D;
+    float *kt = aligned_alloc(64, (size_t)(KVH * nb * block_elems) * 4);
+    float *vf = aligned_alloc(64, (size_t)(KVH * nb * block_elems) * 4);
+    if (!kt || !vf) {
+        free(kt);
+        free(vf);
+        return 2;
+    }
+    const int64_t tiles = (L + TQ - 1) / TQ;
+    const int chunks = D / 16;
+#pragma omp parallel num_threads(L * H * D < (1 << 15) ? 1 : num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < KVH * nb; task++) {
+            const int h = (int)(task / nb);
+            const int64_t b = task % nb, off = (h * nb + b) * block_elems;
+            pack_block(k + h * D, v + h * D, kv_stride, L, D, b, kt + off, vf + off);
+        }
+        float acc[MAXR * MAXD], m[MAXR], l[MAXR];
+        float qf[QK_ROWS][MAXD];
+        float pp[QK_ROWS + 1][KB], corr[QK_ROWS + 1], pair_scratch[MAXD];
+        /* Largest tiles (most keys) first, for balance. */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < KVH * tiles; task++) {
+            const int h = (int)(task % KVH);
+            const int64_t tile = tiles - 1 - task / KVH, p0 = tile * TQ;
+            const int tq = (int)(p0 + TQ <= L ? TQ : L - p0), R = G * tq;
+            const int64_t p_last = p0 + tq - 1;
+            for (int r = 0; r < R; r++) {
+                m[r] = -INFINITY;
+                l[r] = 0.f;
+            }
+            memset(acc, 0, sizeof(float) * (size_t)R * D);
+            int64_t b_lo = window > 0 ? (p0 - window + 1) / KB : 0;
+            b_lo = b_lo < 0 ? 0 : b_lo;
+            const int64_t b_hi = p_last / KB;
+            for (int r0 = 0; r0 < R; r0 += QK_ROWS) {
+                const int nr = R - r0 < QK_ROWS ? R - r0 : QK_ROWS;
+                if (nr < QK_ROWS) memset(qf[nr], 0, sizeof(float) * MAXD * (QK_ROWS - nr));
+                for (int i = 0; i < nr; i++) { /* row r = g * tq + position offset */
+                    const int r = r0 + i, g = r / tq;
+                    const int64_t pos = p0 + r % tq;
+                    const uint16_t *src = q + pos * q_stride + (int64_t)(h * G + g) * D;
+                    for (int d = 0; d < D; d++) qf[i][d] = bf16f(src[d]) * scale;
+                }
+                for (int64_t b = b_lo; b <= b_hi; b++) {
+                    const float *kb = kt + (h * nb + b) * block_elems;
+                    const float *vb = vf + (h * nb + b) * block_elems;
+                    __m512 s0[QK_ROWS], s1[QK_ROWS];
+                    for (int i = 0; i < QK_ROWS; i++) s0[i] = s1[i] = _mm512_setzero_ps();
+                    /* All QK_ROWS rows (the unused ones are zero): a constant trip count keeps
+                     * the accumulators in registers; each query broadcast serves 32 keys. */
+                    for (int d = 0; d < D; d++) {
+                        const __m512 k0 = _mm512_load_ps(kb + d * KB);
+                        const __m512 k1 = _mm512_load_ps(kb + d * KB + 16);
+                        for (int i = 0; i < QK_ROWS; i++) {
+                            const __m512 qd = _mm512_set1_ps(qf[i][d]);
+                            s0[i] = _mm512_fmadd_ps(qd, k0, s0[i]);
+                            s1[i] = _mm512_fmadd_ps(qd, k1, s1[i]);
+                        }
+                    }
+                    for (int i = 0; i < nr; i++) {
+                        const int r = r0 + i;
+                        const int64_t pos = p0 + r % tq, j0 = b * KB;
+                        /* visible keys of this row in the block: lanes [lo, hi) */
+                        int64_t lo = window > 0 ? pos - window + 1 - j0 : 0;
+                        int64_t hi = pos - j0 + 1;
+                        lo = lo < 0 ? 0 : lo;
+                        hi = hi > KB ? KB : hi;
+                        if (hi <= lo) { /* no visible key: a no-op update */
+                            memset(pp[i], 0, sizeof(pp[i]));
+                            corr[i] = 1.f;
+                            continue;
+                        }
+                        const uint64_t vis = (((uint64_t)1 << hi) - 1) & ~(((uint64_t)1 << lo) - 1);
+                        const __mmask16 v0 = (__mmask16)(vis & 0xffff), v1 = (__mmask16)(vis >> 16);
+                        const float a = _mm512_mask_reduce_max_ps(v0, s0[i]);
+                        const float bm = _mm512_mask_reduce_max_ps(v1, s1[i]);
+                        const float bmax = a > bm ? a : bm;
+                        const float mx = bmax > m[r] ? bmax : m[r];
+                        corr[i] = expf(m[r] - mx);
+                        const __m512 mxv = _mm512_set1_ps(mx);
+                        const __m512 pr0 = _mm512_maskz_mov_ps(v0, exp_neg(_mm512_sub_ps(s0[i], mxv)));
+                        const __m512 pr1 = _mm512_maskz_mov_ps(v1, exp_neg(_mm512_sub_ps(s1[i], mxv)));
+                        l[r] = l[r] * corr[i] + _mm512_reduce_add_ps(_mm512_add_ps(pr0, pr1));
+                        m[r] = mx;
+                        _mm512_storeu_ps(pp[i], pr0);
+                        _mm512_storeu_ps(pp[i] + 16, pr1);
+                    }
+                    for (int i = 0; i < nr; i += 2) { /* an odd last row pairs with itself */
+                        const int j = i + 1 < nr ? i + 1 : i;
+                        if (j == i) {
+                            memset(pp[QK_ROWS], 0, sizeof(pp[0]));
+                            corr[QK_ROWS] = 1.f;
+                        }
+                        float *aa = acc + (int64_t)(r0 + i) * D;
+                        float *ab = j == i ? pair_scratch : acc + (int64_t)(r0 + j) * D;
+                        pv_rows(aa, ab, pp[i], pp[j == i ? QK_ROWS : j], corr[i],
+                                corr[j == i ? QK_ROWS : j], vb, D);
+                    }
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                const int g = r / tq;
+                const int64_t pos = p0 + r % tq;
+                uint16_t *dst = out + (pos * H + h * G + g) * (int64_t)D;
+                const __m512 inv = _mm512_set1_ps(l[r] > 0.f ? 1.f / l[r] : 0.f);
+                for (int c = 0; c < chunks; c++) {
+                    const __m512 o = _mm512_mul_ps(_mm512_loadu_ps(acc + (int64_t)r * D + 16 * c), inv);
+                    _mm256_storeu_si256((__m256i *)(dst + 16 * c), to_bf16(o));
+                }
+            }
+        }
+    }
+    free(kt);
+    free(vf);
+    return 0;
+}
+
+#else
+
+int kvserve_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k,
+                              const uint16_t *v, int64_t kv_stride, uint16_t *out, int64_t L,
+                              int H, int KVH, int D, float scale, int window, int num_threads) {
+    (void)q, (void)q_stride, (void)k, (void)v, (void)kv_stride, (void)out, (void)L, (void)H;
+    (void)KVH, (void)D, (void)scale, (void)window, (void)num_threads;
+    return 1; /* no AVX-512 on the build machine: SDPA serves */
+}
+
+#endif
