@@ -8,10 +8,10 @@ activations are written once instead of four times (~1.6x faster at 2,048 tokens
 AVX-512 CPU), the native RMSNorm and in-place rotary kernels (kvserve/kernels/pointwise.c),
 which replace chains of full-size temporaries, and the bf16 causal attention of chunks that
 start a sequence (kvserve/kernels/prefill_attention.c), which skips the key blocks above the
-diagonal that SDPA's CPU kernel computes below 768 queries. RMSNorm uses the kernel only for bfloat16: in
-float32 the reference equals transformers bit for bit, and the kernel's sum of squares runs in
-another order. The model code calls these methods and never knows which backend runs; tests
-compare the two.
+diagonal that SDPA's CPU kernel computes below 768 queries. RMSNorm uses its kernel only
+for bfloat16: in float32 the reference equals transformers bit for bit, and the kernel's sum of
+squares runs in another order. The model code calls these methods and never knows which
+backend runs; tests compare the two.
 """
 
 from __future__ import annotations
