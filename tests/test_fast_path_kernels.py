@@ -1,4 +1,5 @@
-"""The native RMSNorm and rotary kernels against the PyTorch reference modules in llama.py."""
+"""The native RMSNorm and rotary kernels against the PyTorch reference modules in llama.py, and
+the fast-path benchmark's option checks."""
 
 from __future__ import annotations
 
@@ -115,8 +116,8 @@ def test_fast_ops_norm_and_rotary_equal_reference_ops():
         (["--sizes", "5m,7b"], "--sizes: unknown ['7b']"),
     ],
 )
-def test_pointwise_benchmark_rejects_bad_options(argv, message, capsys):
-    from benchmarks.pointwise_ops import main
+def test_fast_path_benchmark_rejects_bad_options(argv, message, capsys):
+    from benchmarks.fast_path import main
 
     with pytest.raises(SystemExit) as exc:
         main(argv)
