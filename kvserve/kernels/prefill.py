@@ -1,10 +1,10 @@
-"""Causal bf16 attention of a prefill chunk over its own fresh K/V (``prefill_attention.c``),
+"""Causal attention of a prefill chunk over its own fresh K/V (``prefill_attention.c``),
 built on first use with the system C compiler and loaded with ctypes.
 
 SDPA (``is_causal=True``) stays the reference in kvserve/model/attention.py; tests compare the
 two. :func:`prefill_attention` returns False, with nothing written, wherever the kernel does
-not apply (no compiler or no AVX512-BF16, ``KVSERVE_DISABLE_KERNELS=1``, another dtype, an
-unsupported head size or layout), and the caller runs SDPA.
+not apply (no compiler or no AVX-512, ``KVSERVE_DISABLE_KERNELS=1``, float16, an unsupported
+head size or layout), and the caller runs SDPA.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from kvserve.kernels import build_library
 
 _SRC = Path(__file__).with_name("prefill_attention.c")
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=c11"]
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _lib: ctypes.CDLL | None = None
 _tried = False
 _p, _i, _i64, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
@@ -30,7 +31,7 @@ def _build() -> ctypes.CDLL | None:
         return None
     fn = lib.kvserve_prefill_attention
     fn.restype = _i
-    fn.argtypes = [_p, _i64, _p, _p, _i64, _p, _i64, _i, _i, _i, _f, _i, _i]
+    fn.argtypes = [_p, _i64, _p, _p, _i64, _p, _i64, _i, _i, _i, _f, _i, _i, _i]
     return lib
 
 
@@ -48,7 +49,7 @@ def _rows(x: torch.Tensor) -> bool:
     """[L, heads, D] with each token's heads packed (rows may be strided)."""
     return (
         x.dim() == 3
-        and x.dtype == torch.bfloat16
+        and x.dtype in _DTYPES
         and x.device.type == "cpu"
         and x.stride(2) == 1
         and x.stride(1) == x.shape[2]
@@ -70,7 +71,7 @@ def prefill_attention(
         and k.shape == v.shape
         and q.shape[2] == k.shape[2]
         and out.shape == q.shape
-        and out.dtype == torch.bfloat16
+        and q.dtype == k.dtype == v.dtype == out.dtype
         and out.is_contiguous()
         and native_available()
     ):
@@ -79,7 +80,8 @@ def prefill_attention(
     L, h, d = q.shape
     rc = _lib.kvserve_prefill_attention(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(),
                                         k.stride(0), out.data_ptr(), L, h, k.shape[1], d,
-                                        d**-0.5, window or 0, torch.get_num_threads())  # fmt: skip
+                                        d**-0.5, window or 0, _DTYPES[q.dtype],
+                                        torch.get_num_threads())  # fmt: skip
     if rc == 2:
         raise MemoryError("prefill attention: could not allocate the packed K/V")
     return rc == 0

@@ -1,12 +1,13 @@
-/* Causal attention of a prefill chunk that starts its sequence, over its own fresh K/V, bf16.
+/* Causal attention of a prefill chunk that starts its sequence, over its own fresh K/V.
  *
  * PyTorch's CPU flash kernel splits keys into 512-wide blocks below 768 queries, so a causal
  * mask saves it nothing at the usual prompt lengths: it computes the whole square. This kernel
  * works in 16-key blocks and skips every block above the diagonal; both matrix products are
  * float32 FMAs over values converted once (a CPU without AVX512-BF16 has no faster bf16 path).
  *
- * Layout: q [L, H, D] and k/v [L, KVH, D] bf16, rows (tokens) q_stride / kv_stride elements
- * apart (views into the fused QKV projection); out [L, H, D] bf16, contiguous. K and V of each
+ * Layout: q [L, H, D] and k/v [L, KVH, D] in float32 or bfloat16 (dt 0 / 1), rows (tokens)
+ * q_stride / kv_stride elements apart (views into the fused QKV projection); out [L, H, D] in
+ * the same dtype, contiguous. K and V of each
  * KV head are first converted to float32 and repacked, once per call:
  *   kt[block][d][j] = k[16 block + j][d]   (16 keys' values of one dim: one 512-bit load)
  *   vf[block][j][d] = v[16 block + j][d]
@@ -55,13 +56,18 @@ static inline float bf16f(uint16_t h) {
     return f;
 }
 
-static void pack_block(const uint16_t *k, const uint16_t *v, int64_t kv_stride, int64_t L,
-                       int D, int64_t b, float *kt, float *vf) {
+/* Element i of a float32 (dt 0) or bfloat16 (dt 1) array, as float32. */
+static inline float load_dt(const void *base, int64_t i, int dt) {
+    return dt ? bf16f(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+static void pack_block(const void *k, const void *v, int64_t kv_stride, int64_t L, int D,
+                       int64_t b, float *kt, float *vf, int dt) {
     for (int j = 0; j < KB; j++) {
         const int64_t t = b * KB + j;
         for (int d = 0; d < D; d++) {
-            kt[d * KB + j] = t < L ? bf16f(k[t * kv_stride + d]) : 0.f;
-            vf[j * D + d] = t < L ? bf16f(v[t * kv_stride + d]) : 0.f;
+            kt[d * KB + j] = t < L ? load_dt(k, t * kv_stride + d, dt) : 0.f;
+            vf[j * D + d] = t < L ? load_dt(v, t * kv_stride + d, dt) : 0.f;
         }
     }
 }
@@ -118,11 +124,12 @@ static inline __m256i to_bf16(__m512 x) {
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
 }
 
-int kvserve_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k,
-                              const uint16_t *v, int64_t kv_stride, uint16_t *out, int64_t L,
-                              int H, int KVH, int D, float scale, int window, int num_threads) {
+int kvserve_prefill_attention(const void *q, int64_t q_stride, const void *k, const void *v,
+                              int64_t kv_stride, void *out, int64_t L, int H, int KVH, int D,
+                              float scale, int window, int dt, int num_threads) {
     const int G = H / KVH;
-    if (D % 16 || D > MAXD || H % KVH || L <= 0) return 1;
+    if (D % 16 || D > MAXD || H % KVH || L <= 0 || (dt != 0 && dt != 1)) return 1;
+    const int esz = dt ? 2 : 4;
     int TQ = 16 / G;
     TQ = TQ < 1 ? 1 : TQ;
     if (G * TQ > MAXR) return 1;
@@ -142,7 +149,8 @@ int kvserve_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_
         for (int64_t task = 0; task < KVH * nb; task++) {
             const int h = (int)(task / nb);
             const int64_t b = task % nb, off = (h * nb + b) * block_elems;
-            pack_block(k + h * D, v + h * D, kv_stride, L, D, b, kt + off, vf + off);
+            pack_block((const char *)k + (int64_t)h * D * esz, (const char *)v + (int64_t)h * D * esz,
+                       kv_stride, L, D, b, kt + off, vf + off, dt);
         }
         float acc[MAXR * MAXD], m[MAXR], l[MAXR];
         float qf[QK_ROWS][MAXD];
@@ -168,8 +176,8 @@ int kvserve_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_
                 for (int i = 0; i < nr; i++) { /* row r = g * tq + position offset */
                     const int r = r0 + i, g = r / tq;
                     const int64_t pos = p0 + r % tq;
-                    const uint16_t *src = q + pos * q_stride + (int64_t)(h * G + g) * D;
-                    for (int d = 0; d < D; d++) qf[i][d] = bf16f(src[d]) * scale;
+                    const int64_t src = pos * q_stride + (int64_t)(h * G + g) * D;
+                    for (int d = 0; d < D; d++) qf[i][d] = load_dt(q, src + d, dt) * scale;
                 }
                 for (int64_t b = b_lo; b <= b_hi; b++) {
                     const float *kb = kt + (h * nb + b) * block_elems;
@@ -231,11 +239,14 @@ int kvserve_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_
             for (int r = 0; r < R; r++) {
                 const int g = r / tq;
                 const int64_t pos = p0 + r % tq;
-                uint16_t *dst = out + (pos * H + h * G + g) * (int64_t)D;
+                const int64_t dst = (pos * H + h * G + g) * (int64_t)D;
                 const __m512 inv = _mm512_set1_ps(l[r] > 0.f ? 1.f / l[r] : 0.f);
                 for (int c = 0; c < chunks; c++) {
                     const __m512 o = _mm512_mul_ps(_mm512_loadu_ps(acc + (int64_t)r * D + 16 * c), inv);
-                    _mm256_storeu_si256((__m256i *)(dst + 16 * c), to_bf16(o));
+                    if (dt)
+                        _mm256_storeu_si256((__m256i *)((uint16_t *)out + dst + 16 * c), to_bf16(o));
+                    else
+                        _mm512_storeu_ps((float *)out + dst + 16 * c, o);
                 }
             }
         }
@@ -247,11 +258,11 @@ int kvserve_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_
 
 #else
 
-int kvserve_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k,
-                              const uint16_t *v, int64_t kv_stride, uint16_t *out, int64_t L,
-                              int H, int KVH, int D, float scale, int window, int num_threads) {
+int kvserve_prefill_attention(const void *q, int64_t q_stride, const void *k, const void *v,
+                              int64_t kv_stride, void *out, int64_t L, int H, int KVH, int D,
+                              float scale, int window, int dt, int num_threads) {
     (void)q, (void)q_stride, (void)k, (void)v, (void)kv_stride, (void)out, (void)L, (void)H;
-    (void)KVH, (void)D, (void)scale, (void)window, (void)num_threads;
+    (void)KVH, (void)D, (void)scale, (void)window, (void)dt, (void)num_threads;
     return 1; /* no AVX-512 on the build machine: SDPA serves */
 }
 

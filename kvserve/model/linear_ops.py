@@ -6,7 +6,7 @@ oneDNN matmuls with fused epilogues (SiLU on the gate projection, the product wi
 projection, the residual add after ``o_proj`` and ``down_proj``), so the MLP's intermediate
 activations are written once instead of four times (~1.6x faster at 2,048 tokens on a 2-core
 AVX-512 CPU), the native RMSNorm and in-place rotary kernels (kvserve/kernels/pointwise.c),
-which replace chains of full-size temporaries, and the bf16 causal attention of chunks that
+which replace chains of full-size temporaries, and the causal attention of chunks that
 start a sequence (kvserve/kernels/prefill_attention.c), which skips the key blocks above the
 diagonal that SDPA's CPU kernel computes below 768 queries. RMSNorm uses its kernel only
 for bfloat16: in float32 the reference equals transformers bit for bit, and the kernel's sum of
