@@ -1,13 +1,14 @@
 """The CPU fast path's native kernels (RMSNorm, rotary, causal prefill attention) against their
 PyTorch references, per op and end to end.
 
-Per op, in ``--dtype`` (bfloat16 by default), at the 50 M model's shape (hidden 512, 8 query and 4 KV heads of 64):
-RMSNorm and rotary for a decode step (64 tokens) and a prefill chunk (2,048 tokens), and the
-causal attention of one prompt of 256-1,024 tokens against SDPA; reference and kernel timed
-alternately in every round. End to end: the throughput workload (``benchmarks/throughput.py``'s
-prompts, 128 output tokens, ignore_eos) on one engine whose backend is switched between the
-fast path without the native kernels (oneDNN matmuls only), with RMSNorm and rotary, and with
-all three, passes alternating so that drift cancels in the per-pass ratios.
+Per op, in ``--dtype`` (bfloat16 by default), at the 50 M model's shape (hidden 512, 8 query
+and 4 KV heads of 64): RMSNorm and rotary for a decode step (64 tokens) and a prefill chunk
+(2,048 tokens), and the causal attention of one prompt of 256-1,024 tokens against SDPA;
+reference and kernel timed alternately in every round. End to end: the throughput workload
+(``benchmarks/throughput.py``'s prompts, 128 output tokens, ignore_eos) on one engine whose
+backend is switched between the fast path without the native kernels (oneDNN matmuls only),
+with RMSNorm and rotary, and with all three, passes alternating so that drift cancels in the
+per-pass ratios.
 
     .venv/bin/python -m benchmarks.fast_path [--quick] [--sizes 5m,50m] [--passes 3] [--dtype D]
 """
