@@ -3,7 +3,7 @@
 The network sees one flat batch of tokens (``[T]`` ids and positions) from many sequences; only
 attention knows about sequences, through :class:`AttentionMetadata`. Q/K/V and gate/up
 projections are fused into one matmul each at load time. Keys are stored after rotary
-embedding, as transformers does, so cached K/V equal the reference's bit for bit in float32.
+embedding, as transformers does, so cached K/V match the reference's to float32 rounding.
 """
 
 from __future__ import annotations
