@@ -120,7 +120,9 @@ def weight_bytes(model) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true")
-    # bfloat16 measured faster end to end here (oneDNN bf16 matmuls, half the KV bytes).
+    # The faster dtype depends on the CPU: bfloat16 on one with AVX512-BF16 (measured on an EPYC
+    # VM: oneDNN bf16 matmuls, half the KV bytes), float32 on one without (an Ice Lake Xeon:
+    # float32 GEMMs ~5x bf16). Both engines run the same dtype.
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--sizes", default=None, help="comma list of 5m,50m")
     ap.add_argument("--num-prompts", type=int, default=64)

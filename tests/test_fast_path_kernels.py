@@ -94,7 +94,7 @@ def test_rms_norm_kernel_matches_reference(tokens):
 
 def test_fast_ops_norm_and_rotary_equal_reference_ops():
     """OneDNNOps (the CPU fast path) against TorchOps: rotary bit for bit in both dtypes,
-    RMSNorm bit for bit in float32, where it keeps the reference."""
+    RMSNorm to float32 rounding."""
     torch.manual_seed(1)
     ref, fast = TorchOps(), OneDNNOps()
     rot = _rotary(64)
@@ -106,7 +106,7 @@ def test_fast_ops_norm_and_rotary_equal_reference_ops():
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     norm = RMSNorm(256, 1e-6)
     x = torch.randn(40, 256)
-    assert torch.equal(fast.rms_norm(norm, x), ref.rms_norm(norm, x))
+    torch.testing.assert_close(fast.rms_norm(norm, x), ref.rms_norm(norm, x), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,7 @@
  *
  * Both kernels round exactly where the PyTorch reference rounds (kvserve/model/llama.py), so
  * the rotary kernel is bit-identical to it in float32 and bfloat16, and the RMSNorm kernel
- * differs from it only through the order of the sum of squares (its callers use it for 16-bit
- * dtypes; float32 keeps the reference, which equals transformers bit for bit). Compiled
+ * differs from it only through the order of the sum of squares. Compiled
  * without -ffast-math and with -ffp-contract=off: a fused multiply-add would round once where
  * the reference rounds twice.
  *
