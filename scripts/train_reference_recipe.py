@@ -22,6 +22,7 @@ records minutes and steps per phase.
 
   python scripts/train_reference_recipe.py --work-dir /tmp/ref --out models/kvserve-ref
   python scripts/train_reference_recipe.py --dry-run   # print the phase commands
+  python scripts/train_reference_recipe.py --work-dir /tmp/ref --report   # minutes, loss curve
 """
 
 from __future__ import annotations
@@ -105,16 +106,49 @@ def phase_argv(i: int, name: str, extra: list[str], work: Path, out: Path, threa
     return argv + extra
 
 
+CURVE_COLS = ["text", "ans_nll", "kv_doc", "needle_doc", "repeat_doc", "chat_doc", "var_doc",
+              "early_doc"]  # fmt: skip
+
+
+def report(work: Path, points: int = 4) -> str:
+    """Markdown: minutes per phase, then the loss curve (running means of each logging window:
+    NLL per text and per answer token, answer accuracy per document kind) at ``points`` evenly
+    spaced log lines of each phase plus its last."""
+    lines = ["| phase | steps | tokens | minutes |", "|---|---|---|---|"]
+    curve = ["| phase | step | seq len | tokens | " + " | ".join(CURVE_COLS) + " |"]
+    curve.append("|" + "---|" * (4 + len(CURVE_COLS)))
+    total = 0.0
+    for i, (name, _) in enumerate(PHASES):
+        path = work / f"{i + 1}-{name}" / "history.json"
+        if not path.exists():
+            continue
+        hist = json.loads(path.read_text())
+        total += hist[-1]["min"]
+        lines.append(f"| {i + 1} {name} | {hist[-1]['step']:,} | "
+                     f"{hist[-1]['tokens'] / 1e6:.1f} M | {hist[-1]['min']:.1f} |")  # fmt: skip
+        picks = sorted({round(k * (len(hist) - 1) / points) for k in range(1, points + 1)})
+        for rec in (hist[j] for j in picks):
+            vals = " | ".join(f"{rec[c]:.2f}" if c in rec else "-" for c in CURVE_COLS)
+            curve.append(f"| {i + 1} | {rec['step']:,} | {rec['seq_len']:,} | "
+                         f"{rec['tokens'] / 1e6:.1f} M | {vals} |")  # fmt: skip
+    lines.append(f"| all | | | {total:.1f} |")
+    return "\n".join(lines + [""] + curve)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--work-dir", default="/tmp/kvserve-ref-recipe")
     ap.add_argument("--out", default="models/kvserve-ref")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dry-run", action="store_true", help="print each phase's trainer options")
+    ap.add_argument("--report", action="store_true", help="print minutes and the loss curve")
     args = ap.parse_args(argv)
     if args.threads < 1:
         ap.error(f"--threads must be >= 1, got {args.threads}")
     work, out = Path(args.work_dir), Path(args.out)
+    if args.report:
+        print(report(work))
+        return 0
     trainer = None if args.dry_run else load_trainer()
     summary_path = work / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}

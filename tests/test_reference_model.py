@@ -224,3 +224,22 @@ def test_recipe_rejects_bad_threads(capsys, monkeypatch):
         recipe.main(["--threads", "0"])
     assert exc.value.code == 2
     assert "--threads must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_recipe_report_sums_minutes_and_samples_the_curve(tmp_path, monkeypatch):
+    recipe = _load_script("train_reference_recipe", monkeypatch)
+    hist = [
+        {"step": s, "seq_len": 64, "tokens": s * 512, "min": s / 100, "text": 3.0, "kv_doc": 0.5}
+        for s in range(100, 1100, 100)
+    ]
+    for i in (0, 2):  # phases 1 and 3 have run, phase 2 has not
+        name = recipe.PHASES[i][0]
+        (tmp_path / f"{i + 1}-{name}").mkdir()
+        (tmp_path / f"{i + 1}-{name}" / "history.json").write_text(json.dumps(hist))
+    text = recipe.report(tmp_path, points=2)
+    assert f"| 1 {recipe.PHASES[0][0]} | 1,000 | 0.5 M | 10.0 |" in text
+    assert f"| 2 {recipe.PHASES[1][0]} |" not in text
+    assert "| all | | | 20.0 |" in text
+    rows = [ln for ln in text.splitlines() if ln.startswith("| 3 | ")]
+    assert [r.split(" | ")[1] for r in rows] == ["500", "1,000"]  # the middle line and the last
+    assert rows[-1].endswith("| 3.00 | - | 0.50 | - | - | - | - | - |")
