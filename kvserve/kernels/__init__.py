@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +29,6 @@ _SRC = Path(__file__).with_name("paged_attention.c")
 # compilation only (see build_library).
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c11"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_lib: ctypes.CDLL | None = None
-_tried = False
 
 
 def _cache_dir() -> Path:
@@ -75,26 +74,43 @@ def build_library(src: Path, flags: list[str], what: str) -> ctypes.CDLL | None:
     return ctypes.CDLL(str(out))
 
 
-def _build() -> ctypes.CDLL | None:
-    lib = build_library(_SRC, _FLAGS, "paged attention")
-    if lib is None:
-        return None
+class NativeLibrary:
+    """One kernel source, built (:func:`build_library`) and given its ctypes signatures by
+    ``declare`` on the first :meth:`get`; None when there is no compiler, the build failed or
+    ``KVSERVE_DISABLE_KERNELS=1`` is set (read at each call, so tests can switch it)."""
+
+    def __init__(
+        self, src: Path, flags: list[str], what: str, declare: Callable[[ctypes.CDLL], None]
+    ) -> None:
+        self.src, self.flags, self.what, self.declare = src, flags, what, declare
+        self._lib: ctypes.CDLL | None = None
+        self._tried = False
+
+    def get(self) -> ctypes.CDLL | None:
+        if os.environ.get("KVSERVE_DISABLE_KERNELS") == "1":
+            return None
+        if not self._tried:
+            self._tried = True
+            lib = build_library(self.src, self.flags, self.what)
+            if lib is not None:
+                self.declare(lib)
+            self._lib = lib
+        return self._lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.kvserve_paged_attention
     fn.restype = ctypes.c_int
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     fn.argtypes = [p, p, p, p, i64, p, p, p, p, i32, i32, i32, i32, i32, i32,
                    ctypes.c_float, i32, i32]  # fmt: skip
-    return lib
+
+
+_LIB = NativeLibrary(_SRC, _FLAGS, "paged attention", _declare)
 
 
 def native_available() -> bool:
-    global _lib, _tried
-    if os.environ.get("KVSERVE_DISABLE_KERNELS") == "1":
-        return False
-    if not _tried:
-        _tried = True
-        _lib = _build()
-    return _lib is not None
+    return _LIB.get() is not None
 
 
 def supports(dtype: torch.dtype, device: torch.device, num_q_per_kv: int, head_dim: int,
@@ -116,7 +132,8 @@ def paged_attention(
     [num_blocks, KVH, block_size, D]; ``group`` has int64 tensors q_start, q_len, ctx_len [B]
     and block_tables [B, n] (see :class:`kvserve.model.attention.PagedGroup`).
     """
-    assert _lib is not None
+    lib = _LIB.get()
+    assert lib is not None
     n = group.num_rows
     _, h, d = q.shape
     _, kvh, bs, _ = k_cache.shape
@@ -124,7 +141,7 @@ def paged_attention(
     direct = out.dtype == torch.float32 and out.is_contiguous()
     dst = out if direct else torch.empty_like(qf)
     bt = group.block_tables.contiguous()
-    rc = _lib.kvserve_paged_attention(
+    rc = lib.kvserve_paged_attention(
         qf.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),

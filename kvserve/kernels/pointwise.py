@@ -10,43 +10,33 @@ then runs the reference.
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 
 import torch
 
-from kvserve.kernels import build_library
+from kvserve.kernels import NativeLibrary
 
 _SRC = Path(__file__).with_name("pointwise.c")
 # No -ffast-math, no contraction: the kernels round where the reference rounds.
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp", "-std=c11"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _MAX_ROT = 512  # the kernel's per-row scratch
-_lib: ctypes.CDLL | None = None
-_tried = False
 _p, _i, _i64, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 
 
-def _build() -> ctypes.CDLL | None:
-    lib = build_library(_SRC, _FLAGS, "fused RMSNorm / rotary")
-    if lib is None:
-        return None
+def _declare(lib: ctypes.CDLL) -> None:
     lib.kvserve_rms_norm.restype = _i
     lib.kvserve_rms_norm.argtypes = [_p, _i64, _p, _p, _i64, _i, _f, _i, _i]
     lib.kvserve_rotary.restype = _i
     lib.kvserve_rotary.argtypes = [_p, _i64, _i, _p, _i64, _i, _i, _i, _p, _p, _i64, _p, _i64,
                                    _i, _i]  # fmt: skip
-    return lib
+
+
+_LIB = NativeLibrary(_SRC, _FLAGS, "fused RMSNorm / rotary", _declare)
 
 
 def native_available() -> bool:
-    global _lib, _tried
-    if os.environ.get("KVSERVE_DISABLE_KERNELS") == "1":
-        return False
-    if not _tried:
-        _tried = True
-        _lib = _build()
-    return _lib is not None
+    return _LIB.get() is not None
 
 
 def _rows_ok(x: torch.Tensor) -> bool:
@@ -63,10 +53,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     """``weight * round(x * rsqrt(mean(x^2) + eps))`` for x [T, dim]; None if not handled."""
     if x.dim() != 2 or not _rows_ok(x) or weight.dtype != x.dtype or not native_available():
         return None
-    assert _lib is not None
+    lib = _LIB.get()
+    assert lib is not None
     w = weight.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype)
-    rc = _lib.kvserve_rms_norm(x.data_ptr(), x.stride(0), w.data_ptr(), out.data_ptr(),
+    rc = lib.kvserve_rms_norm(x.data_ptr(), x.stride(0), w.data_ptr(), out.data_ptr(),
                                x.shape[0], x.shape[1], eps, _DTYPES[x.dtype],
                                torch.get_num_threads())  # fmt: skip
     return out if rc == 0 else None
@@ -101,8 +92,9 @@ def rotary_(
         and native_available()
     ):
         return False
-    assert _lib is not None
-    rc = _lib.kvserve_rotary(q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0),
+    lib = _LIB.get()
+    assert lib is not None
+    rc = lib.kvserve_rotary(q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0),
                              k.shape[1], q.shape[2], rot, cos.data_ptr(), sin.data_ptr(),
                              cos.shape[0], positions.data_ptr(), q.shape[0], _DTYPES[q.dtype],
                              torch.get_num_threads())  # fmt: skip

@@ -10,39 +10,29 @@ head size or layout), and the caller runs SDPA.
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 
 import torch
 
-from kvserve.kernels import build_library
+from kvserve.kernels import NativeLibrary
 
 _SRC = Path(__file__).with_name("prefill_attention.c")
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=c11"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_lib: ctypes.CDLL | None = None
-_tried = False
 _p, _i, _i64, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 
 
-def _build() -> ctypes.CDLL | None:
-    lib = build_library(_SRC, _FLAGS, "prefill attention")
-    if lib is None:
-        return None
+def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.kvserve_prefill_attention
     fn.restype = _i
     fn.argtypes = [_p, _i64, _p, _p, _i64, _p, _i64, _i, _i, _i, _f, _i, _i, _i]
-    return lib
+
+
+_LIB = NativeLibrary(_SRC, _FLAGS, "prefill attention", _declare)
 
 
 def native_available() -> bool:
-    global _lib, _tried
-    if os.environ.get("KVSERVE_DISABLE_KERNELS") == "1":
-        return False
-    if not _tried:
-        _tried = True
-        _lib = _build()
-    return _lib is not None
+    return _LIB.get() is not None
 
 
 def _rows(x: torch.Tensor) -> bool:
@@ -76,9 +66,10 @@ def prefill_attention(
         and native_available()
     ):
         return False
-    assert _lib is not None
+    lib = _LIB.get()
+    assert lib is not None
     L, h, d = q.shape
-    rc = _lib.kvserve_prefill_attention(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(),
+    rc = lib.kvserve_prefill_attention(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(),
                                         k.stride(0), out.data_ptr(), L, h, k.shape[1], d,
                                         d**-0.5, window or 0, _DTYPES[q.dtype],
                                         torch.get_num_threads())  # fmt: skip

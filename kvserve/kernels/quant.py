@@ -9,19 +9,16 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from pathlib import Path
 
 import torch
 
-from kvserve.kernels import build_library
+from kvserve.kernels import NativeLibrary
 
 log = logging.getLogger("kvserve.kernels")
 _SRC = Path(__file__).with_name("quant_attention.c")
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=c11"]
 _RES_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_lib: ctypes.CDLL | None = None
-_tried = False
 _KIVI_LUT: torch.Tensor | None = None
 _FP8_LUTS: dict[torch.dtype, torch.Tensor] = {}
 
@@ -56,24 +53,17 @@ class _Cache(ctypes.Structure):
     ]
 
 
-def _build() -> ctypes.CDLL | None:
-    lib = build_library(_SRC, _FLAGS, "quantized KV attention")
-    if lib is None:
-        return None
+def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.kvserve_quant_decode
     fn.restype = _i
     fn.argtypes = [_p, _p, _p, _i64, _p, _i, _i, _i, _f, ctypes.POINTER(_Cache), _i]
-    return lib
+
+
+_LIB = NativeLibrary(_SRC, _FLAGS, "quantized KV attention", _declare)
 
 
 def native_available() -> bool:
-    global _lib, _tried
-    if os.environ.get("KVSERVE_DISABLE_KERNELS") == "1":
-        return False
-    if not _tried:
-        _tried = True
-        _lib = _build()
-    return _lib is not None
+    return _LIB.get() is not None
 
 
 def supports(storage, q: torch.Tensor) -> bool:  # noqa: ANN001 - any quantized storage
@@ -89,12 +79,13 @@ def supports(storage, q: torch.Tensor) -> bool:  # noqa: ANN001 - any quantized 
 
 
 def _run(q, block_tables, seq_lens, window, cache: _Cache, keep: list) -> torch.Tensor:  # noqa: ANN001
-    assert _lib is not None
+    lib = _LIB.get()
+    assert lib is not None
     b, h, d = q.shape
     qf = q.float().contiguous()
     out = torch.empty_like(qf)
     bt, lens = block_tables.contiguous(), seq_lens.contiguous()
-    rc = _lib.kvserve_quant_decode(
+    rc = lib.kvserve_quant_decode(
         qf.data_ptr(),
         out.data_ptr(),
         bt.data_ptr(),
