@@ -10,7 +10,7 @@ taught, applied here in order:
 3. ``haystack``: 128-512-token haystacks. A from-scratch model forms no general induction head
    on 64-token data alone; a longer-context phase before it is what lets the head form.
 4. ``induction``: 64-token repeated spans again until ``repeat_doc`` accuracy reaches 0.6 (the
-   head has formed; ``--stop-when``), at most 6,000 steps.
+   head has formed; ``--stop-when``), at most 9,000 steps.
 5. ``to-1024`` and 6. ``to-2048``: haystack curricula doubling the context to 2,048 tokens.
 7. ``early``: ``early_doc`` (a needle in the first 15 % of 2,048 tokens, asked at the end).
 8. ``past-2048``: 2,304-token texts, so a 2,048-token prompt's longest distance is trained.
@@ -64,13 +64,13 @@ PHASES: list[tuple[str, list[str]]] = [
     (
         "induction",
         ["--mix", "repeat_doc:0.7,kv_doc:0.15,needle_doc:0.15", "--curriculum", "64:1"]
-        + ["--steps", "20000", "--stop-after", "6000", "--stop-when", "repeat_doc:0.6"]
+        + ["--steps", "20000", "--stop-after", "9000", "--stop-when", "repeat_doc:0.6"]
         + ["--lr", "2e-3"],
     ),
     (
         "to-1024",
         HAYSTACK_VARS
-        + ["--curriculum", "128:0.3,256:0.3,512:0.25,1024:0.15", "--steps", "9000"]
+        + ["--curriculum", "128:0.3,256:0.3,512:0.25,1024:0.15", "--steps", "7500"]
         + ["--lr", "1.5e-3"],
     ),
     (
