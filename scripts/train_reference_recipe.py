@@ -76,10 +76,10 @@ PHASES: list[tuple[str, list[str]]] = [
     (
         "to-2048",
         HAYSTACK_VARS
-        + ["--curriculum", "512:0.15,1024:0.35,2048:0.5", "--steps", "3600"]
+        + ["--curriculum", "512:0.15,1024:0.35,2048:0.5", "--steps", "3000"]
         + ["--lr", "1.5e-3"],
     ),
-    ("early", ["--mix", LATE_MIX, "--curriculum", "2048:1", "--steps", "1200", "--lr", "5e-4"]),
+    ("early", ["--mix", LATE_MIX, "--curriculum", "2048:1", "--steps", "900", "--lr", "5e-4"]),
     (
         "past-2048",
         ["--mix", LAST_MIX, "--curriculum", "2304:1", "--steps", "450", "--lr", "2e-4"],
