@@ -76,13 +76,13 @@ PHASES: list[tuple[str, list[str]]] = [
     (
         "to-2048",
         HAYSTACK_VARS
-        + ["--curriculum", "512:0.15,1024:0.35,2048:0.5", "--steps", "2700"]
+        + ["--curriculum", "512:0.15,1024:0.35,2048:0.5", "--steps", "2700", "--stop-after", "2000"]
         + ["--lr", "1.5e-3"],
     ),
-    ("early", ["--mix", LATE_MIX, "--curriculum", "2048:1", "--steps", "700", "--lr", "5e-4"]),
+    ("early", ["--mix", LATE_MIX, "--curriculum", "2048:1", "--steps", "450", "--lr", "5e-4"]),
     (
         "past-2048",
-        ["--mix", LAST_MIX, "--curriculum", "2304:1", "--steps", "300", "--lr", "2e-4"],
+        ["--mix", LAST_MIX, "--curriculum", "2304:1", "--steps", "150", "--lr", "2e-4"],
     ),
 ]
 
