@@ -98,6 +98,16 @@ class NativeLibrary:
         return self._lib
 
 
+def packed_rows(x: torch.Tensor, dtypes: Any) -> bool:
+    """A 2-D or 3-D CPU tensor in one of ``dtypes`` whose last dims are packed: the rows of the
+    flat batch may be strided (views into a fused QKV output), the values inside a row not."""
+    if x.device.type != "cpu" or x.dtype not in dtypes or x.dim() not in (2, 3):
+        return False
+    inner = x.shape[-1] * (x.shape[-2] if x.dim() == 3 else 1)
+    packed = x.stride(-1) == 1 and (x.dim() == 2 or x.stride(-2) == x.shape[-1])
+    return packed and x.stride(0) >= inner
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.kvserve_paged_attention
     fn.restype = ctypes.c_int

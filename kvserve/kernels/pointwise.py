@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kvserve.kernels import NativeLibrary
+from kvserve.kernels import NativeLibrary, packed_rows
 
 _SRC = Path(__file__).with_name("pointwise.c")
 # No -ffast-math, no contraction: the kernels round where the reference rounds.
@@ -39,19 +39,14 @@ def native_available() -> bool:
     return _LIB.get() is not None
 
 
-def _rows_ok(x: torch.Tensor) -> bool:
-    """A 2-D or 3-D CPU tensor whose last dims are packed: rows of the flat batch may be
-    strided (views into a fused QKV output), the values inside a row may not."""
-    if x.device.type != "cpu" or x.dtype not in _DTYPES:
-        return False
-    inner = x.shape[-1] * (x.shape[-2] if x.dim() == 3 else 1)
-    packed = x.stride(-1) == 1 and (x.dim() == 2 or x.stride(-2) == x.shape[-1])
-    return packed and x.stride(0) >= inner
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """``weight * round(x * rsqrt(mean(x^2) + eps))`` for x [T, dim]; None if not handled."""
-    if x.dim() != 2 or not _rows_ok(x) or weight.dtype != x.dtype or not native_available():
+    if (
+        x.dim() != 2
+        or not packed_rows(x, _DTYPES)
+        or weight.dtype != x.dtype
+        or not native_available()
+    ):
         return None
     lib = _LIB.get()
     assert lib is not None
@@ -80,8 +75,8 @@ def rotary_(
         and q.dtype == k.dtype
         and q.shape[0] == k.shape[0] == positions.shape[0]
         and q.shape[2] == k.shape[2]
-        and _rows_ok(q)
-        and _rows_ok(k)
+        and packed_rows(q, _DTYPES)
+        and packed_rows(k, _DTYPES)
         and positions.dtype == torch.int64
         and positions.is_contiguous()
         and cos.dtype == sin.dtype == torch.float32

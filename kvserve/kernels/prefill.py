@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kvserve.kernels import NativeLibrary
+from kvserve.kernels import NativeLibrary, packed_rows
 
 _SRC = Path(__file__).with_name("prefill_attention.c")
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=c11"]
@@ -35,27 +35,16 @@ def native_available() -> bool:
     return _LIB.get() is not None
 
 
-def _rows(x: torch.Tensor) -> bool:
-    """[L, heads, D] with each token's heads packed (rows may be strided)."""
-    return (
-        x.dim() == 3
-        and x.dtype in _DTYPES
-        and x.device.type == "cpu"
-        and x.stride(2) == 1
-        and x.stride(1) == x.shape[2]
-        and x.stride(0) >= x.shape[1] * x.shape[2]
-    )
-
-
 def prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, window: int | None
 ) -> bool:
     """Causal attention of q [L, H, D] over k/v [L, KVH, D] (positions 0..L-1), written into
     out [L, H, D] (contiguous); False if not handled."""
     if not (
-        _rows(q)
-        and _rows(k)
-        and _rows(v)
+        q.dim() == k.dim() == v.dim() == 3
+        and packed_rows(q, _DTYPES)
+        and packed_rows(k, _DTYPES)
+        and packed_rows(v, _DTYPES)
         and k.stride(0) == v.stride(0)
         and q.shape[0] == k.shape[0] == v.shape[0] == out.shape[0]
         and k.shape == v.shape
