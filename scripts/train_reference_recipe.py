@@ -3,19 +3,24 @@
 The committed model v3 came from nine hand-run phases (163 min of compute). What those runs
 taught, applied here in order:
 
-1. ``kv``: 64-token texts of dense key/value statements (v3's phase 1 mix) from scratch until
-   the adjacent key/value circuit forms (``kv_doc`` answer accuracy 0.7, ``--stop-when``). The
-   first run opened with 7,000 steps of repeated word spans (``start``), which formed nothing.
-2. ``haystack``: 128-512-token haystacks. A from-scratch model forms no general induction head
+1. ``start``: 64-token texts of repeated word spans and key/value statements.
+2. ``kv``: 64-token texts of dense key/value statements (v3's phase 1 mix) until the adjacent
+   key/value circuit forms (``kv_doc`` answer accuracy 0.7, ``--stop-when``); ``start``'s
+   one-in-five key/value texts did not form it in 7,000 steps.
+3. ``haystack``: 128-512-token haystacks. A from-scratch model forms no general induction head
    on 64-token data alone; a longer-context phase before it is what lets the head form.
-3. ``induction``: 64-token repeated spans again until ``repeat_doc`` accuracy reaches 0.6 (the
+4. ``induction``: 64-token repeated spans again until ``repeat_doc`` accuracy reaches 0.6 (the
    head has formed; ``--stop-when``), at most 9,000 steps.
-4. ``to-1024`` and 5. ``to-2048``: haystack curricula doubling the context to 2,048 tokens.
-6. ``early``: ``early_doc`` (a needle in the first 15 % of 2,048 tokens, asked at the end).
-7. ``past-2048``: 2,304-token texts, so a 2,048-token prompt's longest distance is trained.
+5. ``to-1024`` and 6. ``to-2048``: haystack curricula doubling the context to 2,048 tokens.
+7. ``early``: ``early_doc`` (a needle in the first 15 % of 2,048 tokens, asked at the end).
+8. ``past-2048``: 2,304-token texts, so a 2,048-token prompt's longest distance is trained.
 
-The minutes ``start`` took in the first run went to ``to-2048``, ``early`` and ``past-2048``
-(2,000 + 450 + 150 steps there), whose model missed 95 % at depth 0-10 % by one needle.
+``start`` shows no gain in its own metrics, but it is not dead weight: a run that began with
+``kv`` from step 0 (the same mix, ``--stop-after 12000``) formed no key/value circuit in 12,000
+steps (27.5 min, ``kv_doc`` accuracy 0.21 throughout), where ``start`` + ``kv`` formed it after
+7,000 + 3,300 steps (26 min). The first run cut ``to-2048`` at 2,000 of 2,700 planned steps
+(before its learning rate decayed), ``early`` at 450 and ``past-2048`` at 150; its model missed
+95 % at depth 0-10 % by one needle. The tail is now 2,000 steps with a full schedule, 800 and 200.
 
 Each phase starts from the previous phase's export with a fresh optimizer and schedule; a
 finished phase (its ``out/model.safetensors`` exists) is skipped, and the phase that was
@@ -48,9 +53,14 @@ LATE_MIX = "early_doc:0.3,needle_doc:0.3,repeat_doc:0.1,chat_doc:0.1,kv_doc:0.1,
 LAST_MIX = "early_doc:0.35,needle_doc:0.3,repeat_doc:0.1,chat_doc:0.1,var_doc:0.1,kv_doc:0.05"
 PHASES: list[tuple[str, list[str]]] = [
     (
+        "start",
+        ["--mix", "repeat_doc:0.6,kv_doc:0.2,needle_doc:0.2", "--curriculum", "64:1"]
+        + ["--steps", "7000", "--lr", "3e-3"],
+    ),
+    (
         "kv",
         ["--mix", "kv_doc:0.6,needle_doc:0.15,repeat_doc:0.1,chat_doc:0.15", "--curriculum"]
-        + ["64:1", "--steps", "16000", "--stop-after", "7000", "--stop-when", "kv_doc:0.7"]
+        + ["64:1", "--steps", "16000", "--stop-after", "5000", "--stop-when", "kv_doc:0.7"]
         + ["--lr", "3e-3"],
     ),
     (
@@ -73,10 +83,10 @@ PHASES: list[tuple[str, list[str]]] = [
     (
         "to-2048",
         HAYSTACK_VARS
-        + ["--curriculum", "512:0.15,1024:0.35,2048:0.5", "--steps", "2400"]
+        + ["--curriculum", "512:0.15,1024:0.35,2048:0.5", "--steps", "2000"]
         + ["--lr", "1.5e-3"],
     ),
-    ("early", ["--mix", LATE_MIX, "--curriculum", "2048:1", "--steps", "650", "--lr", "5e-4"]),
+    ("early", ["--mix", LATE_MIX, "--curriculum", "2048:1", "--steps", "800", "--lr", "5e-4"]),
     (
         "past-2048",
         ["--mix", LAST_MIX, "--curriculum", "2304:1", "--steps", "200", "--lr", "2e-4"],
