@@ -18,9 +18,11 @@ taught, applied here in order:
 ``start`` shows no gain in its own metrics, but it is not dead weight: a run that began with
 ``kv`` from step 0 (the same mix, ``--stop-after 12000``) formed no key/value circuit in 12,000
 steps (27.5 min, ``kv_doc`` accuracy 0.21 throughout), where ``start`` + ``kv`` formed it after
-7,000 + 3,300 steps (26 min). The first run cut ``to-2048`` at 2,000 of 2,700 planned steps
-(before its learning rate decayed), ``early`` at 450 and ``past-2048`` at 150; its model missed
-95 % at depth 0-10 % by one needle. The tail is now 2,000 steps with a full schedule, 800 and 200.
+7,000 + 3,300 steps (26 min). The difference is the seed: ``kv`` from scratch with ``--seed 2``
+formed it in 3,200 steps (6.7 min). The first run cut ``to-2048`` at 2,000 of 2,700 planned
+steps (before its learning rate decayed), ``early`` at 450 and ``past-2048`` at 150; its model
+missed 95 % at depth 0-10 % by one needle. The tail is now 2,000 steps with a full schedule,
+800 and 200.
 
 Each phase starts from the previous phase's export with a fresh optimizer and schedule; a
 finished phase (its ``out/model.safetensors`` exists) is skipped, and the phase that was
