@@ -585,6 +585,14 @@ def main(argv=None):
         default=False,
         help="bf16 autocast (about half the speed of float32 on a CPU without AMX)",
     )
+    ap.add_argument(
+        "--flush-denormal",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="treat subnormal floats as zero: a trained model's forward + backward at 2,048 "
+        "tokens ran 1.85x slower with them (0.90 vs 0.49 s); the runs recorded in the model "
+        "card before 2026-12-01 13:30 kept them (--no-flush-denormal)",
+    )
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--intermediate", type=int, default=704)
@@ -627,6 +635,7 @@ def main(argv=None):
         ap.error(f"--init-from: no ckpt.pt file or model directory at {args.init_from}")
 
     torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(args.flush_denormal)
     global DENSE_SHORT
     DENSE_SHORT = not args.haystack_mix
     torch.manual_seed(args.seed)
