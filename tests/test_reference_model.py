@@ -166,6 +166,7 @@ def test_model_recalls_needles_at_every_depth(hf_tok, hf_model, count):
         (["--stop-when", "needles:0.5"], "--stop-when: unknown document kind 'needles'"),
         (["--stop-when", "repeat_doc:high"], "accuracy must be a number in (0, 1]"),
         (["--stop-when", "repeat_doc:1.5"], "accuracy must be in (0, 1], got 1.5"),
+        (["--flush-denormal=yes"], "argument --flush-denormal/--no-flush-denormal"),
         (
             ["--init-from", "/nonexistent/ckpt.pt"],
             "--init-from: no ckpt.pt file or model directory",
