@@ -590,8 +590,8 @@ def main(argv=None):
         action=argparse.BooleanOptionalAction,
         default=True,
         help="treat subnormal floats as zero: a trained model's forward + backward at 2,048 "
-        "tokens ran 1.85x slower with them (0.90 vs 0.49 s); every run the model card "
-        "records kept them (--no-flush-denormal)",
+        "tokens ran 1.85x slower with them (0.90 vs 0.49 s); the model card's runs before v4 "
+        "kept them (--no-flush-denormal)",
     )
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256)
