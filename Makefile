@@ -20,14 +20,16 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check kvserve tests benchmarks scripts
 	$(BIN)/ruff format --check kvserve tests benchmarks scripts
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvserve tests benchmarks scripts
+	$(BIN)/lint-imports
 
 format: $(STAMP)
 	$(BIN)/ruff format kvserve tests benchmarks scripts
 	$(BIN)/ruff check --fix kvserve tests benchmarks scripts
 
 clean:
-	rm -rf $(VENV) .cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) .cache .pytest_cache .ruff_cache .import_linter_cache

@@ -35,6 +35,7 @@ def run(batch: int, context: int, rounds: int, scattered: bool) -> dict[str, dic
         st = make_kv_storage(f, 1, batch * nb, bs, kvh, d, torch.float32)
         for i in range(batch):
             pos = torch.arange(context)
+            st.begin_step(tables[i, pos // bs] * bs + pos % bs)
             st.write(0, tables[i, pos // bs] * bs + pos % bs, kv[i], -kv[i])
         stores[f] = st
     q = torch.randn(batch, heads, d, generator=g)

@@ -35,7 +35,7 @@ FORMATS = ["bfloat16", "fp8_e4m3", "fp8_e5m2", "int8", "kivi4", "kivi2"]
 
 
 def bytes_section() -> dict[str, float]:
-    from kvserve.kv.storage import kv_bytes_per_token
+    from kvserve.kv.formats import kv_bytes_per_token
 
     base = kv_bytes_per_token("bfloat16", 32, 8, 128, "bfloat16")
     rows, ratio = [], {}
@@ -153,7 +153,7 @@ def throughput_section(
     """``kv_cache_memory`` holds ``bf16_seqs`` full sequences in bfloat16, so bfloat16 runs
     that many at a time while the quantized formats run more (up to all ``n``)."""
     from kvserve.config import ModelConfig
-    from kvserve.kv.storage import kv_bytes_per_token
+    from kvserve.kv.formats import kv_bytes_per_token
     from kvserve.request import SamplingParams
 
     mc = ModelConfig.from_pretrained(model)
@@ -203,13 +203,15 @@ def throughput_section(
 def capture_kv(model: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of one n-token prompt through the model: [layers * kvh, n, d] each."""
     from kvserve.config import ModelConfig
-    from kvserve.kv.storage import KVStorage
+    from kvserve.kv.storage import DenseKVStorage
     from kvserve.model.attention import AttentionMetadata, PrefillChunk
     from kvserve.model.loader import load_model
 
     mc = ModelConfig.from_pretrained(model)
     m = load_model(model, mc, torch.float32, torch.device("cpu"), n + 16)
-    st = KVStorage(mc.num_hidden_layers, n, 1, mc.num_key_value_heads, mc.head_dim, torch.float32)
+    st = DenseKVStorage(
+        mc.num_hidden_layers, n, 1, mc.num_key_value_heads, mc.head_dim, torch.float32
+    )
     ids = torch.tensor(random_prompts(1, n, n, mc.vocab_size, seed=3)[0])
     meta = AttentionMetadata(
         slot_mapping=torch.arange(n), block_size=1, prefills=[PrefillChunk(0, n, 0, None)]
@@ -316,6 +318,7 @@ def path_logits(model, mc, fmt: str, prompt: list[int], path: list[int], greedy:
     meta = AttentionMetadata(slot_mapping=torch.arange(n), block_size=bs,
                              prefills=[PrefillChunk(0, n, 0, None)])  # fmt: skip
     with torch.inference_mode():
+        st.begin_step(meta.slot_mapping)
         out = [model.logits(model(torch.tensor(prompt), torch.arange(n), st, meta)[-1:])]
         path = list(path)
         for i in range(len(path) if not greedy else 10**9):
@@ -327,6 +330,7 @@ def path_logits(model, mc, fmt: str, prompt: list[int], path: list[int], greedy:
             meta = AttentionMetadata(slot_mapping=torch.tensor([p]), block_size=bs, num_decode=1,
                                      decode_block_tables=table[:, : p // bs + 1],
                                      decode_seq_lens=torch.tensor([p + 1]))  # fmt: skip
+            st.begin_step(meta.slot_mapping)
             out.append(model.logits(model(torch.tensor([path[i]]), torch.tensor([p]), st, meta)))
     return torch.cat(out), path
 

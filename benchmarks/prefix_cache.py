@@ -119,7 +119,7 @@ def parallel_sampling_blocks(path: str, vocab: int) -> tuple[int, int]:
         peak = 0
         while engine.has_unfinished_requests():
             engine.step()
-            peak = max(peak, engine.kv.pool.num_used_blocks)
+            peak = max(peak, engine.kv.num_used_blocks)
         peaks.append(peak)
     return peaks[0], peaks[1]  # fmt: skip
 

@@ -101,7 +101,7 @@ def main() -> int:
     t_start = time.monotonic()
     from kvserve.bench.report import config_table, markdown, plot_latency_cdf, write_json
     from kvserve.bench.workloads import WorkloadSpec, make_workload
-    from kvserve.cli import default_model
+    from kvserve.engine_args import default_model
     from kvserve.llm import LLM
 
     model = default_model()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,6 +133,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # the step that computed it failed (a runner error)
 
     @property
     def finished(self) -> bool:
@@ -141,12 +141,14 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_ERROR,
         )
 
 
 @dataclass(slots=True)
 class RequestMetrics:
-    """Wall-clock times (``time.monotonic()``) of a request's life."""
+    """Times of a request's life, read from the engine's clock (``time.monotonic`` unless
+    the engine was given another)."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -168,11 +170,15 @@ class RequestMetrics:
 
 
 class Request:
-    """One sequence being generated: its tokens, progress and sampling state.
+    """One sequence being generated: its tokens and progress, as the scheduler tracks them.
 
     ``num_computed_tokens`` counts tokens whose K/V sit in the cache; the scheduler hands the
     model ``all_token_ids[num_computed_tokens:]`` (bounded by the budget), which is the whole
-    prompt chunk by chunk during prefill and the single newest token during decode.
+    prompt chunk by chunk during prefill and the single newest token during decode. Sampling
+    state (seeded generators) lives in the runner, text in the engine's output processor.
+    ``forks`` are the other samples of an ``n > 1`` request: they wait, holding nothing, until
+    this one's first token, then share its blocks and draw their first tokens from the same
+    logits.
     """
 
     __slots__ = (
@@ -194,13 +200,12 @@ class Request:
         "cumulative_logprob",
         "stop_reason",
         "metrics",
-        "generator",
-        "detokenizer",
-        "output_text",
         "lpm_skips",
         "prompt_logits",
         "parent_id",
         "index",
+        "forks",
+        "error",
     )
 
     def __init__(
@@ -212,7 +217,7 @@ class Request:
         eos_token_ids: tuple[int, ...] = (),
         prompt: str | None = None,
         cache_salt: str | None = None,
-        arrival_time: float | None = None,
+        arrival_time: float = 0.0,
         parent_id: str | None = None,
         index: int = 0,
     ) -> None:
@@ -224,7 +229,7 @@ class Request:
         self.max_tokens = max_tokens
         self.eos_token_ids = () if sampling_params.ignore_eos else tuple(eos_token_ids)
         self.cache_salt = cache_salt
-        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.arrival_time = arrival_time
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # set at first scheduling
@@ -236,14 +241,13 @@ class Request:
         self.cumulative_logprob = 0.0
         self.stop_reason: int | str | None = None
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
-        self.generator: Any = None
-        self.detokenizer: Any = None
-        self.output_text = ""
         self.lpm_skips = 0
         # Per-chunk [n, vocab] log-softmax rows for prompt positions, when asked for.
         self.prompt_logits: list[Any] | None = None
-        self.parent_id = parent_id
+        self.parent_id = request_id if parent_id is None else parent_id
         self.index = index
+        self.forks: list[Request] = []
+        self.error: str | None = None
 
     @property
     def wants_prompt_logits(self) -> bool:
@@ -309,3 +313,5 @@ class RequestOutput:
     # [num_prompt_tokens, vocab] log-probs (row i predicts token i + 1; the last row the first
     # output token), only when add_request(..., return_prompt_logits=True): for eval tooling.
     prompt_logits: Any = None
+    # Why the request finished with finish_reason "error" (its engine step failed), else None.
+    error: str | None = None

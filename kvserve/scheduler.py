@@ -1,4 +1,4 @@
-"""Continuous batching: which requests run this step and how many tokens each computes.
+"""Continuous batching: which requests run this step, and every change of request state after.
 
 There are no separate prefill and decode phases. Each request has ``num_tokens`` known tokens
 of which ``num_computed_tokens`` have K/V in the cache; a step gives each scheduled request a
@@ -8,62 +8,91 @@ step. Running requests are served first (oldest first); waiting ones are admitte
 budget, ``max_num_seqs`` and the KV pool allow. When a running request cannot get a block, the
 most recently admitted request is preempted (its blocks freed, to be recomputed later) and put
 back at the front of the queue; the oldest request always progresses, so nothing deadlocks.
+
+:meth:`Scheduler.schedule` describes the step as plain data (:class:`SchedulerOutput`);
+:meth:`Scheduler.update_from_output` owns what happens after the forward pass: computed-token
+counts, appended tokens and logprobs, publishing full blocks to the prefix cache, forking the
+other samples of an ``n > 1`` request, stop checks and freeing. Request state changes here and
+nowhere else (the engine asks for a stop-string finish through :meth:`finish_requests`).
 """
 
 from __future__ import annotations
 
-import time
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 from kvserve.config import SchedulerConfig
 from kvserve.kv.manager import KVCacheManager
 from kvserve.request import Request, RequestStatus
+from kvserve.step import ModelRunnerOutput, NewRequestData, ScheduledSeq, SchedulerOutput
 
 
 @dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
+class SchedulerStats:
+    """Counters since start (vLLM's meanings)."""
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the request's last known token (so it samples one)."""
-        r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+    prompt_tokens_total: int = 0  # every prompt token of requests that produced a token
+    prefill_tokens_computed_total: int = 0  # prompt tokens actually computed (hits excluded)
+    generation_tokens_total: int = 0
+    num_preemptions: int = 0
 
 
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-
-    @property
-    def total_tokens(self) -> int:
-        return self.num_prefill_tokens + self.num_decode_tokens
+def check_stop(r: Request, token: int, max_model_len: int) -> bool:
+    """Stop tokens, EOS and length limits after ``token`` was appended; sets the request's
+    status and returns True when it finished. (Stop strings need text: the engine's output
+    processor checks those.)"""
+    p = r.sampling_params
+    n_out = r.num_output_tokens
+    if n_out >= p.min_tokens:
+        if token in r.eos_token_ids:
+            r.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if p.stop_token_ids and token in p.stop_token_ids:
+            r.stop_reason = token
+            r.status = RequestStatus.FINISHED_STOPPED
+            return True
+    if n_out >= r.max_tokens or r.num_tokens >= max_model_len:
+        r.status = RequestStatus.FINISHED_LENGTH
+        return True
+    return False
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
         self.config = config
         self.kv = kv
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}  # every unfinished request, forks included
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.num_preemptions = 0
+        self.stats = SchedulerStats()
+        self._in_runner: set[str] = set()  # requests whose sampling state the runner holds
+        self._finished_ids: list[str] = []  # ... that finished since the last step
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.stats.num_preemptions
 
     def add_request(self, request: Request) -> None:
+        """Queue a request; its ``forks`` wait until its first token."""
+        for r in (request, *request.forks):
+            if r.request_id in self.requests:
+                raise ValueError(f"request_id: {r.request_id!r} is already scheduled")
+        self.requests[request.request_id] = request
+        for f in request.forks:
+            self.requests[f.request_id] = f
         self.waiting.append(request)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.requests)
 
+    # -- scheduling ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        scheduled_ids: set[str] = set()
+        picked: list[tuple[Request, int]] = []
 
         # 1. Running requests, oldest first; preempt from the newest end when blocks run out.
         i = 0
@@ -76,13 +105,12 @@ class Scheduler:
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()
                 self._preempt(victim, out)
+                picked = [(r, k) for r, k in picked if r is not victim]
                 if victim is req:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(req, n))
-                scheduled_ids.add(req.request_id)
+                picked.append((req, n))
                 budget -= n
-                self._count(out, req, n)
                 i += 1
                 continue
             break  # req itself was preempted: nothing newer remains
@@ -91,7 +119,7 @@ class Scheduler:
         while (
             self.waiting
             and budget > 0
-            and not out.preempted
+            and not out.preempted_req_ids
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self._pick_waiting()
@@ -110,19 +138,53 @@ class Scheduler:
                 req.num_cached_tokens = num_cached
             req.num_computed_tokens += num_cached
             req.status = RequestStatus.RUNNING
-            if req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = time.monotonic()
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, n))
+            picked.append((req, n))
             budget -= n
-            self._count(out, req, n)
+
+        if not picked:
+            return out  # the KV record and finished ids wait for a step that runs
+        for req, n in picked:
+            out.seqs.append(self._describe(req, n, out))
+            if req.num_computed_tokens + n <= req.num_prompt_tokens or n > 1:
+                out.num_prefill_tokens += n
+            else:
+                out.num_decode_tokens += n
+        out.kv_ops = self.kv.take_ops()
+        out.finished_req_ids, self._finished_ids = self._finished_ids, []
         return out
 
-    def _count(self, out: SchedulerOutput, req: Request, n: int) -> None:
-        if req.num_computed_tokens + n <= req.num_prompt_tokens or n > 1:
-            out.num_prefill_tokens += n
-        else:
-            out.num_decode_tokens += n
+    def _describe(self, req: Request, n: int, out: SchedulerOutput) -> ScheduledSeq:
+        """The plain-data view of ``req``'s share of the step (see :mod:`kvserve.step`)."""
+        c = req.num_computed_tokens
+        samples = c + n == req.num_tokens
+        sample_ids: tuple[str, ...] = ()
+        if samples:
+            sample_ids = (req.request_id, *(f.request_id for f in req.forks))
+            for r in (req, *req.forks) if req.forks else (req,):
+                if r.request_id not in self._in_runner:
+                    self._in_runner.add(r.request_id)
+                    out.new_requests.append(
+                        NewRequestData(
+                            r.request_id,
+                            r.prompt_token_ids,
+                            r.sampling_params,
+                            r.eos_token_ids,
+                            r.output_token_ids,
+                        )  # fmt: skip
+                    )
+        prompt_rows = 0
+        if req.wants_prompt_logits and c < req.num_prompt_tokens:
+            prompt_rows = min(n, req.num_prompt_tokens - c)
+        return ScheduledSeq(
+            req_id=req.request_id,
+            token_ids=req.all_token_ids[c : c + n],
+            position=c,
+            num_cached=c,
+            block_ids=list(self.kv.block_ids(req)),
+            sample_ids=sample_ids,
+            num_prompt_logit_rows=prompt_rows,
+        )
 
     def _pick_waiting(self) -> Request:
         """fcfs: the head. lpm: the longest cached prefix, unless the head has waited long."""
@@ -133,7 +195,7 @@ class Scheduler:
             return head
         best, best_hit = head, -1
         for req in self.waiting:
-            hit = self._cached_prefix_len(req)
+            hit = self.kv.num_cached_prefix_blocks(req)
             if hit > best_hit:
                 best, best_hit = req, hit
         if best is not head:
@@ -142,15 +204,6 @@ class Scheduler:
                     break
                 req.lpm_skips += 1
         return best
-
-    def _cached_prefix_len(self, req: Request) -> int:
-        hashes = self.kv.block_hashes(req)
-        n = 0
-        for h in hashes:
-            if self.kv.pool.get_cached_block(h) is None:
-                break
-            n += 1
-        return n
 
     def _remove_waiting(self, req: Request) -> None:
         if self.waiting[0] is req:
@@ -165,13 +218,113 @@ class Scheduler:
         if req.prompt_logits is not None:
             req.prompt_logits = []  # recomputed from scratch
         req.num_preemptions += 1
-        self.num_preemptions += 1
+        self.stats.num_preemptions += 1
         self.waiting.appendleft(req)
-        out.preempted.append(req)
-        out.scheduled = [s for s in out.scheduled if s.request is not req]
+        out.preempted_req_ids.append(req.request_id)
 
-    def finish(self, req: Request, status: RequestStatus) -> None:
-        """Remove a request from the queues and free its blocks (finish, abort or error)."""
+    # -- after the forward pass -----------------------------------------------------------------
+    def update_from_output(
+        self,
+        scheduler_output: SchedulerOutput,
+        runner_output: ModelRunnerOutput,
+        scheduled_at: float,
+        now: float,
+    ) -> list[Request]:
+        """Apply a step's results; returns the requests that got a token or finished, in
+        step order (finished ones have a finished status and hold no blocks)."""
+        touched: dict[str, Request] = {}
+        for seq in scheduler_output.seqs:
+            r = self.requests[seq.req_id]
+            n = seq.num_tokens
+            if r.num_computed_tokens < r.num_prompt_tokens:
+                self.stats.prefill_tokens_computed_total += min(
+                    n, r.num_prompt_tokens - r.num_computed_tokens
+                )
+            r.num_computed_tokens += n
+            if r.metrics.first_scheduled_time is None:
+                r.metrics.first_scheduled_time = scheduled_at
+            self.kv.cache_computed_blocks(r)
+        for rid, rows in runner_output.prompt_logits.items():
+            self.requests[rid].prompt_logits.append(rows)
+
+        row = {rid: i for i, rid in enumerate(runner_output.req_ids)}
+        finished: list[Request] = []
+        for seq in scheduler_output.seqs:
+            if not seq.sample_ids:
+                continue
+            first = self.requests[seq.req_id]
+            forks, first.forks = first.forks, []
+            for f in forks:
+                self._fork(first, f)
+            self.waiting.extendleft(reversed(forks))
+            for rid in seq.sample_ids:
+                r = self.requests[rid]
+                i = row[rid]
+                token = runner_output.token_ids[i]
+                r.all_token_ids.append(token)
+                self.stats.generation_tokens_total += 1
+                lp = runner_output.logprobs[i] if runner_output.logprobs else None
+                if r.output_logprobs is not None and lp is not None:
+                    r.output_logprobs.append(lp)
+                if runner_output.sampled_logprobs is not None:
+                    r.cumulative_logprob += runner_output.sampled_logprobs[i]
+                if r.metrics.first_token_time is None:
+                    r.metrics.first_token_time = now
+                    self.stats.prompt_tokens_total += r.num_prompt_tokens
+                r.metrics.token_times.append(now)
+                if check_stop(r, token, self.max_model_len):
+                    finished.append(r)
+                touched[rid] = r
+        for r in finished:
+            r.metrics.finished_time = now
+            self._finish(r, r.status)
+        return list(touched.values())
+
+    def _fork(self, first: Request, sib: Request) -> None:
+        """Give a waiting sibling ``first``'s blocks; it samples its own first token from the
+        same logits this step, then decodes on its own (copy-on-write of the shared tail)."""
+        self.kv.fork(first, sib)
+        sib.num_computed_tokens = first.num_computed_tokens
+        sib.num_cached_tokens = first.num_cached_tokens
+        sib.metrics.first_scheduled_time = first.metrics.first_scheduled_time
+
+    def fail_step(self, scheduler_output: SchedulerOutput, error: str, now: float) -> list[Request]:
+        """The runner (or the clock) raised: finish every request of the step with an error,
+        free their blocks, and keep the step's record of frees for the next step (the runner
+        may not have applied it). Requests outside the step carry on."""
+        self.kv.restore_ops(scheduler_output.kv_ops)
+        self._finished_ids = scheduler_output.finished_req_ids + self._finished_ids
+        failed = []
+        for seq in scheduler_output.seqs:
+            r = self.requests.get(seq.req_id)
+            if r is None:
+                continue
+            for x in (r, *r.forks):
+                x.error = error
+                x.metrics.finished_time = now
+                failed.append(x)
+            r.forks = []
+        self.finish_requests(failed, RequestStatus.FINISHED_ERROR)
+        return failed
+
+    # -- finishing ------------------------------------------------------------------------------
+    def finish_requests(
+        self,
+        requests: Iterable[Request],
+        status: RequestStatus,
+        stop_reason: int | str | None = None,
+    ) -> None:
+        """Finish requests (stop string, abort, error) and free their blocks; a request that
+        already finished this step only takes the new status and stop reason."""
+        for r in requests:
+            if stop_reason is not None:
+                r.stop_reason = stop_reason
+            if r.is_finished:
+                r.status = status
+                continue
+            self._finish(r, status)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
         if req in self.running:
             self.running.remove(req)
@@ -179,5 +332,9 @@ class Scheduler:
             try:
                 self.waiting.remove(req)
             except ValueError:
-                pass
+                pass  # a fork that never started
         self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+        if req.request_id in self._in_runner:
+            self._in_runner.discard(req.request_id)
+            self._finished_ids.append(req.request_id)

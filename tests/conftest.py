@@ -70,7 +70,7 @@ def make_llm():
     for engine in engines:
         engine.kv.check_invariants()
         if not engine.has_unfinished_requests():
-            assert engine.kv.pool.num_used_blocks == 0, "blocks leaked after all requests ended"
+            assert engine.kv.num_used_blocks == 0, "blocks leaked after all requests ended"
 
 
 def prompts_of_lengths(lengths, vocab=256, seed=0):

@@ -62,7 +62,7 @@ def test_batch_with_one_bad_prompt_submits_nothing(llm):
     with pytest.raises(InvalidRequestError):
         llm.generate(["fine", ""], GOOD)
     assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.kv.pool.num_used_blocks == 0
+    assert llm.engine.kv.num_used_blocks == 0
 
 
 def test_request_that_can_never_fit_the_pool(checkpoint, make_llm):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-import kvserve.cli
+import kvserve.engine_args
 from kvserve import main_job
 from kvserve.plan.capacity import format_table, load_arch
 
@@ -36,7 +36,7 @@ def test_configs_are_baseline_lossless_and_every_smaller_implemented_format(chec
 
 
 def test_main_job_end_to_end_small(checkpoint, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(kvserve.cli, "default_model", lambda: checkpoint("llama_gqa"))
+    monkeypatch.setattr(kvserve.engine_args, "default_model", lambda: checkpoint("llama_gqa"))
     monkeypatch.setattr(main_job, "REPORT_DIR", tmp_path)
     monkeypatch.setattr(main_job, "LOSSY", ())  # the lossless pair is what is checked here
     monkeypatch.setattr(main_job, "CONCURRENCY", 2)

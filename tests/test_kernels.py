@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvserve import kernels
-from kvserve.kv.storage import KVStorage
+from kvserve.kv.storage import DenseKVStorage
 from kvserve.model.attention import AttentionMetadata, paged_attention, reference_attention
 
 pytestmark = pytest.mark.skipif(
@@ -25,7 +25,7 @@ def test_decode_kernel_matches_reference(dtype, kv_heads, heads, window, bs, d):
     nblocks = 128
     lens = torch.tensor([1, 5, 13, 37, 70])
     b = len(lens)
-    storage = KVStorage(1, nblocks, bs, kv_heads, d, dtype)
+    storage = DenseKVStorage(1, nblocks, bs, kv_heads, d, dtype)
     storage.k[0].normal_()
     storage.v[0].normal_()
     perm = torch.randperm(nblocks)
@@ -46,7 +46,7 @@ def test_decode_kernel_matches_reference(dtype, kv_heads, heads, window, bs, d):
 def test_paged_attention_uses_same_math_with_and_without_kernel():
     torch.manual_seed(1)
     bs, d, kvh, h = 4, 8, 2, 4
-    storage = KVStorage(1, 16, bs, kvh, d, torch.float32)
+    storage = DenseKVStorage(1, 16, bs, kvh, d, torch.float32)
     storage.k[0].normal_()
     storage.v[0].normal_()
     tables = torch.tensor([[3, 7, 1], [2, 9, 0]])
@@ -71,7 +71,7 @@ def test_chunk_kernel_matches_naive_attention(window, dtype, bs, d):
 
     torch.manual_seed(2)
     kvh, h, nblocks = 2, 6, 64
-    storage = KVStorage(1, nblocks, bs, kvh, d, dtype)
+    storage = DenseKVStorage(1, nblocks, bs, kvh, d, dtype)
     storage.k[0].normal_()
     storage.v[0].normal_()
     # (q_len, ctx_len): a decode row, a chunk crossing blocks, a 20-query chunk (two tiles).

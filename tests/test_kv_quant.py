@@ -11,10 +11,9 @@ from safetensors.torch import load_file, save_file
 
 from kvserve.config import ModelConfig
 from kvserve.kv import codecs
-from kvserve.kv.formats import make_kv_storage
+from kvserve.kv.formats import kv_bytes_per_token, make_kv_storage
 from kvserve.kv.kivi_storage import KiviKVStorage
 from kvserve.kv.quant_storage import FP8_HEADROOM, Fp8KVStorage
-from kvserve.kv.storage import kv_bytes_per_token
 from kvserve.model.attention import (
     AttentionMetadata,
     PrefillChunk,
@@ -91,12 +90,14 @@ def fill(st, lens: list[int], seed: int = 0):
         slots = tables[i, pos // bs] * bs + pos % bs
         meta = AttentionMetadata(slot_mapping=slots, block_size=bs,
                                  prefills=[PrefillChunk(0, n - 1, 0, None)])  # fmt: skip
+        st.begin_step(slots)
         paged_attention(torch.randn(n - 1, 2 * kvh, d), ks[i][:-1], vs[i][:-1], 0, st, meta)
     last = torch.tensor(lens) - 1
     slots = tables[torch.arange(len(lens)), last // bs] * bs + last % bs
     q = torch.randn(len(lens), 2 * kvh, d, generator=g)
     meta = AttentionMetadata(slot_mapping=slots, block_size=bs, num_decode=len(lens),
                              decode_block_tables=tables, decode_seq_lens=last + 1)  # fmt: skip
+    st.begin_step(slots)
     out = paged_attention(q, torch.stack([k[-1] for k in ks]), torch.stack([v[-1] for v in vs]),
                           0, st, meta)  # fmt: skip
     return tables, ks, vs, q, out
@@ -137,6 +138,7 @@ def test_prefill_chunk_reads_context_dequantized_and_itself_exact(fmt):
         pos = torch.arange(start, start + length)
         meta = AttentionMetadata(slot_mapping=table[pos // bs] * bs + pos % bs, block_size=bs,
                                  prefills=[PrefillChunk(0, length, start, table)])  # fmt: skip
+        st.begin_step(meta.slot_mapping)
         out = paged_attention(q[pos], k[pos], v[pos], 0, st, meta)
     kd, vd = dequantize_all(st, 0)
     ctx_pos = torch.arange(ctx)
@@ -156,6 +158,7 @@ def test_kivi_partial_blocks_stay_exact_and_quantize_once(flush_batch):
     table = torch.tensor([5, 2, 9])
     for t in range(10):  # one token per step: the decode pattern
         slot = table[t // 4] * 4 + t % 4
+        st.begin_step(slot[None])
         st.write(0, slot[None], k[t : t + 1], v[t : t + 1])
     assert st.tokens_written == 10
     if flush_batch == 1:  # each full block quantized at the next step
@@ -183,9 +186,10 @@ def test_kivi_copy_on_write_of_partial_block():
     st = KiviKVStorage(2, 8, 4, 1, 8, torch.float32, bits=4, group=8, num_residual=2)
     g = torch.Generator().manual_seed(4)
     x, y = torch.randn(3, 1, 8, generator=g), torch.randn(1, 1, 8, generator=g)
-    # Layers of one step share the slot-mapping tensor (the plan is made once per step).
+    # One plan per step (begin_step), shared by the layers' writes.
     steps = [(torch.tensor([4, 5, 6]), x), (torch.tensor([3 * 4 + 3]), y), (torch.tensor([7]), -y)]
     for i, (slots, kv) in enumerate(steps):  # block 1 partial; fork; child fills; parent fills
+        st.begin_step(slots)
         for layer in range(2):
             st.write(layer, slots, kv, kv)
         if i == 0:
@@ -201,22 +205,54 @@ def test_kivi_copy_on_write_of_partial_block():
     assert st.blocks_quantized == 2
 
 
-def test_kivi_residual_reclaims_freed_blocks_and_grows_without_a_pool():
-    class Block:
-        ref_cnt = 1
-
-    class Pool:
-        blocks = [Block() for _ in range(8)]
-
+def test_kivi_residual_reclaims_freed_blocks_and_never_grows():
+    """Slots of blocks freed while partial come back through release_blocks (the runner
+    passes the step's freed blocks); when every slot holds a live partial block the storage
+    refuses loudly instead of growing past kv_cache_memory (the KV manager never lets that
+    happen: see test_manager_refuses_more_partial_blocks_than_the_residual_holds)."""
     st = KiviKVStorage(1, 8, 4, 1, 8, torch.float32, num_residual=2)
-    st.attach_pool(Pool())
+    one = torch.ones(1, 1, 8)
     for b in (0, 1):
-        st.write(0, torch.tensor([b * 4]), torch.ones(1, 1, 8), torch.ones(1, 1, 8))
-    Pool.blocks[0].ref_cnt = 0  # block 0 freed while partial
-    st.write(0, torch.tensor([2 * 4]), torch.ones(1, 1, 8), torch.ones(1, 1, 8))
+        st.begin_step(torch.tensor([b * 4]))
+        st.write(0, torch.tensor([b * 4]), one, one)
+    st.release_blocks([0])  # block 0 freed while partial
+    st.begin_step(torch.tensor([2 * 4]))
+    st.write(0, torch.tensor([2 * 4]), one, one)
     assert st.res_k[0].shape[0] == 2 and st.res_of_block[0] == -1 and st.res_of_block[2] >= 0
-    st.write(0, torch.tensor([3 * 4]), torch.ones(1, 1, 8), torch.ones(1, 1, 8))  # all live
-    assert st.res_k[0].shape[0] > 2  # grew instead of dropping live data
+    with pytest.raises(RuntimeError, match="partial-block capacity"):
+        st.begin_step(torch.tensor([3 * 4]))  # all live: no slot, and no growth
+    assert st.res_k[0].shape[0] == 2
+
+
+def test_manager_refuses_more_partial_blocks_than_the_residual_holds(make_llm, checkpoint):
+    """KIVI's residual holds max_num_seqs + a flush batch of partial blocks; the manager
+    counts partial blocks and says no beyond that, as it does when blocks run out."""
+    from kvserve.kv.manager import KVCacheManager
+    from kvserve.request import Request
+
+    kv = KVCacheManager(32, 4, max_partial_blocks=2)
+    reqs = [Request(str(i), [1, 2, 3], SamplingParams(), 8) for i in range(3)]
+    assert kv.allocate_slots(reqs[0], 3) and kv.allocate_slots(reqs[1], 3)
+    assert not kv.can_allocate(reqs[2], 3)  # a third partial block: refused
+    assert kv.can_allocate(reqs[2], 4)  # ...but a whole block needs no residual slot
+    kv.free(reqs[0])
+    assert kv.allocate_slots(reqs[2], 3)
+    kv.check_invariants()
+
+
+def test_engine_with_a_residual_smaller_than_the_batch(make_llm, checkpoint, monkeypatch):
+    """Two residual slots for four concurrent sequences: the scheduler is told no and waits
+    or preempts instead of overflowing, and every request still finishes."""
+    monkeypatch.setattr(KiviKVStorage, "residual_slots", staticmethod(lambda max_num_seqs: 2))
+    llm = make_llm(checkpoint("llama_gqa"), kv_cache_dtype="kivi2", block_size=4,
+                   num_gpu_blocks=64, max_num_seqs=4)  # fmt: skip
+    assert llm.engine.kv.max_partial_blocks == 2
+    seen = []
+    llm.engine.core.step_hooks.append(lambda core: seen.append(core.kv.num_partial_blocks))
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts_of_lengths([5, 6, 7, 9])], sp)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [10] * 4
+    assert max(seen) <= 2
 
 
 # -- fp8 scales ----------------------------------------------------------------------------------
@@ -224,11 +260,13 @@ def test_fp8_calibrates_on_first_prefill_and_saturates_later():
     st = Fp8KVStorage(1, 8, 4, 2, 8, torch.float32)
     k = torch.randn(6, 2, 8)
     k[:, 1] *= 10
+    st.begin_step(torch.arange(6))
     st.write(0, torch.arange(6), k, k)
     amax = k.abs().amax(dim=(0, 2))
     torch.testing.assert_close(st.k_scale[0], amax * FP8_HEADROOM / 448)
     before = st.k_scale[0].clone()
     big = torch.full((1, 2, 8), 1e9)
+    st.begin_step(torch.tensor([6]))
     st.write(0, torch.tensor([6]), big, big)
     assert torch.equal(st.k_scale[0], before)  # never recalibrated: old codes stay valid
     kg, _ = st.gather(0, torch.tensor([[0, 1]]))
@@ -330,12 +368,14 @@ def teacher_forced_logits(ckpt: str, fmt: str, prompt: list[int], forced: list[i
     with torch.inference_mode():
         meta = AttentionMetadata(slot_mapping=torch.arange(n), block_size=bs,
                                  prefills=[PrefillChunk(0, n, 0, None)])  # fmt: skip
+        st.begin_step(meta.slot_mapping)
         out.append(model.logits(model(torch.tensor(prompt), torch.arange(n), st, meta)[-1:]))
         for i, t in enumerate(forced):
             p = n + i
             meta = AttentionMetadata(slot_mapping=torch.tensor([p]), block_size=bs, num_decode=1,
                                      decode_block_tables=table[:, : p // bs + 1],
                                      decode_seq_lens=torch.tensor([p + 1]))  # fmt: skip
+            st.begin_step(meta.slot_mapping)
             out.append(model.logits(model(torch.tensor([t]), torch.tensor([p]), st, meta)))
     return torch.cat(out)
 
@@ -394,6 +434,7 @@ def test_kivi_key_rotation_is_an_orthonormal_hadamard_and_round_trips_within_the
     g = torch.Generator().manual_seed(3)
     k = torch.randn(4, 1, 8, generator=g)
     k[:, :, 5] *= 20  # an outlier channel
+    st.begin_step(torch.arange(4))
     st.write(0, torch.arange(4), k, k)
     got, _ = st.gather(0, torch.tensor([[0]]))
     kr = (k.transpose(0, 1) @ r)[None]  # [1, kvh, bs, d] in the rotated basis

@@ -38,7 +38,9 @@ def test_quant_kernel_matches_reference(fmt, kv_heads, heads, window, dtype, d, 
         pos = torch.arange(n)
         slots = tables[i, pos // bs] * bs + pos % bs
         kv = torch.randn(n, kv_heads, d) * 3 + 1
+        st.begin_step(slots[:-1])
         st.write(0, slots[:-1], kv[:-1], -kv[:-1])
+        st.begin_step(slots[-1:])
         st.write(0, slots[-1:], kv[-1:], -kv[-1:])
     q = torch.randn(len(lens), heads, d)
     fused = st.decode_attention(0, q, tables, lens, window)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.kv.storage import KVStorage
+from kvserve.kv.storage import DenseKVStorage
 from kvserve.model.attention import AttentionMetadata, PrefillChunk
 from tests.conftest import CHECKPOINTS, prompts_of_lengths
 
@@ -23,7 +23,7 @@ def test_prefill_logits_match(checkpoint, make_llm, name):
     engine = make_llm(path, dtype="float32").engine
     model = engine.model
     bs = 16
-    storage = KVStorage(len(model.layers), 8, bs, engine.model_config.num_key_value_heads,
+    storage = DenseKVStorage(len(model.layers), 8, bs, engine.model_config.num_key_value_heads,
                         engine.model_config.head_dim, torch.float32)  # fmt: skip
     n = len(ids)
     meta = AttentionMetadata(slot_mapping=torch.arange(n), block_size=bs,

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from kvserve.cli import main
-from kvserve.config import KV_CACHE_DTYPES
+from kvserve.kv.formats import KV_CACHE_DTYPES
 from kvserve.plan.capacity import (
     arch_from_config,
     bytes_per_token,
@@ -20,6 +22,7 @@ from kvserve.plan.capacity import (
 from kvserve.plan.cli import plan, validate
 from kvserve.plan.cost import decode_roofline, expected_experts_touched, usd_per_million
 from kvserve.plan.gpus import GPUS, get_gpu
+from kvserve.plan.validate import owned_tensor_bytes
 
 GiB = 1024**3
 
@@ -193,6 +196,75 @@ def test_validate_against_engine_every_implemented_format(checkpoint):
     for r in rows:
         assert r.ok, r
         assert r.engine_blocks == r.predicted_blocks
+        assert r.engine_bytes and r.engine_bytes >= r.predicted_fixed_bytes
+    dense = {r.kv_cache_dtype: r for r in rows if r.closed_form_bytes is not None}
+    assert set(dense) == {"bfloat16", "float16", "float32"}
+    # llama_gqa: 2 layers, 2 KV heads, head dim 16; 8 MiB of bf16 K and V in 16-token blocks,
+    # one of which is the null block that pads block tables (a fixed cost, not usable)
+    block = 2 * 2 * 2 * 16 * 2 * 16
+    assert dense["bfloat16"].closed_form_bytes == block * 2047
+    assert dense["bfloat16"].predicted_fixed_bytes == block
+    assert dense["bfloat16"].engine_bytes == block * 2048 == 8 * 1024**2
+
+
+def test_owned_tensor_bytes_counts_each_allocation_once():
+    class Slotted:
+        __slots__ = ("a", "b")
+
+    t = torch.zeros(100)  # 400 bytes
+    obj = SimpleNamespace(
+        a=t,
+        views=[t[:10], {"x": t.view(10, 10)}],
+        other=(torch.zeros(3, dtype=torch.float16),),
+        n=7,
+    )
+    assert owned_tensor_bytes(obj) == 400 + 6
+    s = Slotted()
+    s.a = [torch.zeros(2, dtype=torch.int64)]
+    assert owned_tensor_bytes(s) == 16
+    assert owned_tensor_bytes(SimpleNamespace(k=[], v=None)) == 0
+
+
+class ClaimingStorage:
+    """Claims, through the byte methods a storage has, as many bytes as the real storage
+    owns, but owns only ``tensors``."""
+
+    def __init__(self, real, tensors):
+        self.k = tensors
+        self._claimed = owned_tensor_bytes(real)
+
+    def nbytes(self):
+        return self._claimed
+
+    def fixed_nbytes(self):
+        return 0
+
+
+@pytest.mark.parametrize(
+    "tensors, reason",
+    [([torch.zeros(4, dtype=torch.uint8)], "allocated bytes differ"), ([], "owns no tensor bytes")],
+)
+def test_validate_fails_when_the_storage_owns_fewer_bytes_than_predicted(
+    checkpoint, monkeypatch, tensors, reason
+):
+    import kvserve.plan.validate as pv
+
+    real_build = pv.build_engine
+
+    def build_with_claiming_storage(*args):
+        engine = real_build(*args)
+        return SimpleNamespace(
+            num_blocks=engine.num_blocks, storage=ClaimingStorage(engine.storage, tensors)
+        )
+
+    monkeypatch.setattr(pv, "build_engine", build_with_claiming_storage)
+    rows = validate(checkpoint("llama_gqa"), 8 * 1024**2, block_size=16)
+    assert rows
+    for r in rows:
+        assert not r.ok, r
+        assert r.engine_blocks == r.predicted_blocks  # the blocks agree; the bytes do not
+        assert reason in r.reason, r
+        assert r.engine_bytes == sum(t.numel() * t.element_size() for t in tensors)
 
 
 def test_plan_validate_cli(checkpoint, capsys):
@@ -202,6 +274,8 @@ def test_plan_validate_cli(checkpoint, capsys):
     assert rc == 0
     assert p["validation"] and all(r["ok"] for r in p["validation"])
     assert {"bfloat16"} <= {r["kv_cache_dtype"] for r in p["validation"]}
+    for r in p["validation"]:
+        assert {"predicted_fixed_bytes", "closed_form_bytes"} <= set(r)
 
 
 def test_plan_errors_name_the_field(tmp_path, capsys):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvserve.kernels import prefill
-from kvserve.kv.storage import KVStorage
+from kvserve.kv.storage import DenseKVStorage
 from kvserve.model.attention import (
     AttentionMetadata,
     PrefillChunk,
@@ -67,10 +67,10 @@ def test_paged_attention_routes_fresh_chunks_to_the_kernel_only():
     reference backend's within bf16 rounding, and rows outside fresh chunks are identical."""
     torch.manual_seed(3)
     bs, h, kvh, d = 16, 4, 2, 64
-    ref_store = KVStorage(1, 32, bs, kvh, d, torch.bfloat16)
+    ref_store = DenseKVStorage(1, 32, bs, kvh, d, torch.bfloat16)
     ref_store.k[0].normal_()
     ref_store.v[0].normal_()
-    fast_store = KVStorage(1, 32, bs, kvh, d, torch.bfloat16)
+    fast_store = DenseKVStorage(1, 32, bs, kvh, d, torch.bfloat16)
     fast_store.k[0].copy_(ref_store.k[0])
     fast_store.v[0].copy_(ref_store.v[0])
     # rows: decode (seq A at position 20), fresh chunk B (40 tokens), chunk C (30 after 16)

@@ -131,7 +131,7 @@ def test_parallel_sampling_shares_prompt_blocks(checkpoint, make_llm):
     peak = 0
     while engine.has_unfinished_requests():
         engine.step()
-        peak = max(peak, engine.kv.pool.num_used_blocks)
+        peak = max(peak, engine.kv.num_used_blocks)
     # 4 samples of 100 + 8 tokens: 7 blocks each unshared (28); shared: 6 full prompt blocks
     # once, plus each sample's private copy of the partial block (4) -> 10.
     assert peak <= 11, peak

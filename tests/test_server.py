@@ -343,7 +343,7 @@ def test_engine_shutdown_aborts_in_flight(ckpt):
         assert httpx.get(srv.url + "/health").status_code == 503
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x"})
         assert r.status_code == 503 and r.json()["error"]["message"]
-    assert llm.engine.kv.pool.num_used_blocks == 0
+    assert llm.engine.kv.num_used_blocks == 0
     llm.engine.kv.check_invariants()
 
 

@@ -230,7 +230,7 @@ def test_engine_loop_answers_every_add_even_when_stopping(checkpoint):
     assert good[0] is ADMITTED and isinstance(good[1], EngineUnavailableError)
     assert len(bad) == 1 and isinstance(bad[0], InvalidRequestError)
     assert len(full) == 1 and isinstance(full[0], QueueFullError)
-    assert llm.engine.kv.pool.num_used_blocks == 0 and not llm.engine.has_unfinished_requests()
+    assert llm.engine.kv.num_used_blocks == 0 and not llm.engine.has_unfinished_requests()
 
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
@@ -323,5 +323,5 @@ def test_overload_every_request_completes_or_gets_429(checkpoint, capsys):
               f"{p99 * 1000:.0f} ms (p50 {np.percentile(ok, 50) * 1000:.0f} ms; client-side, "
               f"in-process client); server-side mean TTFT {server_mean * 1000:.0f} ms; "
               f"{wall:.1f} s")  # fmt: skip
-    assert llm.engine.kv.pool.num_used_blocks == 0
+    assert llm.engine.kv.num_used_blocks == 0
     llm.engine.kv.check_invariants()

@@ -17,14 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.bench.workloads import WORKLOADS, WorkloadSpec
+from kvserve.engine_args import add_engine_args, engine_kwargs
 
 DEFAULT_OUTPUT_DIR = Path("reports") / "bench"
 
 
 def add_bench_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
     """Register ``bench`` (and ``bench compare``) on the CLI's subparsers; returns the handler."""
-    from kvserve.cli import add_engine_args
-
     p = sub.add_parser(
         "bench",
         help="benchmark an OpenAI-compatible server (--base-url) or the in-process engine",
@@ -197,7 +196,6 @@ def _target(args: argparse.Namespace) -> tuple[Any, Callable[[str], int] | None,
         )  # fmt: skip
         return target, count, args.max_model_len
     from kvserve.bench.engine_target import EngineTarget
-    from kvserve.cli import engine_kwargs
 
     target = EngineTarget.from_kwargs(
         engine_kwargs(args), temperature=args.temperature, ignore_eos=args.ignore_eos,

@@ -3,6 +3,8 @@ with the system C compiler and loaded with ctypes, like the dense kernel beside 
 
 The storages' ``gather`` (dequantize every block, then SDPA) stays the reference path; tests
 compare the two. ``KVSERVE_DISABLE_KERNELS=1`` or a missing compiler selects the reference.
+The kernel never sees a storage object: each storage passes its tensors through a
+:class:`CacheView`, so this module depends on no KV format's internals.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ log = logging.getLogger("kvserve.kernels")
 _SRC = Path(__file__).with_name("quant_attention.c")
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=c11"]
 _RES_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_KIVI_LUT: torch.Tensor | None = None
+_KIVI_LUTS: dict[int, torch.Tensor] = {}
 _FP8_LUTS: dict[torch.dtype, torch.Tensor] = {}
 
 _p, _i, _i64, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
@@ -66,21 +68,126 @@ def native_available() -> bool:
     return _LIB.get() is not None
 
 
-def supports(storage, q: torch.Tensor) -> bool:  # noqa: ANN001 - any quantized storage
-    g = q.shape[1] // storage.num_kv_heads
+def supports(q: torch.Tensor, num_kv_heads: int, head_dim: int, block_size: int,
+             device: torch.device, residual_dtype: torch.dtype | None = None) -> bool:  # fmt: skip
+    """Whether the kernel takes this geometry (and the residual dtype, for KIVI)."""
+    g = q.shape[1] // num_kv_heads
     return (
-        storage.device.type == "cpu"
+        device.type == "cpu"
         and g <= 64
-        and storage.head_dim <= 256
-        and storage.block_size <= 256
-        and getattr(storage, "res_k", [torch.empty(0)])[0].dtype in _RES_DTYPES
+        and head_dim <= 256
+        and block_size <= 256
+        and (residual_dtype is None or residual_dtype in _RES_DTYPES)
         and native_available()
     )
 
 
-def _run(q, block_tables, seq_lens, window, cache: _Cache, keep: list) -> torch.Tensor:  # noqa: ANN001
+class CacheView:
+    """One layer's stored codes and metadata as the kernel reads them: a C descriptor plus
+    the tensors it points into (kept alive here). Storages build one per layer and keep it
+    while their tensors stay where they are."""
+
+    __slots__ = ("desc", "keep")
+
+    def __init__(self, desc: _Cache, keep: list[torch.Tensor]) -> None:
+        self.desc = desc
+        self.keep = keep
+
+
+def fp8_view(k_codes: torch.Tensor, v_codes: torch.Tensor, k_scale: torch.Tensor,
+             v_scale: torch.Tensor, fp8_dtype: torch.dtype) -> CacheView:  # fmt: skip
+    """codes [blocks, KVH, bs, D] uint8 (fp8 bit patterns), scales [KVH]."""
+    if fp8_dtype not in _FP8_LUTS:  # decode table for CPUs without F16C
+        codes = torch.arange(256, dtype=torch.uint8).view(fp8_dtype)
+        _FP8_LUTS[fp8_dtype] = codes.float().nan_to_num(0.0)
+    lut = _FP8_LUTS[fp8_dtype]
+    ks, vs = k_scale.float().contiguous(), v_scale.float().contiguous()
+    _, kvh, bs, d = k_codes.shape
+    c = _Cache(
+        fmt=0,
+        D=d,
+        bs=bs,
+        KVH=kvh,
+        e4m3=int(fp8_dtype == torch.float8_e4m3fn),
+        k_codes=k_codes.data_ptr(),
+        v_codes=v_codes.data_ptr(),
+        k_head_scale=ks.data_ptr(),
+        v_head_scale=vs.data_ptr(),
+        lut=lut.data_ptr(),
+    )
+    return CacheView(c, [k_codes, v_codes, ks, vs, lut])
+
+
+def int8_view(k_codes: torch.Tensor, v_codes: torch.Tensor, k_scale: torch.Tensor,
+              v_scale: torch.Tensor) -> CacheView:  # fmt: skip
+    """codes [blocks, KVH, bs, D] int8, float16 scales [blocks, KVH, bs]."""
+    _, kvh, bs, d = k_codes.shape
+    c = _Cache(
+        fmt=1,
+        D=d,
+        bs=bs,
+        KVH=kvh,
+        k_codes=k_codes.data_ptr(),
+        v_codes=v_codes.data_ptr(),
+        k_tok_scale=k_scale.data_ptr(),
+        v_tok_scale=v_scale.data_ptr(),
+    )
+    return CacheView(c, [k_codes, v_codes, k_scale, v_scale])
+
+
+def kivi_view(k_codes: torch.Tensor, v_codes: torch.Tensor, k_meta: torch.Tensor,
+              k_base: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, bits: int,
+              group: int, head_dim: int, key_scale_steps: int) -> CacheView:  # fmt: skip
+    """KIVI codes and metadata (see kvserve/kv/kivi_storage.py); key scale code ``i`` decodes
+    as ``2 ** (-i / key_scale_steps)``."""
+    if key_scale_steps not in _KIVI_LUTS:
+        steps = torch.arange(256, dtype=torch.float32)
+        _KIVI_LUTS[key_scale_steps] = torch.exp2(-steps / key_scale_steps)
+    lut = _KIVI_LUTS[key_scale_steps]
+    _, kvh, bs, _ = k_codes.shape
+    c = _Cache(
+        fmt=2,
+        D=head_dim,
+        bs=bs,
+        KVH=kvh,
+        bits=bits,
+        group=group,
+        k_codes=k_codes.data_ptr(),
+        v_codes=v_codes.data_ptr(),
+        k_meta=k_meta.data_ptr(),
+        k_base=k_base.data_ptr(),
+        v_scale=v_scale.data_ptr(),
+        v_zero=v_zero.data_ptr(),
+        lut=lut.data_ptr(),
+    )
+    return CacheView(c, [k_codes, v_codes, k_meta, k_base, v_scale, v_zero, lut])
+
+
+def decode(
+    view: CacheView,
+    q: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    window: int | None,
+    residual: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    q_rotation: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention of q [B, H, D] over the view's blocks. ``residual`` (KIVI): the
+    residual slot of each block (-1: quantized) and the full-precision residual K and V;
+    ``q_rotation``: the orthonormal matrix keys were rotated by before quantization."""
     lib = _LIB.get()
     assert lib is not None
+    c = view.desc
+    extra: list[torch.Tensor] = []
+    if residual is not None:
+        res, rk, rv = residual
+        c.res_of_block, c.res_k, c.res_v = res.data_ptr(), rk.data_ptr(), rv.data_ptr()
+        c.res_dtype = _RES_DTYPES[rk.dtype]
+        extra += [res, rk, rv]
+    if q_rotation is not None:  # queries for the rotated keys of quantized blocks
+        q_rot = (q.float() @ q_rotation).contiguous()
+        c.q_rot = q_rot.data_ptr()
+        extra.append(q_rot)
     b, h, d = q.shape
     qf = q.float().contiguous()
     out = torch.empty_like(qf)
@@ -95,104 +202,10 @@ def _run(q, block_tables, seq_lens, window, cache: _Cache, keep: list) -> torch.
         h,
         window or 0,
         d**-0.5,
-        ctypes.byref(cache),
+        ctypes.byref(c),
         torch.get_num_threads(),
     )
-    del keep  # tensors whose pointers the call used stay alive until here
+    del extra  # tensors whose pointers the call used stay alive until here
     if rc != 0:
         raise RuntimeError(f"quantized decode kernel rejected shapes q={tuple(q.shape)}")
     return out.to(q.dtype)
-
-
-def _cached(st, layer: int, build) -> tuple[_Cache, list]:  # noqa: ANN001
-    """The per-layer kernel descriptor, built once: code and metadata tensors never move."""
-    cache = st.__dict__.setdefault("_kernel_desc", {})
-    if layer not in cache:
-        cache[layer] = build()
-    return cache[layer]
-
-
-def decode_fp8(st, layer: int, q, block_tables, seq_lens, window) -> torch.Tensor:  # noqa: ANN001
-    def build() -> tuple[_Cache, list]:
-        if st.fp8_dtype not in _FP8_LUTS:  # decode table for CPUs without F16C
-            codes = torch.arange(256, dtype=torch.uint8).view(st.fp8_dtype)
-            _FP8_LUTS[st.fp8_dtype] = codes.float().nan_to_num(0.0)
-        lut = _FP8_LUTS[st.fp8_dtype]
-        ks, vs = st.k_scale[layer].float().contiguous(), st.v_scale[layer].float().contiguous()
-        c = _Cache(
-            fmt=0,
-            D=st.head_dim,
-            bs=st.block_size,
-            KVH=st.num_kv_heads,
-            e4m3=int(st.fp8_dtype == torch.float8_e4m3fn),
-            k_codes=st.k_codes[layer].data_ptr(),
-            v_codes=st.v_codes[layer].data_ptr(),
-            k_head_scale=ks.data_ptr(),
-            v_head_scale=vs.data_ptr(),
-            lut=lut.data_ptr(),
-        )
-        return c, [ks, vs, lut]
-
-    if not st.calibrated[layer]:  # scales may still change: no caching yet
-        c, keep = build()
-    else:
-        c, keep = _cached(st, layer, build)
-    return _run(q, block_tables, seq_lens, window, c, keep)
-
-
-def decode_int8(st, layer: int, q, block_tables, seq_lens, window) -> torch.Tensor:  # noqa: ANN001
-    def build() -> tuple[_Cache, list]:
-        c = _Cache(
-            fmt=1,
-            D=st.head_dim,
-            bs=st.block_size,
-            KVH=st.num_kv_heads,
-            k_codes=st.k_codes[layer].data_ptr(),
-            v_codes=st.v_codes[layer].data_ptr(),
-            k_tok_scale=st.k_scale[layer].data_ptr(),
-            v_tok_scale=st.v_scale[layer].data_ptr(),
-        )
-        return c, []
-
-    c, keep = _cached(st, layer, build)
-    return _run(q, block_tables, seq_lens, window, c, keep)
-
-
-def decode_kivi(st, layer: int, q, block_tables, seq_lens, window) -> torch.Tensor:  # noqa: ANN001
-    from kvserve.kv.codecs import KEY_SCALE_STEPS
-
-    global _KIVI_LUT
-    if _KIVI_LUT is None:  # key scale codes: 2 ** (-i / 8), the codec's own formula
-        _KIVI_LUT = torch.exp2(-torch.arange(256, dtype=torch.float32) / KEY_SCALE_STEPS)
-    lut = _KIVI_LUT
-
-    def build() -> tuple[_Cache, list]:
-        c = _Cache(
-            fmt=2,
-            D=st.head_dim,
-            bs=st.block_size,
-            KVH=st.num_kv_heads,
-            bits=st.bits,
-            group=st.group,
-            k_codes=st.k_codes[layer].data_ptr(),
-            v_codes=st.v_codes[layer].data_ptr(),
-            k_meta=st.k_meta[layer].data_ptr(),
-            k_base=st.k_base[layer].data_ptr(),
-            v_scale=st.v_scale[layer].data_ptr(),
-            v_zero=st.v_zero[layer].data_ptr(),
-            lut=lut.data_ptr(),
-        )
-        return c, [lut]
-
-    c, keep = _cached(st, layer, build)
-    # The residual map changes every step and the residual pool may grow: refresh those.
-    res = st._res_t
-    rk, rv = st.res_k[layer], st.res_v[layer]
-    c.res_of_block, c.res_k, c.res_v = res.data_ptr(), rk.data_ptr(), rv.data_ptr()
-    c.res_dtype = _RES_DTYPES[rk.dtype]
-    extra = [res]
-    if st.key_rotation is not None:  # queries for the rotated keys of quantized blocks
-        q_rot = (q.float() @ st.key_rotation).contiguous()
-        c.q_rot = q_rot.data_ptr()
-        extra.append(q_rot)
-    return _run(q, block_tables, seq_lens, window, c, [*keep, *extra])

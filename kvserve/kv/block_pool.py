@@ -4,6 +4,10 @@ A block is *in use* while some request references it (``ref_cnt > 0``). When the
 reference goes it returns to the free queue but keeps its hash, so a later request with the
 same prefix can take it back (*cached-free*). It loses its hash only when the queue hands it
 out for new content. Conservation: free + cached-free + in-use = total, always.
+
+The pool records the two transitions others must hear about, as data: blocks whose last
+reference went (``freed``) and cached blocks handed out for new content (``evicted``, with
+their hashes). The KV manager drains both into each step's record.
 """
 
 from __future__ import annotations
@@ -83,6 +87,8 @@ class BlockPool:
         self.cached: dict[BlockHash, KVCacheBlock] = {}
         self.num_cached_free = 0
         self.num_evictions = 0
+        self.freed: list[int] = []
+        self.evicted: list[tuple[int, BlockHash]] = []
 
     # -- queries ------------------------------------------------------------------
     @property
@@ -134,6 +140,7 @@ class BlockPool:
                 if block.block_hash is not None:
                     self.num_cached_free += 1
                 self.free_queue.append(block)
+                self.freed.append(block.block_id)
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
         """Register a full, computed block under its hash (first writer wins)."""
@@ -151,6 +158,7 @@ class BlockPool:
             del self.cached[block.block_hash]
         self.num_cached_free -= 1
         self.num_evictions += 1
+        self.evicted.append((block.block_id, block.block_hash))
         block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:

@@ -1,55 +1,84 @@
-"""One place that maps a ``kv_cache_dtype`` to its storage class, its bytes and its name.
+"""The registry of KV formats: one dict from ``kv_cache_dtype`` name to storage class.
 
 The engine builds its storage with :func:`make_kv_storage`; the byte figures come from the same
-classes through :func:`kvserve.kv.storage.kv_bytes_per_token`, so the pool size, the planner
-and the allocated tensors agree. :func:`kv_format_name` is the name that goes into
-prefix-cache keys: it carries the layout (bits, group size) so two layouts never share blocks.
+classes (:func:`kv_bytes_per_token`, :func:`kv_fixed_bytes`), so the pool size, the planner and
+the allocated tensors agree. The CLI's choices are :data:`KV_CACHE_DTYPES`, derived from the
+registry. A storage's ``format_name`` is what goes into prefix-cache keys: it carries the
+layout (bits, group size, rotation) so two layouts never share blocks.
+
+The registry names its classes by import path and this module imports torch only when a
+class is asked for, so building a command line parser stays light.
 """
 
 from __future__ import annotations
 
-import torch
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from kvserve.kv.storage import TORCH_DTYPES, KVStorage
+from kvserve.config import ConfigError
 
-FP8_ALIASES = {"fp8": "fp8_e4m3"}
-QUANTIZED_FORMATS = ("fp8_e4m3", "fp8_e5m2", "int8", "kivi4", "kivi2")
+if TYPE_CHECKING:
+    import torch
+
+    from kvserve.kv.storage import KVStorage
+
+_DENSE = "kvserve.kv.storage:DenseKVStorage"
+_FP8 = "kvserve.kv.quant_storage:Fp8KVStorage"
+_KIVI = "kvserve.kv.kivi_storage:KiviKVStorage"
+KV_FORMATS: dict[str, str] = {
+    "float32": _DENSE,
+    "bfloat16": _DENSE,
+    "float16": _DENSE,
+    "fp8_e4m3": _FP8,
+    "fp8_e5m2": _FP8,
+    "int8": "kvserve.kv.quant_storage:Int8KVStorage",
+    "kivi4": _KIVI,
+    "kivi2": _KIVI,
+}
+ALIASES = {"fp8": "fp8_e4m3"}
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", *KV_FORMATS, *ALIASES)
+LOSSLESS_FORMATS = tuple(n for n, c in KV_FORMATS.items() if c == _DENSE)
+
+
+def storage_class(name: str) -> type[KVStorage]:
+    """The storage class of a canonical format name."""
+    module, cls = KV_FORMATS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
 
 
 def canonical_kv_format(kv_cache_dtype: str, model_dtype: str) -> str:
     """``auto`` -> the model dtype's name, ``fp8`` -> ``fp8_e4m3``; others unchanged.
-    Raises NotImplementedError for a name no storage implements."""
-    name = (
-        model_dtype if kv_cache_dtype == "auto" else FP8_ALIASES.get(kv_cache_dtype, kv_cache_dtype)
-    )
-    if name not in TORCH_DTYPES and name not in QUANTIZED_FORMATS:
-        raise NotImplementedError(f"kv_cache_dtype: {kv_cache_dtype!r} is not implemented")
+    Raises :class:`ConfigError` naming ``kv_cache_dtype`` for a name no storage implements."""
+    name = model_dtype if kv_cache_dtype == "auto" else ALIASES.get(kv_cache_dtype, kv_cache_dtype)
+    if name not in KV_FORMATS:
+        raise ConfigError(
+            f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}"
+        )
     return name
 
 
-def format_bytes_per_token(
-    name: str, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int = 16
+def kv_bytes_per_token(
+    kv_cache_dtype: str,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    model_dtype: str,
+    block_size: int = 16,
 ) -> float:
-    """Per-token bytes of a canonical format name (see :func:`canonical_kv_format`)."""
-    from kvserve.kv.kivi_storage import KiviKVStorage
-    from kvserve.kv.quant_storage import Fp8KVStorage, Int8KVStorage
+    """Bytes one token's K and V occupy across all layers in the given storage format,
+    metadata (scales, zero points) included. The engine sizes its pool with this figure and
+    ``kvserve plan`` reports it. ``auto`` follows the model dtype.
 
-    if name in TORCH_DTYPES:
-        return KVStorage.bytes_per_token(num_layers, num_kv_heads, head_dim, TORCH_DTYPES[name])
-    if name.startswith("fp8"):
-        return Fp8KVStorage.bytes_per_token(num_layers, num_kv_heads, head_dim)
-    if name == "int8":
-        return Int8KVStorage.bytes_per_token(num_layers, num_kv_heads, head_dim)
-    if name in ("kivi4", "kivi2"):
-        bits = int(name[-1])
-        return KiviKVStorage.bytes_per_token(
-            num_layers, num_kv_heads, head_dim, bits=bits, block_size=block_size
-        )
-    raise NotImplementedError(f"kv_cache_dtype: {name!r} is not implemented")
+    ``block_size`` matters only for KIVI formats, whose key metadata is per block (per channel
+    over the block's tokens); the default is the engine's default block size."""
+    name = canonical_kv_format(kv_cache_dtype, model_dtype)
+    return storage_class(name).format_bytes_per_token(
+        name, num_layers, num_kv_heads, head_dim, block_size
+    )
 
 
 def kv_fixed_bytes(
-    name: str,
+    kv_cache_dtype: str,
     num_layers: int,
     num_kv_heads: int,
     head_dim: int,
@@ -57,19 +86,35 @@ def kv_fixed_bytes(
     block_size: int = 16,
     max_num_seqs: int = 256,
 ) -> int:
-    """Bytes a format needs besides its per-token figure: KIVI's residual pool (one
-    full-precision block per running sequence plus a flush batch) and fp8's per-(layer, head)
-    scales. The engine keeps them outside ``kv_cache_memory``; storages report them as
-    ``fixed_nbytes()``."""
-    if name in ("kivi4", "kivi2"):
-        from kvserve.kv.kivi_storage import FLUSH_BATCH
+    """Bytes a format needs besides its per-token figure, inside ``kv_cache_memory``: the null
+    block, KIVI's residual pool (one full-precision block per running sequence plus a flush
+    batch) and fp8's per-(layer, head) scales. Storages report them as ``fixed_nbytes()``."""
+    name = canonical_kv_format(kv_cache_dtype, str(compute_dtype).removeprefix("torch."))
+    return storage_class(name).format_fixed_bytes(
+        name, num_layers, num_kv_heads, head_dim, block_size, compute_dtype, max_num_seqs
+    )
 
-        itemsize = torch.empty((), dtype=compute_dtype).element_size()
-        slots = max_num_seqs + FLUSH_BATCH
-        return 2 * num_layers * slots * num_kv_heads * block_size * head_dim * itemsize
-    if name.startswith("fp8"):
-        return 2 * num_layers * num_kv_heads * 4
-    return 0
+
+def pool_num_blocks(
+    kv_cache_memory: float,
+    kv_cache_dtype: str,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    model_dtype: str,
+    block_size: int = 16,
+    max_num_seqs: int = 256,
+) -> int:
+    """The engine's pool-sizing rule: whole blocks that fit in ``kv_cache_memory`` after the
+    format's fixed bytes, so no KV byte sits outside the memory the operator gave."""
+    import torch
+
+    fixed = kv_fixed_bytes(kv_cache_dtype, num_layers, num_kv_heads, head_dim,
+                           getattr(torch, model_dtype), block_size, max_num_seqs)  # fmt: skip
+    bpt = kv_bytes_per_token(
+        kv_cache_dtype, num_layers, num_kv_heads, head_dim, model_dtype, block_size
+    )
+    return max(0, int((kv_cache_memory - fixed) // (bpt * block_size)))
 
 
 def make_kv_storage(
@@ -83,30 +128,18 @@ def make_kv_storage(
     device: torch.device | str = "cpu",
     *,
     max_num_seqs: int = 256,
-    k_scales: torch.Tensor | None = None,
-    v_scales: torch.Tensor | None = None,
+    k_scales: Any = None,
+    v_scales: Any = None,
     use_kernels: bool = True,
 ) -> KVStorage:
-    """The storage for a canonical format name; ``dtype`` is the compute dtype that
-    ``gather`` returns (and, for dense formats, ``auto``'s storage dtype).
+    """The storage for a format name (``auto`` and aliases resolved against ``dtype``);
+    ``dtype`` is the compute dtype that ``gather`` returns (and, for dense formats, ``auto``'s
+    storage dtype).
 
     ``k_scales`` / ``v_scales`` (fp8 only): per-layer, optionally per-KV-head dequantization
     scales from the checkpoint; None calibrates them from the first prefill."""
-    from kvserve.kv.kivi_storage import KiviKVStorage
-    from kvserve.kv.quant_storage import Fp8KVStorage, Int8KVStorage
-
-    geo = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-    if name in TORCH_DTYPES:
-        return KVStorage(*geo, TORCH_DTYPES[name], device, use_kernels=use_kernels)
-    if name.startswith("fp8"):
-        return Fp8KVStorage(*geo, dtype, device, fp8_format=name, k_scales=k_scales,
-                            v_scales=v_scales, use_kernels=use_kernels)  # fmt: skip
-    if name == "int8":
-        return Int8KVStorage(*geo, dtype, device, use_kernels=use_kernels)
-    if name in ("kivi4", "kivi2"):
-        from kvserve.kv.kivi_storage import FLUSH_BATCH
-
-        return KiviKVStorage(*geo, dtype, device, bits=int(name[-1]),
-                             num_residual=max_num_seqs + FLUSH_BATCH,
-                             use_kernels=use_kernels, rotate_keys=True)  # fmt: skip
-    raise NotImplementedError(f"kv_cache_dtype: {name!r} is not implemented")
+    name = canonical_kv_format(name, str(dtype).removeprefix("torch."))
+    return storage_class(name).from_format(
+        name, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device,
+        max_num_seqs=max_num_seqs, k_scales=k_scales, v_scales=v_scales, use_kernels=use_kernels,
+    )  # fmt: skip

@@ -22,25 +22,30 @@ A block is quantized exactly once: at once when a single write covers it (prefil
 tokens collect in a residual slot and, once its last slot (offset ``block_size - 1``) is
 written, it waits there -- still read in full precision -- until ``FLUSH_BATCH`` full blocks
 are quantized in one vectorized call (or slots run short). Bookkeeping (which block owns which
-residual slot) is done once per step, on the first layer's write, in NumPy over the step's slot
-mapping; the per-layer work is a fixed number of tensor ops. Residual slots of blocks freed
-while partial are reclaimed by asking the block pool (``attach_pool``) which blocks have no
-reference left.
+residual slot) is done once per step in :meth:`KiviKVStorage.begin_step`, in NumPy over the
+step's slot mapping; the per-layer work is a fixed number of tensor ops. Residual slots of
+blocks freed while partial are reclaimed when the runner passes the step's freed blocks to
+:meth:`KiviKVStorage.release_blocks`.
+
+The residual has a fixed number of slots (``num_residual``, sized from ``max_num_seqs`` inside
+``kv_cache_memory``) and never grows. The KV manager keeps the number of partially filled
+blocks within it (``partial_block_capacity``) and says no to an allocation that would exceed
+it, exactly as it does when blocks run out; a full block never needs a slot for long, since
+pending blocks can always be flushed.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from kvserve.kv import codecs
-from kvserve.kv.storage import KVStorage
+from kvserve.kv.storage import BlockPayload, KVStorage
 
-log = logging.getLogger("kvserve.kv")
 DEFAULT_VALUE_GROUP = 64
 # Full blocks wait in the residual until this many can be quantized in one vectorized call:
 # quantizing one block costs ~40 small tensor ops per layer, the same as quantizing 16.
@@ -68,7 +73,7 @@ def value_group(head_dim: int, group: int = DEFAULT_VALUE_GROUP) -> int:
 class _WritePlan:
     """Where one step's tokens go; shared by every layer's write in that step."""
 
-    slot_mapping: torch.Tensor  # identity key: layers of one step pass the same tensor
+    num_tokens: int
     quant_blocks: torch.Tensor  # blocks quantized in this step: flushed ones, then direct ones
     flush_slots: torch.Tensor  # residual slots of the flushed blocks (complete before the step)
     direct_tok: torch.Tensor  # tokens of blocks that start and fill within this write
@@ -98,89 +103,127 @@ class KiviKVStorage(KVStorage):
     ) -> None:
         if bits not in (2, 4):
             raise ValueError(f"bits: must be 2 or 4, got {bits}")
-        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
-        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
-        self.device = dev = torch.device(device)
-        self.use_kernels = use_kernels
+        super().__init__(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype,
+                         device, use_kernels)  # fmt: skip
+        dev = self.device
         self.bits = bits
         self.group = value_group(head_dim, group)
         rot = hadamard(head_dim) if rotate_keys else None
-        self.key_rotation = None if rot is None else rot.to(device)
+        self.key_rotation = None if rot is None else rot.to(dev)
         self.format_name = f"kivi{bits}-g{self.group}" + ("-hadamard" if rot is not None else "")
-        nb, kvh, bs, d = num_blocks, num_kv_heads, block_size, head_dim
+        nb, kvh, bs, d = self.num_rows, num_kv_heads, block_size, head_dim
         p, ng = d * bits // 8, d // self.group
-
-        def zeros(*shape: int, dt: torch.dtype = torch.uint8) -> list[torch.Tensor]:
-            return [torch.zeros(shape, dtype=dt, device=dev) for _ in range(num_layers)]
-
-        self.k_codes, self.v_codes = zeros(nb, kvh, bs, p), zeros(nb, kvh, bs, p)
-        self.k_meta = zeros(nb, kvh, 2, d)
-        self.k_base = zeros(nb, kvh, 3, dt=torch.float32)
-        self.v_scale = zeros(nb, kvh, bs, ng, dt=torch.float16)
-        self.v_zero = zeros(nb, kvh, bs, ng, dt=torch.float16)
-        num_residual = max(1, num_residual)
-        self.res_k = zeros(num_residual, kvh, bs, d, dt=dtype)
-        self.res_v = zeros(num_residual, kvh, bs, d, dt=dtype)
+        u8, f16 = torch.uint8, torch.float16
+        self.k_codes, self.v_codes = (
+            self.per_layer(nb, kvh, bs, p, dtype=u8),
+            self.per_layer(nb, kvh, bs, p, dtype=u8),
+        )
+        self.k_meta = self.per_layer(nb, kvh, 2, d, dtype=u8)
+        self.k_base = self.per_layer(nb, kvh, 3, dtype=torch.float32)
+        self.v_scale = self.per_layer(nb, kvh, bs, ng, dtype=f16)
+        self.v_zero = self.per_layer(nb, kvh, bs, ng, dtype=f16)
+        self.num_residual = max(1, num_residual)
+        self.res_k = self.per_layer(self.num_residual, kvh, bs, d, dtype=dtype)
+        self.res_v = self.per_layer(self.num_residual, kvh, bs, d, dtype=dtype)
         # Host bookkeeping: residual slot of each block (-1: none, the block is quantized).
-        self.res_of_block = np.full(num_blocks, -1, dtype=np.int64)
-        self.block_of_res = np.full(num_residual, -1, dtype=np.int64)
-        self._free_res = list(range(num_residual - 1, -1, -1))
+        self.res_of_block = np.full(nb, -1, dtype=np.int64)
+        self.block_of_res = np.full(self.num_residual, -1, dtype=np.int64)
+        self._free_res = list(range(self.num_residual - 1, -1, -1))
         # Full blocks still in the residual, waiting to be quantized together (insertion order).
         self.pending: dict[int, None] = {}
         self.flush_batch = max(1, flush_batch)
-        self._res_t = torch.from_numpy(self.res_of_block).to(dev)
+        self._res_t = torch.from_numpy(self.res_of_block.copy()).to(dev)
         self._plan: _WritePlan | None = None
-        self._pool = None
+        self._views: dict[int, Any] = {}
         # Counters the tests read: each token must be quantized O(1) times.
         self.blocks_quantized = 0
         self.tokens_written = 0
 
-    def attach_pool(self, pool) -> None:  # noqa: ANN001 - a BlockPool; kept duck-typed
-        """Let the storage ask which blocks are free, to reclaim their residual slots."""
-        self._pool = pool
+    @classmethod
+    def from_format(cls, name: str, num_layers: int, num_blocks: int, block_size: int,
+                    num_kv_heads: int, head_dim: int, compute_dtype: torch.dtype,
+                    device: torch.device | str = "cpu", **options: Any) -> KVStorage:  # fmt: skip
+        """The engine's KIVI: keys in the Hadamard-rotated basis, a residual slot per sequence
+        plus a flush batch."""
+        return cls(num_layers, num_blocks, block_size, num_kv_heads, head_dim, compute_dtype,
+                   device, bits=int(name.removeprefix("kivi")),
+                   num_residual=cls.residual_slots(options.get("max_num_seqs", 256)),
+                   use_kernels=options.get("use_kernels", True), rotate_keys=True)  # fmt: skip
+
+    @property
+    def partial_block_capacity(self) -> int:
+        """How many partially filled blocks the residual can hold at once."""
+        return self.num_residual
 
     @classmethod
-    def bytes_per_token(  # type: ignore[override]
+    def format_bytes_per_token(
         cls,
+        name: str,
         num_layers: int,
         num_kv_heads: int,
         head_dim: int,
-        bits: int = 2,
         block_size: int = 16,
         group: int = DEFAULT_VALUE_GROUP,
     ) -> float:
         """Codes plus metadata per token: keys carry (2 * head_dim bytes + 12) per block,
         values 4 bytes per group of channels per token."""
+        bits = int(name.removeprefix("kivi"))
         g = value_group(head_dim, group)
         codes = head_dim * bits / 8
         k = codes + (2 * head_dim + 12) / block_size
         v = codes + 4 * head_dim / g
         return num_layers * num_kv_heads * (k + v)
 
+    @staticmethod
+    def residual_slots(max_num_seqs: int) -> int:
+        """One partial block per running sequence plus a flush batch of full ones."""
+        return max_num_seqs + FLUSH_BATCH
+
+    @classmethod
+    def format_fixed_bytes(
+        cls,
+        name: str,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        compute_dtype: torch.dtype,
+        max_num_seqs: int,
+    ) -> int:
+        """The null block plus the full-precision residual pool (it scales with sequences, not
+        with context)."""
+        null = super().format_fixed_bytes(name, num_layers, num_kv_heads, head_dim, block_size,
+                                          compute_dtype, max_num_seqs)  # fmt: skip
+        itemsize = torch.empty((), dtype=compute_dtype).element_size()
+        slots = cls.residual_slots(max_num_seqs)
+        return null + 2 * num_layers * slots * num_kv_heads * block_size * head_dim * itemsize
+
+    def block_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {
+            "k_codes": self.k_codes,
+            "k_meta": self.k_meta,
+            "k_base": self.k_base,
+            "v_codes": self.v_codes,
+            "v_scale": self.v_scale,
+            "v_zero": self.v_zero,
+        }
+
+    def fixed_tensors(self) -> list[torch.Tensor]:
+        return self.res_k + self.res_v
+
     # -- bookkeeping ------------------------------------------------------------------------------
     def _alloc_res(self, block: int) -> int:
         if not self._free_res:
-            self._reclaim()
+            self.flush()
         if not self._free_res:
-            self._grow()
+            raise RuntimeError(
+                f"KIVI residual: all {self.num_residual} slots hold partial blocks; the KV "
+                "manager's partial-block capacity should have refused this allocation"
+            )
         s = self._free_res.pop()
         self.res_of_block[block] = s
         self.block_of_res[s] = block
         return s
-
-    def _reclaim(self) -> None:
-        """Free the slots of partial blocks nobody references (freed while partial). Pending
-        full blocks are kept: the prefix cache may still hand them out."""
-        if self._pool is None:
-            return
-        for s, b in enumerate(self.block_of_res.tolist()):
-            if (
-                b >= 0
-                and self.res_of_block[b] == s
-                and b not in self.pending
-                and self._pool.blocks[b].ref_cnt == 0
-            ):
-                self._free_slot(b)
 
     def _free_slot(self, block: int) -> None:
         s = int(self.res_of_block[block])
@@ -189,20 +232,20 @@ class KiviKVStorage(KVStorage):
             self.block_of_res[s] = -1
             self._free_res.append(s)
 
-    def _grow(self) -> None:
-        old = self.block_of_res.shape[0]
-        extra = max(8, old // 2)
-        log.warning("KIVI residual pool full (%d partial blocks): growing by %d", old, extra)
-        for lst in (self.res_k, self.res_v):
-            for i, t in enumerate(lst):
-                lst[i] = torch.cat(
-                    [t, torch.zeros((extra, *t.shape[1:]), dtype=t.dtype, device=t.device)]
-                )
-        self.block_of_res = np.concatenate([self.block_of_res, np.full(extra, -1, np.int64)])
-        self._free_res.extend(range(old + extra - 1, old - 1, -1))
+    def _sync_residual_map(self) -> None:
+        self._res_t = torch.from_numpy(self.res_of_block.copy()).to(self.device)
 
-    def _make_plan(self, slot_mapping: torch.Tensor) -> _WritePlan:
-        """Decide, once per step, which blocks are quantized and where the other tokens go.
+    def release_blocks(self, block_ids: list[int]) -> None:
+        """Reclaim the residual slots of blocks freed while partial. Pending full blocks keep
+        theirs: they may be cached-free, and the prefix cache may hand them out again."""
+        for b in block_ids:
+            if b not in self.pending:
+                self._free_slot(b)
+        if block_ids:
+            self._sync_residual_map()
+
+    def begin_step(self, slot_mapping: torch.Tensor) -> None:
+        """Decide which blocks are quantized this step and where the other tokens go.
 
         Each layer's write then runs in this order: quantize the flushed blocks from their
         residual slots, quantize blocks that start and fill within this write straight from
@@ -215,8 +258,13 @@ class KiviKVStorage(KVStorage):
         full = np.unique(blk[off == bs - 1])
         for b in fresh.tolist():  # a block starting over: whatever it held is gone
             self.pending.pop(b, None)
+            self._free_slot(b)
         direct = np.intersect1d(full, fresh)  # offsets 0 and bs-1 here: the whole block is
         completing = np.setdiff1d(full, fresh)  # earlier tokens are in the residual
+        continued = np.setdiff1d(np.unique(blk), fresh)
+        if (self.res_of_block[continued] < 0).any():
+            bad = continued[self.res_of_block[continued] < 0].tolist()
+            raise ValueError(f"KIVI: blocks {bad[:5]} are quantized and cannot take new tokens")
         in_direct = np.isin(blk, direct)
         res_blk = blk[~in_direct]
         need = sum(1 for b in np.unique(res_blk).tolist() if self.res_of_block[b] < 0)
@@ -225,7 +273,7 @@ class KiviKVStorage(KVStorage):
             flush = list(self.pending)
             self.pending.clear()
         flush_slots = self.res_of_block[flush].copy() if flush else np.zeros(0, np.int64)
-        for b in flush + direct.tolist():
+        for b in flush:
             self._free_slot(b)
         for b in np.unique(res_blk).tolist():
             if self.res_of_block[b] < 0:
@@ -234,7 +282,7 @@ class KiviKVStorage(KVStorage):
             self.pending[b] = None
         row_of = {b: i for i, b in enumerate(direct.tolist())}
         rows = np.fromiter((row_of[b] for b in blk[in_direct].tolist()), np.int64)
-        self._res_t = torch.from_numpy(self.res_of_block.copy()).to(self.device)
+        self._sync_residual_map()
         self.blocks_quantized += len(flush) + len(direct)
         self.tokens_written += len(slots)
 
@@ -242,8 +290,8 @@ class KiviKVStorage(KVStorage):
             return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)
 
         tok = np.arange(len(slots))
-        return _WritePlan(
-            slot_mapping=slot_mapping,
+        self._plan = _WritePlan(
+            num_tokens=len(slots),
             quant_blocks=t(np.concatenate([np.asarray(flush, np.int64), direct])),
             flush_slots=t(flush_slots),
             direct_tok=t(tok[in_direct]),
@@ -267,37 +315,39 @@ class KiviKVStorage(KVStorage):
         self.v_scale[layer][blocks] = scale
         self.v_zero[layer][blocks] = zero
 
-    def flush(self) -> None:
-        """Quantize every pending full block now (all layers) and free its residual slot."""
-        if not self.pending:
+    def flush(self, blocks: list[int] | None = None) -> None:
+        """Quantize pending full blocks now (all layers; all of them, or those of ``blocks``)
+        and free their residual slots."""
+        todo = list(self.pending) if blocks is None else [b for b in blocks if b in self.pending]
+        if not todo:
             return
-        blocks = list(self.pending)
-        self.pending.clear()
-        slots = torch.from_numpy(self.res_of_block[blocks].copy()).to(self.device)
-        idx = torch.tensor(blocks, device=self.device)
+        for b in todo:
+            del self.pending[b]
+        slots = torch.from_numpy(self.res_of_block[todo].copy()).to(self.device)
+        idx = torch.tensor(todo, device=self.device)
         for layer in range(self.num_layers):
             self._quantize(layer, idx, self.res_k[layer][slots].float(),
                            self.res_v[layer][slots].float())  # fmt: skip
-        for b in blocks:
+        for b in todo:
             self._free_slot(b)
-        self.blocks_quantized += len(blocks)
-        self._res_t = torch.from_numpy(self.res_of_block.copy()).to(self.device)
+        self.blocks_quantized += len(todo)
+        self._sync_residual_map()
 
-    # -- the storage seam ---------------------------------------------------------------------
+    # -- the storage interface ----------------------------------------------------------------
     def write(
         self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         """Blocks that start and fill within this write are quantized at once; other tokens
         go to their block's residual slot, and a block that fills there waits (full
         precision, still read from the residual) until a batch of them is quantized together.
-        Either way each token is quantized exactly once.
-
-        The layers of one step must pass the same ``slot_mapping`` tensor (the model does):
-        the step's bookkeeping is made on the first call and reused while it is the same
-        object."""
+        Either way each token is quantized exactly once. Every layer of a step follows the
+        plan :meth:`begin_step` made for that step's slot mapping."""
         p = self._plan
-        if p is None or p.slot_mapping is not slot_mapping:
-            p = self._plan = self._make_plan(slot_mapping)
+        if p is None or p.num_tokens != k.shape[0]:
+            raise RuntimeError(
+                "KIVI write: begin_step(slot_mapping) must be called with this step's "
+                f"{k.shape[0]} slots before the layers write"
+            )
         rk, rv = self.res_k[layer], self.res_v[layer]
         if p.quant_blocks.numel():
             nd = p.quant_blocks.numel() - p.flush_slots.numel()
@@ -347,40 +397,81 @@ class KiviKVStorage(KVStorage):
     def decode_attention(self, layer, q, block_tables, seq_lens, window):  # noqa: ANN001
         from kvserve.kernels import quant
 
-        if not self.use_kernels or not quant.supports(self, q):
+        rk, rv = self.res_k[layer], self.res_v[layer]
+        if not self.use_kernels or not quant.supports(
+            q, self.num_kv_heads, self.head_dim, self.block_size, self.device, rk.dtype
+        ):
             return None
-        return quant.decode_kivi(self, layer, q, block_tables, seq_lens, window)
+        view = self._views.get(layer)
+        if view is None:
+            view = self._views[layer] = quant.kivi_view(
+                self.k_codes[layer], self.v_codes[layer], self.k_meta[layer], self.k_base[layer],
+                self.v_scale[layer], self.v_zero[layer], self.bits, self.group, self.head_dim,
+                codecs.KEY_SCALE_STEPS,
+            )  # fmt: skip
+        return quant.decode(view, q, block_tables, seq_lens, window, (self._res_t, rk, rv),
+                            self.key_rotation)  # fmt: skip
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: a partial source copies its residual rows into a residual slot of
-        the destination; a full one copies codes and metadata."""
+        the destination; a full one copies codes and metadata (a pending full source is
+        quantized first, so the two blocks hold the same codes)."""
         if not pairs:
             return
         for s, d in pairs:
             self.pending.pop(d, None)
+            if s in self.pending:
+                self.flush([s])
             rs = int(self.res_of_block[s])
             if rs >= 0:
                 rd = int(self.res_of_block[d])
                 if rd < 0:
-                    rd = self._alloc_res(d)
+                    rd = self._alloc_res(d)  # a flush to make room never touches s (not pending)
                 for lst in (self.res_k, self.res_v):
                     for t in lst:
                         t[rd] = t[rs]
-                if s in self.pending:
-                    self.pending[d] = None
             else:
                 self._free_slot(d)
-                quantized = self.k_codes + self.k_meta + self.k_base
-                quantized += self.v_codes + self.v_scale + self.v_zero
-                for t in quantized:
-                    t[d] = t[s]
-        self._res_t = torch.from_numpy(self.res_of_block.copy()).to(self.device)
+                for ts in self.block_tensors().values():
+                    for t in ts:
+                        t[d] = t[s]
+        self._sync_residual_map()
 
-    def nbytes(self) -> int:
-        ts = self.k_codes + self.k_meta + self.k_base + self.v_codes + self.v_scale + self.v_zero
-        return sum(t.numel() * t.element_size() for t in ts)
+    # -- moving blocks ----------------------------------------------------------------------------
+    def identity(self) -> dict[str, Any]:
+        ident = super().identity()
+        ident["residual_dtype"] = str(self.res_k[0].dtype).removeprefix("torch.")
+        return ident
 
-    def fixed_nbytes(self) -> int:
-        """The residual pool: one full-precision block per sequence plus the flush batch,
-        outside the per-token figure (it scales with sequences, not with context)."""
-        return sum(t.numel() * t.element_size() for t in self.res_k + self.res_v)
+    def export_blocks(self, block_ids: list[int]) -> BlockPayload:
+        """Full blocks leave in their quantized form (pending ones are quantized first, here,
+        so both pools hold the same codes); a partial block leaves as its residual rows."""
+        self.flush(block_ids)
+        payload = super().export_blocks(block_ids)
+        res = [i for i, b in enumerate(block_ids) if self.res_of_block[b] >= 0]
+        if res:
+            slots = torch.from_numpy(self.res_of_block[[block_ids[i] for i in res]]).to(self.device)
+            payload.extra = {
+                "residual": res,
+                "res_k": torch.stack([t.index_select(0, slots) for t in self.res_k]).cpu(),
+                "res_v": torch.stack([t.index_select(0, slots) for t in self.res_v]).cpu(),
+            }
+        return payload
+
+    def import_blocks(self, block_ids: list[int], payload: BlockPayload) -> None:
+        res = payload.extra.get("residual", [])
+        if len(res) > len(self._free_res) + len(self.pending):
+            raise RuntimeError(
+                f"import_blocks: {len(res)} partial blocks need residual slots, "
+                f"{len(self._free_res) + len(self.pending)} can be freed"
+            )
+        super().import_blocks(block_ids, payload)
+        for b in block_ids:
+            self.pending.pop(b, None)
+            self._free_slot(b)
+        for j, i in enumerate(res):
+            slot = self._alloc_res(block_ids[i])
+            for layer in range(self.num_layers):
+                self.res_k[layer][slot] = payload.extra["res_k"][layer][j].to(self.device)
+                self.res_v[layer][slot] = payload.extra["res_v"][layer][j].to(self.device)
+        self._sync_residual_map()

@@ -1,24 +1,52 @@
 """Per-request block tables on top of the block pool: the scheduler's only view of KV memory.
 
-The scheduler asks three questions: what prefix of this request is already cached
-(:meth:`get_computed_blocks`), can these new tokens get slots (:meth:`allocate_slots`, which
-says no rather than over-commit), and free this request (:meth:`free`). Blocks are registered
-in the prefix cache only after the step that computed them (:meth:`cache_computed_blocks`),
-so a request preempted before its forward pass can never publish an unwritten block.
+The scheduler asks a few questions: what prefix of this request is already cached
+(:meth:`get_computed_blocks`, :meth:`num_cached_prefix_blocks`), can these new tokens get
+slots (:meth:`allocate_slots`, which says no rather than over-commit), and free this request
+(:meth:`free`). Blocks are registered in the prefix cache only after the step that computed
+them (:meth:`cache_computed_blocks`), so a request preempted before its forward pass can never
+publish an unwritten block. What the manager did to blocks is recorded as data
+(:meth:`take_ops`) for the runner and anyone else who needs it; nothing outside this package
+touches the pool.
+
+A storage format may bound how many blocks can be *partially filled* at once (KIVI keeps them
+in a fixed full-precision residual): ``max_partial_blocks``. The manager counts such blocks
+and refuses an allocation that would exceed the bound, as it refuses one that needs more
+blocks than are free. The count is conservative within a step: a block that fills this step
+(or a copy-on-write copy) still holds its slot until the step's writes, so it is released from
+the count only when the step's record is taken.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvserve.kv.block_pool import BlockPool, KVCacheBlock
 from kvserve.kv.hashing import BlockHash, extend_block_hashes, root_hash
+from kvserve.kv.ops import KVOps
 from kvserve.request import Request
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@dataclass(slots=True)
+class PrefixImport:
+    """Blocks reserved for a prefix import: fresh ones to fill (block, hash, index in the
+    chain) and cached ones held until the import is published."""
+
+    new: list[tuple[KVCacheBlock, BlockHash, int]] = field(default_factory=list)
+    held: list[KVCacheBlock] = field(default_factory=list)
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [b.block_id for b, _, _ in self.new]
+
+    @property
+    def indices(self) -> list[int]:
+        return [i for _, _, i in self.new]
 
 
 @dataclass(slots=True)
@@ -38,21 +66,48 @@ class KVCacheManager:
         enable_caching: bool = True,
         model_id: str = "",
         kv_format: str = "",
+        max_partial_blocks: int | None = None,
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.root = root_hash(model_id, kv_format)
+        # The storage's reserved padding block: one past the last real block, never handed out.
+        self.null_block = num_blocks
+        self.max_partial_blocks = max_partial_blocks
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        self._block_ids: dict[str, list[int]] = {}  # the same tables as ints, for the runner
         self.num_cached_blocks: dict[str, int] = {}
         self.stats = PrefixCacheStats()
-        # (src_block_id, dst_block_id) copies the runner must apply before the next forward.
-        self.pending_copies: list[tuple[int, int]] = []
+        self._ops = KVOps()
+        self._partial: set[int] = set()  # referenced blocks filled in (0, block_size)
+        self._filling: set[int] = set()  # blocks that fill (or were copied) this step
 
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
 
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_used_blocks
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return self.pool.num_cached_free
+
+    @property
+    def num_evictions(self) -> int:
+        return self.pool.num_evictions
+
+    @property
+    def num_partial_blocks(self) -> int:
+        return len(self._partial) + len(self._filling)
+
+    # -- prefix lookups ----------------------------------------------------------------------
     def block_hashes(self, request: Request) -> list[BlockHash]:
         extend_block_hashes(
             request.block_hashes,
@@ -64,7 +119,8 @@ class KVCacheManager:
         return request.block_hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """The longest chain of cached full blocks that prefixes the request.
+        """The longest chain of cached full blocks that prefixes the request (opaque handles
+        to pass back to :meth:`allocate_slots`), and its length in tokens.
 
         At least one token is always left to compute: the model must produce logits for the
         last token, so a fully cached prompt stops one block short.
@@ -84,23 +140,47 @@ class KVCacheManager:
         self.stats.hits += len(hit) * self.block_size
         return hit, len(hit) * self.block_size
 
+    def num_cached_prefix_blocks(self, request: Request) -> int:
+        """How many leading full blocks of the request are cached now (no stats counted)."""
+        return len(self.cached_prefix(self.block_hashes(request)))
+
+    def cached_prefix(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """Block ids of the longest cached chain along ``hashes``."""
+        out = []
+        for h in hashes:
+            block = self.pool.get_cached_block(h)
+            if block is None:
+                break
+            out.append(block.block_id)
+        return out
+
+    # -- allocation --------------------------------------------------------------------------
     def _plan(
         self, request: Request, num_new_tokens: int, computed: Sequence[KVCacheBlock]
-    ) -> tuple[int, int, int]:
-        """(first block index written, new blocks needed, shared blocks to copy)."""
+    ) -> tuple[int, int, int, int]:
+        """(first block index written, new blocks needed, shared blocks to copy, growth of
+        the partial-block count)."""
         blocks = self.req_blocks.get(request.request_id, ())
-        done = request.num_computed_tokens + len(computed) * self.block_size
-        first = done // self.block_size
-        need = cdiv(done + num_new_tokens, self.block_size) - len(blocks) - len(computed)
+        bs = self.block_size
+        done = request.num_computed_tokens + len(computed) * bs
+        end = done + num_new_tokens
+        first = done // bs
+        have = len(blocks) + len(computed)
+        need = max(cdiv(end, bs) - have, 0)
         copies = sum(1 for b in blocks[first:] if b.ref_cnt > 1)
-        return first, max(need, 0), copies
+        # A copy holds a partial slot this step; so does a new block the write leaves partial.
+        partial = copies + (1 if need and end % bs else 0)
+        return first, need, copies, partial
 
     def can_allocate(
         self, request: Request, num_new_tokens: int, computed: Sequence[KVCacheBlock] = ()
     ) -> bool:
-        _, need, copies = self._plan(request, num_new_tokens, computed)
+        _, need, copies, partial = self._plan(request, num_new_tokens, computed)
         reclaimed = sum(1 for b in computed if b.ref_cnt == 0)
-        return need + copies <= self.pool.num_free_blocks - reclaimed
+        if need + copies > self.pool.num_free_blocks - reclaimed:
+            return False
+        cap = self.max_partial_blocks
+        return cap is None or self.num_partial_blocks + partial <= cap
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed: Sequence[KVCacheBlock] = ()
@@ -110,25 +190,50 @@ class KVCacheManager:
 
         A block shared with another request (after :meth:`fork`) that this request is about
         to write into is first replaced by a private copy (copy-on-write); the copy itself is
-        queued in ``pending_copies`` for the runner to apply before the forward pass.
+        recorded for the runner to apply before the forward pass.
         """
         if not self.can_allocate(request, num_new_tokens, computed):
             return False
-        first, need, _ = self._plan(request, num_new_tokens, computed)
-        blocks = self.req_blocks.setdefault(request.request_id, [])
+        rid = request.request_id
+        first, need, _, _ = self._plan(request, num_new_tokens, computed)
+        blocks = self.req_blocks.setdefault(rid, [])
+        ids = self._block_ids.setdefault(rid, [])
+        new = self._ops.new_blocks.setdefault(rid, [])
         if computed:
             self.pool.touch(computed)
             blocks.extend(computed)
-            self.num_cached_blocks[request.request_id] = len(blocks)
+            ids.extend(b.block_id for b in computed)
+            self.num_cached_blocks[rid] = len(blocks)
+        copied: set[int] = set()
         for i in range(first, len(blocks)):
             if blocks[i].ref_cnt > 1:
                 (fresh,) = self.pool.get_new_blocks(1)
                 self.pool.free_blocks([blocks[i]])
-                self.pending_copies.append((blocks[i].block_id, fresh.block_id))
-                blocks[i] = fresh
+                self._ops.copies.append((blocks[i].block_id, fresh.block_id))
+                blocks[i], ids[i] = fresh, fresh.block_id
+                new.append(fresh.block_id)
+                copied.add(fresh.block_id)
         if need:
-            blocks.extend(self.pool.get_new_blocks(need))
+            fresh_blocks = self.pool.get_new_blocks(need)
+            blocks.extend(fresh_blocks)
+            ids.extend(b.block_id for b in fresh_blocks)
+            new.extend(b.block_id for b in fresh_blocks)
+        self._track_partial(ids, request.num_computed_tokens + len(computed) * self.block_size,
+                            num_new_tokens, copied)  # fmt: skip
         return True
+
+    def _track_partial(self, ids: list[int], done: int, n: int, copied: set[int]) -> None:
+        """Blocks the write leaves partial join the count; blocks it fills leave it when the
+        step's record is taken (they, and copies, hold a slot until the step's writes)."""
+        bs = self.block_size
+        end = done + n
+        for i in range(done // bs, cdiv(end, bs)):
+            b = ids[i]
+            if (i + 1) * bs > end:
+                self._partial.add(b)
+            elif b in self._partial or b in copied:
+                self._partial.discard(b)
+                self._filling.add(b)
 
     def fork(self, parent: Request, child: Request) -> None:
         """Share all of the parent's blocks with a child (parallel sampling); shared blocks
@@ -136,6 +241,7 @@ class KVCacheManager:
         blocks = self.req_blocks[parent.request_id]
         self.pool.touch(blocks)
         self.req_blocks[child.request_id] = list(blocks)
+        self._block_ids[child.request_id] = list(self._block_ids[parent.request_id])
         self.num_cached_blocks[child.request_id] = self.num_cached_blocks.get(parent.request_id, 0)
 
     def cache_computed_blocks(self, request: Request) -> None:
@@ -156,14 +262,70 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first so its tail is evicted first."""
-        blocks = self.req_blocks.pop(request.request_id, None)
-        self.num_cached_blocks.pop(request.request_id, None)
+        rid = request.request_id
+        blocks = self.req_blocks.pop(rid, None)
+        self._block_ids.pop(rid, None)
+        self.num_cached_blocks.pop(rid, None)
         if blocks:
             self.pool.free_blocks(reversed(blocks))
+            for b in blocks:
+                if b.ref_cnt == 0:
+                    self._partial.discard(b.block_id)
+                    self._filling.discard(b.block_id)
 
     def block_ids(self, request: Request) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request.request_id, ())]
+        """The request's block table (the manager's own list: read it, do not change it)."""
+        return self._block_ids.get(request.request_id, [])
 
+    def num_held_slots(self, request: Request) -> int:
+        return len(self.req_blocks.get(request.request_id, ())) * self.block_size
+
+    def take_ops(self) -> KVOps:
+        """The block operations since the last call; starts a new record. Called once per
+        scheduling step: blocks that filled during it stop counting as partial now."""
+        ops, self._ops = self._ops, KVOps()
+        ops.freed, self.pool.freed = self.pool.freed, []
+        ops.evicted, self.pool.evicted = self.pool.evicted, []
+        ops.new_blocks = {rid: b for rid, b in ops.new_blocks.items() if b}
+        self._filling.clear()
+        return ops
+
+    def restore_ops(self, ops: KVOps) -> None:
+        """Put back the frees and evictions of a record the runner may not have applied (its
+        step failed): they are delivered again, first, with the next record. Releasing a freed
+        block twice is harmless; the copies of a failed step concern only its own requests."""
+        self.pool.freed[:0] = ops.freed
+        self.pool.evicted[:0] = ops.evicted
+
+    # -- moving cached prefixes between pools ------------------------------------------------
+    def reserve_for_import(self, hashes: Sequence[BlockHash]) -> PrefixImport:
+        """Fresh blocks for the ``hashes`` this cache lacks, in chain order, stopping when no
+        block is free; the blocks of the chain it already has are held meanwhile, so making
+        room never evicts them. The caller writes the fresh blocks' bytes, then calls
+        :meth:`publish_import` (or :meth:`cancel_import` on failure)."""
+        imp = PrefixImport()
+        for i, h in enumerate(hashes):
+            block = self.pool.get_cached_block(h)
+            if block is not None:
+                self.pool.touch([block])
+                imp.held.append(block)
+                continue
+            if self.pool.num_free_blocks == 0:
+                break
+            (block,) = self.pool.get_new_blocks(1)
+            imp.new.append((block, h, i))
+        return imp
+
+    def publish_import(self, imp: PrefixImport) -> None:
+        """Register imported blocks under their hashes and leave every block cached-free."""
+        for block, h, _ in imp.new:
+            self.pool.cache_block(block, h)
+        self.cancel_import(imp)
+
+    def cancel_import(self, imp: PrefixImport) -> None:
+        self.pool.free_blocks(reversed([*imp.held, *(b for b, _, _ in imp.new)]))
+
+    # -- bookkeeping ----------------------------------------------------------------------------
     def num_allocated_slots(self) -> int:
         return self.pool.num_used_blocks * self.block_size
 
@@ -171,10 +333,17 @@ class KVCacheManager:
         return self.pool.reset_prefix_cache()
 
     def check_invariants(self) -> None:
+        """Raise if the pool or the tables are inconsistent (free + cached-free + in-use =
+        total, reference counts equal table entries, int tables mirror block tables)."""
         self.pool.check_invariants()
         refs: dict[int, int] = {}
-        for blocks in self.req_blocks.values():
+        for rid, blocks in self.req_blocks.items():
+            assert self._block_ids[rid] == [b.block_id for b in blocks], f"table of {rid}"
             for b in blocks:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
         for b in self.pool.blocks:
             assert b.ref_cnt == refs.get(b.block_id, 0), f"ref count mismatch on {b}"
+        for b in self._partial | self._filling:
+            assert self.pool.blocks[b].ref_cnt > 0, f"freed block {b} counted as partial"
+        if self.max_partial_blocks is not None:
+            assert self.num_partial_blocks <= self.max_partial_blocks, "partial blocks"

@@ -1,36 +1,28 @@
-"""Quantized paged KV storage: fp8 (e4m3 / e5m2), int8 and KIVI-style 4- and 2-bit.
+"""Quantized paged KV storage, per token: fp8 (e4m3 / e5m2) and int8.
 
-Each class keeps the :class:`~kvserve.kv.storage.KVStorage` seam: ``write`` new tokens at flat
-slots, ``gather`` whole blocks back in the compute dtype (dequantized in tensor code, no
-per-token loops), ``copy_blocks`` for copy-on-write, ``bytes_per_token`` with metadata.
-
-- fp8 and int8 quantize each token as it is written (their scales do not depend on later
-  tokens).
-- KIVI keys are quantized per channel over the tokens of a block, so a block can only be
-  quantized once it is full. The partial tail block of each sequence lives in a small
-  full-precision *residual* pool (KIVI's residual window, one block per sequence) and is
-  quantized exactly once, after its last slot is written (in batches, see kivi_storage.py).
-  Prefix-cache hits only ever reuse full blocks and copy-on-write only copies partial ones, so
-  both fit this rule.
+Each class keeps the :class:`~kvserve.kv.storage.KVStorage` interface: ``write`` new tokens
+at flat slots, ``gather`` whole blocks back in the compute dtype (dequantized in tensor code,
+no per-token loops), ``bytes_per_token`` with metadata. Both quantize each token as it is
+written: their scales do not depend on later tokens. (KIVI, whose keys are quantized per
+channel over a block, lives in :mod:`kvserve.kv.kivi_storage`.)
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from kvserve.kv import codecs
-from kvserve.kv.storage import KVStorage
+from kvserve.kv.storage import KVFormatMismatch, KVStorage
 
-log = logging.getLogger("kvserve.kv")
 FP8_HEADROOM = 4.0
 
 
 class Fp8KVStorage(KVStorage):
-    """float8 codes ``[num_blocks, kv_heads, block_size, head_dim]`` per layer with one scale
-    per (layer, KV head) for K and one for V.
+    """float8 codes ``[num_blocks + 1, kv_heads, block_size, head_dim]`` per layer with one
+    scale per (layer, KV head) for K and one for V.
 
     Scales come from the checkpoint (``k_scale`` / ``v_scale``) when it has them; otherwise
     (or with ``calculate_kv_scales``) they are calibrated from the amax of the first write to
@@ -38,6 +30,8 @@ class Fp8KVStorage(KVStorage):
     nothing (fp8's error is relative: the normal range spans 2**15 below max for e4m3) and
     keeps later, larger tokens out of saturation; the default scale of 1.0 is the known trap.
     Scales never change after the first code is written, so every block stays decodable.
+    They are pool-wide, so an exported block carries them and a pool with other scales
+    refuses it (it never decodes one pool's codes with another's scales).
     """
 
     def __init__(
@@ -54,23 +48,28 @@ class Fp8KVStorage(KVStorage):
         v_scales: torch.Tensor | None = None,
         use_kernels: bool = True,
     ) -> None:
-        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
-        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
-        self.device = torch.device(device)
-        self.use_kernels = use_kernels
+        super().__init__(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype,
+                         device, use_kernels)  # fmt: skip
         self.fp8_dtype = codecs.FP8_DTYPES[fp8_format]
         self.format_name = fp8_format
-        shape = (num_blocks, num_kv_heads, block_size, head_dim)
-        dev = self.device
-        self.k_codes = [
-            torch.zeros(shape, dtype=torch.uint8, device=dev) for _ in range(num_layers)
-        ]
-        self.v_codes = [
-            torch.zeros(shape, dtype=torch.uint8, device=dev) for _ in range(num_layers)
-        ]
+        shape = (self.num_rows, num_kv_heads, block_size, head_dim)
+        self.k_codes = self.per_layer(*shape, dtype=torch.uint8)
+        self.v_codes = self.per_layer(*shape, dtype=torch.uint8)
         self.k_scale = self._scales(k_scales)
         self.v_scale = self._scales(v_scales)
         self.calibrated = [k_scales is not None and v_scales is not None] * num_layers
+        self._views: dict[int, Any] = {}
+
+    @classmethod
+    def from_format(cls, name: str, num_layers: int, num_blocks: int, block_size: int,
+                    num_kv_heads: int, head_dim: int, compute_dtype: torch.dtype,
+                    device: torch.device | str = "cpu", **options: Any) -> KVStorage:  # fmt: skip
+        """``k_scales`` / ``v_scales``: per-layer, optionally per-KV-head dequantization scales
+        from the checkpoint; None calibrates them from the first prefill."""
+        return cls(num_layers, num_blocks, block_size, num_kv_heads, head_dim, compute_dtype,
+                   device, fp8_format=name, k_scales=options.get("k_scales"),
+                   v_scales=options.get("v_scales"),
+                   use_kernels=options.get("use_kernels", True))  # fmt: skip
 
     def _scales(self, given: torch.Tensor | None) -> list[torch.Tensor]:
         """[num_layers, kv_heads] (or broadcastable) -> per-layer float32 [kv_heads]."""
@@ -85,11 +84,33 @@ class Fp8KVStorage(KVStorage):
         return [g[i].clone().to(self.device) for i in range(self.num_layers)]
 
     @classmethod
-    def bytes_per_token(  # type: ignore[override]
-        cls, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.uint8
+    def format_bytes_per_token(
+        cls, name: str, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int = 16
     ) -> float:
         """One byte per element; the per-(layer, head) scales are per pool, not per token."""
         return 2 * num_layers * num_kv_heads * head_dim
+
+    @classmethod
+    def format_fixed_bytes(
+        cls,
+        name: str,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        compute_dtype: torch.dtype,
+        max_num_seqs: int,
+    ) -> int:
+        """The null block plus one float32 scale per (layer, KV head) for K and for V."""
+        null = super().format_fixed_bytes(name, num_layers, num_kv_heads, head_dim, block_size,
+                                          compute_dtype, max_num_seqs)  # fmt: skip
+        return null + 2 * num_layers * num_kv_heads * 4
+
+    def block_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {"k_codes": self.k_codes, "v_codes": self.v_codes}
+
+    def fixed_tensors(self) -> list[torch.Tensor]:
+        return self.k_scale + self.v_scale
 
     def _calibrate(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         k_amax, v_amax = k.float().abs().amax(dim=(0, 2)), v.float().abs().amax(dim=(0, 2))
@@ -99,6 +120,7 @@ class Fp8KVStorage(KVStorage):
             self.k_scale[layer] = codecs.fp8_scale_from_amax(k_amax, self.fp8_dtype, FP8_HEADROOM)
             self.v_scale[layer] = codecs.fp8_scale_from_amax(v_amax, self.fp8_dtype, FP8_HEADROOM)
             self.calibrated[layer] = True
+            self._views.pop(layer, None)
 
     def write(
         self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -123,19 +145,46 @@ class Fp8KVStorage(KVStorage):
     def decode_attention(self, layer, q, block_tables, seq_lens, window):  # noqa: ANN001
         from kvserve.kernels import quant
 
-        if not self.use_kernels or not quant.supports(self, q):
+        if not self.use_kernels or not quant.supports(
+            q, self.num_kv_heads, self.head_dim, self.block_size, self.device
+        ):
             return None
-        return quant.decode_fp8(self, layer, q, block_tables, seq_lens, window)
+        view = self._views.get(layer)
+        if view is None:
+            view = quant.fp8_view(self.k_codes[layer], self.v_codes[layer], self.k_scale[layer],
+                                  self.v_scale[layer], self.fp8_dtype)  # fmt: skip
+            if self.calibrated[layer]:  # scales may still change until then: no caching
+                self._views[layer] = view
+        return quant.decode(view, q, block_tables, seq_lens, window)
 
-    def block_tensors(self) -> list[torch.Tensor]:
-        return self.k_codes + self.v_codes  # scales are per (layer, head), not per block
+    # -- pool-wide scales travel with exported blocks ------------------------------------------
+    def _export_pool(self) -> dict[str, Any]:
+        return {
+            "k_scale": torch.stack(self.k_scale).cpu(),
+            "v_scale": torch.stack(self.v_scale).cpu(),
+            "calibrated": list(self.calibrated),
+        }
 
-    def nbytes(self) -> int:
-        return sum(t.numel() for t in self.k_codes + self.v_codes)
-
-    def fixed_nbytes(self) -> int:
-        """Bytes outside the per-token figure: the per-(layer, head) scales."""
-        return sum(t.numel() * 4 for t in self.k_scale + self.v_scale)
+    def _import_pool(self, pool: dict[str, Any]) -> None:
+        """Layers not yet calibrated adopt the payload's scales (then the codes decode exactly
+        as they did there); a calibrated layer with other scales refuses the payload."""
+        for layer in range(self.num_layers):
+            if not self.calibrated[layer] or not pool["calibrated"][layer]:
+                continue
+            same = torch.equal(self.k_scale[layer].cpu(), pool["k_scale"][layer]) and torch.equal(
+                self.v_scale[layer].cpu(), pool["v_scale"][layer]
+            )
+            if not same:
+                raise KVFormatMismatch(
+                    f"kv payload: fp8 scales of layer {layer} differ from this pool's; "
+                    "the blocks would decode wrongly here"
+                )
+        for layer in range(self.num_layers):
+            if not self.calibrated[layer] and pool["calibrated"][layer]:
+                self.k_scale[layer] = pool["k_scale"][layer].to(self.device).clone()
+                self.v_scale[layer] = pool["v_scale"][layer].to(self.device).clone()
+                self.calibrated[layer] = True
+                self._views.pop(layer, None)
 
 
 class Int8KVStorage(KVStorage):
@@ -144,8 +193,6 @@ class Int8KVStorage(KVStorage):
     Per-token scales need no calibration and follow each token's own range, so outlier
     tokens cost only their own precision. 130 bytes per 128-element head row: 0.508x bf16.
     """
-
-    format_name = "int8"
 
     def __init__(
         self,
@@ -158,26 +205,30 @@ class Int8KVStorage(KVStorage):
         device: torch.device | str = "cpu",
         use_kernels: bool = True,
     ) -> None:
-        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
-        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
-        self.device = dev = torch.device(device)
-        self.use_kernels = use_kernels
-        shape = (num_blocks, num_kv_heads, block_size, head_dim)
-        sshape = (num_blocks, num_kv_heads, block_size)
-        self.k_codes = [torch.zeros(shape, dtype=torch.int8, device=dev) for _ in range(num_layers)]
-        self.v_codes = [torch.zeros(shape, dtype=torch.int8, device=dev) for _ in range(num_layers)]
-        self.k_scale = [
-            torch.zeros(sshape, dtype=torch.float16, device=dev) for _ in range(num_layers)
-        ]
-        self.v_scale = [
-            torch.zeros(sshape, dtype=torch.float16, device=dev) for _ in range(num_layers)
-        ]
+        super().__init__(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype,
+                         device, use_kernels)  # fmt: skip
+        self.format_name = "int8"
+        shape = (self.num_rows, num_kv_heads, block_size, head_dim)
+        sshape = (self.num_rows, num_kv_heads, block_size)
+        self.k_codes = self.per_layer(*shape, dtype=torch.int8)
+        self.v_codes = self.per_layer(*shape, dtype=torch.int8)
+        self.k_scale = self.per_layer(*sshape, dtype=torch.float16)
+        self.v_scale = self.per_layer(*sshape, dtype=torch.float16)
+        self._views: dict[int, Any] = {}
 
     @classmethod
-    def bytes_per_token(  # type: ignore[override]
-        cls, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.int8
+    def format_bytes_per_token(
+        cls, name: str, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int = 16
     ) -> float:
         return 2 * num_layers * num_kv_heads * (head_dim + 2)
+
+    def block_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {
+            "k_codes": self.k_codes,
+            "v_codes": self.v_codes,
+            "k_scale": self.k_scale,
+            "v_scale": self.v_scale,
+        }
 
     def write(
         self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -199,16 +250,13 @@ class Int8KVStorage(KVStorage):
     def decode_attention(self, layer, q, block_tables, seq_lens, window):  # noqa: ANN001
         from kvserve.kernels import quant
 
-        if not self.use_kernels or not quant.supports(self, q):
+        if not self.use_kernels or not quant.supports(
+            q, self.num_kv_heads, self.head_dim, self.block_size, self.device
+        ):
             return None
-        return quant.decode_int8(self, layer, q, block_tables, seq_lens, window)
-
-    def block_tensors(self) -> list[torch.Tensor]:
-        return self.k_codes + self.v_codes + self.k_scale + self.v_scale
-
-    def nbytes(self) -> int:
-        ts = self.k_codes + self.v_codes + self.k_scale + self.v_scale
-        return sum(t.numel() * t.element_size() for t in ts)
-
-    def fixed_nbytes(self) -> int:
-        return 0
+        view = self._views.get(layer)
+        if view is None:
+            view = self._views[layer] = quant.int8_view(
+                self.k_codes[layer], self.v_codes[layer], self.k_scale[layer], self.v_scale[layer]
+            )
+        return quant.decode(view, q, block_tables, seq_lens, window)

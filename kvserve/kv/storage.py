@@ -1,13 +1,24 @@
-"""Where K/V bytes live: per-layer tensors indexed by (block, offset in block).
+"""Where K/V bytes live: one interface every KV format implements, and the dense format.
 
 The storage is the seam between the paged cache and its storage format. The model writes new
 K/V through :meth:`KVStorage.write` and reads whole blocks back, in the compute dtype, through
-:meth:`KVStorage.gather`. Quantized formats subclass it: a block then holds codes plus its own
-scales, and ``bytes_per_token`` counts both, so the pool size follows from the real bytes.
+:meth:`KVStorage.gather` (the reference path) or a fused kernel (:meth:`decode_attention`,
+:meth:`fused_attention`). The runner applies the KV manager's record of the step around the
+forward pass: :meth:`release_blocks` for blocks whose last reference went, :meth:`copy_blocks`
+for copy-on-write, :meth:`begin_step` with the step's slot mapping. :meth:`export_blocks` /
+:meth:`import_blocks` move the exact stored bytes of blocks out of and into a pool (another
+engine's, a host tier), bit for bit.
+
+Every per-block tensor has ``num_blocks + 1`` rows: the last row is the **null block**
+(``null_block``), which pads block tables and stands for a dropped block. It is never handed
+out, never written and never attended (masks and kernels stop at each sequence's length); it
+is zero, so a masked read of it stays finite. Its bytes count as the format's fixed bytes.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,60 +30,55 @@ TORCH_DTYPES = {
 }
 
 
-def kv_bytes_per_token(
-    kv_cache_dtype: str,
-    num_layers: int,
-    num_kv_heads: int,
-    head_dim: int,
-    model_dtype: str,
-    block_size: int = 16,
-) -> float:
-    """Bytes one token's K and V occupy across all layers in the given storage format,
-    metadata (scales, zero points) included. The engine sizes its pool with this figure and
-    ``kvserve plan`` reports it, so the two always agree. ``auto`` follows the model dtype.
-
-    ``block_size`` matters only for KIVI formats, whose key metadata is per block (per channel
-    over the block's tokens); the default is the engine's default block size."""
-    from kvserve.kv.formats import canonical_kv_format, format_bytes_per_token
-
-    name = canonical_kv_format(kv_cache_dtype, model_dtype)
-    return format_bytes_per_token(name, num_layers, num_kv_heads, head_dim, block_size)
+class KVFormatMismatch(ValueError):
+    """A payload of blocks was stored by another format, geometry or pool-wide scale."""
 
 
-def pool_num_blocks(
-    kv_cache_memory: float,
-    kv_cache_dtype: str,
-    num_layers: int,
-    num_kv_heads: int,
-    head_dim: int,
-    model_dtype: str,
-    block_size: int = 16,
-    max_num_seqs: int = 256,
-) -> int:
-    """The engine's pool-sizing rule: whole blocks that fit in ``kv_cache_memory`` after the
-    format's fixed bytes (KIVI's full-precision residual for ``max_num_seqs`` partial blocks,
-    fp8's scales). The planner calls the same function, so ``--validate`` compares like with
-    like and no KV byte sits outside the memory the operator gave."""
-    import torch
+@dataclass(slots=True)
+class BlockPayload:
+    """The stored bytes of some blocks, as a storage exported them.
 
-    from kvserve.kv.formats import canonical_kv_format, kv_fixed_bytes
+    ``tensors`` maps each per-block tensor's name to ``[num_layers, n, ...]`` CPU tensors in
+    the order of the exported block ids; ``pool`` holds pool-wide state the blocks need to be
+    decoded (fp8's per-head scales); ``extra`` is format-specific (KIVI's residual rows)."""
 
-    name = canonical_kv_format(kv_cache_dtype, model_dtype)
-    fixed = kv_fixed_bytes(name, num_layers, num_kv_heads, head_dim,
-                           getattr(torch, model_dtype), block_size, max_num_seqs)  # fmt: skip
-    bpt = kv_bytes_per_token(name, num_layers, num_kv_heads, head_dim, model_dtype, block_size)
-    return max(0, int((kv_cache_memory - fixed) // (bpt * block_size)))
+    identity: dict[str, Any]
+    num_blocks: int
+    tensors: dict[str, torch.Tensor]
+    pool: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def select(self, indices: list[int]) -> BlockPayload:
+        """The payload of the blocks at ``indices`` (positions in this payload), in order."""
+        idx = torch.tensor(indices, dtype=torch.long)
+        tensors = {name: t.index_select(1, idx) for name, t in self.tensors.items()}
+        extra: dict[str, Any] = {}
+        res = self.extra.get("residual", [])
+        if res:
+            where = {b: j for j, b in enumerate(res)}
+            keep = [(i, where[b]) for i, b in enumerate(indices) if b in where]
+            if keep:
+                rows = torch.tensor([j for _, j in keep], dtype=torch.long)
+                extra = {
+                    "residual": [i for i, _ in keep],
+                    "res_k": self.extra["res_k"].index_select(1, rows),
+                    "res_v": self.extra["res_v"].index_select(1, rows),
+                }
+        return BlockPayload(self.identity, len(indices), tensors, self.pool, extra)
 
 
-class KVStorage:
-    """Full-precision paged K/V: ``[num_blocks, kv_heads, block_size, head_dim]`` per layer.
+def _zeros(n: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)]
 
-    Blocks are head-major so that one KV head's rows of a block are contiguous: the decode
-    kernel streams them, and a gather yields ``[B, kv_heads, tokens, head_dim]`` with each
-    (sequence, head) matrix contiguous, which is what SDPA wants.
-    """
 
-    format_name = "dense"
+class KVStorage(ABC):
+    """The interface of a paged KV format; subclasses allocate their tensors in ``__init__``
+    after calling this one.
+
+    A format declares its bytes per token and fixed bytes (class methods, so the pool can be
+    sized before anything is allocated), names its per-block tensors in
+    :meth:`block_tensors` (copy-on-write, export and import use them) and implements
+    :meth:`write` and :meth:`gather`; the rest has defaults."""
 
     def __init__(
         self,
@@ -85,45 +91,123 @@ class KVStorage:
         device: torch.device | str = "cpu",
         use_kernels: bool = True,
     ) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks: must be >= 1, got {num_blocks}")
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.dtype = dtype
+        self.dtype = dtype  # the compute dtype that gather returns
         self.device = torch.device(device)
-        shape = (num_blocks, num_kv_heads, block_size, head_dim)
-        # Zero-filled: padded block-table entries point at real blocks whose values are masked
-        # out, and masked values must be finite (0 * NaN would poison the weighted sum).
-        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.use_kernels = use_kernels
+        self.null_block = num_blocks
+        self.format_name = ""  # set by subclasses: the layout that goes into prefix-cache keys
 
     @classmethod
-    def bytes_per_token(
-        cls, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-    ) -> float:
-        """K and V bytes one token occupies across all layers (metadata included)."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * num_kv_heads * head_dim * itemsize
+    def from_format(
+        cls,
+        name: str,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        compute_dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        *,
+        max_num_seqs: int = 256,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
+        use_kernels: bool = True,
+    ) -> KVStorage:
+        """The storage for canonical format ``name`` (one of :attr:`formats`). Formats
+        ignore the options that do not concern them."""
+        return cls(num_layers, num_blocks, block_size, num_kv_heads, head_dim, compute_dtype,
+                   device, use_kernels=use_kernels)  # fmt: skip
 
+    @property
+    def num_rows(self) -> int:
+        """Rows of every per-block tensor: the usable blocks plus the null block."""
+        return self.num_blocks + 1
+
+    # -- bytes ---------------------------------------------------------------------------------
+    @classmethod
+    @abstractmethod
+    def format_bytes_per_token(
+        cls, name: str, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int
+    ) -> float:
+        """K and V bytes one token occupies across all layers in format ``name``, metadata
+        (scales, zero points) included."""
+
+    @classmethod
+    def format_fixed_bytes(
+        cls,
+        name: str,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        compute_dtype: torch.dtype,
+        max_num_seqs: int,
+    ) -> int:
+        """Bytes besides the per-token figure: the null block, plus what a format keeps per
+        pool (fp8's scales) or per sequence (KIVI's full-precision residual)."""
+        bpt = cls.format_bytes_per_token(name, num_layers, num_kv_heads, head_dim, block_size)
+        return int(round(bpt * block_size))
+
+    @abstractmethod
+    def block_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Every tensor indexed by block id (codes and per-block metadata), by name, one per
+        layer: what a block copy must copy and an export must carry."""
+
+    def fixed_tensors(self) -> list[torch.Tensor]:
+        """Tensors not indexed by block id (pool-wide scales, residual buffers)."""
+        return []
+
+    def nbytes(self) -> int:
+        """Bytes of the usable blocks (the pool sizing rule's per-token figure times slots)."""
+        per_row = sum(
+            t[0].numel() * t.element_size() for ts in self.block_tensors().values() for t in ts
+        )
+        return per_row * self.num_blocks
+
+    def fixed_nbytes(self) -> int:
+        """Every other byte the storage allocated: the null block and the fixed tensors."""
+        rows = sum(t.numel() * t.element_size() for ts in self.block_tensors().values() for t in ts)
+        fixed = sum(t.numel() * t.element_size() for t in self.fixed_tensors())
+        return rows - self.nbytes() + fixed
+
+    # -- the step ------------------------------------------------------------------------------
+    def begin_step(self, slot_mapping: torch.Tensor) -> None:  # noqa: B027 - optional hook
+        """Called once per step with the step's flat slot mapping, before the first layer's
+        write. Formats that plan a step (KIVI) do it here; the default has nothing to plan."""
+
+    def release_blocks(self, block_ids: list[int]) -> None:  # noqa: B027 - optional hook
+        """Blocks whose last reference went (they are free or cached-free now). A format that
+        keeps per-block side state (KIVI's residual slots) may reclaim it; cached-free blocks
+        can be handed out again by the prefix cache, so their content must stay readable."""
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks ``(src, dst)`` (copy-on-write of a shared partial block)."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        for ts in self.block_tensors().values():
+            for t in ts:
+                t[dst] = t[src]
+
+    @abstractmethod
     def write(
         self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         """Store new tokens' K/V (``[T, kv_heads, head_dim]``) at flat slot indices."""
-        blk = slot_mapping // self.block_size
-        off = slot_mapping % self.block_size
-        self.k[layer][blk, :, off] = k.to(self.dtype)
-        self.v[layer][blk, :, off] = v.to(self.dtype)
 
+    @abstractmethod
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of whole blocks, ``[B, kv_heads, n * block_size, head_dim]`` for
-        ``block_tables`` of shape ``[B, n]`` (the reference path), in the storage dtype for
-        dense formats (the caller casts to its compute dtype)."""
-        return (
-            self.gather_blocks(block_tables, lambda x: x, self.k[layer]),
-            self.gather_blocks(block_tables, lambda x: x, self.v[layer]),
-        )
+        ``block_tables`` of shape ``[B, n]`` (the reference path)."""
 
     def decode_attention(
         self,
@@ -135,51 +219,78 @@ class KVStorage:
     ) -> torch.Tensor | None:
         """Fused decode attention straight from the blocks, or None when no kernel applies
         (the caller then gathers and runs SDPA)."""
-        from kvserve import kernels
-
-        g = q.shape[1] // self.num_kv_heads
-        if not self.use_kernels or not kernels.supports(
-            self.dtype, self.device, g, self.head_dim, self.block_size
-        ):
-            return None
-        return kernels.paged_decode_attention(
-            q, self.k[layer], self.v[layer], block_tables, seq_lens, window
-        )
+        return None
 
     def fused_attention(
         self, layer: int, q: torch.Tensor, group: Any, window: int | None, out: torch.Tensor
     ) -> bool:
         """Attend the rows of a :class:`~kvserve.model.attention.PagedGroup` (decode tokens
-        and short continuation chunks) straight from the blocks with the native kernel,
-        writing into ``out``; False when the kernel does not apply.
+        and short continuation chunks) straight from the blocks, writing into ``out``; False
+        when this format has no such kernel."""
+        return False
 
-        The kernel reads ``self.k`` / ``self.v`` as dense head-major blocks, so it only serves
-        storages that keep that layout (subclasses that override ``write`` store something
-        else and answer False here; they may offer ``decode_attention`` instead).
-        """
-        from kvserve import kernels
+    # -- moving blocks -------------------------------------------------------------------------
+    def identity(self) -> dict[str, Any]:
+        """What must match for another pool's blocks to be readable here."""
+        return {
+            "format": self.format_name,
+            "num_layers": self.num_layers,
+            "block_size": self.block_size,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "dtypes": {
+                name: str(ts[0].dtype).removeprefix("torch.")
+                for name, ts in self.block_tensors().items()
+            },
+        }
 
-        if type(self).write is not KVStorage.write or not self.use_kernels:
-            return False
-        g = q.shape[1] // self.num_kv_heads
-        if not kernels.supports(self.dtype, self.device, g, self.head_dim, self.block_size):
-            return False
-        kernels.paged_attention(q, self.k[layer], self.v[layer], group, window, out)
-        return True
+    def export_blocks(self, block_ids: list[int]) -> BlockPayload:
+        """The exact stored bytes of ``block_ids`` (CPU tensors), with whatever pool-wide state
+        decoding them needs."""
+        self._check_ids(block_ids, "export_blocks")
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        tensors = {
+            name: torch.stack([t.index_select(0, idx) for t in ts]).cpu()
+            for name, ts in self.block_tensors().items()
+        }
+        return BlockPayload(self.identity(), len(block_ids), tensors, self._export_pool())
 
-    def block_tensors(self) -> list[torch.Tensor]:
-        """Every tensor indexed by block id (codes and per-block metadata): what a block copy
-        must copy. Quantized formats list their codes and scales."""
-        return self.k + self.v
+    def import_blocks(self, block_ids: list[int], payload: BlockPayload) -> None:
+        """Write a payload's blocks into ``block_ids`` (bit-exact); raises
+        :class:`KVFormatMismatch` when the payload's format, geometry or pool-wide state
+        cannot be read by this storage (nothing is written then)."""
+        self._check_ids(block_ids, "import_blocks")
+        if payload.identity != self.identity():
+            raise KVFormatMismatch(
+                f"kv payload: stored as {payload.identity}, this pool is {self.identity()}"
+            )
+        if payload.num_blocks != len(block_ids):
+            raise ValueError(
+                f"import_blocks: payload holds {payload.num_blocks} blocks, "
+                f"{len(block_ids)} ids given"
+            )
+        self._import_pool(payload.pool)
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for name, ts in self.block_tensors().items():
+            src = payload.tensors[name]
+            for layer, t in enumerate(ts):
+                t.index_copy_(0, idx, src[layer].to(t.device))
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy whole blocks (copy-on-write of a shared partial block)."""
-        if not pairs:
-            return
-        src = torch.tensor([s for s, _ in pairs], device=self.device)
-        dst = torch.tensor([d for _, d in pairs], device=self.device)
-        for t in self.block_tensors():
-            t[dst] = t[src]
+    def _export_pool(self) -> dict[str, Any]:
+        return {}
+
+    def _import_pool(self, pool: dict[str, Any]) -> None:  # noqa: B027 - optional hook
+        """Adopt or check pool-wide state; raise KVFormatMismatch before anything changes."""
+
+    def _check_ids(self, block_ids: list[int], what: str) -> None:
+        bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
+        if bad:
+            raise ValueError(f"{what}: block ids {bad[:5]} outside [0, {self.num_blocks})")
+
+    # -- helpers for subclasses ----------------------------------------------------------------
+    def per_layer(self, *shape: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """One zero tensor per layer of shape ``shape``."""
+        return _zeros(self.num_layers, shape, dtype, self.device)
 
     def gather_blocks(
         self, block_tables: torch.Tensor, decode: Any, *per_layer: torch.Tensor
@@ -193,5 +304,151 @@ class KVStorage:
         shape = (b, self.num_kv_heads, n * self.block_size, self.head_dim)
         return x.view(b, n, *x.shape[1:]).transpose(1, 2).reshape(shape)
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+class DenseKVStorage(KVStorage):
+    """Full-precision paged K/V: ``[num_blocks + 1, kv_heads, block_size, head_dim]`` per layer.
+
+    Blocks are head-major so that one KV head's rows of a block are contiguous: the decode
+    kernel streams them, and a gather yields ``[B, kv_heads, tokens, head_dim]`` with each
+    (sequence, head) matrix contiguous, which is what SDPA wants. ``dtype`` is both the
+    storage and the compute dtype here.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        use_kernels: bool = True,
+    ) -> None:
+        super().__init__(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype,
+                         device, use_kernels)  # fmt: skip
+        self.format_name = str(dtype).removeprefix("torch.")
+        shape = (self.num_rows, num_kv_heads, block_size, head_dim)
+        self.k = self.per_layer(*shape, dtype=dtype)
+        self.v = self.per_layer(*shape, dtype=dtype)
+
+    @classmethod
+    def from_format(cls, name: str, num_layers: int, num_blocks: int, block_size: int,
+                    num_kv_heads: int, head_dim: int, compute_dtype: torch.dtype,
+                    device: torch.device | str = "cpu", **options: Any) -> KVStorage:  # fmt: skip
+        """The storage dtype is the format's own (``auto`` resolved to the model dtype)."""
+        kernels = options.get("use_kernels", True)
+        return cls(num_layers, num_blocks, block_size, num_kv_heads, head_dim,
+                   TORCH_DTYPES[name], device, use_kernels=kernels)  # fmt: skip
+
+    @classmethod
+    def format_bytes_per_token(
+        cls, name: str, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int = 16
+    ) -> float:
+        itemsize = torch.empty((), dtype=TORCH_DTYPES[name]).element_size()
+        return 2 * num_layers * num_kv_heads * head_dim * itemsize
+
+    def block_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {"k": self.k, "v": self.v}
+
+    def write(
+        self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        blk = slot_mapping // self.block_size
+        off = slot_mapping % self.block_size
+        self.k[layer][blk, :, off] = k.to(self.dtype)
+        self.v[layer][blk, :, off] = v.to(self.dtype)
+
+    def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """In the storage dtype (the caller casts to its compute dtype)."""
+        return (
+            self.gather_blocks(block_tables, lambda x: x, self.k[layer]),
+            self.gather_blocks(block_tables, lambda x: x, self.v[layer]),
+        )
+
+    def decode_attention(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        window: int | None,
+    ) -> torch.Tensor | None:
+        from kvserve import kernels
+
+        if not self._kernel_applies(q):
+            return None
+        return kernels.paged_decode_attention(
+            q, self.k[layer], self.v[layer], block_tables, seq_lens, window
+        )
+
+    def fused_attention(
+        self, layer: int, q: torch.Tensor, group: Any, window: int | None, out: torch.Tensor
+    ) -> bool:
+        from kvserve import kernels
+
+        if not self._kernel_applies(q):
+            return False
+        kernels.paged_attention(q, self.k[layer], self.v[layer], group, window, out)
+        return True
+
+    def _kernel_applies(self, q: torch.Tensor) -> bool:
+        from kvserve import kernels
+
+        g = q.shape[1] // self.num_kv_heads
+        return self.use_kernels and kernels.supports(
+            self.dtype, self.device, g, self.head_dim, self.block_size
+        )
+
+
+class KVStorageWrapper(KVStorage):
+    """A storage that forwards every call to ``inner``: subclass it to instrument or corrupt
+    a storage (the quality gate's tests do) and override only what changes."""
+
+    def __init__(self, inner: KVStorage) -> None:
+        super().__init__(inner.num_layers, inner.num_blocks, inner.block_size, inner.num_kv_heads,
+                         inner.head_dim, inner.dtype, inner.device, inner.use_kernels)  # fmt: skip
+        self.inner = inner
+        self.format_name = inner.format_name
+
+    @classmethod
+    def format_bytes_per_token(cls, name, num_layers, num_kv_heads, head_dim, block_size=16):  # noqa: ANN001, ANN206
+        raise TypeError("a wrapper has no format of its own; ask the wrapped storage's class")
+
+    def block_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return self.inner.block_tensors()
+
+    def fixed_tensors(self) -> list[torch.Tensor]:
+        return self.inner.fixed_tensors()
+
+    def begin_step(self, slot_mapping: torch.Tensor) -> None:
+        self.inner.begin_step(slot_mapping)
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        self.inner.release_blocks(block_ids)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        self.inner.copy_blocks(pairs)
+
+    def write(
+        self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        self.inner.write(layer, slot_mapping, k, v)
+
+    def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inner.gather(layer, block_tables)
+
+    def decode_attention(self, layer, q, block_tables, seq_lens, window):  # noqa: ANN001, ANN201
+        return self.inner.decode_attention(layer, q, block_tables, seq_lens, window)
+
+    def fused_attention(self, layer, q, group, window, out) -> bool:  # noqa: ANN001
+        return self.inner.fused_attention(layer, q, group, window, out)
+
+    def identity(self) -> dict[str, Any]:
+        return self.inner.identity()
+
+    def export_blocks(self, block_ids: list[int]) -> BlockPayload:
+        return self.inner.export_blocks(block_ids)
+
+    def import_blocks(self, block_ids: list[int], payload: BlockPayload) -> None:
+        self.inner.import_blocks(block_ids, payload)

@@ -11,10 +11,42 @@ those of the raw model distribution (before penalties and temperature), as vLLM 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from kvserve.request import Request
+from kvserve.request import SamplingParams
+
+
+class SamplingState:
+    """What sampling needs of one request, kept by the runner between steps: its parameters,
+    the prompt (repetition penalty), the tokens drawn so far (penalties, ``min_tokens``) and a
+    seeded request's own generator."""
+
+    __slots__ = (
+        "sampling_params",
+        "prompt_token_ids",
+        "output_token_ids",
+        "eos_token_ids",
+        "generator",
+    )
+
+    def __init__(
+        self,
+        sampling_params: SamplingParams,
+        prompt_token_ids: list[int],
+        output_token_ids: list[int] | None = None,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        self.sampling_params = sampling_params
+        self.prompt_token_ids = prompt_token_ids
+        self.output_token_ids = [] if output_token_ids is None else output_token_ids
+        self.eos_token_ids = () if sampling_params.ignore_eos else tuple(eos_token_ids)
+        self.generator: Any = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
 
 
 @dataclass(slots=True)
@@ -32,7 +64,7 @@ class Sampler:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, requests: list[SamplingState]) -> SamplerOutput:
         raw = logits
         params = [r.sampling_params for r in requests]
         if any(p.uses_penalties for p in params):
@@ -69,7 +101,7 @@ class Sampler:
         return SamplerOutput(token_ids.tolist(), logprobs, sampled_lp)
 
     # -- steps ----------------------------------------------------------------------
-    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _apply_penalties(self, logits: torch.Tensor, requests: list[SamplingState]) -> torch.Tensor:
         b, v = logits.shape
         out_counts = torch.zeros(b, v, device=logits.device)
         seen = torch.zeros(b, v, dtype=torch.bool, device=logits.device)
@@ -96,7 +128,9 @@ class Sampler:
         logits = torch.where(seen, penalised, logits)
         return logits - freq * out_counts - pres * (out_counts > 0).float()
 
-    def _mask_stop_tokens(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _mask_stop_tokens(
+        self, logits: torch.Tensor, requests: list[SamplingState]
+    ) -> torch.Tensor:
         rows, cols = [], []
         for row, r in enumerate(requests):
             p = r.sampling_params
@@ -111,7 +145,7 @@ class Sampler:
             logits[rows, cols] = float("-inf")
         return logits
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, requests: list[SamplingState]) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
         dev = logits.device
         greedy = torch.tensor([p.greedy for p in params], device=dev)

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvserve.config import KV_CACHE_DTYPES, SUPPORTED_ARCHITECTURES, ModelConfig
+from kvserve.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from kvserve.kv.formats import KV_CACHE_DTYPES
 
 DENSE_DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0}
 SAFETENSORS_DTYPE_BYTES = {
@@ -264,7 +265,7 @@ def bytes_per_token(
     is the compute dtype (``auto`` follows it); it defaults to the checkpoint's.
 
     Raises NotImplementedError for a format the engine does not implement yet."""
-    from kvserve.kv.storage import kv_bytes_per_token
+    from kvserve.kv.formats import kv_bytes_per_token
 
     mdt = model_dtype or spec.kv_dtype_auto
     fmt = mdt if kv_cache_dtype == "auto" else kv_cache_dtype

@@ -1,35 +1,34 @@
 """``kvserve plan``: what a model's KV cache costs on an accelerator, and ``--validate`` that
 the prediction is what the engine really allocates.
 
-Only the validation imports the engine; the plan itself needs torch just for the accounting
-function's dtype sizes, so it starts in about a second and needs no weights.
+Only the validation (:mod:`kvserve.plan.validate`) imports the engine; the plan itself needs
+torch just for the accounting function's dtype sizes, so it starts in about a second and needs
+no weights.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvserve.config import DTYPES, KV_CACHE_DTYPES, parse_bytes
+from kvserve.config import DTYPES, parse_bytes
+from kvserve.engine_args import default_model
+from kvserve.kv.formats import KV_CACHE_DTYPES
 from kvserve.plan.capacity import (
     ArchSpec,
     PlanError,
-    bytes_per_token,
     capacity,
     format_table,
     load_arch,
 )
 from kvserve.plan.cost import decode_roofline, usd_per_million
 from kvserve.plan.gpus import GPUS, get_gpu
-
-# The engine's default; KIVI's residual pool, and so its block count, depends on it.
-VALIDATE_MAX_NUM_SEQS = 256
+from kvserve.plan.validate import validate
 
 
 def human_bytes(n: float) -> str:
@@ -247,84 +246,6 @@ def print_plan(p: dict[str, Any], model: str, file: Any = sys.stdout) -> None:
     print("\n".join(lines), file=file)
 
 
-@dataclass(slots=True)
-class ValidationRow:
-    kv_cache_dtype: str
-    predicted_blocks: int
-    engine_blocks: int | None
-    predicted_bytes: float
-    engine_bytes: int | None
-    ok: bool
-    reason: str = ""
-
-
-def validate(
-    model_dir: str,
-    memory_bytes: int,
-    block_size: int = 16,
-    dtype: str = "auto",
-    device: str = "cpu",
-) -> list[ValidationRow]:
-    """Build the engine once per implemented storage format with ``memory_bytes`` of KV
-    and check that the planner's block count and the bytes the engine really allocated
-    match the prediction within 1 %. A format the accounting knows but the engine refuses is
-    a failure: the two must land together."""
-    from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from kvserve.engine import LLMEngine
-    from kvserve.kv.storage import pool_num_blocks
-    from kvserve.model.loader import resolve_dtype
-
-    spec = load_arch(model_dir)
-    compute_dtype = resolve_dtype(dtype, ModelConfig.from_pretrained(model_dir))
-    compute = str(compute_dtype).removeprefix("torch.")
-    ok, _ = format_table(spec)
-    rows = []
-    for fmt in ok:
-        bpt = bytes_per_token(spec, fmt, model_dtype=compute)
-        pred = pool_num_blocks(
-            memory_bytes, fmt, spec.num_layers, spec.num_kv_heads, spec.head_dim, compute,
-            block_size, VALIDATE_MAX_NUM_SEQS,
-        )  # fmt: skip
-        row = ValidationRow(fmt, pred, None, pred * block_size * bpt, None, False)
-        try:
-            engine = LLMEngine(
-                EngineConfig(
-                    model=model_dir,
-                    dtype=dtype,
-                    device=device,
-                    cache=CacheConfig(
-                        block_size=block_size, kv_cache_memory=memory_bytes, kv_cache_dtype=fmt
-                    ),
-                    scheduler=SchedulerConfig(
-                        max_model_len=min(256, spec.max_position_embeddings),
-                        max_num_seqs=VALIDATE_MAX_NUM_SEQS,
-                    ),
-                )
-            )
-        except Exception as e:  # noqa: BLE001 - any refusal is a validation failure to report
-            row.reason = f"engine refused: {e}"
-            rows.append(row)
-            continue
-        row.engine_blocks = engine.num_blocks
-        nbytes = getattr(engine.storage, "nbytes", None)
-        row.engine_bytes = int(nbytes()) if nbytes else None
-        blocks_ok = math.isclose(pred, engine.num_blocks, rel_tol=0.01)
-        bytes_ok = row.engine_bytes is None or math.isclose(
-            row.predicted_bytes, row.engine_bytes, rel_tol=0.01
-        )
-        row.ok = blocks_ok and bytes_ok
-        if not blocks_ok:
-            row.reason = f"blocks differ by more than 1 %: {pred} vs {engine.num_blocks}"
-        elif not bytes_ok:
-            row.reason = (
-                f"allocated bytes differ by more than 1 %: {row.predicted_bytes:.0f} predicted, "
-                f"{row.engine_bytes} allocated"
-            )
-        rows.append(row)
-        del engine
-    return rows
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
     if args.list_gpus:
         for g in GPUS.values():
@@ -334,8 +255,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
             )
         return 0
     if args.model is None:
-        from kvserve.cli import default_model
-
         args.model = default_model()
     spec = load_arch(args.model)
     p = plan(
@@ -376,6 +295,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print(
                 f"  {mark} {r['kv_cache_dtype']:<10} blocks {r['predicted_blocks']} vs "
                 f"{r['engine_blocks']}; bytes {r['predicted_bytes']:.0f} vs {r['engine_bytes']}"
+                + (
+                    f"; dense closed form {r['closed_form_bytes']}"
+                    if r["closed_form_bytes"] is not None
+                    else ""
+                )
                 + (f"  ({r['reason']})" if r["reason"] else "")
             )
     return status

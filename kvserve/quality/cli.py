@@ -19,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvserve.engine_args import add_engine_args, engine_kwargs
+
 DEFAULT_OUT = Path("reports") / "quality"
 GATE_CHUNK_TOKENS = 64
 GATE_MAX_NUM_SEQS = 16
@@ -26,7 +28,6 @@ GATE_MAX_NUM_SEQS = 16
 
 def add_quality_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
     """Register ``quality`` on the CLI's subparsers; returns its handler."""
-    from kvserve.cli import add_engine_args
     from kvserve.quality.thresholds import Thresholds
 
     th = Thresholds()
@@ -76,7 +77,6 @@ def add_quality_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
 
 
 def cmd_quality(args: argparse.Namespace) -> int:
-    from kvserve.cli import engine_kwargs
     from kvserve.config import ConfigError
     from kvserve.quality.gate import run_gate
     from kvserve.quality.report import HEATMAP_MISSING, format_table, plot_recall_heatmap, slug

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvserve.engine import LLMEngine
+from kvserve.engine_args import engine_kwargs
 from kvserve.server.args import DEFAULT_MAX_BODY_BYTES
 from kvserve.server.engine_loop import EngineLoop
 from kvserve.server.metrics import ServerMetrics
@@ -271,7 +272,6 @@ class BackgroundServer:
 def run_server(args: argparse.Namespace) -> int:
     """``kvserve serve``: build the engine, serve until SIGTERM/SIGINT, then exit 0."""
     from kvserve import LLM
-    from kvserve.cli import engine_kwargs
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     kwargs = engine_kwargs(args)

@@ -1,16 +1,17 @@
-"""``kvserve serve`` flags. Import-light: building the CLI parser must not import FastAPI."""
+"""``kvserve serve`` flags and their defaults, which the app imports too. Import-light: building
+the CLI parser must not import FastAPI."""
 
 from __future__ import annotations
 
 import argparse
+
+from kvserve.engine_args import add_engine_args
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
 def build_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``serve`` on the ``kvserve`` subparsers: engine flags plus server flags."""
-    from kvserve.cli import add_engine_args  # here, not at import: cli imports this module
-
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with Prometheus metrics")
     add_engine_args(p)
     g = p.add_argument_group("server")
@@ -45,11 +46,3 @@ def build_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument("--disable-access-log", action="store_true")
     return p
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    if args.max_queue < 0:
-        raise ValueError(f"max_queue: must be >= 0, got {args.max_queue}")
-    from kvserve.server.app import run_server
-
-    return run_server(args)

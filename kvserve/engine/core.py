@@ -1,0 +1,127 @@
+"""The engine core: the scheduler and KV manager driven by an injected runner and clock.
+
+It knows tokens, not text, and needs no model: the runner is anything with
+``execute_model(SchedulerOutput) -> ModelRunnerOutput`` (the model runner, a fake that returns
+tokens from any source, a cost model, a worker in another process), and the clock is any
+``() -> float`` (``time.monotonic`` by default; a virtual clock for a simulator). One step is
+schedule -> execute -> update; nothing else changes request state.
+
+A runner or clock that raises fails only the requests of that step: they finish with status
+``error`` and free their blocks, and every other request carries on. ``step_hooks`` run after
+every step (the tests check block conservation there).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+from kvserve.config import SchedulerConfig
+from kvserve.engine.inputs import EngineCoreRequest
+from kvserve.kv.manager import KVCacheManager
+from kvserve.request import Request, RequestStatus
+from kvserve.scheduler import Scheduler
+from kvserve.step import Runner, SchedulerOutput
+
+Clock = Callable[[], float]
+
+
+class EngineCore:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        kv: KVCacheManager,
+        runner: Runner,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...] = (),
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self.kv = kv
+        self.scheduler = Scheduler(scheduler_config, kv, max_model_len)
+        self.runner = runner
+        self.clock = clock
+        self.eos_token_ids = eos_token_ids
+        self.families: dict[str, list[Request]] = {}  # request id -> its n samples
+        self.num_steps = 0
+        self.last_step = SchedulerOutput()
+        self.step_hooks: list[Callable[[EngineCore], None]] = []
+
+    def add_request(self, req: EngineCoreRequest) -> list[Request]:
+        """Queue a request as its ``n`` samples; sample ``i`` of a seeded request uses seed
+        ``seed + i`` (as vLLM), so samples differ. Returns the samples."""
+        if req.request_id in self.families:
+            raise ValueError(f"request_id: {req.request_id!r} is already running")
+        p = req.sampling_params
+        children = []
+        for i in range(p.n):
+            child_id = req.request_id if p.n == 1 else f"{req.request_id}#{i}"
+            params = p if p.seed is None or i == 0 else p.clone(seed=p.seed + i)
+            child = Request(
+                child_id,
+                req.prompt_token_ids,
+                params,
+                req.max_tokens,
+                self.eos_token_ids,
+                prompt=req.prompt,
+                cache_salt=req.cache_salt,
+                arrival_time=req.arrival_time,
+                parent_id=req.request_id,
+                index=i,
+            )
+            children.append(child)
+        if req.wants_prompt_logits:
+            children[0].prompt_logits = []
+        children[0].forks = children[1:]
+        self.scheduler.add_request(children[0])
+        self.families[req.request_id] = children
+        return children
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Finish requests (by the id they were added with) now and free their blocks;
+        unknown ids are ignored."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            children = self.families.pop(rid, None)
+            if children:
+                live = [c for c in children if not c.is_finished]
+                self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+
+    def finish_request(
+        self, request: Request, status: RequestStatus, stop_reason: int | str | None = None
+    ) -> None:
+        """Finish one sample (a stop string matched in the engine's text)."""
+        self.scheduler.finish_requests([request], status, stop_reason)
+        children = self.families.get(request.parent_id)
+        if children and all(c.is_finished for c in children):
+            del self.families[request.parent_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.families)
+
+    def step(self) -> list[Request]:
+        """One step; returns the samples that got a token or finished (failed ones too)."""
+        sched = self.scheduler.schedule()
+        self.last_step = sched
+        if not sched.seqs:
+            return []
+        self.num_steps += 1
+        try:
+            started = self.clock()
+            out = self.runner.execute_model(sched)
+            now = self.clock()
+        except Exception as e:  # the runner's or the clock's failure fails this step only
+            try:
+                now = self.clock()
+            except Exception:
+                now = float("nan")
+            updated = self.scheduler.fail_step(sched, f"{type(e).__name__}: {e}", now)
+        else:
+            updated = self.scheduler.update_from_output(sched, out, started, now)
+        for r in updated:
+            children = self.families.get(r.parent_id)
+            if r.is_finished and children and all(c.is_finished for c in children):
+                del self.families[r.parent_id]
+        for hook in self.step_hooks:
+            hook(self)
+        return updated

@@ -1,0 +1,125 @@
+"""From what a caller sends to what the engine core queues: tokenization and validation.
+
+Every check that can refuse a request happens here, before anything is queued, and raises
+:class:`~kvserve.request.InvalidRequestError` naming the field and its allowed range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvserve.kv.manager import cdiv
+from kvserve.model.tokenizer import Tokenizer
+from kvserve.request import InvalidRequestError, SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+@dataclass(slots=True)
+class EngineCoreRequest:
+    """A validated request, in tokens: what :class:`~kvserve.engine.core.EngineCore` takes."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int
+    arrival_time: float
+    cache_salt: str | None = None
+    wants_prompt_logits: bool = False
+
+
+class InputProcessor:
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        vocab_size: int,
+        max_model_len: int,
+        num_blocks: int,
+        block_size: int,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
+        """(text or None, token ids, cache salt)."""
+        salt = None
+        if isinstance(prompt, dict):
+            salt = prompt.get("cache_salt")
+            if salt is not None and not isinstance(salt, str):
+                raise InvalidRequestError("cache_salt: must be a string", "cache_salt")
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise InvalidRequestError(
+                    "prompt: a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt"
+                )
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt: must not be empty", "prompt")
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    "prompt: this model has no tokenizer.json; send token ids", "prompt"
+                )
+            return prompt, self.tokenizer.encode(prompt), salt
+        if isinstance(prompt, list | tuple):
+            ids = list(prompt)
+            if not ids:
+                raise InvalidRequestError("prompt: must not be empty", "prompt")
+            v = self.vocab_size
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < v:
+                    raise InvalidRequestError(
+                        f"prompt_token_ids: token id {t!r} is out of range [0, {v})",
+                        "prompt_token_ids",
+                    )
+            return None, ids, salt
+        raise InvalidRequestError(
+            f"prompt: must be a string, a list of token ids or a prompt dict, "
+            f"got {type(prompt).__name__}",
+            "prompt",
+        )
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float,
+        wants_prompt_logits: bool = False,
+    ) -> EngineCoreRequest:
+        text, ids, salt = self.tokenize(prompt)
+        n_prompt = len(ids)
+        if n_prompt >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt: {n_prompt} tokens; the prompt must be shorter than max_model_len "
+                f"({self.max_model_len}) to leave room for output",
+                "prompt",
+            )
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - n_prompt
+        if n_prompt + max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"max_tokens: prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len}); allowed max_tokens <= "
+                f"{self.max_model_len - n_prompt}",
+                "max_tokens",
+            )
+        need = cdiv(n_prompt + max_tokens, self.block_size)
+        if need > self.num_blocks:
+            raise InvalidRequestError(
+                f"max_tokens: prompt + max_tokens needs {need} KV blocks but the whole pool has "
+                f"{self.num_blocks}; lower max_tokens or give a larger kv_cache_memory",
+                "max_tokens",
+            )
+        wants = wants_prompt_logits or params.prompt_logprobs is not None
+        return EngineCoreRequest(
+            request_id, text, ids, params, max_tokens, arrival_time, salt, wants
+        )

@@ -1,0 +1,238 @@
+"""LLMEngine (add_request / step / abort), vLLM-shaped: the engine core plus text.
+
+The engine builds the pieces from an :class:`~kvserve.config.EngineConfig` (model, KV
+storage, runner, KV manager) and composes three stages per request: the
+:class:`~kvserve.engine.inputs.InputProcessor` validates and tokenizes, the
+:class:`~kvserve.engine.core.EngineCore` schedules, runs and updates, and the
+:class:`~kvserve.engine.outputs.OutputProcessor` turns tokens into text and outputs. A custom
+``runner`` (and ``clock``) replaces the model: then no weights are loaded.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvserve.config import ConfigError, EngineConfig, ModelConfig
+from kvserve.engine.core import Clock, EngineCore
+from kvserve.engine.inputs import InputProcessor, PromptType
+from kvserve.engine.outputs import OutputProcessor, RequestFamily
+from kvserve.engine.prefix_transfer import PrefixPayload, export_prefix, import_prefix
+from kvserve.engine.sizing import model_fingerprint, num_kv_blocks
+from kvserve.engine.stats import EngineStats
+from kvserve.kv.formats import canonical_kv_format, kv_bytes_per_token, make_kv_storage
+from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.storage import KVStorage
+from kvserve.model.loader import load_kv_scales, load_model, resolve_dtype
+from kvserve.model.sampler import Sampler
+from kvserve.model.tokenizer import Tokenizer
+from kvserve.request import InvalidRequestError, Request, RequestOutput, SamplingParams
+from kvserve.runner import ModelRunner
+from kvserve.step import Runner
+
+
+class LLMEngine:
+    def __init__(
+        self, config: EngineConfig, runner: Runner | None = None, clock: Clock | None = None
+    ) -> None:
+        self.config = config
+        model_dir = Path(config.model)
+        if not model_dir.is_dir():
+            raise FileNotFoundError(f"model: directory not found: {model_dir}")
+        self.model_config = mc = ModelConfig.from_pretrained(model_dir)
+        tok_dir = Path(config.tokenizer or model_dir)
+        self.tokenizer: Tokenizer | None = None
+        if (tok_dir / "tokenizer.json").exists():
+            self.tokenizer = Tokenizer(tok_dir, mc.eos_token_ids)
+        self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else mc.eos_token_ids
+
+        sc, cc = config.scheduler, config.cache
+        self.max_model_len = sc.max_model_len or mc.max_position_embeddings
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ConfigError(
+                f"max_model_len: {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings ({mc.max_position_embeddings})"
+            )
+        self.device = torch.device(config.device)
+        self.dtype = resolve_dtype(config.dtype, mc)
+        model_dtype = str(self.dtype).removeprefix("torch.")
+        self.kv_cache_dtype = kv_name = canonical_kv_format(cc.kv_cache_dtype, model_dtype)
+        self.block_size = cc.block_size
+        self.bytes_per_token = kv_bytes_per_token(
+            kv_name, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, model_dtype,
+            block_size=self.block_size,
+        )  # fmt: skip
+        self.num_blocks = num_kv_blocks(cc, sc, mc, kv_name, self.dtype, self.max_model_len,
+                                        self.bytes_per_token)  # fmt: skip
+
+        self.model: Any = None
+        self.storage: KVStorage | None = None
+        layout, partial_cap = kv_name, None
+        if runner is None:
+            self.model = load_model(model_dir, mc, self.dtype, self.device, self.max_model_len)
+            k_scales = v_scales = None
+            if kv_name.startswith("fp8") and not cc.calculate_kv_scales:
+                k_scales, v_scales = load_kv_scales(model_dir, mc)
+            self.storage = make_kv_storage(
+                kv_name, mc.num_hidden_layers, self.num_blocks, self.block_size,
+                mc.num_key_value_heads, mc.head_dim, self.dtype, self.device,
+                max_num_seqs=min(sc.max_num_seqs, self.num_blocks),
+                k_scales=k_scales, v_scales=v_scales,
+            )  # fmt: skip
+            layout = self.storage.format_name
+            partial_cap = getattr(self.storage, "partial_block_capacity", None)
+            sampler = Sampler(mc.vocab_size, config.seed, self.device)
+            runner = ModelRunner(self.model, self.storage, sampler, self.device)
+        self.model_id = model_fingerprint(model_dir)
+        self.kv = KVCacheManager(
+            self.num_blocks,
+            self.block_size,
+            cc.enable_prefix_caching,
+            model_id=self.model_id,
+            kv_format=f"{layout}/bs{self.block_size}",
+            max_partial_blocks=partial_cap,
+        )
+        self.runner = runner
+        self.core = EngineCore(sc, self.kv, runner, self.max_model_len, self.eos_token_ids,
+                               clock or time.monotonic)  # fmt: skip
+        self.inputs = InputProcessor(
+            self.tokenizer, mc.vocab_size, self.max_model_len, self.num_blocks, self.block_size
+        )
+        self.outputs = OutputProcessor(self.tokenizer, self.core.finish_request)
+        self._ids = itertools.count()
+
+    @property
+    def scheduler(self) -> Any:
+        return self.core.scheduler
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        """The unfinished samples by id (``id#i`` for sample i of an ``n > 1`` request)."""
+        return self.core.scheduler.requests
+
+    @property
+    def num_steps(self) -> int:
+        return self.core.num_steps
+
+    @property
+    def clock(self) -> Clock:
+        return self.core.clock
+
+    # -- requests -----------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        stream: bool = False,
+        return_prompt_logits: bool = False,
+    ) -> str:
+        """Validate and queue a request; raises :class:`InvalidRequestError` (nothing queued).
+
+        ``return_prompt_logits`` (for evaluation tools such as the quality gate) attaches the
+        full ``[prompt_len, vocab]`` log-softmax of the prompt to the output; such a request
+        computes every prompt position itself (no prefix-cache hits)."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(
+                "sampling_params: must be a SamplingParams", "sampling_params"
+            )
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.outputs.families or request_id in self.core.families:
+            raise InvalidRequestError(
+                f"request_id: {request_id!r} is already running", "request_id"
+            )
+        arrival = self.core.clock() if arrival_time is None else arrival_time
+        req = self.inputs.process(request_id, prompt, params, arrival, return_prompt_logits)
+        children = self.core.add_request(req)
+        self.outputs.add(
+            RequestFamily(
+                request_id,
+                req.prompt,
+                req.prompt_token_ids,
+                params,
+                stream,
+                children,
+                self.tokenizer,
+                return_prompt_logits,
+            )  # fmt: skip
+        )
+        return request_id
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> None:
+        """Stop requests now and free their blocks; unknown ids are ignored."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            self.core.abort_request(rid)
+            self.outputs.abort(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, execute and update one step, then the outputs of what changed."""
+        return self.outputs.process(self.core.step())
+
+    # -- moving prefixes between engines ------------------------------------------------
+    def export_prefix(self, token_ids: list[int], cache_salt: str | None = None) -> PrefixPayload:
+        """The longest cached full-block prefix of ``token_ids`` as a picklable payload
+        (hashes, model and format identity, the blocks' stored bytes)."""
+        return export_prefix(self.kv, self._own_storage("export_prefix"), self.model_id,
+                             token_ids, cache_salt)  # fmt: skip
+
+    def import_prefix(self, payload: PrefixPayload) -> int:
+        """Place a payload's blocks in this engine's prefix cache (between steps); returns how
+        many blocks were imported. Raises :class:`ValueError` for another model, format or
+        block size, and places nothing then."""
+        return import_prefix(self.kv, self._own_storage("import_prefix"), self.model_id, payload)
+
+    def _own_storage(self, what: str) -> KVStorage:
+        if self.storage is None:
+            raise RuntimeError(f"{what}: this engine's KV lives in a custom runner")
+        return self.storage
+
+    # -- observability -------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        kv, sched = self.kv, self.core.scheduler
+        held_waste = sum(kv.num_held_slots(r) - r.num_computed_tokens for r in sched.running)
+        allocated = kv.num_used_blocks * self.block_size
+        last = self.core.last_step
+        st = sched.stats
+        return EngineStats(
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            kv_blocks_used=kv.num_used_blocks,
+            kv_blocks_total=kv.num_blocks,
+            kv_cached_free_blocks=kv.num_cached_free_blocks,
+            token_slots_held=max(0, allocated - held_waste),
+            token_slots_allocated=allocated,
+            num_preemptions=st.num_preemptions,
+            step_prefill_tokens=last.num_prefill_tokens,
+            step_decode_tokens=last.num_decode_tokens,
+            prompt_tokens_total=st.prompt_tokens_total,
+            prefill_tokens_computed_total=st.prefill_tokens_computed_total,
+            generation_tokens_total=st.generation_tokens_total,
+            prefix_cache_queries=kv.stats.queries,
+            prefix_cache_hits=kv.stats.hits,
+            prefix_cache_evictions=kv.num_evictions,
+            num_steps=self.core.num_steps,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
+
+    def replace_storage(self, wrap: Callable[[KVStorage], KVStorage]) -> None:
+        """Swap the KV storage for ``wrap(storage)`` (test-only corruptions, instrumented
+        storages); only between steps, while no request holds blocks."""
+        if self.kv.num_used_blocks:
+            raise RuntimeError("replace_storage: requests still hold KV blocks")
+        if not isinstance(self.runner, ModelRunner):
+            raise RuntimeError("replace_storage: this engine runs a custom runner")
+        self.storage = self.runner.storage = wrap(self.runner.storage)

@@ -1,0 +1,86 @@
+"""Moving a cached prefix from one engine's pool into another's: the building block of
+offload tiers and disaggregated prefill.
+
+The payload names what it holds by the same block hashes the prefix cache uses, so an import
+can only ever be found by a request with the same tokens, salt, model and format; the identity
+fields are checked first anyway, to refuse a mismatched payload with a clear message instead of
+silently never hitting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvserve.kv.hashing import BlockHash, extend_block_hashes
+from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.storage import BlockPayload, KVFormatMismatch, KVStorage
+
+PAYLOAD_VERSION = 1
+
+
+@dataclass(slots=True)
+class PrefixPayload:
+    """A cached prefix: block hashes in chain order and the blocks' stored bytes."""
+
+    version: int
+    model_id: str
+    kv_format: str  # the storage layout and block size, as in the prefix-cache root
+    block_size: int
+    root: BlockHash
+    hashes: list[BlockHash]
+    blocks: BlockPayload
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.hashes) * self.block_size
+
+
+def export_prefix(
+    kv: KVCacheManager,
+    storage: KVStorage,
+    model_id: str,
+    token_ids: list[int],
+    cache_salt: str | None = None,
+) -> PrefixPayload:
+    """The longest cached full-block prefix of ``token_ids`` in ``kv``'s cache."""
+    hashes: list[BlockHash] = []
+    extend_block_hashes(hashes, list(token_ids), kv.block_size, kv.root, cache_salt)
+    ids = kv.cached_prefix(hashes)
+    return PrefixPayload(
+        version=PAYLOAD_VERSION,
+        model_id=model_id,
+        kv_format=storage.format_name,
+        block_size=kv.block_size,
+        root=kv.root,
+        hashes=hashes[: len(ids)],
+        blocks=storage.export_blocks(ids),
+    )
+
+
+def import_prefix(
+    kv: KVCacheManager, storage: KVStorage, model_id: str, payload: PrefixPayload
+) -> int:
+    """Place the payload's blocks this cache lacks (as many as there are free blocks) in the
+    prefix cache, cached-free; returns how many were placed."""
+    if not isinstance(payload, PrefixPayload) or payload.version != PAYLOAD_VERSION:
+        raise ValueError("import_prefix: not a kvserve prefix payload of this version")
+    for field, theirs, ours in (
+        ("model", payload.model_id, model_id),
+        ("kv_format", payload.kv_format, storage.format_name),
+        ("block_size", payload.block_size, kv.block_size),
+    ):
+        if theirs != ours:
+            raise KVFormatMismatch(
+                f"import_prefix: the payload's {field} is {theirs!r}, this engine's is {ours!r}"
+            )
+    if payload.root != kv.root:
+        raise KVFormatMismatch("import_prefix: the payload's cache namespace differs")
+    imp = kv.reserve_for_import(payload.hashes)
+    try:
+        if imp.new:
+            storage.import_blocks(imp.block_ids, payload.blocks.select(imp.indices))
+    except Exception:
+        kv.cancel_import(imp)
+        raise
+    kv.publish_import(imp)
+    return len(imp.new)

@@ -1,0 +1,54 @@
+"""How many KV blocks the pool gets, and the checkpoint identity its cache keys carry."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+from kvserve.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
+from kvserve.kv.formats import pool_num_blocks
+from kvserve.kv.manager import cdiv
+
+DEFAULT_KV_CACHE_MEMORY = 4 * 1024**3
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """A stable identity of a checkpoint for prefix-cache keys: its config and weight files."""
+    h = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for p in sorted(model_dir.glob("*.safetensors")):
+        h.update(f"{p.name}:{p.stat().st_size}".encode())
+    return h.hexdigest()[:32]
+
+
+def num_kv_blocks(
+    cc: CacheConfig,
+    sc: SchedulerConfig,
+    mc: ModelConfig,
+    kv_format: str,
+    compute_dtype: torch.dtype,
+    max_model_len: int,
+    bytes_per_token: float,
+) -> int:
+    """``num_gpu_blocks`` as given; else the blocks ``kv_cache_memory`` holds after the
+    format's fixed bytes; else enough for ``max_num_seqs`` full-length sequences, capped at
+    4 GiB."""
+    if cc.num_gpu_blocks is not None:
+        return cc.num_gpu_blocks
+    block_bytes = bytes_per_token * cc.block_size
+    if cc.kv_cache_memory is not None:
+        n = pool_num_blocks(
+            cc.kv_cache_memory, kv_format, mc.num_hidden_layers, mc.num_key_value_heads,
+            mc.head_dim, str(compute_dtype).removeprefix("torch."), cc.block_size,
+            sc.max_num_seqs,
+        )  # fmt: skip
+        if n < 1:
+            raise ConfigError(
+                f"kv_cache_memory: {cc.kv_cache_memory} bytes holds no block of "
+                f"{int(block_bytes)} bytes after the format's fixed bytes; give more, or "
+                "lower max_num_seqs (KIVI keeps one full-precision block per sequence)"
+            )
+        return n
+    want = sc.max_num_seqs * cdiv(max_model_len, cc.block_size)
+    return max(1, min(want, int(DEFAULT_KV_CACHE_MEMORY // block_bytes)))

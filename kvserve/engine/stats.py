@@ -1,0 +1,38 @@
+"""The engine's observable state after a step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot after a step. Counters are totals since start; gauges are current."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    kv_cached_free_blocks: int
+    token_slots_held: int
+    token_slots_allocated: int
+    num_preemptions: int
+    step_prefill_tokens: int
+    step_decode_tokens: int
+    prompt_tokens_total: int  # every prompt token of requests that started (vLLM's meaning)
+    prefill_tokens_computed_total: int  # prompt tokens actually computed (hits excluded)
+    generation_tokens_total: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_evictions: int
+    num_steps: int
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total
+
+    @property
+    def token_occupancy(self) -> float:
+        if not self.token_slots_allocated:
+            return 1.0
+        return self.token_slots_held / self.token_slots_allocated

@@ -1,0 +1,103 @@
+"""What crosses the seams of one engine step, as plain picklable data.
+
+``Scheduler.schedule()`` produces a :class:`SchedulerOutput`; a runner (the model runner, a
+fake, a cost model, a worker in another process) turns it into a :class:`ModelRunnerOutput`;
+``Scheduler.update_from_output()`` applies that to request state. Neither side holds the
+other's objects: the runner keeps its own per-request sampling state, created from
+:class:`NewRequestData` and dropped on ``finished_req_ids``.
+
+Positions and cache indices are separate on purpose. A scheduled sequence's new tokens have
+RoPE positions ``position, position + 1, ...`` and go to cache entries ``num_cached,
+num_cached + 1, ...`` of its block table (entry ``j`` lives in block ``block_ids[j //
+block_size]`` at offset ``j % block_size``); token ``i`` attends to the ``num_cached + i + 1``
+entries before and including itself. Today both counts start at the number of computed tokens;
+a retention policy that drops K/V keeps positions growing while the cache stays short.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from kvserve.kv.ops import KVOps
+from kvserve.request import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """Sampling state a runner creates the first time it sees a request."""
+
+    req_id: str
+    prompt_token_ids: list[int]  # repetition penalty counts the prompt
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One request's share of the step."""
+
+    req_id: str
+    token_ids: list[int]  # the new tokens to compute
+    position: int  # RoPE position of token_ids[0]; the others follow
+    num_cached: int  # cache entries before this step (where token_ids[0]'s K/V go)
+    block_ids: list[int]  # the request's block table
+    # Requests that sample one token each from the last row's logits: (req_id,) when the
+    # chunk reaches the request's newest token, plus the forked siblings of an n > 1 request
+    # at its first token; () for a prefill chunk that stops short.
+    sample_ids: tuple[str, ...] = ()
+    # Leading rows whose log-softmax over the vocabulary the request asked for (prompt logits).
+    num_prompt_logit_rows: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def positions(self) -> range:
+        return range(self.position, self.position + len(self.token_ids))
+
+    def cache_slots(self, block_size: int) -> np.ndarray:
+        """Flat slot index (block id * block_size + offset) of each new token's K/V."""
+        idx = np.arange(self.num_cached, self.num_cached + len(self.token_ids), dtype=np.int64)
+        table = np.asarray(self.block_ids, dtype=np.int64)
+        return table[idx // block_size] * block_size + idx % block_size
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """Everything a runner needs to execute one step."""
+
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)
+    kv_ops: KVOps = field(default_factory=KVOps)
+    preempted_req_ids: list[str] = field(default_factory=list)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """Sampled tokens, one per entry of the scheduled sequences' ``sample_ids``."""
+
+    req_ids: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    # Per sampled token: {token_id: logprob} with the sampled token and the top-n, or None.
+    logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    sampled_logprobs: list[float] | None = None
+    # req_id -> [rows, vocab] log-softmax of the prompt positions computed this step
+    prompt_logits: dict[str, Any] = field(default_factory=dict)
+
+
+class Runner(Protocol):
+    """Anything that executes a step: the model runner, a fake, a cost model, a remote worker."""
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
