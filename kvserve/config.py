@@ -8,6 +8,7 @@ tools such as ``kvserve plan`` can use it on a machine without an accelerator st
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,16 @@ ALLOWED_BLOCK_SIZES = tuple(2**i for i in range(9))  # 1, 2, 4, ... 256
 
 class ConfigError(ValueError):
     """A configuration value is out of range; the message names the field."""
+
+
+def user_cache_dir() -> Path:
+    """Where kvserve keeps what it derives and can derive again (built kernels, checkpoint
+    fingerprints): ``$KVSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvserve``, else
+    ``~/.cache/kvserve``."""
+    base = os.environ.get("KVSERVE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvserve"
+    )
+    return Path(base)
 
 
 def parse_bytes(value: int | float | str, field_name: str = "kv_cache_memory") -> int:

@@ -14,12 +14,17 @@ prompt rows a request asked logits for.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
+from kvserve.config import EngineConfig, ModelConfig
+from kvserve.kv.formats import canonical_kv_format, make_kv_storage
 from kvserve.kv.storage import KVStorage
 from kvserve.model.attention import KERNEL_MAX_QUERY, AttentionMetadata, PagedGroup, PrefillChunk
 from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.loader import load_kv_scales, load_model, resolve_dtype
 from kvserve.model.sampler import Sampler, SamplingState
 from kvserve.step import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 
@@ -155,6 +160,28 @@ class ModelRunner:
         positions = torch.from_numpy(np.concatenate(pos_chunks)).to(dev)
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         return input_ids, positions, meta
+
+
+def build_runner(config: EngineConfig, num_blocks: int, max_model_len: int) -> ModelRunner:
+    """The model, its KV storage of ``num_blocks`` blocks and a sampler, from an engine
+    config: what an engine builds in-process, and what a worker in another process builds
+    from the same config to execute the engine's steps."""
+    model_dir = Path(config.model)
+    mc = ModelConfig.from_pretrained(model_dir)
+    dtype = resolve_dtype(config.dtype, mc)
+    device = torch.device(config.device)
+    cc, sc = config.cache, config.scheduler
+    kv_name = canonical_kv_format(cc.kv_cache_dtype, str(dtype).removeprefix("torch."))
+    model = load_model(model_dir, mc, dtype, device, max_model_len)
+    k_scales = v_scales = None
+    if kv_name.startswith("fp8") and not cc.calculate_kv_scales:
+        k_scales, v_scales = load_kv_scales(model_dir, mc)
+    storage = make_kv_storage(
+        kv_name, mc.num_hidden_layers, num_blocks, cc.block_size, mc.num_key_value_heads,
+        mc.head_dim, dtype, device, max_num_seqs=min(sc.max_num_seqs, num_blocks),
+        k_scales=k_scales, v_scales=v_scales,
+    )  # fmt: skip
+    return ModelRunner(model, storage, Sampler(mc.vocab_size, config.seed, device), device)
 
 
 def _paged_group(

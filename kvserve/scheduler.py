@@ -157,11 +157,11 @@ class Scheduler:
     def _describe(self, req: Request, n: int, out: SchedulerOutput) -> ScheduledSeq:
         """The plain-data view of ``req``'s share of the step (see :mod:`kvserve.step`)."""
         c = req.num_computed_tokens
-        samples = c + n == req.num_tokens
+        rid = req.request_id
         sample_ids: tuple[str, ...] = ()
-        if samples:
-            sample_ids = (req.request_id, *(f.request_id for f in req.forks))
-            for r in (req, *req.forks) if req.forks else (req,):
+        if c + n == req.num_tokens:  # the step reaches the newest token: it samples
+            sample_ids = (rid, *(f.request_id for f in req.forks)) if req.forks else (rid,)
+            for r in (req, *req.forks):
                 if r.request_id not in self._in_runner:
                     self._in_runner.add(r.request_id)
                     out.new_requests.append(
@@ -174,17 +174,10 @@ class Scheduler:
                         )  # fmt: skip
                     )
         prompt_rows = 0
-        if req.wants_prompt_logits and c < req.num_prompt_tokens:
+        if req.prompt_logits is not None and c < req.num_prompt_tokens:
             prompt_rows = min(n, req.num_prompt_tokens - c)
-        return ScheduledSeq(
-            req_id=req.request_id,
-            token_ids=req.all_token_ids[c : c + n],
-            position=c,
-            num_cached=c,
-            block_ids=list(self.kv.block_ids(req)),
-            sample_ids=sample_ids,
-            num_prompt_logit_rows=prompt_rows,
-        )
+        return ScheduledSeq(rid, req.all_token_ids[c : c + n], c, c, self.kv.block_ids(req)[:],
+                            sample_ids, prompt_rows)  # fmt: skip
 
     def _pick_waiting(self) -> Request:
         """fcfs: the head. lpm: the longest cached prefix, unless the head has waited long."""
@@ -233,45 +226,46 @@ class Scheduler:
         """Apply a step's results; returns the requests that got a token or finished, in
         step order (finished ones have a finished status and hold no blocks)."""
         touched: dict[str, Request] = {}
-        for seq in scheduler_output.seqs:
-            r = self.requests[seq.req_id]
-            n = seq.num_tokens
-            if r.num_computed_tokens < r.num_prompt_tokens:
-                self.stats.prefill_tokens_computed_total += min(
-                    n, r.num_prompt_tokens - r.num_computed_tokens
-                )
-            r.num_computed_tokens += n
-            if r.metrics.first_scheduled_time is None:
-                r.metrics.first_scheduled_time = scheduled_at
-            self.kv.cache_computed_blocks(r)
+        finished: list[Request] = []
+        st = self.stats
         for rid, rows in runner_output.prompt_logits.items():
             self.requests[rid].prompt_logits.append(rows)
-
         row = {rid: i for i, rid in enumerate(runner_output.req_ids)}
-        finished: list[Request] = []
+        tokens, lps, sampled_lps = (runner_output.token_ids, runner_output.logprobs,
+                                    runner_output.sampled_logprobs)  # fmt: skip
         for seq in scheduler_output.seqs:
+            first = self.requests[seq.req_id]
+            n = len(seq.token_ids)
+            if first.num_computed_tokens < first.num_prompt_tokens:
+                st.prefill_tokens_computed_total += min(
+                    n, first.num_prompt_tokens - first.num_computed_tokens
+                )
+            first.num_computed_tokens += n
+            if first.metrics.first_scheduled_time is None:
+                first.metrics.first_scheduled_time = scheduled_at
+            self.kv.cache_computed_blocks(first)
             if not seq.sample_ids:
                 continue
-            first = self.requests[seq.req_id]
-            forks, first.forks = first.forks, []
-            for f in forks:
-                self._fork(first, f)
-            self.waiting.extendleft(reversed(forks))
+            if first.forks:
+                forks, first.forks = first.forks, []
+                for f in forks:
+                    self._fork(first, f)
+                self.waiting.extendleft(reversed(forks))
             for rid in seq.sample_ids:
-                r = self.requests[rid]
+                r = first if rid == first.request_id else self.requests[rid]
                 i = row[rid]
-                token = runner_output.token_ids[i]
+                token = tokens[i]
                 r.all_token_ids.append(token)
-                self.stats.generation_tokens_total += 1
-                lp = runner_output.logprobs[i] if runner_output.logprobs else None
-                if r.output_logprobs is not None and lp is not None:
-                    r.output_logprobs.append(lp)
-                if runner_output.sampled_logprobs is not None:
-                    r.cumulative_logprob += runner_output.sampled_logprobs[i]
-                if r.metrics.first_token_time is None:
-                    r.metrics.first_token_time = now
-                    self.stats.prompt_tokens_total += r.num_prompt_tokens
-                r.metrics.token_times.append(now)
+                st.generation_tokens_total += 1
+                if r.output_logprobs is not None and lps and lps[i] is not None:
+                    r.output_logprobs.append(lps[i])
+                if sampled_lps is not None:
+                    r.cumulative_logprob += sampled_lps[i]
+                m = r.metrics
+                if m.first_token_time is None:
+                    m.first_token_time = now
+                    st.prompt_tokens_total += r.num_prompt_tokens
+                m.token_times.append(now)
                 if check_stop(r, token, self.max_model_len):
                     finished.append(r)
                 touched[rid] = r

@@ -53,6 +53,26 @@ def checkpoint(tmp_path_factory):
     return get
 
 
+def check_blocks(core) -> None:  # noqa: ANN001 - an EngineCore
+    """Block conservation and table consistency: free + cached-free + in-use = total, every
+    reference count equals the table entries that hold the block."""
+    core.kv.check_invariants()
+
+
+@pytest.fixture(autouse=True)
+def conserve_blocks_every_step(monkeypatch):
+    """Every engine a test builds checks its pool after each step, not only at teardown."""
+    from kvserve.engine.core import EngineCore
+
+    init = EngineCore.__init__
+
+    def patched(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        init(self, *args, **kwargs)
+        self.step_hooks.append(check_blocks)
+
+    monkeypatch.setattr(EngineCore, "__init__", patched)
+
+
 @pytest.fixture
 def make_llm():
     """Build LLM instances; after the test, every engine must hold no blocks and keep its

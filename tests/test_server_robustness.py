@@ -206,6 +206,33 @@ def test_engine_step_failure_fails_the_batch_and_keeps_serving(server):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
 
 
+def test_runner_failure_is_a_500_for_its_request_only(server):
+    """A forward pass that raises fails the requests of that step with a 500 naming the
+    error; the engine keeps its pool and serves the next request."""
+    engine = server.state.loop.engine
+    real = engine.runner.execute_model
+    calls = []
+
+    def flaky(so):  # noqa: ANN001
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected runner fault")
+        return real(so)
+
+    engine.runner.execute_model = flaky
+    try:
+        r = httpx.post(server.url + C, json=comp(max_tokens=5, ignore_eos=True), headers=AUTH)
+        assert r.status_code == 500, r.text
+        err = r.json()["error"]
+        assert "injected runner fault" in err["message"] and err["code"] == "engine_error"
+        wait_idle(server.state)
+        assert server.state.loop.alive
+        r = httpx.post(server.url + C, json=comp(max_tokens=5, ignore_eos=True), headers=AUTH)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+    finally:
+        engine.runner.execute_model = real
+
+
 def test_engine_loop_answers_every_add_even_when_stopping(checkpoint):
     """One drain holding a good add, a bad add, an add over capacity and a stop: each
     handler gets its answer (none may wait forever), later sends are refused, no block kept."""

@@ -25,14 +25,13 @@ from kvserve.engine.outputs import OutputProcessor, RequestFamily
 from kvserve.engine.prefix_transfer import PrefixPayload, export_prefix, import_prefix
 from kvserve.engine.sizing import model_fingerprint, num_kv_blocks
 from kvserve.engine.stats import EngineStats
-from kvserve.kv.formats import canonical_kv_format, kv_bytes_per_token, make_kv_storage
+from kvserve.kv.formats import canonical_kv_format, kv_bytes_per_token
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.storage import KVStorage
-from kvserve.model.loader import load_kv_scales, load_model, resolve_dtype
-from kvserve.model.sampler import Sampler
+from kvserve.model.loader import resolve_dtype
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.request import InvalidRequestError, Request, RequestOutput, SamplingParams
-from kvserve.runner import ModelRunner
+from kvserve.runner import ModelRunner, build_runner
 from kvserve.step import Runner
 
 
@@ -74,20 +73,10 @@ class LLMEngine:
         self.storage: KVStorage | None = None
         layout, partial_cap = kv_name, None
         if runner is None:
-            self.model = load_model(model_dir, mc, self.dtype, self.device, self.max_model_len)
-            k_scales = v_scales = None
-            if kv_name.startswith("fp8") and not cc.calculate_kv_scales:
-                k_scales, v_scales = load_kv_scales(model_dir, mc)
-            self.storage = make_kv_storage(
-                kv_name, mc.num_hidden_layers, self.num_blocks, self.block_size,
-                mc.num_key_value_heads, mc.head_dim, self.dtype, self.device,
-                max_num_seqs=min(sc.max_num_seqs, self.num_blocks),
-                k_scales=k_scales, v_scales=v_scales,
-            )  # fmt: skip
+            runner = build_runner(config, self.num_blocks, self.max_model_len)
+            self.model, self.storage = runner.model, runner.storage
             layout = self.storage.format_name
             partial_cap = getattr(self.storage, "partial_block_capacity", None)
-            sampler = Sampler(mc.vocab_size, config.seed, self.device)
-            runner = ModelRunner(self.model, self.storage, sampler, self.device)
         self.model_id = model_fingerprint(model_dir)
         self.kv = KVCacheManager(
             self.num_blocks,

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 from pathlib import Path
 
 import torch
 
-from kvserve.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
+from kvserve.config import (
+    CacheConfig,
+    ConfigError,
+    ModelConfig,
+    SchedulerConfig,
+    user_cache_dir,
+)
 from kvserve.kv.formats import pool_num_blocks
 from kvserve.kv.manager import cdiv
 
@@ -15,11 +23,35 @@ DEFAULT_KV_CACHE_MEMORY = 4 * 1024**3
 
 
 def model_fingerprint(model_dir: Path) -> str:
-    """A stable identity of a checkpoint for prefix-cache keys: its config and weight files."""
-    h = hashlib.sha256((model_dir / "config.json").read_bytes())
-    for p in sorted(model_dir.glob("*.safetensors")):
-        h.update(f"{p.name}:{p.stat().st_size}".encode())
-    return h.hexdigest()[:32]
+    """A stable identity of a checkpoint for prefix-cache keys and exported KV: a hash of its
+    config and of the *content* of its weight files, so two checkpoints with the same shapes
+    and other weights never share an entry. Hashing reads every weight byte once; the result
+    is kept in the user cache, keyed by the files' paths, sizes and modification times."""
+    files = [model_dir / "config.json", *sorted(model_dir.glob("*.safetensors"))]
+    stamp = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    where = hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:24]
+    cache = user_cache_dir() / "fingerprints" / f"{where}.json"
+    try:
+        saved = json.loads(cache.read_text())
+        if saved.get("stamp") == [list(s) for s in stamp]:
+            return str(saved["fingerprint"])
+    except (OSError, ValueError, KeyError):
+        pass
+    h = hashlib.sha256()
+    for p in files:
+        h.update(f"{p.name}\0".encode())
+        with open(p, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+    fingerprint = h.hexdigest()[:32]
+    try:  # the cache only saves time; a read-only home directory is no error
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"stamp": stamp, "fingerprint": fingerprint}))
+        os.replace(tmp, cache)
+    except OSError:
+        pass
+    return fingerprint
 
 
 def num_kv_blocks(

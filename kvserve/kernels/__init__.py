@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from kvserve.config import user_cache_dir
+
 log = logging.getLogger("kvserve.kernels")
 _SRC = Path(__file__).with_name("paged_attention.c")
 # -ffast-math lets gcc call glibc's vectorised expf; the kernel never sees inf or NaN
@@ -32,10 +34,7 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("KVSERVE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvserve"
-    )
-    return Path(base) / "kernels"
+    return user_cache_dir() / "kernels"
 
 
 def build_library(src: Path, flags: list[str], what: str) -> ctypes.CDLL | None:

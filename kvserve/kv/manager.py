@@ -192,9 +192,17 @@ class KVCacheManager:
         to write into is first replaced by a private copy (copy-on-write); the copy itself is
         recorded for the runner to apply before the forward pass.
         """
+        rid = request.request_id
+        blocks = self.req_blocks.get(rid)
+        done = request.num_computed_tokens
+        if blocks and not computed and done + num_new_tokens <= len(blocks) * self.block_size:
+            # The common decode step: the tokens fit the table's last, private block.
+            tail = blocks[done // self.block_size :]
+            if all(b.ref_cnt == 1 for b in tail):
+                self._track_partial(self._block_ids[rid], done, num_new_tokens, ())
+                return True
         if not self.can_allocate(request, num_new_tokens, computed):
             return False
-        rid = request.request_id
         first, need, _, _ = self._plan(request, num_new_tokens, computed)
         blocks = self.req_blocks.setdefault(rid, [])
         ids = self._block_ids.setdefault(rid, [])
@@ -218,15 +226,18 @@ class KVCacheManager:
             blocks.extend(fresh_blocks)
             ids.extend(b.block_id for b in fresh_blocks)
             new.extend(b.block_id for b in fresh_blocks)
-        self._track_partial(ids, request.num_computed_tokens + len(computed) * self.block_size,
-                            num_new_tokens, copied)  # fmt: skip
+        self._track_partial(ids, done + len(computed) * self.block_size, num_new_tokens, copied)
         return True
 
-    def _track_partial(self, ids: list[int], done: int, n: int, copied: set[int]) -> None:
+    def _track_partial(
+        self, ids: list[int], done: int, n: int, copied: set[int] | tuple[()]
+    ) -> None:
         """Blocks the write leaves partial join the count; blocks it fills leave it when the
         step's record is taken (they, and copies, hold a slot until the step's writes)."""
         bs = self.block_size
         end = done + n
+        if n == 1 and (end % bs) and done % bs:  # one more token in a partial block
+            return
         for i in range(done // bs, cdiv(end, bs)):
             b = ids[i]
             if (i + 1) * bs > end:

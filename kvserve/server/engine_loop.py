@@ -37,6 +37,11 @@ class EngineUnavailableError(Exception):
     """The loop is stopping or has died: answer 503."""
 
 
+class EngineStepError(Exception):
+    """The engine step that computed this request failed (the engine itself carries on, and
+    so do the requests outside that step): answer 500."""
+
+
 class _Admitted:
     pass
 
@@ -264,6 +269,13 @@ class EngineLoop:
             if entry is None:
                 continue
             h, i = entry
+            if o.error is not None:
+                del self._running[o.request_id]
+                self.admitted_seqs -= h.params.n
+                if self.metrics is not None:
+                    self.metrics.success.labels("error").inc(h.params.n)
+                out.append((h, EngineStepError(o.error)))
+                continue
             out.append((h, SubOutput(i, o)))
             if self.metrics is not None:
                 for c in o.outputs:

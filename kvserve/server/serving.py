@@ -25,6 +25,7 @@ from kvserve.model.tokenizer import ChatTemplateError, Tokenizer
 from kvserve.request import CompletionOutput, InvalidRequestError, RequestOutput, SamplingParams
 from kvserve.server.engine_loop import (
     EngineLoop,
+    EngineStepError,
     EngineUnavailableError,
     QueueFullError,
     RequestHandle,
@@ -305,6 +306,8 @@ async def _collect(
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
         if work.done():
             if (e := work.exception()) is not None:
+                if isinstance(e, EngineStepError):
+                    raise APIError(500, f"engine step failed: {e}", code="engine_error")
                 raise APIError(503, str(e)) if isinstance(e, EngineUnavailableError) else e
             return finals
         return None
@@ -344,6 +347,8 @@ async def _sse(state: ServerState, job: _Job, handle: RequestHandle) -> AsyncIte
             yield _sse_event(job.envelope([], usage=_usage(prompt, completion, sum(cached))))
     except EngineUnavailableError as e:
         yield _sse_event(APIError(503, str(e)).body())
+    except EngineStepError as e:
+        yield _sse_event(APIError(500, f"engine step failed: {e}", code="engine_error").body())
     finally:
         state.loop.abort(handle)  # a no-op when finished; otherwise the client left
     yield _sse_event("[DONE]")
