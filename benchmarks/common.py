@@ -15,8 +15,10 @@ from typing import Any
 
 import torch
 
+from kvserve.config import user_cache_dir
+
 REPO = Path(__file__).resolve().parent.parent
-MODEL_CACHE = REPO / ".cache" / "bench-models"
+MODEL_CACHE = user_cache_dir() / "bench-models"
 
 # ~5 M and ~50 M parameter random Llamas (GQA), the sizes the issues quote.
 MODELS: dict[str, dict[str, Any]] = {

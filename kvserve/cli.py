@@ -1,4 +1,4 @@
-"""``kvserve`` command line: generate, serve, bench, plan and quality."""
+"""``kvserve`` command line: generate, serve, bench, plan, quality and download."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 # Each subcommand registers its own parser; the engine flags they share live in the leaf
 # kvserve.engine_args, so none of them imports this module back.
 from kvserve.bench.cli import add_bench_parser
+from kvserve.download import add_download_parser
 from kvserve.engine_args import add_engine_args, engine_kwargs
 from kvserve.plan.cli import add_plan_parser
 from kvserve.quality.cli import add_quality_parser
@@ -44,8 +45,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     s = llm.stats()
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     print(
-        f"[kvserve] {len(outs)} request(s), {s.prompt_tokens_total} prompt + {n_out} output "
-        f"tokens in {dt:.2f}s ({n_out / dt:.1f} tok/s); steps {s.num_steps}; KV blocks "
+        f"[kvserve] model {llm.engine.config.model}: {len(outs)} request(s), "
+        f"{s.prompt_tokens_total} prompt + {n_out} output tokens in {dt:.2f}s "
+        f"({n_out / dt:.1f} tok/s); steps {s.num_steps}; KV blocks "
         f"{s.kv_blocks_total} x {llm.engine.block_size} tokens ({llm.engine.kv_cache_dtype}); "
         f"preemptions {s.num_preemptions}; prefix hits {s.prefix_cache_hits}/"
         f"{s.prefix_cache_queries} tokens",
@@ -76,6 +78,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
     handlers["bench"] = add_bench_parser(sub)
     handlers["plan"] = add_plan_parser(sub)
     handlers["quality"] = add_quality_parser(sub)
+    handlers["download"] = add_download_parser(sub)
     return parser, handlers
 
 

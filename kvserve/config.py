@@ -25,11 +25,16 @@ class ConfigError(ValueError):
 
 
 def user_cache_dir() -> Path:
-    """Where kvserve keeps what it derives and can derive again (built kernels, checkpoint
-    fingerprints): ``$KVSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvserve``, else
+    """Where kvserve keeps what it derives or downloads and can obtain again (built kernels,
+    checkpoint fingerprints, prepared models, benchmark checkpoints): ``$KVSERVE_CACHE``,
+    else ``$KVSERVE_CACHE_DIR`` (the older name), else ``$XDG_CACHE_HOME/kvserve``, else
     ``~/.cache/kvserve``."""
-    base = os.environ.get("KVSERVE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvserve"
+    base = (
+        os.environ.get("KVSERVE_CACHE")
+        or os.environ.get("KVSERVE_CACHE_DIR")
+        or os.path.join(
+            os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvserve"
+        )
     )
     return Path(base)
 

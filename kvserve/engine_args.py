@@ -1,44 +1,33 @@
 """Engine flags, their defaults and their help: one definition that ``kvserve generate``,
 ``serve``, ``bench``, ``quality``, ``plan`` and ``make run`` all import.
 
-A leaf on purpose: it imports only :mod:`kvserve.config` (and, when no model is given, the
-synthetic checkpoint writer), so every command can import it at module level without
-importing the CLI that imports them.
+A leaf on purpose: it imports only :mod:`kvserve.config`, the KV format registry and the
+model resolver, so every command can import it at module level without importing the CLI
+that imports them.
 """
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
 from kvserve.config import DTYPES, SCHEDULING_POLICIES
 from kvserve.kv.formats import KV_CACHE_DTYPES
+from kvserve.model.resolve import resolve_model
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-BUNDLED_MODEL = REPO_ROOT / "models" / "kvserve-ref"
-GENERATED_MODEL = REPO_ROOT / ".cache" / "default-model"
+MODEL_HELP = "model name (kvserve-ref, smollm2), HF directory or .gguf file (default: kvserve-ref)"
 
 
 def default_model() -> str:
-    """The bundled reference model, or (until it exists) a small random checkpoint generated
-    deterministically on first use into a git-ignored cache."""
-    if (BUNDLED_MODEL / "config.json").exists():
-        return str(BUNDLED_MODEL)
-    if not (GENERATED_MODEL / "model.safetensors").exists():
-        from kvserve.model.synthetic import make_random_checkpoint
-
-        make_random_checkpoint(
-            GENERATED_MODEL, vocab_size=260, hidden_size=128, intermediate_size=384,
-            num_layers=4, num_heads=4, num_kv_heads=2, seed=0,
-        )  # fmt: skip
-    return str(GENERATED_MODEL)
+    """The bundled reference model's directory inside the installed package; raises
+    :class:`FileNotFoundError` when the installation lacks it (never a stand-in model)."""
+    return resolve_model(None)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags, named as vLLM names them."""
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="HF model directory (default: bundled model)")
+    g.add_argument("--model", default=None, help=MODEL_HELP)
     g.add_argument("--tokenizer", default=None)
     g.add_argument("--dtype", default="auto", choices=DTYPES)
     g.add_argument("--device", default="cpu")
@@ -59,7 +48,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The parsed engine flags as :class:`kvserve.LLM` keyword arguments."""
     return dict(
-        model=args.model or default_model(),
+        model=resolve_model(args.model) if args.model else default_model(),
         tokenizer=args.tokenizer,
         dtype=args.dtype,
         device=args.device,

@@ -25,6 +25,7 @@ from kvserve.kv.storage import KVStorage
 from kvserve.model.attention import KERNEL_MAX_QUERY, AttentionMetadata, PagedGroup, PrefillChunk
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import load_kv_scales, load_model, resolve_dtype
+from kvserve.model.resolve import resolve_model
 from kvserve.model.sampler import Sampler, SamplingState
 from kvserve.step import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 
@@ -95,13 +96,14 @@ class ModelRunner:
         out = ModelRunnerOutput()
         if not rows:
             return out
-        logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
+        h = hidden[torch.tensor(rows, device=self.device)]
+        logits = self.model.logits(h)
         for rid, start, n in spans:
             out.prompt_logits[rid] = torch.log_softmax(logits[start : start + n], dim=-1)
         ids = [rid for i in sampling for rid in items[i].sample_ids]
         if ids:
             states = [self.states[rid] for rid in ids]
-            sampled = self.sampler(logits[: len(ids)], states)
+            sampled = self.sampler(logits[: len(ids)], states, self._rescore(h[: len(ids)]))
             for st, tok in zip(states, sampled.token_ids, strict=True):
                 st.output_token_ids.append(tok)
             out.req_ids = ids
@@ -109,6 +111,13 @@ class ModelRunner:
             out.logprobs = sampled.logprobs
             out.sampled_logprobs = sampled.sampled_logprobs
         return out
+
+    def _rescore(self, hidden: torch.Tensor):  # noqa: ANN202 - a Rescore or None
+        """Exact logits for the sampler's greedy candidates, when the model has a float32
+        LM head beside its reduced-precision one."""
+        if getattr(self.model, "lm_head_fp32", None) is None:
+            return None
+        return lambda rows, ids: self.model.exact_logits(hidden[rows], ids)
 
     def _prepare(
         self, items: list[ScheduledSeq]
@@ -166,7 +175,7 @@ def build_runner(config: EngineConfig, num_blocks: int, max_model_len: int) -> M
     """The model, its KV storage of ``num_blocks`` blocks and a sampler, from an engine
     config: what an engine builds in-process, and what a worker in another process builds
     from the same config to execute the engine's steps."""
-    model_dir = Path(config.model)
+    model_dir = Path(resolve_model(config.model))
     mc = ModelConfig.from_pretrained(model_dir)
     dtype = resolve_dtype(config.dtype, mc)
     device = torch.device(config.device)

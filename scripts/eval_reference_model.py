@@ -5,7 +5,7 @@ answer iff every answer token is the argmax given the prompt and the answer toke
 one forward pass per prompt suffices (``--generate N`` cross-checks N prompts with a real greedy
 ``generate``). Prompts come from kvserve/quality/tasks.py, as the quality gate's will.
 
-  python scripts/eval_reference_model.py models/kvserve-ref --json /tmp/recall.json
+  python scripts/eval_reference_model.py kvserve-ref --json /tmp/recall.json
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvserve.model.resolve import resolve_model  # noqa: E402
 from kvserve.quality import tasks as T  # noqa: E402
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("model")
+    ap.add_argument("model", help="model name (kvserve-ref, ...) or HF model directory")
     ap.add_argument("--lengths", default="256,512,1024,1536,2048")
     ap.add_argument("--depths", default="0,5,10,25,50,75,90,100")
     ap.add_argument("--per-cell", type=int, default=3)
@@ -38,8 +39,9 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    model_dir = resolve_model(args.model)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
     def count(text: str) -> int:
         return len(tok(text, add_special_tokens=not text.startswith(T.BOS)).input_ids)

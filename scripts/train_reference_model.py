@@ -38,6 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvserve.model.resolve import bundled_model_dir  # noqa: E402
 from kvserve.quality import tasks as T  # noqa: E402
 
 
@@ -560,7 +561,7 @@ def seq_len_at(stages, frac: float) -> int:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--out", default="models/kvserve-ref")
+    ap.add_argument("--out", default=str(bundled_model_dir()), help="default: the bundled model")
     ap.add_argument("--work-dir", default="/tmp/kvserve-ref-work", help="checkpoints, log")
     ap.add_argument("--steps", type=int, default=16000)
     ap.add_argument("--tokens-per-step", type=int, default=512)

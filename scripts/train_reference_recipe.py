@@ -49,6 +49,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvserve.model.resolve import bundled_model_dir  # noqa: E402
+
 # --haystack-mix with --mix: long needle_doc texts keep their drawn density (not phase 1's dense
 # short ones) and the mix is the one given. From the head on, var_doc (variable chains of 0-3
 # hops) joins the mix: v3 never saw it and scores 0 % on the gate's variable tracking.
@@ -161,7 +164,7 @@ def report(work: Path, points: int = 4) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--work-dir", default="/tmp/kvserve-ref-recipe")
-    ap.add_argument("--out", default="models/kvserve-ref")
+    ap.add_argument("--out", default=str(bundled_model_dir()), help="default: the bundled model")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dry-run", action="store_true", help="print each phase's trainer options")
     ap.add_argument("--report", action="store_true", help="print minutes and the loss curve")

@@ -8,30 +8,35 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
+from kvserve.model.resolve import bundled_model_dir
 from kvserve.quality.gate import run_gate, wrap_kv_storage
 from kvserve.quality.suite import SuiteSpec
 from tests.test_quality import ZeroSecondHalf, metric
 
-ROOT = Path(__file__).resolve().parents[1]
-MODEL_DIR = ROOT / "models" / "kvserve-ref"
+MODEL_DIR = bundled_model_dir()
 
 pytestmark = pytest.mark.skipif(
-    not (MODEL_DIR / "config.json").exists(), reason="no bundled model in models/kvserve-ref"
+    not (MODEL_DIR / "config.json").exists(), reason=f"no bundled model in {MODEL_DIR}"
 )
 
 
 def _committed() -> bool:
-    """Whether the weights are the committed ones (not a training run's work in progress)."""
-    if shutil.which("git") is None or not (ROOT / ".git").exists():
+    """Whether the weights are the committed ones (not a training run's work in progress);
+    True outside a git checkout (an installed package holds only released weights)."""
+    if shutil.which("git") is None:
+        return True
+    inside = subprocess.run(
+        ["git", "rev-parse", "--is-inside-work-tree"], cwd=MODEL_DIR, capture_output=True
+    )
+    if inside.returncode != 0:
         return True
     out = subprocess.run(
-        ["git", "ls-files", "--error-unmatch", "models/kvserve-ref/model.safetensors"],
-        cwd=ROOT,
+        ["git", "ls-files", "--error-unmatch", "model.safetensors"],
+        cwd=MODEL_DIR,
         capture_output=True,
     )
     return out.returncode == 0

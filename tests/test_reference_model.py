@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvserve.model.resolve import bundled_model_dir
 from kvserve.quality import tasks as T
 
-MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "kvserve-ref"
+MODEL_DIR = bundled_model_dir()
 
 
 @pytest.fixture(scope="module")

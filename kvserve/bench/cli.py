@@ -18,6 +18,7 @@ from typing import Any
 
 from kvserve.bench.workloads import WORKLOADS, WorkloadSpec
 from kvserve.engine_args import add_engine_args, engine_kwargs
+from kvserve.model.resolve import resolve_model
 
 DEFAULT_OUTPUT_DIR = Path("reports") / "bench"
 
@@ -183,7 +184,7 @@ def _target(args: argparse.Namespace) -> tuple[Any, Callable[[str], int] | None,
         from kvserve.bench.client import HTTPTarget
 
         count = None
-        tok_dir = args.tokenizer or args.model
+        tok_dir = args.tokenizer or (resolve_model(args.model) if args.model else None)
         if tok_dir and (Path(tok_dir) / "tokenizer.json").exists():
             from kvserve.model.tokenizer import Tokenizer
 

@@ -29,6 +29,7 @@ from kvserve.kv.formats import canonical_kv_format, kv_bytes_per_token
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.storage import KVStorage
 from kvserve.model.loader import resolve_dtype
+from kvserve.model.resolve import resolve_model
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.request import InvalidRequestError, Request, RequestOutput, SamplingParams
 from kvserve.runner import ModelRunner, build_runner
@@ -40,9 +41,7 @@ class LLMEngine:
         self, config: EngineConfig, runner: Runner | None = None, clock: Clock | None = None
     ) -> None:
         self.config = config
-        model_dir = Path(config.model)
-        if not model_dir.is_dir():
-            raise FileNotFoundError(f"model: directory not found: {model_dir}")
+        model_dir = Path(resolve_model(config.model))  # a name, a directory or a .gguf file
         self.model_config = mc = ModelConfig.from_pretrained(model_dir)
         tok_dir = Path(config.tokenizer or model_dir)
         self.tokenizer: Tokenizer | None = None

@@ -137,6 +137,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg, max_positions, device)
         self.ops: TorchOps = TorchOps()
+        self.lm_head_fp32: torch.Tensor | None = None  # set by the loader below float32
 
     def forward(
         self,
@@ -159,3 +160,10 @@ class LlamaForCausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def exact_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of ``token_ids`` ([n, k]) for hidden rows [n, hidden], from the
+        float32 LM head the loader keeps beside a reduced-precision model (the sampler uses
+        them to settle greedy near-ties)."""
+        w = self.lm_head_fp32 if self.lm_head_fp32 is not None else self.lm_head.weight
+        return torch.einsum("nkh,nh->nk", w[token_ids].float(), hidden.float())

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from kvserve.config import ConfigError, ModelConfig
 from kvserve.kv.storage import TORCH_DTYPES
 from kvserve.model.linear_ops import select_ops
-from kvserve.model.llama import LlamaForCausalLM, RotaryEmbedding
+from kvserve.model.llama import LlamaForCausalLM
 
 
 class ModelLoadError(ValueError):
@@ -53,6 +56,23 @@ def _read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
             for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
                 tensors[name] = f.get_tensor(name)
     return tensors
+
+
+@contextmanager
+def _skip_init() -> Iterator[None]:
+    """Build the module tree without initializing the weights the checkpoint replaces: their
+    random init costs seconds on a 100 M-parameter model, and building on the meta device
+    instead costs importing torch._dynamo (over a second). Parameters are left as allocated
+    (``torch.empty``) until ``load_state_dict(assign=True)`` puts the real ones in."""
+    classes = (nn.Linear, nn.Embedding)
+    saved = [c.reset_parameters for c in classes]
+    for c in classes:
+        c.reset_parameters = lambda self: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for c, f in zip(classes, saved, strict=True):
+            c.reset_parameters = f  # type: ignore[method-assign]
 
 
 def load_model(
@@ -110,15 +130,16 @@ def load_model(
             p + "post_attention_layernorm.weight", (h,)
         )
 
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions, torch.device("meta"))
-    model = model.to_empty(device=device)
+    with _skip_init():
+        model = LlamaForCausalLM(cfg, max_positions, device).to(device)
     tied = state["lm_head.weight"] is state["embed_tokens.weight"]
+    head_fp32 = state["lm_head.weight"].to(device=device, dtype=torch.float32)
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     if tied:
         state["lm_head.weight"] = state["embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
-    model.rotary = RotaryEmbedding(cfg, max_positions, device)
+    if dtype != torch.float32:  # for settling greedy near-ties in float32 (see the sampler)
+        model.lm_head_fp32 = head_fp32
     model.set_ops(select_ops(device, dtype))
     return model.eval().requires_grad_(False)
 

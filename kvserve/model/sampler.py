@@ -1,15 +1,20 @@
 """Token sampling for a batch of requests, vectorised over rows.
 
 Order of operations (vLLM's): penalties, then ``min_tokens`` masking of stop tokens, then
-greedy rows take the argmax; the other rows are divided by their temperature, cut by top-k,
-top-p and min-p, and drawn by the exponential race (argmax of ``p / E`` with ``E ~ Exp(1)``),
-which equals sampling from ``p``. A row with its own ``seed`` draws ``E`` from its own
-generator, so its tokens do not depend on what else is in the batch. Returned logprobs are
-those of the raw model distribution (before penalties and temperature), as vLLM returns.
+greedy rows take the argmax (with a reduced-precision model, the argmax among the top
+``RESCORE_TOPK`` candidates re-scored in float32 when the runner offers ``rescore``: a bf16 LM
+head rounds logits by up to a few hundredths, enough to flip near-ties, and re-scoring four
+rows of the float32 head costs nothing next to the full projection); the other rows are divided
+by their temperature, cut by top-k, top-p and min-p, and drawn by the exponential race
+(argmax of ``p / E`` with ``E ~ Exp(1)``), which equals sampling from ``p``. A row with its
+own ``seed`` draws ``E`` from its own generator, so its tokens do not depend on what else is in
+the batch. Returned logprobs are those of the raw model distribution (before penalties and
+temperature), as vLLM returns.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +62,10 @@ class SamplerOutput:
     sampled_logprobs: list[float] | None
 
 
+RESCORE_TOPK = 4
+Rescore = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (rows, token ids [n, k]) -> [n, k]
+
+
 class Sampler:
     def __init__(self, vocab_size: int, seed: int = 0, device: torch.device | str = "cpu") -> None:
         self.vocab_size = vocab_size
@@ -64,18 +73,22 @@ class Sampler:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, requests: list[SamplingState]) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, requests: list[SamplingState], rescore: Rescore | None = None
+    ) -> SamplerOutput:
+        """``rescore(rows, token_ids)``: exact (float32) logits of those tokens for those rows,
+        used to settle greedy choices among the top candidates (see the module docstring)."""
         raw = logits
         params = [r.sampling_params for r in requests]
         if any(p.uses_penalties for p in params):
             logits = self._apply_penalties(logits.clone(), requests)
         logits = self._mask_stop_tokens(logits, requests)
 
-        all_greedy = all(p.greedy for p in params)
-        if all_greedy:
-            token_ids = logits.argmax(dim=-1)
+        greedy = self._greedy(logits, params, rescore)
+        if all(p.greedy for p in params):
+            token_ids = greedy
         else:
-            token_ids = self._sample(logits, requests)
+            token_ids = self._sample(logits, requests, greedy)
 
         want = [p.logprobs for p in params]
         logprobs: list[dict[int, float] | None] = [None] * len(requests)
@@ -101,6 +114,21 @@ class Sampler:
         return SamplerOutput(token_ids.tolist(), logprobs, sampled_lp)
 
     # -- steps ----------------------------------------------------------------------
+    @staticmethod
+    def _greedy(logits: torch.Tensor, params: list, rescore: Rescore | None) -> torch.Tensor:
+        best = logits.argmax(dim=-1)
+        if rescore is None:
+            return best
+        # Rows whose logits are the model's own (penalties change them) and that pick greedily.
+        rows = [i for i, p in enumerate(params) if p.greedy and not p.uses_penalties]
+        if not rows:
+            return best
+        r = torch.tensor(rows, device=logits.device)
+        top_v, top_i = logits[r].topk(min(RESCORE_TOPK, logits.shape[1]), dim=-1)
+        exact = rescore(r, top_i).masked_fill(torch.isneginf(top_v), float("-inf"))
+        best[r] = top_i.gather(1, exact.argmax(dim=-1, keepdim=True))[:, 0]
+        return best
+
     def _apply_penalties(self, logits: torch.Tensor, requests: list[SamplingState]) -> torch.Tensor:
         b, v = logits.shape
         out_counts = torch.zeros(b, v, device=logits.device)
@@ -145,7 +173,9 @@ class Sampler:
             logits[rows, cols] = float("-inf")
         return logits
 
-    def _sample(self, logits: torch.Tensor, requests: list[SamplingState]) -> torch.Tensor:
+    def _sample(
+        self, logits: torch.Tensor, requests: list[SamplingState], greedy_ids: torch.Tensor
+    ) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
         dev = logits.device
         greedy = torch.tensor([p.greedy for p in params], device=dev)
@@ -167,7 +197,7 @@ class Sampler:
                     r.generator.manual_seed(r.sampling_params.seed)
                 noise[row].exponential_(generator=r.generator)
         sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+        return torch.where(greedy, greedy_ids, sampled)
 
 
 def _top_k_top_p(logits: torch.Tensor, params: list) -> torch.Tensor:

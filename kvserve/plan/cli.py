@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.config import DTYPES, parse_bytes
-from kvserve.engine_args import default_model
 from kvserve.kv.formats import KV_CACHE_DTYPES
+from kvserve.model.resolve import resolve_model
 from kvserve.plan.capacity import (
     ArchSpec,
     PlanError,
@@ -39,6 +39,14 @@ def human_bytes(n: float) -> str:
     return f"{n:.4g} B"
 
 
+def plan_model(model: str | None) -> str:
+    """A bare ``config.json`` (or any non-GGUF file) is planned as it is; everything else is
+    a model name or a model directory, resolved as every ``--model`` is."""
+    if model is not None and Path(model).is_file() and Path(model).suffix.lower() != ".gguf":
+        return model
+    return resolve_model(model)
+
+
 def add_plan_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
     """Register ``plan`` on the CLI's subparsers; returns its handler."""
     p = sub.add_parser(
@@ -51,7 +59,8 @@ def add_plan_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
         "model",
         nargs="?",
         default=None,
-        help="model directory or config.json (default: the bundled model)",
+        help="model name (kvserve-ref, smollm2), HF directory, config.json or .gguf file "
+        "(default: kvserve-ref)",
     )
     p.add_argument(
         "--gpu",
@@ -254,8 +263,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 f"{g.bf16_tflops:>7g} TFLOPS  {g.source}"
             )
         return 0
-    if args.model is None:
-        args.model = default_model()
+    args.model = plan_model(args.model)
     spec = load_arch(args.model)
     p = plan(
         spec,
