@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.common import MODELS, REPO, bench_model, emit, median, table
+from benchmarks.common import MODELS, REPO, bench_model, emit, median, table, vocab_size
 
 CHILD = """
 import json, sys
@@ -35,7 +35,7 @@ print(json.dumps({{"tok_s": r["tok_s"]}}))
 
 
 def run_once(tree: Path, size: str, args: argparse.Namespace) -> float:
-    code = CHILD.format(tree=str(tree), n=args.num_prompts, vocab=MODELS[size]["vocab_size"],
+    code = CHILD.format(tree=str(tree), n=args.num_prompts, vocab=vocab_size(size),
                         path=bench_model(size), max_tokens=args.max_tokens, dtype=args.dtype,
                         budget=args.budget)  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -63,8 +63,10 @@ def main() -> None:
         ap.error(f"--before: {before} is not a kvserve checkout")
     rows, summary = [], {}
     for size in args.sizes.split(","):
-        if size not in MODELS:
-            ap.error(f"--sizes: unknown model {size!r}; choose from {', '.join(MODELS)}")
+        try:
+            bench_model(size)
+        except FileNotFoundError as e:
+            ap.error(f"--sizes: {e} (random sizes: {', '.join(MODELS)})")
         runs: dict[str, list[float]] = {"before": [], "after": []}
         for _ in range(args.rounds):
             runs["before"].append(run_once(before, size, args))

@@ -30,15 +30,30 @@ MODELS: dict[str, dict[str, Any]] = {
 
 
 def bench_model(size: str) -> str:
-    """Path of the random checkpoint ``size`` (built once, deterministically, then cached)."""
+    """Path of the random checkpoint ``size`` (built once, deterministically, then cached),
+    or of any other model the engine knows by name or path (``smollm2``, ``kvserve-ref``, a
+    directory or a .gguf file)."""
     from kvserve.model.synthetic import make_random_checkpoint
 
+    if size not in MODELS:
+        from kvserve.model.resolve import resolve_model
+
+        return resolve_model(size)
     path = MODEL_CACHE / size
     if not (path / "model.safetensors").exists():
         make_random_checkpoint(
             path, seed=0, max_position_embeddings=8192, init_std=0.05, **MODELS[size]
         )
     return str(path)
+
+
+def vocab_size(size: str) -> int:
+    """The vocabulary of a benchmark model (random sizes without reading the checkpoint)."""
+    if size in MODELS:
+        return MODELS[size]["vocab_size"]
+    from kvserve.config import ModelConfig
+
+    return ModelConfig.from_pretrained(bench_model(size)).vocab_size
 
 
 def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:

@@ -20,7 +20,16 @@ import time
 
 import torch
 
-from benchmarks.common import MODELS, bench_model, emit, median, random_prompts, set_threads, table
+from benchmarks.common import (
+    MODELS,
+    bench_model,
+    emit,
+    median,
+    random_prompts,
+    set_threads,
+    table,
+    vocab_size,
+)
 from kvserve.model.linear_ops import OneDNNOps, TorchOps
 
 
@@ -105,7 +114,7 @@ def per_op(rounds: int, dtype: torch.dtype) -> list[dict]:
 def end_to_end(size: str, n: int, max_tokens: int, passes: int, dtype: str) -> dict:
     from kvserve import LLM, SamplingParams
 
-    prompts = random_prompts(n, 128, 1024, MODELS[size]["vocab_size"], seed=0)
+    prompts = random_prompts(n, 128, 1024, vocab_size(size), seed=0)
     llm = LLM(bench_model(size), dtype=dtype, max_num_seqs=n, max_num_batched_tokens=2048,
               enable_prefix_caching=False)  # fmt: skip
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4))  # warm-up, builds

@@ -16,7 +16,7 @@ import argparse
 import random
 import time
 
-from benchmarks.common import MODELS, bench_model, emit, median, set_threads, table
+from benchmarks.common import bench_model, emit, median, set_threads, table, vocab_size
 
 
 def make_llm(path: str, caching: bool, **kw):
@@ -164,7 +164,7 @@ def main() -> None:
     set_threads()
     # The full run uses the ~50 M model; --quick the ~5 M one with smaller workloads.
     size = "5m" if args.quick else "50m"
-    path, vocab, q = bench_model(size), MODELS[size]["vocab_size"], args.quick
+    path, vocab, q = bench_model(size), vocab_size(size), args.quick
 
     cold, warm = ttft(path, vocab, 2048, reps=1 if q else 3)
     docs, questions = (4, 16) if q else (8, 64)

@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import (
-    MODELS,
     bench_model,
     copy_bandwidth,
     emit,
@@ -31,6 +30,7 @@ from benchmarks.common import (
     random_prompts,
     set_threads,
     table,
+    vocab_size,
 )
 
 
@@ -127,7 +127,11 @@ def main() -> None:
     # VM: oneDNN bf16 matmuls, half the KV bytes), float32 on one without (an Ice Lake Xeon:
     # float32 GEMMs ~5x bf16). Both engines run the same dtype.
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    ap.add_argument("--sizes", default=None, help="comma list of 5m,50m")
+    ap.add_argument(
+        "--sizes",
+        default=None,
+        help="comma list of 5m, 50m (random Llamas) or model names or paths (smollm2)",
+    )
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
@@ -146,7 +150,7 @@ def main() -> None:
     rows, summary = [], {}
     for size in sizes:
         path = bench_model(size)
-        prompts = random_prompts(n, 128, 1024, MODELS[size]["vocab_size"], seed=0)
+        prompts = random_prompts(n, 128, 1024, vocab_size(size), seed=0)
         kv = run_kvserve(path, prompts, max_tokens, args.dtype, args.budget)
         wbytes = weight_bytes(kv.pop("model"))
         ratios = [dt / ((wbytes + kv_t * kv["bytes_per_token"]) / bw)

@@ -197,8 +197,21 @@ def test_cli_quick_exit_codes_json_and_files(checkpoint, tmp_path, capsys):
     assert "quality gate: FAIL" in capsys.readouterr().out
     assert (out / "kivi2-quick.json").exists()
 
+    # Several formats against one baseline run: one report each, the baseline once.
+    argv = ["quality", "--model", model, "--quick", "--formats", "float16,int8", "--out",
+            str(out / "many")]  # fmt: skip
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert captured.err.count("baseline run") == 1 and captured.out.count("quality gate:") == 2
+    one = json.loads((out / "many" / "int8-quick.json").read_text())
+    assert one["candidate"]["kv_format"] == "int8" and one["baseline"]["kv_format"] == "float32"
+    assert main(["quality", "--model", model, "--quick", "--formats", "int3"]) == 2
+    assert "formats: int3; choose from" in capsys.readouterr().err
+
     # Usage errors exit 2.
     assert main(["quality", "--model", model, "--min-agreement", "2"]) == 2
+    assert main(["quality", "--model", model, "--alpha", "1.5"]) == 2
+    assert "alpha: must be in (0, 1)" in capsys.readouterr().err
     assert main(["quality", "--model", str(tmp_path / "missing")]) == 2
     with pytest.raises(SystemExit) as e:
         main(["quality", "--kv-cache-dtype", "int3"])

@@ -51,6 +51,13 @@ def add_quality_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
         help="largest allowed drop of any recall figure, absolute (0.05 = 5 points)",
     )
     g.add_argument(
+        "--alpha",
+        type=float,
+        default=th.alpha,
+        help="significance level of the paired test a recall drop must also pass to fail "
+        "(McNemar's exact test on lost vs gained prompts)",
+    )
+    g.add_argument(
         "--max-ppl-increase",
         type=float,
         default=th.max_ppl_increase,
@@ -68,6 +75,13 @@ def add_quality_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
         default=th.max_kl,
         help="largest allowed mean KL(baseline || candidate) per position, nats",
     )
+    g.add_argument(
+        "--formats",
+        default=None,
+        metavar="FMT[,FMT...]",
+        help="gate each of these KV cache dtypes against one shared baseline run "
+        "(instead of --kv-cache-dtype)",
+    )
     g.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for JSON and PNG")
     g.add_argument("--label", default=None, help="name of the candidate in tables and files")
     g.add_argument("--threads", type=int, default=1,
@@ -78,9 +92,7 @@ def add_quality_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
 
 def cmd_quality(args: argparse.Namespace) -> int:
     from kvserve.config import ConfigError
-    from kvserve.quality.gate import run_gate
-    from kvserve.quality.report import HEATMAP_MISSING, format_table, plot_recall_heatmap, slug
-    from kvserve.quality.report import write_json as write_report
+    from kvserve.quality.gate import run_gates
     from kvserve.quality.suite import SuiteSpec
     from kvserve.quality.thresholds import Thresholds
 
@@ -88,6 +100,7 @@ def cmd_quality(args: argparse.Namespace) -> int:
         raise ConfigError(f"threads: must be >= 1, got {args.threads}")
     thresholds = Thresholds(
         max_recall_drop=args.max_recall_drop,
+        alpha=args.alpha,
         max_ppl_increase=args.max_ppl_increase,
         min_agreement=args.min_agreement,
         max_kl=args.max_kl,
@@ -97,14 +110,35 @@ def cmd_quality(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     spec = SuiteSpec.quick() if args.quick else SuiteSpec.default()
     t0 = time.perf_counter()
-    report = run_gate(
-        engine_kwargs(args),
+    kwargs = engine_kwargs(args)
+    candidates: list[dict] = [{}]
+    if args.formats:
+        from kvserve.kv.formats import KV_CACHE_DTYPES
+
+        names = [f.strip() for f in args.formats.split(",") if f.strip()]
+        bad = [f for f in names if f not in KV_CACHE_DTYPES]
+        if bad or not names:
+            allowed = ", ".join(KV_CACHE_DTYPES)
+            raise ConfigError(f"formats: {', '.join(bad) or 'none given'}; choose from {allowed}")
+        candidates = [{"kv_cache_dtype": f} for f in names]
+    reports = run_gates(
+        kwargs,
+        candidates,
         spec,
         thresholds,
-        label=args.label,
+        labels=[args.label if len(candidates) == 1 else None] * len(candidates),
         log=lambda m: print(f"[quality] {m}", file=sys.stderr, flush=True),
     )
-    report["seconds"]["total"] = round(time.perf_counter() - t0, 2)
+    for report in reports:
+        _emit(report, args, time.perf_counter() - t0)
+    return 0 if all(r["passed"] for r in reports) else 1
+
+
+def _emit(report: dict, args: argparse.Namespace, seconds: float) -> None:
+    from kvserve.quality.report import HEATMAP_MISSING, format_table, plot_recall_heatmap, slug
+    from kvserve.quality.report import write_json as write_report
+
+    report["seconds"]["total"] = round(seconds, 2)
     report["quick"] = bool(args.quick)
     report["threads"] = args.threads
     name = slug(report["label"]) + ("-quick" if args.quick else "")
@@ -119,4 +153,3 @@ def cmd_quality(args: argparse.Namespace) -> int:
         print(HEATMAP_MISSING if report["grid"]["baseline"] else "heatmap skipped: no needle grid")
     if args.json:
         print(json.dumps(report, default=str))
-    return 0 if report["passed"] else 1

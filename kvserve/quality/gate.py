@@ -33,6 +33,7 @@ from kvserve.quality.metrics import (
     recall_groups,
     run_suite,
 )
+from kvserve.quality.stats import mcnemar_p, paired_drop_interval
 from kvserve.quality.suite import Suite, SuiteSpec, build_suite
 from kvserve.quality.thresholds import Thresholds
 
@@ -96,16 +97,33 @@ def run_gate(
     """Run baseline and candidate (``engine_kwargs`` as for :class:`kvserve.LLM`) and return
     the report: every metric with both values, its threshold and PASS/FAIL, the recall grids,
     timings and the exact settings. ``report["passed"]`` is the verdict."""
+    (report,) = run_gates(engine_kwargs, [{}], spec, thresholds, candidate_setup, [label], log)
+    return report
+
+
+def run_gates(
+    engine_kwargs: dict[str, Any],
+    candidates: list[dict[str, Any]],
+    spec: SuiteSpec | None = None,
+    thresholds: Thresholds | None = None,
+    candidate_setup: CandidateSetup | list[CandidateSetup | None] | None = None,
+    labels: list[str | None] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> list[dict[str, Any]]:
+    """One baseline run, then each candidate (``engine_kwargs`` updated by one dict of
+    ``candidates``, e.g. ``{"kv_cache_dtype": "int8"}``) judged against it: one report each,
+    as :func:`run_gate` returns. Gating several formats this way runs the baseline once.
+    ``candidate_setup`` is one callable for every candidate or a list, one per candidate."""
     from kvserve import LLM
 
     spec = spec or SuiteSpec.default()
     thresholds = thresholds or Thresholds()
+    labels = labels or [None] * len(candidates)
     say = log or (lambda _msg: None)
-    cand_kw = dict(engine_kwargs)
-    base_kw = {**cand_kw, **LOSSY_KWARGS}
-    tok = _load_tokenizer(cand_kw)
-    suite = build_suite(tok, spec, _max_model_len(cand_kw))
-    if cand_kw.get("num_gpu_blocks") is None and cand_kw.get("kv_cache_memory") is None:
+    base_kw = {**engine_kwargs, **LOSSY_KWARGS}
+    tok = _load_tokenizer(engine_kwargs)
+    suite = build_suite(tok, spec, _max_model_len(engine_kwargs))
+    if base_kw.get("num_gpu_blocks") is None and base_kw.get("kv_cache_memory") is None:
         base_kw["num_gpu_blocks"] = _pool_blocks(base_kw, suite)
     n_tok = sum(len(i.prompt_ids) for i in suite.items) + sum(map(len, suite.passages))
     say(f"suite: {len(suite.items)} generation prompts + {len(suite.passages)} passages, "
@@ -113,55 +131,66 @@ def run_gate(
 
     say("baseline run ...")
     base_llm = LLM(**base_kw)
-    # The candidate gets the baseline's block count, whatever memory its format would allow.
-    cand_kw.update(num_gpu_blocks=base_llm.engine.num_blocks, kv_cache_memory=None)
+    num_blocks = base_llm.engine.num_blocks
     base = run_suite(base_llm, suite, keep_logits=True)
     base_fmt = base_llm.engine.kv_cache_dtype
     del base_llm
     say(f"baseline: {base.seconds:.1f}s, {base.steps} steps")
 
-    say("candidate run ...")
-    cand_llm = LLM(**cand_kw)
-    if candidate_setup is not None:
-        candidate_setup(cand_llm)
-    cmp = LogitComparison()
-    cand = run_suite(cand_llm, suite, on_logits=lambda n, lg: cmp.add(base.logits[n], lg))
-    cand_fmt = cand_llm.engine.kv_cache_dtype
-    chunk = cand_llm.engine.config.scheduler.max_num_batched_tokens
-    chunked = cand_llm.engine.config.scheduler.enable_chunked_prefill
-    del cand_llm
-    say(f"candidate: {cand.seconds:.1f}s, {cand.steps} steps")
-
-    metrics = _judge(suite, base, cand, cmp, thresholds)
-    same = sum(a == b for a, b in zip(base.texts, cand.texts, strict=True))
-    return {
-        "passed": all(m["passed"] for m in metrics),
-        "model": str(cand_kw["model"]),
-        "label": label or describe(cand_kw) + ("+setup" if candidate_setup else ""),
-        "baseline": {"kv_format": base_fmt, "engine": _jsonable(base_kw)},
-        "candidate": {"kv_format": cand_fmt, "engine": _jsonable(cand_kw)},
-        "metrics": metrics,
-        "answers_identical": same / len(base.texts) if base.texts else None,
-        "grid": {
-            "baseline": recall_grid(suite, base.hits),
-            "candidate": recall_grid(suite, cand.hits),
-        },
-        "suite": {
-            **spec.to_dict(),
-            "generation_prompts": len(suite.items),
-            "prompt_tokens_per_run": n_tok,
-            "chat_template": suite.chat_template,
-            "skipped": suite.skipped,
-        },
-        "cache_reads": {
-            "prefill_chunk_tokens": chunk,
-            "chunked_prefill": chunked,
-            "min_share_of_prompt_positions": min_cache_read_share(suite, chunk) if chunked else 0.0,
-        },
-        "thresholds": asdict(thresholds),
-        "seconds": {"baseline": round(base.seconds, 2), "candidate": round(cand.seconds, 2)},
-        "steps": {"baseline": base.steps, "candidate": cand.steps},
-    }  # fmt: skip
+    reports = []
+    setups = (
+        candidate_setup
+        if isinstance(candidate_setup, list)
+        else [candidate_setup] * len(candidates)
+    )
+    for over, label, setup in zip(candidates, labels, setups, strict=True):
+        # The candidate gets the baseline's block count, whatever memory its format allows.
+        cand_kw = {**engine_kwargs, **over, "num_gpu_blocks": num_blocks, "kv_cache_memory": None}
+        say(f"candidate run: {describe(cand_kw)} ...")
+        cand_llm = LLM(**cand_kw)
+        if setup is not None:
+            setup(cand_llm)
+        cmp = LogitComparison()
+        cand = run_suite(
+            cand_llm, suite, on_logits=lambda n, lg, cmp=cmp: cmp.add(base.logits[n], lg)
+        )
+        cand_fmt = cand_llm.engine.kv_cache_dtype
+        chunk = cand_llm.engine.config.scheduler.max_num_batched_tokens
+        chunked = cand_llm.engine.config.scheduler.enable_chunked_prefill
+        del cand_llm
+        say(f"candidate: {cand.seconds:.1f}s, {cand.steps} steps")
+        metrics = _judge(suite, base, cand, cmp, thresholds)
+        same = sum(a == b for a, b in zip(base.texts, cand.texts, strict=True))
+        reports.append({
+            "passed": all(m["passed"] for m in metrics),
+            "model": str(cand_kw["model"]),
+            "label": label or describe(cand_kw) + ("+setup" if setup else ""),
+            "baseline": {"kv_format": base_fmt, "engine": _jsonable(base_kw)},
+            "candidate": {"kv_format": cand_fmt, "engine": _jsonable(cand_kw)},
+            "metrics": metrics,
+            "answers_identical": same / len(base.texts) if base.texts else None,
+            "grid": {
+                "baseline": recall_grid(suite, base.hits),
+                "candidate": recall_grid(suite, cand.hits),
+            },
+            "suite": {
+                **spec.to_dict(),
+                "generation_prompts": len(suite.items),
+                "prompt_tokens_per_run": n_tok,
+                "chat_template": suite.chat_template,
+                "skipped": suite.skipped,
+            },
+            "cache_reads": {
+                "prefill_chunk_tokens": chunk,
+                "chunked_prefill": chunked,
+                "min_share_of_prompt_positions": min_cache_read_share(suite, chunk)
+                if chunked else 0.0,
+            },
+            "thresholds": asdict(thresholds),
+            "seconds": {"baseline": round(base.seconds, 2), "candidate": round(cand.seconds, 2)},
+            "steps": {"baseline": base.steps, "candidate": cand.steps},
+        })  # fmt: skip
+    return reports
 
 
 def _judge(
@@ -170,15 +199,8 @@ def _judge(
     """One row per metric. A NaN never passes (comparisons with NaN are False)."""
     rows: list[dict[str, Any]] = []
     for key, idx in recall_groups(suite).items():
-        b = sum(base.hits[i] for i in idx) / len(idx)
-        c = sum(cand.hits[i] for i in idx) / len(idx)
-        rows.append(
-            _row(f"recall_{key}", RECALL_LABELS[key], "recall", b, c, c - b, len(idx),
-                 f"drop <= {th.max_recall_drop * 100:.1f} pt", b - c <= th.max_recall_drop + 1e-12)
-        )  # fmt: skip
-        # Paired on the same prompts: which answers the candidate lost and which it gained.
-        rows[-1]["lost"] = sum(base.hits[i] and not cand.hits[i] for i in idx)
-        rows[-1]["gained"] = sum(cand.hits[i] and not base.hits[i] for i in idx)
+        hits = [(base.hits[i], cand.hits[i]) for i in idx]
+        rows.append(judge_recall(f"recall_{key}", RECALL_LABELS[key], hits, th))
     bp, cp = base.perplexity, cand.perplexity
     inc = cp / bp - 1.0 if bp > 0 else float("nan")
     rows.append(
@@ -197,6 +219,26 @@ def _judge(
     )  # fmt: skip
     rows[-1]["max_kl"] = cmp.kl_max
     return rows
+
+
+def judge_recall(
+    key: str, label: str, hits: list[tuple[bool, bool]], th: Thresholds
+) -> dict[str, Any]:
+    """One recall row from (baseline hit, candidate hit) per prompt. A drop fails only when it
+    is both over the threshold and more than sampling noise (McNemar's exact test on the
+    prompts lost and gained, one-sided, at ``th.alpha``)."""
+    n = len(hits)
+    b = sum(x for x, _ in hits) / n
+    c = sum(y for _, y in hits) / n
+    lost = sum(x and not y for x, y in hits)
+    gained = sum(y and not x for x, y in hits)
+    p = mcnemar_p(lost, gained)
+    ok = b - c <= th.max_recall_drop + 1e-12 or p >= th.alpha
+    row = _row(key, label, "recall", b, c, c - b, n,
+               f"drop <= {th.max_recall_drop * 100:.1f} pt or p >= {th.alpha:g}", ok)  # fmt: skip
+    lo, hi = paired_drop_interval(lost, gained, n, 1 - th.alpha)
+    row.update(lost=lost, gained=gained, p_value=p, drop_interval=[lo, hi])
+    return row
 
 
 def _row(

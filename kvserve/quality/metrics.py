@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from kvserve.quality.suite import EARLY_DEPTH, Suite, answers_match
+from kvserve.quality.suite import EARLY_DEPTH, Suite, item_hit
 
 LogitsFn = Callable[[int, torch.Tensor], None]
 
@@ -100,7 +100,7 @@ def run_suite(
     prompts = [{"prompt_token_ids": i.prompt_ids} for i in suite.items]
     outs = llm.generate(prompts, params) if prompts else []
     texts = [o.outputs[0].text for o in outs]
-    hits = [answers_match(t, i.answer) for t, i in zip(texts, suite.items, strict=True)]
+    hits = [item_hit(t, i) for t, i in zip(texts, suite.items, strict=True)]
 
     engine = llm.engine
     one = SamplingParams(temperature=0.0, max_tokens=1)

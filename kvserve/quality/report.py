@@ -36,6 +36,17 @@ def _fmt_delta(kind: str, d: float | None) -> str:
     return f"{d:+.2%}"
 
 
+def _paired(m: dict[str, Any]) -> str:
+    """Lost/gained prompts, McNemar's p and the drop's interval, for a recall row."""
+    if not (m.get("lost") or m.get("gained")):
+        return ""
+    text = f" (-{m['lost']}/+{m['gained']}"
+    if "p_value" in m:
+        lo, hi = m["drop_interval"]
+        text += f", p {m['p_value']:.2g}, drop {lo * 100:+.0f}..{hi * 100:+.0f} pt"
+    return text + ")"
+
+
 def format_table(report: dict[str, Any]) -> str:
     """The human-readable report: settings, one row per metric, the recall grids, verdict."""
     b, c = report["baseline"], report["candidate"]
@@ -72,8 +83,7 @@ def format_table(report: dict[str, Any]) -> str:
                 str(m["n"]),
                 _fmt(m["kind"], m["baseline"]),
                 _fmt(m["kind"], m["candidate"]),
-                _fmt_delta(m["kind"], m["delta"])
-                + (f" (-{m['lost']}/+{m['gained']})" if m.get("lost") or m.get("gained") else ""),
+                _fmt_delta(m["kind"], m["delta"]) + _paired(m),
                 m["threshold"],
                 "PASS" if m["passed"] else "FAIL",
             )

@@ -116,6 +116,13 @@ def answers_match(text: str, answer: str) -> bool:
     return not rest or not rest[0].isalnum()
 
 
+def item_hit(text: str, item: TaskItem) -> bool:
+    """The greedy continuation answers ``item``: its exact answer, or one of the equally
+    right forms the task lists in ``meta["accept"]`` (variable tracking: a shorter walk of the
+    chain, or the value at once)."""
+    return any(answers_match(text, a) for a in (item.answer, *item.meta.get("accept", ())))
+
+
 def _seed(spec: SuiteSpec, *parts: object) -> int:
     return zlib.crc32(":".join(map(str, (spec.seed, *parts))).encode())
 

@@ -382,7 +382,12 @@ def variable_tracking_prompt(
     text = _build(
         rng, context_tokens, count_tokens, inserts, lambda h: h.strip() + var_question(asked), split
     )
-    return TaskPrompt("variable_tracking", text, answer, meta={"hops": hops, "name": asked})
+    # A real model may answer with the value at once or walk only part of the chain: every
+    # suffix of the chain that ends in the value is right ("VAR b = VAR a = 58213", "58213").
+    parts = answer.split(" =")
+    accept = [" =".join(parts[i:]) for i in range(1, len(parts))]
+    meta = {"hops": hops, "name": asked, "accept": accept}
+    return TaskPrompt("variable_tracking", text, answer, meta=meta)
 
 
 REMEMBER = "Please remember this. "
