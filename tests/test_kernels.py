@@ -101,3 +101,48 @@ def test_chunk_kernel_matches_naive_attention(window, dtype, bs, d):
         vals = vals[0, :, : ctx + ql].transpose(0, 1).float()
         ref = reference_attention(q[st : st + ql], keys, vals, ctx + torch.arange(ql), window)
         torch.testing.assert_close(out[st : st + ql], ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_per_sequence_retention_windows_match_naive_attention(dtype):
+    """Each sequence attends its own recent window (a retention policy's), combined with the
+    layer's: decode rows and a short chunk, fused kernel against naive attention."""
+    from types import SimpleNamespace
+
+    torch.manual_seed(3)
+    bs, d, kvh, h, nblocks = 4, 16, 2, 4, 64
+    storage = DenseKVStorage(1, nblocks, bs, kvh, d, dtype)
+    storage.k[0].normal_()
+    storage.v[0].normal_()
+    seqs = [(1, 17, 5), (1, 9, 0), (6, 11, 8)]  # (q_len, ctx_len, retention window; 0 none)
+    perm = torch.randperm(nblocks).tolist()
+    tables, starts, row = [], [], 0
+    for q_len, ctx, _ in seqs:
+        nb = -(-(ctx + q_len) // bs)
+        tables.append(perm[:nb])
+        perm = perm[nb:]
+        starts.append(row)
+        row += q_len
+    width = max(map(len, tables))
+    bt = torch.tensor([t + [nblocks] * (width - len(t)) for t in tables])
+    group = SimpleNamespace(
+        num_rows=row,
+        q_start=torch.tensor(starts),
+        q_len=torch.tensor([s[0] for s in seqs]),
+        ctx_len=torch.tensor([s[1] for s in seqs]),
+        block_tables=bt,
+        windows=torch.tensor([s[2] for s in seqs], dtype=torch.int32),
+    )
+    q = torch.randn(row, h, d)
+    for layer_window in (None, 6):
+        out = torch.empty(row, h, d)
+        kernels.paged_attention(q, storage.k[0], storage.v[0], group, layer_window, out)
+        for i, (q_len, ctx, w) in enumerate(seqs):
+            keys, vals = storage.gather(0, bt[i : i + 1])
+            n = ctx + q_len
+            keys = keys[0, :, :n].transpose(0, 1).float()
+            vals = vals[0, :, :n].transpose(0, 1).float()
+            eff = min(x for x in (layer_window, w or None) if x) if (layer_window or w) else None
+            sl = slice(starts[i], starts[i] + q_len)
+            ref = reference_attention(q[sl], keys, vals, torch.arange(ctx, n), eff)
+            torch.testing.assert_close(out[sl], ref.to(out.dtype), atol=2e-5, rtol=1e-4)

@@ -111,7 +111,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.kvserve_paged_attention
     fn.restype = ctypes.c_int
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    fn.argtypes = [p, p, p, p, i64, p, p, p, p, i32, i32, i32, i32, i32, i32,
+    fn.argtypes = [p, p, p, p, i64, p, p, p, p, p, i32, i32, i32, i32, i32, i32,
                    ctypes.c_float, i32, i32]  # fmt: skip
 
 
@@ -139,7 +139,8 @@ def paged_attention(
 
     q/out: [T, H, D] (rows ``[0, group.num_rows)`` are touched); k_cache/v_cache:
     [num_blocks, KVH, block_size, D]; ``group`` has int64 tensors q_start, q_len, ctx_len [B]
-    and block_tables [B, n] (see :class:`kvserve.model.attention.PagedGroup`).
+    and block_tables [B, n], and ``windows`` (int32 [B], a sequence's retention window, 0 for
+    none) or None (see :class:`kvserve.model.attention.PagedGroup`). ``window`` is the layer's.
     """
     lib = _LIB.get()
     assert lib is not None
@@ -150,6 +151,8 @@ def paged_attention(
     direct = out.dtype == torch.float32 and out.is_contiguous()
     dst = out if direct else torch.empty_like(qf)
     bt = group.block_tables.contiguous()
+    wins = getattr(group, "windows", None)
+    wins = None if wins is None else wins.to(torch.int32).contiguous()
     rc = lib.kvserve_paged_attention(
         qf.data_ptr(),
         k_cache.data_ptr(),
@@ -159,6 +162,7 @@ def paged_attention(
         group.q_start.data_ptr(),
         group.q_len.data_ptr(),
         group.ctx_len.data_ptr(),
+        None if wins is None else wins.data_ptr(),
         dst.data_ptr(),
         bt.shape[0],
         h,
@@ -183,8 +187,10 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     window: int | None,
+    seq_windows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One new token per sequence: q [B, H, D], seq_lens [B] keys including the new one."""
+    """One new token per sequence: q [B, H, D], seq_lens [B] keys including the new one;
+    ``seq_windows`` [B] each sequence's retention window (0: none) beside the layer's."""
     from types import SimpleNamespace
 
     b = q.shape[0]
@@ -194,6 +200,7 @@ def paged_decode_attention(
         q_len=torch.ones(b, dtype=torch.int64),
         ctx_len=(seq_lens - 1).to(torch.int64).contiguous(),
         block_tables=block_tables.to(torch.int64),
+        windows=seq_windows,
     )
     out = torch.empty(q.shape, dtype=torch.float32)
     paged_attention(q, k_cache, v_cache, group, window, out)

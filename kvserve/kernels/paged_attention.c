@@ -15,7 +15,9 @@
  * Layout: q/out [T, H, D] float32 (the flat batch); per sequence b its queries are rows
  * q_start[b] .. q_start[b] + q_len[b] - 1 at positions ctx_len[b] + i; k/v cache
  * [num_blocks, KVH, block_size, D] in float32, bfloat16 or float16; block_tables [B, stride]
- * int64. Query at position p sees keys p - window < pos <= p (window 0 = unbounded).
+ * int64. Query at cache index p sees keys p - w < pos <= p, where w is the smaller non-zero of
+ * `window` (the layer's) and seq_windows[b] (the sequence's retention window; NULL: none);
+ * 0 = unbounded.
  */
 #include <float.h>
 #include <math.h>
@@ -156,8 +158,9 @@ static inline __attribute__((always_inline)) void attend_block_avx512(
 int kvserve_paged_attention(const float *q, const void *k_cache, const void *v_cache,
                             const int64_t *block_tables, int64_t bt_stride,
                             const int64_t *q_start, const int64_t *q_len,
-                            const int64_t *ctx_len, float *out, int B, int H, int KVH, int D,
-                            int bs, int window, float scale, int dtype, int num_threads) {
+                            const int64_t *ctx_len, const int32_t *seq_windows, float *out,
+                            int B, int H, int KVH, int D, int bs, int layer_window, float scale,
+                            int dtype, int num_threads) {
     if (H % KVH) return -1;
     const int G = H / KVH;
     /* Task list: (sequence, tile) pairs, each for every KV head. */
@@ -192,6 +195,8 @@ int kvserve_paged_attention(const float *q, const void *k_cache, const void *v_c
             const int64_t i0 = tile_i0[tile];
             const int nq = (int)(q_len[b] - i0 < QT ? q_len[b] - i0 : QT);
             const int R = nq * G;
+            const int sw = seq_windows ? seq_windows[b] : 0;
+            const int window = sw > 0 && (layer_window <= 0 || sw < layer_window) ? sw : layer_window;
             for (int i = 0; i < nq; i++) {
                 for (int g = 0; g < G; g++) {
                     const int r = i * G + g;

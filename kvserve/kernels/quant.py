@@ -58,7 +58,7 @@ class _Cache(ctypes.Structure):
 def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.kvserve_quant_decode
     fn.restype = _i
-    fn.argtypes = [_p, _p, _p, _i64, _p, _i, _i, _i, _f, ctypes.POINTER(_Cache), _i]
+    fn.argtypes = [_p, _p, _p, _i64, _p, _p, _i, _i, _i, _f, ctypes.POINTER(_Cache), _i]
 
 
 _LIB = NativeLibrary(_SRC, _FLAGS, "quantized KV attention", _declare)
@@ -171,10 +171,12 @@ def decode(
     window: int | None,
     residual: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     q_rotation: torch.Tensor | None = None,
+    seq_windows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of q [B, H, D] over the view's blocks. ``residual`` (KIVI): the
     residual slot of each block (-1: quantized) and the full-precision residual K and V;
-    ``q_rotation``: the orthonormal matrix keys were rotated by before quantization."""
+    ``q_rotation``: the orthonormal matrix keys were rotated by before quantization;
+    ``seq_windows`` [B]: each sequence's retention window (0: none), beside the layer's."""
     lib = _LIB.get()
     assert lib is not None
     c = view.desc
@@ -192,12 +194,14 @@ def decode(
     qf = q.float().contiguous()
     out = torch.empty_like(qf)
     bt, lens = block_tables.contiguous(), seq_lens.contiguous()
+    wins = None if seq_windows is None else seq_windows.to(torch.int32).contiguous()
     rc = lib.kvserve_quant_decode(
         qf.data_ptr(),
         out.data_ptr(),
         bt.data_ptr(),
         bt.shape[1],
         lens.data_ptr(),
+        None if wins is None else wins.data_ptr(),
         b,
         h,
         window or 0,

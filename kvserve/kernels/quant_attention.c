@@ -428,8 +428,9 @@ static inline __attribute__((always_inline)) void values_avx512(
 #endif
 
 int kvserve_quant_decode(const float *q, float *out, const int64_t *block_tables,
-                         int64_t bt_stride, const int64_t *seq_lens, int B, int H, int window,
-                         float scale, const Cache *c, int num_threads) {
+                         int64_t bt_stride, const int64_t *seq_lens, const int32_t *seq_windows,
+                         int B, int H, int layer_window, float scale, const Cache *c,
+                         int num_threads) {
     const int KVH = c->KVH, D = c->D, bs = c->bs;
     if (H % KVH || H / KVH > MAX_G || D > MAX_D || bs > MAX_BS) return -1;
     if (c->fmt == FMT_KIVI && (D % (8 / c->bits) || D % c->group)) return -1;
@@ -473,6 +474,9 @@ int kvserve_quant_decode(const float *q, float *out, const int64_t *block_tables
             l[g] = 0.f;
         }
         const int64_t L = seq_lens[b];
+        /* the smaller non-zero of the layer's window and the sequence's retention window */
+        const int sw = seq_windows ? seq_windows[b] : 0;
+        const int window = sw > 0 && (layer_window <= 0 || sw < layer_window) ? sw : layer_window;
         const int64_t start = (window > 0 && L > window) ? L - window : 0;
         for (int64_t t0 = (start / bs) * bs; t0 < L; t0 += bs) {
             const int64_t blk = block_tables[(int64_t)b * bt_stride + t0 / bs];

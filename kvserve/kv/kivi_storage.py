@@ -394,7 +394,7 @@ class KiviKVStorage(KVStorage):
 
         return one(k), one(v)
 
-    def decode_attention(self, layer, q, block_tables, seq_lens, window):  # noqa: ANN001
+    def decode_attention(self, layer, q, block_tables, seq_lens, window, seq_windows=None):  # noqa: ANN001
         from kvserve.kernels import quant
 
         rk, rv = self.res_k[layer], self.res_v[layer]
@@ -410,7 +410,7 @@ class KiviKVStorage(KVStorage):
                 codecs.KEY_SCALE_STEPS,
             )  # fmt: skip
         return quant.decode(view, q, block_tables, seq_lens, window, (self._res_t, rk, rv),
-                            self.key_rotation)  # fmt: skip
+                            self.key_rotation, seq_windows)  # fmt: skip
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: a partial source copies its residual rows into a residual slot of

@@ -142,7 +142,7 @@ class Fp8KVStorage(KVStorage):
             self.gather_blocks(block_tables, decode(self.v_scale[layer]), self.v_codes[layer]),
         )
 
-    def decode_attention(self, layer, q, block_tables, seq_lens, window):  # noqa: ANN001
+    def decode_attention(self, layer, q, block_tables, seq_lens, window, seq_windows=None):  # noqa: ANN001
         from kvserve.kernels import quant
 
         if not self.use_kernels or not quant.supports(
@@ -155,7 +155,7 @@ class Fp8KVStorage(KVStorage):
                                   self.v_scale[layer], self.fp8_dtype)  # fmt: skip
             if self.calibrated[layer]:  # scales may still change until then: no caching
                 self._views[layer] = view
-        return quant.decode(view, q, block_tables, seq_lens, window)
+        return quant.decode(view, q, block_tables, seq_lens, window, seq_windows=seq_windows)
 
     # -- pool-wide scales travel with exported blocks ------------------------------------------
     def _export_pool(self) -> dict[str, Any]:
@@ -247,7 +247,7 @@ class Int8KVStorage(KVStorage):
         v = self.gather_blocks(block_tables, decode, self.v_codes[layer], self.v_scale[layer])
         return k, v
 
-    def decode_attention(self, layer, q, block_tables, seq_lens, window):  # noqa: ANN001
+    def decode_attention(self, layer, q, block_tables, seq_lens, window, seq_windows=None):  # noqa: ANN001
         from kvserve.kernels import quant
 
         if not self.use_kernels or not quant.supports(
@@ -259,4 +259,4 @@ class Int8KVStorage(KVStorage):
             view = self._views[layer] = quant.int8_view(
                 self.k_codes[layer], self.v_codes[layer], self.k_scale[layer], self.v_scale[layer]
             )
-        return quant.decode(view, q, block_tables, seq_lens, window)
+        return quant.decode(view, q, block_tables, seq_lens, window, seq_windows=seq_windows)

@@ -225,9 +225,11 @@ class KVStorage(ABC):
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         window: int | None,
+        seq_windows: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """Fused decode attention straight from the blocks, or None when no kernel applies
-        (the caller then gathers and runs SDPA)."""
+        (the caller then gathers and runs SDPA). ``window`` is the layer's sliding window,
+        ``seq_windows`` [B] each sequence's retention window (0: none)."""
         return None
 
     def fused_attention(
@@ -382,13 +384,14 @@ class DenseKVStorage(KVStorage):
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         window: int | None,
+        seq_windows: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         from kvserve import kernels
 
         if not self._kernel_applies(q):
             return None
         return kernels.paged_decode_attention(
-            q, self.k[layer], self.v[layer], block_tables, seq_lens, window
+            q, self.k[layer], self.v[layer], block_tables, seq_lens, window, seq_windows
         )
 
     def fused_attention(
@@ -447,8 +450,8 @@ class KVStorageWrapper(KVStorage):
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.inner.gather(layer, block_tables)
 
-    def decode_attention(self, layer, q, block_tables, seq_lens, window):  # noqa: ANN001, ANN201
-        return self.inner.decode_attention(layer, q, block_tables, seq_lens, window)
+    def decode_attention(self, layer, q, block_tables, seq_lens, window, seq_windows=None):  # noqa: ANN001, ANN201
+        return self.inner.decode_attention(layer, q, block_tables, seq_lens, window, seq_windows)
 
     def fused_attention(self, layer, q, group, window, out) -> bool:  # noqa: ANN001
         return self.inner.fused_attention(layer, q, group, window, out)

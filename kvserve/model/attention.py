@@ -31,13 +31,21 @@ CausalKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
 KERNEL_MAX_QUERY = 64
 
 
+def combine_windows(layer: int | None, request: int) -> int | None:
+    """The tighter of a layer's sliding window and a request's retention window (0: none)."""
+    if request and (layer is None or request < layer):
+        return request
+    return layer
+
+
 @dataclass(slots=True)
 class PrefillChunk:
     q_start: int  # offset in the flat batch
     q_len: int
-    ctx_len: int  # tokens of this sequence already in the cache before the chunk
+    ctx_len: int  # cache entries of this sequence before the chunk (not a RoPE position)
     block_table: torch.Tensor | None  # [num_blocks] when ctx_len > 0
     in_group: bool = False  # also listed in the PagedGroup
+    window: int = 0  # the request's retention window (0: none), beside the layer's
 
 
 @dataclass(slots=True)
@@ -50,6 +58,7 @@ class PagedGroup:
     q_len: torch.Tensor  # [B]
     ctx_len: torch.Tensor  # [B] keys cached before the chunk
     block_tables: torch.Tensor  # [B, max_blocks]
+    windows: torch.Tensor | None = None  # [B] int32 retention windows (0: none), or None
 
 
 @dataclass(slots=True)
@@ -58,13 +67,15 @@ class AttentionMetadata:
     block_size: int
     num_decode: int = 0
     decode_block_tables: torch.Tensor | None = None  # [Bd, max_blocks]
-    decode_seq_lens: torch.Tensor | None = None  # [Bd] tokens incl. the new one
+    decode_seq_lens: torch.Tensor | None = None  # [Bd] cache entries incl. the new one
+    decode_windows: torch.Tensor | None = None  # [Bd] int32 retention windows (0: none)
     prefills: list[PrefillChunk] = field(default_factory=list)
     paged: PagedGroup | None = None
     _masks: dict = field(default_factory=dict)
 
     def decode_mask(self, window: int | None) -> torch.Tensor:
-        """[Bd, 1, 1, S]: key j is visible iff j < seq_len (and inside the window)."""
+        """[Bd, 1, 1, S]: key j is visible iff j < seq_len (and inside the layer's window and
+        the row's retention window)."""
         key = ("decode", window)
         mask = self._masks.get(key)
         if mask is None:
@@ -75,6 +86,9 @@ class AttentionMetadata:
             mask = j[None, :] < lens
             if window is not None:
                 mask &= j[None, :] >= lens - window
+            if self.decode_windows is not None:
+                w = self.decode_windows[:, None].to(lens.dtype)
+                mask &= (w <= 0) | (j[None, :] >= lens - w)
             mask = mask[:, None, None, :]
             self._masks[key] = mask
         return mask
@@ -82,6 +96,7 @@ class AttentionMetadata:
     def prefill_mask(self, i: int, window: int | None, num_keys: int) -> torch.Tensor | None:
         """[q_len, num_keys] causal mask offset by the cached context; None = plain causal."""
         p = self.prefills[i]
+        window = combine_windows(window, p.window)
         if p.ctx_len == 0 and (window is None or window >= p.q_len):
             return None
         key = (i, window)
@@ -121,8 +136,9 @@ def paged_attention(
     if nd:
         assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
         dec = storage.decode_attention(
-            layer, q[:nd], meta.decode_block_tables, meta.decode_seq_lens, window
-        )
+            layer, q[:nd], meta.decode_block_tables, meta.decode_seq_lens, window,
+            meta.decode_windows,
+        )  # fmt: skip
         if dec is not None:
             out[:nd] = dec
         else:
@@ -137,7 +153,7 @@ def paged_attention(
             continue
         sl = slice(p.q_start, p.q_start + p.q_len)
         if p.ctx_len == 0 and causal_kernel is not None:
-            if causal_kernel(q[sl], k[sl], v[sl], out[sl], window):
+            if causal_kernel(q[sl], k[sl], v[sl], out[sl], combine_windows(window, p.window)):
                 continue
         qp = q[sl].transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
         if p.ctx_len == 0:
