@@ -238,6 +238,8 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     calculate_kv_scales: bool = False
+    # Default KV retention policy ("window:512"; kvserve.retention), None = keep everything.
+    kv_retention: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size not in ALLOWED_BLOCK_SIZES:
@@ -255,6 +257,9 @@ class CacheConfig:
         if not isinstance(self.kv_cache_dtype, str):
             raise ConfigError(f"kv_cache_dtype: must be a format name, got {self.kv_cache_dtype!r}")
         # The names are the KV format registry's (kvserve.kv.formats); the engine checks them.
+        if self.kv_retention is not None and not isinstance(self.kv_retention, str):
+            raise ConfigError(f"kv_retention: must be a policy such as 'window:512', got "
+                              f"{self.kv_retention!r}")  # fmt: skip
 
 
 @dataclass(slots=True)

@@ -39,6 +39,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", default=None, help="e.g. 2GiB")
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     g.add_argument("--calculate-kv-scales", action="store_true")
+    g.add_argument(
+        "--kv-retention",
+        default=None,
+        metavar="SPEC",
+        help="KV retention policy, lossy, off by default: 'window:W' keeps each token's W "
+        "most recent cache entries (W tokens, or 'window:50%%' of each prompt) and returns "
+        "older blocks to the pool",
+    )
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES)
@@ -60,6 +68,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kv_cache_memory=args.kv_cache_memory,
         kv_cache_dtype=args.kv_cache_dtype,
         calculate_kv_scales=args.calculate_kv_scales,
+        kv_retention=args.kv_retention,
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         scheduling_policy=args.scheduling_policy,

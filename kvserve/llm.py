@@ -32,6 +32,7 @@ class LLM:
         seed: int = 0,
         device: str = "cpu",
         calculate_kv_scales: bool = False,
+        kv_retention: str | None = None,
     ) -> None:
         config = EngineConfig(
             model=str(model),
@@ -46,6 +47,7 @@ class LLM:
                 kv_cache_dtype=kv_cache_dtype,
                 enable_prefix_caching=enable_prefix_caching,
                 calculate_kv_scales=calculate_kv_scales,
+                kv_retention=kv_retention,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,

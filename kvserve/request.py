@@ -6,6 +6,9 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.config import ConfigError
+from kvserve.retention import RetentionSpec, parse_retention
+
 
 class InvalidRequestError(ValueError):
     """A request field is out of range; the message names the field and its allowed values."""
@@ -42,6 +45,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # A KV retention policy for this request ("window:512"), over the engine's default
+    # (--kv-retention); "none" turns the default off. Lossy: see kvserve.retention.
+    kv_retention: str | None = None
 
     MAX_LOGPROBS = 20
 
@@ -94,6 +100,14 @@ class SamplingParams:
                 "prompt_logprobs",
                 f"must be in [0, {self.MAX_LOGPROBS}], got {self.prompt_logprobs}",
             )
+        if self.kv_retention is not None:
+            if not isinstance(self.kv_retention, str):
+                raise _bad("kv_retention", f"must be a string such as 'window:512', got "
+                           f"{self.kv_retention!r}")  # fmt: skip
+            try:
+                parse_retention(self.kv_retention)
+            except ConfigError as e:
+                raise InvalidRequestError(str(e), field="kv_retention") from None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None:
@@ -206,6 +220,8 @@ class Request:
         "index",
         "forks",
         "error",
+        "retention",
+        "num_evicted_tokens",
     )
 
     def __init__(
@@ -220,6 +236,7 @@ class Request:
         arrival_time: float = 0.0,
         parent_id: str | None = None,
         index: int = 0,
+        retention: RetentionSpec | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -248,6 +265,10 @@ class Request:
         self.index = index
         self.forks: list[Request] = []
         self.error: str | None = None
+        # The request's retention policy (None: keep every token) and how many of its tokens'
+        # K/V it has dropped so far (counted again after a preemption recomputes them).
+        self.retention = retention
+        self.num_evicted_tokens = 0
 
     @property
     def wants_prompt_logits(self) -> bool:
@@ -315,3 +336,7 @@ class RequestOutput:
     prompt_logits: Any = None
     # Why the request finished with finish_reason "error" (its engine step failed), else None.
     error: str | None = None
+    # Under a retention policy: tokens whose K/V the cache still holds vs tokens seen (prompt
+    # and output); both None when the request keeps everything.
+    num_retained_tokens: int | None = None
+    num_seen_tokens: int | None = None

@@ -133,7 +133,8 @@ class ModelRunner:
         slot_chunks: list[np.ndarray] = []
         meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), block_size=bs)
 
-        group_rows: list[tuple[int, int, int, list[int]]] = []  # q_start, q_len, ctx, blocks
+        # q_start, q_len, ctx, retention window, blocks
+        group_rows: list[tuple[int, int, int, int, list[int]]] = []
         if nd:
             dec = items[:nd]
             ctx = np.fromiter((s.num_cached for s in dec), np.int64, nd)
@@ -147,7 +148,10 @@ class ModelRunner:
             meta.num_decode = nd
             meta.decode_block_tables = torch.from_numpy(table).to(dev)
             meta.decode_seq_lens = torch.from_numpy(ctx + 1).to(dev)
-            group_rows += [(i, 1, int(ctx[i]), dec[i].block_ids) for i in range(nd)]
+            if any(s.window for s in dec):
+                wins = np.fromiter((s.window for s in dec), np.int32, nd)
+                meta.decode_windows = torch.from_numpy(wins).to(dev)
+            group_rows += [(i, 1, int(ctx[i]), dec[i].window, dec[i].block_ids) for i in range(nd)]
 
         q_start = nd
         for s in items[nd:]:
@@ -158,9 +162,9 @@ class ModelRunner:
             bt = np.asarray(s.block_ids, dtype=np.int64)
             table = torch.from_numpy(bt[: -(-(c + n) // bs)]).to(dev) if c else None
             in_group = bool(c) and n <= KERNEL_MAX_QUERY
-            meta.prefills.append(PrefillChunk(q_start, n, c, table, in_group))
+            meta.prefills.append(PrefillChunk(q_start, n, c, table, in_group, s.window))
             if in_group:
-                group_rows.append((q_start, n, c, s.block_ids))
+                group_rows.append((q_start, n, c, s.window, s.block_ids))
             q_start += n
         if group_rows:
             meta.paged = _paged_group(group_rows, null, dev)
@@ -194,7 +198,7 @@ def build_runner(config: EngineConfig, num_blocks: int, max_model_len: int) -> M
 
 
 def _paged_group(
-    rows: list[tuple[int, int, int, list[int]]], null: int, dev: torch.device
+    rows: list[tuple[int, int, int, int, list[int]]], null: int, dev: torch.device
 ) -> PagedGroup:
     """Arrays for the fused kernel over decode tokens and short continuation chunks; block
     tables padded with the null block."""
@@ -203,11 +207,15 @@ def _paged_group(
     table = np.full((n, width), null, dtype=np.int64)
     for i, (*_, b) in enumerate(rows):
         table[i, : len(b)] = b
-    arr = np.array([r[:3] for r in rows], dtype=np.int64)
+    arr = np.array([r[:4] for r in rows], dtype=np.int64)
+    windows = None
+    if arr[:, 3].any():
+        windows = torch.from_numpy(arr[:, 3].astype(np.int32)).to(dev)
     return PagedGroup(
         num_rows=int(arr[-1, 0] + arr[-1, 1]),
         q_start=torch.from_numpy(np.ascontiguousarray(arr[:, 0])).to(dev),
         q_len=torch.from_numpy(np.ascontiguousarray(arr[:, 1])).to(dev),
         ctx_len=torch.from_numpy(np.ascontiguousarray(arr[:, 2])).to(dev),
         block_tables=torch.from_numpy(table).to(dev),
+        windows=windows,
     )

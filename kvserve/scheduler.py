@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvserve.config import SchedulerConfig
 from kvserve.kv.manager import KVCacheManager
@@ -36,6 +36,10 @@ class SchedulerStats:
     prefill_tokens_computed_total: int = 0  # prompt tokens actually computed (hits excluded)
     generation_tokens_total: int = 0
     num_preemptions: int = 0
+    # Retention: policy text ("window:512", "sliding_window" for a model's own) -> tokens whose
+    # K/V blocks were released before their request finished, and those blocks.
+    retention_evicted_tokens: dict[str, int] = field(default_factory=dict)
+    retention_reclaimed_blocks: int = 0
 
 
 def check_stop(r: Request, token: int, max_model_len: int) -> bool:
@@ -59,8 +63,17 @@ def check_stop(r: Request, token: int, max_model_len: int) -> bool:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        native_window: int = 0,
+    ) -> None:
         self.config = config
+        # Every layer's own sliding window (0: the model has full-attention layers): blocks
+        # behind it are released for every request, exactly.
+        self.native_window = native_window
         self.kv = kv
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}  # every unfinished request, forks included
@@ -102,6 +115,7 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            self._retain(req)
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()
                 self._preempt(victim, out)
@@ -137,6 +151,7 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
             req.num_computed_tokens += num_cached
+            self._retain(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             picked.append((req, n))
@@ -153,6 +168,22 @@ class Scheduler:
         out.kv_ops = self.kv.take_ops()
         out.finished_req_ids, self._finished_ids = self._finished_ids, []
         return out
+
+    def _retain(self, req: Request) -> None:
+        """Release the blocks no query of this step or later can reach (a retention window
+        or the model's own): queries start at cache entry ``num_computed_tokens`` and see the
+        ``window`` entries up to themselves."""
+        w = req.retention.window if req.retention is not None else self.native_window
+        if not w or req.num_computed_tokens < w:
+            return
+        n = self.kv.drop_leading_blocks(req, req.num_computed_tokens - w + 1)
+        if n:
+            tokens = n * self.kv.block_size
+            key = req.retention.text() if req.retention is not None else "sliding_window"
+            ev = self.stats.retention_evicted_tokens
+            ev[key] = ev.get(key, 0) + tokens
+            self.stats.retention_reclaimed_blocks += n
+            req.num_evicted_tokens += tokens
 
     def _describe(self, req: Request, n: int, out: SchedulerOutput) -> ScheduledSeq:
         """The plain-data view of ``req``'s share of the step (see :mod:`kvserve.step`)."""
@@ -176,8 +207,9 @@ class Scheduler:
         prompt_rows = 0
         if req.prompt_logits is not None and c < req.num_prompt_tokens:
             prompt_rows = min(n, req.num_prompt_tokens - c)
+        window = req.retention.window if req.retention is not None else 0
         return ScheduledSeq(rid, req.all_token_ids[c : c + n], c, c, self.kv.block_ids(req)[:],
-                            sample_ids, prompt_rows)  # fmt: skip
+                            sample_ids, prompt_rows, window)  # fmt: skip
 
     def _pick_waiting(self) -> Request:
         """fcfs: the head. lpm: the longest cached prefix, unless the head has waited long."""
@@ -208,6 +240,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.num_evicted_tokens = 0  # its cache is rebuilt from nothing
         if req.prompt_logits is not None:
             req.prompt_logits = []  # recomputed from scratch
         req.num_preemptions += 1

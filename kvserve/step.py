@@ -10,8 +10,10 @@ Positions and cache indices are separate on purpose. A scheduled sequence's new 
 RoPE positions ``position, position + 1, ...`` and go to cache entries ``num_cached,
 num_cached + 1, ...`` of its block table (entry ``j`` lives in block ``block_ids[j //
 block_size]`` at offset ``j % block_size``); token ``i`` attends to the ``num_cached + i + 1``
-entries before and including itself. Today both counts start at the number of computed tokens;
-a retention policy that drops K/V keeps positions growing while the cache stays short.
+entries before and including itself. Today both counts start at the number of computed tokens:
+a retention window drops whole leading blocks (their table entries become the null block), so
+indices keep their meaning; a policy that compacts K/V would keep positions growing while the
+cache stays short.
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ class ScheduledSeq:
     sample_ids: tuple[str, ...] = ()
     # Leading rows whose log-softmax over the vocabulary the request asked for (prompt logits).
     num_prompt_logit_rows: int = 0
+    # The request's retention window: each token attends to the newest ``window`` cache
+    # entries up to itself (0: all of them; a layer's own sliding window applies as well).
+    window: int = 0
 
     @property
     def num_tokens(self) -> int:

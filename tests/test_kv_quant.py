@@ -36,12 +36,17 @@ def test_bytes_per_token_llama3_8b_shape():
     for fmt, limit in LIMITS.items():
         assert kv_bytes_per_token(fmt, 32, 8, 128, "bfloat16") / base <= limit, fmt
     # Hand-computed: kivi2 at block 16 = 2-bit codes + key (2 x uint8 per channel + 3 x fp32)
-    # per block + value (fp16 scale, zero) per 64 channels, per head and layer.
-    k = 128 * 2 / 8 + (2 * 128 + 12) / 16
-    v = 128 * 2 / 8 + 4 * 128 / 64
-    assert kv_bytes_per_token("kivi2", 32, 8, 128, "bfloat16") == 32 * 8 * (k + v)
-    # The 2.5 bit/element goal is met from block size 32 on.
-    assert kv_bytes_per_token("kivi2", 32, 8, 128, "bfloat16", block_size=32) / base <= 0.16
+    # per block + value (fp16 scale, zero) per 32 channels, per head and layer.
+    for bs in (16, 32):
+        k = 128 * 2 / 8 + (2 * 128 + 12) / bs
+        v = 128 * 2 / 8 + 4 * 128 / 32
+        assert kv_bytes_per_token("kivi2", 32, 8, 128, "bfloat16", block_size=bs) == 32 * 8 * (
+            k + v
+        )
+    # kivi4 keeps value groups of 64 channels.
+    k = 128 * 4 / 8 + (2 * 128 + 12) / 16
+    v = 128 * 4 / 8 + 4 * 128 / 64
+    assert kv_bytes_per_token("kivi4", 32, 8, 128, "bfloat16") == 32 * 8 * (k + v)
 
 
 @pytest.mark.parametrize("fmt", QUANT)

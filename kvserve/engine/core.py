@@ -35,9 +35,10 @@ class EngineCore:
         max_model_len: int,
         eos_token_ids: tuple[int, ...] = (),
         clock: Clock = time.monotonic,
+        native_window: int = 0,
     ) -> None:
         self.kv = kv
-        self.scheduler = Scheduler(scheduler_config, kv, max_model_len)
+        self.scheduler = Scheduler(scheduler_config, kv, max_model_len, native_window)
         self.runner = runner
         self.clock = clock
         self.eos_token_ids = eos_token_ids
@@ -67,6 +68,7 @@ class EngineCore:
                 arrival_time=req.arrival_time,
                 parent_id=req.request_id,
                 index=i,
+                retention=req.retention,
             )
             children.append(child)
         if req.wants_prompt_logits:

@@ -9,9 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve.config import ConfigError
 from kvserve.kv.manager import cdiv
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.request import InvalidRequestError, SamplingParams
+from kvserve.retention import RetentionSpec, parse_retention
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -28,6 +30,7 @@ class EngineCoreRequest:
     arrival_time: float
     cache_salt: str | None = None
     wants_prompt_logits: bool = False
+    retention: RetentionSpec | None = None
 
 
 class InputProcessor:
@@ -38,7 +41,13 @@ class InputProcessor:
         max_model_len: int,
         num_blocks: int,
         block_size: int,
+        default_retention: RetentionSpec | None = None,
+        max_chunk: int | None = None,
+        native_window: int = 0,
     ) -> None:
+        self.default_retention = default_retention
+        self.max_chunk = max_chunk  # the most tokens one step computes for a request
+        self.native_window = native_window
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -112,7 +121,10 @@ class InputProcessor:
                 f"{self.max_model_len - n_prompt}",
                 "max_tokens",
             )
-        need = cdiv(n_prompt + max_tokens, self.block_size)
+        retention = self.retention(params)
+        if retention is not None:
+            retention = retention.for_prompt(n_prompt, self.block_size)
+        need = self.blocks_needed(n_prompt + max_tokens, retention)
         if need > self.num_blocks:
             raise InvalidRequestError(
                 f"max_tokens: prompt + max_tokens needs {need} KV blocks but the whole pool has "
@@ -121,5 +133,28 @@ class InputProcessor:
             )
         wants = wants_prompt_logits or params.prompt_logprobs is not None
         return EngineCoreRequest(
-            request_id, text, ids, params, max_tokens, arrival_time, salt, wants
+            request_id, text, ids, params, max_tokens, arrival_time, salt, wants, retention
         )
+
+    def blocks_needed(self, total_tokens: int, retention: RetentionSpec | None) -> int:
+        """The most blocks the request holds at once: all of them, or under a window the
+        window behind a step's first query plus the step's chunk (and a block of slack on
+        each side)."""
+        full = cdiv(total_tokens, self.block_size)
+        w = retention.window if retention is not None else self.native_window
+        if not w or self.max_chunk is None:
+            return full
+        return min(full, cdiv(w + self.max_chunk, self.block_size) + 1)
+
+    def retention(self, params: SamplingParams) -> RetentionSpec | None:
+        """The request's own policy ("none" turns the engine's default off), else the
+        default; checked against this engine's block size."""
+        if params.kv_retention is None:
+            return self.default_retention
+        try:
+            spec = parse_retention(params.kv_retention)
+            if spec is not None:
+                spec.validate(self.block_size)
+        except ConfigError as e:
+            raise InvalidRequestError(str(e), "kv_retention") from None
+        return spec

@@ -32,6 +32,7 @@ from kvserve.model.loader import resolve_dtype
 from kvserve.model.resolve import resolve_model
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.request import InvalidRequestError, Request, RequestOutput, SamplingParams
+from kvserve.retention import parse_retention
 from kvserve.runner import ModelRunner, build_runner
 from kvserve.step import Runner
 
@@ -86,11 +87,21 @@ class LLMEngine:
             max_partial_blocks=partial_cap,
         )
         self.runner = runner
+        self.retention = parse_retention(cc.kv_retention)
+        if self.retention is not None:
+            self.retention.validate(self.block_size)
+        # A model whose every layer slides over the same window never reads behind it: its
+        # blocks go back to the pool, exactly (a hybrid model keeps full tables for now).
+        windows = set(mc.layer_windows)
+        self.native_window = 0
+        if len(windows) == 1 and None not in windows:
+            self.native_window = int(windows.pop())
         self.core = EngineCore(sc, self.kv, runner, self.max_model_len, self.eos_token_ids,
-                               clock or time.monotonic)  # fmt: skip
+                               clock or time.monotonic, self.native_window)  # fmt: skip
         self.inputs = InputProcessor(
-            self.tokenizer, mc.vocab_size, self.max_model_len, self.num_blocks, self.block_size
-        )
+            self.tokenizer, mc.vocab_size, self.max_model_len, self.num_blocks, self.block_size,
+            self.retention, sc.max_num_batched_tokens, self.native_window,
+        )  # fmt: skip
         self.outputs = OutputProcessor(self.tokenizer, self.core.finish_request)
         self._ids = itertools.count()
 
@@ -189,7 +200,10 @@ class LLMEngine:
     # -- observability -------------------------------------------------------------------
     def stats(self) -> EngineStats:
         kv, sched = self.kv, self.core.scheduler
-        held_waste = sum(kv.num_held_slots(r) - r.num_computed_tokens for r in sched.running)
+        held_waste = sum(
+            kv.num_held_slots(r) - (r.num_computed_tokens - r.num_evicted_tokens)
+            for r in sched.running
+        )
         allocated = kv.num_used_blocks * self.block_size
         last = self.core.last_step
         st = sched.stats
@@ -211,6 +225,8 @@ class LLMEngine:
             prefix_cache_hits=kv.stats.hits,
             prefix_cache_evictions=kv.num_evictions,
             num_steps=self.core.num_steps,
+            retention_evicted_tokens=dict(st.retention_evicted_tokens),
+            retention_reclaimed_blocks=st.retention_reclaimed_blocks,
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -151,6 +151,10 @@ def build_output(family: RequestFamily) -> RequestOutput | None:
         if not family.return_prompt_logits:
             prompt_logits = None
     errors = [c.error for c in family.children if c.error]
+    retained = seen = None
+    if first.retention is not None:
+        seen = first.num_computed_tokens
+        retained = seen - first.num_evicted_tokens
     return RequestOutput(
         request_id=family.request_id,
         prompt=family.prompt,
@@ -162,6 +166,8 @@ def build_output(family: RequestFamily) -> RequestOutput | None:
         prompt_logprobs=prompt_lp,
         prompt_logits=prompt_logits,
         error=errors[0] if errors else None,
+        num_retained_tokens=retained,
+        num_seen_tokens=seen,
     )
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
@@ -26,6 +26,9 @@ class EngineStats:
     prefix_cache_hits: int
     prefix_cache_evictions: int
     num_steps: int
+    # Retention: policy -> tokens whose blocks went back to the pool early; those blocks.
+    retention_evicted_tokens: dict[str, int] = field(default_factory=dict)
+    retention_reclaimed_blocks: int = 0
 
     @property
     def kv_usage(self) -> float:

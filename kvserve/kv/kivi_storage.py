@@ -47,6 +47,10 @@ from kvserve.kv import codecs
 from kvserve.kv.storage import BlockPayload, KVStorage
 
 DEFAULT_VALUE_GROUP = 64
+# The value group each engine format uses. 2-bit values lose too much over 64 channels on a
+# real model (SmolLM2: see BENCHMARKS.md's KIVI trade-off table); 32 halves the error for
+# 0.016x of bf16's bytes, the cheapest knob that helps. 4-bit holds at 64.
+FORMAT_VALUE_GROUP = {"kivi4": 64, "kivi2": 32}
 # Full blocks wait in the residual until this many can be quantized in one vectorized call:
 # quantizing one block costs ~40 small tensor ops per layer, the same as quantizing 16.
 FLUSH_BATCH = 16
@@ -146,7 +150,7 @@ class KiviKVStorage(KVStorage):
         """The engine's KIVI: keys in the Hadamard-rotated basis, a residual slot per sequence
         plus a flush batch."""
         return cls(num_layers, num_blocks, block_size, num_kv_heads, head_dim, compute_dtype,
-                   device, bits=int(name.removeprefix("kivi")),
+                   device, bits=int(name.removeprefix("kivi")), group=FORMAT_VALUE_GROUP[name],
                    num_residual=cls.residual_slots(options.get("max_num_seqs", 256)),
                    use_kernels=options.get("use_kernels", True), rotate_keys=True)  # fmt: skip
 
@@ -163,12 +167,14 @@ class KiviKVStorage(KVStorage):
         num_kv_heads: int,
         head_dim: int,
         block_size: int = 16,
-        group: int = DEFAULT_VALUE_GROUP,
+        group: int | None = None,
     ) -> float:
         """Codes plus metadata per token: keys carry (2 * head_dim bytes + 12) per block,
         values 4 bytes per group of channels per token."""
         bits = int(name.removeprefix("kivi"))
-        g = value_group(head_dim, group)
+        g = value_group(
+            head_dim, FORMAT_VALUE_GROUP.get(name, DEFAULT_VALUE_GROUP) if group is None else group
+        )
         codes = head_dim * bits / 8
         k = codes + (2 * head_dim + 12) / block_size
         v = codes + 4 * head_dim / g

@@ -9,6 +9,10 @@ publish an unwritten block. What the manager did to blocks is recorded as data
 (:meth:`take_ops`) for the runner and anyone else who needs it; nothing outside this package
 touches the pool.
 
+A retention policy shortens a table from the front (:meth:`drop_leading_blocks`): the dropped
+entries become the storage's null block, so cache entry ``j`` still lives in table entry ``j //
+block_size``, and the blocks are released like any other (cached-free if they hold a prefix).
+
 A storage format may bound how many blocks can be *partially filled* at once (KIVI keeps them
 in a fixed full-precision residual): ``max_partial_blocks``. The manager counts such blocks
 and refuses an allocation that would exceed the bound, as it refuses one that needs more
@@ -73,7 +77,10 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.root = root_hash(model_id, kv_format)
         # The storage's reserved padding block: one past the last real block, never handed out.
+        # Its handle stands in a table for the blocks a retention policy dropped.
         self.null_block = num_blocks
+        self._null = KVCacheBlock(num_blocks)
+        self._dropped: dict[str, int] = {}  # request id -> leading table entries dropped
         self.max_partial_blocks = max_partial_blocks
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self._block_ids: dict[str, list[int]] = {}  # the same tables as ints, for the runner
@@ -109,12 +116,15 @@ class KVCacheManager:
 
     # -- prefix lookups ----------------------------------------------------------------------
     def block_hashes(self, request: Request) -> list[BlockHash]:
+        salt = request.cache_salt
+        if request.retention is not None:  # its K/V depend on the policy: a chain of its own
+            salt = f"{salt or ''}\0{request.retention.salt}"
         extend_block_hashes(
             request.block_hashes,
             request.all_token_ids,
             self.block_size,
             self.root,
-            request.cache_salt,
+            salt,
         )
         return request.block_hashes
 
@@ -250,8 +260,10 @@ class KVCacheManager:
         """Share all of the parent's blocks with a child (parallel sampling); shared blocks
         that are still being written are copied on the child's or parent's next write."""
         blocks = self.req_blocks[parent.request_id]
-        self.pool.touch(blocks)
+        self.pool.touch(b for b in blocks if b is not self._null)
         self.req_blocks[child.request_id] = list(blocks)
+        if parent.request_id in self._dropped:
+            self._dropped[child.request_id] = self._dropped[parent.request_id]
         self._block_ids[child.request_id] = list(self._block_ids[parent.request_id])
         self.num_cached_blocks[child.request_id] = self.num_cached_blocks.get(parent.request_id, 0)
 
@@ -268,7 +280,8 @@ class KVCacheManager:
             return
         hashes = self.block_hashes(request)
         for i in range(start, n_full):
-            self.pool.cache_block(blocks[i], hashes[i])
+            if blocks[i] is not self._null:  # a dropped block was published before it went
+                self.pool.cache_block(blocks[i], hashes[i])
         self.num_cached_blocks[request.request_id] = n_full
 
     def free(self, request: Request) -> None:
@@ -278,18 +291,47 @@ class KVCacheManager:
         self._block_ids.pop(rid, None)
         self.num_cached_blocks.pop(rid, None)
         if blocks:
-            self.pool.free_blocks(reversed(blocks))
-            for b in blocks:
-                if b.ref_cnt == 0:
-                    self._partial.discard(b.block_id)
-                    self._filling.discard(b.block_id)
+            start = self._dropped.pop(rid, 0)
+            self._release(blocks[start:][::-1])
+
+    def _release(self, blocks: list[KVCacheBlock]) -> None:
+        self.pool.free_blocks(blocks)
+        for b in blocks:
+            if b.ref_cnt == 0:
+                self._partial.discard(b.block_id)
+                self._filling.discard(b.block_id)
+
+    def drop_leading_blocks(self, request: Request, first_kept: int) -> int:
+        """Release the request's blocks that hold only cache entries before ``first_kept``
+        (a retention window that no future query reaches back past); their table entries
+        become the null block. Returns how many blocks were dropped."""
+        rid = request.request_id
+        blocks = self.req_blocks.get(rid)
+        if not blocks:
+            return 0
+        start = self._dropped.get(rid, 0)
+        end = min(first_kept // self.block_size, len(blocks))
+        if end <= start:
+            return 0
+        gone = blocks[start:end]
+        ids = self._block_ids[rid]
+        for i in range(start, end):
+            blocks[i], ids[i] = self._null, self.null_block
+        self._dropped[rid] = end
+        # Oldest first to the LRU tail: the oldest of them is the first evicted.
+        self._release(gone)
+        return end - start
+
+    def num_dropped_blocks(self, request: Request) -> int:
+        return self._dropped.get(request.request_id, 0)
 
     def block_ids(self, request: Request) -> list[int]:
         """The request's block table (the manager's own list: read it, do not change it)."""
         return self._block_ids.get(request.request_id, [])
 
     def num_held_slots(self, request: Request) -> int:
-        return len(self.req_blocks.get(request.request_id, ())) * self.block_size
+        held = len(self.req_blocks.get(request.request_id, ())) - self.num_dropped_blocks(request)
+        return held * self.block_size
 
     def take_ops(self) -> KVOps:
         """The block operations since the last call; starts a new record. Called once per
@@ -350,7 +392,10 @@ class KVCacheManager:
         refs: dict[int, int] = {}
         for rid, blocks in self.req_blocks.items():
             assert self._block_ids[rid] == [b.block_id for b in blocks], f"table of {rid}"
-            for b in blocks:
+            dropped = self._dropped.get(rid, 0)
+            assert all(b is self._null for b in blocks[:dropped]), f"dropped entries of {rid}"
+            for b in blocks[dropped:]:
+                assert b is not self._null, f"null block inside the live table of {rid}"
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
         for b in self.pool.blocks:
             assert b.ref_cnt == refs.get(b.block_id, 0), f"ref count mismatch on {b}"

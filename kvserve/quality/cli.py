@@ -82,6 +82,13 @@ def add_quality_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
         help="gate each of these KV cache dtypes against one shared baseline run "
         "(instead of --kv-cache-dtype)",
     )
+    g.add_argument(
+        "--retentions",
+        default=None,
+        metavar="SPEC[;SPEC...]",
+        help="gate each of these KV retention policies (e.g. 'window:50%%;window:25%%') "
+        "against one shared baseline run (instead of --kv-retention)",
+    )
     g.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for JSON and PNG")
     g.add_argument("--label", default=None, help="name of the candidate in tables and files")
     g.add_argument("--threads", type=int, default=1,
@@ -121,6 +128,15 @@ def cmd_quality(args: argparse.Namespace) -> int:
             allowed = ", ".join(KV_CACHE_DTYPES)
             raise ConfigError(f"formats: {', '.join(bad) or 'none given'}; choose from {allowed}")
         candidates = [{"kv_cache_dtype": f} for f in names]
+    if args.retentions:
+        from kvserve.retention import parse_retention
+
+        specs = [x.strip() for x in args.retentions.split(";") if x.strip()]
+        if not specs:
+            raise ConfigError("retentions: none given; e.g. 'window:50%;window:25%'")
+        for x in specs:
+            parse_retention(x)  # a clear error before the baseline runs
+        candidates = [{**c, "kv_retention": x} for c in candidates for x in specs]
     reports = run_gates(
         kwargs,
         candidates,

@@ -38,7 +38,7 @@ from kvserve.quality.suite import Suite, SuiteSpec, build_suite
 from kvserve.quality.thresholds import Thresholds
 
 CandidateSetup = Callable[[Any], None]
-LOSSY_KWARGS = {"kv_cache_dtype": "auto", "calculate_kv_scales": False}
+LOSSY_KWARGS = {"kv_cache_dtype": "auto", "calculate_kv_scales": False, "kv_retention": None}
 RECALL_LABELS = {
     "needle": "needle recall",
     "needle_depth_0_10": "needle recall, depth 0-10 %",
@@ -83,6 +83,8 @@ def describe(kwargs: dict[str, Any]) -> str:
     label = kwargs.get("kv_cache_dtype", "auto")
     if kwargs.get("calculate_kv_scales"):
         label += "+calc-scales"
+    if kwargs.get("kv_retention"):
+        label += f"+{kwargs['kv_retention']}"
     return label
 
 

@@ -201,6 +201,7 @@ def build_state(
     tenants: TenantResolver | None = None,
     max_queue: int | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    allow_kv_retention_override: bool = True,
 ) -> ServerState:
     """Wire an engine to a server: metrics, the engine loop (not started yet), tenants."""
     holder: list[EngineLoop] = []
@@ -210,6 +211,7 @@ def build_state(
         "num_gpu_blocks": str(engine.num_blocks),
         "enable_prefix_caching": str(engine.config.cache.enable_prefix_caching),
         "max_model_len": str(engine.max_model_len),
+        "kv_retention": engine.retention.text() if engine.retention else "none",
     }
     metrics = ServerMetrics(lambda: holder[0].stats if holder else None, cache_info)
     loop = EngineLoop(engine, max_queue=max_queue, metrics=metrics)
@@ -222,6 +224,7 @@ def build_state(
         tokenizer=engine.tokenizer,
         max_model_len=engine.max_model_len,
         max_body_bytes=max_body_bytes,
+        allow_kv_retention_override=allow_kv_retention_override,
     )
 
 
@@ -278,7 +281,8 @@ def run_server(args: argparse.Namespace) -> int:
     tenants = TenantResolver.from_args(args.api_key, args.tenants)
     engine = LLM(**kwargs).engine
     names = args.served_model_name or [args.model or Path(kwargs["model"]).name]
-    state = build_state(engine, names, tenants, args.max_queue, args.max_body_bytes)
+    state = build_state(engine, names, tenants, args.max_queue, args.max_body_bytes,
+                        args.allow_kv_retention_override)  # fmt: skip
     config = uvicorn.Config(
         build_app(state),
         host=args.host,

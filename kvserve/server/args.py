@@ -38,6 +38,13 @@ def build_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
     )
     g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     g.add_argument(
+        "--allow-kv-retention-override",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="let a request choose its own kv_retention (an extra body field); with --no-... "
+        "such a request gets a 400 naming the field",
+    )
+    g.add_argument(
         "--shutdown-timeout",
         type=int,
         default=30,

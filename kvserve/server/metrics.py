@@ -64,6 +64,20 @@ class _EngineCollector(Collector):
         }  # fmt: skip
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
+        evicted = CounterMetricFamily(
+            PREFIX + "kv_retention_evicted_tokens",
+            "Tokens whose K/V blocks a retention policy returned to the pool before their "
+            "request finished ('sliding_window': the model's own window).",
+            labels=["policy"],
+        )
+        for policy, tokens in sorted(s.retention_evicted_tokens.items()):
+            evicted.add_metric([policy], tokens)
+        yield evicted
+        yield CounterMetricFamily(
+            PREFIX + "kv_retention_reclaimed_blocks",
+            "KV blocks a retention policy returned to the pool before their request finished.",
+            value=s.retention_reclaimed_blocks,
+        )
 
 
 class ServerMetrics:

@@ -115,6 +115,8 @@ class _SamplingFields(BaseModel):
     # Client-chosen cache partition *within* its tenant (vLLM: cache_salt; OpenAI's name).
     cache_salt: str | None = None
     prompt_cache_key: str | None = None
+    # kvserve extension: this request's KV retention policy ("window:512", "none").
+    kv_retention: str | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -156,6 +158,8 @@ class _SamplingFields(BaseModel):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "seed": self.seed,
         }
+        if self.kv_retention is not None:
+            kw["kv_retention"] = self.kv_retention
         for name in (
             "temperature",
             "top_p",

@@ -53,6 +53,8 @@ class ServerState:
     max_model_len: int
     max_body_bytes: int
     retry_after_s: int = 1
+    # Whether a request may set its own kv_retention (--no-allow-kv-retention-override: no).
+    allow_kv_retention_override: bool = True
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -70,13 +72,22 @@ class ServerState:
         return name
 
 
-def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
-    return {
+def _usage(
+    prompt: int, completion: int, cached: int, finals: list[RequestOutput] | None = None
+) -> dict[str, Any]:
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+    kept = [o for o in finals or () if o is not None and o.num_seen_tokens is not None]
+    if kept:  # kvserve extension: what a retention policy kept of what the requests saw
+        usage["kv_retention"] = {
+            "retained_tokens": sum(o.num_retained_tokens or 0 for o in kept),
+            "seen_tokens": sum(o.num_seen_tokens or 0 for o in kept),
+        }
+    return usage
 
 
 def _gpt2_byte_decoder() -> dict[str, int]:
@@ -252,6 +263,12 @@ async def _run(
 ) -> Response:
     if state.draining:
         raise APIError(503, "the server is shutting down")
+    if job.params.kv_retention is not None and not state.allow_kv_retention_override:
+        raise bad_request(
+            "kv_retention",
+            "per-request retention policies are disabled on this server "
+            "(started with --no-allow-kv-retention-override)",
+        )
     prompts = [{"prompt_token_ids": ids, "cache_salt": salt} for ids in job.prompt_ids]
     arrival = time.monotonic()
     handle = RequestHandle(job.id, prompts, job.params, job.stream, arrival)
@@ -283,7 +300,7 @@ def _final_body(job: _Job, finals: list[RequestOutput]) -> dict[str, Any]:
             choices.append(job.choice(i * n + c.index, c, delta=False))
     prompt = sum(len(p) for p in job.prompt_ids)
     cached = sum(o.num_cached_tokens for o in finals)
-    return job.envelope(choices, usage=_usage(prompt, completion, cached))
+    return job.envelope(choices, usage=_usage(prompt, completion, cached, finals))
 
 
 async def _collect(
@@ -326,6 +343,7 @@ async def _sse(state: ServerState, job: _Job, handle: RequestHandle) -> AsyncIte
     n = job.params.n
     usage_field = {"usage": None} if job.include_usage else {}
     completion, cached = 0, [0] * len(job.prompt_ids)
+    finals: list[RequestOutput | None] = [None] * len(job.prompt_ids)
     try:
         if job.kind == "chat":
             first = [{"index": k, "delta": {"role": "assistant", "content": ""},
@@ -335,6 +353,8 @@ async def _sse(state: ServerState, job: _Job, handle: RequestHandle) -> AsyncIte
         async for sub in handle.outputs():
             o = sub.output
             cached[sub.index] = o.num_cached_tokens
+            if o.finished:
+                finals[sub.index] = o
             choices = []
             for c in o.outputs:
                 completion += len(c.token_ids)
@@ -344,7 +364,8 @@ async def _sse(state: ServerState, job: _Job, handle: RequestHandle) -> AsyncIte
                 yield _sse_event(job.envelope(choices, **usage_field))
         if job.include_usage:
             prompt = sum(len(p) for p in job.prompt_ids)
-            yield _sse_event(job.envelope([], usage=_usage(prompt, completion, sum(cached))))
+            usage = _usage(prompt, completion, sum(cached), finals)  # type: ignore[arg-type]
+            yield _sse_event(job.envelope([], usage=usage))
     except EngineUnavailableError as e:
         yield _sse_event(APIError(503, str(e)).body())
     except EngineStepError as e:

@@ -1,0 +1,232 @@
+"""KV retention (``--kv-retention window:W``) and the model's own sliding window: blocks behind
+the window really return to the pool, outputs equal an independent reference, prefix caching
+stays lossless for everyone else, and bad input is refused by name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.config import ConfigError
+from kvserve.request import InvalidRequestError
+from kvserve.retention import RetentionSpec, parse_retention
+from kvserve.server.app import BackgroundServer, build_state
+from tests.conftest import prompts_of_lengths
+
+transformers = pytest.importorskip("transformers")
+
+LENGTHS = [5, 40, 90, 128]
+NEW = 48
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+
+
+def sliding_window_reference(path: str, prompts: list[list[int]], window: int) -> list[list[int]]:
+    """Greedy tokens of the same weights in transformers' Mistral, whose attention is the
+    Llama one plus a sliding-window mask: a full recompute with the mask ``window:W`` means."""
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    cfg = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type")}
+    mc = transformers.MistralConfig(**cfg, sliding_window=window)
+    model = transformers.MistralForCausalLM.from_pretrained(path, config=mc, dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            g = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                               max_new_tokens=NEW)  # fmt: skip
+            out.append(g[0, len(p) :].tolist())
+    return out
+
+
+def tokens(llm: LLM, prompts, params: SamplingParams = GREEDY) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def llama(checkpoint):
+    return checkpoint("llama_gqa")
+
+
+@pytest.fixture(scope="module")
+def windowed_reference(llama):
+    prompts = prompts_of_lengths(LENGTHS, seed=11)
+    return prompts, sliding_window_reference(llama, prompts, 24)
+
+
+# -- exactness --------------------------------------------------------------------------------
+@pytest.mark.parametrize("budget", [2048, 16])
+def test_window_equals_a_sliding_window_recompute(llama, make_llm, windowed_reference, budget):
+    prompts, expected = windowed_reference
+    full = tokens(make_llm(llama, dtype="float32", block_size=8), prompts)
+    assert full != expected, "the window must change the output, or this test proves nothing"
+    llm = make_llm(llama, dtype="float32", block_size=8, kv_retention="window:24",
+                   max_num_batched_tokens=budget)  # fmt: skip
+    assert tokens(llm, prompts) == expected
+    s = llm.engine.stats()
+    assert s.retention_reclaimed_blocks > 0
+    assert s.retention_evicted_tokens["window:24"] == 8 * s.retention_reclaimed_blocks
+
+
+def test_window_per_request_override_and_none(llama, make_llm, windowed_reference):
+    prompts, expected = windowed_reference
+    llm = make_llm(llama, dtype="float32", block_size=8, kv_retention="window:24")
+    plain = make_llm(llama, dtype="float32", block_size=8)
+    # Per request: "none" turns the engine's default off; a policy turns it on.
+    off = GREEDY.clone(kv_retention="none")
+    assert tokens(llm, prompts[:2], off) == tokens(plain, prompts[:2])
+    on = GREEDY.clone(kv_retention="window:24")
+    assert tokens(plain, prompts, on) == expected
+
+
+def test_window_under_preemption(llama, make_llm, windowed_reference):
+    prompts, expected = windowed_reference
+    llm = make_llm(llama, dtype="float32", block_size=8, kv_retention="window:24",
+                   num_gpu_blocks=12, max_num_batched_tokens=32)  # fmt: skip
+    assert tokens(llm, prompts) == expected
+
+
+# -- memory -----------------------------------------------------------------------------------
+def _decode_and_watch(llm: LLM, prompt: list[int], max_tokens: int) -> list[int]:
+    eng = llm.engine
+    eng.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                ignore_eos=True))  # fmt: skip
+    used = []
+    while eng.has_unfinished_requests():
+        eng.step()
+        used.append(eng.kv.num_used_blocks)
+    return used
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3", "int8", "kivi4", "kivi2"])
+def test_blocks_return_to_the_pool_while_decoding(llama, make_llm, kv_cache_dtype):
+    prompt = prompts_of_lengths([40], seed=3)[0]
+    kw = dict(dtype="float32", block_size=8, kv_cache_dtype=kv_cache_dtype,
+              enable_prefix_caching=False)  # fmt: skip
+    used = _decode_and_watch(make_llm(llama, kv_retention="window:32", **kw), prompt, 160)
+    # A query at entry c reads entries c-31..c: at most 5 blocks of 8, plus the one filling.
+    assert max(used[5:]) <= 32 // 8 + 2
+    assert used[-2] <= used[5] + 1, "the count must stay flat, not grow with the sequence"
+    assert used[-1] == 0
+    full = _decode_and_watch(make_llm(llama, **kw), prompt, 160)
+    assert max(full) == -(-(40 + 159) // 8)  # everything kept: one block per 8 entries
+
+
+def test_model_native_window_frees_blocks_exactly(checkpoint, make_llm):
+    path = checkpoint("mistral_swa")  # sliding_window 24 on every layer
+    llm = make_llm(path, dtype="float32", block_size=8, enable_prefix_caching=False)
+    assert llm.engine.native_window == 24
+    used = _decode_and_watch(llm, prompts_of_lengths([40], seed=3)[0], 120)
+    assert max(used[5:]) <= 24 // 8 + 2
+    assert llm.engine.stats().retention_evicted_tokens["sliding_window"] > 0
+    # Exactness of the same model against transformers is test_exactness.py's job (it runs
+    # mistral_swa through this same freeing path).
+
+
+def test_hybrid_model_keeps_full_tables(checkpoint, make_llm, tmp_path):
+    src = Path(checkpoint("qwen2", sliding_window=24))
+    for f in src.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["max_window_layers"] = 1  # layer 0 full attention, layer 1 a 24-token window
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    llm = make_llm(str(tmp_path), dtype="float32", block_size=8, enable_prefix_caching=False)
+    assert llm.engine.model_config.layer_windows == (None, 24)
+    assert llm.engine.native_window == 0  # layer 0 reads everything: nothing is freed
+    used = _decode_and_watch(llm, prompts_of_lengths([40], seed=3)[0], 60)
+    assert max(used) == -(-(40 + 59) // 8)
+
+
+# -- prefix caching ---------------------------------------------------------------------------
+def test_prefix_caching_stays_lossless_for_other_requests(llama, make_llm):
+    shared = prompts_of_lengths([64], seed=5)[0]
+    others = [shared + p for p in prompts_of_lengths([9, 20, 33], seed=6)]
+    alone = tokens(make_llm(llama, dtype="float32", block_size=8), others)
+    llm = make_llm(llama, dtype="float32", block_size=8)
+    retaining = GREEDY.clone(kv_retention="window:16")
+    # The retaining request runs first, publishes its (policy-salted) blocks, then runs
+    # beside the others in one batch.
+    llm.generate([shared + [1, 2, 3]], retaining)
+    mixed = llm.generate([shared + [1, 2, 3], *others], [retaining] + [GREEDY] * 3)
+    assert [o.outputs[0].token_ids for o in mixed[1:]] == alone
+    assert mixed[0].num_retained_tokens < mixed[0].num_seen_tokens
+    assert mixed[1].num_retained_tokens is None  # keeps everything
+
+
+def test_retaining_requests_share_blocks_with_their_own_policy(llama, make_llm):
+    prompt = prompts_of_lengths([80], seed=8)[0]
+    llm = make_llm(llama, dtype="float32", block_size=8)
+    p = GREEDY.clone(kv_retention="window:32", max_tokens=4)
+    first = llm.generate([prompt], p)[0]
+    again = llm.generate([prompt], p)[0]
+    assert again.num_cached_tokens > 0, "the same policy and tokens reuse the same K/V"
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    plain = llm.generate([prompt], GREEDY.clone(max_tokens=4))[0]
+    assert plain.num_cached_tokens == 0, "an exact request never reads a retaining one's K/V"
+
+
+# -- bad input --------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ("lru:5", "unknown policy 'lru'"),
+        ("window", "is not KEY:VALUE"),
+        ("window:abc", "expected an integer"),
+        ("window:0%", "[1%, 100%]"),
+        ("window:-4", "must be >= 0"),
+        ("window:32,sinks:4", "window takes window, not sinks"),
+        ("sinks:4,window:508", "planned, not implemented"),
+        ("snapkv:512", "planned, not implemented"),
+        ("h2o:512", "planned, not implemented"),
+        ("window:4", "at least the block size (16)"),
+    ],
+)
+def test_bad_policies_are_refused_by_name(llama, make_llm, spec, words):
+    with pytest.raises(ConfigError, match="kv_retention") as e:
+        make_llm(llama, dtype="float32", kv_retention=spec)
+    assert words in str(e.value)
+    llm = make_llm(llama, dtype="float32")
+    with pytest.raises(InvalidRequestError) as e:
+        llm.generate([[1, 2, 3]], GREEDY.clone(kv_retention=spec))
+    assert e.value.field == "kv_retention" and words in str(e.value)
+    assert llm.engine.kv.num_used_blocks == 0 and not llm.engine.has_unfinished_requests()
+
+
+def test_spec_parsing():
+    assert parse_retention(None) is None and parse_retention("none") is None
+    spec = parse_retention("window:50%")
+    assert spec == RetentionSpec("window", percent=50)
+    assert spec.for_prompt(100, 16) == RetentionSpec("window", window=50)
+    assert spec.for_prompt(10, 16) == RetentionSpec("window", window=16)  # at least a block
+    assert parse_retention(" window : 512 ").text() == "window:512"
+    with pytest.raises(InvalidRequestError, match="kv_retention"):
+        SamplingParams(kv_retention=512)  # type: ignore[arg-type]
+
+
+# -- HTTP -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("allow", [True, False])
+def test_http_override_usage_and_metrics(llama, allow):
+    llm = LLM(llama, dtype="float32", block_size=8, max_model_len=256)
+    state = build_state(llm.engine, ["m"], allow_kv_retention_override=allow)
+    body = {"model": "m", "prompt": prompts_of_lengths([60], seed=2)[0], "max_tokens": 20,
+            "temperature": 0, "ignore_eos": True, "kv_retention": "window:16"}  # fmt: skip
+    with BackgroundServer(state) as srv:
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+        bad = httpx.post(srv.url + "/v1/completions", json={**body, "kv_retention": "lru:1"},
+                         timeout=60)  # fmt: skip
+        metrics = httpx.get(srv.url + "/metrics").text
+    if not allow:
+        assert r.status_code == 400
+        err = r.json()["error"]
+        assert err["param"] == "kv_retention" and "disabled" in err["message"]
+        return
+    assert r.status_code == 200, r.text
+    kept = r.json()["usage"]["kv_retention"]
+    assert kept["seen_tokens"] == 60 + 19 and kept["retained_tokens"] < kept["seen_tokens"]
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "kv_retention"
+    assert 'kvserve:kv_retention_evicted_tokens_total{policy="window:16"}' in metrics
