@@ -11,13 +11,28 @@ back to the pool.
   the model was trained with it. A checkpoint whose every layer has a ``sliding_window`` gets
   the same block freeing on by default, and exact (the mask is the model's own).
 
-Planned, refused by name for now: ``sinks:S,window:W`` (StreamingLLM), ``snapkv:B`` and
-``h2o:B``; the parser knows their syntax so the error can say so.
+- ``sinks:S,window:W`` (StreamingLLM): the first S tokens (the attention sinks) plus the W most
+  recent. Blocks between them are released; the sink blocks stay. StreamingLLM assigns
+  positions inside the cache, so a stream runs past ``max_position_embeddings``. Keys are stored
+  after RoPE and RoPE scores depend only on the distance between query and key, so the kept
+  window already has its in-cache distances (the window is contiguous and ends at the query);
+  only the sinks' distance differs: in-cache it is ``min(p, S + W - 1) - s`` for a query at
+  ``p``. Rather than re-rotating stored sink keys (which would change a block the prefix
+  cache may share, and accumulate rounding each time), the query is rotated back by
+  ``max(0, p - S - W + 1)`` for its scores against the sinks only. Stored K/V are never
+  modified, so every KV format works; nothing is rotated twice. The engine may then run a
+  stream past the model's position limit (``max_model_len`` up to any length): no query is
+  ever farther than ``S + W`` positions from a key it sees (a bare window bounds distances
+  too, so it may stream as well, which StreamingLLM shows is where it breaks down).
+
+Planned, refused by name for now: ``snapkv:B`` and ``h2o:B``; the parser knows their syntax so
+the error can say so.
 
 Composition with prefix caching: a retaining request's K/V past the first W tokens depend on
 the policy, so its blocks are hashed under a chain salted with the policy (requests with the
 same policy share them; everyone else never sees them), and blocks it drops are released, never
-changed in place. Every KV format works with ``window`` (dropping blocks is format-agnostic).
+changed in place. Every KV format works with ``window`` and ``sinks`` (dropping blocks is
+format-agnostic).
 """
 
 from __future__ import annotations
@@ -27,7 +42,7 @@ from dataclasses import dataclass
 from kvserve.config import ConfigError
 
 KINDS = ("window", "sinks", "snapkv", "h2o")
-IMPLEMENTED = ("window",)
+IMPLEMENTED = ("window", "sinks")
 FIELD = "kv_retention"
 
 
@@ -54,7 +69,8 @@ class RetentionSpec:
         if self.kind == "window":
             return f"window:{self.percent}%" if self.percent else f"window:{self.window}"
         if self.kind == "sinks":
-            return f"sinks:{self.sinks},window:{self.window}"
+            window = f"{self.percent}%" if self.percent else self.window
+            return f"sinks:{self.sinks},window:{window}"
         extra = ""
         if self.kind == "snapkv" and (self.obs, self.kernel) != (32, 7):
             extra = f",obs:{self.obs},kernel:{self.kernel}"
@@ -77,7 +93,7 @@ class RetentionSpec:
                 raise _bad(f"{item!r} is not KEY:VALUE (in {text!r})")
             if key in parts:
                 raise _bad(f"{key!r} given twice in {text!r}")
-            if key == "window" and value.endswith("%") and len(order) == 0:
+            if key == "window" and value.endswith("%"):
                 try:
                     percent = int(value[:-1])
                 except ValueError:
@@ -111,13 +127,20 @@ class RetentionSpec:
         elif kind == "sinks":
             if "window" not in parts:
                 raise _bad("sinks needs a window too: 'sinks:4,window:508'")
-            spec = cls("sinks", window=parts["window"], sinks=parts["sinks"])
+            spec = cls("sinks", window=parts["window"], sinks=parts["sinks"], percent=percent)
         elif kind == "snapkv":
             spec = cls("snapkv", budget=parts["snapkv"], obs=parts.get("obs", 32),
                        kernel=parts.get("kernel", 7))  # fmt: skip
         else:
             spec = cls("h2o", budget=parts["h2o"], recent=parts.get("recent", 0))
         return spec
+
+    @property
+    def bounds_distance(self) -> bool:
+        """Whether no query ever sees a key farther away than the policy's budget, so RoPE
+        positions past the model's limit are harmless (a window and sinks both; whether the
+        model still makes sense without sinks is the quality gate's question)."""
+        return self.kind in ("window", "sinks")
 
     @property
     def salt(self) -> str:
@@ -133,13 +156,15 @@ class RetentionSpec:
             )
         if not self.percent and self.window < block_size:
             raise _bad(f"window must be at least the block size ({block_size}), got {self.window}")
+        if self.kind == "sinks" and self.sinks < 1:
+            raise _bad(f"sinks must be >= 1 (the first tokens kept), got {self.sinks}")
 
     def for_prompt(self, num_prompt_tokens: int, block_size: int) -> RetentionSpec:
         """The policy with a prompt share resolved to tokens (at least one block)."""
         if not self.percent:
             return self
         window = max(block_size, -(-num_prompt_tokens * self.percent // 100))
-        return RetentionSpec("window", window=window)
+        return RetentionSpec(self.kind, window=window, sinks=self.sinks)
 
 
 def parse_retention(value: str | RetentionSpec | None) -> RetentionSpec | None:

@@ -51,7 +51,9 @@ class ModelRunner:
         first two groups form one contiguous run of rows for the fused paged kernel."""
         decodes, short, long = [], [], []
         for s in seqs:
-            if s.num_tokens == 1:
+            if s.sinks:  # attention over sinks + window: the per-sequence path
+                long.append(s)
+            elif s.num_tokens == 1:
                 decodes.append(s)
             elif s.num_cached and s.num_tokens <= KERNEL_MAX_QUERY:
                 short.append(s)
@@ -126,7 +128,7 @@ class ModelRunner:
         dev = self.device
         null = self.storage.null_block
         nd = 0
-        while nd < len(items) and items[nd].num_tokens == 1:
+        while nd < len(items) and items[nd].num_tokens == 1 and not items[nd].sinks:
             nd += 1
         ids: list[int] = []
         pos_chunks: list[np.ndarray] = []
@@ -161,8 +163,8 @@ class ModelRunner:
             slot_chunks.append(s.cache_slots(bs))
             bt = np.asarray(s.block_ids, dtype=np.int64)
             table = torch.from_numpy(bt[: -(-(c + n) // bs)]).to(dev) if c else None
-            in_group = bool(c) and n <= KERNEL_MAX_QUERY
-            meta.prefills.append(PrefillChunk(q_start, n, c, table, in_group, s.window))
+            in_group = bool(c) and n <= KERNEL_MAX_QUERY and not s.sinks
+            meta.prefills.append(PrefillChunk(q_start, n, c, table, in_group, s.window, s.sinks))
             if in_group:
                 group_rows.append((q_start, n, c, s.window, s.block_ids))
             q_start += n

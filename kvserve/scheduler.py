@@ -173,10 +173,12 @@ class Scheduler:
         """Release the blocks no query of this step or later can reach (a retention window
         or the model's own): queries start at cache entry ``num_computed_tokens`` and see the
         ``window`` entries up to themselves."""
-        w = req.retention.window if req.retention is not None else self.native_window
+        spec = req.retention
+        w = spec.window if spec is not None else self.native_window
         if not w or req.num_computed_tokens < w:
             return
-        n = self.kv.drop_leading_blocks(req, req.num_computed_tokens - w + 1)
+        sinks = spec.sinks if spec is not None else 0
+        n = self.kv.drop_leading_blocks(req, req.num_computed_tokens - w + 1, sinks)
         if n:
             tokens = n * self.kv.block_size
             key = req.retention.text() if req.retention is not None else "sliding_window"
@@ -207,9 +209,10 @@ class Scheduler:
         prompt_rows = 0
         if req.prompt_logits is not None and c < req.num_prompt_tokens:
             prompt_rows = min(n, req.num_prompt_tokens - c)
-        window = req.retention.window if req.retention is not None else 0
+        spec = req.retention
+        window, sinks = (spec.window, spec.sinks) if spec is not None else (0, 0)
         return ScheduledSeq(rid, req.all_token_ids[c : c + n], c, c, self.kv.block_ids(req)[:],
-                            sample_ids, prompt_rows, window)  # fmt: skip
+                            sample_ids, prompt_rows, window, sinks)  # fmt: skip
 
     def _pick_waiting(self) -> Request:
         """fcfs: the head. lpm: the longest cached prefix, unless the head has waited long."""

@@ -56,6 +56,8 @@ class ScheduledSeq:
     # The request's retention window: each token attends to the newest ``window`` cache
     # entries up to itself (0: all of them; a layer's own sliding window applies as well).
     window: int = 0
+    # ... plus, with a window, the first ``sinks`` cache entries (StreamingLLM; 0: none).
+    sinks: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -91,6 +91,126 @@ def test_window_under_preemption(llama, make_llm, windowed_reference):
     assert tokens(llm, prompts) == expected
 
 
+class StreamingReference:
+    """StreamingLLM as its paper describes it, token by token, in plain torch on a Llama
+    checkpoint's weights: per layer the kept keys (before RoPE) and values; each token's
+    query sees the first ``sinks`` tokens and the ``window`` most recent (itself included),
+    every one rotated at its index in that kept list (positions inside the cache)."""
+
+    def __init__(self, path: str) -> None:
+        from safetensors.torch import load_file
+
+        self.cfg = json.loads((Path(path) / "config.json").read_text())
+        self.w = {k: v.float() for k, v in load_file(str(Path(path) / "model.safetensors")).items()}
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return weight * (
+            x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg["rms_norm_eps"])
+        )
+
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:  # x [N, heads, D]
+        d = x.shape[-1]
+        inv = 1.0 / (self.cfg["rope_theta"] ** (torch.arange(0, d, 2).float() / d))
+        ang = pos.float()[:, None] * inv[None, :]
+        cos, sin = (
+            torch.cat([ang, ang], -1).cos()[:, None],
+            torch.cat([ang, ang], -1).sin()[:, None],
+        )
+        rot = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1)
+        return x * cos + rot * sin
+
+    def greedy(self, prompt: list[int], n_new: int, sinks: int, window: int) -> list[int]:
+        c, w = self.cfg, self.w
+        heads, kvh = c["num_attention_heads"], c["num_key_value_heads"]
+        d = c["head_dim"]
+        layers = c["num_hidden_layers"]
+        kept: list[list[tuple[int, torch.Tensor, torch.Tensor]]] = [[] for _ in range(layers)]
+        tokens, out = list(prompt), []
+        t = 0
+        while len(out) < n_new:
+            h = w["model.embed_tokens.weight"][tokens[t]][None]
+            for i in range(layers):
+                pre = f"model.layers.{i}."
+                x = self._norm(h, w[pre + "input_layernorm.weight"])
+                q = (x @ w[pre + "self_attn.q_proj.weight"].T).view(1, heads, d)
+                k = (x @ w[pre + "self_attn.k_proj.weight"].T).view(1, kvh, d)
+                v = (x @ w[pre + "self_attn.v_proj.weight"].T).view(1, kvh, d)
+                cache = [e for e in kept[i] if e[0] < sinks or e[0] > t - window] + [(t, k, v)]
+                kept[i] = cache
+                ks = torch.cat([e[1] for e in cache])
+                vs = torch.cat([e[2] for e in cache])
+                pos = torch.arange(len(cache))  # positions inside the cache
+                qr = self._rope(q, pos[-1:])
+                kr = self._rope(ks, pos).repeat_interleave(heads // kvh, 1)
+                att = torch.einsum("qhd,shd->hqs", qr, kr) / d**0.5
+                o = torch.einsum(
+                    "hqs,shd->qhd", att.softmax(-1), vs.repeat_interleave(heads // kvh, 1)
+                )
+                h = h + o.reshape(1, -1) @ w[pre + "self_attn.o_proj.weight"].T
+                x = self._norm(h, w[pre + "post_attention_layernorm.weight"])
+                g = torch.nn.functional.silu(x @ w[pre + "mlp.gate_proj.weight"].T)
+                h = (
+                    h
+                    + (g * (x @ w[pre + "mlp.up_proj.weight"].T))
+                    @ w[pre + "mlp.down_proj.weight"].T
+                )
+            t += 1
+            if t == len(tokens):
+                x = self._norm(h, w["model.norm.weight"])
+                tok = int((x @ w["lm_head.weight"].T).argmax())
+                tokens.append(tok)
+                out.append(tok)
+        return out
+
+
+@pytest.fixture(scope="module")
+def streaming(llama):
+    return StreamingReference(llama)
+
+
+def test_streaming_reference_is_the_model_when_nothing_is_evicted(llama, streaming):
+    prompt = prompts_of_lengths([20], seed=4)[0]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        g = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                        max_new_tokens=16, eos_token_id=None, pad_token_id=0)  # fmt: skip
+    assert streaming.greedy(prompt, 16, sinks=1000, window=1000) == g[0, 20:].tolist()
+
+
+@pytest.mark.parametrize("spec, sinks, window", [("sinks:4,window:24", 4, 24),
+                                                 ("sinks:12,window:16", 12, 16)])  # fmt: skip
+@pytest.mark.parametrize("budget", [2048, 16])
+def test_sinks_equal_streaming_llm_with_in_cache_positions(llama, make_llm, streaming, spec,
+                                                           sinks, window, budget):  # fmt: skip
+    prompts = prompts_of_lengths([5, 70], seed=12)
+    expected = [streaming.greedy(p, 40, sinks, window) for p in prompts]
+    windowed = [streaming.greedy(p, 40, 0, window) for p in prompts]
+    assert expected[1] != windowed[1], "the sinks must matter, or this test proves nothing"
+    llm = make_llm(llama, dtype="float32", block_size=8, kv_retention=spec,
+                   max_num_batched_tokens=budget)  # fmt: skip
+    assert tokens(llm, prompts, GREEDY.clone(max_tokens=40)) == expected
+    assert llm.engine.stats().retention_reclaimed_blocks > 0
+
+
+def test_sinks_stream_past_the_position_limit(checkpoint, make_llm):
+    path = checkpoint("llama_gqa", max_position_embeddings=64)
+    with pytest.raises(ConfigError, match="max_position_embeddings"):
+        make_llm(path, dtype="float32", max_model_len=256)
+    with pytest.raises(ConfigError, match="max_position_embeddings"):
+        make_llm(path, dtype="float32", max_model_len=256, kv_retention="window:128")
+    with pytest.raises(ConfigError, match="max_position_embeddings"):
+        make_llm(path, dtype="float32", max_model_len=256, kv_retention="window:50%")
+    make_llm(path, dtype="float32", max_model_len=256, kv_retention="window:64")  # streams
+    llm = make_llm(path, dtype="float32", block_size=8, max_model_len=256,
+                   kv_retention="sinks:4,window:28")  # fmt: skip
+    prompt = prompts_of_lengths([30], seed=9)[0]
+    out = llm.generate([prompt], GREEDY.clone(max_tokens=200))[0]
+    assert len(out.outputs[0].token_ids) == 200  # 230 tokens through a 64-position model
+    assert out.num_retained_tokens <= 4 + 28 + 8 + 8
+    assert out.outputs[0].token_ids == StreamingReference(path).greedy(prompt, 200, 4, 28)
+
+
 # -- memory -----------------------------------------------------------------------------------
 def _decode_and_watch(llm: LLM, prompt: list[int], max_tokens: int) -> list[int]:
     eng = llm.engine
@@ -104,13 +224,16 @@ def _decode_and_watch(llm: LLM, prompt: list[int], max_tokens: int) -> list[int]
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3", "int8", "kivi4", "kivi2"])
-def test_blocks_return_to_the_pool_while_decoding(llama, make_llm, kv_cache_dtype):
+@pytest.mark.parametrize("spec, sink_blocks", [("window:32", 0), ("sinks:4,window:32", 1)])
+def test_blocks_return_to_the_pool_while_decoding(llama, make_llm, kv_cache_dtype, spec,
+                                                  sink_blocks):  # fmt: skip
     prompt = prompts_of_lengths([40], seed=3)[0]
     kw = dict(dtype="float32", block_size=8, kv_cache_dtype=kv_cache_dtype,
               enable_prefix_caching=False)  # fmt: skip
-    used = _decode_and_watch(make_llm(llama, kv_retention="window:32", **kw), prompt, 160)
-    # A query at entry c reads entries c-31..c: at most 5 blocks of 8, plus the one filling.
-    assert max(used[5:]) <= 32 // 8 + 2
+    used = _decode_and_watch(make_llm(llama, kv_retention=spec, **kw), prompt, 160)
+    # A query at entry c reads entries c-31..c: at most 5 blocks of 8, plus the one filling
+    # (and the sink block).
+    assert max(used[5:]) <= 32 // 8 + 2 + sink_blocks
     assert used[-2] <= used[5] + 1, "the count must stay flat, not grow with the sequence"
     assert used[-1] == 0
     full = _decode_and_watch(make_llm(llama, **kw), prompt, 160)
@@ -143,12 +266,13 @@ def test_hybrid_model_keeps_full_tables(checkpoint, make_llm, tmp_path):
 
 
 # -- prefix caching ---------------------------------------------------------------------------
-def test_prefix_caching_stays_lossless_for_other_requests(llama, make_llm):
+@pytest.mark.parametrize("spec", ["window:16", "sinks:4,window:16"])
+def test_prefix_caching_stays_lossless_for_other_requests(llama, make_llm, spec):
     shared = prompts_of_lengths([64], seed=5)[0]
     others = [shared + p for p in prompts_of_lengths([9, 20, 33], seed=6)]
     alone = tokens(make_llm(llama, dtype="float32", block_size=8), others)
     llm = make_llm(llama, dtype="float32", block_size=8)
-    retaining = GREEDY.clone(kv_retention="window:16")
+    retaining = GREEDY.clone(kv_retention=spec)
     # The retaining request runs first, publishes its (policy-salted) blocks, then runs
     # beside the others in one batch.
     llm.generate([shared + [1, 2, 3]], retaining)
@@ -180,7 +304,9 @@ def test_retaining_requests_share_blocks_with_their_own_policy(llama, make_llm):
         ("window:0%", "[1%, 100%]"),
         ("window:-4", "must be >= 0"),
         ("window:32,sinks:4", "window takes window, not sinks"),
-        ("sinks:4,window:508", "planned, not implemented"),
+        ("sinks:0,window:32", "sinks must be >= 1"),
+        ("sinks:4", "sinks needs a window too"),
+        ("sinks:4,window:8", "at least the block size (16)"),
         ("snapkv:512", "planned, not implemented"),
         ("h2o:512", "planned, not implemented"),
         ("window:4", "at least the block size (16)"),

@@ -44,7 +44,9 @@ class InputProcessor:
         default_retention: RetentionSpec | None = None,
         max_chunk: int | None = None,
         native_window: int = 0,
+        windowed_layers: bool = False,
     ) -> None:
+        self.windowed_layers = windowed_layers  # some layer has its own sliding window
         self.default_retention = default_retention
         self.max_chunk = max_chunk  # the most tokens one step computes for a request
         self.native_window = native_window
@@ -144,7 +146,8 @@ class InputProcessor:
         w = retention.window if retention is not None else self.native_window
         if not w or self.max_chunk is None:
             return full
-        return min(full, cdiv(w + self.max_chunk, self.block_size) + 1)
+        sinks = cdiv(retention.sinks, self.block_size) if retention is not None else 0
+        return min(full, sinks + cdiv(w + self.max_chunk, self.block_size) + 1)
 
     def retention(self, params: SamplingParams) -> RetentionSpec | None:
         """The request's own policy ("none" turns the engine's default off), else the
@@ -155,6 +158,9 @@ class InputProcessor:
             spec = parse_retention(params.kv_retention)
             if spec is not None:
                 spec.validate(self.block_size)
+                if spec.sinks and self.windowed_layers:
+                    raise ConfigError("kv_retention: sinks on a model with its own sliding "
+                                      "window is not supported")  # fmt: skip
         except ConfigError as e:
             raise InvalidRequestError(str(e), "kv_retention") from None
         return spec

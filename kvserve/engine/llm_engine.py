@@ -51,11 +51,28 @@ class LLMEngine:
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else mc.eos_token_ids
 
         sc, cc = config.scheduler, config.cache
+        self.retention = parse_retention(cc.kv_retention)
+        if self.retention is not None:
+            self.retention.validate(cc.block_size)
+            if self.retention.sinks and any(mc.layer_windows):
+                raise ConfigError(
+                    "kv_retention: sinks on a model with its own sliding window is not "
+                    "supported (its window already bounds what each layer reads)"
+                )
         self.max_model_len = sc.max_model_len or mc.max_position_embeddings
-        if self.max_model_len > mc.max_position_embeddings:
+        r = self.retention
+        streams = (
+            r is not None
+            and r.bounds_distance
+            and not r.percent
+            and r.sinks + r.window <= mc.max_position_embeddings
+        )
+        if self.max_model_len > mc.max_position_embeddings and not streams:
             raise ConfigError(
                 f"max_model_len: {self.max_model_len} exceeds the model's "
-                f"max_position_embeddings ({mc.max_position_embeddings})"
+                f"max_position_embeddings ({mc.max_position_embeddings}); only a "
+                f"kv_retention window in tokens, sinks included, within that limit (e.g. "
+                f"'sinks:4,window:1020') keeps every distance inside it"
             )
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, mc)
@@ -87,9 +104,6 @@ class LLMEngine:
             max_partial_blocks=partial_cap,
         )
         self.runner = runner
-        self.retention = parse_retention(cc.kv_retention)
-        if self.retention is not None:
-            self.retention.validate(self.block_size)
         # A model whose every layer slides over the same window never reads behind it: its
         # blocks go back to the pool, exactly (a hybrid model keeps full tables for now).
         windows = set(mc.layer_windows)
@@ -101,6 +115,7 @@ class LLMEngine:
         self.inputs = InputProcessor(
             self.tokenizer, mc.vocab_size, self.max_model_len, self.num_blocks, self.block_size,
             self.retention, sc.max_num_batched_tokens, self.native_window,
+            any(mc.layer_windows),
         )  # fmt: skip
         self.outputs = OutputProcessor(self.tokenizer, self.core.finish_request)
         self._ids = itertools.count()

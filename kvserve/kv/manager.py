@@ -9,9 +9,10 @@ publish an unwritten block. What the manager did to blocks is recorded as data
 (:meth:`take_ops`) for the runner and anyone else who needs it; nothing outside this package
 touches the pool.
 
-A retention policy shortens a table from the front (:meth:`drop_leading_blocks`): the dropped
-entries become the storage's null block, so cache entry ``j`` still lives in table entry ``j //
-block_size``, and the blocks are released like any other (cached-free if they hold a prefix).
+A retention policy drops blocks from the front of a table, or after its first sink blocks
+(:meth:`drop_leading_blocks`): the dropped entries become the storage's null block, so cache
+entry ``j`` still lives in table entry ``j // block_size``, and the blocks are released like any
+other (cached-free if they hold a prefix).
 
 A storage format may bound how many blocks can be *partially filled* at once (KIVI keeps them
 in a fixed full-precision residual): ``max_partial_blocks``. The manager counts such blocks
@@ -80,7 +81,8 @@ class KVCacheManager:
         # Its handle stands in a table for the blocks a retention policy dropped.
         self.null_block = num_blocks
         self._null = KVCacheBlock(num_blocks)
-        self._dropped: dict[str, int] = {}  # request id -> leading table entries dropped
+        # request id -> the table entries [lo, hi) a retention policy dropped
+        self._dropped: dict[str, tuple[int, int]] = {}
         self.max_partial_blocks = max_partial_blocks
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self._block_ids: dict[str, list[int]] = {}  # the same tables as ints, for the runner
@@ -290,9 +292,9 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(rid, None)
         self._block_ids.pop(rid, None)
         self.num_cached_blocks.pop(rid, None)
+        self._dropped.pop(rid, None)
         if blocks:
-            start = self._dropped.pop(rid, 0)
-            self._release(blocks[start:][::-1])
+            self._release([b for b in reversed(blocks) if b is not self._null])
 
     def _release(self, blocks: list[KVCacheBlock]) -> None:
         self.pool.free_blocks(blocks)
@@ -301,29 +303,33 @@ class KVCacheManager:
                 self._partial.discard(b.block_id)
                 self._filling.discard(b.block_id)
 
-    def drop_leading_blocks(self, request: Request, first_kept: int) -> int:
-        """Release the request's blocks that hold only cache entries before ``first_kept``
-        (a retention window that no future query reaches back past); their table entries
-        become the null block. Returns how many blocks were dropped."""
+    def drop_leading_blocks(self, request: Request, first_kept: int, head: int = 0) -> int:
+        """Release the request's blocks that hold only cache entries in ``[head, first_kept)``
+        (a retention window that no future query reaches back past, after ``head`` sink
+        entries that stay); their table entries become the null block. Returns how many
+        blocks were dropped."""
         rid = request.request_id
         blocks = self.req_blocks.get(rid)
         if not blocks:
             return 0
-        start = self._dropped.get(rid, 0)
-        end = min(first_kept // self.block_size, len(blocks))
+        bs = self.block_size
+        lo = cdiv(head, bs)
+        start = max(self._dropped.get(rid, (lo, lo))[1], lo)
+        end = min(first_kept // bs, len(blocks))
         if end <= start:
             return 0
         gone = blocks[start:end]
         ids = self._block_ids[rid]
         for i in range(start, end):
             blocks[i], ids[i] = self._null, self.null_block
-        self._dropped[rid] = end
+        self._dropped[rid] = (self._dropped.get(rid, (start, start))[0], end)
         # Oldest first to the LRU tail: the oldest of them is the first evicted.
         self._release(gone)
         return end - start
 
     def num_dropped_blocks(self, request: Request) -> int:
-        return self._dropped.get(request.request_id, 0)
+        lo, hi = self._dropped.get(request.request_id, (0, 0))
+        return hi - lo
 
     def block_ids(self, request: Request) -> list[int]:
         """The request's block table (the manager's own list: read it, do not change it)."""
@@ -392,11 +398,11 @@ class KVCacheManager:
         refs: dict[int, int] = {}
         for rid, blocks in self.req_blocks.items():
             assert self._block_ids[rid] == [b.block_id for b in blocks], f"table of {rid}"
-            dropped = self._dropped.get(rid, 0)
-            assert all(b is self._null for b in blocks[:dropped]), f"dropped entries of {rid}"
-            for b in blocks[dropped:]:
-                assert b is not self._null, f"null block inside the live table of {rid}"
-                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+            lo, hi = self._dropped.get(rid, (0, 0))
+            for i, b in enumerate(blocks):
+                assert (b is self._null) == (lo <= i < hi), f"dropped entries of {rid}"
+                if b is not self._null:
+                    refs[b.block_id] = refs.get(b.block_id, 0) + 1
         for b in self.pool.blocks:
             assert b.ref_cnt == refs.get(b.block_id, 0), f"ref count mismatch on {b}"
         for b in self._partial | self._filling:

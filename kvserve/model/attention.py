@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,16 @@ CausalKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
 # Chunks over a cached context up to this many queries go to the fused paged kernel; longer
 # ones are better served by SDPA's blocked matrix products after a gather.
 KERNEL_MAX_QUERY = 64
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) -> torch.Tensor:
+    """RoPE on the first ``rot`` channels of ``x`` (HF's rotate-half layout)."""
+    if rot < x.shape[-1]:
+        x_rot, x_pass = x[..., :rot], x[..., rot:]
+        return torch.cat((apply_rotary(x_rot, cos, sin, rot), x_pass), dim=-1)
+    half = rot // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
 
 
 def combine_windows(layer: int | None, request: int) -> int | None:
@@ -46,6 +57,7 @@ class PrefillChunk:
     block_table: torch.Tensor | None  # [num_blocks] when ctx_len > 0
     in_group: bool = False  # also listed in the PagedGroup
     window: int = 0  # the request's retention window (0: none), beside the layer's
+    sinks: int = 0  # with a window: the first cache entries it keeps too (StreamingLLM)
 
 
 @dataclass(slots=True)
@@ -71,6 +83,7 @@ class AttentionMetadata:
     decode_windows: torch.Tensor | None = None  # [Bd] int32 retention windows (0: none)
     prefills: list[PrefillChunk] = field(default_factory=list)
     paged: PagedGroup | None = None
+    rotary: Any = None  # the model's RotaryEmbedding (cos/sin tables), set by its forward
     _masks: dict = field(default_factory=dict)
 
     def decode_mask(self, window: int | None) -> torch.Tensor:
@@ -152,6 +165,9 @@ def paged_attention(
         if fused and p.in_group:
             continue
         sl = slice(p.q_start, p.q_start + p.q_len)
+        if p.sinks or (p.window and p.ctx_len):
+            out[sl] = retained_attention(q[sl], k[sl], v[sl], layer, storage, meta, p, window)
+            continue
         if p.ctx_len == 0 and causal_kernel is not None:
             if causal_kernel(q[sl], k[sl], v[sl], out[sl], combine_windows(window, p.window)):
                 continue
@@ -176,6 +192,67 @@ def paged_attention(
         )
         out[sl] = op[0].transpose(0, 1)
     return out
+
+
+def retained_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    storage: KVStorage,
+    meta: AttentionMetadata,
+    p: PrefillChunk,
+    layer_window: int | None,
+) -> torch.Tensor:
+    """One chunk of a sequence under a retention policy, reading only the blocks it keeps:
+    the sink blocks and those of the oldest query's window, then the chunk's fresh K/V.
+
+    Query at cache entry ``c`` sees entries ``(c - w, c]`` and, with sinks, ``[0, S)``. Cache
+    entry = position, so window keys are at their true distance; a sink's in-cache distance
+    (StreamingLLM) is ``min(c, S + w - 1) - s``, which the query rotated back by ``max(0, c -
+    S - w + 1)`` gives against the stored (rotated at ``s``) sink key (see kvserve.retention).
+    """
+    bs = meta.block_size
+    c0, n = p.ctx_len, p.q_len
+    w = combine_windows(layer_window, p.window) or p.window
+    dev = q.device
+    keep = set(range(max(0, c0 - w + 1) // bs, -(-c0 // bs)))
+    keep |= set(range(min(-(-p.sinks // bs), -(-c0 // bs))))
+    kpos_parts, k_parts, v_parts = [], [], []
+    if keep and p.block_table is not None:
+        idx = torch.tensor(sorted(keep), dtype=torch.long, device=dev)
+        kc, vc = storage.gather(layer, p.block_table[idx][None])  # [1, KVH, len*bs, D]
+        kpos = (idx[:, None] * bs + torch.arange(bs, device=dev)[None, :]).reshape(-1)
+        live = kpos < c0  # the last block's unwritten tail
+        kpos_parts.append(kpos[live])
+        k_parts.append(kc[0][:, live].transpose(0, 1).to(q.dtype))  # [N, KVH, D]
+        v_parts.append(vc[0][:, live].transpose(0, 1).to(q.dtype))
+    kpos_parts.append(torch.arange(c0, c0 + n, device=dev))
+    k_parts.append(k)
+    v_parts.append(v)
+    kpos = torch.cat(kpos_parts)
+    keys, values = torch.cat(k_parts), torch.cat(v_parts)
+    group = q.shape[1] // keys.shape[1]
+    kr = keys.repeat_interleave(group, dim=1).float()
+    vr = values.repeat_interleave(group, dim=1).float()
+    qf = q.float()
+    scale = q.shape[-1] ** -0.5
+    scores = torch.einsum("lhd,shd->hls", qf, kr) * scale
+    qpos = torch.arange(c0, c0 + n, device=dev)
+    seen = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - w)
+    if p.sinks:
+        is_sink = kpos < p.sinks
+        seen |= is_sink[None, :] & (kpos[None, :] <= qpos[:, None])
+        shift = (qpos - p.sinks - w + 1).clamp(min=0)
+        if bool(shift.any()) and bool(is_sink.any()):
+            rot = meta.rotary
+            cos = rot.cos[shift][:, None, :]
+            sin = rot.sin[shift][:, None, :]
+            q_back = apply_rotary(qf, cos, -sin, rot.rot_dim)  # R(-shift) q
+            sink_scores = torch.einsum("lhd,shd->hls", q_back, kr[is_sink]) * scale
+            scores[:, :, is_sink] = sink_scores
+    scores = scores.masked_fill(~seen[None], float("-inf"))
+    return torch.einsum("hls,shd->lhd", scores.softmax(-1), vr).to(q.dtype)
 
 
 def reference_attention(

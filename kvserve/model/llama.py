@@ -15,7 +15,7 @@ from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.kv.storage import KVStorage
-from kvserve.model.attention import AttentionMetadata, paged_attention
+from kvserve.model.attention import AttentionMetadata, apply_rotary, paged_attention
 from kvserve.model.linear_ops import TorchOps
 
 
@@ -57,16 +57,7 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cos = self.cos[positions].to(q.dtype)[:, None, :]
         sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return _apply_rotary(q, cos, sin, self.rot_dim), _apply_rotary(k, cos, sin, self.rot_dim)
-
-
-def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) -> torch.Tensor:
-    if rot < x.shape[-1]:
-        x_rot, x_pass = x[..., :rot], x[..., rot:]
-        return torch.cat((_apply_rotary(x_rot, cos, sin, rot), x_pass), dim=-1)
-    half = rot // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+        return apply_rotary(q, cos, sin, self.rot_dim), apply_rotary(k, cos, sin, self.rot_dim)
 
 
 class RMSNorm(nn.Module):
@@ -148,6 +139,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final hidden states ``[T, hidden]`` (normed); logits come from :meth:`logits`."""
         x = self.embed_tokens(input_ids)
+        meta.rotary = self.rotary  # a sink retention policy re-rotates queries with it
         for layer in self.layers:
             x = layer(x, positions, self.rotary, storage, meta)
         return self.ops.rms_norm(self.norm, x)
