@@ -14,8 +14,9 @@ LENGTHS = [5, 17, 31, 40, 64, 3, 90, 128]
 NEW_TOKENS = 64
 
 
-def hf_greedy(path: str, prompts: list[list[int]], n: int) -> list[list[int]]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+def hf_greedy(path: str, prompts: list[list[int]], n: int, **load: object) -> list[list[int]]:
+    """transformers' greedy tokens; ``load`` goes to ``from_pretrained`` (e.g. a config)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **load)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     outs = []

@@ -17,6 +17,7 @@ from kvserve.request import InvalidRequestError
 from kvserve.retention import RetentionSpec, parse_retention
 from kvserve.server.app import BackgroundServer, build_state
 from tests.conftest import prompts_of_lengths
+from tests.test_exactness import hf_greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -30,18 +31,9 @@ def sliding_window_reference(path: str, prompts: list[list[int]], window: int) -
     Llama one plus a sliding-window mask: a full recompute with the mask ``window:W`` means."""
     cfg = json.loads((Path(path) / "config.json").read_text())
     cfg = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type")}
-    mc = transformers.MistralConfig(**cfg, sliding_window=window)
-    model = transformers.MistralForCausalLM.from_pretrained(path, config=mc, dtype=torch.float32)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            g = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                               max_new_tokens=NEW)  # fmt: skip
-            out.append(g[0, len(p) :].tolist())
-    return out
+    return hf_greedy(
+        path, prompts, NEW, config=transformers.MistralConfig(**cfg, sliding_window=window)
+    )
 
 
 def tokens(llm: LLM, prompts, params: SamplingParams = GREEDY) -> list[list[int]]:
