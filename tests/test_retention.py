@@ -220,8 +220,9 @@ def _decode_and_watch(llm: LLM, prompt: list[int], max_tokens: int) -> list[int]
 def test_blocks_return_to_the_pool_while_decoding(llama, make_llm, kv_cache_dtype, spec,
                                                   sink_blocks):  # fmt: skip
     prompt = prompts_of_lengths([40], seed=3)[0]
-    kw = dict(dtype="float32", block_size=8, kv_cache_dtype=kv_cache_dtype,
-              enable_prefix_caching=False)  # fmt: skip
+    # A small pool: the suite checks every block after every step.
+    kw = dict(dtype="float32", block_size=8, kv_cache_dtype=kv_cache_dtype, num_gpu_blocks=40,
+              max_num_seqs=4, enable_prefix_caching=False)  # fmt: skip
     used = _decode_and_watch(make_llm(llama, kv_retention=spec, **kw), prompt, 160)
     # A query at entry c reads entries c-31..c: at most 5 blocks of 8, plus the one filling
     # (and the sink block).
