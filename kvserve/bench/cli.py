@@ -205,7 +205,9 @@ def _target(args: argparse.Namespace) -> tuple[Any, Callable[[str], int] | None,
     eng = target.engine
     target.label = (
         f"in-process {Path(eng.config.model).name} (kv {eng.kv_cache_dtype}, prefix caching "
-        f"{'on' if eng.config.cache.enable_prefix_caching else 'off'}, {eng.num_blocks} blocks)"
+        f"{'on' if eng.config.cache.enable_prefix_caching else 'off'}, {eng.num_blocks} blocks"
+        + (f", kv retention {eng.retention.text()} (lossy)" if eng.retention else "")
+        + ")"
     )
     count = (lambda s: len(eng.tokenizer.encode(s))) if eng.tokenizer else None
     return target, count, eng.max_model_len
