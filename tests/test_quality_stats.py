@@ -32,6 +32,8 @@ def test_mcnemar_exact_one_sided():
     assert mcnemar_p(10, 0) == pytest.approx(2**-10)
     assert mcnemar_p(0, 5) == 1.0 and mcnemar_p(0, 0) == 1.0
     assert mcnemar_p(7, 1) == pytest.approx(9 / 256)  # P(X >= 7 | 8, 1/2)
+    # Large one-sided losses: 1 - cdf used to cancel to a negative "p"; the tail is 2^-77.
+    assert mcnemar_p(77, 0) == 2.0**-77 and mcnemar_p(95, 2) > 0
 
 
 def test_drop_interval_brackets_the_observed_drop():

@@ -28,7 +28,8 @@ def mcnemar_p(lost: int, gained: int) -> float:
     n = lost + gained
     if n == 0:
         return 1.0
-    return 1.0 - binom_cdf(lost - 1, n, 0.5)
+    # The upper tail summed in exact integers: 1 - cdf cancels to 0 (or below) for large losses.
+    return sum(math.comb(n, i) for i in range(lost, n + 1)) / 2**n
 
 
 def _root_increasing(f, lo: float = 0.0, hi: float = 1.0) -> float:  # noqa: ANN001
