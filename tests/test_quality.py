@@ -207,6 +207,10 @@ def test_cli_quick_exit_codes_json_and_files(checkpoint, tmp_path, capsys):
     assert one["candidate"]["kv_format"] == "int8" and one["baseline"]["kv_format"] == "float32"
     assert main(["quality", "--model", model, "--quick", "--formats", "int3"]) == 2
     assert "formats: int3; choose from" in capsys.readouterr().err
+    assert main(["quality", "--model", model, "--quick", "--retentions", "lru:5"]) == 2
+    assert "kv_retention: unknown policy 'lru'" in capsys.readouterr().err
+    assert main(["quality", "--model", model, "--quick", "--retentions", " ; "]) == 2
+    assert "retentions: none given" in capsys.readouterr().err
 
     # Usage errors exit 2.
     assert main(["quality", "--model", model, "--min-agreement", "2"]) == 2
