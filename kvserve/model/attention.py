@@ -106,6 +106,27 @@ class AttentionMetadata:
             self._masks[key] = mask
         return mask
 
+    def kept_blocks(
+        self, p: PrefillChunk, window: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Under retention, the chunk's kept table entries (sink blocks and the oldest query's
+        window), the cache entry of each kept row and which rows are written; once per step,
+        shared by the layers. None when nothing before the chunk is kept."""
+        key = ("kept", p.q_start, window)
+        if key not in self._masks:
+            bs, c0 = self.block_size, p.ctx_len
+            keep = set(range(max(0, c0 - window + 1) // bs, -(-c0 // bs)))
+            keep |= set(range(min(-(-p.sinks // bs), -(-c0 // bs))))
+            out = None
+            if keep and p.block_table is not None:
+                dev = self.slot_mapping.device
+                idx = torch.tensor(sorted(keep), dtype=torch.long, device=dev)
+                rows = (idx[:, None] * bs + torch.arange(bs, device=dev)[None, :]).reshape(-1)
+                live = rows < c0  # the last block's unwritten tail
+                out = (idx, rows[live], live)
+            self._masks[key] = out
+        return self._masks[key]
+
     def prefill_mask(self, i: int, window: int | None, num_keys: int) -> torch.Tensor | None:
         """[q_len, num_keys] causal mask offset by the cached context; None = plain causal."""
         p = self.prefills[i]
@@ -212,19 +233,15 @@ def retained_attention(
     (StreamingLLM) is ``min(c, S + w - 1) - s``, which the query rotated back by ``max(0, c -
     S - w + 1)`` gives against the stored (rotated at ``s``) sink key (see kvserve.retention).
     """
-    bs = meta.block_size
     c0, n = p.ctx_len, p.q_len
     w = combine_windows(layer_window, p.window) or p.window
     dev = q.device
-    keep = set(range(max(0, c0 - w + 1) // bs, -(-c0 // bs)))
-    keep |= set(range(min(-(-p.sinks // bs), -(-c0 // bs))))
     kpos_parts, k_parts, v_parts = [], [], []
-    if keep and p.block_table is not None:
-        idx = torch.tensor(sorted(keep), dtype=torch.long, device=dev)
+    kept = meta.kept_blocks(p, w)
+    if kept is not None:
+        idx, kpos, live = kept
         kc, vc = storage.gather(layer, p.block_table[idx][None])  # [1, KVH, len*bs, D]
-        kpos = (idx[:, None] * bs + torch.arange(bs, device=dev)[None, :]).reshape(-1)
-        live = kpos < c0  # the last block's unwritten tail
-        kpos_parts.append(kpos[live])
+        kpos_parts.append(kpos)
         k_parts.append(kc[0][:, live].transpose(0, 1).to(q.dtype))  # [N, KVH, D]
         v_parts.append(vc[0][:, live].transpose(0, 1).to(q.dtype))
     kpos_parts.append(torch.arange(c0, c0 + n, device=dev))
