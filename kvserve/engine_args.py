@@ -45,7 +45,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         metavar="SPEC",
         help="KV retention policy, lossy, off by default: 'window:W' keeps each token's W "
         "most recent cache entries (W tokens, or 'window:50%%' of each prompt) and returns "
-        "older blocks to the pool",
+        "older blocks to the pool; 'sinks:4,window:508' keeps the first 4 as well "
+        "(StreamingLLM); 'snapkv:512' keeps the 512 prompt tokens its last 32 queries attend "
+        "to most, plus those 32",
     )
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)

@@ -222,6 +222,7 @@ class Request:
         "error",
         "retention",
         "num_evicted_tokens",
+        "cache_offset",
     )
 
     def __init__(
@@ -269,6 +270,24 @@ class Request:
         # K/V it has dropped so far (counted again after a preemption recomputes them).
         self.retention = retention
         self.num_evicted_tokens = 0
+        # Computed tokens whose cache entries a compaction (SnapKV) removed: the cache holds
+        # num_computed_tokens - cache_offset entries, RoPE positions go on from
+        # num_computed_tokens. Zero until the compaction, and again after a preemption.
+        self.cache_offset = 0
+
+    @property
+    def num_cache_entries(self) -> int:
+        """Cache entries holding this request's computed K/V (entry j lives in table entry
+        j // block_size)."""
+        return self.num_computed_tokens - self.cache_offset
+
+    @property
+    def compaction_pending(self) -> bool:
+        """A SnapKV request whose prompt is still to be compacted at its end."""
+        r = self.retention
+        return (
+            r is not None and r.compacts_prompt(self.num_prompt_tokens) and self.cache_offset == 0
+        )
 
     @property
     def wants_prompt_logits(self) -> bool:

@@ -25,14 +25,30 @@ back to the pool.
   ever farther than ``S + W`` positions from a key it sees (a bare window bounds distances
   too, so it may stream as well, which StreamingLLM shows is where it breaks down).
 
-Planned, refused by name for now: ``snapkv:B`` and ``h2o:B``; the parser knows their syntax so
-the error can say so.
+- ``snapkv:B[,obs:32,kernel:7]`` (SnapKV): the prompt is prefilled with full attention; in the
+  step that computes its last chunk, every layer scores each prompt key by the attention the
+  last ``obs`` prompt queries (the observation window) give it, summed over those queries and
+  the query heads of each KV head, smoothed over ``kernel`` neighbouring keys, and each KV head
+  keeps its top B keys plus the observation window. Keys are stored after RoPE, so a kept
+  key carries its true position and different heads (and layers) may keep different tokens
+  as long as each keeps the same count: the kept K/V are copied, in order, into fresh blocks
+  and the prompt's blocks are released. Decoding then continues with RoPE positions past the
+  prompt over a cache of ``B + obs`` entries. The prompt's own blocks were computed with full
+  attention, so they are published to the prefix cache under the ordinary chain (everyone may
+  share them); nothing after the compaction is published. Formats whose codes are per-token
+  (bf16/fp16/fp32, fp8, int8) move entries bit for bit; KIVI quantizes keys per channel over
+  a block, so it is refused. ``snapkv:50%`` keeps half of each prompt (observation window
+  included). Prompt logits are computed before the compaction, so a perplexity over them does
+  not see it.
 
-Composition with prefix caching: a retaining request's K/V past the first W tokens depend on
-the policy, so its blocks are hashed under a chain salted with the policy (requests with the
-same policy share them; everyone else never sees them), and blocks it drops are released, never
-changed in place. Every KV format works with ``window`` and ``sinks`` (dropping blocks is
-format-agnostic).
+Planned, refused by name for now: ``h2o:B``; the parser knows its syntax so the error can say
+so.
+
+Composition with prefix caching: a window or sinks request's K/V past the first W tokens
+depend on the policy, so its blocks are hashed under a chain salted with the policy (requests
+with the same policy share them; everyone else never sees them), and blocks it drops are
+released, never changed in place. Every KV format works with ``window`` and ``sinks``
+(dropping blocks is format-agnostic).
 """
 
 from __future__ import annotations
@@ -42,7 +58,7 @@ from dataclasses import dataclass
 from kvserve.config import ConfigError
 
 KINDS = ("window", "sinks", "snapkv", "h2o")
-IMPLEMENTED = ("window", "sinks")
+IMPLEMENTED = ("window", "sinks", "snapkv")
 FIELD = "kv_retention"
 
 
@@ -61,9 +77,12 @@ class RetentionSpec:
     obs: int = 32  # snapkv: observation window (queries that score the prompt)
     kernel: int = 7  # snapkv: pooling width over neighbouring keys
     recent: int = 0  # h2o: recent tokens always kept (0: budget // 4)
-    # window given as a share of each prompt ("window:50%": 2x compression of the prompt);
-    # resolved per request by :meth:`for_prompt`, which sets ``window``.
+    # window (or snapkv's kept tokens) given as a share of each prompt ("window:50%": 2x
+    # compression of the prompt); resolved per request by :meth:`for_prompt`.
     percent: int = 0
+    # The policy as configured, for a spec that :meth:`for_prompt` resolved ("" otherwise):
+    # what metrics are labelled with.
+    label: str = ""
 
     def text(self) -> str:
         if self.kind == "window":
@@ -72,11 +91,12 @@ class RetentionSpec:
             window = f"{self.percent}%" if self.percent else self.window
             return f"sinks:{self.sinks},window:{window}"
         extra = ""
+        budget = f"{self.percent}%" if self.percent else self.budget
         if self.kind == "snapkv" and (self.obs, self.kernel) != (32, 7):
             extra = f",obs:{self.obs},kernel:{self.kernel}"
         if self.kind == "h2o" and self.recent:
             extra = f",recent:{self.recent}"
-        return f"{self.kind}:{self.budget}{extra}"
+        return f"{self.kind}:{budget}{extra}"
 
     @classmethod
     def parse(cls, text: str) -> RetentionSpec:
@@ -93,13 +113,13 @@ class RetentionSpec:
                 raise _bad(f"{item!r} is not KEY:VALUE (in {text!r})")
             if key in parts:
                 raise _bad(f"{key!r} given twice in {text!r}")
-            if key == "window" and value.endswith("%"):
+            if key in ("window", "snapkv") and value.endswith("%"):
                 try:
                     percent = int(value[:-1])
                 except ValueError:
-                    raise _bad(f"window: expected an integer percentage, got {value!r}") from None
+                    raise _bad(f"{key}: expected an integer percentage, got {value!r}") from None
                 if not 1 <= percent <= 100:
-                    raise _bad(f"window: a share of the prompt must be in [1%, 100%], got {value}")
+                    raise _bad(f"{key}: a share of the prompt must be in [1%, 100%], got {value}")
                 value = "0"
             try:
                 parts[key] = int(value)
@@ -130,7 +150,7 @@ class RetentionSpec:
             spec = cls("sinks", window=parts["window"], sinks=parts["sinks"], percent=percent)
         elif kind == "snapkv":
             spec = cls("snapkv", budget=parts["snapkv"], obs=parts.get("obs", 32),
-                       kernel=parts.get("kernel", 7))  # fmt: skip
+                       kernel=parts.get("kernel", 7), percent=percent)  # fmt: skip
         else:
             spec = cls("h2o", budget=parts["h2o"], recent=parts.get("recent", 0))
         return spec
@@ -143,28 +163,70 @@ class RetentionSpec:
         return self.kind in ("window", "sinks")
 
     @property
-    def salt(self) -> str:
-        """What the policy adds to a request's prefix-cache salt."""
-        return f"kv_retention={self.text()}"
+    def compacts(self) -> bool:
+        """Whether the policy copies the kept K/V into fresh blocks (SnapKV) rather than only
+        dropping whole blocks."""
+        return self.kind == "snapkv"
 
-    def validate(self, block_size: int) -> None:
-        """Refuse what the engine cannot do, naming the field and the allowed range."""
+    @property
+    def salt(self) -> str | None:
+        """What the policy adds to a request's prefix-cache salt (None: its published blocks
+        are exact, so it shares the ordinary chain)."""
+        return None if self.compacts else f"kv_retention={self.text()}"
+
+    def validate(
+        self,
+        block_size: int,
+        windowed_layers: bool = False,
+        kv_format: str = "",
+        entry_copy: bool = True,
+    ) -> None:
+        """Refuse what the engine cannot do, naming the field and the allowed range.
+        ``windowed_layers``: the model has layers with their own sliding window;
+        ``entry_copy``: the KV format (``kv_format``) can move single cache entries."""
         if self.kind not in IMPLEMENTED:
             raise _bad(
                 f"{self.kind!r} is planned, not implemented yet; implemented: "
                 f"{', '.join(IMPLEMENTED)} (e.g. 'window:512')"
             )
-        if not self.percent and self.window < block_size:
-            raise _bad(f"window must be at least the block size ({block_size}), got {self.window}")
+        if self.kind in ("window", "sinks"):
+            if not self.percent and self.window < block_size:
+                raise _bad(
+                    f"window must be at least the block size ({block_size}), got {self.window}"
+                )
         if self.kind == "sinks" and self.sinks < 1:
             raise _bad(f"sinks must be >= 1 (the first tokens kept), got {self.sinks}")
+        if self.kind == "snapkv":
+            if not self.percent and self.budget < block_size:
+                raise _bad(f"snapkv: the budget must be at least the block size ({block_size}), "
+                           f"got {self.budget}")  # fmt: skip
+            if not 1 <= self.obs <= 1024:
+                raise _bad(f"obs: the observation window must be in [1, 1024], got {self.obs}")
+            if not (1 <= self.kernel <= 63 and self.kernel % 2):
+                raise _bad(f"kernel: the pooling width must be odd, in [1, 63], got "
+                           f"{self.kernel}")  # fmt: skip
+            if not entry_copy:
+                raise _bad(f"snapkv with kv_cache_dtype {kv_format} is not supported (KIVI "
+                           f"quantizes keys per channel over a block, so single entries cannot "
+                           f"move); use auto, fp8 or int8")  # fmt: skip
+        if windowed_layers and self.kind in ("sinks", "snapkv"):
+            raise _bad(f"{self.kind} on a model with its own sliding window is not supported "
+                       f"(its window already bounds what each layer reads)")  # fmt: skip
 
     def for_prompt(self, num_prompt_tokens: int, block_size: int) -> RetentionSpec:
         """The policy with a prompt share resolved to tokens (at least one block)."""
         if not self.percent:
             return self
-        window = max(block_size, -(-num_prompt_tokens * self.percent // 100))
-        return RetentionSpec(self.kind, window=window, sinks=self.sinks)
+        kept = -(-num_prompt_tokens * self.percent // 100)
+        if self.kind == "snapkv":  # the share counts the observation window
+            return RetentionSpec("snapkv", budget=max(block_size, kept - self.obs), obs=self.obs,
+                                 kernel=self.kernel, label=self.text())  # fmt: skip
+        return RetentionSpec(self.kind, window=max(block_size, kept), sinks=self.sinks,
+                             label=self.text())  # fmt: skip
+
+    def compacts_prompt(self, num_prompt_tokens: int) -> bool:
+        """Whether SnapKV has anything to drop from a prompt this long."""
+        return self.compacts and num_prompt_tokens > self.budget + self.obs
 
 
 def parse_retention(value: str | RetentionSpec | None) -> RetentionSpec | None:

@@ -22,7 +22,13 @@ import torch
 from kvserve.config import EngineConfig, ModelConfig
 from kvserve.kv.formats import canonical_kv_format, make_kv_storage
 from kvserve.kv.storage import KVStorage
-from kvserve.model.attention import KERNEL_MAX_QUERY, AttentionMetadata, PagedGroup, PrefillChunk
+from kvserve.model.attention import (
+    KERNEL_MAX_QUERY,
+    AttentionMetadata,
+    Compaction,
+    PagedGroup,
+    PrefillChunk,
+)
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import load_kv_scales, load_model, resolve_dtype
 from kvserve.model.resolve import resolve_model
@@ -51,7 +57,7 @@ class ModelRunner:
         first two groups form one contiguous run of rows for the fused paged kernel."""
         decodes, short, long = [], [], []
         for s in seqs:
-            if s.sinks:  # attention over sinks + window: the per-sequence path
+            if s.sinks or s.compact:  # sinks + window, SnapKV's scoring: per sequence
                 long.append(s)
             elif s.num_tokens == 1:
                 decodes.append(s)
@@ -163,8 +169,11 @@ class ModelRunner:
             slot_chunks.append(s.cache_slots(bs))
             bt = np.asarray(s.block_ids, dtype=np.int64)
             table = torch.from_numpy(bt[: -(-(c + n) // bs)]).to(dev) if c else None
-            in_group = bool(c) and n <= KERNEL_MAX_QUERY and not s.sinks
-            meta.prefills.append(PrefillChunk(q_start, n, c, table, in_group, s.window, s.sinks))
+            in_group = bool(c) and n <= KERNEL_MAX_QUERY and not s.sinks and not s.compact
+            chunk = PrefillChunk(q_start, n, c, table, in_group, s.window, s.sinks)
+            if s.compact:
+                chunk.compact = _compaction(s, bs, dev)
+            meta.prefills.append(chunk)
             if in_group:
                 group_rows.append((q_start, n, c, s.window, s.block_ids))
             q_start += n
@@ -197,6 +206,22 @@ def build_runner(config: EngineConfig, num_blocks: int, max_model_len: int) -> M
         k_scales=k_scales, v_scales=v_scales,
     )  # fmt: skip
     return ModelRunner(model, storage, Sampler(mc.vocab_size, config.seed, device), device)
+
+
+def _compaction(s: ScheduledSeq, bs: int, dev: torch.device) -> Compaction:
+    """Slots of the sequence's cache entries (the prompt, before compaction) and of the fresh
+    blocks its kept entries go to."""
+    budget, obs, kernel = s.compact
+    n = s.num_cached + s.num_tokens
+    kept = budget + obs
+    table = np.asarray(s.block_ids, dtype=np.int64)
+    fresh = np.asarray(s.compact_block_ids, dtype=np.int64)
+    src, dst = np.arange(n), np.arange(kept)
+    return Compaction(
+        budget, obs, kernel,
+        torch.from_numpy(table[src // bs] * bs + src % bs).to(dev),
+        torch.from_numpy(fresh[dst // bs] * bs + dst % bs).to(dev),
+    )  # fmt: skip
 
 
 def _paged_group(

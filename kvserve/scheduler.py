@@ -111,12 +111,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk(req, min(req.num_tokens - req.num_computed_tokens, budget))
             if n <= 0:
                 i += 1
                 continue
             self._retain(req)
-            while not self.kv.allocate_slots(req, n):
+            extra = self._compact_blocks(req, n)
+            while not self.kv.allocate_slots(req, n, compact_blocks=extra):
                 victim = self.running.pop()
                 self._preempt(victim, out)
                 picked = [(r, k) for r, k in picked if r is not victim]
@@ -144,8 +145,12 @@ class Scheduler:
             n = req.num_tokens - req.num_computed_tokens - num_cached
             if not self.config.enable_chunked_prefill and n > budget:
                 break
-            n = min(n, budget)
-            if not self.kv.allocate_slots(req, n, computed):
+            n = self._chunk(req, min(n, budget), num_cached)
+            if n <= 0:
+                break
+            if not self.kv.allocate_slots(
+                req, n, computed, self._compact_blocks(req, n, num_cached)
+            ):
                 break
             self._remove_waiting(req)
             if req.num_cached_tokens < 0:
@@ -169,6 +174,26 @@ class Scheduler:
         out.finished_req_ids, self._finished_ids = self._finished_ids, []
         return out
 
+    def _chunk(self, req: Request, n: int, hit: int = 0) -> int:
+        """The tokens ``req`` computes this step out of ``n`` offered: a prompt that SnapKV
+        compacts ends in a chunk of its own that holds the whole observation window (0: wait
+        for a step with more budget)."""
+        if not req.compaction_pending:
+            return n
+        c, p = req.num_computed_tokens + hit, req.num_prompt_tokens
+        if c >= p:
+            return n
+        if c + n >= p:
+            return p - c
+        return min(n, p - req.retention.obs - c)
+
+    def _compact_blocks(self, req: Request, n: int, hit: int = 0) -> int:
+        """Fresh blocks for SnapKV's kept entries when this chunk ends the prompt."""
+        if not req.compaction_pending or req.num_computed_tokens + hit + n != req.num_prompt_tokens:
+            return 0
+        spec = req.retention
+        return -(-(spec.budget + spec.obs) // self.kv.block_size)
+
     def _retain(self, req: Request) -> None:
         """Release the blocks no query of this step or later can reach (a retention window
         or the model's own): queries start at cache entry ``num_computed_tokens`` and see the
@@ -181,7 +206,7 @@ class Scheduler:
         n = self.kv.drop_leading_blocks(req, req.num_computed_tokens - w + 1, sinks)
         if n:
             tokens = n * self.kv.block_size
-            key = req.retention.text() if req.retention is not None else "sliding_window"
+            key = spec.label or spec.text() if spec is not None else "sliding_window"
             ev = self.stats.retention_evicted_tokens
             ev[key] = ev.get(key, 0) + tokens
             self.stats.retention_reclaimed_blocks += n
@@ -211,8 +236,14 @@ class Scheduler:
             prompt_rows = min(n, req.num_prompt_tokens - c)
         spec = req.retention
         window, sinks = (spec.window, spec.sinks) if spec is not None else (0, 0)
-        return ScheduledSeq(rid, req.all_token_ids[c : c + n], c, c, self.kv.block_ids(req)[:],
-                            sample_ids, prompt_rows, window, sinks)  # fmt: skip
+        seq = ScheduledSeq(rid, req.all_token_ids[c : c + n], c, req.num_cache_entries,
+                           self.kv.block_ids(req)[:], sample_ids, prompt_rows, window,
+                           sinks)  # fmt: skip
+        compact = self.kv.compact_block_ids(req)
+        if compact:
+            seq.compact = (spec.budget, spec.obs, spec.kernel)
+            seq.compact_block_ids = compact
+        return seq
 
     def _pick_waiting(self) -> Request:
         """fcfs: the head. lpm: the longest cached prefix, unless the head has waited long."""
@@ -244,6 +275,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_evicted_tokens = 0  # its cache is rebuilt from nothing
+        req.cache_offset = 0
         if req.prompt_logits is not None:
             req.prompt_logits = []  # recomputed from scratch
         req.num_preemptions += 1
@@ -280,6 +312,8 @@ class Scheduler:
             if first.metrics.first_scheduled_time is None:
                 first.metrics.first_scheduled_time = scheduled_at
             self.kv.cache_computed_blocks(first)
+            if seq.compact:
+                self._compacted(first)
             if not seq.sample_ids:
                 continue
             if first.forks:
@@ -310,12 +344,27 @@ class Scheduler:
             self._finish(r, r.status)
         return list(touched.values())
 
+    def _compacted(self, req: Request) -> None:
+        """The runner copied SnapKV's kept entries into the set-aside blocks: switch tables."""
+        spec = req.retention
+        kept = spec.budget + spec.obs
+        blocks = self.kv.apply_compaction(req)
+        dropped = req.num_prompt_tokens - kept
+        req.cache_offset = dropped
+        req.num_evicted_tokens += dropped
+        key = spec.label or spec.text()
+        ev = self.stats.retention_evicted_tokens
+        ev[key] = ev.get(key, 0) + dropped
+        self.stats.retention_reclaimed_blocks += blocks
+
     def _fork(self, first: Request, sib: Request) -> None:
         """Give a waiting sibling ``first``'s blocks; it samples its own first token from the
         same logits this step, then decodes on its own (copy-on-write of the shared tail)."""
         self.kv.fork(first, sib)
         sib.num_computed_tokens = first.num_computed_tokens
         sib.num_cached_tokens = first.num_cached_tokens
+        sib.cache_offset = first.cache_offset
+        sib.num_evicted_tokens = first.num_evicted_tokens
         sib.metrics.first_scheduled_time = first.metrics.first_scheduled_time
 
     def fail_step(self, scheduler_output: SchedulerOutput, error: str, now: float) -> list[Request]:

@@ -10,10 +10,11 @@ Positions and cache indices are separate on purpose. A scheduled sequence's new 
 RoPE positions ``position, position + 1, ...`` and go to cache entries ``num_cached,
 num_cached + 1, ...`` of its block table (entry ``j`` lives in block ``block_ids[j //
 block_size]`` at offset ``j % block_size``); token ``i`` attends to the ``num_cached + i + 1``
-entries before and including itself. Today both counts start at the number of computed tokens:
-a retention window drops whole leading blocks (their table entries become the null block), so
-indices keep their meaning; a policy that compacts K/V would keep positions growing while the
-cache stays short.
+entries before and including itself. Both counts start at the number of computed tokens: a
+retention window drops whole leading blocks (their table entries become the null block), so
+indices keep their meaning. SnapKV compacts: in the step that ends the prompt the runner copies
+each layer's and KV head's kept entries into ``compact_block_ids``, after which positions go on
+growing while the cache stays short.
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ class ScheduledSeq:
     window: int = 0
     # ... plus, with a window, the first ``sinks`` cache entries (StreamingLLM; 0: none).
     sinks: int = 0
+    # SnapKV, in the chunk that ends the prompt: (budget, observation window, pooling width);
+    # every layer copies its kept entries, in order, into the fresh ``compact_block_ids``.
+    compact: tuple[int, int, int] = ()
+    compact_block_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

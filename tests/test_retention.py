@@ -307,7 +307,6 @@ def test_retaining_requests_share_blocks_with_their_own_policy(llama, make_llm):
         ("sinks:0,window:32", "sinks must be >= 1"),
         ("sinks:4", "sinks needs a window too"),
         ("sinks:4,window:8", "at least the block size (16)"),
-        ("snapkv:512", "planned, not implemented"),
         ("h2o:512", "planned, not implemented"),
         ("window:4", "at least the block size (16)"),
     ],
@@ -327,8 +326,8 @@ def test_spec_parsing():
     assert parse_retention(None) is None and parse_retention("none") is None
     spec = parse_retention("window:50%")
     assert spec == RetentionSpec("window", percent=50)
-    assert spec.for_prompt(100, 16) == RetentionSpec("window", window=50)
-    assert spec.for_prompt(10, 16) == RetentionSpec("window", window=16)  # at least a block
+    assert spec.for_prompt(100, 16) == RetentionSpec("window", window=50, label="window:50%")
+    assert spec.for_prompt(10, 16).window == 16  # at least a block
     assert parse_retention(" window : 512 ").text() == "window:512"
     with pytest.raises(InvalidRequestError, match="kv_retention"):
         SamplingParams(kv_retention=512)  # type: ignore[arg-type]

@@ -45,8 +45,10 @@ class InputProcessor:
         max_chunk: int | None = None,
         native_window: int = 0,
         windowed_layers: bool = False,
+        kv_format: tuple[str, bool] = ("", True),
     ) -> None:
         self.windowed_layers = windowed_layers  # some layer has its own sliding window
+        self.kv_format = kv_format  # (name, whether it can move single cache entries)
         self.default_retention = default_retention
         self.max_chunk = max_chunk  # the most tokens one step computes for a request
         self.native_window = native_window
@@ -125,8 +127,14 @@ class InputProcessor:
             )
         retention = self.retention(params)
         if retention is not None:
+            if params.prompt_logprobs is not None:
+                raise InvalidRequestError(
+                    f"prompt_logprobs: not available under kv_retention "
+                    f"{retention.text()!r} (send kv_retention 'none' with it)",
+                    "prompt_logprobs",
+                )
             retention = retention.for_prompt(n_prompt, self.block_size)
-        need = self.blocks_needed(n_prompt + max_tokens, retention)
+        need = self.blocks_needed(n_prompt, max_tokens, retention)
         if need > self.num_blocks:
             raise InvalidRequestError(
                 f"max_tokens: prompt + max_tokens needs {need} KV blocks but the whole pool has "
@@ -138,11 +146,18 @@ class InputProcessor:
             request_id, text, ids, params, max_tokens, arrival_time, salt, wants, retention
         )
 
-    def blocks_needed(self, total_tokens: int, retention: RetentionSpec | None) -> int:
-        """The most blocks the request holds at once: all of them, or under a window the
-        window behind a step's first query plus the step's chunk (and a block of slack on
-        each side)."""
-        full = cdiv(total_tokens, self.block_size)
+    def blocks_needed(
+        self, num_prompt: int, max_tokens: int, retention: RetentionSpec | None
+    ) -> int:
+        """The most blocks the request holds at once: all of them; under a window the window
+        behind a step's first query plus the step's chunk (and a block of slack on each
+        side); under SnapKV the whole prompt plus the fresh blocks it is compacted into, or
+        the compacted cache grown by the output, whichever is more."""
+        bs = self.block_size
+        full = cdiv(num_prompt + max_tokens, bs)
+        if retention is not None and retention.compacts_prompt(num_prompt):
+            kept = retention.budget + retention.obs
+            return max(cdiv(num_prompt, bs) + cdiv(kept, bs), cdiv(kept + max_tokens, bs) + 1)
         w = retention.window if retention is not None else self.native_window
         if not w or self.max_chunk is None:
             return full
@@ -157,10 +172,7 @@ class InputProcessor:
         try:
             spec = parse_retention(params.kv_retention)
             if spec is not None:
-                spec.validate(self.block_size)
-                if spec.sinks and self.windowed_layers:
-                    raise ConfigError("kv_retention: sinks on a model with its own sliding "
-                                      "window is not supported")  # fmt: skip
+                spec.validate(self.block_size, self.windowed_layers, *self.kv_format)
         except ConfigError as e:
             raise InvalidRequestError(str(e), "kv_retention") from None
         return spec

@@ -25,7 +25,7 @@ from kvserve.engine.outputs import OutputProcessor, RequestFamily
 from kvserve.engine.prefix_transfer import PrefixPayload, export_prefix, import_prefix
 from kvserve.engine.sizing import model_fingerprint, num_kv_blocks
 from kvserve.engine.stats import EngineStats
-from kvserve.kv.formats import canonical_kv_format, kv_bytes_per_token
+from kvserve.kv.formats import canonical_kv_format, kv_bytes_per_token, storage_class
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.storage import KVStorage
 from kvserve.model.loader import resolve_dtype
@@ -52,13 +52,6 @@ class LLMEngine:
 
         sc, cc = config.scheduler, config.cache
         self.retention = parse_retention(cc.kv_retention)
-        if self.retention is not None:
-            self.retention.validate(cc.block_size)
-            if self.retention.sinks and any(mc.layer_windows):
-                raise ConfigError(
-                    "kv_retention: sinks on a model with its own sliding window is not "
-                    "supported (its window already bounds what each layer reads)"
-                )
         self.max_model_len = sc.max_model_len or mc.max_position_embeddings
         r = self.retention
         streams = (
@@ -78,6 +71,10 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, mc)
         model_dtype = str(self.dtype).removeprefix("torch.")
         self.kv_cache_dtype = kv_name = canonical_kv_format(cc.kv_cache_dtype, model_dtype)
+        self.kv_entry_copy = storage_class(kv_name).supports_entry_copy
+        if self.retention is not None:
+            self.retention.validate(cc.block_size, any(mc.layer_windows), kv_name,
+                                    self.kv_entry_copy)  # fmt: skip
         self.block_size = cc.block_size
         self.bytes_per_token = kv_bytes_per_token(
             kv_name, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, model_dtype,
@@ -115,7 +112,7 @@ class LLMEngine:
         self.inputs = InputProcessor(
             self.tokenizer, mc.vocab_size, self.max_model_len, self.num_blocks, self.block_size,
             self.retention, sc.max_num_batched_tokens, self.native_window,
-            any(mc.layer_windows),
+            any(mc.layer_windows), (kv_name, self.kv_entry_copy),
         )  # fmt: skip
         self.outputs = OutputProcessor(self.tokenizer, self.core.finish_request)
         self._ids = itertools.count()

@@ -89,6 +89,8 @@ class _WritePlan:
 
 
 class KiviKVStorage(KVStorage):
+    supports_entry_copy = False  # keys are quantized per channel over a whole block
+
     def __init__(
         self,
         num_layers: int,

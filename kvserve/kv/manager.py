@@ -12,7 +12,11 @@ touches the pool.
 A retention policy drops blocks from the front of a table, or after its first sink blocks
 (:meth:`drop_leading_blocks`): the dropped entries become the storage's null block, so cache
 entry ``j`` still lives in table entry ``j // block_size``, and the blocks are released like any
-other (cached-free if they hold a prefix).
+other (cached-free if they hold a prefix). A compacting policy (SnapKV) instead asks for fresh
+blocks beside the chunk that ends the prompt (``allocate_slots(..., compact_blocks=n)``); the
+runner copies the kept entries into them during that step and :meth:`apply_compaction` then
+makes them the request's table and releases the old one. Block math follows the request's
+cache entries (``num_cache_entries``), not its computed tokens.
 
 A storage format may bound how many blocks can be *partially filled* at once (KIVI keeps them
 in a fixed full-precision residual): ``max_partial_blocks``. The manager counts such blocks
@@ -91,6 +95,7 @@ class KVCacheManager:
         self._ops = KVOps()
         self._partial: set[int] = set()  # referenced blocks filled in (0, block_size)
         self._filling: set[int] = set()  # blocks that fill (or were copied) this step
+        self._compact: dict[str, list[KVCacheBlock]] = {}  # fresh blocks a compaction fills
 
     @property
     def num_blocks(self) -> int:
@@ -119,8 +124,9 @@ class KVCacheManager:
     # -- prefix lookups ----------------------------------------------------------------------
     def block_hashes(self, request: Request) -> list[BlockHash]:
         salt = request.cache_salt
-        if request.retention is not None:  # its K/V depend on the policy: a chain of its own
-            salt = f"{salt or ''}\0{request.retention.salt}"
+        policy = request.retention.salt if request.retention is not None else None
+        if policy is not None:  # its K/V depend on the policy: a chain of its own
+            salt = f"{salt or ''}\0{policy}"
         extend_block_hashes(
             request.block_hashes,
             request.all_token_ids,
@@ -140,7 +146,10 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         hashes = self.block_hashes(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        limit = request.num_tokens - 1
+        if request.compaction_pending:  # SnapKV's observation window is computed this time
+            limit = min(limit, request.num_prompt_tokens - request.retention.obs)
+        max_blocks = limit // self.block_size
         hit: list[KVCacheBlock] = []
         for h in hashes[:max_blocks]:
             block = self.pool.get_cached_block(h)
@@ -174,7 +183,7 @@ class KVCacheManager:
         the partial-block count)."""
         blocks = self.req_blocks.get(request.request_id, ())
         bs = self.block_size
-        done = request.num_computed_tokens + len(computed) * bs
+        done = request.num_cache_entries + len(computed) * bs
         end = done + num_new_tokens
         first = done // bs
         have = len(blocks) + len(computed)
@@ -185,20 +194,30 @@ class KVCacheManager:
         return first, need, copies, partial
 
     def can_allocate(
-        self, request: Request, num_new_tokens: int, computed: Sequence[KVCacheBlock] = ()
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed: Sequence[KVCacheBlock] = (),
+        compact_blocks: int = 0,
     ) -> bool:
         _, need, copies, partial = self._plan(request, num_new_tokens, computed)
         reclaimed = sum(1 for b in computed if b.ref_cnt == 0)
-        if need + copies > self.pool.num_free_blocks - reclaimed:
+        if need + copies + compact_blocks > self.pool.num_free_blocks - reclaimed:
             return False
         cap = self.max_partial_blocks
         return cap is None or self.num_partial_blocks + partial <= cap
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed: Sequence[KVCacheBlock] = ()
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed: Sequence[KVCacheBlock] = (),
+        compact_blocks: int = 0,
     ) -> bool:
         """Make room for ``num_new_tokens`` after the computed prefix, or return False and
-        change nothing. ``computed`` are prefix-cache hits from :meth:`get_computed_blocks`.
+        change nothing. ``computed`` are prefix-cache hits from :meth:`get_computed_blocks`;
+        ``compact_blocks`` fresh blocks more are set aside for a compaction this step
+        (:meth:`compact_block_ids`).
 
         A block shared with another request (after :meth:`fork`) that this request is about
         to write into is first replaced by a private copy (copy-on-write); the copy itself is
@@ -206,14 +225,15 @@ class KVCacheManager:
         """
         rid = request.request_id
         blocks = self.req_blocks.get(rid)
-        done = request.num_computed_tokens
-        if blocks and not computed and done + num_new_tokens <= len(blocks) * self.block_size:
+        done = request.num_cache_entries
+        fits = blocks and done + num_new_tokens <= len(blocks) * self.block_size
+        if fits and not computed and not compact_blocks:
             # The common decode step: the tokens fit the table's last, private block.
             tail = blocks[done // self.block_size :]
             if all(b.ref_cnt == 1 for b in tail):
                 self._track_partial(self._block_ids[rid], done, num_new_tokens, ())
                 return True
-        if not self.can_allocate(request, num_new_tokens, computed):
+        if not self.can_allocate(request, num_new_tokens, computed, compact_blocks):
             return False
         first, need, _, _ = self._plan(request, num_new_tokens, computed)
         blocks = self.req_blocks.setdefault(rid, [])
@@ -239,7 +259,30 @@ class KVCacheManager:
             ids.extend(b.block_id for b in fresh_blocks)
             new.extend(b.block_id for b in fresh_blocks)
         self._track_partial(ids, done + len(computed) * self.block_size, num_new_tokens, copied)
+        if compact_blocks:
+            staged = self.pool.get_new_blocks(compact_blocks)
+            self._release(self._compact.pop(rid, []))  # a compaction that never ran
+            self._compact[rid] = staged
+            new.extend(b.block_id for b in staged)
         return True
+
+    def compact_block_ids(self, request: Request) -> list[int]:
+        """The fresh blocks set aside for the request's compaction this step ([] if none)."""
+        return [b.block_id for b in self._compact.get(request.request_id, ())]
+
+    def apply_compaction(self, request: Request) -> int:
+        """After the step that filled them: the set-aside blocks become the request's table
+        and its old blocks are released (cached-free where they hold a published prefix);
+        nothing of the request is published after this. Returns the blocks released net."""
+        rid = request.request_id
+        staged = self._compact.pop(rid)
+        old = self.req_blocks[rid]
+        self.req_blocks[rid] = staged
+        self._block_ids[rid] = [b.block_id for b in staged]
+        self._dropped.pop(rid, None)
+        self.num_cached_blocks[rid] = len(staged)
+        self._release([b for b in reversed(old) if b is not self._null])
+        return len(old) - len(staged)
 
     def _track_partial(
         self, ids: list[int], done: int, n: int, copied: set[int] | tuple[()]
@@ -274,7 +317,7 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         blocks = self.req_blocks.get(request.request_id)
-        if not blocks:
+        if not blocks or request.cache_offset:  # a compacted cache is nobody's prefix
             return
         n_full = min(request.num_computed_tokens // self.block_size, len(blocks))
         start = self.num_cached_blocks.get(request.request_id, 0)
@@ -293,6 +336,7 @@ class KVCacheManager:
         self._block_ids.pop(rid, None)
         self.num_cached_blocks.pop(rid, None)
         self._dropped.pop(rid, None)
+        self._release(self._compact.pop(rid, []))
         if blocks:
             self._release([b for b in reversed(blocks) if b is not self._null])
 
@@ -403,6 +447,9 @@ class KVCacheManager:
                 assert (b is self._null) == (lo <= i < hi), f"dropped entries of {rid}"
                 if b is not self._null:
                     refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        for staged in self._compact.values():
+            for b in staged:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
         for b in self.pool.blocks:
             assert b.ref_cnt == refs.get(b.block_id, 0), f"ref count mismatch on {b}"
         for b in self._partial | self._filling:

@@ -89,6 +89,11 @@ class KVStorage(ABC):
     :meth:`block_tensors` (copy-on-write, export and import use them) and implements
     :meth:`write` and :meth:`gather`; the rest has defaults."""
 
+    # Whether single cache entries can move between slots (SnapKV's compaction): true for
+    # formats whose every per-block tensor is ``[rows, kv_heads, block_size, ...]``, each
+    # token's codes and metadata its own.
+    supports_entry_copy = True
+
     def __init__(
         self,
         num_layers: int,
@@ -206,6 +211,18 @@ class KVStorage(ABC):
         for ts in self.block_tensors().values():
             for t in ts:
                 t[dst] = t[src]
+
+    def copy_entries(self, layer: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy cache entries of one layer, per KV head: head ``h``'s entry at flat slot
+        ``src[h, i]`` goes to slot ``dst[i]`` (``src`` [kv_heads, n], ``dst`` [n]), codes and
+        per-token metadata bit for bit. ``dst`` must not overlap ``src``."""
+        bs = self.block_size
+        heads = torch.arange(self.num_kv_heads, device=src.device)[:, None]
+        sb, so = src // bs, src % bs
+        db, do = (dst // bs).expand_as(src), (dst % bs).expand_as(src)
+        for ts in self.block_tensors().values():
+            t = ts[layer]
+            t[db, heads, do] = t[sb, heads, so]
 
     @abstractmethod
     def write(
@@ -441,6 +458,9 @@ class KVStorageWrapper(KVStorage):
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self.inner.copy_blocks(pairs)
+
+    def copy_entries(self, layer: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.inner.copy_entries(layer, src, dst)
 
     def write(
         self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor

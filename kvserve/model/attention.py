@@ -50,6 +50,17 @@ def combine_windows(layer: int | None, request: int) -> int | None:
 
 
 @dataclass(slots=True)
+class Compaction:
+    """SnapKV in the chunk that ends a prompt (see :mod:`kvserve.retention`)."""
+
+    budget: int  # prompt keys each KV head keeps besides the observation window
+    obs: int  # observation window: the last prompt queries, which score the keys
+    kernel: int  # pooling width over neighbouring keys
+    src_slots: torch.Tensor  # [S] flat slot of each cache entry of the prompt
+    dst_slots: torch.Tensor  # [budget + obs] flat slots of the fresh blocks, in order
+
+
+@dataclass(slots=True)
 class PrefillChunk:
     q_start: int  # offset in the flat batch
     q_len: int
@@ -58,6 +69,7 @@ class PrefillChunk:
     in_group: bool = False  # also listed in the PagedGroup
     window: int = 0  # the request's retention window (0: none), beside the layer's
     sinks: int = 0  # with a window: the first cache entries it keeps too (StreamingLLM)
+    compact: Compaction | None = None  # SnapKV: score, select and copy after attending
 
 
 @dataclass(slots=True)
@@ -212,7 +224,50 @@ def paged_attention(
             qp, kp, vp, attn_mask=mask, is_causal=mask is None, enable_gqa=group > 1
         )
         out[sl] = op[0].transpose(0, 1)
+    for p in meta.prefills:
+        if p.compact is not None:
+            sl = slice(p.q_start, p.q_start + p.q_len)
+            compact_prompt(q[sl], k[sl], layer, storage, p)
     return out
+
+
+def snapkv_keep(q_obs: torch.Tensor, keys: torch.Tensor, budget: int, kernel: int) -> torch.Tensor:
+    """SnapKV's choice for one layer: ``[KVH, budget + w]`` cache entries (ascending) each KV
+    head keeps, for the last ``w`` queries of a prompt ``q_obs`` [w, H, D] over all its keys
+    [S, KVH, D] (RoPE applied to both). Each query's causal softmax over the keys is summed
+    over the window's queries and the KV head's query heads, averaged over ``kernel``
+    neighbouring keys, and the top ``budget`` keys before the window join the window."""
+    w, num_heads, d = q_obs.shape
+    s, num_kv = keys.shape[0], keys.shape[1]
+    g = num_heads // num_kv
+    qf = q_obs.float().view(w, num_kv, g, d)
+    scores = torch.einsum("wkgd,skd->kgws", qf, keys.float()) * d**-0.5
+    qpos = torch.arange(s - w, s, device=keys.device)
+    kpos = torch.arange(s, device=keys.device)
+    scores.masked_fill_((kpos[None, :] > qpos[:, None])[None, None], float("-inf"))
+    vote = scores.softmax(-1).sum(dim=(1, 2))[:, : s - w]  # [KVH, S - w]
+    if kernel > 1:
+        vote = F.avg_pool1d(vote[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
+    top = vote.topk(budget, dim=-1).indices.sort(dim=-1).values
+    return torch.cat([top, qpos.expand(num_kv, w)], dim=-1)
+
+
+def compact_prompt(
+    q: torch.Tensor, k: torch.Tensor, layer: int, storage: KVStorage, p: PrefillChunk
+) -> None:
+    """SnapKV for one layer, after the chunk that ends the prompt attended: score the prompt's
+    keys with its last queries and copy each KV head's kept entries (stored codes, bit for
+    bit) into the fresh blocks. The chunk holds the whole observation window (the scheduler
+    sees to it); the old blocks are left as they are, for the prefix cache."""
+    c = p.compact
+    assert c is not None
+    keys = k
+    if p.ctx_len:
+        assert p.block_table is not None
+        kc, _ = storage.gather(layer, p.block_table[None])
+        keys = torch.cat([kc[0, :, : p.ctx_len].transpose(0, 1).to(k.dtype), k])
+    keep = snapkv_keep(q[-c.obs :], keys, c.budget, c.kernel)  # [KVH, kept]
+    storage.copy_entries(layer, c.src_slots[keep], c.dst_slots)
 
 
 def retained_attention(
