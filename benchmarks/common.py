@@ -77,6 +77,20 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def drain(engine: Any, prompts: list[list[int]], params: Any) -> dict[str, float]:
+    """Queue every prompt on an ``LLMEngine`` and step until all finish: wall seconds, the
+    most requests running at once, preemptions."""
+    for p in prompts:
+        engine.add_request(None, p, params)
+    t0, peak = time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        peak = max(peak, engine.stats().num_running)
+    wall = time.perf_counter() - t0
+    return {"wall s": wall, "peak running": peak,
+            "preemptions": engine.stats().num_preemptions}  # fmt: skip
+
+
 def copy_bandwidth(nbytes: int = 256 * 2**20, reps: int = 5) -> float:
     """Measured memory copy bandwidth in bytes/s (read + write counted once, as a stream)."""
     src = torch.empty(nbytes // 4, dtype=torch.float32).normal_()

@@ -29,7 +29,15 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import bench_model, emit, median, random_prompts, set_threads, table
+from benchmarks.common import (
+    bench_model,
+    drain,
+    emit,
+    median,
+    random_prompts,
+    set_threads,
+    table,
+)
 
 FORMATS = ["bfloat16", "fp8_e4m3", "fp8_e5m2", "int8", "kivi4", "kivi2"]
 
@@ -172,26 +180,9 @@ def throughput_section(
             max_model_len=prompt + out + 16,
             enable_prefix_caching=False,
         )
-        for p in prompts:
-            e.add_request(None, p, sp)
-        t0, peak, gen = time.perf_counter(), 0, 0
-        while e.has_unfinished_requests():
-            e.step()
-            s = e.stats()
-            peak = max(peak, s.num_running)
-            gen += s.step_decode_tokens
-        wall = time.perf_counter() - t0
-        tok_s[f] = n * out / wall
-        rows.append(
-            {
-                "format": f,
-                "blocks": e.num_blocks,
-                "peak running": peak,
-                "preemptions": e.stats().num_preemptions,
-                "wall s": wall,
-                "out tok/s": tok_s[f],
-            }
-        )
+        run = drain(e, prompts, sp)
+        tok_s[f] = n * out / run["wall s"]
+        rows.append({"format": f, "blocks": e.num_blocks, **run, "out tok/s": tok_s[f]})
     print(
         f"\n## long-context decode-heavy: {n} requests, prompt <= {prompt}, {out} out, "
         f"kv_cache_memory {memory / 2**20:.1f} MiB"

@@ -47,7 +47,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "most recent cache entries (W tokens, or 'window:50%%' of each prompt) and returns "
         "older blocks to the pool; 'sinks:4,window:508' keeps the first 4 as well "
         "(StreamingLLM); 'snapkv:512' keeps the 512 prompt tokens its last 32 queries attend "
-        "to most, plus those 32",
+        "to most, plus those 32; 'h2o:512' keeps the 512 entries with the most attention "
+        "mass (a quarter of them the newest)",
     )
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)

@@ -41,8 +41,16 @@ back to the pool.
   included). Prompt logits are computed before the compaction, so a perplexity over them does
   not see it.
 
-Planned, refused by name for now: ``h2o:B``; the parser knows its syntax so the error can say
-so.
+- ``h2o:B[,recent:R]`` (H2O, heavy hitters + recent): every cache entry accumulates the
+  attention mass each later query gives it (per layer and KV head, summed over the head's
+  query heads), from the prompt's queries on. Whenever a step would leave more than B plus a
+  block of entries, each KV head keeps its R most recent entries (default B // 4) and the
+  B - R others with the most mass, copied into fresh blocks like SnapKV's, so blocks are
+  freed in whole-block steps and each compaction is amortised over a block of decode steps.
+  The mass comes from the attention itself: such sequences take the per-sequence attention
+  path, which returns the probabilities it computed. A prompt prefix cached by someone else
+  has no mass, so H2O requests do not read the prefix cache (their blocks before the first
+  compaction are exact and are published for everyone). ``h2o:50%`` sizes B per prompt.
 
 Composition with prefix caching: a window or sinks request's K/V past the first W tokens
 depend on the policy, so its blocks are hashed under a chain salted with the policy (requests
@@ -58,7 +66,7 @@ from dataclasses import dataclass
 from kvserve.config import ConfigError
 
 KINDS = ("window", "sinks", "snapkv", "h2o")
-IMPLEMENTED = ("window", "sinks", "snapkv")
+IMPLEMENTED = KINDS
 FIELD = "kv_retention"
 
 
@@ -73,7 +81,7 @@ class RetentionSpec:
     kind: str
     window: int = 0  # window, sinks: recent tokens kept
     sinks: int = 0  # sinks: first tokens kept
-    budget: int = 0  # snapkv, h2o: tokens kept
+    budget: int = 0  # snapkv: prompt tokens kept besides the window; h2o: entries kept
     obs: int = 32  # snapkv: observation window (queries that score the prompt)
     kernel: int = 7  # snapkv: pooling width over neighbouring keys
     recent: int = 0  # h2o: recent tokens always kept (0: budget // 4)
@@ -113,7 +121,7 @@ class RetentionSpec:
                 raise _bad(f"{item!r} is not KEY:VALUE (in {text!r})")
             if key in parts:
                 raise _bad(f"{key!r} given twice in {text!r}")
-            if key in ("window", "snapkv") and value.endswith("%"):
+            if key in ("window", "snapkv", "h2o") and value.endswith("%"):
                 try:
                     percent = int(value[:-1])
                 except ValueError:
@@ -152,7 +160,7 @@ class RetentionSpec:
             spec = cls("snapkv", budget=parts["snapkv"], obs=parts.get("obs", 32),
                        kernel=parts.get("kernel", 7), percent=percent)  # fmt: skip
         else:
-            spec = cls("h2o", budget=parts["h2o"], recent=parts.get("recent", 0))
+            spec = cls("h2o", budget=parts["h2o"], recent=parts.get("recent", 0), percent=percent)
         return spec
 
     @property
@@ -166,7 +174,17 @@ class RetentionSpec:
     def compacts(self) -> bool:
         """Whether the policy copies the kept K/V into fresh blocks (SnapKV) rather than only
         dropping whole blocks."""
-        return self.kind == "snapkv"
+        return self.kind in ("snapkv", "h2o")
+
+    @property
+    def observes(self) -> bool:
+        """Whether the policy accumulates attention mass per cache entry (H2O)."""
+        return self.kind == "h2o"
+
+    @property
+    def num_recent(self) -> int:
+        """H2O: the most recent entries every compaction keeps."""
+        return self.recent or self.budget // 4
 
     @property
     def salt(self) -> str | None:
@@ -205,11 +223,18 @@ class RetentionSpec:
             if not (1 <= self.kernel <= 63 and self.kernel % 2):
                 raise _bad(f"kernel: the pooling width must be odd, in [1, 63], got "
                            f"{self.kernel}")  # fmt: skip
-            if not entry_copy:
-                raise _bad(f"snapkv with kv_cache_dtype {kv_format} is not supported (KIVI "
-                           f"quantizes keys per channel over a block, so single entries cannot "
-                           f"move); use auto, fp8 or int8")  # fmt: skip
-        if windowed_layers and self.kind in ("sinks", "snapkv"):
+        if self.kind == "h2o":
+            if not self.percent and self.budget < block_size:
+                raise _bad(f"h2o: the budget must be at least the block size ({block_size}), "
+                           f"got {self.budget}")  # fmt: skip
+            if not self.percent and self.recent >= self.budget:
+                raise _bad(f"recent: must be below the budget ({self.budget}), got "
+                           f"{self.recent}")  # fmt: skip
+        if self.compacts and not entry_copy:
+            raise _bad(f"{self.kind} with kv_cache_dtype {kv_format} is not supported (KIVI "
+                       f"quantizes keys per channel over a block, so single entries cannot "
+                       f"move); use auto, fp8 or int8")  # fmt: skip
+        if windowed_layers and self.kind in ("sinks", "snapkv", "h2o"):
             raise _bad(f"{self.kind} on a model with its own sliding window is not supported "
                        f"(its window already bounds what each layer reads)")  # fmt: skip
 
@@ -218,6 +243,10 @@ class RetentionSpec:
         if not self.percent:
             return self
         kept = -(-num_prompt_tokens * self.percent // 100)
+        if self.kind == "h2o":
+            budget = max(block_size, kept)
+            recent = min(self.recent, budget - 1)
+            return RetentionSpec("h2o", budget=budget, recent=recent, label=self.text())
         if self.kind == "snapkv":  # the share counts the observation window
             return RetentionSpec("snapkv", budget=max(block_size, kept - self.obs), obs=self.obs,
                                  kernel=self.kernel, label=self.text())  # fmt: skip
@@ -226,7 +255,7 @@ class RetentionSpec:
 
     def compacts_prompt(self, num_prompt_tokens: int) -> bool:
         """Whether SnapKV has anything to drop from a prompt this long."""
-        return self.compacts and num_prompt_tokens > self.budget + self.obs
+        return self.kind == "snapkv" and num_prompt_tokens > self.budget + self.obs
 
 
 def parse_retention(value: str | RetentionSpec | None) -> RetentionSpec | None:

@@ -50,6 +50,8 @@ class ModelRunner:
         self.block_size = storage.block_size
         self.device = device
         self.states: dict[str, SamplingState] = {}
+        # H2O: per request, per layer, the attention mass of each cache entry [KVH, entries]
+        self.mass: dict[str, list[torch.Tensor | None]] = {}
 
     @staticmethod
     def _order(seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:
@@ -57,7 +59,7 @@ class ModelRunner:
         first two groups form one contiguous run of rows for the fused paged kernel."""
         decodes, short, long = [], [], []
         for s in seqs:
-            if s.sinks or s.compact:  # sinks + window, SnapKV's scoring: per sequence
+            if s.per_sequence:  # sinks + window, a compaction's scoring, H2O's mass
                 long.append(s)
             elif s.num_tokens == 1:
                 decodes.append(s)
@@ -70,6 +72,9 @@ class ModelRunner:
     def _apply_kv_ops(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_req_ids:
             self.states.pop(rid, None)
+            self.mass.pop(rid, None)
+        for rid in sched.preempted_req_ids:
+            self.mass.pop(rid, None)  # its cache is recomputed, and its mass with it
         for nr in sched.new_requests:
             self.states[nr.req_id] = SamplingState(
                 nr.sampling_params, nr.prompt_token_ids, list(nr.output_token_ids),
@@ -87,6 +92,10 @@ class ModelRunner:
         input_ids, positions, meta = self._prepare(items)
         self.storage.begin_step(meta.slot_mapping)
         hidden = self.model(input_ids, positions, self.storage, meta)
+        for s in items:  # the forks of an H2O request start from its mass
+            if s.observe and len(s.sample_ids) > 1:
+                for rid in s.sample_ids[1:]:
+                    self.mass[rid] = [m.clone() for m in self.mass[s.req_id]]
 
         last, t = [], 0
         for s in items:
@@ -134,7 +143,7 @@ class ModelRunner:
         dev = self.device
         null = self.storage.null_block
         nd = 0
-        while nd < len(items) and items[nd].num_tokens == 1 and not items[nd].sinks:
+        while nd < len(items) and items[nd].num_tokens == 1 and not items[nd].per_sequence:
             nd += 1
         ids: list[int] = []
         pos_chunks: list[np.ndarray] = []
@@ -169,10 +178,13 @@ class ModelRunner:
             slot_chunks.append(s.cache_slots(bs))
             bt = np.asarray(s.block_ids, dtype=np.int64)
             table = torch.from_numpy(bt[: -(-(c + n) // bs)]).to(dev) if c else None
-            in_group = bool(c) and n <= KERNEL_MAX_QUERY and not s.sinks and not s.compact
+            in_group = bool(c) and n <= KERNEL_MAX_QUERY and not s.per_sequence
             chunk = PrefillChunk(q_start, n, c, table, in_group, s.window, s.sinks)
             if s.compact:
                 chunk.compact = _compaction(s, bs, dev)
+            if s.observe:
+                layers = self.model.config.num_hidden_layers
+                chunk.mass = self.mass.setdefault(s.req_id, [None] * layers)
             meta.prefills.append(chunk)
             if in_group:
                 group_rows.append((q_start, n, c, s.window, s.block_ids))
@@ -209,16 +221,16 @@ def build_runner(config: EngineConfig, num_blocks: int, max_model_len: int) -> M
 
 
 def _compaction(s: ScheduledSeq, bs: int, dev: torch.device) -> Compaction:
-    """Slots of the sequence's cache entries (the prompt, before compaction) and of the fresh
-    blocks its kept entries go to."""
-    budget, obs, kernel = s.compact
+    """Slots of the sequence's cache entries (before compaction, this step's included) and of
+    the fresh blocks its kept entries go to."""
+    kind, budget, a, b = s.compact
     n = s.num_cached + s.num_tokens
-    kept = budget + obs
+    kept = budget if kind == "h2o" else budget + a
     table = np.asarray(s.block_ids, dtype=np.int64)
     fresh = np.asarray(s.compact_block_ids, dtype=np.int64)
     src, dst = np.arange(n), np.arange(kept)
     return Compaction(
-        budget, obs, kernel,
+        kind, budget, a, b,
         torch.from_numpy(table[src // bs] * bs + src % bs).to(dev),
         torch.from_numpy(fresh[dst // bs] * bs + dst % bs).to(dev),
     )  # fmt: skip

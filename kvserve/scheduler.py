@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvserve.config import SchedulerConfig
-from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.manager import KVCacheManager, cdiv
 from kvserve.request import Request, RequestStatus
 from kvserve.step import ModelRunnerOutput, NewRequestData, ScheduledSeq, SchedulerOutput
 
@@ -139,8 +139,10 @@ class Scheduler:
         ):
             req = self._pick_waiting()
             computed, num_cached = [], 0
-            if req.num_computed_tokens == 0 and not req.wants_prompt_logits:
-                # Prompt logits need every position computed, so such requests skip hits.
+            observes = req.retention is not None and req.retention.observes
+            if req.num_computed_tokens == 0 and not req.wants_prompt_logits and not observes:
+                # Prompt logits need every position computed, and H2O the attention mass of
+                # every prompt query, so such requests skip hits.
                 computed, num_cached = self.kv.get_computed_blocks(req)
             n = req.num_tokens - req.num_computed_tokens - num_cached
             if not self.config.enable_chunked_prefill and n > budget:
@@ -188,11 +190,17 @@ class Scheduler:
         return min(n, p - req.retention.obs - c)
 
     def _compact_blocks(self, req: Request, n: int, hit: int = 0) -> int:
-        """Fresh blocks for SnapKV's kept entries when this chunk ends the prompt."""
+        """Fresh blocks for the entries a compaction keeps, when this step compacts: SnapKV
+        in the chunk that ends the prompt, H2O whenever the step would leave more than its
+        budget plus a block of entries."""
+        spec, bs = req.retention, self.kv.block_size
+        if spec is None or not spec.compacts:
+            return 0
+        if spec.observes:
+            return cdiv(spec.budget, bs) if req.num_cache_entries + n > spec.budget + bs else 0
         if not req.compaction_pending or req.num_computed_tokens + hit + n != req.num_prompt_tokens:
             return 0
-        spec = req.retention
-        return -(-(spec.budget + spec.obs) // self.kv.block_size)
+        return cdiv(spec.budget + spec.obs, bs)
 
     def _retain(self, req: Request) -> None:
         """Release the blocks no query of this step or later can reach (a retention window
@@ -239,9 +247,14 @@ class Scheduler:
         seq = ScheduledSeq(rid, req.all_token_ids[c : c + n], c, req.num_cache_entries,
                            self.kv.block_ids(req)[:], sample_ids, prompt_rows, window,
                            sinks)  # fmt: skip
+        if spec is not None and spec.observes:
+            seq.observe = True
         compact = self.kv.compact_block_ids(req)
         if compact:
-            seq.compact = (spec.budget, spec.obs, spec.kernel)
+            if spec.observes:
+                seq.compact = ("h2o", spec.budget, spec.num_recent, 0)
+            else:
+                seq.compact = ("snapkv", spec.budget, spec.obs, spec.kernel)
             seq.compact_block_ids = compact
         return seq
 
@@ -345,12 +358,12 @@ class Scheduler:
         return list(touched.values())
 
     def _compacted(self, req: Request) -> None:
-        """The runner copied SnapKV's kept entries into the set-aside blocks: switch tables."""
+        """The runner copied the kept entries into the set-aside blocks: switch tables."""
         spec = req.retention
-        kept = spec.budget + spec.obs
+        kept = spec.budget if spec.observes else spec.budget + spec.obs
         blocks = self.kv.apply_compaction(req)
-        dropped = req.num_prompt_tokens - kept
-        req.cache_offset = dropped
+        dropped = req.num_cache_entries - kept
+        req.cache_offset += dropped
         req.num_evicted_tokens += dropped
         key = spec.label or spec.text()
         ev = self.stats.retention_evicted_tokens

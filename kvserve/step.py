@@ -59,10 +59,19 @@ class ScheduledSeq:
     window: int = 0
     # ... plus, with a window, the first ``sinks`` cache entries (StreamingLLM; 0: none).
     sinks: int = 0
-    # SnapKV, in the chunk that ends the prompt: (budget, observation window, pooling width);
-    # every layer copies its kept entries, in order, into the fresh ``compact_block_ids``.
-    compact: tuple[int, int, int] = ()
+    # H2O: the runner accumulates the attention mass each cache entry receives.
+    observe: bool = False
+    # A compaction after this step's attention: ("snapkv", budget, observation window,
+    # pooling width) in the chunk that ends the prompt, or ("h2o", budget, recent, 0); every
+    # layer copies its kept entries, in order, into the fresh ``compact_block_ids``.
+    compact: tuple[str, int, int, int] | tuple[()] = ()
     compact_block_ids: list[int] = field(default_factory=list)
+
+    @property
+    def per_sequence(self) -> bool:
+        """Attended on its own (sinks, a compaction's scoring, H2O's mass), not in the
+        fused kernel's group."""
+        return bool(self.sinks or self.compact or self.observe)
 
     @property
     def num_tokens(self) -> int:

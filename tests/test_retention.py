@@ -307,7 +307,6 @@ def test_retaining_requests_share_blocks_with_their_own_policy(llama, make_llm):
         ("sinks:0,window:32", "sinks must be >= 1"),
         ("sinks:4", "sinks needs a window too"),
         ("sinks:4,window:8", "at least the block size (16)"),
-        ("h2o:512", "planned, not implemented"),
         ("window:4", "at least the block size (16)"),
     ],
 )

@@ -152,9 +152,14 @@ class InputProcessor:
         """The most blocks the request holds at once: all of them; under a window the window
         behind a step's first query plus the step's chunk (and a block of slack on each
         side); under SnapKV the whole prompt plus the fresh blocks it is compacted into, or
-        the compacted cache grown by the output, whichever is more."""
+        the compacted cache grown by the output, whichever is more; under H2O its budget, a
+        block and a step's chunk, plus the fresh blocks of a compaction."""
         bs = self.block_size
         full = cdiv(num_prompt + max_tokens, bs)
+        if retention is not None and retention.observes and full * bs > retention.budget + bs:
+            chunk = self.max_chunk or num_prompt + max_tokens  # H2O: budget + a block + a step
+            peak = min(num_prompt + max_tokens, retention.budget + bs + chunk)
+            return cdiv(peak, bs) + 1 + cdiv(retention.budget, bs)
         if retention is not None and retention.compacts_prompt(num_prompt):
             kept = retention.budget + retention.obs
             return max(cdiv(num_prompt, bs) + cdiv(kept, bs), cdiv(kept + max_tokens, bs) + 1)

@@ -51,13 +51,15 @@ def combine_windows(layer: int | None, request: int) -> int | None:
 
 @dataclass(slots=True)
 class Compaction:
-    """SnapKV in the chunk that ends a prompt (see :mod:`kvserve.retention`)."""
+    """A compaction after the chunk attended (see :mod:`kvserve.retention`): SnapKV in the
+    chunk that ends a prompt, or H2O."""
 
-    budget: int  # prompt keys each KV head keeps besides the observation window
-    obs: int  # observation window: the last prompt queries, which score the keys
-    kernel: int  # pooling width over neighbouring keys
-    src_slots: torch.Tensor  # [S] flat slot of each cache entry of the prompt
-    dst_slots: torch.Tensor  # [budget + obs] flat slots of the fresh blocks, in order
+    kind: str  # "snapkv" or "h2o"
+    budget: int  # snapkv: prompt keys kept besides the observation window; h2o: entries kept
+    window: int  # snapkv: the observation window (last prompt queries); h2o: recent entries
+    kernel: int  # snapkv: pooling width over neighbouring keys
+    src_slots: torch.Tensor  # [S] flat slot of each cache entry, this chunk's included
+    dst_slots: torch.Tensor  # [kept] flat slots of the fresh blocks, in order
 
 
 @dataclass(slots=True)
@@ -69,7 +71,10 @@ class PrefillChunk:
     in_group: bool = False  # also listed in the PagedGroup
     window: int = 0  # the request's retention window (0: none), beside the layer's
     sinks: int = 0  # with a window: the first cache entries it keeps too (StreamingLLM)
-    compact: Compaction | None = None  # SnapKV: score, select and copy after attending
+    compact: Compaction | None = None  # score, select and copy after attending
+    # H2O: the request's attention mass per layer ([KVH, ctx_len] or None before its first
+    # chunk), updated in place with this chunk's queries.
+    mass: list[torch.Tensor | None] | None = None
 
 
 @dataclass(slots=True)
@@ -198,6 +203,9 @@ def paged_attention(
         if fused and p.in_group:
             continue
         sl = slice(p.q_start, p.q_start + p.q_len)
+        if p.mass is not None:
+            out[sl] = observed_attention(q[sl], k[sl], v[sl], layer, storage, p)
+            continue
         if p.sinks or (p.window and p.ctx_len):
             out[sl] = retained_attention(q[sl], k[sl], v[sl], layer, storage, meta, p, window)
             continue
@@ -225,7 +233,7 @@ def paged_attention(
         )
         out[sl] = op[0].transpose(0, 1)
     for p in meta.prefills:
-        if p.compact is not None:
+        if p.compact is not None and p.compact.kind == "snapkv":
             sl = slice(p.q_start, p.q_start + p.q_len)
             compact_prompt(q[sl], k[sl], layer, storage, p)
     return out
@@ -266,8 +274,67 @@ def compact_prompt(
         assert p.block_table is not None
         kc, _ = storage.gather(layer, p.block_table[None])
         keys = torch.cat([kc[0, :, : p.ctx_len].transpose(0, 1).to(k.dtype), k])
-    keep = snapkv_keep(q[-c.obs :], keys, c.budget, c.kernel)  # [KVH, kept]
+    keep = snapkv_keep(q[-c.window :], keys, c.budget, c.kernel)  # [KVH, kept]
     storage.copy_entries(layer, c.src_slots[keep], c.dst_slots)
+
+
+# Queries per block of H2O's attention: bounds its [heads, queries, keys] probabilities.
+OBSERVED_QUERY_BLOCK = 256
+
+
+def observed_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, storage: KVStorage,
+    p: PrefillChunk,
+) -> torch.Tensor:  # fmt: skip
+    """Attention of one H2O sequence's chunk (or decode token) over its cache entries and its
+    own fresh K/V, in float32, adding the probabilities each entry receives (summed over the
+    chunk's queries and each KV head's query heads) to the request's mass; then, when the
+    step compacts, each KV head's kept entries are copied into the fresh blocks and the mass
+    follows them. Every cache entry is older than the chunk (entries are any tokens a head
+    kept, in order), so the chunk sees all of them and itself causally."""
+    c0, n = p.ctx_len, p.q_len
+    keys, values = k, v
+    if c0:
+        assert p.block_table is not None
+        kc, vc = storage.gather(layer, p.block_table[None])
+        keys = torch.cat([kc[0, :, :c0].transpose(0, 1).to(k.dtype), k])
+        values = torch.cat([vc[0, :, :c0].transpose(0, 1).to(v.dtype), v])
+    s, num_kv, d = keys.shape
+    g = q.shape[1] // num_kv
+    kf, vf = keys.float(), values.float()
+    out = torch.empty_like(q)
+    vote = torch.zeros(num_kv, s, device=q.device)
+    kpos = torch.arange(s, device=q.device)
+    for start in range(0, n, OBSERVED_QUERY_BLOCK):
+        qs = q[start : start + OBSERVED_QUERY_BLOCK].float()
+        m = qs.shape[0]
+        scores = torch.einsum("mkgd,skd->kgms", qs.view(m, num_kv, g, d), kf) * d**-0.5
+        qpos = c0 + start + torch.arange(m, device=q.device)
+        scores.masked_fill_((kpos[None, :] > qpos[:, None])[None, None], float("-inf"))
+        probs = scores.softmax(-1)
+        out[start : start + m] = torch.einsum("kgms,skd->mkgd", probs, vf).reshape(m, -1, d)
+        vote += probs.sum(dim=(1, 2))
+    assert p.mass is not None
+    prev = p.mass[layer]
+    if prev is None:
+        prev = torch.zeros(num_kv, 0, device=q.device)
+    mass = torch.cat([prev, torch.zeros(num_kv, n, device=q.device)], dim=1) + vote
+    c = p.compact
+    if c is not None:
+        keep = h2o_keep(mass, c.budget, c.window)
+        storage.copy_entries(layer, c.src_slots[keep], c.dst_slots)
+        mass = mass.gather(1, keep)
+    p.mass[layer] = mass
+    return out
+
+
+def h2o_keep(mass: torch.Tensor, budget: int, recent: int) -> torch.Tensor:
+    """H2O's choice: ``[KVH, budget]`` entries (ascending) per KV head, its ``recent`` newest
+    and the ``budget - recent`` others with the most accumulated mass ``[KVH, S]``."""
+    num_kv, s = mass.shape
+    newest = torch.arange(s - recent, s, device=mass.device).expand(num_kv, recent)
+    heavy = mass[:, : s - recent].topk(budget - recent, dim=-1).indices.sort(dim=-1).values
+    return torch.cat([heavy, newest], dim=-1)
 
 
 def retained_attention(

@@ -1,7 +1,9 @@
-"""SnapKV (``--kv-retention snapkv:B``): the prompt's K/V are compacted into fresh blocks at the
-end of prefill and the prompt's blocks go back to the pool; outputs equal an independent
-reference built on transformers' own attention probabilities and cache; prefix caching stays
-lossless for everyone else; bad combinations are refused by name."""
+"""Retention that compacts the cache: SnapKV (``snapkv:B``: the prompt's kept K/V are copied
+into fresh blocks at the end of prefill) and H2O (``h2o:B``: heavy hitters by accumulated
+attention mass plus recent entries, compacted whenever a block's worth is over budget). The
+prompt's or old blocks go back to the pool; outputs equal independent references built on
+transformers' own attention probabilities and cache; prefix caching stays lossless for
+everyone else; bad combinations are refused by name."""
 
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ transformers = pytest.importorskip("transformers")
 
 BUDGET, OBS, KERNEL = 16, 8, 7
 SPEC = f"snapkv:{BUDGET},obs:{OBS},kernel:{KERNEL}"
+H2O_BUDGET, RECENT, BS = 24, 8, 8
+H2O = f"h2o:{H2O_BUDGET},recent:{RECENT}"
 NEW = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
 LENGTHS = [20, 40, 90, 128]  # 20 <= budget + obs: nothing to compact
@@ -28,9 +32,7 @@ def snapkv_reference(path: str, prompt: list[int], n_new: int) -> list[int]:
     """Greedy tokens of transformers' eager Llama whose cache, after the prompt, holds per
     layer and KV head only the entries SnapKV picks from transformers' own attention
     probabilities; decoding then continues at RoPE positions past the prompt."""
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager"
-    )
+    hf = _model_kv(path)
     p = len(prompt)
     with torch.no_grad():
         out = hf(torch.tensor([prompt]), output_attentions=True, use_cache=True)
@@ -63,6 +65,61 @@ def _layer_kv(cache, i: int) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN0
     if hasattr(cache, "layers"):
         return cache.layers[i].keys, cache.layers[i].values
     return cache.key_cache[i], cache.value_cache[i]
+
+
+def _model_kv(path: str):  # noqa: ANN202 - a transformers model
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    )
+
+
+def h2o_reference(path: str, prompt: list[int], n_new: int, chunk: int) -> list[int]:
+    """Greedy tokens of transformers' eager Llama fed ``chunk`` prompt tokens at a time, then
+    one token at a time, over a cache rebuilt per step from per-head K/V lists: every entry
+    accumulates the attention probabilities transformers returns (summed over queries and
+    each KV head's query heads), and whenever more than budget + a block entries remain, each
+    head keeps its RECENT newest entries and the heaviest others."""
+    hf = _model_kv(path)
+    layers = hf.config.num_hidden_layers
+    keys: list[torch.Tensor | None] = [None] * layers
+    values: list[torch.Tensor | None] = [None] * layers
+    mass: list[torch.Tensor | None] = [None] * layers
+    tokens, pos, entries, out = list(prompt), 0, 0, []
+    while len(out) < n_new:
+        m = min(chunk, len(prompt) - pos) if pos < len(prompt) else 1
+        cache = None
+        if entries:
+            cache = transformers.DynamicCache()
+            for i in range(layers):
+                cache.update(keys[i], values[i], i)
+        with torch.no_grad():
+            o = hf(torch.tensor([tokens[pos : pos + m]]),
+                   position_ids=torch.arange(pos, pos + m)[None],
+                   cache_position=torch.arange(entries, entries + m), past_key_values=cache,
+                   output_attentions=True, use_cache=True)  # fmt: skip
+        for i in range(layers):
+            keys[i], values[i] = _layer_kv(o.past_key_values, i)
+            att = o.attentions[i][0]  # [heads, m, entries + m]
+            kvh = keys[i].shape[1]
+            vote = att.sum(1).view(kvh, att.shape[0] // kvh, -1).sum(1)
+            old = mass[i] if mass[i] is not None else torch.zeros(kvh, 0)
+            mass[i] = torch.cat([old, torch.zeros(kvh, m)], 1) + vote
+        pos, entries = pos + m, entries + m
+        if entries > H2O_BUDGET + BS:
+            for i in range(layers):
+                kvh = keys[i].shape[1]
+                heavy = mass[i][:, : entries - RECENT].topk(H2O_BUDGET - RECENT, -1).indices
+                recent = torch.arange(entries - RECENT, entries).expand(kvh, RECENT)
+                idx = torch.cat([heavy.sort(-1).values, recent], -1)
+                g = idx[None, :, :, None].expand(1, kvh, H2O_BUDGET, keys[i].shape[-1])
+                keys[i], values[i] = keys[i].gather(2, g), values[i].gather(2, g)
+                mass[i] = mass[i].gather(1, idx)
+            entries = H2O_BUDGET
+        if pos >= len(prompt):
+            tok = int(o.logits[0, -1].argmax())
+            tokens.append(tok)
+            out.append(tok)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -126,12 +183,14 @@ def test_prompt_blocks_return_to_the_pool(llama, make_llm, kv_cache_dtype):
     assert (last.num_retained_tokens, last.num_seen_tokens) == (24 + 39, 200 + 39)
 
 
-def test_kivi_is_refused_by_name(llama, make_llm):
-    with pytest.raises(ConfigError, match="kv_retention: snapkv with kv_cache_dtype kivi4"):
-        make_llm(llama, dtype="float32", kv_cache_dtype="kivi4", kv_retention=SPEC)
+@pytest.mark.parametrize("spec", [SPEC, H2O])
+def test_kivi_is_refused_by_name(llama, make_llm, spec):
+    kind = spec.split(":")[0]
+    with pytest.raises(ConfigError, match=f"kv_retention: {kind} with kv_cache_dtype kivi4"):
+        make_llm(llama, dtype="float32", kv_cache_dtype="kivi4", kv_retention=spec)
     llm = make_llm(llama, dtype="float32", kv_cache_dtype="kivi2")
     with pytest.raises(InvalidRequestError, match="kivi2") as e:
-        llm.generate([[1, 2, 3]], GREEDY.clone(kv_retention=SPEC))
+        llm.generate([[1, 2, 3]], GREEDY.clone(kv_retention=spec))
     assert e.value.field == "kv_retention"
     llm.generate([[1, 2, 3]], GREEDY.clone(kv_retention="window:32"))  # dropping blocks works
 
@@ -175,9 +234,12 @@ def test_parallel_samples_share_the_compacted_cache(llama, make_llm):
         ("snapkv:64,kernel:4", "kernel: the pooling width must be odd"),
         ("snapkv:64,window:8", "snapkv takes kernel, obs, snapkv, not window"),
         ("snapkv:150%", "[1%, 100%]"),
+        ("h2o:8", "h2o: the budget must be at least the block size (16)"),
+        ("h2o:64,recent:64", "recent: must be below the budget (64)"),
+        ("h2o:64,obs:8", "h2o takes h2o, recent, not obs"),
     ],
 )
-def test_bad_snapkv_specs_are_refused_by_name(llama, make_llm, spec, words):
+def test_bad_specs_are_refused_by_name(llama, make_llm, spec, words):
     with pytest.raises(ConfigError, match="kv_retention") as e:
         make_llm(llama, dtype="float32", kv_retention=spec)
     assert words in str(e.value)
@@ -191,6 +253,8 @@ def test_bad_snapkv_specs_are_refused_by_name(llama, make_llm, spec, words):
 def test_refused_combinations(checkpoint, llama, make_llm):
     with pytest.raises(ConfigError, match="snapkv on a model with its own sliding window"):
         make_llm(checkpoint("mistral_swa"), dtype="float32", kv_retention=SPEC)
+    with pytest.raises(ConfigError, match="h2o on a model with its own sliding window"):
+        make_llm(checkpoint("mistral_swa"), dtype="float32", kv_retention=H2O)
     llm = make_llm(llama, dtype="float32", kv_retention=SPEC)
     with pytest.raises(InvalidRequestError, match="prompt_logprobs: not available") as e:
         llm.generate([[1, 2, 3]], GREEDY.clone(prompt_logprobs=1))
@@ -207,3 +271,62 @@ def test_percent_budget():
     )
     assert spec.for_prompt(40, 16).budget == 16  # at least a block
     assert not spec.for_prompt(40, 16).compacts_prompt(40)
+    h2o = parse_retention("h2o:50%")
+    assert h2o.text() == "h2o:50%"
+    assert h2o.for_prompt(400, 16) == RetentionSpec("h2o", budget=200, label="h2o:50%")
+    assert h2o.for_prompt(400, 16).num_recent == 50  # a quarter of the budget by default
+
+
+# -- H2O --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("chunk", [2048, 36])  # whole prompts; chunks that compact mid-prompt
+def test_h2o_equals_a_transformers_reference(llama, make_llm, chunk):
+    prompts = prompts_of_lengths([20, 90, 128], seed=11)
+    expected = [h2o_reference(llama, p, 40, chunk) for p in prompts]
+    full = tokens(
+        make_llm(llama, dtype="float32", block_size=BS), prompts, GREEDY.clone(max_tokens=40)
+    )
+    assert all(f != e for f, e in zip(full, expected, strict=True)), "eviction must matter"
+    llm = make_llm(llama, dtype="float32", block_size=BS, kv_retention=H2O,
+                   max_num_batched_tokens=chunk)  # fmt: skip
+    # One request at a time, so that each one's chunks are exactly ``chunk`` tokens.
+    got = [tokens(llm, [p], GREEDY.clone(max_tokens=40))[0] for p in prompts]
+    assert got == expected
+    assert llm.engine.stats().retention_reclaimed_blocks > 0
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3", "int8"])
+def test_h2o_holds_its_budget_while_decoding(llama, make_llm, kv_cache_dtype):
+    prompt = prompts_of_lengths([60], seed=3)[0]
+    llm = make_llm(llama, dtype="float32", block_size=BS, kv_retention=H2O,
+                   kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False)  # fmt: skip
+    eng = llm.engine
+    eng.add_request("r", prompt, GREEDY.clone(max_tokens=120))
+    used, outs = [], []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+        used.append(eng.kv.num_used_blocks)
+    # Between compactions a sequence holds budget (24) + up to a block (8) + the new entry:
+    # at most ceil(33 / 8) = 5 blocks, and never fewer than the budget's 3.
+    assert max(used[:-1]) <= 5 and min(used[:-1]) >= 3
+    assert used[-1] == 0
+    last = [o for o in outs if o.finished][0]
+    assert last.num_seen_tokens == 60 + 119
+    assert H2O_BUDGET <= last.num_retained_tokens <= H2O_BUDGET + BS
+
+
+def test_h2o_under_preemption_parallel_samples_and_prefix_cache(llama, make_llm):
+    prompts = prompts_of_lengths([90, 128, 100, 70], seed=11)
+    llm = make_llm(llama, dtype="float32", block_size=BS, num_gpu_blocks=20,
+                   max_num_batched_tokens=36)  # fmt: skip
+    outs = llm.generate(prompts, GREEDY.clone(kv_retention=H2O))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [NEW] * 4
+    assert llm.engine.scheduler.num_preemptions > 0
+    # The prompts are in the prefix cache now, but H2O needs every prompt query's mass.
+    again = llm.generate(prompts[:1], GREEDY.clone(kv_retention=H2O))[0]
+    assert again.num_cached_tokens == 0
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=40, ignore_eos=True,
+                            kv_retention=H2O)  # fmt: skip
+    out = llm.generate(prompts[:1], params)[0]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    one = llm.generate(prompts[:1], params.clone(n=1))[0]  # sample 0 keeps its mass
+    assert one.outputs[0].token_ids == out.outputs[0].token_ids
