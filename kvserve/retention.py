@@ -66,7 +66,6 @@ from dataclasses import dataclass
 from kvserve.config import ConfigError
 
 KINDS = ("window", "sinks", "snapkv", "h2o")
-IMPLEMENTED = KINDS
 FIELD = "kv_retention"
 
 
@@ -202,11 +201,6 @@ class RetentionSpec:
         """Refuse what the engine cannot do, naming the field and the allowed range.
         ``windowed_layers``: the model has layers with their own sliding window;
         ``entry_copy``: the KV format (``kv_format``) can move single cache entries."""
-        if self.kind not in IMPLEMENTED:
-            raise _bad(
-                f"{self.kind!r} is planned, not implemented yet; implemented: "
-                f"{', '.join(IMPLEMENTED)} (e.g. 'window:512')"
-            )
         if self.kind in ("window", "sinks"):
             if not self.percent and self.window < block_size:
                 raise _bad(
