@@ -11,9 +11,11 @@ Architectures the engine cannot run are still planned: the parser below only nee
 MLA (DeepSeek-V2/V3, ``kv_lora_rank``) caches one latent of ``kv_lora_rank + qk_rope_head_dim``
 elements per token per layer instead of a K and a V; we pass that width as a single "head" and
 halve the K+V figure, which is exact for dense formats. Sliding-window layers hold at most their
-window; the engine's pool gives every layer the same block table, so the engine-consistent
-figures count every layer at full length and ``*_window_aware`` figures show what a
-per-layer-group allocator (such as vLLM's hybrid allocator) would hold.
+window. The engine's pool gives every layer the same block table: when every layer has the same
+window (Mistral) the engine frees the blocks behind it, so the ``*_window_aware`` figures are
+what it holds (within a block or two per sequence); a hybrid model keeps full tables, so there
+the engine-consistent figures count every layer at full length and ``*_window_aware`` shows what
+a per-layer-group allocator (such as vLLM's hybrid allocator) would hold.
 """
 
 from __future__ import annotations
