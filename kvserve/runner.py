@@ -26,6 +26,7 @@ from kvserve.model.attention import (
     KERNEL_MAX_QUERY,
     AttentionMetadata,
     Compaction,
+    ObservedDecode,
     PagedGroup,
     PrefillChunk,
 )
@@ -171,6 +172,7 @@ class ModelRunner:
             group_rows += [(i, 1, int(ctx[i]), dec[i].window, dec[i].block_ids) for i in range(nd)]
 
         q_start = nd
+        observed: list[tuple[int, int, list[int], list]] = []  # row, entries, table, mass
         for s in items[nd:]:
             n, c = s.num_tokens, s.num_cached
             ids.extend(s.token_ids)
@@ -185,12 +187,27 @@ class ModelRunner:
             if s.observe:
                 layers = self.model.config.num_hidden_layers
                 chunk.mass = self.mass.setdefault(s.req_id, [None] * layers)
+                if n == 1 and c and not s.compact:  # attended in one batch with its like
+                    chunk.in_group = True
+                    observed.append((q_start, c + 1, s.block_ids, chunk.mass))
             meta.prefills.append(chunk)
             if in_group:
                 group_rows.append((q_start, n, c, s.window, s.block_ids))
             q_start += n
         if group_rows:
             meta.paged = _paged_group(group_rows, null, dev)
+        if observed:
+            width = max(len(b) for _, _, b, _ in observed)
+            table = np.full((len(observed), width), null, dtype=np.int64)
+            for i, (_, _, b, _) in enumerate(observed):
+                table[i, : len(b)] = b
+            meta.observed = ObservedDecode(
+                torch.tensor([r for r, *_ in observed], device=dev),
+                torch.from_numpy(table).to(dev),
+                torch.tensor([e for _, e, _, _ in observed], device=dev),
+                [e for _, e, _, _ in observed],
+                [m for *_, m in observed],
+            )  # fmt: skip
 
         meta.slot_mapping = torch.from_numpy(np.concatenate(slot_chunks)).to(dev)
         positions = torch.from_numpy(np.concatenate(pos_chunks)).to(dev)

@@ -91,6 +91,18 @@ class PagedGroup:
 
 
 @dataclass(slots=True)
+class ObservedDecode:
+    """H2O decode tokens that do not compact this step, attended in one batch with explicit
+    probabilities (their chunks are marked ``in_group`` and skipped by the chunk loop)."""
+
+    rows: torch.Tensor  # [B] rows of the flat batch
+    block_tables: torch.Tensor  # [B, max_blocks], padded with the null block
+    num_entries: torch.Tensor  # [B] cache entries, the new token's included
+    entries: list[int]  # the same, as ints
+    masses: list[list[torch.Tensor | None]]  # each request's mass per layer
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat slot index of each new token
     block_size: int
@@ -100,6 +112,7 @@ class AttentionMetadata:
     decode_windows: torch.Tensor | None = None  # [Bd] int32 retention windows (0: none)
     prefills: list[PrefillChunk] = field(default_factory=list)
     paged: PagedGroup | None = None
+    observed: ObservedDecode | None = None
     rotary: Any = None  # the model's RotaryEmbedding (cos/sin tables), set by its forward
     _masks: dict = field(default_factory=dict)
 
@@ -199,8 +212,10 @@ def paged_attention(
             od = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=meta.decode_mask(window))
             out[:nd] = od.reshape(nd, num_heads, head_dim)
 
+    if meta.observed is not None:
+        observed_decode(q, layer, storage, meta.observed, out)
     for i, p in enumerate(meta.prefills):
-        if fused and p.in_group:
+        if (fused or p.mass is not None) and p.in_group:
             continue
         sl = slice(p.q_start, p.q_start + p.q_len)
         if p.mass is not None:
@@ -326,6 +341,28 @@ def observed_attention(
         mass = mass.gather(1, keep)
     p.mass[layer] = mass
     return out
+
+
+def observed_decode(
+    q: torch.Tensor, layer: int, storage: KVStorage, g: ObservedDecode, out: torch.Tensor
+) -> None:
+    """H2O decode tokens in one batch: their blocks gathered (the new token's K/V were written
+    first), explicit float32 probabilities, each request's mass grown by what its entries
+    received."""
+    kc, vc = storage.gather(layer, g.block_tables)  # [B, KVH, S, D]
+    b, num_kv, s, d = kc.shape
+    qd = q[g.rows].float().view(b, num_kv, -1, d)
+    scores = torch.einsum("bkgd,bksd->bkgs", qd, kc.float()) * d**-0.5
+    seen = torch.arange(s, device=q.device)[None, :] < g.num_entries[:, None]
+    scores.masked_fill_(~seen[:, None, None, :], float("-inf"))
+    probs = scores.softmax(-1)
+    out[g.rows] = torch.einsum("bkgs,bksd->bkgd", probs, vc.float()).reshape(b, -1, d).to(q.dtype)
+    vote = probs.sum(2)  # [B, KVH, S]
+    for i, (n, mass) in enumerate(zip(g.entries, g.masses, strict=True)):
+        prev = mass[layer]
+        assert prev is not None and prev.shape[1] == n - 1
+        mass[layer] = torch.cat([prev, vote[i, :, n - 1 : n]], dim=1)
+        mass[layer][:, : n - 1] += vote[i, :, : n - 1]
 
 
 def h2o_keep(mass: torch.Tensor, budget: int, recent: int) -> torch.Tensor:
