@@ -13,7 +13,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import ConfigError
-from kvserve.request import InvalidRequestError
+from kvserve.request import InvalidRequestError, RequestOutput
 from kvserve.retention import RetentionSpec, parse_retention
 from kvserve.server.app import BackgroundServer, build_state
 from tests.conftest import prompts_of_lengths
@@ -211,15 +211,18 @@ def test_sinks_stream_past_the_position_limit(checkpoint, make_llm):
 
 
 # -- memory -----------------------------------------------------------------------------------
-def _decode_and_watch(llm: LLM, prompt: list[int], max_tokens: int) -> list[int]:
+def decode_and_watch(
+    llm: LLM, prompt: list[int], max_tokens: int
+) -> tuple[list[int], RequestOutput]:
+    """Blocks in use after each step of one greedy request, and its final output."""
     eng = llm.engine
     eng.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=max_tokens,
                                                 ignore_eos=True))  # fmt: skip
-    used = []
+    used, outs = [], []
     while eng.has_unfinished_requests():
-        eng.step()
+        outs += eng.step()
         used.append(eng.kv.num_used_blocks)
-    return used
+    return used, [o for o in outs if o.finished][0]
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3", "int8", "kivi4", "kivi2"])
@@ -230,13 +233,13 @@ def test_blocks_return_to_the_pool_while_decoding(llama, make_llm, kv_cache_dtyp
     # A small pool: the suite checks every block after every step.
     kw = dict(dtype="float32", block_size=8, kv_cache_dtype=kv_cache_dtype, num_gpu_blocks=40,
               max_num_seqs=4, enable_prefix_caching=False)  # fmt: skip
-    used = _decode_and_watch(make_llm(llama, kv_retention=spec, **kw), prompt, 160)
+    used, _ = decode_and_watch(make_llm(llama, kv_retention=spec, **kw), prompt, 160)
     # A query at entry c reads entries c-31..c: at most 5 blocks of 8, plus the one filling
     # (and the sink block).
     assert max(used[5:]) <= 32 // 8 + 2 + sink_blocks
     assert used[-2] <= used[5] + 1, "the count must stay flat, not grow with the sequence"
     assert used[-1] == 0
-    full = _decode_and_watch(make_llm(llama, **kw), prompt, 160)
+    full, _ = decode_and_watch(make_llm(llama, **kw), prompt, 160)
     assert max(full) == -(-(40 + 159) // 8)  # everything kept: one block per 8 entries
 
 
@@ -244,7 +247,7 @@ def test_model_native_window_frees_blocks_exactly(checkpoint, make_llm):
     path = checkpoint("mistral_swa")  # sliding_window 24 on every layer
     llm = make_llm(path, dtype="float32", block_size=8, enable_prefix_caching=False)
     assert llm.engine.native_window == 24
-    used = _decode_and_watch(llm, prompts_of_lengths([40], seed=3)[0], 120)
+    used, _ = decode_and_watch(llm, prompts_of_lengths([40], seed=3)[0], 120)
     assert max(used[5:]) <= 24 // 8 + 2
     assert llm.engine.stats().retention_evicted_tokens["sliding_window"] > 0
     # Exactness of the same model against transformers is test_exactness.py's job (it runs
@@ -261,7 +264,7 @@ def test_hybrid_model_keeps_full_tables(checkpoint, make_llm, tmp_path):
     llm = make_llm(str(tmp_path), dtype="float32", block_size=8, enable_prefix_caching=False)
     assert llm.engine.model_config.layer_windows == (None, 24)
     assert llm.engine.native_window == 0  # layer 0 reads everything: nothing is freed
-    used = _decode_and_watch(llm, prompts_of_lengths([40], seed=3)[0], 60)
+    used, _ = decode_and_watch(llm, prompts_of_lengths([40], seed=3)[0], 60)
     assert max(used) == -(-(40 + 59) // 8)
 
 
@@ -308,6 +311,14 @@ def test_retaining_requests_share_blocks_with_their_own_policy(llama, make_llm):
         ("sinks:4", "sinks needs a window too"),
         ("sinks:4,window:8", "at least the block size (16)"),
         ("window:4", "at least the block size (16)"),
+        ("snapkv:8", "at least the block size (16)"),
+        ("snapkv:64,obs:0", "obs: the observation window must be in [1, 1024]"),
+        ("snapkv:64,kernel:4", "kernel: the pooling width must be odd"),
+        ("snapkv:64,window:8", "snapkv takes kernel, obs, snapkv, not window"),
+        ("snapkv:150%", "[1%, 100%]"),
+        ("h2o:8", "h2o: the budget must be at least the block size (16)"),
+        ("h2o:64,recent:64", "recent: must be below the budget (64)"),
+        ("h2o:64,obs:8", "h2o takes h2o, recent, not obs"),
     ],
 )
 def test_bad_policies_are_refused_by_name(llama, make_llm, spec, words):

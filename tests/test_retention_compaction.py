@@ -16,6 +16,7 @@ from kvserve.config import ConfigError
 from kvserve.request import InvalidRequestError
 from kvserve.retention import RetentionSpec, parse_retention
 from tests.conftest import prompts_of_lengths
+from tests.test_retention import decode_and_watch
 
 transformers = pytest.importorskip("transformers")
 
@@ -168,18 +169,12 @@ def test_prompt_blocks_return_to_the_pool(llama, make_llm, kv_cache_dtype):
     prompt = prompts_of_lengths([200], seed=3)[0]
     llm = make_llm(llama, dtype="float32", block_size=8, kv_retention=SPEC,
                    kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False)  # fmt: skip
-    eng = llm.engine
-    eng.add_request("r", prompt, GREEDY.clone(max_tokens=40))
-    used, outs = [], []
-    while eng.has_unfinished_requests():
-        outs += eng.step()
-        used.append(eng.kv.num_used_blocks)
+    used, last = decode_and_watch(llm, prompt, 40)
     # The first step prefills 200 tokens and compacts them to 24 entries (3 blocks); each
     # decode step j adds one entry: after it, 24 + j entries in ceil((24 + j) / 8) blocks.
     assert used[0] == 3
     assert used[1:-1] == [-(-(24 + j) // 8) for j in range(1, 39)]
     assert used[-1] == 0
-    last = [o for o in outs if o.finished][0]
     assert (last.num_retained_tokens, last.num_seen_tokens) == (24 + 39, 200 + 39)
 
 
@@ -226,30 +221,6 @@ def test_parallel_samples_share_the_compacted_cache(llama, make_llm):
 
 
 # -- bad input --------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    "spec, words",
-    [
-        ("snapkv:8", "at least the block size (16)"),
-        ("snapkv:64,obs:0", "obs: the observation window must be in [1, 1024]"),
-        ("snapkv:64,kernel:4", "kernel: the pooling width must be odd"),
-        ("snapkv:64,window:8", "snapkv takes kernel, obs, snapkv, not window"),
-        ("snapkv:150%", "[1%, 100%]"),
-        ("h2o:8", "h2o: the budget must be at least the block size (16)"),
-        ("h2o:64,recent:64", "recent: must be below the budget (64)"),
-        ("h2o:64,obs:8", "h2o takes h2o, recent, not obs"),
-    ],
-)
-def test_bad_specs_are_refused_by_name(llama, make_llm, spec, words):
-    with pytest.raises(ConfigError, match="kv_retention") as e:
-        make_llm(llama, dtype="float32", kv_retention=spec)
-    assert words in str(e.value)
-    llm = make_llm(llama, dtype="float32")
-    with pytest.raises(InvalidRequestError) as e:
-        llm.generate([[1, 2, 3]], GREEDY.clone(kv_retention=spec))
-    assert e.value.field == "kv_retention" and words in str(e.value)
-    assert llm.engine.kv.num_used_blocks == 0 and not llm.engine.has_unfinished_requests()
-
-
 def test_refused_combinations(checkpoint, llama, make_llm):
     with pytest.raises(ConfigError, match="snapkv on a model with its own sliding window"):
         make_llm(checkpoint("mistral_swa"), dtype="float32", kv_retention=SPEC)
@@ -299,17 +270,11 @@ def test_h2o_holds_its_budget_while_decoding(llama, make_llm, kv_cache_dtype):
     prompt = prompts_of_lengths([60], seed=3)[0]
     llm = make_llm(llama, dtype="float32", block_size=BS, kv_retention=H2O,
                    kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False)  # fmt: skip
-    eng = llm.engine
-    eng.add_request("r", prompt, GREEDY.clone(max_tokens=120))
-    used, outs = [], []
-    while eng.has_unfinished_requests():
-        outs += eng.step()
-        used.append(eng.kv.num_used_blocks)
+    used, last = decode_and_watch(llm, prompt, 120)
     # Between compactions a sequence holds budget (24) + up to a block (8) + the new entry:
     # at most ceil(33 / 8) = 5 blocks, and never fewer than the budget's 3.
     assert max(used[:-1]) <= 5 and min(used[:-1]) >= 3
     assert used[-1] == 0
-    last = [o for o in outs if o.finished][0]
     assert last.num_seen_tokens == 60 + 119
     assert H2O_BUDGET <= last.num_retained_tokens <= H2O_BUDGET + BS
 
