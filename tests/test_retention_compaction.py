@@ -7,14 +7,16 @@ everyone else; bad combinations are refused by name."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve import SamplingParams
+from kvserve import LLM, SamplingParams
 from kvserve.config import ConfigError
 from kvserve.request import InvalidRequestError
 from kvserve.retention import RetentionSpec, parse_retention
+from kvserve.server.app import BackgroundServer, build_state
 from tests.conftest import prompts_of_lengths
 from tests.test_retention import decode_and_watch
 
@@ -295,3 +297,28 @@ def test_h2o_under_preemption_parallel_samples_and_prefix_cache(llama, make_llm)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
     one = llm.generate(prompts[:1], params.clone(n=1))[0]  # sample 0 keeps its mass
     assert one.outputs[0].token_ids == out.outputs[0].token_ids
+
+
+# -- HTTP -------------------------------------------------------------------------------------
+def test_http_usage_and_metrics(llama):
+    llm = LLM(llama, dtype="float32", block_size=BS, max_model_len=256)
+    state = build_state(llm.engine, ["m"])
+    body = {"model": "m", "prompt": prompts_of_lengths([60], seed=2)[0], "max_tokens": 20,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    with BackgroundServer(state) as srv:
+        snap = httpx.post(srv.url + "/v1/completions", json={**body, "kv_retention": SPEC},
+                          timeout=60)  # fmt: skip
+        h2o = httpx.post(srv.url + "/v1/completions", json={**body, "kv_retention": H2O},
+                         timeout=60)  # fmt: skip
+        bad = httpx.post(srv.url + "/v1/completions",
+                         json={**body, "kv_retention": "h2o:64,recent:64"}, timeout=60)  # fmt: skip
+        metrics = httpx.get(srv.url + "/metrics").text
+    assert snap.status_code == 200 and h2o.status_code == 200, (snap.text, h2o.text)
+    # SnapKV keeps budget + window of the 60 prompt tokens, then every output but the last.
+    assert snap.json()["usage"]["kv_retention"] == {"retained_tokens": 24 + 19, "seen_tokens": 79}
+    kept = h2o.json()["usage"]["kv_retention"]
+    assert kept["seen_tokens"] == 79 and H2O_BUDGET <= kept["retained_tokens"] <= H2O_BUDGET + BS
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "kv_retention"
+    assert "recent: must be below the budget" in bad.json()["error"]["message"]
+    for policy in (SPEC, H2O):
+        assert f'kvserve:kv_retention_evicted_tokens_total{{policy="{policy}"}}' in metrics
