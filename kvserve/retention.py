@@ -181,6 +181,17 @@ class RetentionSpec:
         return self.kind == "h2o"
 
     @property
+    def num_kept(self) -> int:
+        """Cache entries a compaction leaves: SnapKV's budget plus its observation window,
+        H2O's budget."""
+        return self.budget if self.observes else self.budget + self.obs
+
+    @property
+    def metric_label(self) -> str:
+        """What the eviction metrics are labelled with: the policy as configured."""
+        return self.label or self.text()
+
+    @property
     def num_recent(self) -> int:
         """H2O: the most recent entries every compaction keeps."""
         return self.recent or self.budget // 4
@@ -208,22 +219,17 @@ class RetentionSpec:
                 )
         if self.kind == "sinks" and self.sinks < 1:
             raise _bad(f"sinks must be >= 1 (the first tokens kept), got {self.sinks}")
+        if self.compacts and not self.percent and self.budget < block_size:
+            raise _bad(f"{self.kind}: the budget must be at least the block size ({block_size}), "
+                       f"got {self.budget}")  # fmt: skip
         if self.kind == "snapkv":
-            if not self.percent and self.budget < block_size:
-                raise _bad(f"snapkv: the budget must be at least the block size ({block_size}), "
-                           f"got {self.budget}")  # fmt: skip
             if not 1 <= self.obs <= 1024:
                 raise _bad(f"obs: the observation window must be in [1, 1024], got {self.obs}")
             if not (1 <= self.kernel <= 63 and self.kernel % 2):
                 raise _bad(f"kernel: the pooling width must be odd, in [1, 63], got "
                            f"{self.kernel}")  # fmt: skip
-        if self.kind == "h2o":
-            if not self.percent and self.budget < block_size:
-                raise _bad(f"h2o: the budget must be at least the block size ({block_size}), "
-                           f"got {self.budget}")  # fmt: skip
-            if not self.percent and self.recent >= self.budget:
-                raise _bad(f"recent: must be below the budget ({self.budget}), got "
-                           f"{self.recent}")  # fmt: skip
+        if self.kind == "h2o" and not self.percent and self.recent >= self.budget:
+            raise _bad(f"recent: must be below the budget ({self.budget}), got {self.recent}")
         if self.compacts and not entry_copy:
             raise _bad(f"{self.kind} with kv_cache_dtype {kv_format} is not supported (KIVI "
                        f"quantizes keys per channel over a block, so single entries cannot "

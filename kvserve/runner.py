@@ -157,10 +157,7 @@ class ModelRunner:
             dec = items[:nd]
             ctx = np.fromiter((s.num_cached for s in dec), np.int64, nd)
             ids.extend(s.token_ids[0] for s in dec)
-            max_blocks = max(len(s.block_ids) for s in dec)
-            table = np.full((nd, max_blocks), null, dtype=np.int64)
-            for row, s in enumerate(dec):
-                table[row, : len(s.block_ids)] = s.block_ids
+            table = padded_tables([s.block_ids for s in dec], null)
             pos_chunks.append(np.fromiter((s.position for s in dec), np.int64, nd))
             slot_chunks.append(table[np.arange(nd), ctx // bs] * bs + ctx % bs)
             meta.num_decode = nd
@@ -197,13 +194,9 @@ class ModelRunner:
         if group_rows:
             meta.paged = _paged_group(group_rows, null, dev)
         if observed:
-            width = max(len(b) for _, _, b, _ in observed)
-            table = np.full((len(observed), width), null, dtype=np.int64)
-            for i, (_, _, b, _) in enumerate(observed):
-                table[i, : len(b)] = b
             meta.observed = ObservedDecode(
                 torch.tensor([r for r, *_ in observed], device=dev),
-                torch.from_numpy(table).to(dev),
+                torch.from_numpy(padded_tables([b for _, _, b, _ in observed], null)).to(dev),
                 torch.tensor([e for _, e, _, _ in observed], device=dev),
                 [e for _, e, _, _ in observed],
                 [m for *_, m in observed],
@@ -237,6 +230,14 @@ def build_runner(config: EngineConfig, num_blocks: int, max_model_len: int) -> M
     return ModelRunner(model, storage, Sampler(mc.vocab_size, config.seed, device), device)
 
 
+def padded_tables(tables: list[list[int]], null: int) -> np.ndarray:
+    """Block tables as one ``[n, longest]`` array, padded with the null block."""
+    out = np.full((len(tables), max(len(b) for b in tables)), null, dtype=np.int64)
+    for i, b in enumerate(tables):
+        out[i, : len(b)] = b
+    return out
+
+
 def _compaction(s: ScheduledSeq, bs: int, dev: torch.device) -> Compaction:
     """Slots of the sequence's cache entries (before compaction, this step's included) and of
     the fresh blocks its kept entries go to."""
@@ -258,11 +259,7 @@ def _paged_group(
 ) -> PagedGroup:
     """Arrays for the fused kernel over decode tokens and short continuation chunks; block
     tables padded with the null block."""
-    n = len(rows)
-    width = max(len(b) for *_, b in rows)
-    table = np.full((n, width), null, dtype=np.int64)
-    for i, (*_, b) in enumerate(rows):
-        table[i, : len(b)] = b
+    table = padded_tables([b for *_, b in rows], null)
     arr = np.array([r[:4] for r in rows], dtype=np.int64)
     windows = None
     if arr[:, 3].any():

@@ -197,10 +197,13 @@ class Scheduler:
         if spec is None or not spec.compacts:
             return 0
         if spec.observes:
-            return cdiv(spec.budget, bs) if req.num_cache_entries + n > spec.budget + bs else 0
-        if not req.compaction_pending or req.num_computed_tokens + hit + n != req.num_prompt_tokens:
-            return 0
-        return cdiv(spec.budget + spec.obs, bs)
+            compacts = req.num_cache_entries + n > spec.budget + bs
+        else:
+            compacts = (
+                req.compaction_pending
+                and req.num_computed_tokens + hit + n == req.num_prompt_tokens
+            )
+        return cdiv(spec.num_kept, bs) if compacts else 0
 
     def _retain(self, req: Request) -> None:
         """Release the blocks no query of this step or later can reach (a retention window
@@ -213,12 +216,15 @@ class Scheduler:
         sinks = spec.sinks if spec is not None else 0
         n = self.kv.drop_leading_blocks(req, req.num_computed_tokens - w + 1, sinks)
         if n:
-            tokens = n * self.kv.block_size
-            key = spec.label or spec.text() if spec is not None else "sliding_window"
-            ev = self.stats.retention_evicted_tokens
-            ev[key] = ev.get(key, 0) + tokens
-            self.stats.retention_reclaimed_blocks += n
-            req.num_evicted_tokens += tokens
+            key = spec.metric_label if spec is not None else "sliding_window"
+            self._evicted(req, key, n * self.kv.block_size, n)
+
+    def _evicted(self, req: Request, key: str, tokens: int, blocks: int) -> None:
+        """Count tokens a retention policy (``key``) evicted and the blocks it reclaimed."""
+        ev = self.stats.retention_evicted_tokens
+        ev[key] = ev.get(key, 0) + tokens
+        self.stats.retention_reclaimed_blocks += blocks
+        req.num_evicted_tokens += tokens
 
     def _describe(self, req: Request, n: int, out: SchedulerOutput) -> ScheduledSeq:
         """The plain-data view of ``req``'s share of the step (see :mod:`kvserve.step`)."""
@@ -360,15 +366,10 @@ class Scheduler:
     def _compacted(self, req: Request) -> None:
         """The runner copied the kept entries into the set-aside blocks: switch tables."""
         spec = req.retention
-        kept = spec.budget if spec.observes else spec.budget + spec.obs
         blocks = self.kv.apply_compaction(req)
-        dropped = req.num_cache_entries - kept
+        dropped = req.num_cache_entries - spec.num_kept
         req.cache_offset += dropped
-        req.num_evicted_tokens += dropped
-        key = spec.label or spec.text()
-        ev = self.stats.retention_evicted_tokens
-        ev[key] = ev.get(key, 0) + dropped
-        self.stats.retention_reclaimed_blocks += blocks
+        self._evicted(req, spec.metric_label, dropped, blocks)
 
     def _fork(self, first: Request, sib: Request) -> None:
         """Give a waiting sibling ``first``'s blocks; it samples its own first token from the

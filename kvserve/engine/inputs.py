@@ -155,13 +155,14 @@ class InputProcessor:
         the compacted cache grown by the output, whichever is more; under H2O its budget, a
         block and a step's chunk, plus the fresh blocks of a compaction."""
         bs = self.block_size
-        full = cdiv(num_prompt + max_tokens, bs)
-        if retention is not None and retention.observes and full * bs > retention.budget + bs:
-            chunk = self.max_chunk or num_prompt + max_tokens  # H2O: budget + a block + a step
-            peak = min(num_prompt + max_tokens, retention.budget + bs + chunk)
+        total = num_prompt + max_tokens
+        full = cdiv(total, bs)
+        if retention is not None and retention.observes and total > retention.budget + bs:
+            chunk = self.max_chunk or total  # H2O: budget + a block + a step
+            peak = min(total, retention.budget + bs + chunk)
             return cdiv(peak, bs) + 1 + cdiv(retention.budget, bs)
         if retention is not None and retention.compacts_prompt(num_prompt):
-            kept = retention.budget + retention.obs
+            kept = retention.num_kept
             return max(cdiv(num_prompt, bs) + cdiv(kept, bs), cdiv(kept + max_tokens, bs) + 1)
         w = retention.window if retention is not None else self.native_window
         if not w or self.max_chunk is None:

@@ -260,8 +260,8 @@ class KVCacheManager:
             new.extend(b.block_id for b in fresh_blocks)
         self._track_partial(ids, done + len(computed) * self.block_size, num_new_tokens, copied)
         if compact_blocks:
+            assert rid not in self._compact, f"{rid}: a compaction is already set aside"
             staged = self.pool.get_new_blocks(compact_blocks)
-            self._release(self._compact.pop(rid, []))  # a compaction that never ran
             self._compact[rid] = staged
             new.extend(b.block_id for b in staged)
         return True

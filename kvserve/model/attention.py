@@ -275,6 +275,20 @@ def snapkv_keep(q_obs: torch.Tensor, keys: torch.Tensor, budget: int, kernel: in
     return torch.cat([top, qpos.expand(num_kv, w)], dim=-1)
 
 
+def sequence_kv(
+    k: torch.Tensor, v: torch.Tensor, layer: int, storage: KVStorage, p: PrefillChunk
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's whole sequence, ``[ctx_len + q_len, KVH, D]`` keys and values: its cache
+    entries (gathered, in the compute dtype) and then its own fresh K/V."""
+    if not p.ctx_len:
+        return k, v
+    assert p.block_table is not None
+    kc, vc = storage.gather(layer, p.block_table[None])
+    c0 = p.ctx_len
+    return (torch.cat([kc[0, :, :c0].transpose(0, 1).to(k.dtype), k]),
+            torch.cat([vc[0, :, :c0].transpose(0, 1).to(v.dtype), v]))  # fmt: skip
+
+
 def compact_prompt(
     q: torch.Tensor, k: torch.Tensor, layer: int, storage: KVStorage, p: PrefillChunk
 ) -> None:
@@ -284,11 +298,7 @@ def compact_prompt(
     sees to it); the old blocks are left as they are, for the prefix cache."""
     c = p.compact
     assert c is not None
-    keys = k
-    if p.ctx_len:
-        assert p.block_table is not None
-        kc, _ = storage.gather(layer, p.block_table[None])
-        keys = torch.cat([kc[0, :, : p.ctx_len].transpose(0, 1).to(k.dtype), k])
+    keys, _ = sequence_kv(k, k, layer, storage, p)
     keep = snapkv_keep(q[-c.window :], keys, c.budget, c.kernel)  # [KVH, kept]
     storage.copy_entries(layer, c.src_slots[keep], c.dst_slots)
 
@@ -308,12 +318,7 @@ def observed_attention(
     follows them. Every cache entry is older than the chunk (entries are any tokens a head
     kept, in order), so the chunk sees all of them and itself causally."""
     c0, n = p.ctx_len, p.q_len
-    keys, values = k, v
-    if c0:
-        assert p.block_table is not None
-        kc, vc = storage.gather(layer, p.block_table[None])
-        keys = torch.cat([kc[0, :, :c0].transpose(0, 1).to(k.dtype), k])
-        values = torch.cat([vc[0, :, :c0].transpose(0, 1).to(v.dtype), v])
+    keys, values = sequence_kv(k, v, layer, storage, p)
     s, num_kv, d = keys.shape
     g = q.shape[1] // num_kv
     kf, vf = keys.float(), values.float()
