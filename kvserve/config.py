@@ -228,6 +228,9 @@ def _layer_windows(cfg: dict[str, Any], arch: str, layers: int) -> tuple[int | N
     return (int(window),) * layers
 
 
+OFFLOAD_WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
+
+
 @dataclass(slots=True)
 class CacheConfig:
     """Paged KV cache: block geometry, pool size, storage format and prefix caching."""
@@ -240,6 +243,25 @@ class CacheConfig:
     calculate_kv_scales: bool = False
     # Default KV retention policy ("window:512"; kvserve.retention), None = keep everything.
     kv_retention: str | None = None
+    # Offload tiers behind the pool (kvserve.kv.offload), each off unless given: host memory,
+    # a local directory, a Redis server; each bounded and LRU. The timeout bounds one tier
+    # operation (a load gives up after ten of them).
+    kv_offload_cpu: int | str | None = None
+    kv_offload_disk: str | None = None
+    kv_offload_disk_size: int | str = "10GiB"
+    kv_offload_redis: str | None = None
+    kv_offload_redis_size: int | str = "1GiB"
+    kv_offload_timeout: float = 0.5
+    # When a block goes down (SGLang's names): write_back when the pool evicts it;
+    # write_through as soon as it is computed; write_through_selective once it has been hit
+    # kv_offload_reuse_threshold times.
+    kv_offload_write_policy: str = "write_back"
+    kv_offload_reuse_threshold: int = 2
+
+    @property
+    def kv_offload(self) -> bool:
+        """Whether any offload tier is configured."""
+        return bool(self.kv_offload_cpu or self.kv_offload_disk or self.kv_offload_redis)
 
     def __post_init__(self) -> None:
         if self.block_size not in ALLOWED_BLOCK_SIZES:
@@ -260,6 +282,38 @@ class CacheConfig:
         if self.kv_retention is not None and not isinstance(self.kv_retention, str):
             raise ConfigError(f"kv_retention: must be a policy such as 'window:512', got "
                               f"{self.kv_retention!r}")  # fmt: skip
+        if self.kv_offload_cpu is not None:
+            self.kv_offload_cpu = parse_bytes(self.kv_offload_cpu, "kv_offload_cpu")
+        self.kv_offload_disk_size = parse_bytes(self.kv_offload_disk_size, "kv_offload_disk_size")
+        self.kv_offload_redis_size = parse_bytes(
+            self.kv_offload_redis_size, "kv_offload_redis_size"
+        )
+        for name in ("kv_offload_disk", "kv_offload_redis"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ConfigError(f"{name}: expected a non-empty string, got {value!r}")
+        t = self.kv_offload_timeout
+        if isinstance(t, bool) or not isinstance(t, int | float) or not 0.001 <= t <= 60:
+            raise ConfigError(f"kv_offload_timeout: must be seconds in [0.001, 60], got {t!r}")
+        if self.kv_offload_write_policy not in OFFLOAD_WRITE_POLICIES:
+            raise ConfigError(
+                f"kv_offload_write_policy: must be one of {', '.join(OFFLOAD_WRITE_POLICIES)}, "
+                f"got {self.kv_offload_write_policy!r}"
+            )
+        n = self.kv_offload_reuse_threshold
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 1000:
+            raise ConfigError(f"kv_offload_reuse_threshold: must be an integer in [1, 1000], "
+                              f"got {n!r}")  # fmt: skip
+        if self.kv_offload and not self.enable_prefix_caching:
+            raise ConfigError(
+                "kv_offload_*: offload tiers hold prefix-cache blocks; they need "
+                "enable_prefix_caching"
+            )
+        if self.kv_offload and self.calculate_kv_scales:
+            raise ConfigError(
+                "kv_offload_*: not with calculate_kv_scales (scales computed per "
+                "run would make every run's entries unreadable by the next)"
+            )
 
 
 @dataclass(slots=True)

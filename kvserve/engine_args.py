@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvserve.config import DTYPES, SCHEDULING_POLICIES
+from kvserve.config import DTYPES, OFFLOAD_WRITE_POLICIES, SCHEDULING_POLICIES, ConfigError
 from kvserve.kv.formats import KV_CACHE_DTYPES
 from kvserve.model.resolve import resolve_model
 
@@ -50,6 +50,59 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "to most, plus those 32; 'h2o:512' keeps the 512 entries with the most attention "
         "mass (a quarter of them the newest)",
     )
+    o = p.add_argument_group(
+        "KV offload tiers",
+        "prefix-cache blocks evicted from the pool go down to these (each bounded, LRU) and "
+        "come back as hits; entries are checksummed and keyed by the model's weights, the KV "
+        "format and the tenant, so a wrong entry is a miss, never wrong output",
+    )
+    o.add_argument(
+        "--kv-offload-cpu",
+        default=None,
+        metavar="SIZE",
+        help="host-memory tier of this size (e.g. 8GiB)",
+    )
+    o.add_argument(
+        "--kv-offloading-size",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="vLLM's name for --kv-offload-cpu, in GiB",
+    )
+    o.add_argument(
+        "--kv-offload-disk",
+        default=None,
+        metavar="DIR",
+        help="local-disk tier in this directory (entries survive a restart)",
+    )
+    o.add_argument("--kv-offload-disk-size", default="10GiB", metavar="SIZE")
+    o.add_argument(
+        "--kv-offload-redis",
+        default=None,
+        metavar="URL",
+        help="Redis tier, redis://HOST:PORT/DB (shared by replicas on one server)",
+    )
+    o.add_argument(
+        "--kv-offload-redis-size",
+        default="1GiB",
+        metavar="SIZE",
+        help="bytes of entries kept in Redis, across all replicas",
+    )
+    o.add_argument(
+        "--kv-offload-timeout",
+        type=float,
+        default=0.5,
+        metavar="SECONDS",
+        help="bound on one tier operation; a load gives up after ten",
+    )
+    o.add_argument(
+        "--kv-offload-write-policy",
+        default="write_back",
+        choices=OFFLOAD_WRITE_POLICIES,
+        help="when a block goes down: when the pool evicts it (default), as soon as "
+        "it is computed, or once it has been hit --kv-offload-reuse-threshold times",
+    )
+    o.add_argument("--kv-offload-reuse-threshold", type=int, default=2, metavar="N")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES)
@@ -72,8 +125,28 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kv_cache_dtype=args.kv_cache_dtype,
         calculate_kv_scales=args.calculate_kv_scales,
         kv_retention=args.kv_retention,
+        kv_offload_cpu=_offload_cpu(args),
+        kv_offload_disk=args.kv_offload_disk,
+        kv_offload_disk_size=args.kv_offload_disk_size,
+        kv_offload_redis=args.kv_offload_redis,
+        kv_offload_redis_size=args.kv_offload_redis_size,
+        kv_offload_timeout=args.kv_offload_timeout,
+        kv_offload_write_policy=args.kv_offload_write_policy,
+        kv_offload_reuse_threshold=args.kv_offload_reuse_threshold,
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         scheduling_policy=args.scheduling_policy,
         seed=args.seed,
     )
+
+
+def _offload_cpu(args: argparse.Namespace) -> str | None:
+    if args.kv_offloading_size is None:
+        return args.kv_offload_cpu
+    if args.kv_offload_cpu is not None:
+        raise ConfigError(
+            "kv_offloading_size: give --kv-offload-cpu or --kv-offloading-size, not both"
+        )
+    if args.kv_offloading_size <= 0:
+        raise ConfigError(f"kv_offloading_size: must be > 0 GiB, got {args.kv_offloading_size}")
+    return f"{args.kv_offloading_size}GiB"

@@ -223,6 +223,9 @@ class Request:
         "retention",
         "num_evicted_tokens",
         "cache_offset",
+        "tier_probed",
+        "loading",
+        "load_block_ids",
     )
 
     def __init__(
@@ -274,6 +277,11 @@ class Request:
         # num_computed_tokens - cache_offset entries, RoPE positions go on from
         # num_computed_tokens. Zero until the compaction, and again after a preemption.
         self.cache_offset = 0
+        # Offload tiers: whether this admission asked the tiers already, whether blocks are
+        # loading from one (the request then waits), and the fresh blocks they go to.
+        self.tier_probed = False
+        self.loading = False
+        self.load_block_ids: list[int] = []
 
     @property
     def num_cache_entries(self) -> int:

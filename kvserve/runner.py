@@ -21,7 +21,7 @@ import torch
 
 from kvserve.config import EngineConfig, ModelConfig
 from kvserve.kv.formats import canonical_kv_format, make_kv_storage
-from kvserve.kv.storage import KVStorage
+from kvserve.kv.storage import BlockPayload, KVStorage
 from kvserve.model.attention import (
     KERNEL_MAX_QUERY,
     AttentionMetadata,
@@ -70,7 +70,13 @@ class ModelRunner:
                 long.append(s)
         return decodes + short + long
 
-    def _apply_kv_ops(self, sched: SchedulerOutput) -> None:
+    def _apply_kv_ops(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> None:
+        """The step's KV record, in the order that keeps every byte right: evicted blocks
+        bound for a tier are exported before anything overwrites them, then frees, copies
+        and tier loads, all before the forward pass."""
+        ops = sched.kv_ops
+        if ops.offload:
+            self._export(ops.offload, out)
         for rid in sched.finished_req_ids:
             self.states.pop(rid, None)
             self.mass.pop(rid, None)
@@ -81,18 +87,28 @@ class ModelRunner:
                 nr.sampling_params, nr.prompt_token_ids, list(nr.output_token_ids),
                 nr.eos_token_ids,
             )  # fmt: skip
-        ops = sched.kv_ops
         self.storage.release_blocks(ops.freed)
         self.storage.copy_blocks(ops.copies)
+        for ids, payloads in ops.loads.values():
+            for block_ids, payload in _merged(ids, payloads):
+                self.storage.import_blocks(block_ids, payload)
+
+    def _export(self, blocks: list[tuple[int, bytes]], out: ModelRunnerOutput) -> None:
+        ids = [b for b, _ in blocks]
+        out.offloaded.append(([h for _, h in blocks], self.storage.export_blocks(ids)))
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step: the KV record's frees and copies, the forward pass, sampling."""
-        self._apply_kv_ops(sched)
+        """Run one step: the KV record (exports, frees, copies, loads), the forward pass,
+        sampling."""
+        out = ModelRunnerOutput()
+        self._apply_kv_ops(sched, out)
         items = self._order(sched.seqs)
         input_ids, positions, meta = self._prepare(items)
         self.storage.begin_step(meta.slot_mapping)
         hidden = self.model(input_ids, positions, self.storage, meta)
+        if sched.kv_ops.offload_after:  # write-through: blocks this step filled
+            self._export(sched.kv_ops.offload_after, out)
         for s in items:  # the forks of an H2O request start from its mass
             if s.observe and len(s.sample_ids) > 1:
                 for rid in s.sample_ids[1:]:
@@ -111,7 +127,6 @@ class ModelRunner:
                 spans.append((s.req_id, len(rows), n))
                 first = last[i] - s.num_tokens + 1
                 rows.extend(range(first, first + n))
-        out = ModelRunnerOutput()
         if not rows:
             return out
         h = hidden[torch.tensor(rows, device=self.device)]
@@ -228,6 +243,18 @@ def build_runner(config: EngineConfig, num_blocks: int, max_model_len: int) -> M
         k_scales=k_scales, v_scales=v_scales,
     )  # fmt: skip
     return ModelRunner(model, storage, Sampler(mc.vocab_size, config.seed, device), device)
+
+
+def _merged(ids: list[int], payloads: list[BlockPayload]) -> list[tuple[list[int], BlockPayload]]:
+    """One-block payloads as few imports as possible: consecutive blocks without side state
+    are joined into one payload (one copy per tensor and layer instead of one per block)."""
+    if len(payloads) <= 1 or any(p.extra for p in payloads):
+        return [([b], p) for b, p in zip(ids, payloads, strict=True)]
+    first = payloads[0]
+    tensors = {
+        name: torch.cat([p.tensors[name] for p in payloads], dim=1) for name in first.tensors
+    }
+    return [(list(ids), BlockPayload(first.identity, len(ids), tensors, first.pool))]
 
 
 def padded_tables(tables: list[list[int]], null: int) -> np.ndarray:

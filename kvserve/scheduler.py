@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from kvserve.config import SchedulerConfig
 from kvserve.kv.manager import KVCacheManager, cdiv
+from kvserve.kv.offload import KVOffload
 from kvserve.request import Request, RequestStatus
 from kvserve.step import ModelRunnerOutput, NewRequestData, ScheduledSeq, SchedulerOutput
 
@@ -40,6 +41,13 @@ class SchedulerStats:
     # K/V blocks were released before their request finished, and those blocks.
     retention_evicted_tokens: dict[str, int] = field(default_factory=dict)
     retention_reclaimed_blocks: int = 0
+    # Offload tiers: prompt tokens loaded from a tier instead of computed, tier loads given
+    # up to free their blocks for running requests, and the tokens a preempted request got
+    # back (device or tier hits) versus recomputed when it was admitted again.
+    tier_hit_tokens: int = 0
+    tier_loads_abandoned: int = 0
+    preempted_tokens_restored: int = 0
+    preempted_tokens_recomputed: int = 0
 
 
 def check_stop(r: Request, token: int, max_model_len: int) -> bool:
@@ -69,8 +77,16 @@ class Scheduler:
         kv: KVCacheManager,
         max_model_len: int,
         native_window: int = 0,
+        offload: KVOffload | None = None,
     ) -> None:
         self.config = config
+        self.offload = offload
+        kv.offload_evictions = offload is not None
+        kv.write_through_hits = offload.write_through_hits if offload is not None else None
+        # Waiting requests that hold blocks for a tier load (loading, or loaded and not yet
+        # admitted), oldest first: released newest first when running requests need blocks.
+        self._holders: list[Request] = []
+        self._unheld: list[Request] = []  # ... released this step
         # Every layer's own sliding window (0: the model has full-attention layers): blocks
         # behind it are released for every request, exactly.
         self.native_window = native_window
@@ -106,6 +122,9 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         picked: list[tuple[Request, int]] = []
+        self._unheld: list[Request] = []
+        if self.offload is not None and self.offload.num_loading:
+            self._finish_loads()
 
         # 1. Running requests, oldest first; preempt from the newest end when blocks run out.
         i = 0
@@ -118,6 +137,8 @@ class Scheduler:
             self._retain(req)
             extra = self._compact_blocks(req, n)
             while not self.kv.allocate_slots(req, n, compact_blocks=extra):
+                if self._unhold():
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim, out)
                 picked = [(r, k) for r, k in picked if r is not victim]
@@ -138,12 +159,16 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self._pick_waiting()
+            if req is None:
+                break
             computed, num_cached = [], 0
             observes = req.retention is not None and req.retention.observes
             if req.num_computed_tokens == 0 and not req.wants_prompt_logits and not observes:
                 # Prompt logits need every position computed, and H2O the attention mass of
                 # every prompt query, so such requests skip hits.
                 computed, num_cached = self.kv.get_computed_blocks(req)
+                if self.offload is not None and self._start_load(req, computed):
+                    continue  # waits for its blocks; others may be admitted meanwhile
             n = req.num_tokens - req.num_computed_tokens - num_cached
             if not self.config.enable_chunked_prefill and n > budget:
                 break
@@ -153,8 +178,16 @@ class Scheduler:
             if not self.kv.allocate_slots(
                 req, n, computed, self._compact_blocks(req, n, num_cached)
             ):
+                if not self.running and not picked and self._unhold(keep=req):
+                    continue  # nothing runs: blocks held for tier loads must not stall it
                 break
             self._remove_waiting(req)
+            if req in self._holders:
+                self._holders.remove(req)
+            if req.num_preemptions and req.num_cached_tokens >= 0:
+                restored = req.num_computed_tokens + num_cached
+                self.stats.preempted_tokens_restored += restored
+                self.stats.preempted_tokens_recomputed += req.num_tokens - restored
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
             req.num_computed_tokens += num_cached
@@ -172,9 +205,72 @@ class Scheduler:
                 out.num_prefill_tokens += n
             else:
                 out.num_decode_tokens += n
-        out.kv_ops = self.kv.take_ops()
+        out.kv_ops = ops = self.kv.take_ops()
+        if ops.offload:
+            ops.offload = [(b, h) for b, h in ops.offload if self.offload.wants(h)]
+        if self.kv.write_through_hits == 0:
+            for req, n in picked:
+                ops.offload_after += [
+                    (b, h) for b, h in self.kv.blocks_completed_by(req, n) if self.offload.wants(h)
+                ]
         out.finished_req_ids, self._finished_ids = self._finished_ids, []
         return out
+
+    # -- offload tiers --------------------------------------------------------------------------
+    def _start_load(self, req: Request, computed: list) -> bool:
+        """If tiers hold blocks that continue the request's device hits, give it fresh blocks
+        for them and start loading; it stays waiting until the load is done. Each admission
+        of a request asks the tiers once."""
+        if req.tier_probed or req in self._unheld:
+            return False
+        req.tier_probed = True
+        candidates = self.kv.tier_candidates(req, len(computed))
+        n = self.offload.probe(candidates)
+        if not n or not self.kv.allocate_slots(req, n * self.kv.block_size, computed):
+            return False
+        req.num_computed_tokens = len(computed) * self.kv.block_size
+        req.load_block_ids = self.kv.block_ids(req)[len(computed) :]
+        req.loading = True
+        self._holders.append(req)
+        self.offload.start_load(req.request_id, candidates[:n])
+        return True
+
+    def _finish_loads(self) -> None:
+        """Hand the finished loads' payloads to the runner (next record) and count their
+        blocks as computed; blocks a load could not fill stay in the table and are
+        computed like any other. With nothing else to do, wait for a load."""
+        idle = not self.running and all(r.loading for r in self.waiting)
+        bs = self.kv.block_size
+        for rid, result in self.offload.poll_loads(wait=idle).items():
+            req = self.requests.get(rid)
+            if req is None or not req.loading:
+                continue
+            j = len(result.payloads)
+            self.kv.record_load(req, req.load_block_ids[:j], result.payloads)
+            req.num_computed_tokens += j * bs
+            req.loading = False
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = req.num_computed_tokens
+            self.stats.tier_hit_tokens += j * bs
+
+    def _unhold(self, keep: Request | None = None) -> bool:
+        """Release the blocks of the newest waiting request that holds some for a tier load
+        (not ``keep``); it asks the tiers again when it is next considered."""
+        for req in reversed(self._holders):
+            if req is keep:
+                continue
+            self._holders.remove(req)
+            self._unheld.append(req)  # not loading again in this step: no ping-pong
+            if req.loading:
+                self.offload.cancel(req.request_id)
+            self.kv.free(req)
+            req.loading = False
+            req.tier_probed = False
+            req.num_computed_tokens = 0
+            req.num_cached_tokens = -1
+            self.stats.tier_loads_abandoned += 1
+            return True
+        return False
 
     def _chunk(self, req: Request, n: int, hit: int = 0) -> int:
         """The tokens ``req`` computes this step out of ``n`` offered: a prompt that SnapKV
@@ -264,15 +360,22 @@ class Scheduler:
             seq.compact_block_ids = compact
         return seq
 
-    def _pick_waiting(self) -> Request:
-        """fcfs: the head. lpm: the longest cached prefix, unless the head has waited long."""
+    def _pick_waiting(self) -> Request | None:
+        """fcfs: the head. lpm: the longest cached prefix, unless the head has waited long.
+        Requests whose blocks are loading from a tier are passed over (None: only those)."""
         head = self.waiting[0]
+        if head.loading:
+            head = next((r for r in self.waiting if not r.loading), None)
+            if head is None:
+                return None
         if self.config.scheduling_policy != "lpm" or len(self.waiting) == 1:
             return head
         if head.lpm_skips >= self.config.lpm_max_skips:
             return head
         best, best_hit = head, -1
         for req in self.waiting:
+            if req.loading:
+                continue
             hit = self.kv.num_cached_prefix_blocks(req)
             if hit > best_hit:
                 best, best_hit = req, hit
@@ -295,6 +398,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_evicted_tokens = 0  # its cache is rebuilt from nothing
         req.cache_offset = 0
+        req.tier_probed = False
         if req.prompt_logits is not None:
             req.prompt_logits = []  # recomputed from scratch
         req.num_preemptions += 1
@@ -315,6 +419,9 @@ class Scheduler:
         touched: dict[str, Request] = {}
         finished: list[Request] = []
         st = self.stats
+        if self.offload is not None:
+            for hashes, payload in runner_output.offloaded:
+                self.offload.store(hashes, payload)
         for rid, rows in runner_output.prompt_logits.items():
             self.requests[rid].prompt_logits.append(rows)
         row = {rid: i for i, rid in enumerate(runner_output.req_ids)}
@@ -419,6 +526,11 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
+        if req in self._holders:
+            self._holders.remove(req)
+            if req.loading:
+                self.offload.cancel(req.request_id)
+                req.loading = False
         if req in self.running:
             self.running.remove(req)
         else:

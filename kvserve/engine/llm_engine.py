@@ -21,6 +21,7 @@ import torch
 from kvserve.config import ConfigError, EngineConfig, ModelConfig
 from kvserve.engine.core import Clock, EngineCore
 from kvserve.engine.inputs import InputProcessor, PromptType
+from kvserve.engine.offload import build_offload
 from kvserve.engine.outputs import OutputProcessor, RequestFamily
 from kvserve.engine.prefix_transfer import PrefixPayload, export_prefix, import_prefix
 from kvserve.engine.sizing import model_fingerprint, num_kv_blocks
@@ -107,8 +108,10 @@ class LLMEngine:
         self.native_window = 0
         if len(windows) == 1 and None not in windows:
             self.native_window = int(windows.pop())
+        self.offload = build_offload(cc, self.storage, self.kv.root, self.bytes_per_token)
         self.core = EngineCore(sc, self.kv, runner, self.max_model_len, self.eos_token_ids,
-                               clock or time.monotonic, self.native_window)  # fmt: skip
+                               clock or time.monotonic, self.native_window,
+                               self.offload)  # fmt: skip
         self.inputs = InputProcessor(
             self.tokenizer, mc.vocab_size, self.max_model_len, self.num_blocks, self.block_size,
             self.retention, sc.max_num_batched_tokens, self.native_window,
@@ -202,7 +205,22 @@ class LLMEngine:
         """Place a payload's blocks in this engine's prefix cache (between steps); returns how
         many blocks were imported. Raises :class:`ValueError` for another model, format or
         block size, and places nothing then."""
-        return import_prefix(self.kv, self._own_storage("import_prefix"), self.model_id, payload)
+        storage = self._own_storage("import_prefix")
+        store = None
+        if self.offload is not None:
+            offload = self.offload
+
+            def store(evicted: list[tuple[int, bytes]]) -> None:
+                hashes = [h for _, h in evicted]
+                offload.store(hashes, storage.export_blocks([b for b, _ in evicted]))
+
+        return import_prefix(self.kv, storage, self.model_id, payload, store)
+
+    def shutdown(self) -> None:
+        """Stop the offload worker (queued stores are written first, for a bounded time)."""
+        if self.offload is not None:
+            self.offload.flush(timeout_s=10.0)
+            self.offload.close()
 
     def _own_storage(self, what: str) -> KVStorage:
         if self.storage is None:
@@ -239,6 +257,11 @@ class LLMEngine:
             num_steps=self.core.num_steps,
             retention_evicted_tokens=dict(st.retention_evicted_tokens),
             retention_reclaimed_blocks=st.retention_reclaimed_blocks,
+            kv_offload=self.offload.stats() if self.offload is not None else {},
+            tier_hit_tokens=st.tier_hit_tokens,
+            tier_loads_abandoned=st.tier_loads_abandoned,
+            preempted_tokens_restored=st.preempted_tokens_restored,
+            preempted_tokens_recomputed=st.preempted_tokens_recomputed,
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -9,6 +9,7 @@ silently never hitting.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvserve.kv.hashing import BlockHash, extend_block_hashes
@@ -58,10 +59,15 @@ def export_prefix(
 
 
 def import_prefix(
-    kv: KVCacheManager, storage: KVStorage, model_id: str, payload: PrefixPayload
+    kv: KVCacheManager,
+    storage: KVStorage,
+    model_id: str,
+    payload: PrefixPayload,
+    store_evicted: Callable[[list[tuple[int, BlockHash]]], None] | None = None,
 ) -> int:
     """Place the payload's blocks this cache lacks (as many as there are free blocks) in the
-    prefix cache, cached-free; returns how many were placed."""
+    prefix cache, cached-free; returns how many were placed. ``store_evicted`` gets the
+    cached blocks that making room evicted, before they are overwritten (offload tiers)."""
     if not isinstance(payload, PrefixPayload) or payload.version != PAYLOAD_VERSION:
         raise ValueError("import_prefix: not a kvserve prefix payload of this version")
     for field, theirs, ours in (
@@ -76,6 +82,10 @@ def import_prefix(
     if payload.root != kv.root:
         raise KVFormatMismatch("import_prefix: the payload's cache namespace differs")
     imp = kv.reserve_for_import(payload.hashes)
+    if store_evicted is not None:
+        evicted = kv.take_evictions(imp.block_ids)
+        if evicted:
+            store_evicted(evicted)
     try:
         if imp.new:
             storage.import_blocks(imp.block_ids, payload.blocks.select(imp.indices))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -29,6 +30,14 @@ class EngineStats:
     # Retention: policy -> tokens whose blocks went back to the pool early; those blocks.
     retention_evicted_tokens: dict[str, int] = field(default_factory=dict)
     retention_reclaimed_blocks: int = 0
+    # Offload tiers: name -> counters and gauges (kvserve.kv.offload.KVOffload.stats), the
+    # prompt tokens loaded from tiers, loads given up to free blocks, and what preempted
+    # requests got back (device or tier hits) or recomputed when admitted again.
+    kv_offload: dict[str, dict[str, Any]] = field(default_factory=dict)
+    tier_hit_tokens: int = 0
+    tier_loads_abandoned: int = 0
+    preempted_tokens_restored: int = 0
+    preempted_tokens_recomputed: int = 0
 
     @property
     def kv_usage(self) -> float:

@@ -18,11 +18,12 @@ from kvserve.kv.hashing import BlockHash
 
 
 class KVCacheBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free", "hits")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
+        self.hits = 0  # prefix-cache hits since it was cached (write-through-selective)
         self.block_hash: BlockHash | None = None
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
@@ -160,6 +161,7 @@ class BlockPool:
         self.num_evictions += 1
         self.evicted.append((block.block_id, block.block_hash))
         block.block_hash = None
+        block.hits = 0
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only allowed when no block is in use (as in vLLM)."""

@@ -96,6 +96,14 @@ class KVCacheManager:
         self._partial: set[int] = set()  # referenced blocks filled in (0, block_size)
         self._filling: set[int] = set()  # blocks that fill (or were copied) this step
         self._compact: dict[str, list[KVCacheBlock]] = {}  # fresh blocks a compaction fills
+        # Offload tiers: evicted blocks go into each record's ``offload`` (not those a failed
+        # step's record gave back: that step may have overwritten them).
+        self.offload_evictions = False
+        self._restored_evictions = 0
+        # Write-through-selective (SGLang's policy): a cached block is also stored once it
+        # has been hit this many times (0: as soon as it is computed); None: only on eviction.
+        self.write_through_hits: int | None = None
+        self._write_through: list[tuple[int, BlockHash]] = []
 
     @property
     def num_blocks(self) -> int:
@@ -156,6 +164,11 @@ class KVCacheManager:
             if block is None:
                 break
             hit.append(block)
+        if self.write_through_hits:
+            for block in hit:
+                block.hits += 1
+                if block.hits == self.write_through_hits:
+                    self._write_through.append((block.block_id, block.block_hash))
         self.stats.requests += 1
         self.stats.queries += request.num_tokens
         self.stats.hits += len(hit) * self.block_size
@@ -336,6 +349,7 @@ class KVCacheManager:
         self._block_ids.pop(rid, None)
         self.num_cached_blocks.pop(rid, None)
         self._dropped.pop(rid, None)
+        self._ops.loads.pop(rid, None)
         self._release(self._compact.pop(rid, []))
         if blocks:
             self._release([b for b in reversed(blocks) if b is not self._null])
@@ -389,6 +403,18 @@ class KVCacheManager:
         ops, self._ops = self._ops, KVOps()
         ops.freed, self.pool.freed = self.pool.freed, []
         ops.evicted, self.pool.evicted = self.pool.evicted, []
+        if self.offload_evictions:
+            ops.offload = ops.evicted[self._restored_evictions :]
+            # A block still holding the hash it was queued with has its bytes unchanged (a
+            # block is written only after it is handed out again, which drops the hash).
+            blocks = self.pool.blocks
+            seen = {b for b, _ in ops.offload}
+            for b, h in self._write_through:
+                if blocks[b].block_hash == h and b not in seen:
+                    ops.offload.append((b, h))
+                    seen.add(b)
+        self._write_through = []
+        self._restored_evictions = 0
         ops.new_blocks = {rid: b for rid, b in ops.new_blocks.items() if b}
         self._filling.clear()
         return ops
@@ -396,9 +422,46 @@ class KVCacheManager:
     def restore_ops(self, ops: KVOps) -> None:
         """Put back the frees and evictions of a record the runner may not have applied (its
         step failed): they are delivered again, first, with the next record. Releasing a freed
-        block twice is harmless; the copies of a failed step concern only its own requests."""
+        block twice is harmless; the copies of a failed step concern only its own requests.
+        Tier loads of requests that still hold their blocks are delivered again too."""
         self.pool.freed[:0] = ops.freed
         self.pool.evicted[:0] = ops.evicted
+        self._restored_evictions += len(ops.evicted)
+        for rid, load in ops.loads.items():  # imported again (idempotent) if still held
+            if rid in self.req_blocks:
+                self._ops.loads.setdefault(rid, load)
+
+    # -- tier loads --------------------------------------------------------------------------
+    def tier_candidates(self, request: Request, num_hit_blocks: int) -> list[BlockHash]:
+        """The request's block hashes after its ``num_hit_blocks`` device hits, up to the same
+        limit as a device hit (one token always left to compute): what a tier may hold."""
+        limit = request.num_tokens - 1
+        if request.compaction_pending:
+            limit = min(limit, request.num_prompt_tokens - request.retention.obs)
+        return self.block_hashes(request)[num_hit_blocks : limit // self.block_size]
+
+    def blocks_completed_by(
+        self, request: Request, num_new_tokens: int
+    ) -> list[tuple[int, BlockHash]]:
+        """The blocks (id, hash) that the step computing ``num_new_tokens`` more of the
+        request fills and that it will publish (write-through stores them after the step's
+        forward pass, so a prefix is below before anything evicts it)."""
+        blocks = self.req_blocks.get(request.request_id)
+        if not self.enable_caching or not blocks or request.cache_offset:
+            return []
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        end = min((request.num_computed_tokens + num_new_tokens) // self.block_size, len(blocks))
+        if end <= start:
+            return []
+        hashes = self.block_hashes(request)
+        return [(blocks[i].block_id, hashes[i]) for i in range(start, end)
+                if blocks[i] is not self._null]  # fmt: skip
+
+    def record_load(self, request: Request, block_ids: list[int], payloads: list) -> None:
+        """Payloads a tier load gave the request's fresh ``block_ids``: the runner imports
+        them with the next step's record, before any forward pass reads them."""
+        if block_ids:
+            self._ops.loads[request.request_id] = (block_ids, payloads)
 
     # -- moving cached prefixes between pools ------------------------------------------------
     def reserve_for_import(self, hashes: Sequence[BlockHash]) -> PrefixImport:
@@ -418,6 +481,14 @@ class KVCacheManager:
             (block,) = self.pool.get_new_blocks(1)
             imp.new.append((block, h, i))
         return imp
+
+    def take_evictions(self, block_ids: Sequence[int]) -> list[tuple[int, BlockHash]]:
+        """Take the recorded evictions of ``block_ids`` out of the next record (an import is
+        about to overwrite them now, not in a step: the caller stores them first)."""
+        ids = set(block_ids)
+        mine = [e for e in self.pool.evicted if e[0] in ids]
+        self.pool.evicted = [e for e in self.pool.evicted if e[0] not in ids]
+        return mine
 
     def publish_import(self, imp: PrefixImport) -> None:
         """Register imported blocks under their hashes and leave every block cached-free."""

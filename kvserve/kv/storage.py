@@ -304,6 +304,11 @@ class KVStorage(ABC):
             for layer, t in enumerate(ts):
                 t.index_copy_(0, idx, src[layer].to(t.device))
 
+    def pool_state(self) -> dict[str, Any]:
+        """Pool-wide state the blocks need to be decoded (fp8's per-head scales): part of
+        what an offload tier key commits to."""
+        return self._export_pool()
+
     def _export_pool(self) -> dict[str, Any]:
         return {}
 
@@ -478,6 +483,9 @@ class KVStorageWrapper(KVStorage):
 
     def identity(self) -> dict[str, Any]:
         return self.inner.identity()
+
+    def pool_state(self) -> dict[str, Any]:
+        return self.inner.pool_state()
 
     def export_blocks(self, block_ids: list[int]) -> BlockPayload:
         return self.inner.export_blocks(block_ids)

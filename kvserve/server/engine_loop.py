@@ -204,6 +204,7 @@ class EngineLoop:
                 self.stats = self.engine.stats()
             finally:
                 self._deliver(out)
+                self.engine.shutdown()  # the offload worker: queued stores written first
 
     def _apply_commands(self, out: list[tuple[RequestHandle, Any]]) -> None:
         while True:

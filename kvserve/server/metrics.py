@@ -78,6 +78,60 @@ class _EngineCollector(Collector):
             "KV blocks a retention policy returned to the pool before their request finished.",
             value=s.retention_reclaimed_blocks,
         )
+        yield from _offload_metrics(s)
+
+
+def _offload_metrics(s: Any) -> Iterator[Metric]:
+    """The offload tiers, shaped like vLLM's ``kv_offload_*``: per tier and direction."""
+    tiers = s.kv_offload
+    if not tiers:
+        return
+    moved = {
+        "kv_offload_bytes": ("Bytes moved between the pool and a tier.", "bytes"),
+        "kv_offload_seconds": ("Seconds spent moving bytes to and from a tier.", "seconds"),
+    }
+    for name, (doc, what) in moved.items():
+        m = CounterMetricFamily(PREFIX + name, doc, labels=["tier", "direction"])
+        for tier, t in tiers.items():
+            m.add_metric([tier, "store"], t[f"{what}_down"])
+            m.add_metric([tier, "load"], t[f"{what}_up"])
+        yield m
+    per_tier = {
+        "kv_offload_queries": ("Blocks looked up in a tier.", "queries", CounterMetricFamily),
+        "kv_offload_hits": ("Blocks loaded from a tier and verified.", "hits", CounterMetricFamily),
+        "kv_offload_stores": ("Entries written to a tier.", "stored", CounterMetricFamily),
+        "kv_offload_evictions": ("Entries a tier evicted (LRU).", "evictions",
+                                 CounterMetricFamily),
+        "kv_offload_entries": ("Entries held by a tier.", "entries", GaugeMetricFamily),
+        "kv_offload_used_bytes": ("Bytes held by a tier.", "used_bytes", GaugeMetricFamily),
+        "kv_offload_backed_off": ("1 while a failing tier is skipped for a back-off period.",
+                                  "backed_off", GaugeMetricFamily),
+    }  # fmt: skip
+    for name, (doc, key, family) in per_tier.items():
+        m = family(PREFIX + name, doc, labels=["tier"])
+        for tier, t in tiers.items():
+            m.add_metric([tier], float(t[key]))
+        yield m
+    failures = CounterMetricFamily(
+        PREFIX + "kv_offload_failures",
+        "Tier operations that failed, by reason (each one a miss: the block is recomputed).",
+        labels=["tier", "reason"],
+    )
+    for tier, t in tiers.items():
+        for reason, n in sorted(t["failures"].items()):
+            failures.add_metric([tier, reason], n)
+    yield failures
+    for name, doc, value in (
+        ("kv_offload_hit_tokens", "Prompt tokens loaded from a tier instead of computed.",
+         s.tier_hit_tokens),
+        ("kv_offload_loads_abandoned", "Tier loads given up to free blocks for running requests.",
+         s.tier_loads_abandoned),
+        ("preempted_tokens_restored", "Tokens a preempted request got back from the prefix "
+         "cache or a tier when admitted again.", s.preempted_tokens_restored),
+        ("preempted_tokens_recomputed", "Tokens a preempted request computed again.",
+         s.preempted_tokens_recomputed),
+    ):  # fmt: skip
+        yield CounterMetricFamily(PREFIX + name, doc, value=value)
 
 
 class ServerMetrics:

@@ -3,9 +3,10 @@
 A prefix-cache hit is observably faster than a miss, so a tenant that could share cache
 blocks with another could probe which prompts the other sent. The salt that partitions the
 cache is therefore derived here, on the server, from the *authenticated* tenant: an HMAC of
-(tenant, client salt) under a per-process random secret. A client may still send ``cache_salt``
-to split its own traffic further, but it only ever selects a partition inside its own tenant,
-and because the secret never leaves the process no client can compute another tenant's salt.
+(tenant, client salt) under a server secret (random per process, or ``$KVSERVE_TENANT_SECRET``
+shared by replicas). A client may still send ``cache_salt`` to split its own traffic further,
+but it only ever selects a partition inside its own tenant, and because the secret never leaves
+the servers no client can compute another tenant's salt.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from pathlib import Path
 from kvserve.server.protocol import APIError
 
 DEFAULT_TENANT = "default"
+SECRET_ENV = "KVSERVE_TENANT_SECRET"
+OPEN_SERVER_SECRET = b"kvserve-open-server"
 
 
 class TenantResolver:
@@ -33,12 +36,22 @@ class TenantResolver:
 
     @classmethod
     def from_args(cls, api_key: str | None, tenants_file: str | None) -> TenantResolver:
+        """Keys from ``--api-key`` / ``--tenants``; the secret from ``$KVSERVE_TENANT_SECRET``
+        when set (replicas that share an offload tier share it, so a tenant's prefix is a hit
+        on every replica and another tenant's never is), else random per process. An open
+        server (no keys) has one tenant whose salts anyone can choose anyway: it uses a fixed
+        secret, so its entries in a disk or Redis tier outlive a restart."""
         keys: dict[str, str] = {}
         if tenants_file:
             keys.update(load_tenants(tenants_file))
         if api_key:
             keys.setdefault(api_key, DEFAULT_TENANT)
-        return cls(keys)
+        secret = os.environ.get(SECRET_ENV)
+        if secret is not None and len(secret) < 16:
+            raise ValueError(f"{SECRET_ENV}: must be at least 16 characters, got {len(secret)}")
+        if secret is None and not keys:
+            return cls(keys, OPEN_SERVER_SECRET)
+        return cls(keys, secret.encode() if secret is not None else None)
 
     @property
     def auth_required(self) -> bool:

@@ -1,0 +1,62 @@
+"""The offload tiers an engine config asks for, checked at start so a bad flag fails there."""
+
+from __future__ import annotations
+
+from kvserve.config import CacheConfig, ConfigError
+from kvserve.kv.hashing import BlockHash
+from kvserve.kv.offload import KVOffload, tier_namespace
+from kvserve.kv.redis_tier import RedisTier
+from kvserve.kv.storage import KVStorage
+from kvserve.kv.tiers import DiskTier, HostTier, Tier
+
+LOAD_TIMEOUTS = 10  # a load gives up after this many tier-operation timeouts
+
+
+def build_offload(
+    cc: CacheConfig, storage: KVStorage | None, root: BlockHash, bytes_per_token: float
+) -> KVOffload | None:
+    """Host, disk and Redis tiers (fastest first) for ``cc``, or None when none is set.
+    Raises :class:`ConfigError` naming the field: a bad URL or directory, a size below one
+    block, an engine whose KV lives in a custom runner."""
+    if not cc.kv_offload:
+        return None
+    if storage is None:
+        raise ConfigError("kv_offload_*: tiers need the engine's own model runner and storage")
+    block_bytes = int(bytes_per_token * cc.block_size)
+    tiers: list[Tier] = []
+    try:
+        if cc.kv_offload_cpu:
+            _fits("kv_offload_cpu", cc.kv_offload_cpu, block_bytes)
+            tiers.append(HostTier(cc.kv_offload_cpu))
+        if cc.kv_offload_disk:
+            _fits("kv_offload_disk_size", cc.kv_offload_disk_size, block_bytes)
+            tiers.append(DiskTier(cc.kv_offload_disk, cc.kv_offload_disk_size))
+        if cc.kv_offload_redis:
+            _fits("kv_offload_redis_size", cc.kv_offload_redis_size, block_bytes)
+            tiers.append(
+                RedisTier(cc.kv_offload_redis, cc.kv_offload_redis_size, cc.kv_offload_timeout)
+            )
+    except ValueError as e:
+        for t in tiers:
+            t.close()
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(str(e)) from e
+    namespace = tier_namespace(root, storage.identity(), storage.pool_state())
+    offload = KVOffload(
+        tiers, namespace, storage.identity(), load_timeout_s=LOAD_TIMEOUTS * cc.kv_offload_timeout
+    )
+    offload.write_through_hits = {
+        "write_back": None,
+        "write_through": 0,
+        "write_through_selective": cc.kv_offload_reuse_threshold,
+    }[cc.kv_offload_write_policy]
+    return offload
+
+
+def _fits(field: str, size: int | str, block_bytes: int) -> None:
+    if int(size) < block_bytes:
+        raise ConfigError(
+            f"{field}: {size} bytes is smaller than one KV block ({block_bytes} bytes with this "
+            f"model, format and block size)"
+        )

@@ -1,0 +1,403 @@
+"""Offload tiers through the whole engine: a prefix evicted from the pool comes back from host
+memory, disk or a real Redis with the same greedy tokens as a run without tiers; every fault
+(a flipped byte, a truncated or deleted file, a full disk, a dead or slow Redis) is a miss that
+recomputes, never wrong output or a stalled engine; entries never cross models, formats or
+tenants; a bad flag fails at start naming it."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from kvserve import SamplingParams
+from kvserve.config import ConfigError
+from kvserve.kv.tiers import DiskTier, TierError
+from tests.conftest import prompts_of_lengths
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0)
+POOL = dict(num_gpu_blocks=24, block_size=16)  # 384 token slots: one 200-token prompt at a time
+
+
+def _tokens(llm, prompts, params=GREEDY, **kw):  # noqa: ANN001
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, **kw)]
+
+
+def evict_and_return(llm, prompt, flood):  # noqa: ANN001
+    """Serve ``prompt``, push it out of the pool with ``flood``, wait for the tier writes, serve
+    it again. Returns (first tokens, second tokens, cached tokens of the second run)."""
+    first = _tokens(llm, [prompt])[0]
+    for f in flood:
+        _tokens(llm, [f])
+    if llm.engine.offload is not None:
+        assert llm.engine.offload.flush()
+    (again,) = llm.generate([prompt], GREEDY)
+    return first, again.outputs[0].token_ids, again.num_cached_tokens
+
+
+@pytest.fixture
+def workload():
+    prompt, *flood = prompts_of_lengths([200, 200, 200, 200], vocab=320, seed=5)
+    return prompt, flood
+
+
+@pytest.fixture
+def reference(checkpoint, make_llm, workload):
+    """The same requests on the same engine geometry with no tier: what every run must give."""
+    llm = make_llm(checkpoint("llama_gqa"), **POOL)
+    prompt, flood = workload
+    first, second, cached = evict_and_return(llm, prompt, flood)
+    assert cached == 0, "the flood must evict the prompt from the pool"
+    assert first == second
+    return first
+
+
+HIT_TOKENS = (200 - 1) // 16 * 16  # a hit stops a block short of the last token
+
+
+def test_host_tier_brings_an_evicted_prefix_back(checkpoint, make_llm, workload, reference):
+    llm = make_llm(checkpoint("llama_gqa"), kv_offload_cpu="4MiB", **POOL)
+    first, second, cached = evict_and_return(llm, *workload)
+    assert first == second == reference
+    assert cached == HIT_TOKENS
+    st = llm.stats()
+    assert st.tier_hit_tokens == HIT_TOKENS
+    assert st.kv_offload["cpu"]["hits"] == HIT_TOKENS // 16
+    assert st.kv_offload["cpu"]["failures"] == {}
+
+
+def test_disk_tier_survives_a_restart(checkpoint, make_llm, workload, reference, tmp_path):
+    prompt, flood = workload
+    a = make_llm(checkpoint("llama_gqa"), kv_offload_disk=str(tmp_path), **POOL)
+    evict_and_return(a, prompt, flood)
+    a.engine.shutdown()
+    files = list(tmp_path.iterdir())
+    assert files and not [f for f in files if ".tmp" in f.name]
+    b = make_llm(checkpoint("llama_gqa"), kv_offload_disk=str(tmp_path), **POOL)
+    (out,) = b.generate([prompt], GREEDY)  # a fresh engine: its pool is empty
+    assert out.outputs[0].token_ids == reference
+    assert out.num_cached_tokens == HIT_TOKENS
+    assert b.stats().kv_offload["disk"]["hits"] == HIT_TOKENS // 16
+
+
+def test_redis_tier_is_shared_by_two_engines(checkpoint, make_llm, workload, reference, redis_url):
+    prompt, flood = workload
+    a = make_llm(checkpoint("llama_gqa"), kv_offload_redis=redis_url, **POOL)
+    first, second, cached = evict_and_return(a, prompt, flood)
+    assert first == second == reference and cached == HIT_TOKENS
+    b = make_llm(checkpoint("llama_gqa"), kv_offload_redis=redis_url, **POOL)
+    (out,) = b.generate([prompt], GREEDY)
+    assert out.outputs[0].token_ids == reference
+    assert out.num_cached_tokens == HIT_TOKENS
+    assert b.stats().kv_offload["redis"]["hits"] == HIT_TOKENS // 16
+
+
+def _entry_files(d: Path) -> list[Path]:
+    return sorted(f for f in d.iterdir() if f.is_file())
+
+
+@pytest.mark.parametrize("fault", ["flip", "truncate", "delete"])
+def test_a_damaged_disk_entry_is_a_miss(checkpoint, make_llm, workload, reference, tmp_path, fault):
+    prompt, flood = workload
+    llm = make_llm(checkpoint("llama_gqa"), kv_offload_disk=str(tmp_path), **POOL)
+    _tokens(llm, [prompt])
+    for f in flood:
+        _tokens(llm, [f])
+    assert llm.engine.offload.flush()
+    # The prompt's chain: its first block's entry is the one whose key the first hash makes.
+    req_hashes = []
+    from kvserve.kv.hashing import extend_block_hashes
+
+    extend_block_hashes(req_hashes, prompt, 16, llm.engine.kv.root)
+    key = llm.engine.offload.key(req_hashes[3])  # the 4th block: 3 blocks still load
+    victim = next(f for f in _entry_files(tmp_path) if f.name.startswith(key.hex()))
+    data = victim.read_bytes()
+    if fault == "flip":
+        i = len(data) - 7
+        victim.write_bytes(data[:i] + bytes([data[i] ^ 0x40]) + data[i + 1 :])
+    elif fault == "truncate":
+        victim.write_bytes(data[: len(data) // 2])
+    else:
+        victim.unlink()
+    (out,) = llm.generate([prompt], GREEDY)
+    assert out.outputs[0].token_ids == reference
+    assert out.num_cached_tokens == 3 * 16  # the blocks before the damaged one came back
+    failures = llm.stats().kv_offload["disk"]["failures"]
+    reason = {"flip": "checksum", "truncate": "truncated", "delete": "missing"}[fault]
+    assert failures.get(reason) == 1, failures
+    if fault != "delete":
+        assert not victim.exists(), "a damaged entry must be dropped"
+
+
+def test_a_full_disk_is_a_failed_store_not_an_error(
+    checkpoint, make_llm, workload, reference, tmp_path, monkeypatch
+):
+    def no_space(self, key, data):  # noqa: ANN001
+        raise TierError("full", "no space left on device")
+
+    monkeypatch.setattr(DiskTier, "put", no_space)
+    llm = make_llm(checkpoint("llama_gqa"), kv_offload_disk=str(tmp_path), **POOL)
+    first, second, cached = evict_and_return(llm, *workload)
+    assert first == second == reference and cached == 0
+    st = llm.stats().kv_offload["disk"]
+    assert st["failures"].get("full", 0) >= 1 and st["entries"] == 0
+
+
+def test_redis_killed_and_restarted(checkpoint, make_llm, workload, reference, redis_server,
+                                    redis_url, monkeypatch):  # fmt: skip
+    import kvserve.kv.offload as offload_mod
+
+    monkeypatch.setattr(offload_mod, "BACKOFF_START_S", 0.2)
+    prompt, flood = workload
+    llm = make_llm(checkpoint("llama_gqa"), kv_offload_redis=redis_url, kv_offload_timeout=0.2,
+                   **POOL)  # fmt: skip
+    llm.engine.offload._backoff["redis"] = 0.2
+    _tokens(llm, [prompt])
+    redis_server.stop()
+    t0 = time.perf_counter()
+    for f in flood:  # evictions now fail to store
+        assert _tokens(llm, [f])
+    (out,) = llm.generate([prompt], GREEDY)
+    elapsed = time.perf_counter() - t0
+    assert out.outputs[0].token_ids == reference
+    assert out.num_cached_tokens == 0
+    st = llm.stats().kv_offload["redis"]
+    assert sum(st["failures"].values()) >= 1, st
+    assert elapsed < 10, f"a dead Redis stalled the engine for {elapsed:.1f} s"
+    redis_server.start()
+    time.sleep(0.5)  # the back-off runs out
+    first, second, cached = evict_and_return(llm, prompt, flood)
+    assert first == second == reference
+    assert cached == HIT_TOKENS, "the tier must work again once Redis is back"
+
+
+def test_a_slow_tier_times_out_and_recomputes(checkpoint, make_llm, workload, reference):
+    prompt, flood = workload
+    llm = make_llm(checkpoint("llama_gqa"), kv_offload_cpu="4MiB", kv_offload_timeout=0.02,
+                   **POOL)  # fmt: skip
+    _tokens(llm, [prompt])
+    for f in flood:
+        _tokens(llm, [f])
+    assert llm.engine.offload.flush()
+    tier = llm.engine.offload.tiers[0]
+    real_get = tier.get
+
+    def slow_get(key):  # noqa: ANN001
+        time.sleep(0.5)
+        return real_get(key)
+
+    tier.get = slow_get
+    t0 = time.perf_counter()
+    (out,) = llm.generate([prompt], GREEDY)
+    assert time.perf_counter() - t0 < 1.0, "the request waited for the slow tier"
+    tier.get = real_get
+    assert out.outputs[0].token_ids == reference
+    assert out.num_cached_tokens == 0
+    assert llm.stats().kv_offload["cpu"]["failures"].get("load_timeout") == 1
+
+
+def test_abort_while_loading_frees_everything(checkpoint, make_llm, workload):
+    prompt, flood = workload
+    llm = make_llm(checkpoint("llama_gqa"), kv_offload_cpu="4MiB", **POOL)
+    _tokens(llm, [prompt])
+    for f in flood:
+        _tokens(llm, [f])
+    assert llm.engine.offload.flush()
+    tier = llm.engine.offload.tiers[0]
+    real_get = tier.get
+    tier.get = lambda key: (time.sleep(0.05), real_get(key))[1]
+    engine = llm.engine
+    engine.add_request("r", prompt, GREEDY)
+    engine.step()
+    (req,) = engine.requests.values()
+    assert req.loading and engine.kv.num_used_blocks > 0
+    engine.abort_request("r")
+    assert engine.kv.num_used_blocks == 0
+    time.sleep(0.2)  # the load finishes after the abort: its payloads go nowhere
+    assert not engine.has_unfinished_requests()
+    engine.step()
+    engine.kv.check_invariants()
+    assert engine.kv.num_used_blocks == 0
+
+
+def test_many_loads_in_a_small_pool_all_finish(checkpoint, make_llm):
+    """More tier hits than the pool can hold at once: loads that hold blocks are released for
+    running requests, nothing deadlocks, and every output equals the run without tiers."""
+    prompts = prompts_of_lengths([120] * 6, vocab=320, seed=9)
+    flood = prompts_of_lengths([300, 300], vocab=320, seed=10)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    out = []
+    for kw in ({}, {"kv_offload_cpu": "4MiB"}):
+        llm = make_llm(checkpoint("llama_gqa"), num_gpu_blocks=28, block_size=16, **kw)
+        for p in prompts:
+            _tokens(llm, [p], params)
+        for f in flood:
+            _tokens(llm, [f], params)
+        if llm.engine.offload:
+            llm.engine.offload.flush()
+        out.append(_tokens(llm, prompts, params))
+        st = llm.stats()
+    assert out[0] == out[1]
+    assert st.tier_hit_tokens > 0
+
+
+def test_preempted_requests_come_back_from_the_tier(checkpoint, make_llm):
+    prompts = prompts_of_lengths([100] * 4, vocab=320, seed=11)
+    params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+    got = []
+    for kw in ({}, {"kv_offload_cpu": "8MiB"}):
+        llm = make_llm(checkpoint("llama_gqa"), num_gpu_blocks=30, block_size=16, **kw)
+        got.append(_tokens(llm, prompts, params))
+        st = llm.stats()
+        assert st.num_preemptions > 0
+    assert got[0] == got[1]
+    assert st.preempted_tokens_restored > 0
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "kivi4"])
+def test_quantized_formats_round_trip_through_a_tier(checkpoint, make_llm, workload, fmt):
+    """A lossy format's hit attends to quantized K/V where a recompute attends to exact K/V
+    within its chunk, so the reference is a device hit in a pool big enough to keep it."""
+    prompt, flood = workload
+    big = make_llm(checkpoint("llama_gqa"), kv_cache_dtype=fmt, num_gpu_blocks=200, block_size=16)
+    cold = _tokens(big, [prompt])[0]
+    (hit,) = big.generate([prompt], GREEDY)
+    assert hit.num_cached_tokens == HIT_TOKENS
+    llm = make_llm(checkpoint("llama_gqa"), kv_cache_dtype=fmt, kv_offload_cpu="4MiB", **POOL)
+    first, second, cached = evict_and_return(llm, prompt, flood)
+    assert first == cold
+    assert second == hit.outputs[0].token_ids
+    assert cached == HIT_TOKENS
+
+
+def test_entries_never_cross_models_formats_or_tenants(checkpoint, make_llm, workload, redis_url):
+    prompt, flood = workload
+    base = make_llm(checkpoint("llama_gqa"), kv_offload_redis=redis_url, **POOL)
+    evict_and_return(base, prompt, flood)
+    others = {
+        "other weights, same shapes": (checkpoint("llama_gqa", seed=99), {}, prompt),
+        "another KV format": (checkpoint("llama_gqa"), {"kv_cache_dtype": "int8"}, prompt),
+        "another tenant": (
+            checkpoint("llama_gqa"),
+            {},
+            {"prompt_token_ids": prompt, "cache_salt": "tenant-b"},
+        ),
+    }
+    for what, (model, kw, p) in others.items():
+        llm = make_llm(model, kv_offload_redis=redis_url, **POOL, **kw)
+        (out,) = llm.generate([p], GREEDY)
+        assert out.num_cached_tokens == 0, what
+        assert llm.stats().kv_offload["redis"]["hits"] == 0, what
+    same = make_llm(checkpoint("llama_gqa"), kv_offload_redis=redis_url, **POOL)
+    (out,) = same.generate([prompt], GREEDY)
+    assert out.num_cached_tokens == HIT_TOKENS  # and the same config does share
+
+
+def test_tier_sizes_are_respected(checkpoint, make_llm, tmp_path):
+    prompts = prompts_of_lengths([200] * 8, vocab=320, seed=12)
+    llm = make_llm(checkpoint("llama_gqa"), kv_offload_cpu="40KiB", kv_offload_disk=str(tmp_path),
+                   kv_offload_disk_size="60KiB", **POOL)  # fmt: skip
+    for p in prompts:
+        _tokens(llm, [p])
+    assert llm.engine.offload.flush()
+    st = llm.stats().kv_offload
+    assert 0 < st["cpu"]["used_bytes"] <= 40 * 1024 and st["cpu"]["evictions"] > 0
+    on_disk = sum(f.stat().st_size for f in _entry_files(tmp_path))
+    assert 0 < on_disk <= 60 * 1024 and st["disk"]["evictions"] > 0
+    assert on_disk == st["disk"]["used_bytes"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"kv_offload_redis": "redis://localhost:99999/0"}, "kv_offload_redis"),
+        ({"kv_offload_redis": "http://localhost:6379"}, "kv_offload_redis"),
+        ({"kv_offload_redis": "redis://localhost:6379/db"}, "kv_offload_redis"),
+        ({"kv_offload_cpu": "lots"}, "kv_offload_cpu"),
+        ({"kv_offload_cpu": "1KiB"}, "kv_offload_cpu"),  # smaller than one 4 KiB block
+        ({"kv_offload_disk": "/tmp", "kv_offload_disk_size": "-5GB"}, "kv_offload_disk_size"),
+        ({"kv_offload_redis": "redis://h:1/0", "kv_offload_redis_size": "x"},
+         "kv_offload_redis_size"),
+        ({"kv_offload_cpu": "1GiB", "kv_offload_timeout": 0}, "kv_offload_timeout"),
+        ({"kv_offload_cpu": "1GiB", "enable_prefix_caching": False}, "kv_offload_"),
+    ],
+)  # fmt: skip
+def test_bad_offload_flags_fail_at_start_naming_the_field(checkpoint, make_llm, kwargs, field):
+    with pytest.raises(ConfigError, match=field.replace("_", "[-_]")):
+        make_llm(checkpoint("llama_gqa"), **POOL, **kwargs)
+
+
+def test_an_unusable_disk_directory_names_the_flag(checkpoint, make_llm, tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    for bad in (a_file, a_file / "below"):
+        with pytest.raises(ConfigError, match="kv-offload-disk|kv_offload_disk"):
+            make_llm(checkpoint("llama_gqa"), kv_offload_disk=str(bad), **POOL)
+
+
+def test_cli_refuses_both_cpu_size_flags():
+    import argparse
+
+    from kvserve.engine_args import add_engine_args, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    args = p.parse_args(["--kv-offload-cpu", "1GiB", "--kv-offloading-size", "2"])
+    with pytest.raises(ConfigError, match="kv_offloading_size"):
+        engine_kwargs(args)
+    args = p.parse_args(["--kv-offloading-size", "1.5"])
+    assert engine_kwargs(args)["kv_offload_cpu"] == "1.5GiB"
+    args = p.parse_args(["--kv-offloading-size", "0"])
+    with pytest.raises(ConfigError, match="kv_offloading_size"):
+        engine_kwargs(args)
+
+
+def test_replicas_share_tenant_partitions_only_through_the_shared_secret(monkeypatch):
+    from kvserve.server.tenants import SECRET_ENV, TenantResolver
+
+    keys = '{"k1": "alice", "k2": "bob"}'
+
+    def resolver(tmp: Path) -> TenantResolver:
+        f = tmp / "tenants.json"
+        f.write_text(keys)
+        return TenantResolver.from_args(None, str(f))
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        monkeypatch.delenv(SECRET_ENV, raising=False)
+        a, b = resolver(Path(d)), resolver(Path(d))
+        assert a.cache_salt("alice", None) != b.cache_salt("alice", None)  # per process
+        monkeypatch.setenv(SECRET_ENV, "s" * 32)
+        a, b = resolver(Path(d)), resolver(Path(d))
+        assert a.cache_salt("alice", None) == b.cache_salt("alice", None)
+        assert a.cache_salt("alice", None) != b.cache_salt("bob", None)
+        monkeypatch.setenv(SECRET_ENV, "short")
+        with pytest.raises(ValueError, match=SECRET_ENV):
+            resolver(Path(d))
+    monkeypatch.delenv(SECRET_ENV)
+    open_a, open_b = TenantResolver.from_args(None, None), TenantResolver.from_args(None, None)
+    assert open_a.cache_salt("default", None) == open_b.cache_salt("default", None)
+
+
+@pytest.mark.parametrize("policy, hits_before_store", [("write_through", 0),
+                                                       ("write_through_selective", 2)])  # fmt: skip
+def test_write_through_shares_a_prefix_before_any_eviction(
+    checkpoint, make_llm, workload, reference, redis_url, policy, hits_before_store
+):
+    prompt, _ = workload
+    kw = dict(kv_offload_redis=redis_url, kv_offload_write_policy=policy,
+              kv_offload_reuse_threshold=2, num_gpu_blocks=200, block_size=16)  # fmt: skip
+    a = make_llm(checkpoint("llama_gqa"), **kw)
+    for i in range(hits_before_store + 1):  # the first run computes; each later one is a hit
+        assert _tokens(a, [prompt])[0] == reference
+        assert a.engine.offload.flush()
+        stored = a.stats().kv_offload["redis"]["stored"]
+        want = HIT_TOKENS // 16 if i == hits_before_store else 0
+        assert stored >= want and (stored == 0) == (want == 0), (i, stored)
+    assert a.stats().prefix_cache_evictions == 0  # nothing left the pool: written through
+    b = make_llm(checkpoint("llama_gqa"), **kw)
+    (out,) = b.generate([prompt], GREEDY)
+    assert out.outputs[0].token_ids == reference
+    assert out.num_cached_tokens == HIT_TOKENS
