@@ -21,7 +21,7 @@ import torch
 
 from kvserve.config import EngineConfig, ModelConfig
 from kvserve.kv.formats import canonical_kv_format, make_kv_storage
-from kvserve.kv.storage import BlockPayload, KVStorage
+from kvserve.kv.storage import KVStorage
 from kvserve.model.attention import (
     KERNEL_MAX_QUERY,
     AttentionMetadata,
@@ -90,8 +90,10 @@ class ModelRunner:
         self.storage.release_blocks(ops.freed)
         self.storage.copy_blocks(ops.copies)
         for ids, payloads in ops.loads.values():
-            for block_ids, payload in _merged(ids, payloads):
-                self.storage.import_blocks(block_ids, payload)
+            at = 0
+            for payload in payloads:
+                self.storage.import_blocks(ids[at : at + payload.num_blocks], payload)
+                at += payload.num_blocks
 
     def _export(self, blocks: list[tuple[int, bytes]], out: ModelRunnerOutput) -> None:
         ids = [b for b, _ in blocks]
@@ -243,18 +245,6 @@ def build_runner(config: EngineConfig, num_blocks: int, max_model_len: int) -> M
         k_scales=k_scales, v_scales=v_scales,
     )  # fmt: skip
     return ModelRunner(model, storage, Sampler(mc.vocab_size, config.seed, device), device)
-
-
-def _merged(ids: list[int], payloads: list[BlockPayload]) -> list[tuple[list[int], BlockPayload]]:
-    """One-block payloads as few imports as possible: consecutive blocks without side state
-    are joined into one payload (one copy per tensor and layer instead of one per block)."""
-    if len(payloads) <= 1 or any(p.extra for p in payloads):
-        return [([b], p) for b, p in zip(ids, payloads, strict=True)]
-    first = payloads[0]
-    tensors = {
-        name: torch.cat([p.tensors[name] for p in payloads], dim=1) for name in first.tensors
-    }
-    return [(list(ids), BlockPayload(first.identity, len(ids), tensors, first.pool))]
 
 
 def padded_tables(tables: list[list[int]], null: int) -> np.ndarray:

@@ -245,7 +245,7 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None or not req.loading:
                 continue
-            j = len(result.payloads)
+            j = result.num_blocks
             self.kv.record_load(req, req.load_block_ids[:j], result.payloads)
             req.num_computed_tokens += j * bs
             req.loading = False

@@ -401,3 +401,42 @@ def test_write_through_shares_a_prefix_before_any_eviction(
     (out,) = b.generate([prompt], GREEDY)
     assert out.outputs[0].token_ids == reference
     assert out.num_cached_tokens == HIT_TOKENS
+
+
+def test_two_servers_share_a_prefix_through_redis_over_http(checkpoint, redis_url, workload):
+    """Replica A computes a prompt; replica B, another engine on the same Redis, serves it as a
+    hit (the usage's cached_tokens), with the same tokens; /metrics shows the tier's work."""
+    from openai import OpenAI
+
+    from kvserve import LLM
+    from kvserve.server.app import BackgroundServer, build_state
+    from kvserve.server.tenants import TenantResolver
+    from tests.test_server import scrape
+
+    prompt, _ = workload
+    kw = dict(kv_offload_redis=redis_url, kv_offload_write_policy="write_through", **POOL)
+    engines = [LLM(checkpoint("llama_gqa"), **kw).engine for _ in range(2)]
+    resolver = TenantResolver.from_args(None, None)  # open servers: one tenant, a fixed secret
+    outs = []
+    with BackgroundServer(build_state(engines[0], ["m"], resolver, max_queue=8)) as a:
+        with BackgroundServer(build_state(engines[1], ["m"], resolver, max_queue=8)) as b:
+            for srv in (a, b):
+                client = OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+                r = client.completions.create(model="m", prompt=prompt, max_tokens=6,
+                                              temperature=0)  # fmt: skip
+                outs.append(r)
+                if srv is a:  # the write-through lands off the step path
+                    deadline = time.monotonic() + 10
+                    while engines[0].offload.stats()["redis"]["stored"] < HIT_TOKENS // 16:
+                        assert time.monotonic() < deadline, "A never stored its prefix"
+                        time.sleep(0.05)
+                        engines[0].offload.flush()
+            metrics = scrape(b.url)
+    assert outs[0].choices[0].text == outs[1].choices[0].text
+    assert outs[0].usage.prompt_tokens_details.cached_tokens == 0
+    assert outs[1].usage.prompt_tokens_details.cached_tokens == HIT_TOKENS
+    hits = metrics[("kvserve:kv_offload_hits_total", (("tier", "redis"),))]
+    assert hits == HIT_TOKENS // 16
+    loaded = metrics[("kvserve:kv_offload_bytes_total", (("direction", "load"), ("tier", "redis")))]
+    assert loaded > 0
+    assert metrics[("kvserve:kv_offload_hit_tokens_total", ())] == HIT_TOKENS

@@ -85,9 +85,23 @@ class TierCounters:
 
 @dataclass(slots=True)
 class LoadResult:
-    """The leading blocks of a load that arrived intact, in chain order (possibly none)."""
+    """The leading blocks of a load that arrived intact, in chain order (possibly none), as
+    few payloads as possible: blocks without side state are joined on the worker thread so
+    the step that imports them makes one copy per tensor and layer."""
 
     payloads: list[BlockPayload]
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(p.num_blocks for p in self.payloads)
+
+    @classmethod
+    def joined(cls, payloads: list[BlockPayload]) -> LoadResult:
+        if len(payloads) <= 1 or any(p.extra for p in payloads):
+            return cls(payloads)
+        first = payloads[0]
+        tensors = {n: torch.cat([p.tensors[n] for p in payloads], dim=1) for n in first.tensors}
+        return cls([BlockPayload(first.identity, len(payloads), tensors, first.pool)])
 
 
 @dataclass(slots=True)
@@ -312,7 +326,7 @@ class KVOffload:
             try:
                 if job[0] == "load":
                     rid, keys = job[1]
-                    result = LoadResult(self._load(keys))
+                    result = LoadResult.joined(self._load(keys))
                     with self._lock:
                         load = self._loads.get(rid)
                         if load is not None:
@@ -370,7 +384,7 @@ class KVOffload:
                     missed_in.append(tier)
                     continue
                 try:
-                    payload = decode_entry(key, data)
+                    payload = decode_entry(key, data, copy=False)  # joined or imported
                     if _canonical(payload.identity) != self._identity_json:
                         raise EntryError("format", "the entry was stored by another format")
                     payload.identity = self.identity  # JSON turned its tuples into lists

@@ -277,10 +277,15 @@ class KVStorage(ABC):
         decoding them needs."""
         self._check_ids(block_ids, "export_blocks")
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        tensors = {
-            name: torch.stack([t.index_select(0, idx) for t in ts]).cpu()
-            for name, ts in self.block_tensors().items()
-        }
+        tensors = {}
+        for name, ts in self.block_tensors().items():
+            if ts[0].device.type == "cpu":  # one copy, straight into the payload
+                out = torch.empty((len(ts), len(block_ids), *ts[0].shape[1:]), dtype=ts[0].dtype)
+                for layer, t in enumerate(ts):
+                    torch.index_select(t, 0, idx, out=out[layer])
+                tensors[name] = out
+            else:
+                tensors[name] = torch.stack([t.index_select(0, idx) for t in ts]).cpu()
         return BlockPayload(self.identity(), len(block_ids), tensors, self._export_pool())
 
     def import_blocks(self, block_ids: list[int], payload: BlockPayload) -> None:

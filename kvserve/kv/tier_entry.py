@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import warnings
 from typing import Any
 
 import numpy as np
@@ -112,9 +113,13 @@ def encode_entry(key: bytes, payload: BlockPayload) -> bytes:
     return b"".join([header, key, meta, *arrays])
 
 
-def decode_entry(key: bytes, data: bytes | bytearray | memoryview) -> BlockPayload:
+def decode_entry(
+    key: bytes, data: bytes | bytearray | memoryview, copy: bool = True
+) -> BlockPayload:
     """The payload in ``data``, checked to be a complete, intact entry of this version stored
-    under ``key``; raises :class:`EntryError` (nothing partial is returned)."""
+    under ``key``; raises :class:`EntryError` (nothing partial is returned). With ``copy``
+    False the tensors are read-only views of ``data`` (a caller that copies them anyway
+    saves a copy into fresh memory, whose page faults cost more than the copy itself)."""
     view = memoryview(data).cast("B")
     if len(view) < HEADER_SIZE:
         raise EntryError(
@@ -137,7 +142,7 @@ def decode_entry(key: bytes, data: bytes | bytearray | memoryview) -> BlockPaylo
         raise EntryError("key", f"stored under {bytes(view[k0:m0]).hex()}, asked for {key.hex()}")
     try:
         meta = json.loads(view[m0:b0].tobytes())
-        tensors = _tensors(meta["specs"], view[b0:], body_len)
+        tensors = _tensors(meta["specs"], view[b0:], body_len, copy)
         payload = BlockPayload(
             identity=_resolve(meta["identity"], tensors),
             num_blocks=meta["num_blocks"],
@@ -160,8 +165,11 @@ def decode_entry(key: bytes, data: bytes | bytearray | memoryview) -> BlockPaylo
     return payload
 
 
-def _tensors(specs: list[dict[str, Any]], body: memoryview, body_len: int) -> list[torch.Tensor]:
-    """The body's tensors, each a private copy; the specs must tile the body exactly."""
+def _tensors(
+    specs: list[dict[str, Any]], body: memoryview, body_len: int, copy: bool = True
+) -> list[torch.Tensor]:
+    """The body's tensors, each a private copy (or a view of the body); the specs must tile
+    the body exactly."""
     out: list[torch.Tensor] = []
     end = 0
     raw = np.frombuffer(body, dtype=np.uint8)
@@ -182,7 +190,13 @@ def _tensors(specs: list[dict[str, Any]], body: memoryview, body_len: int) -> li
         if nbytes == 0:
             out.append(torch.empty(shape, dtype=dtype))
         else:
-            flat = torch.from_numpy(raw[end : end + nbytes].copy())
+            part = raw[end : end + nbytes]
+            if copy or part.flags.writeable:
+                flat = torch.from_numpy(part.copy() if copy else part)
+            else:
+                with warnings.catch_warnings():  # read-only by contract: nobody writes to it
+                    warnings.simplefilter("ignore", UserWarning)
+                    flat = torch.from_numpy(part)
             out.append(flat.view(dtype).reshape(shape))
         end += nbytes
     if end != body_len:
