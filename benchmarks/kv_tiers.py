@@ -179,14 +179,14 @@ def multiturn(args: argparse.Namespace) -> dict[str, Any]:
 
 # -- preemption: swap (tier) versus recompute ------------------------------------------------------
 def preempt(args: argparse.Namespace) -> dict[str, Any]:
-    """Long prompts, long outputs and a pool that holds about half of them: preempted
+    """Long prompts, long outputs and a pool that holds about half the prompts: preempted
     requests come back from the host tier (their published blocks went down on eviction)
     instead of recomputing."""
     model, vocab = bench_model(args.model), vocab_size(args.model)
     rng = random.Random(2)
     n, plen, olen = args.num_prompts, args.prompt_len, args.output_len
     prompts = [_rand(rng, plen, vocab) for _ in range(n)]
-    pool = n * (plen + olen) // 2 // BS
+    pool = int(n * plen * args.pool_frac) // BS  # admits about half; decoding outgrows it
     params = SamplingParams(max_tokens=olen, temperature=0, ignore_eos=True)
     rows, tokens = [], {}
     for name, kw in (("recompute", {}), ("swap to cpu tier", {"kv_offload_cpu": "8GiB"})):
@@ -295,6 +295,7 @@ def main() -> None:
             s.add_argument("--num-prompts", type=int, default=8)
             s.add_argument("--prompt-len", type=int, default=1024)
             s.add_argument("--output-len", type=int, default=256)
+            s.add_argument("--pool-frac", type=float, default=0.55)
         if name == "replicas":
             s.add_argument("--prefix-len", type=int, default=2048)
             s.add_argument("--port", type=int, default=8391)

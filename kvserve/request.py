@@ -224,6 +224,7 @@ class Request:
         "num_evicted_tokens",
         "cache_offset",
         "tier_probed",
+        "tier_hit_end",
         "loading",
         "load_block_ids",
     )
@@ -280,6 +281,7 @@ class Request:
         # Offload tiers: whether this admission asked the tiers already, whether blocks are
         # loading from one (the request then waits), and the fresh blocks they go to.
         self.tier_probed = False
+        self.tier_hit_end = 0  # blocks of the chain the tiers held when asked
         self.loading = False
         self.load_block_ids: list[int] = []
 

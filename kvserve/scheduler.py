@@ -220,13 +220,16 @@ class Scheduler:
     def _start_load(self, req: Request, computed: list) -> bool:
         """If tiers hold blocks that continue the request's device hits, give it fresh blocks
         for them and start loading; it stays waiting until the load is done. Each admission
-        of a request asks the tiers once."""
-        if req.tier_probed or req in self._unheld:
+        of a request asks the tiers once (a request the pool has no room for yet keeps the
+        answer and tries again when next considered)."""
+        if req in self._unheld:
             return False
-        req.tier_probed = True
         candidates = self.kv.tier_candidates(req, len(computed))
-        n = self.offload.probe(candidates)
-        if not n or not self.kv.allocate_slots(req, n * self.kv.block_size, computed):
+        if not req.tier_probed:
+            req.tier_probed = True
+            req.tier_hit_end = len(computed) + self.offload.probe(candidates)
+        n = min(req.tier_hit_end - len(computed), len(candidates))
+        if n <= 0 or not self.kv.allocate_slots(req, n * self.kv.block_size, computed):
             return False
         req.num_computed_tokens = len(computed) * self.kv.block_size
         req.load_block_ids = self.kv.block_ids(req)[len(computed) :]

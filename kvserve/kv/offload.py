@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
 import time
 from collections import OrderedDict, deque
@@ -43,6 +44,7 @@ BACKOFF_START_S = 1.0
 BACKOFF_MAX_S = 60.0
 POLL_WAIT_S = 0.01
 GAUGE_REFRESH_S = 1.0
+WORKER_NICE = 10
 
 
 def tier_namespace(root: BlockHash, identity: dict[str, Any], pool: dict[str, Any]) -> bytes:
@@ -143,7 +145,7 @@ class KVOffload:
         # already below, so it is not exported again.
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self._lock = threading.Condition()
-        self._stores: deque[list[tuple[bytes, BlockPayload]]] = deque()
+        self._stores: deque[tuple[list[bytes], BlockPayload]] = deque()
         self._pending_bytes = 0
         self._loads: dict[str, _Load] = {}
         self._load_queue: deque[str] = deque()
@@ -232,10 +234,7 @@ class KVOffload:
             if self._pending_bytes + nbytes > self.max_pending_bytes:
                 self.dropped_stores += len(hashes)
                 return
-            items = []
-            for i, h in enumerate(hashes):
-                items.append((self.key(h), payload.select([i]) if len(hashes) > 1 else payload))
-            self._stores.append(items)
+            self._stores.append(([self.key(h) for h in hashes], payload))
             self._pending_bytes += nbytes
             self._lock.notify_all()
 
@@ -308,6 +307,12 @@ class KVOffload:
 
     # -- the worker thread ------------------------------------------------------------------
     def _work(self) -> None:
+        # Below the engine's compute threads: on a machine with as many cores as those
+        # threads, an equal-priority worker would stall every step's parallel regions.
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICE)
+        except (AttributeError, OSError):
+            pass
         while True:
             with self._lock:
                 while not (self._closed or self._load_queue or self._stores):
@@ -333,21 +338,23 @@ class KVOffload:
                             load.result = result
                         self._lock.notify_all()
                 else:
-                    self._store(job[1])
+                    keys, payload = job[1]
+                    self._store(keys, payload)
             except Exception as e:  # noqa: BLE001 - the worker never dies of one bad entry
                 self.counters[self.tiers[0].name].fail(f"internal:{type(e).__name__}")
             finally:
                 if job[0] == "store":
                     with self._lock:
-                        nbytes = sum(sum(t.nbytes for t in p.tensors.values()) for _, p in job[1])
+                        nbytes = sum(t.nbytes for t in job[1][1].tensors.values())
                         self._pending_bytes = max(self._pending_bytes - nbytes, 0)
                         self._lock.notify_all()
 
-    def _store(self, items: list[tuple[bytes, BlockPayload]]) -> None:
-        for key, payload in items:
+    def _store(self, keys: list[bytes], payload: BlockPayload) -> None:
+        for i, key in enumerate(keys):
             data = None
+            block = payload.select([i]) if len(keys) > 1 else payload
             for tier in self._enabled():
-                data = data if data is not None else encode_entry(key, payload)
+                data = data if data is not None else encode_entry(key, block)
                 t0 = time.perf_counter()
                 try:
                     stored = tier.put(key, data)
