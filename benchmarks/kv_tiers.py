@@ -264,7 +264,8 @@ def _wait_ready(httpx: Any, port: int, timeout: float = 120.0) -> None:
 
 
 def _completion(httpx: Any, port: int, prompt: list[int]) -> tuple[float, int]:
-    body = {"model": "x", "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    name = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"][0]["id"]
+    body = {"model": name, "prompt": prompt, "max_tokens": 1, "temperature": 0}
     t0 = time.perf_counter()
     r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=300)
     dt = time.perf_counter() - t0

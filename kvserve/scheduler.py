@@ -163,7 +163,8 @@ class Scheduler:
                 break
             computed, num_cached = [], 0
             observes = req.retention is not None and req.retention.observes
-            if req.num_computed_tokens == 0 and not req.wants_prompt_logits and not observes:
+            fresh = req.num_computed_tokens == 0 and not self.kv.block_ids(req)
+            if fresh and not req.wants_prompt_logits and not observes:
                 # Prompt logits need every position computed, and H2O the attention mass of
                 # every prompt query, so such requests skip hits.
                 computed, num_cached = self.kv.get_computed_blocks(req)
@@ -252,6 +253,7 @@ class Scheduler:
             self.kv.record_load(req, req.load_block_ids[:j], result.payloads)
             req.num_computed_tokens += j * bs
             req.loading = False
+            req.tier_hit_end = 0  # the tiers' answer is used up: no second load
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = req.num_computed_tokens
             self.stats.tier_hit_tokens += j * bs

@@ -45,6 +45,7 @@ BACKOFF_MAX_S = 60.0
 POLL_WAIT_S = 0.01
 GAUGE_REFRESH_S = 1.0
 WORKER_NICE = 10
+LOAD_BATCH = 64  # blocks asked of a tier at once
 
 
 def tier_namespace(root: BlockHash, identity: dict[str, Any], pool: dict[str, Any]) -> bytes:
@@ -371,50 +372,66 @@ class KVOffload:
 
     def _load(self, keys: list[bytes]) -> list[BlockPayload]:
         """Fetch ``keys`` in chain order from the fastest tier that has each one intact; stop
-        at the first block no tier can give. A block from a slower tier is also put in the
-        faster ones (it is likely to be asked for again)."""
+        at the first block no tier can give. A tier is asked for the rest of a batch at once
+        (one Redis round trip), and only from the first block the faster tiers lacked. A
+        block from a slower tier is also put in the faster ones (it is likely asked again)."""
         out: list[BlockPayload] = []
-        for key in keys:
-            payload, missed_in = None, []
-            for tier in self._enabled():
-                c = self.counters[tier.name]
-                c.queries += 1
-                t0 = time.perf_counter()
+        for start in range(0, len(keys), LOAD_BATCH):
+            batch = keys[start : start + LOAD_BATCH]
+            fetched: dict[str, tuple[int, list[bytes | None]]] = {}
+            for j, key in enumerate(batch):
+                payload = self._load_one(key, j, batch, fetched)
+                if payload is None:
+                    return out
+                self._remember(key)
+                out.append(payload)
+        return out
+
+    def _load_one(
+        self,
+        key: bytes,
+        j: int,
+        batch: list[bytes],
+        fetched: dict[str, tuple[int, list[bytes | None]]],
+    ) -> BlockPayload | None:
+        missed_in: list[Tier] = []
+        for tier in self._enabled():
+            c = self.counters[tier.name]
+            c.queries += 1
+            t0 = time.perf_counter()
+            if tier.name not in fetched:
                 try:
-                    data = tier.get(key)
+                    fetched[tier.name] = (j, tier.get_many(batch[j:]))
                 except TierError as e:
                     self._failed(tier, e.reason)
                     continue
                 self._ok(tier)
-                if data is None:
-                    c.fail("missing")
-                    missed_in.append(tier)
-                    continue
+            first, datas = fetched[tier.name]
+            data = datas[j - first]
+            if data is None:
+                c.fail("missing")
+                missed_in.append(tier)
+                continue
+            try:
+                payload = decode_entry(key, data, copy=False)  # joined or imported: a copy
+                if _canonical(payload.identity) != self._identity_json:
+                    raise EntryError("format", "the entry was stored by another format")
+                payload.identity = self.identity  # JSON turned its tuples into lists
+            except EntryError as e:
+                c.fail(e.reason)
+                self._drop(tier, key)
+                missed_in.append(tier)
+                continue
+            c.hits += 1
+            c.bytes_up += len(data)
+            c.seconds_up += time.perf_counter() - t0
+            for faster in missed_in:
                 try:
-                    payload = decode_entry(key, data, copy=False)  # joined or imported
-                    if _canonical(payload.identity) != self._identity_json:
-                        raise EntryError("format", "the entry was stored by another format")
-                    payload.identity = self.identity  # JSON turned its tuples into lists
-                except EntryError as e:
-                    c.fail(e.reason)
-                    self._drop(tier, key)
-                    missed_in.append(tier)
-                    payload = None
-                    continue
-                c.hits += 1
-                c.bytes_up += len(data)
-                c.seconds_up += time.perf_counter() - t0
-                for faster in missed_in:
-                    try:
-                        faster.put(key, bytes(data))
-                    except TierError as e:
-                        self._failed(faster, e.reason)
-                break
-            if payload is None:
-                break
-            self._remember(key)
-            out.append(payload)
-        return out
+                    faster.put(key, bytes(data))
+                except TierError as e:
+                    self._failed(faster, e.reason)
+            return payload
+        return None
 
     def _drop(self, tier: Tier, key: bytes) -> None:
         try:

@@ -58,6 +58,10 @@ class Tier(ABC):
     def get(self, key: bytes) -> bytes | None:
         """The entry under ``key`` (now most recently used), or None."""
 
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """``get`` of each key, in order (a remote tier does it in one round trip)."""
+        return [self.get(k) for k in keys]
+
     @abstractmethod
     def count_present(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` are present: a prefix is only useful up to its first
