@@ -122,7 +122,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         picked: list[tuple[Request, int]] = []
-        self._unheld: list[Request] = []
+        self._unheld = []
         if self.offload is not None and self.offload.num_loading:
             self._finish_loads()
 

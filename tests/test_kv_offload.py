@@ -24,14 +24,21 @@ def _tokens(llm, prompts, params=GREEDY, **kw):  # noqa: ANN001
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, **kw)]
 
 
-def evict_and_return(llm, prompt, flood):  # noqa: ANN001
-    """Serve ``prompt``, push it out of the pool with ``flood``, wait for the tier writes, serve
-    it again. Returns (first tokens, second tokens, cached tokens of the second run)."""
+def push_out(llm, prompt, flood):  # noqa: ANN001
+    """Serve ``prompt``, push it out of the pool with ``flood`` and wait for the tier writes;
+    returns the tokens of the first run."""
     first = _tokens(llm, [prompt])[0]
     for f in flood:
         _tokens(llm, [f])
     if llm.engine.offload is not None:
         assert llm.engine.offload.flush()
+    return first
+
+
+def evict_and_return(llm, prompt, flood):  # noqa: ANN001
+    """:func:`push_out`, then serve the prompt again. Returns (first tokens, second tokens,
+    cached tokens of the second run)."""
+    first = push_out(llm, prompt, flood)
     (again,) = llm.generate([prompt], GREEDY)
     return first, again.outputs[0].token_ids, again.num_cached_tokens
 
@@ -101,10 +108,7 @@ def _entry_files(d: Path) -> list[Path]:
 def test_a_damaged_disk_entry_is_a_miss(checkpoint, make_llm, workload, reference, tmp_path, fault):
     prompt, flood = workload
     llm = make_llm(checkpoint("llama_gqa"), kv_offload_disk=str(tmp_path), **POOL)
-    _tokens(llm, [prompt])
-    for f in flood:
-        _tokens(llm, [f])
-    assert llm.engine.offload.flush()
+    push_out(llm, prompt, flood)
     # The prompt's chain: its first block's entry is the one whose key the first hash makes.
     req_hashes = []
     from kvserve.kv.hashing import extend_block_hashes
@@ -176,10 +180,7 @@ def test_a_slow_tier_times_out_and_recomputes(checkpoint, make_llm, workload, re
     prompt, flood = workload
     llm = make_llm(checkpoint("llama_gqa"), kv_offload_cpu="4MiB", kv_offload_timeout=0.02,
                    **POOL)  # fmt: skip
-    _tokens(llm, [prompt])
-    for f in flood:
-        _tokens(llm, [f])
-    assert llm.engine.offload.flush()
+    push_out(llm, prompt, flood)
     tier = llm.engine.offload.tiers[0]
     real_get = tier.get
 
@@ -200,10 +201,7 @@ def test_a_slow_tier_times_out_and_recomputes(checkpoint, make_llm, workload, re
 def test_abort_while_loading_frees_everything(checkpoint, make_llm, workload):
     prompt, flood = workload
     llm = make_llm(checkpoint("llama_gqa"), kv_offload_cpu="4MiB", **POOL)
-    _tokens(llm, [prompt])
-    for f in flood:
-        _tokens(llm, [f])
-    assert llm.engine.offload.flush()
+    push_out(llm, prompt, flood)
     tier = llm.engine.offload.tiers[0]
     real_get = tier.get
     tier.get = lambda key: (time.sleep(0.05), real_get(key))[1]
@@ -440,3 +438,20 @@ def test_two_servers_share_a_prefix_through_redis_over_http(checkpoint, redis_ur
     loaded = metrics[("kvserve:kv_offload_bytes_total", (("direction", "load"), ("tier", "redis")))]
     assert loaded > 0
     assert metrics[("kvserve:kv_offload_hit_tokens_total", ())] == HIT_TOKENS
+
+
+def test_a_failed_steps_evictions_are_never_stored():
+    """A step that failed may have written the blocks it evicted: the record gives them back
+    for freeing, never for a tier, also when an import takes evictions out in between."""
+    from kvserve.kv.manager import KVCacheManager
+    from kvserve.kv.ops import KVOps
+
+    kv = KVCacheManager(num_blocks=8, block_size=2)
+    kv.offload_evictions = True
+    h = [bytes([i]) * 32 for i in range(4)]
+    kv.restore_ops(KVOps(evicted=[(1, h[1]), (2, h[2])]))
+    kv.pool.evicted.append((3, h[3]))  # evicted after the failure: its bytes are intact
+    assert kv.take_evictions([1]) == []  # an import reuses block 1: nothing to store
+    ops = kv.take_ops()
+    assert ops.offload == [(3, h[3])]
+    assert sorted(ops.evicted) == [(2, h[2]), (3, h[3])]

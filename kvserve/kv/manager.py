@@ -486,9 +486,11 @@ class KVCacheManager:
         """Take the recorded evictions of ``block_ids`` out of the next record (an import is
         about to overwrite them now, not in a step: the caller stores them first)."""
         ids = set(block_ids)
-        mine = [e for e in self.pool.evicted if e[0] in ids]
+        restored = self.pool.evicted[: self._restored_evictions]
+        self._restored_evictions -= sum(1 for e in restored if e[0] in ids)
+        mine = [e for e in self.pool.evicted[len(restored) :] if e[0] in ids]
         self.pool.evicted = [e for e in self.pool.evicted if e[0] not in ids]
-        return mine
+        return mine  # a failed step's evictions are never stored: it may have written them
 
     def publish_import(self, imp: PrefixImport) -> None:
         """Register imported blocks under their hashes and leave every block cached-free."""
