@@ -8,6 +8,8 @@ step. Running requests are served first (oldest first); waiting ones are admitte
 budget, ``max_num_seqs`` and the KV pool allow. When a running request cannot get a block, the
 most recently admitted request is preempted (its blocks freed, to be recomputed later) and put
 back at the front of the queue; the oldest request always progresses, so nothing deadlocks.
+A waiting request whose prefix continues in an offload tier waits, not running, while its
+blocks load (:mod:`kvserve.kv.tier_loads`); others are admitted meanwhile.
 
 :meth:`Scheduler.schedule` describes the step as plain data (:class:`SchedulerOutput`);
 :meth:`Scheduler.update_from_output` owns what happens after the forward pass: computed-token
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 from kvserve.config import SchedulerConfig
 from kvserve.kv.manager import KVCacheManager, cdiv
 from kvserve.kv.offload import KVOffload
+from kvserve.kv.tier_loads import TierLoads
 from kvserve.request import Request, RequestStatus
 from kvserve.step import ModelRunnerOutput, NewRequestData, ScheduledSeq, SchedulerOutput
 
@@ -41,11 +44,8 @@ class SchedulerStats:
     # K/V blocks were released before their request finished, and those blocks.
     retention_evicted_tokens: dict[str, int] = field(default_factory=dict)
     retention_reclaimed_blocks: int = 0
-    # Offload tiers: prompt tokens loaded from a tier instead of computed, tier loads given
-    # up to free their blocks for running requests, and the tokens a preempted request got
-    # back (device or tier hits) versus recomputed when it was admitted again.
-    tier_hit_tokens: int = 0
-    tier_loads_abandoned: int = 0
+    # The tokens a preempted request got back (device or tier hits) versus recomputed when
+    # it was admitted again.
     preempted_tokens_restored: int = 0
     preempted_tokens_recomputed: int = 0
 
@@ -83,10 +83,8 @@ class Scheduler:
         self.offload = offload
         kv.offload_evictions = offload is not None
         kv.write_through_hits = offload.write_through_hits if offload is not None else None
-        # Waiting requests that hold blocks for a tier load (loading, or loaded and not yet
-        # admitted), oldest first: released newest first when running requests need blocks.
-        self._holders: list[Request] = []
-        self._unheld: list[Request] = []  # ... released this step
+        # Waiting requests whose blocks load from a tier (None: no tiers)
+        self.tier_loads = TierLoads(kv, offload) if offload is not None else None
         # Every layer's own sliding window (0: the model has full-attention layers): blocks
         # behind it are released for every request, exactly.
         self.native_window = native_window
@@ -122,9 +120,12 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         picked: list[tuple[Request, int]] = []
-        self._unheld = []
-        if self.offload is not None and self.offload.num_loading:
-            self._finish_loads()
+        loads = self.tier_loads
+        if loads is not None:
+            loads.begin_step()
+            if self.offload.num_loading:
+                idle = not self.running and all(r.loading for r in self.waiting)
+                loads.finish(self.requests, idle)
 
         # 1. Running requests, oldest first; preempt from the newest end when blocks run out.
         i = 0
@@ -137,7 +138,7 @@ class Scheduler:
             self._retain(req)
             extra = self._compact_blocks(req, n)
             while not self.kv.allocate_slots(req, n, compact_blocks=extra):
-                if self._unhold():
+                if loads is not None and loads.release_one():
                     continue
                 victim = self.running.pop()
                 self._preempt(victim, out)
@@ -168,7 +169,7 @@ class Scheduler:
                 # Prompt logits need every position computed, and H2O the attention mass of
                 # every prompt query, so such requests skip hits.
                 computed, num_cached = self.kv.get_computed_blocks(req)
-                if self.offload is not None and self._start_load(req, computed):
+                if loads is not None and loads.start(req, computed):
                     continue  # waits for its blocks; others may be admitted meanwhile
             n = req.num_tokens - req.num_computed_tokens - num_cached
             if not self.config.enable_chunked_prefill and n > budget:
@@ -179,12 +180,12 @@ class Scheduler:
             if not self.kv.allocate_slots(
                 req, n, computed, self._compact_blocks(req, n, num_cached)
             ):
-                if not self.running and not picked and self._unhold(keep=req):
+                if not self.running and not picked and loads and loads.release_one(keep=req):
                     continue  # nothing runs: blocks held for tier loads must not stall it
                 break
             self._remove_waiting(req)
-            if req in self._holders:
-                self._holders.remove(req)
+            if loads is not None:
+                loads.forget(req)
             if req.num_preemptions and req.num_cached_tokens >= 0:
                 restored = req.num_computed_tokens + num_cached
                 self.stats.preempted_tokens_restored += restored
@@ -216,66 +217,6 @@ class Scheduler:
                 ]
         out.finished_req_ids, self._finished_ids = self._finished_ids, []
         return out
-
-    # -- offload tiers --------------------------------------------------------------------------
-    def _start_load(self, req: Request, computed: list) -> bool:
-        """If tiers hold blocks that continue the request's device hits, give it fresh blocks
-        for them and start loading; it stays waiting until the load is done. Each admission
-        of a request asks the tiers once (a request the pool has no room for yet keeps the
-        answer and tries again when next considered)."""
-        if req in self._unheld:
-            return False
-        candidates = self.kv.tier_candidates(req, len(computed))
-        if not req.tier_probed:
-            req.tier_probed = True
-            req.tier_hit_end = len(computed) + self.offload.probe(candidates)
-        n = min(req.tier_hit_end - len(computed), len(candidates))
-        if n <= 0 or not self.kv.allocate_slots(req, n * self.kv.block_size, computed):
-            return False
-        req.num_computed_tokens = len(computed) * self.kv.block_size
-        req.load_block_ids = self.kv.block_ids(req)[len(computed) :]
-        req.loading = True
-        self._holders.append(req)
-        self.offload.start_load(req.request_id, candidates[:n])
-        return True
-
-    def _finish_loads(self) -> None:
-        """Hand the finished loads' payloads to the runner (next record) and count their
-        blocks as computed; blocks a load could not fill stay in the table and are
-        computed like any other. With nothing else to do, wait for a load."""
-        idle = not self.running and all(r.loading for r in self.waiting)
-        bs = self.kv.block_size
-        for rid, result in self.offload.poll_loads(wait=idle).items():
-            req = self.requests.get(rid)
-            if req is None or not req.loading:
-                continue
-            j = result.num_blocks
-            self.kv.record_load(req, req.load_block_ids[:j], result.payloads)
-            req.num_computed_tokens += j * bs
-            req.loading = False
-            req.tier_hit_end = 0  # the tiers' answer is used up: no second load
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = req.num_computed_tokens
-            self.stats.tier_hit_tokens += j * bs
-
-    def _unhold(self, keep: Request | None = None) -> bool:
-        """Release the blocks of the newest waiting request that holds some for a tier load
-        (not ``keep``); it asks the tiers again when it is next considered."""
-        for req in reversed(self._holders):
-            if req is keep:
-                continue
-            self._holders.remove(req)
-            self._unheld.append(req)  # not loading again in this step: no ping-pong
-            if req.loading:
-                self.offload.cancel(req.request_id)
-            self.kv.free(req)
-            req.loading = False
-            req.tier_probed = False
-            req.num_computed_tokens = 0
-            req.num_cached_tokens = -1
-            self.stats.tier_loads_abandoned += 1
-            return True
-        return False
 
     def _chunk(self, req: Request, n: int, hit: int = 0) -> int:
         """The tokens ``req`` computes this step out of ``n`` offered: a prompt that SnapKV
@@ -531,11 +472,8 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
-        if req in self._holders:
-            self._holders.remove(req)
-            if req.loading:
-                self.offload.cancel(req.request_id)
-                req.loading = False
+        if self.tier_loads is not None:
+            self.tier_loads.forget(req)
         if req in self.running:
             self.running.remove(req)
         else:

@@ -236,7 +236,7 @@ class LLMEngine:
         )
         allocated = kv.num_used_blocks * self.block_size
         last = self.core.last_step
-        st = sched.stats
+        st, loads = sched.stats, sched.tier_loads
         return EngineStats(
             num_running=len(sched.running),
             num_waiting=len(sched.waiting),
@@ -258,8 +258,8 @@ class LLMEngine:
             retention_evicted_tokens=dict(st.retention_evicted_tokens),
             retention_reclaimed_blocks=st.retention_reclaimed_blocks,
             kv_offload=self.offload.stats() if self.offload is not None else {},
-            tier_hit_tokens=st.tier_hit_tokens,
-            tier_loads_abandoned=st.tier_loads_abandoned,
+            tier_hit_tokens=loads.hit_tokens if loads is not None else 0,
+            tier_loads_abandoned=loads.abandoned if loads is not None else 0,
             preempted_tokens_restored=st.preempted_tokens_restored,
             preempted_tokens_recomputed=st.preempted_tokens_recomputed,
         )

@@ -1,0 +1,96 @@
+"""Waiting requests whose prefix blocks load from an offload tier: the scheduler's side of the
+tiers, kept beside the KV manager so the scheduler only asks three questions (start a load for
+this request? which loads finished? release a holder's blocks?).
+
+A load holds fresh pool blocks while its request waits (it is not running). Such holders are
+released, newest first, when a running request needs blocks or when nothing else could run:
+a waiting request must never stall the pool. A released request asks the tiers again when it
+is next considered, but not in the step that released it (two holders would otherwise take
+each other's blocks forever).
+"""
+
+from __future__ import annotations
+
+from kvserve.kv.block_pool import KVCacheBlock
+from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.offload import KVOffload
+from kvserve.request import Request
+
+
+class TierLoads:
+    def __init__(self, kv: KVCacheManager, offload: KVOffload) -> None:
+        self.kv = kv
+        self.offload = offload
+        self.holders: list[Request] = []  # oldest first
+        self._released: list[Request] = []  # ... this step
+        self.hit_tokens = 0  # prompt tokens loaded instead of computed
+        self.abandoned = 0  # loads given up to free their blocks
+
+    def begin_step(self) -> None:
+        self._released = []
+
+    def start(self, req: Request, computed: list[KVCacheBlock]) -> bool:
+        """If tiers hold blocks that continue the request's device hits, give it fresh blocks
+        for them and start loading; it stays waiting until the load is done. Each admission
+        of a request asks the tiers once (a request the pool has no room for yet keeps the
+        answer and tries again when next considered)."""
+        if req in self._released:
+            return False
+        kv = self.kv
+        candidates = kv.tier_candidates(req, len(computed))
+        if not req.tier_probed:
+            req.tier_probed = True
+            req.tier_hit_end = len(computed) + self.offload.probe(candidates)
+        n = min(req.tier_hit_end - len(computed), len(candidates))
+        if n <= 0 or not kv.allocate_slots(req, n * kv.block_size, computed):
+            return False
+        req.num_computed_tokens = len(computed) * kv.block_size
+        req.load_block_ids = kv.block_ids(req)[len(computed) :]
+        req.loading = True
+        self.holders.append(req)
+        self.offload.start_load(req.request_id, candidates[:n])
+        return True
+
+    def finish(self, requests: dict[str, Request], idle: bool) -> None:
+        """Hand the finished loads' payloads to the runner (next record) and count their
+        blocks as computed; blocks a load could not fill stay in the table and are computed
+        like any other. ``idle``: nothing else can run, so wait a little for a load."""
+        bs = self.kv.block_size
+        for rid, result in self.offload.poll_loads(wait=idle).items():
+            req = requests.get(rid)
+            if req is None or not req.loading:
+                continue
+            j = result.num_blocks
+            self.kv.record_load(req, req.load_block_ids[:j], result.payloads)
+            req.num_computed_tokens += j * bs
+            req.loading = False
+            req.tier_hit_end = 0  # the tiers' answer is used up: no second load
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = req.num_computed_tokens
+            self.hit_tokens += j * bs
+
+    def release_one(self, keep: Request | None = None) -> bool:
+        """Free the blocks of the newest holder (not ``keep``); False if there is none."""
+        for req in reversed(self.holders):
+            if req is keep:
+                continue
+            self.holders.remove(req)
+            self._released.append(req)
+            if req.loading:
+                self.offload.cancel(req.request_id)
+            self.kv.free(req)
+            req.loading = False
+            req.tier_probed = False
+            req.num_computed_tokens = 0
+            req.num_cached_tokens = -1
+            self.abandoned += 1
+            return True
+        return False
+
+    def forget(self, req: Request) -> None:
+        """The request was admitted or finished: it holds nothing for a load any more."""
+        if req in self.holders:
+            self.holders.remove(req)
+            if req.loading:
+                self.offload.cancel(req.request_id)
+                req.loading = False
