@@ -455,3 +455,25 @@ def test_a_failed_steps_evictions_are_never_stored():
     ops = kv.take_ops()
     assert ops.offload == [(3, h[3])]
     assert sorted(ops.evicted) == [(2, h[2]), (3, h[3])]
+
+
+def test_a_store_backlog_drops_blocks_instead_of_blocking():
+    import torch
+
+    from kvserve.kv.offload import KVOffload
+    from kvserve.kv.storage import BlockPayload
+    from kvserve.kv.tiers import HostTier
+
+    off = KVOffload([HostTier(1 << 20)], b"n" * 16, {"format": "x"}, max_pending_bytes=1000)
+    try:
+        big = BlockPayload({"format": "x"}, 1, {"k": torch.zeros(1, 1, 400)})  # 1,600 bytes
+        off.store([b"h" * 32], big)
+        assert off.flush()
+        assert off.dropped_stores == 1
+        assert off.stats()["cpu"]["failures"] == {"store_backlog": 1}
+        assert off.stats()["cpu"]["entries"] == 0
+        small = BlockPayload({"format": "x"}, 1, {"k": torch.zeros(1, 1, 100)})  # 400 bytes
+        off.store([b"i" * 32], small)
+        assert off.flush() and off.stats()["cpu"]["entries"] == 1
+    finally:
+        off.close()

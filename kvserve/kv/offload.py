@@ -234,6 +234,7 @@ class KVOffload:
         with self._lock:
             if self._pending_bytes + nbytes > self.max_pending_bytes:
                 self.dropped_stores += len(hashes)
+                self.counters[self.tiers[0].name].fail("store_backlog")
                 return
             self._stores.append(([self.key(h) for h in hashes], payload))
             self._pending_bytes += nbytes
