@@ -327,20 +327,28 @@ class KVCacheManager:
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Publish the request's full blocks whose K/V have been computed."""
-        if not self.enable_caching:
-            return
+        n_full, unpublished = self._unpublished(request, request.num_computed_tokens)
+        for block, h in unpublished:
+            self.pool.cache_block(block, h)
+        if n_full > self.num_cached_blocks.get(request.request_id, 0):
+            self.num_cached_blocks[request.request_id] = n_full
+
+    def _unpublished(
+        self, request: Request, num_tokens: int
+    ) -> tuple[int, list[tuple[KVCacheBlock, BlockHash]]]:
+        """The full blocks the request's first ``num_tokens`` tokens fill and that it has not
+        published yet (block, hash), and how many full blocks that is in all. A compacted
+        cache is nobody's prefix; a dropped block was published before it went."""
         blocks = self.req_blocks.get(request.request_id)
-        if not blocks or request.cache_offset:  # a compacted cache is nobody's prefix
-            return
-        n_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        if not self.enable_caching or not blocks or request.cache_offset:
+            return 0, []
+        n_full = min(num_tokens // self.block_size, len(blocks))
         start = self.num_cached_blocks.get(request.request_id, 0)
         if n_full <= start:
-            return
+            return n_full, []
         hashes = self.block_hashes(request)
-        for i in range(start, n_full):
-            if blocks[i] is not self._null:  # a dropped block was published before it went
-                self.pool.cache_block(blocks[i], hashes[i])
-        self.num_cached_blocks[request.request_id] = n_full
+        return n_full, [(blocks[i], hashes[i]) for i in range(start, n_full)
+                        if blocks[i] is not self._null]  # fmt: skip
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first so its tail is evicted first."""
@@ -446,16 +454,8 @@ class KVCacheManager:
         """The blocks (id, hash) that the step computing ``num_new_tokens`` more of the
         request fills and that it will publish (write-through stores them after the step's
         forward pass, so a prefix is below before anything evicts it)."""
-        blocks = self.req_blocks.get(request.request_id)
-        if not self.enable_caching or not blocks or request.cache_offset:
-            return []
-        start = self.num_cached_blocks.get(request.request_id, 0)
-        end = min((request.num_computed_tokens + num_new_tokens) // self.block_size, len(blocks))
-        if end <= start:
-            return []
-        hashes = self.block_hashes(request)
-        return [(blocks[i].block_id, hashes[i]) for i in range(start, end)
-                if blocks[i] is not self._null]  # fmt: skip
+        _, blocks = self._unpublished(request, request.num_computed_tokens + num_new_tokens)
+        return [(b.block_id, h) for b, h in blocks]
 
     def record_load(self, request: Request, block_ids: list[int], payloads: list) -> None:
         """Payloads a tier load gave the request's fresh ``block_ids``: the runner imports

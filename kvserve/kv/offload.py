@@ -89,22 +89,13 @@ class TierCounters:
 @dataclass(slots=True)
 class LoadResult:
     """The leading blocks of a load that arrived intact, in chain order (possibly none), as
-    few payloads as possible: blocks without side state are joined on the worker thread so
-    the step that imports them makes one copy per tensor and layer."""
+    few payloads as possible (joined on the worker, off the step path)."""
 
     payloads: list[BlockPayload]
 
     @property
     def num_blocks(self) -> int:
         return sum(p.num_blocks for p in self.payloads)
-
-    @classmethod
-    def joined(cls, payloads: list[BlockPayload]) -> LoadResult:
-        if len(payloads) <= 1 or any(p.extra for p in payloads):
-            return cls(payloads)
-        first = payloads[0]
-        tensors = {n: torch.cat([p.tensors[n] for p in payloads], dim=1) for n in first.tensors}
-        return cls([BlockPayload(first.identity, len(payloads), tensors, first.pool)])
 
 
 @dataclass(slots=True)
@@ -333,7 +324,7 @@ class KVOffload:
             try:
                 if job[0] == "load":
                     rid, keys = job[1]
-                    result = LoadResult.joined(self._load(keys))
+                    result = LoadResult(BlockPayload.concat(self._load(keys)))
                     with self._lock:
                         load = self._loads.get(rid)
                         if load is not None:

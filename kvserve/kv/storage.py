@@ -49,6 +49,17 @@ class BlockPayload:
     pool: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @staticmethod
+    def concat(payloads: list[BlockPayload]) -> list[BlockPayload]:
+        """Consecutive payloads as one (one copy per tensor and layer when imported), or as
+        they are when there is one or any carries format side state (KIVI's residual rows)."""
+        if len(payloads) <= 1 or any(p.extra for p in payloads):
+            return list(payloads)
+        first = payloads[0]
+        n = sum(p.num_blocks for p in payloads)
+        tensors = {k: torch.cat([p.tensors[k] for p in payloads], dim=1) for k in first.tensors}
+        return [BlockPayload(first.identity, n, tensors, first.pool)]
+
     def select(self, indices: list[int]) -> BlockPayload:
         """The payload of the blocks at ``indices`` (positions in this payload), in order."""
         idx = torch.tensor(indices, dtype=torch.long)
