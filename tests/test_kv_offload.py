@@ -319,6 +319,12 @@ def test_tier_sizes_are_respected(checkpoint, make_llm, tmp_path):
          "kv_offload_redis_size"),
         ({"kv_offload_cpu": "1GiB", "kv_offload_timeout": 0}, "kv_offload_timeout"),
         ({"kv_offload_cpu": "1GiB", "enable_prefix_caching": False}, "kv_offload_"),
+        ({"kv_offload_cpu": "1GiB", "kv_offload_write_policy": "always"},
+         "kv_offload_write_policy"),
+        ({"kv_offload_cpu": "1GiB", "kv_offload_reuse_threshold": 0},
+         "kv_offload_reuse_threshold"),
+        ({"kv_offload_cpu": "1GiB", "calculate_kv_scales": True, "kv_cache_dtype": "fp8_e4m3"},
+         "calculate_kv_scales"),
     ],
 )  # fmt: skip
 def test_bad_offload_flags_fail_at_start_naming_the_field(checkpoint, make_llm, kwargs, field):
