@@ -16,7 +16,10 @@ from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-SCHEDULING_POLICIES = ("fcfs", "lpm")
+SCHEDULING_POLICIES = ("fcfs", "lpm", "priority")
+# greedy: admit while the next chunk fits; projected: while the whole request (prompt after
+# hits, plus its expected output) fits beside what running requests will still grow by.
+ADMISSION_POLICIES = ("greedy", "projected")
 ALLOWED_BLOCK_SIZES = tuple(2**i for i in range(9))  # 1, 2, 4, ... 256
 
 
@@ -325,8 +328,17 @@ class SchedulerConfig:
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
-    # lpm: a waiting request skipped this many times is scheduled next regardless.
+    # lpm, priority and projected admission: a waiting request passed over this many times
+    # is scheduled next regardless (the bound on starvation).
     lpm_max_skips: int = 32
+    admission: str = "greedy"
+    # projected: blocks kept free beyond every admitted request's projection (a fraction).
+    admission_watermark: float = 0.01
+    # A follower whose next prefix block another request computes in this step waits one
+    # step and hits it, instead of computing it again beside it.
+    hold_prefix_followers: bool = True
+    # A workload-class file (kvserve.workload_classes), "default" for the built-in classes.
+    workload_classes: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -344,6 +356,13 @@ class SchedulerConfig:
             )
         if self.lpm_max_skips < 0:
             raise ConfigError(f"lpm_max_skips: must be >= 0, got {self.lpm_max_skips}")
+        if self.admission not in ADMISSION_POLICIES:
+            raise ConfigError(
+                f"admission: must be one of {', '.join(ADMISSION_POLICIES)}, got {self.admission!r}"
+            )
+        w = self.admission_watermark
+        if isinstance(w, bool) or not isinstance(w, int | float) or not 0 <= w < 1:
+            raise ConfigError(f"admission_watermark: must be in [0, 1), got {w!r}")
 
 
 @dataclass(slots=True)

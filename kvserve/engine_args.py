@@ -11,7 +11,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvserve.config import DTYPES, OFFLOAD_WRITE_POLICIES, SCHEDULING_POLICIES, ConfigError
+from kvserve.config import (
+    ADMISSION_POLICIES,
+    DTYPES,
+    OFFLOAD_WRITE_POLICIES,
+    SCHEDULING_POLICIES,
+    ConfigError,
+)
 from kvserve.kv.formats import KV_CACHE_DTYPES
 from kvserve.model.resolve import resolve_model
 
@@ -105,7 +111,37 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--kv-offload-reuse-threshold", type=int, default=2, metavar="N")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES)
+    g.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=SCHEDULING_POLICIES,
+        help="fcfs; lpm: longest cached prefix first; priority: each request's priority "
+        "field, lower first (vLLM's); each bounded against starvation",
+    )
+    a = p.add_argument_group("admission control")
+    a.add_argument(
+        "--admission",
+        default="greedy",
+        choices=ADMISSION_POLICIES,
+        help="greedy: admit while a request's next chunk fits (vLLM's); projected: while its "
+        "whole prompt after prefix hits plus its expected output fits beside what running "
+        "requests will still grow by, and refuse (429/503) requests whose workload class's "
+        "TTFT SLO cannot be met",
+    )
+    a.add_argument(
+        "--admission-watermark",
+        type=float,
+        default=0.01,
+        metavar="FRACTION",
+        help="projected: KV blocks kept free beyond every projection",
+    )
+    a.add_argument(
+        "--workload-classes",
+        default=None,
+        metavar="FILE",
+        help="workload classes (YAML or JSON; 'default' for chat, rag, long-document and "
+        "agent): per-class SLO, priority, output estimate and KV policy",
+    )
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -136,6 +172,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         scheduling_policy=args.scheduling_policy,
+        admission=args.admission,
+        admission_watermark=args.admission_watermark,
+        workload_classes=args.workload_classes,
         seed=args.seed,
     )
 

@@ -29,6 +29,9 @@ class LLM:
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
         scheduling_policy: str = "fcfs",
+        admission: str = "greedy",
+        admission_watermark: float = 0.01,
+        workload_classes: str | None = None,
         seed: int = 0,
         device: str = "cpu",
         calculate_kv_scales: bool = False,
@@ -71,6 +74,9 @@ class LLM:
                 max_model_len=max_model_len,
                 enable_chunked_prefill=enable_chunked_prefill,
                 scheduling_policy=scheduling_policy,
+                admission=admission,
+                admission_watermark=admission_watermark,
+                workload_classes=workload_classes,
             ),
         )
         self.engine = LLMEngine(config)
@@ -82,9 +88,12 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns one output per prompt, in order. A prompt that
-        fails validation raises before any is queued, so nothing is half-submitted."""
+        fails validation raises before any is queued, so nothing is half-submitted.
+        ``priority`` (vLLM's: lower is served first) matters under
+        ``scheduling_policy="priority"``."""
         if isinstance(prompts, str | dict) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -101,10 +110,15 @@ class LLM:
                     f"sampling_params: {len(params)} given for {len(prompts)} prompts",
                     "sampling_params",
                 )
+        if priority is not None and len(priority) != len(prompts):
+            raise InvalidRequestError(
+                f"priority: {len(priority)} given for {len(prompts)} prompts", "priority"
+            )
+        prios = list(priority) if priority is not None else [None] * len(prompts)
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, params, strict=True):
-                ids.append(self.engine.add_request(None, prompt, p))
+            for prompt, p, prio in zip(prompts, params, prios, strict=True):
+                ids.append(self.engine.add_request(None, prompt, p, priority=prio))
         except Exception:
             self.engine.abort_request(ids)
             raise

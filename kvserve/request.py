@@ -8,6 +8,7 @@ from typing import Any
 
 from kvserve.config import ConfigError
 from kvserve.retention import RetentionSpec, parse_retention
+from kvserve.workload_classes import WorkloadClass
 
 
 class InvalidRequestError(ValueError):
@@ -140,6 +141,34 @@ class SamplingParams:
         return SamplingParams(**values)
 
 
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)
+
+
+@dataclass(slots=True, frozen=True)
+class RequestTags:
+    """Who sent a request and how it asks to be scheduled, beside how to sample it.
+
+    ``priority`` is vLLM's (lower is served first, under ``scheduling_policy="priority"``;
+    None: the workload class's, else 0); ``workload_class`` names a class of the engine's
+    class file outright; ``tenant`` (set by the server from the API key) and ``user`` (the
+    OpenAI field) are what a class file matches on."""
+
+    priority: int | None = None
+    workload_class: str | None = None
+    tenant: str | None = None
+    user: str | None = None
+
+    def __post_init__(self) -> None:
+        p = self.priority
+        if p is not None:
+            lo, hi = PRIORITY_RANGE
+            if isinstance(p, bool) or not isinstance(p, int) or not lo <= p <= hi:
+                raise _bad("priority", f"must be an integer in [{lo}, {hi}], got {p!r}")
+        wc = self.workload_class
+        if wc is not None and (not isinstance(wc, str) or not wc):
+            raise _bad("workload_class", f"must be a non-empty string, got {wc!r}")
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -148,6 +177,7 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"  # the step that computed it failed (a runner error)
+    FINISHED_REFUSED = "refused"  # admission control refused it before it ran (see .refusal)
 
     @property
     def finished(self) -> bool:
@@ -156,6 +186,7 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
             RequestStatus.FINISHED_ERROR,
+            RequestStatus.FINISHED_REFUSED,
         )
 
 
@@ -214,7 +245,12 @@ class Request:
         "cumulative_logprob",
         "stop_reason",
         "metrics",
-        "lpm_skips",
+        "skips",
+        "priority",
+        "seq_no",
+        "workload_class",
+        "expected_output_tokens",
+        "refusal",
         "prompt_logits",
         "parent_id",
         "index",
@@ -242,6 +278,8 @@ class Request:
         parent_id: str | None = None,
         index: int = 0,
         retention: RetentionSpec | None = None,
+        priority: int = 0,
+        workload_class: WorkloadClass | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -263,7 +301,14 @@ class Request:
         self.cumulative_logprob = 0.0
         self.stop_reason: int | str | None = None
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
-        self.lpm_skips = 0
+        # Times a later request was admitted ahead of this one (bounded: kvserve.waiting).
+        self.skips = 0
+        self.priority = priority  # vLLM's meaning: lower is served first
+        self.seq_no = 0  # arrival order in the scheduler (ties of priority)
+        self.workload_class = workload_class
+        # Projected admission: output tokens reserved for it, fixed when first projected.
+        self.expected_output_tokens: int | None = None
+        self.refusal: Any = None  # kvserve.admission.Refusal when admission refused it
         # Per-chunk [n, vocab] log-softmax rows for prompt positions, when asked for.
         self.prompt_logits: list[Any] | None = None
         self.parent_id = request_id if parent_id is None else parent_id
@@ -369,3 +414,8 @@ class RequestOutput:
     # and output); both None when the request keeps everything.
     num_retained_tokens: int | None = None
     num_seen_tokens: int | None = None
+    # Admission control refused it before it ran (finish_reason "refused"): why, and when to
+    # retry (kvserve.admission.Refusal).
+    refusal: Any = None
+    # The workload class it was matched to (None: the engine has no class file).
+    workload_class: str | None = None

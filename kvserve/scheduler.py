@@ -20,16 +20,19 @@ nowhere else (the engine asks for a stop-string finish through :meth:`finish_req
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from kvserve.admission import Admission
+from kvserve.admission_steps import AdmissionSteps
 from kvserve.config import SchedulerConfig
-from kvserve.kv.manager import KVCacheManager, cdiv
+from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.offload import KVOffload
 from kvserve.kv.tier_loads import TierLoads
 from kvserve.request import Request, RequestStatus
+from kvserve.retention_steps import RetentionSteps
 from kvserve.step import ModelRunnerOutput, NewRequestData, ScheduledSeq, SchedulerOutput
+from kvserve.waiting import WaitingQueue
 
 
 @dataclass(slots=True)
@@ -48,6 +51,9 @@ class SchedulerStats:
     # it was admitted again.
     preempted_tokens_restored: int = 0
     preempted_tokens_recomputed: int = 0
+    allocation_failures: int = 0  # a request's chunk did not fit the pool (vLLM counts none)
+    queue_time_sum: float = 0.0  # arrival to first scheduled, seconds, over requests
+    queue_time_count: int = 0
 
 
 def check_stop(r: Request, token: int, max_model_len: int) -> bool:
@@ -70,7 +76,7 @@ def check_stop(r: Request, token: int, max_model_len: int) -> bool:
     return False
 
 
-class Scheduler:
+class Scheduler(AdmissionSteps, RetentionSteps):
     def __init__(
         self,
         config: SchedulerConfig,
@@ -91,7 +97,15 @@ class Scheduler:
         self.kv = kv
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}  # every unfinished request, forks included
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue(config)
+        # Projected admission (None: greedy)
+        self.admission = (
+            Admission(kv, max_model_len, config.admission_watermark)
+            if config.admission == "projected"
+            else None
+        )
+        self._refused: list[Request] = []  # refused since the last step (finished, no blocks)
+        self._seq = 0
         self.running: list[Request] = []
         self.stats = SchedulerStats()
         self._in_runner: set[str] = set()  # requests whose sampling state the runner holds
@@ -102,10 +116,21 @@ class Scheduler:
         return self.stats.num_preemptions
 
     def add_request(self, request: Request) -> None:
-        """Queue a request; its ``forks`` wait until its first token."""
+        """Queue a request; its ``forks`` wait until its first token. Under projected
+        admission a request whose class's TTFT SLO its projected wait already exceeds is
+        refused instead (it comes out of the next step, finished, with its refusal)."""
         for r in (request, *request.forks):
             if r.request_id in self.requests:
                 raise ValueError(f"request_id: {r.request_id!r} is already scheduled")
+        self._seq += 1
+        request.seq_no = self._seq
+        if self.admission is not None and request.workload_class is not None:
+            now = request.arrival_time
+            refusal = self.admission.refusal(request, self._projected_wait(request, now), now)
+            if refusal is not None:
+                for r in (request, *request.forks):
+                    self._refuse(r, refusal, now)
+                return
         self.requests[request.request_id] = request
         for f in request.forks:
             self.requests[f.request_id] = f
@@ -116,7 +141,11 @@ class Scheduler:
         return len(self.requests)
 
     # -- scheduling ---------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, now: float = 0.0) -> SchedulerOutput:
+        """The next step as plain data; ``now`` (the engine's clock) dates deadline
+        refusals."""
+        if self.admission is not None:
+            self._refuse_late(now)
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         picked: list[tuple[Request, int]] = []
@@ -138,6 +167,7 @@ class Scheduler:
             self._retain(req)
             extra = self._compact_blocks(req, n)
             while not self.kv.allocate_slots(req, n, compact_blocks=extra):
+                self.stats.allocation_failures += 1
                 if loads is not None and loads.release_one():
                     continue
                 victim = self.running.pop()
@@ -153,52 +183,8 @@ class Scheduler:
             break  # req itself was preempted: nothing newer remains
 
         # 2. Admit waiting requests, unless this step had to preempt (memory is tight).
-        while (
-            self.waiting
-            and budget > 0
-            and not out.preempted_req_ids
-            and len(self.running) < self.config.max_num_seqs
-        ):
-            req = self._pick_waiting()
-            if req is None:
-                break
-            computed, num_cached = [], 0
-            observes = req.retention is not None and req.retention.observes
-            fresh = req.num_computed_tokens == 0 and not self.kv.block_ids(req)
-            if fresh and not req.wants_prompt_logits and not observes:
-                # Prompt logits need every position computed, and H2O the attention mass of
-                # every prompt query, so such requests skip hits.
-                computed, num_cached = self.kv.get_computed_blocks(req)
-                if loads is not None and loads.start(req, computed):
-                    continue  # waits for its blocks; others may be admitted meanwhile
-            n = req.num_tokens - req.num_computed_tokens - num_cached
-            if not self.config.enable_chunked_prefill and n > budget:
-                break
-            n = self._chunk(req, min(n, budget), num_cached)
-            if n <= 0:
-                break
-            if not self.kv.allocate_slots(
-                req, n, computed, self._compact_blocks(req, n, num_cached)
-            ):
-                if not self.running and not picked and loads and loads.release_one(keep=req):
-                    continue  # nothing runs: blocks held for tier loads must not stall it
-                break
-            self._remove_waiting(req)
-            if loads is not None:
-                loads.forget(req)
-            if req.num_preemptions and req.num_cached_tokens >= 0:
-                restored = req.num_computed_tokens + num_cached
-                self.stats.preempted_tokens_restored += restored
-                self.stats.preempted_tokens_recomputed += req.num_tokens - restored
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_cached
-            req.num_computed_tokens += num_cached
-            self._retain(req)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            picked.append((req, n))
-            budget -= n
-
+        if not out.preempted_req_ids:
+            budget = self._admit(picked, budget, now)
         if not picked:
             return out  # the KV record and finished ids wait for a step that runs
         for req, n in picked:
@@ -217,56 +203,6 @@ class Scheduler:
                 ]
         out.finished_req_ids, self._finished_ids = self._finished_ids, []
         return out
-
-    def _chunk(self, req: Request, n: int, hit: int = 0) -> int:
-        """The tokens ``req`` computes this step out of ``n`` offered: a prompt that SnapKV
-        compacts ends in a chunk of its own that holds the whole observation window (0: wait
-        for a step with more budget)."""
-        if not req.compaction_pending:
-            return n
-        c, p = req.num_computed_tokens + hit, req.num_prompt_tokens
-        if c >= p:
-            return n
-        if c + n >= p:
-            return p - c
-        return min(n, p - req.retention.obs - c)
-
-    def _compact_blocks(self, req: Request, n: int, hit: int = 0) -> int:
-        """Fresh blocks for the entries a compaction keeps, when this step compacts: SnapKV
-        in the chunk that ends the prompt, H2O whenever the step would leave more than its
-        budget plus a block of entries."""
-        spec, bs = req.retention, self.kv.block_size
-        if spec is None or not spec.compacts:
-            return 0
-        if spec.observes:
-            compacts = req.num_cache_entries + n > spec.budget + bs
-        else:
-            compacts = (
-                req.compaction_pending
-                and req.num_computed_tokens + hit + n == req.num_prompt_tokens
-            )
-        return cdiv(spec.num_kept, bs) if compacts else 0
-
-    def _retain(self, req: Request) -> None:
-        """Release the blocks no query of this step or later can reach (a retention window
-        or the model's own): queries start at cache entry ``num_computed_tokens`` and see the
-        ``window`` entries up to themselves."""
-        spec = req.retention
-        w = spec.window if spec is not None else self.native_window
-        if not w or req.num_computed_tokens < w:
-            return
-        sinks = spec.sinks if spec is not None else 0
-        n = self.kv.drop_leading_blocks(req, req.num_computed_tokens - w + 1, sinks)
-        if n:
-            key = spec.metric_label if spec is not None else "sliding_window"
-            self._evicted(req, key, n * self.kv.block_size, n)
-
-    def _evicted(self, req: Request, key: str, tokens: int, blocks: int) -> None:
-        """Count tokens a retention policy (``key``) evicted and the blocks it reclaimed."""
-        ev = self.stats.retention_evicted_tokens
-        ev[key] = ev.get(key, 0) + tokens
-        self.stats.retention_reclaimed_blocks += blocks
-        req.num_evicted_tokens += tokens
 
     def _describe(self, req: Request, n: int, out: SchedulerOutput) -> ScheduledSeq:
         """The plain-data view of ``req``'s share of the step (see :mod:`kvserve.step`)."""
@@ -305,38 +241,6 @@ class Scheduler:
                 seq.compact = ("snapkv", spec.budget, spec.obs, spec.kernel)
             seq.compact_block_ids = compact
         return seq
-
-    def _pick_waiting(self) -> Request | None:
-        """fcfs: the head. lpm: the longest cached prefix, unless the head has waited long.
-        Requests whose blocks are loading from a tier are passed over (None: only those)."""
-        head = self.waiting[0]
-        if head.loading:
-            head = next((r for r in self.waiting if not r.loading), None)
-            if head is None:
-                return None
-        if self.config.scheduling_policy != "lpm" or len(self.waiting) == 1:
-            return head
-        if head.lpm_skips >= self.config.lpm_max_skips:
-            return head
-        best, best_hit = head, -1
-        for req in self.waiting:
-            if req.loading:
-                continue
-            hit = self.kv.num_cached_prefix_blocks(req)
-            if hit > best_hit:
-                best, best_hit = req, hit
-        if best is not head:
-            for req in self.waiting:
-                if req is best:
-                    break
-                req.lpm_skips += 1
-        return best
-
-    def _remove_waiting(self, req: Request) -> None:
-        if self.waiting[0] is req:
-            self.waiting.popleft()
-        else:
-            self.waiting.remove(req)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv.free(req)
@@ -383,6 +287,8 @@ class Scheduler:
             first.num_computed_tokens += n
             if first.metrics.first_scheduled_time is None:
                 first.metrics.first_scheduled_time = scheduled_at
+                st.queue_time_sum += max(0.0, scheduled_at - first.arrival_time)
+                st.queue_time_count += 1
             self.kv.cache_computed_blocks(first)
             if seq.compact:
                 self._compacted(first)
@@ -415,14 +321,6 @@ class Scheduler:
             r.metrics.finished_time = now
             self._finish(r, r.status)
         return list(touched.values())
-
-    def _compacted(self, req: Request) -> None:
-        """The runner copied the kept entries into the set-aside blocks: switch tables."""
-        spec = req.retention
-        blocks = self.kv.apply_compaction(req)
-        dropped = req.num_cache_entries - spec.num_kept
-        req.cache_offset += dropped
-        self._evicted(req, spec.metric_label, dropped, blocks)
 
     def _fork(self, first: Request, sib: Request) -> None:
         """Give a waiting sibling ``first``'s blocks; it samples its own first token from the
@@ -471,6 +369,10 @@ class Scheduler:
             self._finish(r, status)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
+        if self.admission is not None:
+            held = len(self.kv.block_ids(req)) - self.kv.num_dropped_blocks(req)
+            natural = status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+            self.admission.finished(req, held, natural, req.metrics.finished_time)
         req.status = status
         if self.tier_loads is not None:
             self.tier_loads.forget(req)

@@ -224,8 +224,9 @@ def _core(runner, clock) -> EngineCore:  # noqa: ANN001
 
 def _add(core: EngineCore, rid: str, n_prompt: int, max_tokens: int = 6) -> list:
     p = SamplingParams(max_tokens=max_tokens, n=2 if rid == "b" else 1)
-    return core.add_request(EngineCoreRequest(rid, None, list(range(1, n_prompt + 1)), p,
-                                              max_tokens, 0.0))  # fmt: skip
+    first = 10 * (ord(rid) - ord("a")) + 1  # no shared prefix: each runs from its first step
+    prompt = list(range(first, first + n_prompt))
+    return core.add_request(EngineCoreRequest(rid, None, prompt, p, max_tokens, 0.0))
 
 
 def _drain(core: EngineCore) -> None:

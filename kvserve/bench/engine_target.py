@@ -37,6 +37,20 @@ def engine_snapshot(engine: Any) -> dict[str, float]:
         "num_preemptions_total": float(s.num_preemptions),
         "prompt_tokens_total": float(s.prompt_tokens_total),
         "generation_tokens_total": float(s.generation_tokens_total),
+        "kv_allocation_failures_total": float(s.allocation_failures),
+        "request_queue_time_seconds_sum": s.queue_time_sum,
+        "request_queue_time_seconds_count": float(s.queue_time_count),
+        "memory_bytes_read_total": float(s.memory_bytes_read),
+        "engine_step_seconds_total": s.step_seconds,
+        "memory_bandwidth_peak_bytes_per_second": s.memory_bandwidth_peak,
+        **(
+            {
+                "requests_admitted_total": float(s.admission.admitted),
+                "requests_refused_total": float(sum(s.admission.refused.values())),
+            }
+            if s.admission is not None
+            else {}
+        ),
     }
 
 
@@ -195,6 +209,12 @@ def _fill(rec: RequestRecord, out: Any) -> None:
     rec.output_text = co.text
     rec.cached_tokens = out.num_cached_tokens
     rec.finish_reason = co.finish_reason
+    rec.workload_class = out.workload_class
+    if m.first_scheduled_time is not None:
+        rec.queue_time = m.first_scheduled_time - m.arrival_time
+    if out.refusal is not None:
+        rec.fail(f"refused ({out.refusal.reason})", "admission control refused it")
+        return
     if co.finish_reason == "abort" or not m.token_times:
         rec.fail("aborted", "the engine aborted the request")
         return

@@ -50,6 +50,9 @@ class RequestRecord:
     detail: str | None = None
     output_text: str = ""
     output_token_ids: list[int] | None = None
+    # In-process only: arrival to first scheduled (the engine's wait), and the workload class.
+    queue_time: float | None = None
+    workload_class: str | None = None
 
     @property
     def tpot(self) -> float | None:
@@ -157,8 +160,30 @@ def server_summary(
         "prefix_cache_hits": hits,
         "prefix_cache_hit_rate": hits / queries if queries else None,
         "prefix_cache_evictions": delta("prefix_cache_evictions_total"),
+        "kv_allocation_failures": delta("kv_allocation_failures_total"),
+        "requests_refused": delta("requests_refused_total"),
+        "queue_time_mean_ms": _ratio(
+            delta("request_queue_time_seconds_sum"),
+            delta("request_queue_time_seconds_count"),
+            1000.0,
+        ),
+        "memory_bandwidth_utilization": _ratio(
+            delta("memory_bytes_read_total"),
+            _times(
+                delta("engine_step_seconds_total"),
+                (after or {}).get("memory_bandwidth_peak_bytes_per_second"),
+            ),
+        ),
         "num_samples": len(samples),
     }
+
+
+def _ratio(a: float | None, b: float | None, scale: float = 1.0) -> float | None:
+    return a / b * scale if a is not None and b else None
+
+
+def _times(a: float | None, b: float | None) -> float | None:
+    return a * b if a is not None and b is not None else None
 
 
 def summarize(
@@ -227,6 +252,7 @@ def summarize(
             "failed": sum(1 for r in failed if r.kind == kind),
             "ttft_p50_ms": describe([r.ttft for r in rs if r.ttft is not None])["p50"],
             "tpot_p50_ms": describe([t for r in rs if (t := r.tpot) is not None])["p50"],
+            "request_goodput": (sum(1 for r in rs if meets_slo(r, slo)) / dur if slo else None),
         }
     summary["by_kind"] = by_kind
     return summary

@@ -115,6 +115,11 @@ def _headline(s: dict[str, Any]) -> list[list[str]]:
              f"({_f(srv['prefix_cache_hits'], '{:.0f}')} / "
              f"{_f(srv['prefix_cache_queries'], '{:.0f}')} tokens)"],
             ["prefix cache evictions", _f(srv["prefix_cache_evictions"], "{:.0f}")],
+            ["KV allocation failures", _f(srv.get("kv_allocation_failures"), "{:.0f}")],
+            ["refused by admission", _f(srv.get("requests_refused"), "{:.0f}")],
+            ["queue time mean ms", _f(srv.get("queue_time_mean_ms"), "{:.1f}")],
+            ["memory bandwidth of peak", _f(srv.get("memory_bandwidth_utilization"),
+                                            "{:.1%}")],
         ]  # fmt: skip
     else:
         rows.append(["server metrics", "unavailable (no /metrics)"])

@@ -47,6 +47,7 @@ class EngineCore:
         self.families: dict[str, list[Request]] = {}  # request id -> its n samples
         self.num_steps = 0
         self.last_step = SchedulerOutput()
+        self.last_step_seconds = 0.0
         self.step_hooks: list[Callable[[EngineCore], None]] = []
 
     def add_request(self, req: EngineCoreRequest) -> list[Request]:
@@ -71,6 +72,8 @@ class EngineCore:
                 parent_id=req.request_id,
                 index=i,
                 retention=req.retention,
+                priority=req.priority,
+                workload_class=req.workload_class,
             )
             children.append(child)
         if req.wants_prompt_logits:
@@ -105,15 +108,19 @@ class EngineCore:
 
     def step(self) -> list[Request]:
         """One step; returns the samples that got a token or finished (failed ones too)."""
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(self.clock())
         self.last_step = sched
+        refused = self.scheduler.take_refused()
+        for r in refused:
+            self._forget_if_done(r)
         if not sched.seqs:
-            return []
+            return refused
         self.num_steps += 1
         try:
             started = self.clock()
             out = self.runner.execute_model(sched)
             now = self.clock()
+            self.last_step_seconds = now - started
         except Exception as e:  # the runner's or the clock's failure fails this step only
             try:
                 now = self.clock()
@@ -123,9 +130,12 @@ class EngineCore:
         else:
             updated = self.scheduler.update_from_output(sched, out, started, now)
         for r in updated:
-            children = self.families.get(r.parent_id)
-            if r.is_finished and children and all(c.is_finished for c in children):
-                del self.families[r.parent_id]
+            self._forget_if_done(r)
         for hook in self.step_hooks:
             hook(self)
-        return updated
+        return refused + updated
+
+    def _forget_if_done(self, r: Request) -> None:
+        children = self.families.get(r.parent_id)
+        if r.is_finished and children and all(c.is_finished for c in children):
+            del self.families[r.parent_id]

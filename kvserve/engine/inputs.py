@@ -12,8 +12,9 @@ from typing import Any
 from kvserve.config import ConfigError
 from kvserve.kv.manager import cdiv
 from kvserve.model.tokenizer import Tokenizer
-from kvserve.request import InvalidRequestError, SamplingParams
+from kvserve.request import InvalidRequestError, RequestTags, SamplingParams
 from kvserve.retention import RetentionSpec, parse_retention
+from kvserve.workload_classes import UnknownClassError, WorkloadClass, WorkloadClasses
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -31,6 +32,8 @@ class EngineCoreRequest:
     cache_salt: str | None = None
     wants_prompt_logits: bool = False
     retention: RetentionSpec | None = None
+    priority: int = 0
+    workload_class: WorkloadClass | None = None
 
 
 class InputProcessor:
@@ -46,7 +49,12 @@ class InputProcessor:
         native_window: int = 0,
         windowed_layers: bool = False,
         kv_format: tuple[str, bool] = ("", True),
+        classes: WorkloadClasses | None = None,
+        prefix_share: Any = None,
     ) -> None:
+        # Workload classes, and (token ids, cache salt) -> the share of them cached now.
+        self.classes = classes
+        self.prefix_share = prefix_share
         self.windowed_layers = windowed_layers  # some layer has its own sliding window
         self.kv_format = kv_format  # (name, whether it can move single cache entries)
         self.default_retention = default_retention
@@ -106,9 +114,14 @@ class InputProcessor:
         params: SamplingParams,
         arrival_time: float,
         wants_prompt_logits: bool = False,
+        tags: RequestTags | None = None,
     ) -> EngineCoreRequest:
+        tags = tags or RequestTags()
         text, ids, salt = self.tokenize(prompt)
         n_prompt = len(ids)
+        wclass = self.classify(ids, salt, tags)
+        if wclass is not None and params.kv_retention is None and wclass.kv_retention:
+            params = params.clone(kv_retention=wclass.kv_retention)
         if n_prompt >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt: {n_prompt} tokens; the prompt must be shorter than max_model_len "
@@ -142,9 +155,31 @@ class InputProcessor:
                 "max_tokens",
             )
         wants = wants_prompt_logits or params.prompt_logprobs is not None
-        return EngineCoreRequest(
-            request_id, text, ids, params, max_tokens, arrival_time, salt, wants, retention
-        )
+        priority = tags.priority
+        if priority is None:
+            priority = wclass.priority if wclass is not None else 0
+        return EngineCoreRequest(request_id, text, ids, params, max_tokens, arrival_time, salt,
+                                 wants, retention, priority, wclass)  # fmt: skip
+
+    def classify(self, ids: list[int], salt: str | None, tags: RequestTags) -> WorkloadClass | None:
+        """The request's workload class: the one it names, else the first whose match fits
+        (None when the engine has no class file)."""
+        if self.classes is None:
+            if tags.workload_class is not None:
+                raise InvalidRequestError(
+                    "workload_class: this engine has no workload classes "
+                    "(start it with --workload-classes FILE)",
+                    "workload_class",
+                )
+            return None
+        share = 0.0
+        if self.classes.needs_prefix_share and self.prefix_share is not None:
+            share = self.prefix_share(ids, salt)
+        try:
+            return self.classes.classify(tags.tenant, tags.user, len(ids), share,
+                                         tags.workload_class)  # fmt: skip
+        except UnknownClassError as e:
+            raise InvalidRequestError(str(e), "workload_class") from None
 
     def blocks_needed(
         self, num_prompt: int, max_tokens: int, retention: RetentionSpec | None

@@ -10,6 +10,7 @@ storage, runner, KV manager) and composes three stages per request: the
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from kvserve.config import ConfigError, EngineConfig, ModelConfig
+from kvserve.engine.bandwidth import BandwidthMeter, measure_peak_bandwidth
 from kvserve.engine.core import Clock, EngineCore
 from kvserve.engine.inputs import InputProcessor, PromptType
 from kvserve.engine.offload import build_offload
@@ -32,10 +34,17 @@ from kvserve.kv.storage import KVStorage
 from kvserve.model.loader import resolve_dtype
 from kvserve.model.resolve import resolve_model
 from kvserve.model.tokenizer import Tokenizer
-from kvserve.request import InvalidRequestError, Request, RequestOutput, SamplingParams
+from kvserve.request import (
+    InvalidRequestError,
+    Request,
+    RequestOutput,
+    RequestTags,
+    SamplingParams,
+)
 from kvserve.retention import parse_retention
 from kvserve.runner import ModelRunner, build_runner
 from kvserve.step import Runner
+from kvserve.workload_classes import load_workload_classes
 
 
 class LLMEngine:
@@ -112,11 +121,26 @@ class LLMEngine:
         self.core = EngineCore(sc, self.kv, runner, self.max_model_len, self.eos_token_ids,
                                clock or time.monotonic, self.native_window,
                                self.offload)  # fmt: skip
+        self.workload_classes = None
+        if sc.workload_classes is not None:
+            self.workload_classes = load_workload_classes(sc.workload_classes)
+            self.workload_classes.check_pool(cc.kv_cache_dtype)
         self.inputs = InputProcessor(
             self.tokenizer, mc.vocab_size, self.max_model_len, self.num_blocks, self.block_size,
             self.retention, sc.max_num_batched_tokens, self.native_window,
-            any(mc.layer_windows), (kv_name, self.kv_entry_copy),
+            any(mc.layer_windows), (kv_name, self.kv_entry_copy), self.workload_classes,
+            self.kv.cached_share,
         )  # fmt: skip
+        # Achieved memory bandwidth (kvserve.engine.bandwidth), against a peak measured now.
+        self.bandwidth: BandwidthMeter | None = None
+        if self.model is not None:
+            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            peak = measure_peak_bandwidth(self.device)
+            self.bandwidth = BandwidthMeter(weights, self.bytes_per_token, peak)
+            meter = self.bandwidth
+            self.core.step_hooks.append(
+                lambda core: meter.record(core.last_step, core.last_step_seconds)
+            )
         self.outputs = OutputProcessor(self.tokenizer, self.core.finish_request)
         self._ids = itertools.count()
 
@@ -146,6 +170,8 @@ class LLMEngine:
         arrival_time: float | None = None,
         stream: bool = False,
         return_prompt_logits: bool = False,
+        priority: int | None = None,
+        tags: RequestTags | None = None,
     ) -> str:
         """Validate and queue a request; raises :class:`InvalidRequestError` (nothing queued).
 
@@ -163,7 +189,11 @@ class LLMEngine:
                 f"request_id: {request_id!r} is already running", "request_id"
             )
         arrival = self.core.clock() if arrival_time is None else arrival_time
-        req = self.inputs.process(request_id, prompt, params, arrival, return_prompt_logits)
+        tags = tags or RequestTags()
+        if priority is not None:
+            tags = dataclasses.replace(tags, priority=priority)  # validated again
+        req = self.inputs.process(request_id, prompt, params, arrival, return_prompt_logits,
+                                  tags)  # fmt: skip
         children = self.core.add_request(req)
         self.outputs.add(
             RequestFamily(
@@ -236,7 +266,7 @@ class LLMEngine:
         )
         allocated = kv.num_used_blocks * self.block_size
         last = self.core.last_step
-        st, loads = sched.stats, sched.tier_loads
+        st, loads, bw = sched.stats, sched.tier_loads, self.bandwidth
         return EngineStats(
             num_running=len(sched.running),
             num_waiting=len(sched.waiting),
@@ -262,6 +292,13 @@ class LLMEngine:
             tier_loads_abandoned=loads.abandoned if loads is not None else 0,
             preempted_tokens_restored=st.preempted_tokens_restored,
             preempted_tokens_recomputed=st.preempted_tokens_recomputed,
+            allocation_failures=st.allocation_failures,
+            queue_time_sum=st.queue_time_sum,
+            queue_time_count=st.queue_time_count,
+            admission=sched.admission.stats if sched.admission is not None else None,
+            memory_bytes_read=bw.bytes_read if bw is not None else 0,
+            step_seconds=bw.seconds if bw is not None else 0.0,
+            memory_bandwidth_peak=bw.peak if bw is not None else 0.0,
         )
 
     def reset_prefix_cache(self) -> bool:

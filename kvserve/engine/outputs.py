@@ -168,6 +168,8 @@ def build_output(family: RequestFamily) -> RequestOutput | None:
         error=errors[0] if errors else None,
         num_retained_tokens=retained,
         num_seen_tokens=seen,
+        refusal=first.refusal,
+        workload_class=first.workload_class.name if first.workload_class is not None else None,
     )
 
 

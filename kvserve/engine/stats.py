@@ -38,6 +38,24 @@ class EngineStats:
     tier_loads_abandoned: int = 0
     preempted_tokens_restored: int = 0
     preempted_tokens_recomputed: int = 0
+    allocation_failures: int = 0
+    queue_time_sum: float = 0.0  # arrival to first scheduled, over every request that ran
+    queue_time_count: int = 0
+    # Projected admission's counters (kvserve.admission.AdmissionStats; None: greedy).
+    admission: Any = None
+    # Achieved memory bandwidth (kvserve.engine.bandwidth): bytes of weights and KV the
+    # steps read, the seconds they took, and the device's peak measured at start (bytes/s;
+    # 0 with a custom runner).
+    memory_bytes_read: int = 0
+    step_seconds: float = 0.0
+    memory_bandwidth_peak: float = 0.0
+
+    @property
+    def memory_bandwidth_utilization(self) -> float:
+        """Achieved bytes/s over the peak, across every step so far."""
+        if not self.step_seconds or not self.memory_bandwidth_peak:
+            return 0.0
+        return self.memory_bytes_read / self.step_seconds / self.memory_bandwidth_peak
 
     @property
     def kv_usage(self) -> float:

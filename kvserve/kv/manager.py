@@ -144,9 +144,13 @@ class KVCacheManager:
         )
         return request.block_hashes
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+    def get_computed_blocks(
+        self, request: Request, count: bool = True
+    ) -> tuple[list[KVCacheBlock], int]:
         """The longest chain of cached full blocks that prefixes the request (opaque handles
-        to pass back to :meth:`allocate_slots`), and its length in tokens.
+        to pass back to :meth:`allocate_slots`), and its length in tokens. ``count=False``
+        only looks (an admission that may not happen this step): :meth:`count_hits` then
+        counts the lookup once the request is admitted.
 
         At least one token is always left to compute: the model must produce logits for the
         last token, so a fully cached prompt stops one block short.
@@ -164,6 +168,12 @@ class KVCacheManager:
             if block is None:
                 break
             hit.append(block)
+        if count:
+            self.count_hits(request, hit)
+        return hit, len(hit) * self.block_size
+
+    def count_hits(self, request: Request, hit: Sequence[KVCacheBlock]) -> None:
+        """Count one admission's prefix lookup (and the hits write-through-selective counts)."""
         if self.write_through_hits:
             for block in hit:
                 block.hits += 1
@@ -172,11 +182,19 @@ class KVCacheManager:
         self.stats.requests += 1
         self.stats.queries += request.num_tokens
         self.stats.hits += len(hit) * self.block_size
-        return hit, len(hit) * self.block_size
 
     def num_cached_prefix_blocks(self, request: Request) -> int:
         """How many leading full blocks of the request are cached now (no stats counted)."""
         return len(self.cached_prefix(self.block_hashes(request)))
+
+    def cached_share(self, token_ids: Sequence[int], cache_salt: str | None = None) -> float:
+        """The fraction of ``token_ids`` whose full blocks are cached now, in the request's
+        plain chain (no retention salt): what a workload class's ``prefix_share`` matches."""
+        if not self.enable_caching or not token_ids:
+            return 0.0
+        hashes: list[BlockHash] = []
+        extend_block_hashes(hashes, list(token_ids), self.block_size, self.root, cache_salt)
+        return len(self.cached_prefix(hashes)) * self.block_size / len(token_ids)
 
     def cached_prefix(self, hashes: Sequence[BlockHash]) -> list[int]:
         """Block ids of the longest cached chain along ``hashes``."""

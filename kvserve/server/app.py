@@ -213,7 +213,8 @@ def build_state(
         "max_model_len": str(engine.max_model_len),
         "kv_retention": engine.retention.text() if engine.retention else "none",
     }
-    metrics = ServerMetrics(lambda: holder[0].stats if holder else None, cache_info)
+    metrics = ServerMetrics(lambda: holder[0].stats if holder else None, cache_info,
+                            engine.workload_classes)  # fmt: skip
     loop = EngineLoop(engine, max_queue=max_queue, metrics=metrics)
     holder.append(loop)
     return ServerState(

@@ -24,13 +24,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.engine import EngineStats, LLMEngine
-from kvserve.request import InvalidRequestError, RequestOutput, SamplingParams
+from kvserve.request import InvalidRequestError, RequestOutput, RequestTags, SamplingParams
 
 log = logging.getLogger("kvserve.server")
 
 
 class QueueFullError(Exception):
     """More sequences in flight than ``max_num_seqs + max_queue``: answer 429."""
+
+
+class RequestRefusedError(Exception):
+    """Admission control refused the request before it ran: answer 429 (503 when the engine
+    is overloaded), with Retry-After."""
+
+    def __init__(self, reason: str, retry_after: float, overloaded: bool) -> None:
+        super().__init__(f"refused by admission control ({reason}): the request cannot meet "
+                         f"its workload class's TTFT SLO now")  # fmt: skip
+        self.reason = reason
+        self.retry_after = retry_after
+        self.overloaded = overloaded
 
 
 class EngineUnavailableError(Exception):
@@ -67,8 +79,10 @@ class RequestHandle:
         params: SamplingParams,
         stream: bool,
         arrival_time: float,
+        tags: RequestTags | None = None,
     ) -> None:
         self.request_id = request_id
+        self.tags = tags
         self.prompts = prompts
         self.params = params
         self.stream = stream
@@ -77,6 +91,14 @@ class RequestHandle:
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.event_loop = asyncio.get_running_loop()
         self.finished = False  # set by the consumer when every prompt's last output arrived
+        self._peeked: list[Any] = []
+
+    async def peek(self) -> None:
+        """Wait for the first output (or error) without consuming it; raises a refusal."""
+        item = await self.queue.get()
+        if isinstance(item, RequestRefusedError):
+            raise item
+        self._peeked.append(item)
 
     @property
     def num_seqs(self) -> int:
@@ -86,7 +108,7 @@ class RequestHandle:
         """Every output until each prompt has finished; raises what the engine thread sent."""
         remaining = len(self.prompts)
         while remaining:
-            item = await self.queue.get()
+            item = self._peeked.pop() if self._peeked else await self.queue.get()
             if isinstance(item, BaseException):
                 raise item
             yield item
@@ -123,6 +145,12 @@ class EngineLoop:
         """Start the engine thread (idempotent: an app may be started after a test did)."""
         if not self._thread.is_alive() and not self._stopping:
             self._thread.start()
+
+    @property
+    def refuses(self) -> bool:
+        """Whether admission control may refuse a request after it was queued."""
+        e = self.engine
+        return e.config.scheduler.admission == "projected" and e.workload_classes is not None
 
     @property
     def alive(self) -> bool:
@@ -242,7 +270,8 @@ class EngineLoop:
         added: list[str] = []
         try:
             for prompt, rid in zip(h.prompts, h.engine_ids, strict=True):
-                self.engine.add_request(rid, prompt, h.params, h.arrival_time, stream=h.stream)
+                self.engine.add_request(rid, prompt, h.params, h.arrival_time, stream=h.stream,
+                                        tags=h.tags)  # fmt: skip
                 added.append(rid)
         except Exception as e:
             self.engine.abort_request(added)
@@ -270,6 +299,14 @@ class EngineLoop:
             if entry is None:
                 continue
             h, i = entry
+            if o.refusal is not None:
+                del self._running[o.request_id]
+                self.admitted_seqs -= h.params.n
+                r = o.refusal
+                if self.metrics is not None:
+                    self.metrics.observe_refused(o, r.reason)
+                out.append((h, RequestRefusedError(r.reason, r.retry_after, r.overloaded)))
+                continue
             if o.error is not None:
                 del self._running[o.request_id]
                 self.admitted_seqs -= h.params.n

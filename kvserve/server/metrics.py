@@ -79,6 +79,53 @@ class _EngineCollector(Collector):
             value=s.retention_reclaimed_blocks,
         )
         yield from _offload_metrics(s)
+        yield from _admission_metrics(s)
+
+
+def _admission_metrics(s: Any) -> Iterator[Metric]:
+    """Allocation failures, admission decisions and achieved memory bandwidth."""
+    yield CounterMetricFamily(
+        PREFIX + "kv_allocation_failures",
+        "Times a request's next chunk did not fit the KV pool (each one a preemption, a "
+        "released tier load or a deferred admission).",
+        value=s.allocation_failures,
+    )
+    yield CounterMetricFamily(PREFIX + "memory_bytes_read",
+                              "Bytes of weights and KV the engine steps read.",
+                              value=s.memory_bytes_read)  # fmt: skip
+    yield CounterMetricFamily(PREFIX + "engine_step_seconds",
+                              "Seconds the engine steps took (the forward pass and sampling).",
+                              value=s.step_seconds)  # fmt: skip
+    yield GaugeMetricFamily(PREFIX + "memory_bandwidth_peak_bytes_per_second",
+                            "The device's read bandwidth, measured at start.",
+                            value=s.memory_bandwidth_peak)  # fmt: skip
+    yield GaugeMetricFamily(
+        PREFIX + "memory_bandwidth_utilization",
+        "memory_bytes_read / engine_step_seconds over the peak, since start (rate() the "
+        "counters for a window).",
+        value=s.memory_bandwidth_utilization,
+    )
+    a = s.admission
+    if a is None:
+        return
+    yield CounterMetricFamily(PREFIX + "requests_admitted", "Requests admitted to run.",
+                              value=a.admitted)  # fmt: skip
+    refused = CounterMetricFamily(PREFIX + "requests_refused",
+                                  "Requests admission control refused, by reason.",
+                                  labels=["reason"])  # fmt: skip
+    for reason in ("projected_wait", "deadline"):
+        refused.add_metric([reason], a.refused.get(reason, 0))
+    yield refused
+    yield CounterMetricFamily(
+        PREFIX + "admission_deferred",
+        "Admissions put off because a request's projected KV demand did not fit.",
+        value=a.deferred,
+    )
+    yield CounterMetricFamily(
+        PREFIX + "prefix_followers_held",
+        "Requests held one step to hit a prefix block another request computed in it.",
+        value=a.held_for_prefix,
+    )
 
 
 def _offload_metrics(s: Any) -> Iterator[Metric]:
@@ -135,7 +182,9 @@ def _offload_metrics(s: Any) -> Iterator[Metric]:
 
 
 class ServerMetrics:
-    def __init__(self, snapshot: Callable[[], Any], cache_info: dict[str, str]) -> None:
+    def __init__(
+        self, snapshot: Callable[[], Any], cache_info: dict[str, str], classes: Any = None
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram(
@@ -171,8 +220,31 @@ class ServerMetrics:
         self.rejected = Counter(PREFIX + "request_rejected",
                                 "Requests refused before reaching the engine, by HTTP status.",
                                 ["status"], registry=r)  # fmt: skip
+        self.classes = classes
+        labels = ["workload_class"]
+        self.class_requests = Counter(PREFIX + "class_requests",
+                                      "Requests per workload class and outcome (finished, "
+                                      "refused, aborted, error).", [*labels, "outcome"],
+                                      registry=r)  # fmt: skip
+        self.class_good = Counter(PREFIX + "class_goodput_requests",
+                                  "Finished requests that met their class's TTFT and TPOT SLO.",
+                                  labels, registry=r)  # fmt: skip
+        self.class_tokens = Counter(PREFIX + "class_output_tokens",
+                                    "Output tokens of finished requests per class.", labels,
+                                    registry=r)  # fmt: skip
+        self.class_good_tokens = Counter(PREFIX + "class_goodput_output_tokens",
+                                         "Output tokens of requests that met their class's SLO.",
+                                         labels, registry=r)  # fmt: skip
+        self.class_queue_time = Histogram(PREFIX + "class_queue_time_seconds",
+                                          "Arrival to first scheduled, per workload class.",
+                                          labels, buckets=E2E_BUCKETS, registry=r)  # fmt: skip
         Info(PREFIX + "cache_config", "KV cache configuration.", registry=r).info(cache_info)
         r.register(_EngineCollector(snapshot))
+
+    def observe_refused(self, out: RequestOutput, reason: str) -> None:
+        self.rejected.labels("refused").inc()
+        if out.workload_class is not None:
+            self.class_requests.labels(out.workload_class, "refused").inc()
 
     def observe_finished(self, out: RequestOutput) -> None:
         """Latencies of a finished request (its first sequence's timeline)."""
@@ -188,6 +260,29 @@ class ServerMetrics:
         times = m.token_times
         for a, b in zip(times, times[1:], strict=False):
             self.itl.observe(b - a)
+        if out.workload_class is not None and self.classes is not None:
+            self._observe_class(out)
+
+    def _observe_class(self, out: RequestOutput) -> None:
+        name, m = out.workload_class, out.metrics
+        reasons = {c.finish_reason for c in out.outputs}
+        outcome = "finished" if reasons <= {"stop", "length"} else sorted(reasons)[0]
+        self.class_requests.labels(name, outcome).inc()
+        if m.first_scheduled_time is not None:
+            self.class_queue_time.labels(name).observe(
+                max(0.0, m.first_scheduled_time - m.arrival_time)
+            )
+        if outcome != "finished":
+            return
+        tokens = sum(len(c.token_ids) for c in out.outputs)
+        self.class_tokens.labels(name).inc(tokens)
+        ttft = m.first_token_time - m.arrival_time if m.first_token_time is not None else None
+        tpot = None
+        if m.finished_time is not None and m.first_token_time is not None and tokens > 1:
+            tpot = (m.finished_time - m.first_token_time) / (len(m.token_times) - 1 or 1)
+        if self.classes.get(name).meets_slo(ttft, tpot):
+            self.class_good.labels(name).inc()
+            self.class_good_tokens.labels(name).inc(tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

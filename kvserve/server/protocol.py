@@ -117,6 +117,10 @@ class _SamplingFields(BaseModel):
     prompt_cache_key: str | None = None
     # kvserve extension: this request's KV retention policy ("window:512", "none").
     kv_retention: str | None = None
+    # vLLM's scheduling priority (lower is served first, under --scheduling-policy priority)
+    # and kvserve's workload class by name (--workload-classes).
+    priority: int | None = None
+    workload_class: str | None = None
 
     @field_validator("stop", mode="before")
     @classmethod

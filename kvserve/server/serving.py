@@ -22,13 +22,20 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 
 from kvserve.model.tokenizer import ChatTemplateError, Tokenizer
-from kvserve.request import CompletionOutput, InvalidRequestError, RequestOutput, SamplingParams
+from kvserve.request import (
+    CompletionOutput,
+    InvalidRequestError,
+    RequestOutput,
+    RequestTags,
+    SamplingParams,
+)
 from kvserve.server.engine_loop import (
     EngineLoop,
     EngineStepError,
     EngineUnavailableError,
     QueueFullError,
     RequestHandle,
+    RequestRefusedError,
 )
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import (
@@ -232,7 +239,7 @@ async def create_completion(
     job = _Job("completion", model, params, ids, req.stream, req.include_usage, lps,
                "cmpl-" + uuid.uuid4().hex)  # fmt: skip
     salt = state.tenants.cache_salt(tenant, req.client_salt)
-    return await _run(state, job, salt, raw, {"prompt_token_ids": "prompt"})
+    return await _run(state, job, salt, raw, {"prompt_token_ids": "prompt"}, _tags(req, tenant))
 
 
 async def create_chat_completion(
@@ -255,11 +262,23 @@ async def create_chat_completion(
     rename = {"prompt": "messages", "prompt_token_ids": "messages"}
     if req.max_completion_tokens is not None:
         rename["max_tokens"] = "max_completion_tokens"
-    return await _run(state, job, salt, raw, rename)
+    return await _run(state, job, salt, raw, rename, _tags(req, tenant))
+
+
+def _tags(req: CompletionRequest | ChatCompletionRequest, tenant: str) -> RequestTags:
+    try:
+        return RequestTags(req.priority, req.workload_class, tenant, req.user)
+    except InvalidRequestError as e:
+        raise api_error_from_invalid(e, {}) from None
 
 
 async def _run(
-    state: ServerState, job: _Job, salt: str, raw: Request, rename: dict[str, str]
+    state: ServerState,
+    job: _Job,
+    salt: str,
+    raw: Request,
+    rename: dict[str, str],
+    tags: RequestTags,
 ) -> Response:
     if state.draining:
         raise APIError(503, "the server is shutting down")
@@ -271,7 +290,7 @@ async def _run(
         )
     prompts = [{"prompt_token_ids": ids, "cache_salt": salt} for ids in job.prompt_ids]
     arrival = time.monotonic()
-    handle = RequestHandle(job.id, prompts, job.params, job.stream, arrival)
+    handle = RequestHandle(job.id, prompts, job.params, job.stream, arrival, tags)
     try:
         await state.loop.submit(handle)
     except InvalidRequestError as e:
@@ -281,6 +300,18 @@ async def _run(
                        headers={"Retry-After": str(state.retry_after_s)}) from None  # fmt: skip
     except EngineUnavailableError as e:
         raise APIError(503, str(e)) from None
+    if job.stream and state.loop.refuses:
+        # Admission control may still refuse it while it waits: hold the response until it
+        # runs (or is refused: then a 429/503 with Retry-After, not an error in a 200 stream).
+        try:
+            if not await _first_output(handle, raw):
+                state.loop.abort(handle)  # the client left while it waited
+                return Response(status_code=499)
+        except RequestRefusedError as e:
+            raise refused_error(e) from None
+        except BaseException:
+            state.loop.abort(handle)
+            raise
     if job.stream:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         return StreamingResponse(_sse(state, job, handle), media_type="text/event-stream",
@@ -325,6 +356,8 @@ async def _collect(
             if (e := work.exception()) is not None:
                 if isinstance(e, EngineStepError):
                     raise APIError(500, f"engine step failed: {e}", code="engine_error")
+                if isinstance(e, RequestRefusedError):
+                    raise refused_error(e)
                 raise APIError(503, str(e)) if isinstance(e, EngineUnavailableError) else e
             return finals
         return None
@@ -332,6 +365,33 @@ async def _collect(
         work.cancel()
         watch.cancel()
         state.loop.abort(handle)
+
+
+def refused_error(e: RequestRefusedError) -> APIError:
+    """429 with Retry-After; 503 when the engine is overloaded for longer than that."""
+    status, code = (503, "overloaded") if e.overloaded else (429, "rate_limit_exceeded")
+    return APIError(status, f"{e}; retry later", code=code,
+                    headers={"Retry-After": str(int(e.retry_after))})  # fmt: skip
+
+
+async def _first_output(handle: RequestHandle, raw: Request) -> bool:
+    """Wait until the request's first output (True) or the client leaving (False: aborted).
+    Raises :class:`RequestRefusedError` when admission control refused it meanwhile."""
+
+    async def disconnected() -> None:
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    first, watch = asyncio.ensure_future(handle.peek()), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({first, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if first.done():
+            first.result()  # raises the refusal
+            return True
+        return False
+    finally:
+        first.cancel()
+        watch.cancel()
 
 
 def _sse_event(payload: dict[str, Any] | str) -> str:
