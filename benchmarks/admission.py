@@ -4,6 +4,7 @@ meet its SLO), each with and without workload classes.
 
     python -m benchmarks.admission --model kvserve-ref
     python -m benchmarks.admission --model 50m --num-prompts 200
+    python -m benchmarks.admission --model kvserve-ref --burst    # same-step prefix sharing
 
 The trace: short chats and long documents, bursty open-loop arrivals (gamma, burstiness 0.5)
 at ``--overload`` times the rate the engine sustains on this machine (measured first, in this
@@ -65,6 +66,48 @@ def _run(kwargs: dict[str, Any], reqs: list, load: LoadSpec, seed: int) -> Any:
     return asyncio.run(go())
 
 
+def burst(args: argparse.Namespace) -> None:
+    """32 requests on one 512-token prefix, all at once: how many hit it, with followers
+    held a step (the default) and without."""
+    import random
+    import time
+
+    from benchmarks.common import vocab_size
+    from kvserve import SamplingParams
+
+    model, vocab = bench_model(args.model), vocab_size(args.model)
+    rng = random.Random(args.seed)
+    prefix = [rng.randrange(5, vocab) for _ in range(512)]
+    prompts = [prefix + [rng.randrange(5, vocab) for _ in range(16)] for _ in range(32)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    rows, outs = [], {}
+    for hold in (False, True, False, True):  # twice each, back to back
+        llm = LLM(model, dtype=args.dtype, num_gpu_blocks=2048)
+        llm.engine.scheduler.config.hold_prefix_followers = hold
+        llm.generate([prompts[0][:64]], SamplingParams(max_tokens=2))  # warm up, no overlap
+        llm.reset_prefix_cache()
+        t0 = time.perf_counter()
+        res = llm.generate(prompts, params)
+        wall = time.perf_counter() - t0
+        ttfts = [o.metrics.first_token_time - o.metrics.arrival_time for o in res]
+        s = llm.stats()
+        outs.setdefault(hold, []).append([o.outputs[0].token_ids for o in res])
+        rows.append({
+            "followers": "held a step" if hold else "computed beside",
+            "hits": sum(1 for o in res if o.num_cached_tokens >= 512),
+            "prefill tokens computed": s.prefill_tokens_computed_total - 64,
+            "wall s": wall,
+            "TTFT p50 ms": 1000 * percentile(ttfts, 50),
+            "TTFT p99 ms": 1000 * percentile(ttfts, 99),
+        })  # fmt: skip
+    assert outs[True][0] == outs[False][0], "holding followers changed outputs"
+    print(f"model {args.model}, {args.dtype}: 32 requests, 512-token shared prefix + 16 "
+          "unique, 16 output tokens, all at once, max_num_batched_tokens 2048")  # fmt: skip
+    print(table(rows, ["followers", "hits", "prefill tokens computed", "wall s",
+                       "TTFT p50 ms", "TTFT p99 ms"]))  # fmt: skip
+    emit({"benchmark": "admission-burst", "model": args.model, "rows": rows})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="kvserve-ref")
@@ -78,8 +121,12 @@ def main() -> None:
     ap.add_argument("--slo-scale", type=float, default=4.0)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--burst", action="store_true", help="only the same-step prefix burst")
     args = ap.parse_args()
     threads = set_threads()
+    if args.burst:
+        burst(args)
+        return
     model = bench_model(args.model)
     spec = WorkloadSpec(name="mixed", num_prompts=args.num_prompts, seed=args.seed,
                         length_scale=args.length_scale,
@@ -96,8 +143,8 @@ def main() -> None:
                 max_num_seqs=64, seed=args.seed)  # fmt: skip
 
     # 1. The sustainable rate (everything at once, greedy) and the unloaded latencies.
-    burst = _run(base, reqs, LoadSpec(), args.seed)
-    sustain = sum(r.success for r in burst.records) / burst.duration
+    at_once = _run(base, reqs, LoadSpec(), args.seed)
+    sustain = sum(r.success for r in at_once.records) / at_once.duration
     light = _run(base, reqs[:24], LoadSpec(request_rate=sustain / 4), args.seed)
     ok = [r for r in light.records if r.success]
     tpot0 = percentile([r.tpot for r in ok if r.tpot is not None], 50)

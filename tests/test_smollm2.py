@@ -84,5 +84,8 @@ def test_smollm2_bfloat16_agrees_with_float32(smollm2, fp32_run):
     outs = llm.generate([{"prompt_token_ids": ids} for ids, _ in reqs], sp)
     agree = sum(o.outputs[0].token_ids[0] == want for o, (_, want) in zip(outs, reqs, strict=True))
     assert len(reqs) == len(QUESTIONS) * NEW_TOKENS
-    # 0.986 measured: the 7 of 512 that differ are fp32 near-ties (0.007-0.09 nats apart).
-    assert agree / len(reqs) >= 0.98, f"bf16 greedy agreement {agree / len(reqs):.4f}"
+    # Measured 0.986 on an AVX512-BF16 EPYC (the 7 of 512 that differ were fp32 near-ties,
+    # 0.007-0.09 nats apart); 0.982 on a Sapphire Rapids (AMX) and 0.979 there once same-step
+    # prefix sharing made more prefixes hits (which positions reuse bf16 K/V computed in
+    # another chunk depends on scheduling). The bound is below both.
+    assert agree / len(reqs) >= 0.97, f"bf16 greedy agreement {agree / len(reqs):.4f}"
