@@ -321,3 +321,56 @@ def test_no_request_is_lost_under_any_policy(admission, policy):
     assert RequestStatus.FINISHED_LENGTH in statuses
     if admission == "projected":
         assert RequestStatus.FINISHED_REFUSED in statuses
+
+
+def test_learned_estimate_covers_nine_in_ten(tmp_path):
+    """The learned output estimate is at least 90 % of the class's recent outputs (and never
+    above max_tokens); before enough have finished it is max_tokens."""
+    from kvserve.admission import LEARN_MIN, OutputEstimator
+
+    est = OutputEstimator()
+    rng = random.Random(5)
+    seen = []
+    for i in range(200):
+        if i < LEARN_MIN:
+            assert est.estimate("c", 500) == 500
+        n = rng.randrange(1, 300)
+        seen.append(n)
+        est.observe("c", n)
+    e = est.estimate("c", 500)
+    assert sum(1 for n in seen if n <= e) >= 0.9 * len(seen)
+    assert sum(1 for n in seen if n <= e - 1) < 0.95 * len(seen)  # not far above the quantile
+    assert est.estimate("c", 10) == 10 and est.estimate("other", 77) == 77
+
+
+def test_class_kv_policies_apply(checkpoint, make_llm, tmp_path):
+    """A class without prefix caching never hits; a class's retention spec applies to its
+    requests (and a request's own spec wins); a class naming another KV format than the
+    pool's fails at start, naming the entry."""
+    classes = tmp_path / "c.yaml"
+    classes.write_text(
+        "classes:\n"
+        "  - {name: nohits, match: {users: [u]}, kv: {prefix_caching: false}}\n"
+        "  - {name: win, match: {prompt_tokens: [100, null]}, kv: {kv_retention: 'window:32'}}\n"
+    )
+    llm = make_llm(checkpoint("llama_gqa"), dtype="float32", workload_classes=str(classes))
+    e, params = llm.engine, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompt = list(range(1, 50))
+    outs = {}
+    for tag, user in (("warm", None), ("hit", None), ("nohits", "u")):
+        rid = e.add_request(None, prompt, params, tags=RequestTags(user=user))
+        while e.has_unfinished_requests():
+            for o in e.step():
+                if o.finished and o.request_id == rid:
+                    outs[tag] = o
+    assert outs["hit"].num_cached_tokens == 48 and outs["hit"].workload_class == "default"
+    assert outs["nohits"].num_cached_tokens == 0 and outs["nohits"].workload_class == "nohits"
+    assert outs["nohits"].outputs[0].token_ids == outs["hit"].outputs[0].token_ids
+    (long,) = llm.generate([list(range(1, 130))], params)
+    assert long.workload_class == "win" and long.num_retained_tokens < long.num_seen_tokens
+    (own,) = llm.generate([list(range(1, 130))], params.clone(kv_retention="none"))
+    assert own.num_retained_tokens is None
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"classes": [{"name": "q", "kv": {"kv_cache_dtype": "fp8_e4m3"}}]}')
+    with pytest.raises(ConfigError, match=r"workload_classes\[0\] \(q\).kv.kv_cache_dtype"):
+        make_llm(checkpoint("llama_gqa"), dtype="float32", workload_classes=str(bad))
