@@ -32,6 +32,7 @@ from benchmarks.common import (
     table,
     vocab_size,
 )
+from kvserve.engine.bandwidth import weight_bytes_read
 
 
 def run_kvserve(path: str, prompts, max_tokens: int, dtype: str, budget: int) -> dict:
@@ -106,20 +107,6 @@ def run_vllm(path: str, prompts, max_tokens: int, dtype: str, python: str | None
     return float(json.loads(lines[-1])["vllm_tok_s"])
 
 
-def weight_bytes(model) -> int:
-    """Bytes a decode step reads from weights: every matrix except the embedding table
-    (only B rows of it are read), counting a tied lm_head once."""
-    seen, total = set(), 0
-    for name, p in model.named_parameters():
-        if name == "embed_tokens.weight" or p.data_ptr() in seen:
-            continue
-        seen.add(p.data_ptr())
-        total += p.numel() * p.element_size()
-    if model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr():
-        total += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
-    return total
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true")
@@ -152,7 +139,7 @@ def main() -> None:
         path = bench_model(size)
         prompts = random_prompts(n, 128, 1024, vocab_size(size), seed=0)
         kv = run_kvserve(path, prompts, max_tokens, args.dtype, args.budget)
-        wbytes = weight_bytes(kv.pop("model"))
+        wbytes = weight_bytes_read(kv.pop("model"))
         ratios = [dt / ((wbytes + kv_t * kv["bytes_per_token"]) / bw)
                   for dt, _, kv_t in kv["decode_steps"]]  # fmt: skip
         step_ms = median([d[0] for d in kv["decode_steps"]]) * 1e3

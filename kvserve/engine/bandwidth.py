@@ -37,6 +37,21 @@ def measure_peak_bandwidth(device: torch.device, nbytes: int = PROBE_BYTES) -> f
     return nbytes / best
 
 
+def weight_bytes_read(model: torch.nn.Module) -> int:
+    """Bytes of weights one step reads: every matrix except the embedding table (a step
+    gathers only its tokens' rows), counting a tied lm_head once."""
+    seen, total = set(), 0
+    for name, p in model.named_parameters():
+        if name == "embed_tokens.weight" or p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    head, embed = model.lm_head.weight, model.embed_tokens.weight
+    if head.data_ptr() == embed.data_ptr():
+        total += head.numel() * head.element_size()
+    return total
+
+
 def step_bytes_read(out: SchedulerOutput, weight_bytes: int, kv_bytes_per_token: float) -> int:
     """Bytes a step reads: every weight once, and each sequence's cache entries up to its
     newest token that its queries attend to (a retention window's, when it has one)."""

@@ -20,7 +20,11 @@ from typing import Any
 import torch
 
 from kvserve.config import ConfigError, EngineConfig, ModelConfig
-from kvserve.engine.bandwidth import BandwidthMeter, measure_peak_bandwidth
+from kvserve.engine.bandwidth import (
+    BandwidthMeter,
+    measure_peak_bandwidth,
+    weight_bytes_read,
+)
 from kvserve.engine.core import Clock, EngineCore
 from kvserve.engine.inputs import InputProcessor, PromptType
 from kvserve.engine.offload import build_offload
@@ -134,9 +138,9 @@ class LLMEngine:
         # Achieved memory bandwidth (kvserve.engine.bandwidth), against a peak measured now.
         self.bandwidth: BandwidthMeter | None = None
         if self.model is not None:
-            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
             peak = measure_peak_bandwidth(self.device)
-            self.bandwidth = BandwidthMeter(weights, self.bytes_per_token, peak)
+            self.bandwidth = BandwidthMeter(weight_bytes_read(self.model), self.bytes_per_token,
+                                            peak)  # fmt: skip
             meter = self.bandwidth
             self.core.step_hooks.append(
                 lambda core: meter.record(core.last_step, core.last_step_seconds)
