@@ -378,3 +378,7 @@ def test_class_kv_policies_apply(checkpoint, make_llm, tmp_path):
     bad.write_text('{"classes": [{"name": "q", "kv": {"kv_cache_dtype": "fp8_e4m3"}}]}')
     with pytest.raises(ConfigError, match=r"workload_classes\[0\] \(q\).kv.kv_cache_dtype"):
         make_llm(checkpoint("llama_gqa"), dtype="float32", workload_classes=str(bad))
+    small = tmp_path / "small.json"  # a window below the block size: refused at start
+    small.write_text('{"classes": [{"name": "w", "kv": {"kv_retention": "window:8"}}]}')
+    with pytest.raises(ConfigError, match="workload class 'w': .*at least the block size"):
+        make_llm(checkpoint("llama_gqa"), dtype="float32", workload_classes=str(small))

@@ -48,7 +48,7 @@ from kvserve.request import (
 from kvserve.retention import parse_retention
 from kvserve.runner import ModelRunner, build_runner
 from kvserve.step import Runner
-from kvserve.workload_classes import load_workload_classes
+from kvserve.workload_class_file import load_workload_classes
 
 
 class LLMEngine:
@@ -129,6 +129,14 @@ class LLMEngine:
         if sc.workload_classes is not None:
             self.workload_classes = load_workload_classes(sc.workload_classes)
             self.workload_classes.check_pool(cc.kv_cache_dtype)
+            for c in self.workload_classes.classes:  # each class's policy on this engine
+                spec = parse_retention(c.kv_retention) if c.kv_retention else None
+                if spec is not None:
+                    try:
+                        spec.validate(cc.block_size, any(mc.layer_windows), kv_name,
+                                      self.kv_entry_copy)  # fmt: skip
+                    except ConfigError as e:
+                        raise ConfigError(f"workload class {c.name!r}: {e}") from None
         self.inputs = InputProcessor(
             self.tokenizer, mc.vocab_size, self.max_model_len, self.num_blocks, self.block_size,
             self.retention, sc.max_num_batched_tokens, self.native_window,
