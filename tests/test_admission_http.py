@@ -101,6 +101,8 @@ def test_a_refused_request_is_a_429_with_retry_after(server, client, stream):
     assert after[key] - before.get(key, 0.0) == 1
     cls = ("kvserve:class_requests_total", (("outcome", "refused"), ("workload_class", "strict")))
     assert after[cls] - before.get(cls, 0.0) == 1
+    status = ("kvserve:request_rejected_total", (("status", "429"),))
+    assert after[status] - before.get(status, 0.0) == 1  # counted once
 
 
 def test_the_server_answers_on_after_refusals(server, client):

@@ -304,7 +304,7 @@ class EngineLoop:
                 self.admitted_seqs -= h.params.n
                 r = o.refusal
                 if self.metrics is not None:
-                    self.metrics.observe_refused(o, r.reason)
+                    self.metrics.observe_refused(o)
                 out.append((h, RequestRefusedError(r.reason, r.retry_after, r.overloaded)))
                 continue
             if o.error is not None:

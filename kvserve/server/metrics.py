@@ -218,7 +218,8 @@ class ServerMetrics:
             registry=r,
         )
         self.rejected = Counter(PREFIX + "request_rejected",
-                                "Requests refused before reaching the engine, by HTTP status.",
+                                "Requests refused before reaching the engine or by its "
+                                "admission control, by HTTP status.",
                                 ["status"], registry=r)  # fmt: skip
         self.classes = classes
         labels = ["workload_class"]
@@ -241,8 +242,9 @@ class ServerMetrics:
         Info(PREFIX + "cache_config", "KV cache configuration.", registry=r).info(cache_info)
         r.register(_EngineCollector(snapshot))
 
-    def observe_refused(self, out: RequestOutput, reason: str) -> None:
-        self.rejected.labels("refused").inc()
+    def observe_refused(self, out: RequestOutput) -> None:
+        """Admission control refused it (the 429 or 503 itself is counted in
+        ``request_rejected`` where the response is made)."""
         if out.workload_class is not None:
             self.class_requests.labels(out.workload_class, "refused").inc()
 

@@ -308,6 +308,7 @@ async def _run(
                 state.loop.abort(handle)  # the client left while it waited
                 return Response(status_code=499)
         except RequestRefusedError as e:
+            state.loop.abort(handle)  # the handle's other prompts, if any, end with it
             raise refused_error(e) from None
         except BaseException:
             state.loop.abort(handle)
