@@ -174,3 +174,30 @@ def test_prompt_logprobs_and_logits_match_transformers(checkpoint, make_llm):
         entry = out.prompt_logprobs[pos]
         assert abs(entry[prompt[pos]] - ref[pos - 1, prompt[pos]].item()) < 1e-4
         assert set(ref[pos - 1].topk(3).indices.tolist()) <= set(entry)
+
+
+@pytest.mark.parametrize("penalised_row", [None, 2])
+def test_greedy_rescoring_picks_the_exact_best_of_the_top_candidates(penalised_row):
+    """With a rescore function (the float32 LM head beside a bf16 one), each greedy row takes,
+    among its RESCORE_TOPK highest logits, the token whose exact logit is highest; a row with
+    penalties keeps its plain argmax. Reference: a per-row loop."""
+    from kvserve.model.sampler import RESCORE_TOPK
+
+    g = torch.Generator().manual_seed(3)
+    n, v = 6, 50
+    logits = torch.randn(n, v, generator=g).to(torch.bfloat16).float()  # ties after rounding
+    exact_all = logits + 0.01 * torch.randn(n, v, generator=g)
+    params = [SamplingParams(temperature=0, max_tokens=4) for _ in range(n)]
+    if penalised_row is not None:
+        params[penalised_row] = SamplingParams(temperature=0, max_tokens=4, presence_penalty=0.5)
+
+    def rescore(rows, ids):
+        return exact_all[rows[:, None], ids]
+
+    got = Sampler._greedy(logits, params, rescore).tolist()
+    for i in range(n):
+        if i == penalised_row:
+            assert got[i] == int(logits[i].argmax())
+            continue
+        top = logits[i].topk(RESCORE_TOPK).indices.tolist()
+        assert got[i] == max(top, key=lambda t: float(exact_all[i, t]))

@@ -116,15 +116,21 @@ class Sampler:
     # -- steps ----------------------------------------------------------------------
     @staticmethod
     def _greedy(logits: torch.Tensor, params: list, rescore: Rescore | None) -> torch.Tensor:
-        best = logits.argmax(dim=-1)
         if rescore is None:
-            return best
+            return logits.argmax(dim=-1)
         # Rows whose logits are the model's own (penalties change them) and that pick greedily.
         rows = [i for i, p in enumerate(params) if p.greedy and not p.uses_penalties]
         if not rows:
-            return best
+            return logits.argmax(dim=-1)
+        k = min(RESCORE_TOPK, logits.shape[1])
+        if len(rows) == logits.shape[0]:  # the usual batch: no argmax, no row copy
+            r = torch.arange(len(rows), device=logits.device)
+            top_v, top_i = logits.topk(k, dim=-1)
+            exact = rescore(r, top_i).masked_fill(torch.isneginf(top_v), float("-inf"))
+            return top_i.gather(1, exact.argmax(dim=-1, keepdim=True))[:, 0]
+        best = logits.argmax(dim=-1)
         r = torch.tensor(rows, device=logits.device)
-        top_v, top_i = logits[r].topk(min(RESCORE_TOPK, logits.shape[1]), dim=-1)
+        top_v, top_i = logits[r].topk(k, dim=-1)
         exact = rescore(r, top_i).masked_fill(torch.isneginf(top_v), float("-inf"))
         best[r] = top_i.gather(1, exact.argmax(dim=-1, keepdim=True))[:, 0]
         return best
