@@ -83,6 +83,10 @@ def main() -> None:
         t.wrap(model.ops, name, name)
     t.wrap(model.ops, "causal_attention", "prefill attention kernel")
     t.wrap(llama_mod, "paged_attention", "attention (+KV write)")
+    storage = e.storage
+    for name in ("write", "decode_attention", "fused_attention", "gather"):
+        if hasattr(storage, name):
+            t.wrap(storage, name, f"storage.{name}")
     t.wrap(model, "forward", "model forward")
     t.wrap(model, "logits", "LM head")
     t.wrap(runner, "sampler", "sampling")
@@ -141,6 +145,13 @@ def main() -> None:
             ("GEMMs (linear, SwiGLU, LM head)", gemm, gemm_bound),
             ("attention incl. KV write", attn, kv_bound),
             ("  of it: prefill kernel", a.get("prefill attention kernel", 0.0), None),
+            ("  of it: KV write", a.get("storage.write", 0.0), None),
+            (
+                "  of it: decode kernel",
+                a.get("storage.decode_attention", 0.0) + a.get("storage.fused_attention", 0.0),
+                None,
+            ),
+            ("  of it: cache gather (continuing chunks)", a.get("storage.gather", 0.0), None),
             ("norms + rotary", norms, None),
             ("embedding, residual views (rest of forward)", other_model, None),
             ("sampling", a.get("sampling", 0.0), 0.0),
