@@ -58,7 +58,7 @@ class AdmissionSteps:
         out, self._refused = self._refused, []
         return out
 
-    def _admit(self, picked: list[tuple[Request, int]], budget: int, now: float) -> int:
+    def _admit(self, picked: list[tuple[Request, int]], budget: int) -> int:
         """Admit waiting requests in the queue's order while the token budget, max_num_seqs
         and the pool allow; returns the budget left. Greedy stops at the first request whose
         chunk does not fit; projected passes over a request whose whole projection does not
@@ -75,7 +75,8 @@ class AdmissionSteps:
                 continue  # a load started for it this step
             computed, num_cached = [], 0
             fresh = req.num_computed_tokens == 0 and not kv.block_ids(req)
-            if fresh and self._hits_allowed(req):
+            looks_up = fresh and self._hits_allowed(req)  # prefix hits and tier loads
+            if looks_up:
                 computed, num_cached = kv.get_computed_blocks(req, count=False)
                 if self.config.hold_prefix_followers and picked:
                     if pending is None:
@@ -95,7 +96,7 @@ class AdmissionSteps:
                     if req.skips >= self.config.lpm_max_skips:
                         break  # it is next once its blocks free; nothing jumps it again
                     continue
-            if fresh and loads is not None and self._hits_allowed(req):
+            if looks_up and loads is not None:
                 if loads.start(req, computed):
                     kv.count_hits(req, computed)
                     if adm is not None:
@@ -114,7 +115,7 @@ class AdmissionSteps:
                     continue  # nothing runs: blocks held for tier loads must not stall it
                 break
             else:
-                if fresh and self._hits_allowed(req):
+                if looks_up:
                     kv.count_hits(req, computed)
                 self._start_running(req, num_cached, held)
                 picked.append((req, n))

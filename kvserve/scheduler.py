@@ -184,7 +184,7 @@ class Scheduler(AdmissionSteps, RetentionSteps):
 
         # 2. Admit waiting requests, unless this step had to preempt (memory is tight).
         if not out.preempted_req_ids:
-            budget = self._admit(picked, budget, now)
+            budget = self._admit(picked, budget)
         if not picked:
             return out  # the KV record and finished ids wait for a step that runs
         for req, n in picked:

@@ -211,9 +211,14 @@ class InputProcessor:
         if params.kv_retention is None:
             return self.default_retention
         try:
-            spec = parse_retention(params.kv_retention)
-            if spec is not None:
-                spec.validate(self.block_size, self.windowed_layers, *self.kv_format)
+            return self.checked_retention(params.kv_retention)
         except ConfigError as e:
             raise InvalidRequestError(str(e), "kv_retention") from None
+
+    def checked_retention(self, text: str) -> RetentionSpec | None:
+        """``text`` parsed and checked against this engine (block size, the model's own
+        windows, the KV format); raises :class:`ConfigError`."""
+        spec = parse_retention(text)
+        if spec is not None:
+            spec.validate(self.block_size, self.windowed_layers, *self.kv_format)
         return spec

@@ -129,20 +129,18 @@ class LLMEngine:
         if sc.workload_classes is not None:
             self.workload_classes = load_workload_classes(sc.workload_classes)
             self.workload_classes.check_pool(cc.kv_cache_dtype)
-            for c in self.workload_classes.classes:  # each class's policy on this engine
-                spec = parse_retention(c.kv_retention) if c.kv_retention else None
-                if spec is not None:
-                    try:
-                        spec.validate(cc.block_size, any(mc.layer_windows), kv_name,
-                                      self.kv_entry_copy)  # fmt: skip
-                    except ConfigError as e:
-                        raise ConfigError(f"workload class {c.name!r}: {e}") from None
         self.inputs = InputProcessor(
             self.tokenizer, mc.vocab_size, self.max_model_len, self.num_blocks, self.block_size,
             self.retention, sc.max_num_batched_tokens, self.native_window,
             any(mc.layer_windows), (kv_name, self.kv_entry_copy), self.workload_classes,
             self.kv.cached_share,
         )  # fmt: skip
+        for c in self.workload_classes.classes if self.workload_classes else ():
+            try:  # each class's policy on this engine, at start rather than per request
+                if c.kv_retention:
+                    self.inputs.checked_retention(c.kv_retention)
+            except ConfigError as e:
+                raise ConfigError(f"workload class {c.name!r}: {e}") from None
         # Achieved memory bandwidth (kvserve.engine.bandwidth), against a peak measured now.
         self.bandwidth: BandwidthMeter | None = None
         if self.model is not None:

@@ -335,6 +335,12 @@ def _final_body(job: _Job, finals: list[RequestOutput]) -> dict[str, Any]:
     return job.envelope(choices, usage=_usage(prompt, completion, cached, finals))
 
 
+async def _disconnected(raw: Request) -> None:
+    """Returns when the client closes the connection."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def _collect(
     state: ServerState, handle: RequestHandle, raw: Request
 ) -> list[RequestOutput] | None:
@@ -346,11 +352,7 @@ async def _collect(
             if sub.output.finished:
                 finals[sub.index] = sub.output
 
-    async def disconnected() -> None:
-        while (await raw.receive())["type"] != "http.disconnect":
-            pass
-
-    work, watch = asyncio.ensure_future(consume()), asyncio.ensure_future(disconnected())
+    work, watch = asyncio.ensure_future(consume()), asyncio.ensure_future(_disconnected(raw))
     try:
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
         if work.done():
@@ -379,11 +381,7 @@ async def _first_output(handle: RequestHandle, raw: Request) -> bool:
     """Wait until the request's first output (True) or the client leaving (False: aborted).
     Raises :class:`RequestRefusedError` when admission control refused it meanwhile."""
 
-    async def disconnected() -> None:
-        while (await raw.receive())["type"] != "http.disconnect":
-            pass
-
-    first, watch = asyncio.ensure_future(handle.peek()), asyncio.ensure_future(disconnected())
+    first, watch = asyncio.ensure_future(handle.peek()), asyncio.ensure_future(_disconnected(raw))
     try:
         await asyncio.wait({first, watch}, return_when=asyncio.FIRST_COMPLETED)
         if first.done():
