@@ -1,4 +1,4 @@
-"""``kvserve`` command line: generate, serve, bench, plan, quality and download."""
+"""``kvserve`` command line: generate, serve, bench, plan, simulate, tune, quality and download."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from kvserve.engine_args import add_engine_args, engine_kwargs
 from kvserve.plan.cli import add_plan_parser
 from kvserve.quality.cli import add_quality_parser
 from kvserve.server.command import add_serve_parser
+from kvserve.sim.cli import add_simulate_parser, add_tune_parser
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -77,6 +78,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
     handlers["serve"] = add_serve_parser(sub)
     handlers["bench"] = add_bench_parser(sub)
     handlers["plan"] = add_plan_parser(sub)
+    handlers["simulate"] = add_simulate_parser(sub)
+    handlers["tune"] = add_tune_parser(sub)
     handlers["quality"] = add_quality_parser(sub)
     handlers["download"] = add_download_parser(sub)
     return parser, handlers

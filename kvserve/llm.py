@@ -11,75 +11,80 @@ from kvserve.model.tokenizer import Tokenizer
 from kvserve.request import InvalidRequestError, RequestOutput, SamplingParams
 
 
+def engine_config(
+    model: str,
+    tokenizer: str | None = None,
+    dtype: str = "auto",
+    block_size: int = 16,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int = 2048,
+    max_model_len: int | None = None,
+    num_gpu_blocks: int | None = None,
+    kv_cache_memory: int | str | None = None,
+    kv_cache_dtype: str = "auto",
+    enable_prefix_caching: bool = True,
+    enable_chunked_prefill: bool = True,
+    scheduling_policy: str = "fcfs",
+    admission: str = "greedy",
+    admission_watermark: float = 0.01,
+    workload_classes: str | None = None,
+    seed: int = 0,
+    device: str = "cpu",
+    calculate_kv_scales: bool = False,
+    kv_retention: str | None = None,
+    kv_offload_cpu: int | str | None = None,
+    kv_offload_disk: str | None = None,
+    kv_offload_disk_size: int | str = "10GiB",
+    kv_offload_redis: str | None = None,
+    kv_offload_redis_size: int | str = "1GiB",
+    kv_offload_timeout: float = 0.5,
+    kv_offload_write_policy: str = "write_back",
+    kv_offload_reuse_threshold: int = 2,
+) -> EngineConfig:
+    """The :class:`EngineConfig` of the keyword arguments ``LLM`` takes (the simulator
+    builds an engine from the same arguments)."""
+    return EngineConfig(
+        model=str(model),
+        tokenizer=tokenizer,
+        dtype=dtype,
+        device=device,
+        seed=seed,
+        cache=CacheConfig(
+            block_size=block_size,
+            num_gpu_blocks=num_gpu_blocks,
+            kv_cache_memory=kv_cache_memory,
+            kv_cache_dtype=kv_cache_dtype,
+            enable_prefix_caching=enable_prefix_caching,
+            calculate_kv_scales=calculate_kv_scales,
+            kv_retention=kv_retention,
+            kv_offload_cpu=kv_offload_cpu,
+            kv_offload_disk=kv_offload_disk,
+            kv_offload_disk_size=kv_offload_disk_size,
+            kv_offload_redis=kv_offload_redis,
+            kv_offload_redis_size=kv_offload_redis_size,
+            kv_offload_timeout=kv_offload_timeout,
+            kv_offload_write_policy=kv_offload_write_policy,
+            kv_offload_reuse_threshold=kv_offload_reuse_threshold,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=enable_chunked_prefill,
+            scheduling_policy=scheduling_policy,
+            admission=admission,
+            admission_watermark=admission_watermark,
+            workload_classes=workload_classes,
+        ),
+    )
+
+
 class LLM:
     """Offline batched generation, vLLM-style: ``LLM(model=DIR).generate(prompts, params)``."""
 
-    def __init__(
-        self,
-        model: str,
-        tokenizer: str | None = None,
-        dtype: str = "auto",
-        block_size: int = 16,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        num_gpu_blocks: int | None = None,
-        kv_cache_memory: int | str | None = None,
-        kv_cache_dtype: str = "auto",
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        scheduling_policy: str = "fcfs",
-        admission: str = "greedy",
-        admission_watermark: float = 0.01,
-        workload_classes: str | None = None,
-        seed: int = 0,
-        device: str = "cpu",
-        calculate_kv_scales: bool = False,
-        kv_retention: str | None = None,
-        kv_offload_cpu: int | str | None = None,
-        kv_offload_disk: str | None = None,
-        kv_offload_disk_size: int | str = "10GiB",
-        kv_offload_redis: str | None = None,
-        kv_offload_redis_size: int | str = "1GiB",
-        kv_offload_timeout: float = 0.5,
-        kv_offload_write_policy: str = "write_back",
-        kv_offload_reuse_threshold: int = 2,
-    ) -> None:
-        config = EngineConfig(
-            model=str(model),
-            tokenizer=tokenizer,
-            dtype=dtype,
-            device=device,
-            seed=seed,
-            cache=CacheConfig(
-                block_size=block_size,
-                num_gpu_blocks=num_gpu_blocks,
-                kv_cache_memory=kv_cache_memory,
-                kv_cache_dtype=kv_cache_dtype,
-                enable_prefix_caching=enable_prefix_caching,
-                calculate_kv_scales=calculate_kv_scales,
-                kv_retention=kv_retention,
-                kv_offload_cpu=kv_offload_cpu,
-                kv_offload_disk=kv_offload_disk,
-                kv_offload_disk_size=kv_offload_disk_size,
-                kv_offload_redis=kv_offload_redis,
-                kv_offload_redis_size=kv_offload_redis_size,
-                kv_offload_timeout=kv_offload_timeout,
-                kv_offload_write_policy=kv_offload_write_policy,
-                kv_offload_reuse_threshold=kv_offload_reuse_threshold,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len,
-                enable_chunked_prefill=enable_chunked_prefill,
-                scheduling_policy=scheduling_policy,
-                admission=admission,
-                admission_watermark=admission_watermark,
-                workload_classes=workload_classes,
-            ),
-        )
-        self.engine = LLMEngine(config)
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        """``model`` and the keyword arguments of :func:`engine_config` (vLLM's names)."""
+        self.engine = LLMEngine(engine_config(model, **kwargs))
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer

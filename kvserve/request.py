@@ -181,13 +181,19 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (
-            RequestStatus.FINISHED_STOPPED,
-            RequestStatus.FINISHED_LENGTH,
-            RequestStatus.FINISHED_ABORTED,
-            RequestStatus.FINISHED_ERROR,
-            RequestStatus.FINISHED_REFUSED,
-        )
+        return self in _FINISHED
+
+
+# Asked for every running request at every step: one set, not a tuple built per call.
+_FINISHED = frozenset(
+    {
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_ERROR,
+        RequestStatus.FINISHED_REFUSED,
+    }
+)
 
 
 @dataclass(slots=True)

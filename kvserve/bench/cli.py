@@ -65,6 +65,19 @@ def add_bench_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
         default=0.5,
         help="seconds between /metrics scrapes during the run",
     )
+    add_workload_args(p)
+    add_load_args(p)
+    add_report_args(p)
+    add_engine_args(p)
+    bsub = p.add_subparsers(dest="bench_command", metavar="{compare}")
+    c = bsub.add_parser("compare", help="print saved runs side by side with ratios")
+    c.add_argument("files", nargs="+", help="JSON files written by kvserve bench")
+    c.add_argument("--markdown", action="store_true")
+    return cmd_bench  # fmt: skip
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The seeded workload's flags (shared with ``kvserve simulate`` and ``tune``)."""
     w = p.add_argument_group("workload")
     w.add_argument(
         "--workload",
@@ -91,6 +104,10 @@ def add_bench_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
         default=True,
         help="generate exactly the requested lengths (sent as ignore_eos)",
     )
+
+
+def add_load_args(p: argparse.ArgumentParser) -> None:
+    """Open- or closed-loop load flags (shared with ``kvserve simulate``)."""
     ld = p.add_argument_group("load")
     ld.add_argument(
         "--request-rate",
@@ -113,6 +130,10 @@ def add_bench_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
     ld.add_argument(
         "--sweep", default=None, help="rate=1,2,4 or concurrency=1,4,16: one run per value"
     )
+
+
+def add_report_args(p: argparse.ArgumentParser) -> None:
+    """Report flags: SLO, cost, where outputs go (shared with ``kvserve simulate``)."""
     o = p.add_argument_group("report")
     o.add_argument("--slo", default=None, help="goodput SLO, e.g. ttft=500ms,tpot=50ms,e2e=10s")
     o.add_argument("--gpu-hour-cost", type=float, default=None, help="$ per GPU-hour")
@@ -122,12 +143,6 @@ def add_bench_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
     o.add_argument("--no-plots", action="store_true")
     o.add_argument("--no-progress", action="store_true")
     o.add_argument("--json", action="store_true", help="print the summary as JSON, last line")
-    add_engine_args(p)
-    bsub = p.add_subparsers(dest="bench_command", metavar="{compare}")
-    c = bsub.add_parser("compare", help="print saved runs side by side with ratios")
-    c.add_argument("files", nargs="+", help="JSON files written by kvserve bench")
-    c.add_argument("--markdown", action="store_true")
-    return cmd_bench  # fmt: skip
 
 
 def parse_sweep(text: str | None) -> tuple[str, list[float]] | None:
@@ -147,7 +162,8 @@ def parse_sweep(text: str | None) -> tuple[str, list[float]] | None:
     return kind, vals
 
 
-def _loads(args: argparse.Namespace) -> tuple[list[Any], str | None]:
+def load_points(args: argparse.Namespace) -> tuple[list[Any], str | None]:
+    """The load of each run: one, or one per --sweep value (and the sweep's axis label)."""
     from kvserve.bench.runner import LoadSpec
 
     base = LoadSpec(args.request_rate, args.burstiness, args.concurrency)
@@ -240,7 +256,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from kvserve.bench.workloads import make_workload
 
     slo = parse_slo(args.slo)
-    loads, sweep_label = _loads(args)
+    loads, sweep_label = load_points(args)
     target, count, max_len = _target(args)
     workloads = [
         make_workload(workload_spec(args, args.seed + i, max_len), count) for i in range(len(loads))

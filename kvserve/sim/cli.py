@@ -1,0 +1,346 @@
+"""``kvserve simulate`` and ``kvserve tune``.
+
+Importing this module is cheap (no torch): the CLI builds every parser at start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from kvserve.bench.cli import (
+    add_load_args,
+    add_report_args,
+    add_workload_args,
+    load_points,
+    workload_spec,
+)
+from kvserve.engine_args import add_engine_args, default_model, engine_kwargs
+
+DEFAULT_SIM_DIR = Path("reports") / "sim"
+
+
+def add_sim_target_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("simulated device")
+    g.add_argument(
+        "--gpu",
+        default=None,
+        help="accelerator from the planner's table (kvserve plan --list-gpus) or "
+        "custom:MEM_GIB:BW_TBS:BF16_TFLOPS: its memory sizes the pool and, without "
+        "--profile, its shipped profile times the steps",
+    )
+    g.add_argument(
+        "--profile",
+        default=None,
+        help="cost-model profile JSON (from --calibrate, or a shipped GPU's)",
+    )
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per replica")
+    g.add_argument("--replicas", type=int, default=1, help="engine replicas behind a balancer")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+
+
+def add_simulate_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
+    p = sub.add_parser(
+        "simulate",
+        help="the engine's scheduler and KV manager on a cost model: bench's report, no GPU",
+        description="Replays a kvserve bench workload (same flags, same seeds) through the real "
+        "scheduler and KV manager with a cost model for each step and a virtual clock. "
+        "--calibrate runs the real engine on this machine and fits the model's factors.",
+    )
+    add_sim_target_args(p)
+    c = p.add_argument_group("calibration")
+    c.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="run the real engine on the workload, fit the cost model, write --profile-output",
+    )
+    c.add_argument("--profile-output", default=None, help="where --calibrate writes (JSON)")
+    add_workload_args(p)
+    add_load_args(p)
+    add_report_args(p)
+    p.set_defaults(output_dir=str(DEFAULT_SIM_DIR))
+    add_engine_args(p)
+    return cmd_simulate
+
+
+def sim_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Engine flags as ``LLM`` keyword arguments; a bare ``config.json`` is a model here."""
+    model = args.model
+    if model and Path(model).is_file() and model.endswith(".json"):
+        args = argparse.Namespace(**{**vars(args), "model": None})
+        kw = engine_kwargs(args)
+        kw["model"] = str(Path(model).parent)
+        return kw
+    kw = engine_kwargs(args)
+    kw["model"] = kw["model"] or default_model()
+    return kw
+
+
+def sim_target(args: argparse.Namespace, kw: dict[str, Any]) -> Any:
+    from kvserve.plan.gpus import get_gpu
+    from kvserve.sim.cost import Profile, gpu_profile
+    from kvserve.sim.simulate import SimTarget
+
+    gpu = get_gpu(args.gpu) if args.gpu else None
+    if args.profile:
+        profile = Profile.load(args.profile)
+    elif gpu is not None:
+        profile = gpu_profile(gpu)
+    else:
+        raise ValueError(
+            "profile: give --gpu NAME (its shipped profile) or --profile FILE (written by "
+            "kvserve simulate --calibrate on the machine to model)"
+        )
+    return SimTarget(kw, profile, gpu, args.tp, args.replicas, args.gpu_memory_utilization)
+
+
+def _calibrate(args: argparse.Namespace, kw: dict[str, Any]) -> int:
+    from kvserve.bench.workloads import make_workload
+    from kvserve.llm import LLM
+    from kvserve.sim.calibrate import calibrate
+
+    probe = LLM(**kw).engine  # the tokenizer and context the real run uses
+    tok = probe.tokenizer
+    count = (lambda s: len(tok.encode(s))) if tok else None
+    max_len = probe.max_model_len
+    del probe
+    loads, _ = load_points(args)  # --sweep rate=inf,8: one calibration run per load
+    runs = [
+        (make_workload(workload_spec(args, args.seed + i, max_len), count), load)
+        for i, load in enumerate(loads)
+    ]
+    warm = make_workload(
+        replace(workload_spec(args, args.seed + 7919, max_len), num_prompts=2), count
+    )
+    profile, report, _ = calibrate(kw, runs, args.seed, warm)
+    out = Path(args.profile_output or DEFAULT_SIM_DIR / "profile.json")
+    profile.save(out)
+    print(
+        f"calibrated on {report.steps} steps of {Path(kw['model']).name} ({profile.dtype}) on "
+        f"{profile.device}: per-step error median {report.median_abs_error:.1%}, p90 "
+        f"{report.p90_abs_error:.1%}, summed time {report.total_time_error:+.1%}"
+    )
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from kvserve.bench.metrics import parse_slo, server_summary, summarize
+    from kvserve.bench.report import console_table, markdown, write_json
+    from kvserve.bench.runner import LoadSpec, Progress
+    from kvserve.bench.workloads import make_workload
+    from kvserve.sim.simulate import simulate_load, token_counter
+
+    kw = sim_engine_kwargs(args)
+    if args.calibrate:
+        return _calibrate(args, kw)
+    if args.sweep:
+        raise ValueError("sweep: kvserve simulate runs one load point per call (planned)")
+    slo = parse_slo(args.slo)
+    target = sim_target(args, kw)
+    count, max_len = token_counter(target)
+    reqs = make_workload(workload_spec(args, args.seed, max_len), count)
+    warm = (
+        make_workload(
+            replace(workload_spec(args, args.seed + 7919, max_len), num_prompts=args.warmup),
+            count,
+        )
+        if args.warmup > 0
+        else None
+    )
+    load = LoadSpec(args.request_rate, args.burstiness, args.concurrency)
+    bar = Progress(len(reqs), f"simulate {load.describe()}", enabled=not args.no_progress)
+    t0 = time.perf_counter()
+    res, sims = simulate_load(
+        target, reqs, load, args.seed, warm, args.temperature, 0.5,
+        progress=lambda ok: bar.update(ok),
+    )  # fmt: skip
+    wall = time.perf_counter() - t0
+    gpus = target.gpus if target.gpu is not None else args.gpus
+    s = summarize(res.records, res.duration, slo, args.gpu_hour_cost, gpus)
+    s["server"] = server_summary(res.before, res.after, res.samples)
+    sim = sims[0]
+    s["target"] = (
+        f"simulated {Path(kw['model']).name} on {target.profile.device}"
+        + (f" (pool of {target.gpu.name})" if target.gpu else "")
+        + f", tp {target.tp}, {target.replicas} replica(s), {sim.num_blocks} blocks each"
+    )
+    s["load"] = load.describe()
+    s["seed"] = args.seed
+    s["simulation"] = {
+        "profile": target.profile.to_json(),
+        "gpu": target.gpu.key if target.gpu else None,
+        "tp": target.tp,
+        "replicas": target.replicas,
+        "num_blocks": sim.num_blocks,
+        "steps": sum(x.runner.steps for x in sims),
+        "busy_s": sum(x.runner.busy_s for x in sims),
+        "wall_s": wall,
+        "notes": sim.notes,
+    }
+    label = args.label or f"{Path(args.workload).stem}-sim-{time.strftime('%Y%m%d-%H%M%S')}"
+    s.update(label=label, workload=args.workload, num_prompts=args.num_prompts)
+    print(console_table(s))
+    for note in sim.notes:
+        print(f"note: {note}", file=sys.stderr)
+    out_dir = Path(args.output_dir)
+    json_path = write_json(
+        out_dir / f"{label}.json",
+        {"summary": s, "records": [r.to_dict() for r in res.records]},
+    )
+    md_path = out_dir / f"{label}.md"
+    md_path.write_text(markdown(s, None))
+    print(f"simulated {len(reqs)} requests in {wall:.1f}s; wrote {json_path}, {md_path}")
+    if args.json:
+        print(json.dumps(s, default=str))
+    return 0
+
+
+def add_tune_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
+    p = sub.add_parser(
+        "tune",
+        help="the configuration with the lowest $ per useful output token under an SLO",
+        description="Simulates the workload under each configuration of a search space (block "
+        "size, KV format, retention, batch limits, prefix caching, admission, replicas, TP) and "
+        "ranks them by cost per output token of requests that met --slo. Lossy settings "
+        "compete only with a passing `kvserve quality --json` report (--quality-report).",
+    )
+    add_sim_target_args(p)
+    s = p.add_argument_group("search")
+    s.add_argument(
+        "--search",
+        action="append",
+        default=None,
+        metavar="NAME=V1,V2",
+        help="values of one dimension (repeatable; the first value is where the search "
+        "starts): enable_prefix_caching, kv_cache_dtype, kv_retention, block_size, "
+        "max_num_seqs, max_num_batched_tokens, admission, replicas, tp",
+    )
+    s.add_argument(
+        "--quality-report",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a `kvserve quality --json` report for this model (repeatable)",
+    )
+    s.add_argument("--top", type=int, default=5, help="configurations to print")
+    s.add_argument("--max-passes", type=int, default=3)
+    add_workload_args(p)
+    add_load_args(p)
+    add_report_args(p)
+    p.set_defaults(output_dir=str(Path("reports") / "tune"))
+    add_engine_args(p)
+    return cmd_tune
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from kvserve.bench.metrics import parse_slo
+    from kvserve.bench.runner import LoadSpec, Progress
+    from kvserve.bench.workloads import make_workload
+    from kvserve.sim.simulate import SimTarget, token_counter
+    from kvserve.sim.tune import (
+        QualityGate,
+        parse_search,
+        plot_pareto,
+        serve_command,
+        slo_miss,
+        tune,
+        why_lost,
+    )
+
+    kw = sim_engine_kwargs(args)
+    slo = parse_slo(args.slo)
+    if args.gpu_hour_cost is None:
+        raise ValueError("gpu_hour_cost: tune ranks by $ per useful token; give --gpu-hour-cost")
+    space = parse_search(args.search)
+    gate = QualityGate.load(args.quality_report, kw["model"])
+    base = sim_target(args, kw)
+
+    def make_target(engine: dict[str, Any], tp: int, replicas: int) -> SimTarget:
+        return SimTarget(engine, base.profile, base.gpu, tp, replicas,
+                         args.gpu_memory_utilization)  # fmt: skip
+
+    count, max_len = token_counter(base)
+    reqs = make_workload(workload_spec(args, args.seed, max_len), count)
+    load = LoadSpec(args.request_rate, args.burstiness, args.concurrency)
+    bar = Progress(0, "tune", enabled=not args.no_progress)
+    t0 = time.perf_counter()
+
+    def on_trial(t: Any) -> None:
+        bar.total += 1
+        bar.update(t.excluded is None)
+
+    res = tune(kw, make_target, reqs, load, args.seed, space, slo, args.gpu_hour_cost, gate,
+               args.max_passes, on_trial)  # fmt: skip
+    wall = time.perf_counter() - t0
+    ranked = res.eligible
+    print(
+        f"kvserve tune: {Path(kw['model']).name} on {base.profile.device}, {args.workload} "
+        f"({len(reqs)} requests, {load.describe()}), SLO {args.slo}, "
+        f"${args.gpu_hour_cost:g}/GPU-hour: {len(res.trials)} configurations in {wall:.1f}s"
+    )
+    rows = []
+    for i, t in enumerate(ranked[: args.top], 1):
+        s = t.summary or {}
+        rows.append(
+            f"{i:>2}  {t.usd_per_million_useful:>12.4g}  {t.attainment:>6.1%}  "
+            f"{(s.get('ttft_ms') or {}).get('p95') or 0:>9.1f}  "
+            f"{(s.get('tpot_ms') or {}).get('p95') or 0:>9.1f}  {t.gpus:>4}  "
+            f"{t.label(res.baseline)}"
+        )
+    print("rank  $/M useful tok  SLO met  TTFT p95  TPOT p95  GPUs  configuration")
+    print("\n".join(rows) if rows else "  (none)")
+    best = res.best
+    others = [t for t in res.trials if t is not best]
+    if others:
+        print("\nwhy the others lost:")
+        for t in sorted(others, key=lambda t: t.usd_per_million_useful):
+            reason = why_lost(t, best, slo) if best else (t.excluded or slo_miss(t, slo))
+            print(f"  {t.label(res.baseline)}: {reason}")
+    out_dir = Path(args.output_dir)
+    label = args.label or f"tune-{time.strftime('%Y%m%d-%H%M%S')}"
+    payload = {
+        "model": kw["model"], "device": base.profile.device, "slo": slo,
+        "gpu_hour_cost": args.gpu_hour_cost, "workload": args.workload,
+        "load": load.describe(), "seed": args.seed, "space": {k: list(v) for k, v in space.items()},
+        "trials": [
+            {"settings": t.settings, "excluded": t.excluded, "gpus": t.gpus,
+             "usd_per_million_useful": None if t.usd_per_million_useful == float("inf")
+             else t.usd_per_million_useful, "useful_tokens": t.useful_tokens,
+             "cost_usd": t.cost_usd, "summary": t.summary}
+            for t in res.trials
+        ],
+        "best": best.settings if best else None,
+    }  # fmt: skip
+    from kvserve.bench.report import write_json
+
+    path = write_json(out_dir / f"{label}.json", payload)
+    written = [str(path)]
+    if not args.no_plots:
+        png = plot_pareto(res, out_dir / f"{label}-pareto.png")
+        if png:
+            written.append(str(png))
+    if best is None:
+        near = sorted((t for t in res.trials if t.summary), key=lambda t: -t.attainment)[:3]
+        print(f"\nkvserve tune: no configuration meets the SLO {args.slo}; the closest:",
+              file=sys.stderr)  # fmt: skip
+        for t in near:
+            print(f"  {t.label(res.baseline)}: {slo_miss(t, slo)}", file=sys.stderr)
+        if not near:
+            print("  (none ran: every configuration was excluded, see above)", file=sys.stderr)
+        print(f"wrote {', '.join(written)}")
+        return 1
+    print(f"\nbest: {best.label(res.baseline)}: ${best.usd_per_million_useful:.4g} per million "
+          f"useful output tokens, {best.attainment:.0%} of requests within the SLO")  # fmt: skip
+    print(serve_command(kw["model"], best.settings))
+    print(f"wrote {', '.join(written)}")
+    if args.json:
+        best_json = {"best": best.settings, "usd_per_million_useful": best.usd_per_million_useful}
+        print(json.dumps(best_json, default=str))
+    return 0

@@ -1,0 +1,453 @@
+"""The engine with a cost model for a forward pass and a virtual clock for time.
+
+Nothing here schedules: :class:`~kvserve.engine.LLMEngine` is built exactly as ``kvserve
+serve`` builds it (same flags, same :class:`~kvserve.scheduler.Scheduler`, same
+:class:`~kvserve.kv.manager.KVCacheManager`, admission, retention and workload classes), with
+a :class:`CostModelRunner` in place of the model. The runner advances the clock by the step's
+modelled time and returns one placeholder token per sampled row, so the scheduler's decisions
+(batches, prefix hits, preemptions, refusals) are the real ones; only the step time is
+modelled. Outputs are assumed to run to their requested length (``ignore_eos``, as ``kvserve
+bench`` sends by default): a cost model cannot know when a model would stop.
+
+The load is replayed as ``kvserve bench`` applies it to the in-process engine: open loop at
+the bench's seeded arrival times (with an optional in-flight cap), or a closed loop of N
+users; requests are accepted between steps; warm-up requests run first, one at a time. The
+records and snapshots it returns are the bench's own types, so ``summarize`` and the report
+code are shared and a simulated report reads like a measured one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvserve.bench.metrics import RequestRecord
+from kvserve.bench.runner import LoadSpec, RunResult
+from kvserve.bench.workloads import BenchRequest, arrival_times
+from kvserve.config import ConfigError
+from kvserve.engine import LLMEngine
+from kvserve.llm import engine_config
+from kvserve.plan.capacity import PlanError, capacity, load_arch, load_config
+from kvserve.plan.gpus import GPU
+from kvserve.request import SamplingParams
+from kvserve.sim.cost import ModelShape, Profile, step_features
+from kvserve.step import ModelRunnerOutput, SchedulerOutput
+
+
+class VirtualClock:
+    """Seconds that pass only when told to."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class CostModelRunner:
+    """A runner whose step takes the cost model's time and samples a placeholder token."""
+
+    def __init__(self, profile: Profile, clock: VirtualClock, token_id: int) -> None:
+        self.profile = profile
+        self.clock = clock
+        self.token_id = token_id
+        self.shape: ModelShape | None = None  # set once the engine has resolved its formats
+        self.busy_s = 0.0
+        self.steps = 0
+        self.trace: list[tuple[Any, float]] | None = None  # (features, seconds) when recording
+        self.block_size = 16
+        self.touched: set[int] | None = set()  # pool blocks written so far (first-touch cost)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        assert self.shape is not None, "the simulator sets the model shape before the first step"
+        f = step_features(scheduler_output, self.shape, self.touched, self.block_size)
+        dt = self.profile.step_time(f, self.shape)
+        self.clock.advance(dt)
+        self.busy_s += dt
+        self.steps += 1
+        if self.trace is not None:
+            self.trace.append((f, dt))
+        ids = [rid for s in scheduler_output.seqs for rid in s.sample_ids]
+        return ModelRunnerOutput(ids, [self.token_id] * len(ids), [None] * len(ids))
+
+
+class HashTokenizer:
+    """Tokens for a model given by ``config.json`` alone: one token per word or punctuation
+    mark, its id a stable hash into the vocabulary. Equal text gives equal ids (so shared
+    prefixes hit the prefix cache as they would with the real tokenizer); lengths are what
+    the workload asked for, in these tokens."""
+
+    _PIECES = re.compile(r"\w+|[^\w\s]")
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._ids: dict[str, int] = {}
+
+    def encode(self, text: str) -> list[int]:
+        out = []
+        for piece in self._PIECES.findall(text):
+            tid = self._ids.get(piece)
+            if tid is None:
+                digest = hashlib.blake2b(piece.encode(), digest_size=8).digest()
+                tid = 3 + int.from_bytes(digest, "little") % (self.vocab_size - 3)
+                self._ids[piece] = tid
+            out.append(tid)
+        return out or [3]
+
+
+@dataclass(slots=True)
+class SimTarget:
+    """What is simulated: engine flags (``LLM``'s keyword arguments), the device profile and,
+    for an accelerator, the GPU whose memory sizes the pool as ``kvserve plan`` does."""
+
+    engine_kwargs: dict[str, Any]
+    profile: Profile
+    gpu: GPU | None = None
+    tp: int = 1
+    replicas: int = 1
+    gpu_memory_utilization: float = 0.9
+    label: str = "simulated engine"
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "replicas"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: must be an integer >= 1, got {v!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.tp > 1 and self.gpu is None:
+            raise ValueError("tp: tensor parallelism is simulated on a --gpu only")
+        offload = ("kv_offload_cpu", "kv_offload_disk", "kv_offload_redis")
+        if any(self.engine_kwargs.get(k) for k in offload):
+            raise ConfigError(
+                "kv_offload_*: the simulator does not model offload tiers yet (planned); "
+                "simulate without them"
+            )
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.replicas
+
+
+@dataclass(slots=True)
+class SimEngine:
+    """One simulated replica."""
+
+    engine: LLMEngine
+    clock: VirtualClock
+    runner: CostModelRunner
+    shape: ModelShape
+    encode: Callable[[str], list[int]]
+    num_blocks: int
+    notes: list[str] = field(default_factory=list)
+
+
+def model_dir_of(model: str) -> str:
+    """A model directory from a directory or a bare ``config.json`` path (no weights needed)."""
+    p = Path(model)
+    if p.is_file() and p.name.endswith(".json"):
+        return str(p.parent)
+    return model
+
+
+def build_engine(target: SimTarget) -> SimEngine:
+    """The real engine over a cost-model runner and a virtual clock. Raises ConfigError or
+    PlanError naming the field for a config the engine or the planner cannot use."""
+    kw = dict(target.engine_kwargs)
+    kw["model"] = model_dir_of(str(kw["model"]))
+    try:
+        cfg, _ = load_config(kw["model"])
+        spec = load_arch(kw["model"])
+    except FileNotFoundError as e:
+        raise PlanError(str(e)) from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise PlanError(f"config.json: the planner cannot read it ({e})") from None
+    if (
+        target.gpu is not None
+        and kw.get("num_gpu_blocks") is None
+        and not kw.get("kv_cache_memory")
+    ):
+        # The pool a GPU holds, exactly as `kvserve plan` counts it.
+        fmt = kw.get("kv_cache_dtype") or "auto"
+        fmt = spec.kv_dtype_auto if fmt == "auto" else fmt
+        wdt = None if kw.get("dtype") in (None, "auto") else kw["dtype"]
+        cap = capacity(
+            spec, fmt, target.gpu.memory_bytes, spec.max_position_embeddings, 1, target.tp,
+            target.gpu_memory_utilization, kw.get("block_size", 16), wdt,
+        )  # fmt: skip
+        if cap.num_blocks < 1:
+            raise PlanError(
+                f"gpu: the weights ({cap.weight_bytes_per_gpu / 2**30:.1f} GiB per GPU) leave "
+                f"no KV room on {target.gpu.name} at tp={target.tp}; raise --tp"
+            )
+        kw["num_gpu_blocks"] = cap.num_blocks
+    clock = VirtualClock()
+    config = engine_config(**kw)
+    eos = set(cfg.get("eos_token_id") or []) if isinstance(cfg.get("eos_token_id"), list) else {
+        cfg.get("eos_token_id")
+    }  # fmt: skip
+    token = next(i for i in range(3, spec.vocab_size) if i not in eos)
+    runner = CostModelRunner(target.profile, clock, token)
+    engine = LLMEngine(config, runner=runner, clock=clock)
+    dtype = str(engine.dtype).removeprefix("torch.")
+    shape = ModelShape.from_arch(
+        spec, engine.kv_cache_dtype, dtype, bool(cfg.get("tie_word_embeddings")), target.tp
+    )
+    runner.shape = shape
+    runner.block_size = engine.block_size
+    notes = []
+    if target.gpu is not None and dtype != target.profile.dtype:
+        notes.append(
+            f"the engine computes in {dtype} but the profile's peaks are for "
+            f"{target.profile.dtype}; pass --dtype {target.profile.dtype}"
+        )
+    if engine.tokenizer is not None:
+        encode = engine.tokenizer.encode
+    else:
+        encode = HashTokenizer(spec.vocab_size).encode
+        notes.append("no tokenizer.json beside the config: one token per word (hashed ids)")
+    return SimEngine(engine, clock, runner, shape, encode, engine.num_blocks, notes)
+
+
+def token_counter(target: SimTarget) -> tuple[Callable[[str], int], int]:
+    """(token counter, max model length) the workload generator needs, without an engine."""
+    sim = build_engine(target)
+    return (lambda s: len(sim.encode(s))), sim.engine.max_model_len
+
+
+class _Replica:
+    """Replays a share of the load on one simulated engine."""
+
+    def __init__(
+        self,
+        sim: SimEngine,
+        temperature: float,
+        sample_every: float,
+        on_done: Callable[[bool], None] | None = None,
+    ) -> None:
+        self.sim = sim
+        self.on_done = on_done
+        self.temperature = temperature
+        self.sample_every = sample_every
+        self.samples: list[dict[str, float]] = []
+        self._next_sample = 0.0
+        self._tokens: dict[str, list[int]] = {}
+        self._sent = 0
+
+    def _tokens_of(self, req: BenchRequest) -> list[int]:
+        ids = self._tokens.get(req.prompt)
+        if ids is None:
+            ids = self._tokens[req.prompt] = self.sim.encode(req.prompt)
+        return ids
+
+    def _add(self, rid: str, req: BenchRequest, rec: RequestRecord) -> bool:
+        eng, clock = self.sim.engine, self.sim.clock
+        ids = self._tokens_of(req)
+        params = SamplingParams(
+            temperature=self.temperature, max_tokens=req.max_tokens, ignore_eos=True
+        )
+        clock.advance(self.sim.runner.profile.request_time(len(ids)))
+        try:
+            eng.add_request(rid, {"prompt_token_ids": ids}, params, arrival_time=rec.send_time)
+        except Exception as e:  # noqa: BLE001 - refused requests are counted, as bench does
+            rec.fail(f"refused ({type(e).__name__})", str(e))
+            return False
+        return True
+
+    def run(
+        self,
+        requests: Sequence[BenchRequest],
+        sends: list[float] | None,
+        concurrency: int | None,
+        t0: float,
+    ) -> list[RequestRecord]:
+        """Send ``requests`` at ``t0 + sends[i]`` (open loop; None: closed loop of
+        ``concurrency`` users), at most ``concurrency`` in flight; step until all finish."""
+        eng, clock = self.sim.engine, self.sim.clock
+        core = eng.core
+        records = [
+            RequestRecord(r.index, r.kind, r.prefix_group, r.input_len, r.max_tokens)
+            for r in requests
+        ]
+        due: list[tuple[float, int]] = []  # (send time, index) not yet sent
+        if sends is None:
+            due = [(t0, i) for i in range(min(concurrency or 1, len(requests)))]
+            queued = list(range(len(due), len(requests)))[::-1]  # closed loop: next users
+        else:
+            due = [(t0 + s, i) for i, s in enumerate(sends)]
+            queued = []
+        heapq.heapify(due)
+        cap = concurrency if concurrency else math.inf
+        inflight: dict[str, int] = {}
+        backlog: list[int] = []  # arrived, waiting for an in-flight slot
+        idle_steps = 0
+        while due or backlog or inflight:
+            while backlog and len(inflight) < cap:  # a slot freed at the last step's end
+                self._send(backlog.pop(0), clock.now, requests, records, inflight)
+            while due and due[0][0] <= clock.now:
+                # Sent at its time, while the engine was busy: it waits for the step to end,
+                # as the bench's request waits in the engine thread's inbox.
+                when, i = heapq.heappop(due)
+                if len(inflight) < cap:
+                    self._send(i, when, requests, records, inflight)
+                else:
+                    backlog.append(i)
+            if not core.has_unfinished_requests():
+                if due:
+                    clock.now = max(clock.now, due[0][0])
+                    continue
+                if not backlog:
+                    break
+            before = core.num_steps
+            updated = core.step()
+            self._sample(eng)
+            if core.num_steps == before and not updated:
+                idle_steps += 1
+                if idle_steps > 1000:
+                    raise RuntimeError(
+                        "simulator: the scheduler made no progress for 1000 steps with "
+                        f"{len(inflight)} requests in flight"
+                    )
+                if due:
+                    clock.now = max(clock.now, due[0][0])
+                continue
+            idle_steps = 0
+            for r in updated:
+                if not r.is_finished:
+                    continue
+                fam = r.parent_id
+                if fam not in inflight or core.families.get(fam):
+                    continue
+                i = inflight.pop(fam)
+                _fill(records[i], r)
+                self._done(records[i])
+                if sends is None and queued:  # the user sends its next request now
+                    heapq.heappush(due, (clock.now, queued.pop()))
+            # Requests whose family finished without a step result (refused at arrival).
+            for fam in [f for f in inflight if f not in core.families]:
+                i = inflight.pop(fam)
+                if records[i].reason is None and not records[i].success:
+                    records[i].fail("refused (admission)", "admission control refused it")
+                self._done(records[i])
+                if sends is None and queued:
+                    heapq.heappush(due, (clock.now, queued.pop()))
+        return records
+
+    def _done(self, rec: RequestRecord) -> None:
+        if self.on_done is not None:
+            self.on_done(rec.success)
+
+    def _send(
+        self,
+        i: int,
+        when: float,
+        requests: Sequence[BenchRequest],
+        records: list[RequestRecord],
+        inflight: dict[str, int],
+    ) -> None:
+        rec = records[i]
+        rec.send_time = when
+        self._sent += 1
+        rid = f"sim-{self._sent}"
+        if self._add(rid, requests[i], rec):
+            inflight[rid] = i
+        else:
+            self._done(rec)
+
+    def _sample(self, eng: LLMEngine) -> None:
+        if self.sim.clock.now >= self._next_sample:
+            from kvserve.bench.engine_target import engine_snapshot
+
+            self.samples.append(engine_snapshot(eng))
+            self._next_sample = self.sim.clock.now + self.sample_every
+
+
+def _fill(rec: RequestRecord, r: Any) -> None:
+    """A finished request's record from the engine's own timestamps (virtual seconds)."""
+    m = r.metrics
+    rec.prompt_tokens = len(r.prompt_token_ids)
+    rec.output_tokens = r.num_output_tokens
+    rec.cached_tokens = max(0, r.num_cached_tokens)
+    rec.finish_reason = r.status.value
+    rec.workload_class = r.workload_class.name if r.workload_class is not None else None
+    if m.first_scheduled_time is not None:
+        rec.queue_time = m.first_scheduled_time - m.arrival_time
+    if r.refusal is not None:
+        rec.fail(f"refused ({r.refusal.reason})", "admission control refused it")
+        return
+    if not m.token_times:
+        rec.fail("aborted", f"finished as {r.status.value} without a token")
+        return
+    times = m.token_times
+    rec.ttft = times[0] - rec.send_time
+    rec.e2e = times[-1] - rec.send_time
+    rec.itl = [b - a for a, b in zip(times, times[1:], strict=False)]
+    rec.success = True
+
+
+def simulate_load(
+    target: SimTarget,
+    requests: list[BenchRequest],
+    load: LoadSpec,
+    seed: int = 0,
+    warmup: list[BenchRequest] | None = None,
+    temperature: float = 0.0,
+    sample_every: float = 0.5,
+    progress: Callable[[bool], None] | None = None,
+) -> tuple[RunResult, list[SimEngine]]:
+    """Replay ``requests`` under ``load`` on ``target.replicas`` simulated engines (requests
+    dealt round-robin, as a load balancer would) and collect one record each."""
+    from kvserve.bench.engine_target import engine_snapshot
+
+    sims = [build_engine(target) for _ in range(target.replicas)]
+    offsets = (
+        None
+        if load.closed_loop
+        else arrival_times(len(requests), load.request_rate, load.burstiness, seed)
+    )
+    records: list[RequestRecord | None] = [None] * len(requests)
+    before: dict[str, float] = {}
+    after: dict[str, float] = {}
+    samples: list[dict[str, float]] = []
+    end = 0.0
+    for k, sim in enumerate(sims):
+        rep = _Replica(sim, temperature, sample_every)
+        for w in warmup or []:  # one at a time, as the bench warms up
+            rep.run([w], [0.0], None, sim.clock.now)
+        rep.on_done = progress
+        t0 = sim.clock.now
+        rep._next_sample = t0
+        _merge(before, engine_snapshot(sim.engine), target.replicas)
+        mine = list(range(k, len(requests), target.replicas))
+        share = [requests[i] for i in mine]
+        sends = None if offsets is None else [offsets[i] for i in mine]
+        cap = load.concurrency
+        if cap is not None and target.replicas > 1:
+            cap = max(1, math.ceil(cap / target.replicas))
+        recs = rep.run(share, sends, cap, t0)
+        for i, r in zip(mine, recs, strict=True):
+            r.send_time -= t0
+            records[i] = r
+        end = max(end, sim.clock.now - t0)
+        _merge(after, engine_snapshot(sim.engine), target.replicas)
+        samples += rep.samples
+    done = [r for r in records if r is not None]
+    return RunResult(done, max(end, 1e-9), before, after, samples), sims
+
+
+def _merge(acc: dict[str, float], snap: dict[str, float], replicas: int) -> None:
+    """A fleet's snapshot: counters summed over replicas, gauges averaged."""
+    for k, v in snap.items():
+        counter = k.endswith(("_total", "_sum", "_count"))
+        acc[k] = acc.get(k, 0.0) + (v if counter else v / replicas)

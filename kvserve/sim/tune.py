@@ -1,0 +1,380 @@
+"""``kvserve tune``: the configuration with the lowest cost per useful output token.
+
+A useful token is an output token of a request that met the SLO; cost is the GPUs a
+configuration occupies (replicas x TP) for the time the workload took, at ``--gpu-hour-cost``.
+Each configuration is one simulation of the same seeded workload and arrivals, so they differ
+only by what they change. Lossy settings (a quantized KV format, a retention policy) take part
+only when a ``kvserve quality --json`` report for this model, that format and that policy says
+PASS: a configuration that is cheap because it answers wrongly is not a candidate.
+
+The search is coordinate descent from the first value of every dimension: each dimension's
+values are tried with the others at the best so far, the best is adopted, and the pass repeats
+until nothing changes (at most three passes). A full grid of the default space would be
+thousands of simulations; this is tens, and every one tried is reported.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvserve.bench.metrics import RequestRecord, meets_slo, summarize
+from kvserve.bench.runner import LoadSpec
+from kvserve.bench.workloads import BenchRequest
+from kvserve.config import ConfigError
+from kvserve.kv.formats import KV_CACHE_DTYPES
+from kvserve.plan.capacity import PlanError
+from kvserve.sim.simulate import SimTarget, simulate_load
+
+DENSE = ("auto", "float32", "bfloat16", "float16")
+# name -> (type, default values); the first value is where the search starts.
+DIMENSIONS: dict[str, tuple[Callable[[str], Any], tuple[Any, ...]]] = {
+    "enable_prefix_caching": (lambda s: _bool(s), (True, False)),
+    "kv_cache_dtype": (str, ("auto", "fp8_e4m3", "int8", "kivi4")),
+    "kv_retention": (lambda s: None if s.lower() in ("none", "off", "") else s, (None,)),
+    "block_size": (int, (16, 32)),
+    "max_num_seqs": (int, (256, 64)),
+    "max_num_batched_tokens": (int, (2048, 8192)),
+    "admission": (str, ("greedy", "projected")),
+    "replicas": (int, (1, 2)),
+    "tp": (int, (1, 2)),
+}
+TARGET_KEYS = ("replicas", "tp")  # the others are engine flags
+
+
+def _bool(s: str) -> bool:
+    v = s.strip().lower()
+    if v in ("1", "true", "on", "yes"):
+        return True
+    if v in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"search: expected on/off, got {s!r}")
+
+
+def parse_search(items: list[str] | None) -> dict[str, tuple[Any, ...]]:
+    """``NAME=V1,V2`` overrides (repeatable) on the default space; ``NAME=V`` pins one."""
+    space = {k: v for k, (_, v) in DIMENSIONS.items()}
+    for item in items or []:
+        name, eq, values = item.partition("=")
+        name = name.strip().replace("-", "_")
+        if not eq or name not in DIMENSIONS:
+            raise ValueError(
+                f"search: expected NAME=V1,V2 with NAME one of {', '.join(DIMENSIONS)}, "
+                f"got {item!r}"
+            )
+        kind = DIMENSIONS[name][0]
+        vals = [v.strip() for v in values.split(",") if v.strip()]
+        if not vals:
+            raise ValueError(f"search: {name} has no values (the search space is empty)")
+        try:
+            parsed = tuple(dict.fromkeys(kind(v) for v in vals))
+        except ValueError as e:
+            raise ValueError(f"search: {name}: {e}") from None
+        if name == "kv_cache_dtype":
+            bad = [v for v in parsed if v not in KV_CACHE_DTYPES]
+            if bad:
+                raise ValueError(
+                    f"search: kv_cache_dtype: unknown {bad}; known: {', '.join(KV_CACHE_DTYPES)}"
+                )
+        if name in ("replicas", "tp", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if any(v < 1 for v in parsed):
+                raise ValueError(f"search: {name} values must be >= 1, got {parsed}")
+        space[name] = parsed
+    return space
+
+
+def is_lossy(settings: dict[str, Any]) -> bool:
+    return settings.get("kv_cache_dtype", "auto") not in DENSE or bool(settings.get("kv_retention"))
+
+
+@dataclass(slots=True)
+class QualityGate:
+    """Passing ``kvserve quality`` reports by (KV format, retention policy)."""
+
+    passed: set[tuple[str, str | None]] = field(default_factory=set)
+    failed: set[tuple[str, str | None]] = field(default_factory=set)
+
+    @classmethod
+    def load(cls, paths: list[str], model: str) -> QualityGate:
+        """Reports must be for ``model`` (same directory name); anything else is an error."""
+        gate = cls()
+        for path in paths:
+            p = Path(path)
+            if not p.is_file():
+                raise FileNotFoundError(f"quality_report: file not found: {p}")
+            try:
+                rep = json.loads(p.read_text())
+                eng = rep["candidate"]["engine"]
+                key = (str(eng.get("kv_cache_dtype") or "auto"), eng.get("kv_retention") or None)
+                passed, rep_model = bool(rep["passed"]), str(rep["model"])
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(
+                    f"quality_report: {p} is not a `kvserve quality --json` report ({e})"
+                ) from None
+            if Path(rep_model).name != Path(model).name:
+                raise ValueError(
+                    f"quality_report: {p} is for model {Path(rep_model).name!r}, but the "
+                    f"tuned model is {Path(model).name!r}"
+                )
+            (gate.passed if passed else gate.failed).add(key)
+        return gate
+
+    def verdict(self, settings: dict[str, Any]) -> str | None:
+        """None when the configuration may compete; else why not."""
+        if not is_lossy(settings):
+            return None
+        key = (settings.get("kv_cache_dtype", "auto"), settings.get("kv_retention") or None)
+        what = f"kv_cache_dtype={key[0]}" + (f", kv_retention={key[1]}" if key[1] else "")
+        if key in self.passed:
+            return None
+        if key in self.failed:
+            return f"quality gate FAILED for {what}"
+        return f"no passing quality report for {what} (lossy; run kvserve quality --json)"
+
+
+@dataclass(slots=True)
+class Trial:
+    settings: dict[str, Any]
+    excluded: str | None = None  # why it did not compete
+    summary: dict[str, Any] | None = None
+    useful_tokens: int = 0
+    cost_usd: float = 0.0
+    gpus: int = 1
+
+    @property
+    def usd_per_million_useful(self) -> float:
+        if self.excluded or not self.useful_tokens:
+            return math.inf
+        return self.cost_usd / self.useful_tokens * 1e6
+
+    @property
+    def attainment(self) -> float:
+        return (self.summary or {}).get("goodput", {}).get("attainment") or 0.0
+
+    @property
+    def rank_key(self) -> tuple[float, float, float]:
+        """Cost per useful token first; at equal cost (an open loop that every configuration
+        keeps up with takes as long on each), more requests within the SLO, then lower p95
+        end-to-end latency."""
+        e2e = ((self.summary or {}).get("e2e_ms") or {}).get("p95") or math.inf
+        return (round(self.usd_per_million_useful, 9), -self.attainment, e2e)
+
+    def label(self, base: dict[str, Any]) -> str:
+        diff = [f"{k}={_show(v)}" for k, v in self.settings.items() if base.get(k) != v]
+        return ", ".join(diff) or "baseline"
+
+
+def _show(v: Any) -> str:
+    if v is None:
+        return "none"
+    if isinstance(v, bool):
+        return "on" if v else "off"
+    return str(v)
+
+
+def _key(settings: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted(settings.items()))
+
+
+@dataclass(slots=True)
+class TuneResult:
+    trials: list[Trial]
+    best: Trial | None
+    baseline: dict[str, Any]
+    slo: dict[str, float]
+
+    @property
+    def eligible(self) -> list[Trial]:
+        ok = [t for t in self.trials if not t.excluded and t.summary is not None]
+        return sorted(ok, key=lambda t: t.rank_key)
+
+
+def tune(
+    engine_kwargs: dict[str, Any],
+    make_target: Callable[[dict[str, Any], int, int], SimTarget],
+    requests: list[BenchRequest],
+    load: LoadSpec,
+    seed: int,
+    space: dict[str, tuple[Any, ...]],
+    slo: dict[str, float],
+    gpu_hour_cost: float,
+    gate: QualityGate,
+    max_passes: int = 3,
+    on_trial: Callable[[Trial], None] | None = None,
+) -> TuneResult:
+    """Coordinate descent over ``space``; ``make_target(engine kwargs, tp, replicas)``."""
+    if not slo:
+        raise ValueError("slo: tune needs an SLO (--slo ttft=500ms,tpot=50ms): useful tokens are "
+                         "those of requests that meet it")  # fmt: skip
+    if not gpu_hour_cost > 0:
+        raise ValueError(f"gpu_hour_cost: must be > 0 $/GPU-hour, got {gpu_hour_cost!r}")
+    if not space or any(not v for v in space.values()):
+        raise ValueError("search: the search space is empty")
+    seen: dict[tuple[tuple[str, Any], ...], Trial] = {}
+
+    def run(settings: dict[str, Any]) -> Trial:
+        k = _key(settings)
+        if k in seen:
+            return seen[k]
+        trial = Trial(dict(settings))
+        seen[k] = trial
+        trial.excluded = gate.verdict(settings)
+        if trial.excluded is None:
+            kw = {**engine_kwargs, **{n: v for n, v in settings.items() if n not in TARGET_KEYS}}
+            try:
+                target = make_target(kw, settings.get("tp", 1), settings.get("replicas", 1))
+                res, _ = simulate_load(target, requests, load, seed)
+            except (ConfigError, PlanError, ValueError, NotImplementedError) as e:
+                trial.excluded = f"cannot run: {e}"
+            else:
+                trial.gpus = target.gpus
+                trial.summary = summarize(res.records, res.duration, slo, gpu_hour_cost,
+                                          target.gpus)  # fmt: skip
+                trial.useful_tokens = useful_tokens(res.records, slo)
+                trial.cost_usd = gpu_hour_cost * target.gpus * res.duration / 3600.0
+        if on_trial is not None:
+            on_trial(trial)
+        return trial
+
+    best_settings = {k: v[0] for k, v in space.items()}
+    baseline = dict(best_settings)
+    best = run(best_settings)
+
+    def better(a: Trial, b: Trial) -> bool:
+        return a.rank_key < b.rank_key
+
+    for _ in range(max_passes):
+        changed = False
+        for name, values in space.items():
+            for v in values:
+                t = run({**best_settings, name: v})
+                if better(t, best):
+                    best, best_settings, changed = t, dict(t.settings), True
+        if not changed:
+            break
+    trials = list(seen.values())
+    winner = best if best.usd_per_million_useful < math.inf else None
+    return TuneResult(trials, winner, baseline, slo)
+
+
+def useful_tokens(records: list[RequestRecord], slo: dict[str, float]) -> int:
+    """Output tokens of the requests that met the SLO."""
+    return sum(r.output_tokens for r in records if r.success and meets_slo(r, slo))
+
+
+def slo_miss(t: Trial, slo: dict[str, float]) -> str:
+    """How far a configuration is from the SLO: attainment and each p95 against its bound."""
+    s = t.summary or {}
+    parts = [f"{t.attainment:.0%} of requests meet it"]
+    for name, bound in slo.items():
+        p95 = (s.get(f"{name}_ms") or {}).get("p95")
+        if p95 is not None:
+            parts.append(f"p95 {name} {p95:.0f} ms vs {bound * 1e3:.0f} ms "
+                         f"({p95 / (bound * 1e3) - 1:+.0%})")  # fmt: skip
+    return "; ".join(parts)
+
+
+def why_lost(t: Trial, best: Trial, slo: dict[str, float]) -> str:
+    if t.excluded:
+        return t.excluded
+    if t is best:
+        return "best"
+    if not t.useful_tokens:
+        return "no request met the SLO: " + slo_miss(t, slo)
+    ratio = t.usd_per_million_useful / best.usd_per_million_useful
+    reasons = [f"{ratio:.2f}x the cost per useful token"]
+    if abs(ratio - 1) < 5e-3:
+        e2e = lambda x: ((x.summary or {}).get("e2e_ms") or {}).get("p95") or 0.0  # noqa: E731
+        if abs(e2e(t) - e2e(best)) < 0.5:
+            return "identical figures (a tie goes to the configuration tried first)"
+        reasons = [f"same cost; p95 E2E {e2e(t):.0f} ms vs {e2e(best):.0f} ms"]
+    if t.attainment < best.attainment - 0.005:
+        reasons.append(f"SLO attainment {t.attainment:.0%} vs {best.attainment:.0%}")
+    if t.gpus > best.gpus:
+        reasons.append(f"{t.gpus} GPUs vs {best.gpus}")
+    return "; ".join(reasons)
+
+
+def serve_command(model: str, settings: dict[str, Any]) -> str:
+    """The ``kvserve serve`` line that runs a configuration (one replica's)."""
+    parts = ["kvserve serve", f"--model {model}"]
+    flags = {
+        "block_size": "--block-size",
+        "kv_cache_dtype": "--kv-cache-dtype",
+        "max_num_seqs": "--max-num-seqs",
+        "max_num_batched_tokens": "--max-num-batched-tokens",
+        "admission": "--admission",
+        "kv_retention": "--kv-retention",
+    }
+    for name, flag in flags.items():
+        v = settings.get(name)
+        if v is not None:
+            parts.append(f"{flag} {v}")
+    if settings.get("enable_prefix_caching") is False:
+        parts.append("--no-enable-prefix-caching")
+    line = " ".join(parts)
+    notes = []
+    if settings.get("replicas", 1) > 1:
+        notes.append(f"run {settings['replicas']} replicas behind a load balancer")
+    if settings.get("tp", 1) > 1:
+        notes.append(f"tp={settings['tp']} is simulated only: kvserve serves on one device per "
+                     "replica today (tensor parallelism is planned)")  # fmt: skip
+    return line + "".join(f"\n# {n}" for n in notes)
+
+
+def pareto_front(trials: list[Trial]) -> list[Trial]:
+    """Eligible trials no other beats on both cost per useful token and p95 TTFT."""
+    pts = [t for t in trials if t.summary is not None and t.usd_per_million_useful < math.inf]
+
+    def p95(t: Trial) -> float:
+        return (t.summary or {}).get("ttft_ms", {}).get("p95") or math.inf
+
+    front = []
+    for t in pts:
+        dominated = any(
+            (o.usd_per_million_useful <= t.usd_per_million_useful and p95(o) <= p95(t))
+            and (o.usd_per_million_useful < t.usd_per_million_useful or p95(o) < p95(t))
+            for o in pts
+        )
+        if not dominated:
+            front.append(t)
+    return sorted(front, key=lambda t: t.usd_per_million_useful)
+
+
+def plot_pareto(result: TuneResult, path: Path) -> Path | None:
+    """Cost per useful token against p95 TTFT, every trial a dot, the front a line."""
+    from kvserve.bench.report import _pyplot
+
+    plt = _pyplot()
+    if plt is None:
+        return None
+    pts = [t for t in result.trials if t.summary and t.usd_per_million_useful < math.inf]
+    if not pts:
+        return None
+
+    def p95(t: Trial) -> float:
+        return float((t.summary or {})["ttft_ms"]["p95"])
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    ax.scatter([p95(t) for t in pts], [t.usd_per_million_useful for t in pts], s=18,
+               color="0.6", label="tried")  # fmt: skip
+    front = sorted(pareto_front(pts), key=p95)
+    ax.plot([p95(t) for t in front], [t.usd_per_million_useful for t in front], "o-",
+            color="C0", label="Pareto front")  # fmt: skip
+    best = result.best
+    if best is not None and best.summary:
+        ax.scatter([p95(best)], [best.usd_per_million_useful], s=80, marker="*", color="C3",
+                   zorder=3, label="best")  # fmt: skip
+    ax.set_xlabel("p95 TTFT (ms)")
+    ax.set_ylabel("$ per million useful output tokens")
+    ax.set_title("kvserve tune: cost vs latency")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,190 @@
+"""``kvserve tune``: it finds what a workload needs (prefix caching for RAG, a compressed KV
+format for a memory-bound long context only when the quality gate passed it), and every bad
+input gets a message that says what is wrong."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvserve.bench.runner import LoadSpec
+from kvserve.bench.workloads import WorkloadSpec, make_workload
+from kvserve.cli import main
+from kvserve.engine_args import default_model
+from kvserve.plan.gpus import get_gpu
+from kvserve.sim.cost import gpu_profile
+from kvserve.sim.simulate import SimTarget, token_counter
+from kvserve.sim.tune import QualityGate, parse_search, tune
+
+# The bundled model on a GPU so small that its pool holds about four 1.5k-token documents in
+# bfloat16: long-document decoding is then bound by how many sequences fit.
+SMALL_GPU = "custom:0.022:2.0:300"
+
+
+def report(tmp_path: Path, fmt: str, passed: bool, model: str = "kvserve-ref") -> str:
+    """A hand-made `kvserve quality --json` report (only the fields the gate reads)."""
+    path = tmp_path / f"{fmt}-{passed}-{model}.json"
+    path.write_text(json.dumps({
+        "passed": passed, "model": f"/models/{model}", "label": fmt,
+        "candidate": {"kv_format": fmt, "engine": {"kv_cache_dtype": fmt, "kv_retention": None}},
+    }))  # fmt: skip
+    return str(path)
+
+
+@pytest.fixture
+def llama8b(tmp_path):
+    """The seed's Llama-3-8B shapes as a bare config (no weights, no tokenizer)."""
+    from tests.test_simulator import SEED_8B
+
+    (tmp_path / "llama-3-8b").mkdir()
+    (tmp_path / "llama-3-8b" / "config.json").write_text(json.dumps(SEED_8B))
+    return str(tmp_path / "llama-3-8b")
+
+
+def run_tune(workload: str, n: int, space: dict, reports: list[str], gpu: str = "h100-sxm",
+             slo: str = "ttft=60s,tpot=1s", model: str | None = None):  # fmt: skip
+    from kvserve.bench.metrics import parse_slo
+
+    kw = dict(model=model or default_model(), dtype="bfloat16")
+    g = get_gpu(gpu)
+
+    def make_target(e: dict, tp: int, replicas: int) -> SimTarget:
+        return SimTarget(e, gpu_profile(g), g, tp, replicas)
+
+    base = make_target(kw, 1, 1)
+    count, max_len = token_counter(base)
+    reqs = make_workload(WorkloadSpec(name=workload, num_prompts=n, seed=0,
+                                      max_model_len=max_len), count)  # fmt: skip
+    gate = QualityGate.load(reports, kw["model"])
+    return tune(kw, make_target, reqs, LoadSpec(), 0, space, parse_slo(slo), 2.0, gate)
+
+
+def test_rag_picks_prefix_caching_on(llama8b):
+    res = run_tune("rag", 48, {"enable_prefix_caching": (False, True)}, [], model=llama8b)
+    assert res.baseline == {"enable_prefix_caching": False}  # the search starts with it off
+    assert res.best is not None and res.best.settings["enable_prefix_caching"] is True
+    off = next(t for t in res.trials if t.settings["enable_prefix_caching"] is False)
+    assert off.usd_per_million_useful > 1.2 * res.best.usd_per_million_useful
+    assert res.best.summary["cached_prompt_tokens"] > 0
+
+
+SPACE = {"kv_cache_dtype": ("auto", "fp8_e4m3")}
+
+
+def test_memory_bound_long_context_picks_fp8_when_its_gate_passes(tmp_path):
+    res = run_tune("long-doc", 24, SPACE, [report(tmp_path, "fp8_e4m3", True)], SMALL_GPU)
+    assert res.best is not None and res.best.settings["kv_cache_dtype"] == "fp8_e4m3"
+    auto = next(t for t in res.trials if t.settings["kv_cache_dtype"] == "auto")
+    assert auto.excluded is None
+    assert auto.usd_per_million_useful > 1.2 * res.best.usd_per_million_useful
+
+
+@pytest.mark.parametrize("passed", [False, None])
+def test_memory_bound_long_context_keeps_exact_kv_without_a_passing_report(tmp_path, passed):
+    reports = [] if passed is None else [report(tmp_path, "fp8_e4m3", passed)]
+    res = run_tune("long-doc", 24, SPACE, reports, SMALL_GPU)
+    assert res.best is not None and res.best.settings["kv_cache_dtype"] == "auto"
+    fp8 = next(t for t in res.trials if t.settings["kv_cache_dtype"] == "fp8_e4m3")
+    assert fp8.summary is None  # never simulated: it could not compete
+    expected = "quality gate FAILED" if passed is False else "no passing quality report"
+    assert expected in fp8.excluded
+
+
+def test_report_for_another_model_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="is for model 'smollm2'.*tuned model is 'kvserve-ref'"):
+        QualityGate.load([report(tmp_path, "fp8_e4m3", True, "smollm2")], default_model())
+    bad = tmp_path / "not-a-report.json"
+    bad.write_text(json.dumps({"summary": {}}))
+    with pytest.raises(ValueError, match="not a `kvserve quality --json` report"):
+        QualityGate.load([str(bad)], default_model())
+
+
+@pytest.mark.parametrize(
+    "item, match",
+    [
+        ("block_size=", "block_size has no values"),
+        ("colour=red", "NAME one of"),
+        ("kv_cache_dtype=fp9", "unknown \\['fp9'\\]"),
+        ("replicas=0", "replicas values must be >= 1"),
+        ("enable_prefix_caching=maybe", "expected on/off"),
+    ],
+)
+def test_bad_search_space(item, match):
+    with pytest.raises(ValueError, match=match):
+        parse_search([item])
+
+
+def cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_unmet_slo_names_the_closest_configurations(capsys, tmp_path, llama8b):
+    code, out, err = cli(
+        capsys, "tune", "--model", llama8b, "--gpu", "h100-sxm", "--workload", "chat",
+        "--num-prompts", "12",
+        "--slo", "ttft=1us", "--gpu-hour-cost", "1", "--search", "block_size=16,32",
+        "--search", "kv_cache_dtype=auto", "--search", "max_num_seqs=256",
+        "--search", "max_num_batched_tokens=2048", "--search", "admission=greedy",
+        "--search", "replicas=1", "--search", "tp=1", "--search", "enable_prefix_caching=on",
+        "--no-progress", "--no-plots", "--output-dir", str(tmp_path),
+    )  # fmt: skip
+    assert code == 1
+    assert "no configuration meets the SLO ttft=1us; the closest:" in err
+    assert "0% of requests meet it; p95 ttft" in err and "vs 0 ms" in err
+
+
+def test_cli_winner_command_line_and_files(capsys, tmp_path, llama8b):
+    code, out, _ = cli(
+        capsys, "tune", "--model", llama8b, "--gpu", "h100-sxm", "--workload", "rag",
+        "--num-prompts", "24",
+        "--slo", "ttft=10s", "--gpu-hour-cost", "2", "--search", "enable_prefix_caching=off,on",
+        "--search", "kv_cache_dtype=auto", "--search", "block_size=16",
+        "--search", "max_num_seqs=256", "--search", "max_num_batched_tokens=2048",
+        "--search", "admission=greedy", "--search", "replicas=1,2", "--search", "tp=1",
+        "--no-progress", "--output-dir", str(tmp_path), "--label", "t",
+    )  # fmt: skip
+    assert code == 0
+    assert "best: enable_prefix_caching=on" in out
+    assert "kvserve serve --model" in out and "--no-enable-prefix-caching" not in out
+    assert "replicas=2: 2.00x the cost per useful token" in out or "replicas=2" in out
+    data = json.loads((tmp_path / "t.json").read_text())
+    assert data["best"]["enable_prefix_caching"] is True
+    assert (tmp_path / "t-pareto.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["tune", "--gpu", "h100-sxm", "--slo", "ttft=1s"], "gpu_hour_cost"),
+        (["tune", "--gpu", "h900", "--slo", "ttft=1s", "--gpu-hour-cost", "1"], "gpu: unknown"),
+        (["tune", "--gpu", "l4", "--gpu-hour-cost", "1"], "slo: tune needs an SLO"),
+        (["simulate", "--workload", "chat"], "profile: give --gpu NAME"),
+        (["simulate", "--profile", "/nonexistent.json"], "profile: file not found"),
+    ],
+)
+def test_cli_bad_input_messages(capsys, argv, match):
+    code, _, err = cli(capsys, *argv, "--no-progress")
+    assert code == 2
+    assert match in err
+
+
+def test_cli_simulate_writes_a_bench_report(capsys, tmp_path, llama8b):
+    code, out, _ = cli(
+        capsys, "simulate", "--model", llama8b, "--gpu", "a100-80gb", "--workload", "chat",
+        "--num-prompts", "16",
+        "--request-rate", "4", "--no-progress", "--output-dir", str(tmp_path), "--label", "s",
+        "--gpu-hour-cost", "2", "--slo", "ttft=1s",
+    )  # fmt: skip
+    assert code == 0
+    s = json.loads((tmp_path / "s.json").read_text())["summary"]
+    assert s["completed"] == 16 and s["num_requests"] == 16
+    assert s["simulation"]["gpu"] == "a100-80gb"
+    assert s["cost"]["gpus"] == 1 and s["cost"]["usd_per_million_output_tokens"] > 0
+    assert "output token throughput" in out
+    assert s["simulation"]["notes"] == [
+        "no tokenizer.json beside the config: one token per word (hashed ids)"
+    ]
