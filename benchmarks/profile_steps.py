@@ -25,6 +25,7 @@ import torch
 
 from benchmarks.common import bench_model, emit, random_prompts, set_threads, table, vocab_size
 from kvserve.engine.bandwidth import measure_peak_bandwidth
+from kvserve.sim.calibrate import measure_gemm_peak
 
 PARTS = ("linear", "linear_add", "swiglu_add", "rms_norm", "rotary")
 
@@ -46,19 +47,6 @@ class Timers:
                 acc[(self.phase, key)] += time.perf_counter() - t0
 
         setattr(obj, name, timed)
-
-
-def gemm_peak(dtype: torch.dtype, hidden: int) -> float:
-    """FLOP/s of a representative GEMM (2,048 tokens x hidden -> 3 x hidden), best of five."""
-    a = torch.randn(2048, hidden, dtype=dtype)
-    w = torch.randn(3 * hidden, hidden, dtype=dtype)
-    torch.nn.functional.linear(a, w)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        torch.nn.functional.linear(a, w)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * 2048 * hidden * 3 * hidden / best
 
 
 def main() -> None:
@@ -122,7 +110,7 @@ def main() -> None:
 
     cfg = e.model_config
     dt = getattr(torch, args.dtype)
-    peak_flops = gemm_peak(dt, cfg.hidden_size)
+    peak_flops = measure_gemm_peak(dt, cfg.hidden_size)
     bw = measure_peak_bandwidth(torch.device("cpu"))
     layer_params = sum(p.numel() for n, p in model.named_parameters() if n.endswith("proj.weight"))
     head_params = model.lm_head.weight.numel()

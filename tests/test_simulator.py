@@ -334,3 +334,25 @@ def test_bad_config_gpu_and_target_flags(tmp_path, llama8b):
     small = get_gpu("custom:12:0.3:100")
     with pytest.raises(PlanError, match="leave no KV room"):
         build_engine(SimTarget(dict(model=llama8b), gpu_profile(l4), small))
+
+
+def test_cli_calibrate_then_simulate_the_same_workload(tmp_path, capsys):
+    """A calibration on the real engine writes a profile whose simulation of the same run
+    lands near the real one's duration (loosely: this machine is shared and noisy)."""
+    from kvserve.cli import main
+
+    prof = tmp_path / "cpu.json"
+    common = ["--workload", "chat", "--num-prompts", "16", "--length-scale", "0.25",
+              "--kv-cache-memory", "16MiB", "--no-progress"]  # fmt: skip
+    assert main(["simulate", "--calibrate", "--profile-output", str(prof), *common]) == 0
+    assert "calibrated on" in capsys.readouterr().out
+    p = Profile.load(prof)
+    assert p.calibration["steps"] >= 8 and p.peak_flops > 0 and p.peak_bandwidth > 0
+    assert p.calibration["total_time_error"] == pytest.approx(0.0, abs=1e-6)
+    real_wall = p.calibration["wall_s"]
+    out = tmp_path / "out"
+    args = ["simulate", "--profile", str(prof), *common, "--output-dir", str(out), "--label", "s"]
+    assert main(args) == 0
+    s = json.loads((out / "s.json").read_text())["summary"]
+    assert s["completed"] == 16
+    assert 0.5 * real_wall < s["duration_s"] < 2.0 * real_wall

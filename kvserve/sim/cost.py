@@ -4,7 +4,8 @@ A step is one flat batch, so its time is a sum of a few terms, each a physical q
 batch over a device peak, divided by an efficiency factor:
 
 - host work: a fixed cost per step, per scheduled sequence, per step with prompt chunks and
-  per chunk, per token and per sampled row (scheduling, batch building, sampling, Python);
+  per chunk, per token, per sampled row, and per prompt token of a request's first step (its
+  block hashes, its sampling state) (scheduling, batch building, sampling, Python);
 - the linear layers: ``max(FLOPs / (peak x e_gemm), weight bytes / (bandwidth x e_weights))``,
   the roofline of reading every weight once against computing every token through it;
 - prefill attention: FLOPs of each new token against the cache entries it attends to (causal,
@@ -40,7 +41,8 @@ UNSEEN = 1e6
 # fitted); the fit's device terms by column name.
 PHYSICAL = ("prefill_attention", "decode_kv")
 SECONDS_FIELDS = (
-    "step_overhead_s", "per_seq_s", "per_prefill_seq_s", "prefill_step_s", "per_token_s",
+    "step_overhead_s", "per_seq_s", "per_prefill_seq_s", "prefill_step_s",
+    "per_new_prompt_token_s", "per_token_s",
     "per_sampled_row_s", "first_touch_s_per_byte",
 )  # fmt: skip
 EFFICIENCY_FIELDS = (
@@ -120,6 +122,7 @@ class StepFeatures:
     decode_kv_bytes: float = 0.0
     allreduce_bytes: float = 0.0
     first_touch_bytes: float = 0.0  # pool blocks written for the first time
+    new_prompt_tokens: int = 0  # prompts scheduled for the first time (hashed, set up)
 
     def as_tuple(self) -> tuple[float, ...]:
         return tuple(getattr(self, f.name) for f in fields(self))
@@ -187,6 +190,7 @@ def step_features(
                 if b not in touched:
                     touched.add(b)
                     f.first_touch_bytes += block_bytes
+    f.new_prompt_tokens = sum(len(r.prompt_token_ids) for r in out.new_requests)
     f.linear_flops = (
         2.0 * (shape.layer_params * f.tokens + shape.head_params * f.sampled_rows) / shape.tp
     )
@@ -210,6 +214,7 @@ class Profile:
     per_seq_s: float = 0.0
     per_prefill_seq_s: float = 0.0
     prefill_step_s: float = 0.0  # once per step that computes any prompt chunk
+    per_new_prompt_token_s: float = 0.0  # a request's first step: its prompt's block hashes
     per_token_s: float = 0.0
     per_sampled_row_s: float = 0.0
     gemm_efficiency: float = 0.5
@@ -233,6 +238,7 @@ class Profile:
             + self.per_seq_s * f.seqs
             + self.per_prefill_seq_s * f.prefill_seqs
             + (self.prefill_step_s if f.prefill_seqs else 0.0)
+            + self.per_new_prompt_token_s * f.new_prompt_tokens
             + self.per_token_s * f.tokens
             + self.per_sampled_row_s * f.sampled_rows
         )
@@ -401,6 +407,7 @@ def fit_profile(
         "per_seq_s": np.array([f.seqs for f in feats], dtype=np.float64),
         "per_prefill_seq_s": np.array([f.prefill_seqs for f in feats], dtype=np.float64),
         "prefill_step_s": np.array([1.0 if f.prefill_seqs else 0.0 for f in feats]),
+        "per_new_prompt_token_s": np.array([f.new_prompt_tokens for f in feats], dtype=float),
         "per_token_s": np.array([f.tokens for f in feats], dtype=np.float64),
         "per_sampled_row_s": np.array([f.sampled_rows for f in feats], dtype=np.float64),
         "prefill_attention": np.array([f.prefill_attention_flops for f in feats]) / P,
@@ -435,6 +442,7 @@ def fit_profile(
     p.per_seq_s = float(coef.get("per_seq_s", 0.0))
     p.per_prefill_seq_s = float(coef.get("per_prefill_seq_s", 0.0))
     p.prefill_step_s = float(coef.get("prefill_step_s", 0.0))
+    p.per_new_prompt_token_s = float(coef.get("per_new_prompt_token_s", 0.0))
     p.per_token_s = float(coef.get("per_token_s", 0.0))
     p.per_sampled_row_s = float(coef.get("per_sampled_row_s", 0.0))
     p.first_touch_s_per_byte = float(coef.get("first_touch_s_per_byte", 0.0))
