@@ -356,3 +356,25 @@ def test_cli_calibrate_then_simulate_the_same_workload(tmp_path, capsys):
     s = json.loads((out / "s.json").read_text())["summary"]
     assert s["completed"] == 16
     assert 0.5 * real_wall < s["duration_s"] < 2.0 * real_wall
+
+
+def test_closed_loop_keeps_its_users_busy_and_counts_a_refused_request():
+    """Two users: never more than two requests in flight, each user's next request sent
+    when its last one ended; a prompt longer than the context is refused and its user
+    moves on."""
+    kw = dict(model=default_model(), num_gpu_blocks=64, max_model_len=256)
+    words = "the cache block model server request queue latency ".split()
+    reqs = [BenchRequest(i, "chat", " ".join(words[: 2 + i % 6]), 4 + i % 3, 8) for i in range(9)]
+    reqs[4] = BenchRequest(4, "chat", "token " * 400, 4, 400)  # over max_model_len
+    res, _ = simulate_load(SimTarget(kw, cpu_profile()), reqs, LoadSpec(concurrency=2), 0)
+    recs = sorted(res.records, key=lambda r: r.index)
+    assert [r.success for r in recs] == [i != 4 for i in range(9)]
+    assert recs[4].reason == "refused (InvalidRequestError)" and "max_model_len" in recs[4].detail
+    ok = [r for r in recs if r.success]
+    for r in ok:  # at each send, at most one other request is still running
+        running = [o for o in ok if o is not r and o.send_time <= r.send_time < o.send_time + o.e2e]
+        assert len(running) <= 1
+    ends = sorted(r.send_time + r.e2e for r in ok)
+    sends = sorted(r.send_time for r in ok)
+    assert sends[:2] == [0.0, 0.0]
+    assert all(any(abs(s - e) < 1e-9 for e in ends) for s in sends[2:])

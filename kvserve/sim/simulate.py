@@ -193,13 +193,10 @@ def build_engine(target: SimTarget) -> SimEngine:
             )
         kw["num_gpu_blocks"] = cap.num_blocks
     clock = VirtualClock()
-    config = engine_config(**kw)
-    eos = set(cfg.get("eos_token_id") or []) if isinstance(cfg.get("eos_token_id"), list) else {
-        cfg.get("eos_token_id")
-    }  # fmt: skip
-    token = next(i for i in range(3, spec.vocab_size) if i not in eos)
-    runner = CostModelRunner(target.profile, clock, token)
-    engine = LLMEngine(config, runner=runner, clock=clock)
+    runner = CostModelRunner(target.profile, clock, token_id=0)
+    engine = LLMEngine(engine_config(**kw), runner=runner, clock=clock)
+    # The placeholder token: any id that is not an end of sequence.
+    runner.token_id = next(i for i in range(3, spec.vocab_size) if i not in engine.eos_token_ids)
     dtype = str(engine.dtype).removeprefix("torch.")
     shape = ModelShape.from_arch(
         spec, engine.kv_cache_dtype, dtype, bool(cfg.get("tie_word_embeddings")), target.tp
@@ -221,7 +218,8 @@ def build_engine(target: SimTarget) -> SimEngine:
 
 
 def token_counter(target: SimTarget) -> tuple[Callable[[str], int], int]:
-    """(token counter, max model length) the workload generator needs, without an engine."""
+    """(token counter, max model length) the workload generator needs, from a simulated
+    engine built for the purpose (its tokenizer, or the hashed one)."""
     sim = build_engine(target)
     return (lambda s: len(sim.encode(s))), sim.engine.max_model_len
 
@@ -292,15 +290,20 @@ class _Replica:
         inflight: dict[str, int] = {}
         backlog: list[int] = []  # arrived, waiting for an in-flight slot
         idle_steps = 0
+
+        def send(i: int, when: float) -> None:
+            if not self._send(i, when, requests, records, inflight) and sends is None and queued:
+                heapq.heappush(due, (when, queued.pop()))  # refused: the user sends the next
+
         while due or backlog or inflight:
             while backlog and len(inflight) < cap:  # a slot freed at the last step's end
-                self._send(backlog.pop(0), clock.now, requests, records, inflight)
+                send(backlog.pop(0), clock.now)
             while due and due[0][0] <= clock.now:
                 # Sent at its time, while the engine was busy: it waits for the step to end,
                 # as the bench's request waits in the engine thread's inbox.
                 when, i = heapq.heappop(due)
                 if len(inflight) < cap:
-                    self._send(i, when, requests, records, inflight)
+                    send(i, when)
                 else:
                     backlog.append(i)
             if not core.has_unfinished_requests():
@@ -355,15 +358,17 @@ class _Replica:
         requests: Sequence[BenchRequest],
         records: list[RequestRecord],
         inflight: dict[str, int],
-    ) -> None:
+    ) -> bool:
+        """Send request ``i``; False when the engine refused it at once (counted as done)."""
         rec = records[i]
         rec.send_time = when
         self._sent += 1
         rid = f"sim-{self._sent}"
         if self._add(rid, requests[i], rec):
             inflight[rid] = i
-        else:
-            self._done(rec)
+            return True
+        self._done(rec)
+        return False
 
     def _sample(self, eng: LLMEngine) -> None:
         if self.sim.clock.now >= self._next_sample:
