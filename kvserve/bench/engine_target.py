@@ -218,8 +218,4 @@ def _fill(rec: RequestRecord, out: Any) -> None:
     if co.finish_reason == "abort" or not m.token_times:
         rec.fail("aborted", "the engine aborted the request")
         return
-    times = m.token_times
-    rec.ttft = times[0] - rec.send_time
-    rec.e2e = times[-1] - rec.send_time
-    rec.itl = [b - a for a, b in zip(times, times[1:], strict=False)]
-    rec.success = True
+    rec.succeed(m.token_times)

@@ -61,6 +61,14 @@ class RequestRecord:
             return None
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
+    def succeed(self, token_times: list[float]) -> None:
+        """Latencies from the times each output token was produced (same clock as
+        ``send_time``)."""
+        self.ttft = token_times[0] - self.send_time
+        self.e2e = token_times[-1] - self.send_time
+        self.itl = [b - a for a, b in zip(token_times, token_times[1:], strict=False)]
+        self.success = True
+
     def fail(self, reason: str, detail: str | None = None) -> RequestRecord:
         self.success, self.reason, self.detail = False, reason, detail
         return self

@@ -394,11 +394,7 @@ def _fill(rec: RequestRecord, r: Any) -> None:
     if not m.token_times:
         rec.fail("aborted", f"finished as {r.status.value} without a token")
         return
-    times = m.token_times
-    rec.ttft = times[0] - rec.send_time
-    rec.e2e = times[-1] - rec.send_time
-    rec.itl = [b - a for a, b in zip(times, times[1:], strict=False)]
-    rec.success = True
+    rec.succeed(m.token_times)
 
 
 def simulate_load(
