@@ -188,3 +188,20 @@ def test_cli_simulate_writes_a_bench_report(capsys, tmp_path, llama8b):
     assert s["simulation"]["notes"] == [
         "no tokenizer.json beside the config: one token per word (hashed ids)"
     ]
+
+
+def test_cli_simulate_sweep_runs_one_point_per_rate(capsys, tmp_path, llama8b):
+    code, out, _ = cli(
+        capsys, "simulate", "--model", llama8b, "--gpu", "h100-sxm", "--workload", "chat",
+        "--num-prompts", "40", "--sweep", "rate=2,50", "--no-progress", "--output-dir",
+        str(tmp_path), "--label", "w",
+    )  # fmt: skip
+    assert code == 0 and "rate=50 / rate=2" in out
+    data = json.loads((tmp_path / "w.json").read_text())
+    low, high = data["sweep"]
+    assert (low["sweep_value"], high["sweep_value"]) == (2.0, 50.0)
+    assert low["completed"] == high["completed"] == 40
+    # 40 requests at 2/s take ~20 s; at 50/s under a second, and they queue more
+    assert low["duration_s"] > 10 * high["duration_s"]
+    assert high["ttft_ms"]["p99"] >= low["ttft_ms"]["p99"]
+    assert (tmp_path / "w-sweep.png").exists()

@@ -131,21 +131,28 @@ def _calibrate(args: argparse.Namespace, kw: dict[str, Any]) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    """One simulated run (or one per --sweep value, each its own draw of the workload as in
+    bench); prints bench's table, writes JSON, Markdown and plots under --output-dir."""
     from kvserve.bench.metrics import parse_slo, server_summary, summarize
-    from kvserve.bench.report import console_table, markdown, write_json
-    from kvserve.bench.runner import LoadSpec, Progress
+    from kvserve.bench.report import (
+        compare_table,
+        console_table,
+        markdown,
+        plot_latency_cdf,
+        plot_sweep,
+        write_json,
+    )
+    from kvserve.bench.runner import Progress
     from kvserve.bench.workloads import make_workload
     from kvserve.sim.simulate import simulate_load, token_counter
 
     kw = sim_engine_kwargs(args)
     if args.calibrate:
         return _calibrate(args, kw)
-    if args.sweep:
-        raise ValueError("sweep: kvserve simulate runs one load point per call (planned)")
     slo = parse_slo(args.slo)
     target = sim_target(args, kw)
     count, max_len = token_counter(target)
-    reqs = make_workload(workload_spec(args, args.seed, max_len), count)
+    loads, sweep_label = load_points(args)
     warm = (
         make_workload(
             replace(workload_spec(args, args.seed + 7919, max_len), num_prompts=args.warmup),
@@ -154,51 +161,78 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if args.warmup > 0
         else None
     )
-    load = LoadSpec(args.request_rate, args.burstiness, args.concurrency)
-    bar = Progress(len(reqs), f"simulate {load.describe()}", enabled=not args.no_progress)
-    t0 = time.perf_counter()
-    res, sims = simulate_load(
-        target, reqs, load, args.seed, warm, args.temperature, 0.5,
-        progress=lambda ok: bar.update(ok),
-    )  # fmt: skip
-    wall = time.perf_counter() - t0
     gpus = target.gpus if target.gpu is not None else args.gpus
-    s = summarize(res.records, res.duration, slo, args.gpu_hour_cost, gpus)
-    s["server"] = server_summary(res.before, res.after, res.samples)
-    sim = sims[0]
-    s["target"] = (
-        f"simulated {Path(kw['model']).name} on {target.profile.device}"
-        + (f" (pool of {target.gpu.name})" if target.gpu else "")
-        + f", tp {target.tp}, {target.replicas} replica(s), {sim.num_blocks} blocks each"
-    )
-    s["load"] = load.describe()
-    s["seed"] = args.seed
-    s["simulation"] = {
-        "profile": target.profile.to_json(),
-        "gpu": target.gpu.key if target.gpu else None,
-        "tp": target.tp,
-        "replicas": target.replicas,
-        "num_blocks": sim.num_blocks,
-        "steps": sum(x.runner.steps for x in sims),
-        "busy_s": sum(x.runner.busy_s for x in sims),
-        "wall_s": wall,
-        "notes": sim.notes,
-    }
     label = args.label or f"{Path(args.workload).stem}-sim-{time.strftime('%Y%m%d-%H%M%S')}"
-    s.update(label=label, workload=args.workload, num_prompts=args.num_prompts)
-    print(console_table(s))
-    for note in sim.notes:
-        print(f"note: {note}", file=sys.stderr)
+    points, notes = [], []
+    for i, load in enumerate(loads):
+        reqs = make_workload(workload_spec(args, args.seed + i, max_len), count)
+        bar = Progress(len(reqs), f"simulate {load.describe()}", enabled=not args.no_progress)
+        t0 = time.perf_counter()
+        res, sims = simulate_load(
+            target, reqs, load, args.seed + i, warm if i == 0 else None, args.temperature,
+            0.5, progress=lambda ok, bar=bar: bar.update(ok),
+        )  # fmt: skip
+        wall = time.perf_counter() - t0
+        s = summarize(res.records, res.duration, slo, args.gpu_hour_cost, gpus)
+        s["server"] = server_summary(res.before, res.after, res.samples)
+        sim = sims[0]
+        notes = sim.notes
+        s["target"] = (
+            f"simulated {Path(kw['model']).name} on {target.profile.device}"
+            + (f" (pool of {target.gpu.name})" if target.gpu else "")
+            + f", tp {target.tp}, {target.replicas} replica(s), {sim.num_blocks} blocks each"
+        )
+        s["load"] = load.describe()
+        s["seed"] = args.seed + i
+        s["simulation"] = {
+            "profile": target.profile.to_json(),
+            "gpu": target.gpu.key if target.gpu else None,
+            "tp": target.tp,
+            "replicas": target.replicas,
+            "num_blocks": sim.num_blocks,
+            "steps": sum(x.runner.steps for x in sims),
+            "busy_s": sum(x.runner.busy_s for x in sims),
+            "wall_s": wall,
+            "notes": sim.notes,
+        }
+        s.update(label=label, workload=args.workload, num_prompts=args.num_prompts)
+        if sweep_label is not None:
+            s["sweep_value"] = load.concurrency if sweep_label == "concurrency" else (
+                load.request_rate
+            )  # fmt: skip
+        points.append((s, res.records, wall))
     out_dir = Path(args.output_dir)
-    json_path = write_json(
-        out_dir / f"{label}.json",
-        {"summary": s, "records": [r.to_dict() for r in res.records]},
-    )
+    plots: list[str] = []
+    if sweep_label is None:
+        s, records, wall = points[0]
+        print(console_table(s))
+        payload: dict[str, Any] = {"summary": s, "records": [r.to_dict() for r in records]}
+        if not args.no_plots:
+            png = plot_latency_cdf({label: records}, out_dir / f"{label}-latency.png")
+            plots += [str(png)] if png else []
+        final: dict[str, Any] = s
+    else:
+        sums = [p[0] for p in points]
+        short = "rate" if sweep_label.startswith("request rate") else "concurrency"
+        print(compare_table([(f"{short}={x['sweep_value']:g}", x) for x in sums]))
+        payload = {"sweep": sums, "sweep_by": sweep_label,
+                   "records": [[r.to_dict() for r in p[1]] for p in points]}  # fmt: skip
+        if not args.no_plots:
+            png = plot_sweep(sums, sweep_label, out_dir / f"{label}-sweep.png")
+            plots += [str(png)] if png else []
+        final = {"label": label, "sweep_by": sweep_label, "sweep": sums}
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    json_path = write_json(out_dir / f"{label}.json", payload)
     md_path = out_dir / f"{label}.md"
-    md_path.write_text(markdown(s, None))
-    print(f"simulated {len(reqs)} requests in {wall:.1f}s; wrote {json_path}, {md_path}")
+    md_path.write_text("\n\n".join(markdown(p[0], plots if i == 0 else None)
+                                    for i, p in enumerate(points)))  # fmt: skip
+    n = sum(len(p[1]) for p in points)
+    took = sum(p[2] for p in points)
+    print(f"simulated {n} requests in {took:.1f}s; wrote {json_path}, {md_path}"
+          + "".join(f", {x}" for x in plots))  # fmt: skip
     if args.json:
-        print(json.dumps(s, default=str))
+        print(json.dumps(final, default=str))
     return 0
 
 
