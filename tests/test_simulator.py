@@ -378,3 +378,20 @@ def test_closed_loop_keeps_its_users_busy_and_counts_a_refused_request():
     sends = sorted(r.send_time for r in ok)
     assert sends[:2] == [0.0, 0.0]
     assert all(any(abs(s - e) < 1e-9 for e in ends) for s in sends[2:])
+
+
+def test_gpu_pool_follows_the_compute_dtype_as_the_engine_does():
+    """A float32 checkpoint run in bfloat16 stores bfloat16 KV ("auto"): the pool is what
+    `kvserve plan --dtype bfloat16 --kv-cache-dtype bfloat16` counts, twice the float32 one."""
+    from kvserve.plan.capacity import load_arch
+
+    gpu = get_gpu("custom:2:1:100")
+    spec = load_arch(default_model())
+    assert spec.torch_dtype == "float32"
+    sim = build_engine(SimTarget(dict(model=default_model(), dtype="bfloat16"),
+                                 gpu_profile(gpu), gpu))  # fmt: skip
+    want = capacity(spec, "bfloat16", gpu.memory_bytes, 4096, weight_dtype="bfloat16")
+    assert sim.engine.kv_cache_dtype == "bfloat16"
+    assert sim.num_blocks == want.num_blocks
+    f32 = capacity(spec, "float32", gpu.memory_bytes, 4096, weight_dtype="float32")
+    assert sim.num_blocks > 1.9 * f32.num_blocks

@@ -178,7 +178,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         sim = sims[0]
         notes = sim.notes
         s["target"] = (
-            f"simulated {Path(kw['model']).name} on {target.profile.device}"
+            f"simulated {Path(args.model or kw['model']).name} on {target.profile.device}"
             + (f" (pool of {target.gpu.name})" if target.gpu else "")
             + f", tp {target.tp}, {target.replicas} replica(s), {sim.num_blocks} blocks each"
         )

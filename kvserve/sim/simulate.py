@@ -179,9 +179,10 @@ def build_engine(target: SimTarget) -> SimEngine:
         and not kw.get("kv_cache_memory")
     ):
         # The pool a GPU holds, exactly as `kvserve plan` counts it.
-        fmt = kw.get("kv_cache_dtype") or "auto"
-        fmt = spec.kv_dtype_auto if fmt == "auto" else fmt
+        # KV "auto" follows the compute dtype, as in the engine: --dtype when given.
         wdt = None if kw.get("dtype") in (None, "auto") else kw["dtype"]
+        fmt = kw.get("kv_cache_dtype") or "auto"
+        fmt = (wdt or spec.kv_dtype_auto) if fmt == "auto" else fmt
         cap = capacity(
             spec, fmt, target.gpu.memory_bytes, spec.max_position_embeddings, 1, target.tp,
             target.gpu_memory_utilization, kw.get("block_size", 16), wdt,
