@@ -373,6 +373,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
     print(f"\nbest: {best.label(res.baseline)}: ${best.usd_per_million_useful:.4g} per million "
           f"useful output tokens, {best.attainment:.0%} of requests within the SLO")  # fmt: skip
     print(serve_command(kw["model"], best.settings))
+    if best.settings.get("kv_retention") and not base.profile.per_solo_seq_s:
+        print("note: this profile has no measured cost for a retention policy's per-sequence "
+              "attention (calibrate with the policy on: kvserve simulate --calibrate "
+              "--kv-retention SPEC); the winner's time may be optimistic")  # fmt: skip
     print(f"wrote {', '.join(written)}")
     if args.json:
         best_json = {"best": best.settings, "usd_per_million_useful": best.usd_per_million_useful}

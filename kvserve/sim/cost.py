@@ -42,7 +42,7 @@ UNSEEN = 1e6
 PHYSICAL = ("prefill_attention", "decode_kv")
 SECONDS_FIELDS = (
     "step_overhead_s", "per_seq_s", "per_prefill_seq_s", "prefill_step_s",
-    "per_new_prompt_token_s", "per_token_s",
+    "per_new_prompt_token_s", "per_solo_seq_s", "per_token_s",
     "per_sampled_row_s", "first_touch_s_per_byte",
 )  # fmt: skip
 EFFICIENCY_FIELDS = (
@@ -123,6 +123,7 @@ class StepFeatures:
     allreduce_bytes: float = 0.0
     first_touch_bytes: float = 0.0  # pool blocks written for the first time
     new_prompt_tokens: int = 0  # prompts scheduled for the first time (hashed, set up)
+    solo_seqs: int = 0  # attended on their own (sinks, a compaction's scoring, H2O's mass)
 
     def as_tuple(self) -> tuple[float, ...]:
         return tuple(getattr(self, f.name) for f in fields(self))
@@ -164,6 +165,7 @@ def step_features(
         cached = s.num_cached
         end = cached + n
         f.seqs += 1
+        f.solo_seqs += s.per_sequence
         f.tokens += n
         f.sampled_rows += len(s.sample_ids) + s.num_prompt_logit_rows
         own = s.window + s.sinks if s.window else None
@@ -215,6 +217,9 @@ class Profile:
     per_prefill_seq_s: float = 0.0
     prefill_step_s: float = 0.0  # once per step that computes any prompt chunk
     per_new_prompt_token_s: float = 0.0  # a request's first step: its prompt's block hashes
+    # A sequence a retention policy attends on its own, outside the fused kernel's batch; 0
+    # until a calibration that ran a retention policy measures it.
+    per_solo_seq_s: float = 0.0
     per_token_s: float = 0.0
     per_sampled_row_s: float = 0.0
     gemm_efficiency: float = 0.5
@@ -239,6 +244,7 @@ class Profile:
             + self.per_prefill_seq_s * f.prefill_seqs
             + (self.prefill_step_s if f.prefill_seqs else 0.0)
             + self.per_new_prompt_token_s * f.new_prompt_tokens
+            + self.per_solo_seq_s * f.solo_seqs
             + self.per_token_s * f.tokens
             + self.per_sampled_row_s * f.sampled_rows
         )
@@ -408,6 +414,7 @@ def fit_profile(
         "per_prefill_seq_s": np.array([f.prefill_seqs for f in feats], dtype=np.float64),
         "prefill_step_s": np.array([1.0 if f.prefill_seqs else 0.0 for f in feats]),
         "per_new_prompt_token_s": np.array([f.new_prompt_tokens for f in feats], dtype=float),
+        "per_solo_seq_s": np.array([f.solo_seqs for f in feats], dtype=float),
         "per_token_s": np.array([f.tokens for f in feats], dtype=np.float64),
         "per_sampled_row_s": np.array([f.sampled_rows for f in feats], dtype=np.float64),
         "prefill_attention": np.array([f.prefill_attention_flops for f in feats]) / P,
@@ -443,6 +450,8 @@ def fit_profile(
     p.per_prefill_seq_s = float(coef.get("per_prefill_seq_s", 0.0))
     p.prefill_step_s = float(coef.get("prefill_step_s", 0.0))
     p.per_new_prompt_token_s = float(coef.get("per_new_prompt_token_s", 0.0))
+    if "per_solo_seq_s" in used:  # measured only when the calibration ran a retention policy
+        p.per_solo_seq_s = float(coef["per_solo_seq_s"])
     p.per_token_s = float(coef.get("per_token_s", 0.0))
     p.per_sampled_row_s = float(coef.get("per_sampled_row_s", 0.0))
     p.first_touch_s_per_byte = float(coef.get("first_touch_s_per_byte", 0.0))
