@@ -172,3 +172,17 @@ def test_parse_prometheus_prefixes_labels_and_aliases():
     assert m["kv_cache_usage_perc"] == 0.25
     assert m["time_to_first_token_seconds_count"] == 9
     assert not any(k.endswith("_bucket") for k in m)
+
+
+def test_record_to_dict_is_asdict_plus_tpot():
+    from dataclasses import asdict
+
+    from kvserve.bench.metrics import RequestRecord
+
+    r = RequestRecord(3, "chat", "chat/0", 10, 4, send_time=0.5, prompt_tokens=10)
+    r.output_tokens, r.output_token_ids = 3, [5, 6, 7]
+    r.succeed([1.0, 1.25, 1.75])
+    d = r.to_dict()
+    assert d == {**asdict(r), "tpot": 0.375}
+    d["itl"].append(9.0)
+    assert r.itl == [0.25, 0.5]  # a copy, as asdict gives

@@ -195,6 +195,8 @@ def test_hash_tokenizer_keeps_shared_prefixes():
     a, b = tok.encode("The cache block, the model."), tok.encode("The cache block, the end")
     assert a[:4] == b[:4] and len(a) == 7 and all(3 <= t < 1000 for t in a)
     assert HashTokenizer(1000).encode("The cache block") == a[:3]  # stable across instances
+    for text in ("", "a, b; c.", "The cache block, the model.\nUser: hi", "x" * 50 + " y"):
+        assert tok.count(text) == len(tok.encode(text))
 
 
 # -- the real scheduler ----------------------------------------------------------------------

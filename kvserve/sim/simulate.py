@@ -103,6 +103,10 @@ class HashTokenizer:
             out.append(tid)
         return out or [3]
 
+    def count(self, text: str) -> int:
+        """len(encode(text)) without hashing anything."""
+        return max(1, len(self._PIECES.findall(text)))
+
 
 @dataclass(slots=True)
 class SimTarget:
@@ -222,7 +226,11 @@ def token_counter(target: SimTarget) -> tuple[Callable[[str], int], int]:
     """(token counter, max model length) the workload generator needs, from a simulated
     engine built for the purpose (its tokenizer, or the hashed one)."""
     sim = build_engine(target)
-    return (lambda s: len(sim.encode(s))), sim.engine.max_model_len
+    encode = sim.encode
+    tok = getattr(encode, "__self__", None)
+    if isinstance(tok, HashTokenizer):
+        return tok.count, sim.engine.max_model_len
+    return (lambda s: len(encode(s))), sim.engine.max_model_len
 
 
 class _Replica:
