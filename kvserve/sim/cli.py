@@ -82,6 +82,12 @@ def sim_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kw
 
 
+def model_name(given: str | None, resolved: str) -> str:
+    """The model as the user named it: a name, a directory's name, a config's directory."""
+    p = Path(given or resolved)
+    return p.parent.name if p.suffix == ".json" else p.name
+
+
 def sim_target(args: argparse.Namespace, kw: dict[str, Any]) -> Any:
     from kvserve.plan.gpus import get_gpu
     from kvserve.sim.cost import Profile, gpu_profile
@@ -178,7 +184,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         sim = sims[0]
         notes = sim.notes
         s["target"] = (
-            f"simulated {Path(args.model or kw['model']).name} on {target.profile.device}"
+            f"simulated {model_name(args.model, kw['model'])} on {target.profile.device}"
             + (f" (pool of {target.gpu.name})" if target.gpu else "")
             + f", tp {target.tp}, {target.replicas} replica(s), {sim.num_blocks} blocks each"
         )
