@@ -397,3 +397,30 @@ def test_gpu_pool_follows_the_compute_dtype_as_the_engine_does():
     assert sim.num_blocks == want.num_blocks
     f32 = capacity(spec, "float32", gpu.memory_bytes, 4096, weight_dtype="float32")
     assert sim.num_blocks > 1.9 * f32.num_blocks
+
+
+def test_replicas_split_the_load_and_tp_splits_the_step(llama8b):
+    """Two replicas behind round-robin take half the requests each, so a prefill-bound trace
+    sent at once takes about half as long (a weight-bound decode would not: a bigger batch
+    costs a GPU almost nothing); tp=2 makes a decode step faster than tp=1 but not twice as
+    fast (the all-reduces and the step's fixed cost stay)."""
+    gpu = get_gpu("h100-sxm")
+    words = "the cache block model server request queue latency market price".split()
+    reqs = [BenchRequest(i, "doc", f"{i} " + " ".join(words) * 400, 2, 4000) for i in range(32)]
+    one, (e1,) = simulate_load(SimTarget(dict(model=llama8b), gpu_profile(gpu), gpu),
+                               reqs, LoadSpec(), 0)  # fmt: skip
+    two, sims = simulate_load(SimTarget(dict(model=llama8b), gpu_profile(gpu), gpu,
+                                        replicas=2), reqs, LoadSpec(), 0)  # fmt: skip
+    assert [len(s.engine.core.scheduler.requests) for s in sims] == [0, 0]
+    assert sum(s.runner.steps for s in sims) > e1.runner.steps
+    assert all(r.success for r in two.records) and len(two.records) == 32
+    assert 0.4 < two.duration / one.duration < 0.65
+    q = "prefix_cache_queries_total"
+    assert two.after[q] - two.before[q] == one.after[q] - one.before[q]  # fleet totals
+    decode = SchedulerOutput(seqs=[ScheduledSeq(f"r{i}", [1], 4096, 4096, list(range(257)),
+                                                (f"r{i}",)) for i in range(16)])  # fmt: skip
+    prof = gpu_profile(gpu)
+    t1 = prof.step_time(step_features(decode, shape_of(SEED_8B)), shape_of(SEED_8B))
+    s2 = shape_of(SEED_8B, tp=2)
+    t2 = prof.step_time(step_features(decode, s2), s2)
+    assert 0.5 * t1 < t2 < 0.8 * t1
