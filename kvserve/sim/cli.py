@@ -298,7 +298,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
     slo = parse_slo(args.slo)
     if args.gpu_hour_cost is None:
         raise ValueError("gpu_hour_cost: tune ranks by $ per useful token; give --gpu-hour-cost")
+    if args.sweep:
+        raise ValueError("sweep: tune searches one load; give --request-rate or --concurrency")
     space = parse_search(args.search)
+    given = {i.partition("=")[0].strip().replace("-", "_") for i in args.search or []}
+    for name in ("tp", "replicas"):  # --tp / --replicas pin their dimension unless searched
+        if getattr(args, name) != 1 and name not in given:
+            space[name] = (getattr(args, name),)
     gate = QualityGate.load(args.quality_report, kw["model"])
     base = sim_target(args, kw)
 
