@@ -122,13 +122,11 @@ def main() -> None:
     model = bench_model(args.model)
     base_kw = dict(model=model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory)
 
-    from kvserve.llm import LLM
-
-    probe = LLM(**base_kw).engine
-    tok, max_len = probe.tokenizer, probe.max_model_len
+    # Each calibration gets a fresh engine; the first one's tokenizer counts the workloads.
+    first_target = EngineTarget.from_kwargs(base_kw, temperature=0.0, ignore_eos=True)
+    tok, max_len = first_target.engine.tokenizer, first_target.engine.max_model_len
     assert tok is not None, "the benchmark models all carry a tokenizer"
     count = lambda s: len(tok.encode(s))  # noqa: E731
-    del probe
 
     def workload(name: str, n: int, seed: int, scale: float) -> list[Any]:
         spec = WorkloadSpec(name=name, num_prompts=n, seed=seed, length_scale=scale,
@@ -138,11 +136,12 @@ def main() -> None:
     warm = workload("mixed", 2, args.seed + 7919, 0.5)
     # Calibration: mixed all at once, then mixed at --load of the rate that saturates.
     cal_reqs = workload("mixed", args.calibration_prompts, args.seed, 0.5)
-    first, _, _ = calibrate(base_kw, [(cal_reqs, LoadSpec())], args.seed, warm)
+    first, _ = calibrate(first_target, [(cal_reqs, LoadSpec())], args.seed, warm)
     sat = sim_run(SimTarget(base_kw, first), cal_reqs, LoadSpec(), args.seed, warm)
     cal_rate = args.load * sat["request_throughput"]
     runs = [(cal_reqs, LoadSpec()), (cal_reqs, LoadSpec(cal_rate))]
-    profile, report, _ = calibrate(base_kw, runs, args.seed, warm)
+    second = EngineTarget.from_kwargs(base_kw, temperature=0.0, ignore_eos=True)
+    profile, report = calibrate(second, runs, args.seed, warm)
     print(
         f"calibrated on mixed, all at once and at {cal_rate:.1f} req/s ({report.steps} "
         f"steps): step error median "

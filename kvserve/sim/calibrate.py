@@ -60,27 +60,27 @@ def device_name(device: str = "cpu") -> str:
 
 
 def calibrate(
-    engine_kwargs: dict[str, Any],
+    target: EngineTarget,
     runs: list[tuple[list[BenchRequest], LoadSpec]],
     seed: int = 0,
     warmup: list[BenchRequest] | None = None,
-) -> tuple[Profile, FitReport, list[tuple[StepFeatures, float]]]:
-    """Run the real engine on each (requests, load) in turn, measure this device's peaks,
-    fit the factors to every step. Several loads of one workload (all at once, and an open
-    loop at a rate the engine sustains) show it both large batches and a busy stream of
-    small prefills beside decodes."""
+) -> tuple[Profile, FitReport]:
+    """Run the real engine behind ``target`` on each (requests, load) in turn, measure this
+    device's peaks, fit the factors to every step. The caller builds the target first, so
+    the workloads can be counted with its tokenizer without loading the model twice.
+    Several loads of one workload (all at once, and an open loop at a rate the engine
+    sustains) show it both large batches and a busy stream of small prefills beside decodes."""
     if not runs:
         raise ValueError("calibration: needs at least one (workload, load) run")
-    target = EngineTarget.from_kwargs(engine_kwargs, temperature=0.0, ignore_eos=True)
     eng = target.engine
-    model = str(engine_kwargs["model"])
+    model = str(eng.config.model)
     cfg, _ = load_config(model)
     spec = load_arch(model)
     dtype = str(eng.dtype).removeprefix("torch.")
     shape = ModelShape.from_arch(
         spec, eng.kv_cache_dtype, dtype, bool(cfg.get("tie_word_embeddings"))
     )
-    dev = str(engine_kwargs.get("device") or "cpu")
+    dev = str(eng.config.device)
     peak_flops = measure_gemm_peak(eng.dtype, spec.hidden_size, dev)
     peak_bw = measure_peak_bandwidth(torch.device(dev))
     base = Profile(
@@ -143,4 +143,4 @@ def calibrate(
         "total_time_error": report.total_time_error,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-    return profile, report, steps
+    return profile, report

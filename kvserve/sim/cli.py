@@ -71,15 +71,12 @@ def add_simulate_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
 
 def sim_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """Engine flags as ``LLM`` keyword arguments; a bare ``config.json`` is a model here."""
-    model = args.model
-    if model and Path(model).is_file() and model.endswith(".json"):
-        args = argparse.Namespace(**{**vars(args), "model": None})
-        kw = engine_kwargs(args)
-        kw["model"] = str(Path(model).parent)
-        return kw
-    kw = engine_kwargs(args)
-    kw["model"] = kw["model"] or default_model()
-    return kw
+    from kvserve.sim.simulate import model_dir_of
+
+    if not args.model:
+        return {**engine_kwargs(args), "model": default_model()}
+    # A bare config.json is no model name the resolver knows: resolve its directory.
+    return engine_kwargs(argparse.Namespace(**{**vars(args), "model": model_dir_of(args.model)}))
 
 
 def model_name(given: str | None, resolved: str) -> str:
@@ -107,15 +104,14 @@ def sim_target(args: argparse.Namespace, kw: dict[str, Any]) -> Any:
 
 
 def _calibrate(args: argparse.Namespace, kw: dict[str, Any]) -> int:
+    from kvserve.bench.engine_target import EngineTarget
     from kvserve.bench.workloads import make_workload
-    from kvserve.llm import LLM
     from kvserve.sim.calibrate import calibrate
 
-    probe = LLM(**kw).engine  # the tokenizer and context the real run uses
-    tok = probe.tokenizer
+    target = EngineTarget.from_kwargs(kw, temperature=0.0, ignore_eos=True)
+    tok = target.engine.tokenizer  # the real run's tokenizer and context count the workload
     count = (lambda s: len(tok.encode(s))) if tok else None
-    max_len = probe.max_model_len
-    del probe
+    max_len = target.engine.max_model_len
     loads, _ = load_points(args)  # --sweep rate=inf,8: one calibration run per load
     runs = [
         (make_workload(workload_spec(args, args.seed + i, max_len), count), load)
@@ -124,7 +120,7 @@ def _calibrate(args: argparse.Namespace, kw: dict[str, Any]) -> int:
     warm = make_workload(
         replace(workload_spec(args, args.seed + 7919, max_len), num_prompts=2), count
     )
-    profile, report, _ = calibrate(kw, runs, args.seed, warm)
+    profile, report = calibrate(target, runs, args.seed, warm)
     out = Path(args.profile_output or DEFAULT_SIM_DIR / "profile.json")
     profile.save(out)
     print(

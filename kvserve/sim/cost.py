@@ -125,9 +125,6 @@ class StepFeatures:
     new_prompt_tokens: int = 0  # prompts scheduled for the first time (hashed, set up)
     solo_seqs: int = 0  # attended on their own (sinks, a compaction's scoring, H2O's mass)
 
-    def as_tuple(self) -> tuple[float, ...]:
-        return tuple(getattr(self, f.name) for f in fields(self))
-
 
 def _attended(cached: int, n: int, window: int | None) -> float:
     """Sum over a chunk's tokens of the cache entries each attends to: token i sees
@@ -486,10 +483,3 @@ def fit_profile(
         knee_flops=knee * P,
     )
     return p, report
-
-
-def roofline_floor(f: StepFeatures, shape: ModelShape, gpu_flops: float, gpu_bw: float) -> float:
-    """The planner's bound for a step: max(FLOPs / peak, bytes / bandwidth), no overheads."""
-    flops = f.linear_flops + f.prefill_attention_flops
-    bytes_read = shape.weight_bytes + f.decode_kv_bytes
-    return max(flops / gpu_flops, bytes_read / gpu_bw)

@@ -63,7 +63,6 @@ class CostModelRunner:
         self.shape: ModelShape | None = None  # set once the engine has resolved its formats
         self.busy_s = 0.0
         self.steps = 0
-        self.trace: list[tuple[Any, float]] | None = None  # (features, seconds) when recording
         self.block_size = 16
         self.touched: set[int] | None = set()  # pool blocks written so far (first-touch cost)
 
@@ -74,8 +73,6 @@ class CostModelRunner:
         self.clock.advance(dt)
         self.busy_s += dt
         self.steps += 1
-        if self.trace is not None:
-            self.trace.append((f, dt))
         ids = [rid for s in scheduler_output.seqs for rid in s.sample_ids]
         return ModelRunnerOutput(ids, [self.token_id] * len(ids), [None] * len(ids))
 
@@ -316,6 +313,14 @@ class _Replica:
                 else:
                     backlog.append(i)
             if not core.has_unfinished_requests():
+                # Every finish comes back from a step; a family gone without one is a bug
+                # elsewhere, recorded rather than waited for (checked only when idle).
+                for fam in list(inflight):
+                    i = inflight.pop(fam)
+                    records[i].fail("lost", "the engine dropped the request without a result")
+                    self._done(records[i])
+                    if sends is None and queued:
+                        heapq.heappush(due, (clock.now, queued.pop()))
                 if due:
                     clock.now = max(clock.now, due[0][0])
                     continue
@@ -345,14 +350,6 @@ class _Replica:
                 _fill(records[i], r)
                 self._done(records[i])
                 if sends is None and queued:  # the user sends its next request now
-                    heapq.heappush(due, (clock.now, queued.pop()))
-            # Requests whose family finished without a step result (refused at arrival).
-            for fam in [f for f in inflight if f not in core.families]:
-                i = inflight.pop(fam)
-                if records[i].reason is None and not records[i].success:
-                    records[i].fail("refused (admission)", "admission control refused it")
-                self._done(records[i])
-                if sends is None and queued:
                     heapq.heappush(due, (clock.now, queued.pop()))
         return records
 

@@ -31,9 +31,20 @@ from kvserve.plan.capacity import PlanError
 from kvserve.sim.simulate import SimTarget, simulate_load
 
 DENSE = ("auto", "float32", "bfloat16", "float16")
+
+
+def _bool(s: str) -> bool:
+    v = s.strip().lower()
+    if v in ("1", "true", "on", "yes"):
+        return True
+    if v in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"search: expected on/off, got {s!r}")
+
+
 # name -> (type, default values); the first value is where the search starts.
 DIMENSIONS: dict[str, tuple[Callable[[str], Any], tuple[Any, ...]]] = {
-    "enable_prefix_caching": (lambda s: _bool(s), (True, False)),
+    "enable_prefix_caching": (_bool, (True, False)),
     "kv_cache_dtype": (str, ("auto", "fp8_e4m3", "int8", "kivi4")),
     "kv_retention": (lambda s: None if s.lower() in ("none", "off", "") else s, (None,)),
     "block_size": (int, (16, 32)),
@@ -44,15 +55,6 @@ DIMENSIONS: dict[str, tuple[Callable[[str], Any], tuple[Any, ...]]] = {
     "tp": (int, (1, 2)),
 }
 TARGET_KEYS = ("replicas", "tp")  # the others are engine flags
-
-
-def _bool(s: str) -> bool:
-    v = s.strip().lower()
-    if v in ("1", "true", "on", "yes"):
-        return True
-    if v in ("0", "false", "off", "no"):
-        return False
-    raise ValueError(f"search: expected on/off, got {s!r}")
 
 
 def parse_search(items: list[str] | None) -> dict[str, tuple[Any, ...]]:
