@@ -146,3 +146,57 @@ def test_per_sequence_retention_windows_match_naive_attention(dtype):
             sl = slice(starts[i], starts[i] + q_len)
             ref = reference_attention(q[sl], keys, vals, torch.arange(ctx, n), eff)
             torch.testing.assert_close(out[sl], ref.to(out.dtype), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kv_heads, heads", [(2, 4), (4, 8), (3, 9)])
+@pytest.mark.parametrize("bs, d", [(16, 64), (32, 128)])
+@pytest.mark.parametrize("num_seqs", [3, 40])  # few tasks (heads split) and many (grouped)
+def test_bf16_queries_over_bf16_cache_match_naive_attention(kv_heads, heads, bs, d, num_seqs):
+    """A bf16 model's path: bf16 queries and cache, bf16 output written by the kernel (its
+    CPU bf16 dot products where the CPU has them). Decode rows, chunks that cross blocks and
+    tiles, layer and retention windows, against naive float32 attention of the same values."""
+    from types import SimpleNamespace
+
+    torch.manual_seed(4)
+    nblocks = 512
+    storage = DenseKVStorage(1, nblocks, bs, kv_heads, d, torch.bfloat16)
+    storage.k[0].normal_()
+    storage.v[0].normal_()
+    g = torch.Generator().manual_seed(5)
+    seqs = []  # (q_len, ctx_len, retention window)
+    for i in range(num_seqs):
+        q_len = 1 if i % 3 else int(torch.randint(2, 21, (1,), generator=g))
+        ctx = int(torch.randint(0, 150, (1,), generator=g))
+        seqs.append((q_len, ctx, 0 if i % 4 else int(torch.randint(1, 40, (1,), generator=g))))
+    perm = torch.randperm(nblocks).tolist()
+    tables, starts, row = [], [], 0
+    for q_len, ctx, _ in seqs:
+        nb = -(-(ctx + q_len) // bs)
+        tables.append(perm[:nb])
+        perm = perm[nb:]
+        starts.append(row)
+        row += q_len
+    width = max(map(len, tables))
+    bt = torch.tensor([t + [nblocks] * (width - len(t)) for t in tables])
+    group = SimpleNamespace(
+        num_rows=row,
+        q_start=torch.tensor(starts),
+        q_len=torch.tensor([s[0] for s in seqs]),
+        ctx_len=torch.tensor([s[1] for s in seqs]),
+        block_tables=bt,
+        windows=torch.tensor([s[2] for s in seqs], dtype=torch.int32),
+    )
+    q = torch.randn(row, heads, d).to(torch.bfloat16)
+    for layer_window in (None, 23):
+        out = torch.full((row, heads, d), float("nan"), dtype=torch.bfloat16)
+        kernels.paged_attention(q, storage.k[0], storage.v[0], group, layer_window, out)
+        for i, (q_len, ctx, w) in enumerate(seqs):
+            keys, vals = storage.gather(0, bt[i : i + 1])
+            n = ctx + q_len
+            keys = keys[0, :, :n].transpose(0, 1).float()
+            vals = vals[0, :, :n].transpose(0, 1).float()
+            eff = min(x for x in (layer_window, w or None) if x) if (layer_window or w) else None
+            sl = slice(starts[i], starts[i] + q_len)
+            ref = reference_attention(q[sl].float(), keys, vals, torch.arange(ctx, n), eff)
+            # bf16 output: within its rounding (2^-8 relative) of the float32 reference
+            torch.testing.assert_close(out[sl].float(), ref, atol=1e-2, rtol=8e-3)

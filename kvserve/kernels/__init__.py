@@ -31,10 +31,25 @@ _SRC = Path(__file__).with_name("paged_attention.c")
 # compilation only (see build_library).
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c11"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_IO_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # queries and output
 
 
 def _cache_dir() -> Path:
     return user_cache_dir() / "kernels"
+
+
+def _cpu_features() -> bytes:
+    """The CPU's feature flags as the kernel reports them (Linux), or its name elsewhere."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"flags"):
+                    return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor().encode()
 
 
 def build_library(src: Path, flags: list[str], what: str) -> ctypes.CDLL | None:
@@ -50,7 +65,10 @@ def build_library(src: Path, flags: list[str], what: str) -> ctypes.CDLL | None:
         log.warning("no C compiler found: %s uses its PyTorch reference", what)
         return None
     headers = b"".join(p.read_bytes() for p in sorted(src.parent.glob("*.h")))
-    key = hashlib.sha256(src.read_bytes() + headers + " ".join([cc, *flags]).encode())
+    # -march=native code is for this CPU only: its features are part of the key, so a cache
+    # directory shared with another machine never hands it an instruction it lacks.
+    key = hashlib.sha256(src.read_bytes() + headers + " ".join([cc, *flags]).encode()
+                         + _cpu_features())  # fmt: skip
     key = key.hexdigest()[:16]
     out = _cache_dir() / f"{src.stem}-{key}.so"
     if not out.exists():
@@ -112,7 +130,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.restype = ctypes.c_int
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     fn.argtypes = [p, p, p, p, i64, p, p, p, p, p, i32, i32, i32, i32, i32, i32,
-                   ctypes.c_float, i32, i32]  # fmt: skip
+                   ctypes.c_float, i32, i32, i32, i32]  # fmt: skip
 
 
 _LIB = NativeLibrary(_SRC, _FLAGS, "paged attention", _declare)
@@ -147,9 +165,11 @@ def paged_attention(
     n = group.num_rows
     _, h, d = q.shape
     _, kvh, bs, _ = k_cache.shape
-    qf = q[:n].float().contiguous()
-    direct = out.dtype == torch.float32 and out.is_contiguous()
-    dst = out if direct else torch.empty_like(qf)
+    # bf16 queries go in as they are (the kernel's bf16 dot products need them exact);
+    # anything else as float32. The output is written in float32 or bf16 directly.
+    qf = q[:n].contiguous() if q.dtype == torch.bfloat16 else q[:n].float().contiguous()
+    direct = out.dtype in _IO_DTYPES and out.is_contiguous()
+    dst = out if direct else torch.empty(qf.shape, dtype=torch.float32)
     bt = group.block_tables.contiguous()
     wins = getattr(group, "windows", None)
     wins = None if wins is None else wins.to(torch.int32).contiguous()
@@ -173,6 +193,8 @@ def paged_attention(
         d**-0.5,
         _DTYPES[k_cache.dtype],
         torch.get_num_threads(),
+        _IO_DTYPES[qf.dtype],
+        _IO_DTYPES[dst.dtype],
     )
     if rc != 0:
         raise RuntimeError(f"paged attention kernel failed (code {rc}) for q={tuple(q.shape)}")

@@ -14,6 +14,16 @@ static inline float bf16_to_f32(uint16_t h) {
     return f;
 }
 
+/* float32 -> bfloat16, round to nearest even (PyTorch's conversion; NaN stays NaN). Written
+ * without branches so that loops over it vectorise. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint32_t rounded = (u + 0x7fff + ((u >> 16) & 1)) >> 16;
+    const uint32_t nan = (u >> 16) | 0x40;
+    return (uint16_t)((u & 0x7fffffff) > 0x7f800000 ? nan : rounded);
+}
+
 static inline float f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
     if (exp == 0) {

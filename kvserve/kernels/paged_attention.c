@@ -155,17 +155,145 @@ static inline __attribute__((always_inline)) void attend_block_avx512(
 #define HAVE_AVX512_PATH 1
 #endif
 
-int kvserve_paged_attention(const float *q, const void *k_cache, const void *v_cache,
+#if defined(__AVX512BF16__)
+/* The bfloat16 cache with bfloat16 queries (a bf16 model): attend_block's work with the
+ * CPU's bf16 dot products. Scores take two `vdpbf16ps` per key for D = 64 straight from the
+ * cache (products are exact in float32, so only the summation order differs from the float32
+ * path); the value pass converts each cached row once and reuses it for RG query rows held in
+ * registers (the G heads of a GQA group share every row). Profiling the float32 path on a
+ * 2-core AMX Xeon showed it compute-bound at well under half the read bandwidth: the bf16 ->
+ * float32 conversions of K and V, repeated for every query row, were most of its work. */
+static inline __attribute__((always_inline)) void scores_bf16(
+    const uint16_t *restrict qb, const uint16_t *restrict kraw, float *restrict sr, const int D,
+    const int lo, const int hi, const float scale) {
+    enum { MAXQ = 4 }; /* up to D = 128 */
+    const int nq = D / 32;
+    __m512bh q[MAXQ];
+    for (int j = 0; j < nq; j++) q[j] = (__m512bh)_mm512_loadu_si512(qb + 32 * j);
+    const __m512 sc = _mm512_set1_ps(scale);
+    int t = lo;
+    for (; t + 16 <= hi; t += 16) {
+        __m512 a[16];
+        for (int i = 0; i < 16; i++) {
+            const uint16_t *kr = kraw + (int64_t)(t + i) * D;
+            a[i] = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], (__m512bh)_mm512_loadu_si512(kr));
+            for (int j = 1; j < nq; j++)
+                a[i] = _mm512_dpbf16_ps(a[i], q[j], (__m512bh)_mm512_loadu_si512(kr + 32 * j));
+        }
+        _mm512_storeu_ps(sr + t, _mm512_mul_ps(hsum16(a), sc));
+    }
+    for (; t < hi; t++) {
+        const uint16_t *kr = kraw + (int64_t)t * D;
+        __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], (__m512bh)_mm512_loadu_si512(kr));
+        for (int j = 1; j < nq; j++)
+            a = _mm512_dpbf16_ps(a, q[j], (__m512bh)_mm512_loadu_si512(kr + 32 * j));
+        sr[t] = _mm512_reduce_add_ps(a) * scale;
+    }
+}
+
+/* acc[g] = acc[g] * corr[g] + sum_t p[g][t] v[t] for NR rows (a constant), keys [lo, hi);
+ * each row's weights outside its own range are zero. */
+static inline __attribute__((always_inline)) void values_bf16(
+    const uint16_t *restrict vraw, const float *restrict s, float *restrict acc,
+    const float *restrict corr, const int NR, const int D, const int bs, const int lo,
+    const int hi) {
+    enum { MAXV = 8 };
+    const int nv = D / 16;
+    __m512 o[4][MAXV];
+    for (int g = 0; g < NR; g++) {
+        const __m512 c = _mm512_set1_ps(corr[g]);
+        for (int j = 0; j < nv; j++) o[g][j] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + 16 * j), c);
+    }
+    for (int t = lo; t < hi; t++) {
+        __m512 v[MAXV];
+        for (int j = 0; j < nv; j++) v[j] = load16(vraw, (int64_t)t * D + 16 * j, DT_BF16);
+        for (int g = 0; g < NR; g++) {
+            const __m512 p = _mm512_set1_ps(s[g * bs + t]);
+            for (int j = 0; j < nv; j++) o[g][j] = _mm512_fmadd_ps(p, v[j], o[g][j]);
+        }
+    }
+    for (int g = 0; g < NR; g++)
+        for (int j = 0; j < nv; j++) _mm512_storeu_ps(acc + g * D + 16 * j, o[g][j]);
+}
+
+static inline __attribute__((always_inline)) void attend_block_bf16(
+    const uint16_t *restrict qb, const uint16_t *kraw, const uint16_t *vraw, float *restrict s,
+    float *restrict acc, float *restrict m, float *restrict l, const int64_t *restrict qpos,
+    const int R, const int D, const int bs, const int lo, const int hi, const int64_t t0,
+    const int window, const float scale) {
+    for (int r = 0; r < R; r++) scores_bf16(qb + r * D, kraw, s + r * bs, D, lo, hi, scale);
+    const int RG = D <= 64 ? 4 : 2; /* rows whose accumulators fit in registers together */
+    for (int r0 = 0; r0 < R; r0 += RG) {
+        const int nr = R - r0 < RG ? R - r0 : RG;
+        float corr[4];
+        int ulo = hi, uhi = lo;
+        for (int g = 0; g < nr; g++) {
+            const int r = r0 + g;
+            float *restrict sr = s + r * bs;
+            int vlo, vhi;
+            corr[g] = softmax_update(sr, lo, hi, qpos[r], t0, window, &m[r], &l[r], &vlo, &vhi);
+            if (vhi <= vlo) vlo = vhi = lo;
+            for (int t = lo; t < vlo; t++) sr[t] = 0.f; /* the union range reads them */
+            for (int t = vhi; t < hi; t++) sr[t] = 0.f;
+            ulo = vlo < ulo && vhi > vlo ? vlo : ulo;
+            uhi = vhi > uhi ? vhi : uhi;
+        }
+        if (uhi <= ulo) { /* nothing visible: only the rescale */
+            for (int g = 0; g < nr; g++)
+                for (int d = 0; d < D; d++) acc[(r0 + g) * D + d] *= corr[g];
+            continue;
+        }
+        float *a0 = acc + r0 * D;
+        const float *s0 = s + r0 * bs;
+#define VB(NR) values_bf16(vraw, s0, a0, corr, NR, D, bs, ulo, uhi)
+        if (nr == 4) VB(4); else if (nr == 3) VB(3); else if (nr == 2) VB(2); else VB(1);
+#undef VB
+    }
+}
+#define HAVE_BF16_PATH 1
+#endif
+
+#ifdef HAVE_AVX512_PATH
+/* Start fetching the K and V rows of `n` heads from head hk of block blk (a scattered block
+ * the task reaches next). */
+static inline void prefetch_block(const void *k_cache, const void *v_cache, int64_t blk, int KVH,
+                                  int hk, int n, int bs, int D, size_t esz) {
+    const size_t off0 = ((size_t)blk * KVH + hk) * bs * D * esz, len = (size_t)n * bs * D * esz;
+    for (size_t off = 0; off < len; off += 64) {
+        _mm_prefetch((const char *)k_cache + off0 + off, _MM_HINT_T0);
+        _mm_prefetch((const char *)v_cache + off0 + off, _MM_HINT_T0);
+    }
+}
+#endif
+
+int kvserve_paged_attention(const void *q, const void *k_cache, const void *v_cache,
                             const int64_t *block_tables, int64_t bt_stride,
                             const int64_t *q_start, const int64_t *q_len,
-                            const int64_t *ctx_len, const int32_t *seq_windows, float *out,
+                            const int64_t *ctx_len, const int32_t *seq_windows, void *out,
                             int B, int H, int KVH, int D, int bs, int layer_window, float scale,
-                            int dtype, int num_threads) {
+                            int dtype, int num_threads, int q_dtype, int out_dtype) {
+    if ((q_dtype != DT_F32 && q_dtype != DT_BF16) || (out_dtype != DT_F32 && out_dtype != DT_BF16))
+        return -1;
     if (H % KVH) return -1;
     const int G = H / KVH;
-    /* Task list: (sequence, tile) pairs, each for every KV head. */
+#ifdef HAVE_BF16_PATH
+    /* bf16 dot products need the queries exactly in bf16: only a bf16 model's queries are. */
+    const int use_bf16 = dtype == DT_BF16 && q_dtype == DT_BF16 && (D == 64 || D == 128);
+#endif
+    const size_t esz = dtype == DT_F32 ? 4 : 2;
+    /* Task list: (sequence, tile of queries, group of HG KV heads). A task walks its blocks
+     * once for all its heads, so it reads one contiguous run of HG * block_size rows per block
+     * instead of HG scattered ones (measured on scattered pools: the runs stream, the pieces
+     * do not). HG is the largest divisor of KVH that still leaves 4 tasks per thread. */
     int64_t ntiles = 0;
     for (int b = 0; b < B; b++) ntiles += (q_len[b] + QT - 1) / QT;
+    int HG = KVH;
+    while (HG > 1 && ntiles * (KVH / HG) < 4 * (int64_t)num_threads) {
+        int h = HG - 1;
+        while (KVH % h) h--;
+        HG = h;
+    }
+    const int ngroups = KVH / HG;
     int64_t *tile_seq = malloc(sizeof(int64_t) * (ntiles > 0 ? ntiles : 1));
     int64_t *tile_i0 = malloc(sizeof(int64_t) * (ntiles > 0 ? ntiles : 1));
     if (!tile_seq || !tile_i0) { free(tile_seq); free(tile_i0); return -2; }
@@ -175,36 +303,49 @@ int kvserve_paged_attention(const float *q, const void *k_cache, const void *v_c
 
 #pragma omp parallel num_threads(num_threads)
     {
-        const int maxr = QT * G;
+        const int maxr = QT * G * HG; /* rows of one task: its queries x the heads it serves */
         float *qs = malloc(sizeof(float) * maxr * D);
         float *acc = malloc(sizeof(float) * maxr * D);
         float *s = malloc(sizeof(float) * maxr * bs);
         float *m = malloc(sizeof(float) * maxr), *l = malloc(sizeof(float) * maxr);
         int64_t *qpos = malloc(sizeof(int64_t) * maxr);
+        uint16_t *qb = malloc(sizeof(uint16_t) * maxr * D);
         float *ktmp = malloc(sizeof(float) * bs * D), *vtmp = malloc(sizeof(float) * bs * D);
-        if (!qs || !acc || !s || !m || !l || !qpos || !ktmp || !vtmp) {
+        if (!qs || !acc || !s || !m || !l || !qpos || !ktmp || !vtmp || !qb) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < ntiles * KVH; task++) {
+        for (int64_t task = 0; task < ntiles * ngroups; task++) {
             if (failed) continue;
-            const int64_t tile = task / KVH;
-            const int hk = (int)(task % KVH);
+            const int64_t tile = task / ngroups;
+            const int h0 = (int)(task % ngroups) * HG; /* first KV head of the task */
             const int b = (int)tile_seq[tile];
             const int64_t i0 = tile_i0[tile];
             const int nq = (int)(q_len[b] - i0 < QT ? q_len[b] - i0 : QT);
-            const int R = nq * G;
+            const int R = nq * G; /* rows per head; head h's rows start at h * R */
             const int sw = seq_windows ? seq_windows[b] : 0;
             const int window = sw > 0 && (layer_window <= 0 || sw < layer_window) ? sw : layer_window;
-            for (int i = 0; i < nq; i++) {
-                for (int g = 0; g < G; g++) {
-                    const int r = i * G + g;
-                    const float *qp = q + ((q_start[b] + i0 + i) * H + hk * G + g) * D;
-                    for (int d = 0; d < D; d++) { qs[r * D + d] = qp[d] * scale; acc[r * D + d] = 0.f; }
-                    m[r] = -FLT_MAX;
-                    l[r] = 0.f;
-                    qpos[r] = ctx_len[b] + i0 + i;
+            for (int h = 0; h < HG; h++) {
+                for (int i = 0; i < nq; i++) {
+                    for (int g = 0; g < G; g++) {
+                        const int r = h * R + i * G + g;
+                        const int64_t qo = ((q_start[b] + i0 + i) * H + (h0 + h) * G + g) * D;
+                        if (q_dtype == DT_BF16) {
+                            const uint16_t *qp = (const uint16_t *)q + qo;
+                            for (int d = 0; d < D; d++) {
+                                qb[r * D + d] = qp[d];
+                                qs[r * D + d] = bf16_to_f32(qp[d]) * scale;
+                                acc[r * D + d] = 0.f;
+                            }
+                        } else {
+                            const float *qp = (const float *)q + qo;
+                            for (int d = 0; d < D; d++) { qs[r * D + d] = qp[d] * scale; acc[r * D + d] = 0.f; }
+                        }
+                        m[r] = -FLT_MAX;
+                        l[r] = 0.f;
+                        qpos[r] = ctx_len[b] + i0 + i;
+                    }
                 }
             }
             const int64_t last = ctx_len[b] + i0 + nq - 1; /* newest key any row sees */
@@ -214,49 +355,68 @@ int kvserve_paged_attention(const float *q, const void *k_cache, const void *v_c
                 const int64_t blk = block_tables[(int64_t)b * bt_stride + t0 / bs];
                 const int lo = (int)(first > t0 ? first - t0 : 0);
                 const int hi = (int)(last - t0 + 1 < bs ? last - t0 + 1 : bs);
-                const int64_t row0 = (blk * KVH + hk) * bs;
 #ifdef HAVE_AVX512_PATH
-                if ((D == 64 || D == 128) && dtype != DT_F16) {
-                    const size_t esz = dtype == DT_F32 ? 4 : 2;
-                    if (t0 + bs <= last) { /* scattered blocks: start fetching the next one */
-                        const int64_t nb2 = block_tables[(int64_t)b * bt_stride + t0 / bs + 1];
-                        const char *kn = (const char *)k_cache + (nb2 * KVH + hk) * bs * D * esz;
-                        const char *vn = (const char *)v_cache + (nb2 * KVH + hk) * bs * D * esz;
-                        for (size_t off = 0; off < (size_t)bs * D * esz; off += 64) {
-                            _mm_prefetch(kn + off, _MM_HINT_T0);
-                            _mm_prefetch(vn + off, _MM_HINT_T0);
-                        }
-                    }
-                    const char *kr = (const char *)k_cache + row0 * D * esz;
-                    const char *vr = (const char *)v_cache + row0 * D * esz;
-#define AVX_CALL(DD, DT) attend_block_avx512(qs, kr, vr, s, acc, m, l, qpos, R, DD, DT, bs, lo, hi, t0, window)
-                    if (D == 64 && dtype == DT_F32) AVX_CALL(64, DT_F32);
-                    else if (D == 64) AVX_CALL(64, DT_BF16);
-                    else if (dtype == DT_F32) AVX_CALL(128, DT_F32);
-                    else AVX_CALL(128, DT_BF16);
-#undef AVX_CALL
-                    continue;
-                }
+                if (t0 + bs <= last && (D == 64 || D == 128) && dtype != DT_F16)
+                    prefetch_block(k_cache, v_cache, block_tables[(int64_t)b * bt_stride + t0 / bs + 1],
+                                   KVH, h0, HG, bs, D, esz);
 #endif
-                const float *kb = load_rows(k_cache, row0, bs, D, dtype, ktmp);
-                const float *vb = load_rows(v_cache, row0, bs, D, dtype, vtmp);
-                switch (D) { /* constant D at the common head sizes */
-                case 64: attend_block(qs, kb, vb, s, acc, m, l, qpos, R, 64, bs, lo, hi, t0, window); break;
-                case 128: attend_block(qs, kb, vb, s, acc, m, l, qpos, R, 128, bs, lo, hi, t0, window); break;
-                case 32: attend_block(qs, kb, vb, s, acc, m, l, qpos, R, 32, bs, lo, hi, t0, window); break;
-                default: attend_block(qs, kb, vb, s, acc, m, l, qpos, R, D, bs, lo, hi, t0, window);
+                for (int h = 0; h < HG; h++) {
+                    const int64_t row0 = (blk * KVH + h0 + h) * bs;
+                    const int rr = h * R; /* this head's first row */
+                    float *sh = s + rr * bs, *ah = acc + rr * D, *mh = m + rr, *lh = l + rr;
+                    const int64_t *ph = qpos + rr;
+#ifdef HAVE_BF16_PATH
+                    if (use_bf16) {
+                        const uint16_t *kr = (const uint16_t *)k_cache + row0 * D;
+                        const uint16_t *vr = (const uint16_t *)v_cache + row0 * D;
+                        const uint16_t *qh = qb + rr * D;
+                        if (D == 64) attend_block_bf16(qh, kr, vr, sh, ah, mh, lh, ph, R, 64, bs, lo, hi, t0, window, scale);
+                        else attend_block_bf16(qh, kr, vr, sh, ah, mh, lh, ph, R, 128, bs, lo, hi, t0, window, scale);
+                        continue;
+                    }
+#endif
+                    const float *qh = qs + rr * D;
+#ifdef HAVE_AVX512_PATH
+                    if ((D == 64 || D == 128) && dtype != DT_F16) {
+                        const char *kr = (const char *)k_cache + row0 * D * esz;
+                        const char *vr = (const char *)v_cache + row0 * D * esz;
+#define AVX_CALL(DD, DT) attend_block_avx512(qh, kr, vr, sh, ah, mh, lh, ph, R, DD, DT, bs, lo, hi, t0, window)
+                        if (D == 64 && dtype == DT_F32) AVX_CALL(64, DT_F32);
+                        else if (D == 64) AVX_CALL(64, DT_BF16);
+                        else if (dtype == DT_F32) AVX_CALL(128, DT_F32);
+                        else AVX_CALL(128, DT_BF16);
+#undef AVX_CALL
+                        continue;
+                    }
+#endif
+                    const float *kb = load_rows(k_cache, row0, bs, D, dtype, ktmp);
+                    const float *vb = load_rows(v_cache, row0, bs, D, dtype, vtmp);
+                    switch (D) { /* constant D at the common head sizes */
+                    case 64: attend_block(qh, kb, vb, sh, ah, mh, lh, ph, R, 64, bs, lo, hi, t0, window); break;
+                    case 128: attend_block(qh, kb, vb, sh, ah, mh, lh, ph, R, 128, bs, lo, hi, t0, window); break;
+                    case 32: attend_block(qh, kb, vb, sh, ah, mh, lh, ph, R, 32, bs, lo, hi, t0, window); break;
+                    default: attend_block(qh, kb, vb, sh, ah, mh, lh, ph, R, D, bs, lo, hi, t0, window);
+                    }
                 }
             }
-            for (int i = 0; i < nq; i++) {
-                for (int g = 0; g < G; g++) {
-                    const int r = i * G + g;
-                    float *op = out + ((q_start[b] + i0 + i) * H + hk * G + g) * D;
-                    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-                    for (int d = 0; d < D; d++) op[d] = acc[r * D + d] * inv;
+            for (int h = 0; h < HG; h++) {
+                for (int i = 0; i < nq; i++) {
+                    for (int g = 0; g < G; g++) {
+                        const int r = h * R + i * G + g;
+                        const int64_t oo = ((q_start[b] + i0 + i) * H + (h0 + h) * G + g) * D;
+                        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+                        if (out_dtype == DT_BF16) {
+                            uint16_t *op = (uint16_t *)out + oo;
+                            for (int d = 0; d < D; d++) op[d] = f32_to_bf16(acc[r * D + d] * inv);
+                        } else {
+                            float *op = (float *)out + oo;
+                            for (int d = 0; d < D; d++) op[d] = acc[r * D + d] * inv;
+                        }
+                    }
                 }
             }
         }
-        free(qs); free(acc); free(s); free(m); free(l); free(qpos); free(ktmp); free(vtmp);
+        free(qs); free(acc); free(s); free(m); free(l); free(qpos); free(ktmp); free(vtmp); free(qb);
     }
     free(tile_seq);
     free(tile_i0);

@@ -22,16 +22,6 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
-/* float32 -> bfloat16, round to nearest even (PyTorch's conversion; NaN stays NaN). Written
- * without branches so that loops over it vectorise. */
-INLINE uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    const uint32_t rounded = (u + 0x7fff + ((u >> 16) & 1)) >> 16;
-    const uint32_t nan = (u >> 16) | 0x40;
-    return (uint16_t)((u & 0x7fffffff) > 0x7f800000 ? nan : rounded);
-}
-
 /* Value of x rounded to the storage dtype, kept as float32. */
 INLINE float round_dt(float x, int dt) {
     return dt == DT_BF16 ? bf16_to_f32(f32_to_bf16(x)) : x;
