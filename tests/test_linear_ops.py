@@ -51,3 +51,55 @@ def test_engine_outputs_same_with_either_backend(checkpoint, make_llm, monkeypat
     assert [o.outputs[0].token_ids for o in fast.generate(prompts, params)] == [
         o.outputs[0].token_ids for o in ref.generate(prompts, params)
     ]
+
+
+def test_prepacked_weights_give_the_plain_results_and_unpack_exactly(checkpoint, monkeypatch):
+    """A bf16 model adopted by the packing backend: every matrix is in oneDNN's layout (the
+    dense weight replaced, not copied), a forward pass through it equals the same model with
+    plain weights, weight bytes are counted as before, and switching back to the reference
+    backend restores the dense matrices bit for bit."""
+    from kvserve.config import ModelConfig
+    from kvserve.engine.bandwidth import weight_bytes_read
+    from kvserve.model.loader import load_model
+
+    path = checkpoint("llama_gqa")
+    cfg = ModelConfig.from_pretrained(path)
+    monkeypatch.setenv("KVSERVE_DISABLE_PREPACK", "1")  # loaded with plain weights
+    model = load_model(path, cfg, torch.bfloat16, torch.device("cpu"), 64)
+    assert model.layers[0].qkv_proj.weight.layout == torch.strided
+    dense = {n: p.detach().clone() for n, p in model.named_parameters()}
+    plain_bytes = weight_bytes_read(model)
+    torch.manual_seed(0)
+    x = torch.randn(37, cfg.hidden_size, dtype=torch.bfloat16)
+    res = torch.randn(37, cfg.hidden_size, dtype=torch.bfloat16)
+    layer = model.layers[0]
+    plain = OneDNNOps(prepack=False)
+    model.set_ops(plain)
+    want = [plain.linear(x, layer.qkv_proj), plain.linear_add(x, layer.o_proj, res),
+            plain.swiglu_add(x, layer.gate_up_proj, layer.down_proj, res),
+            model.logits(x)]  # fmt: skip
+    packed = OneDNNOps(prepack=True)
+    model.set_ops(packed)
+    for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj, model.lm_head):
+        assert lin.weight.layout == torch._mkldnn
+    assert layer.gate_up_proj.weight.shape[0] == cfg.intermediate_size  # the gate rows alone
+    got = [packed.linear(x, layer.qkv_proj), packed.linear_add(x, layer.o_proj, res),
+           packed.swiglu_add(x, layer.gate_up_proj, layer.down_proj, res),
+           model.logits(x)]  # fmt: skip
+    for w, g in zip(want, got, strict=True):
+        torch.testing.assert_close(g, w, atol=0, rtol=0)
+    assert weight_bytes_read(model) == plain_bytes
+    model.set_ops(TorchOps())
+    back = dict(model.named_parameters())
+    assert back.keys() == dense.keys()
+    for n, p in dense.items():
+        assert back[n].layout == torch.strided and torch.equal(back[n], p), n
+
+
+def test_bf16_engine_packs_its_weights(checkpoint, make_llm):
+    llm = make_llm(checkpoint("llama_gqa"), dtype="bfloat16")
+    model = llm.engine.model
+    assert isinstance(model.ops, OneDNNOps) and model.ops.prepack
+    assert model.layers[0].qkv_proj.weight.layout == torch._mkldnn
+    fp32 = make_llm(checkpoint("llama_gqa"), dtype="float32")
+    assert fp32.engine.model.layers[0].qkv_proj.weight.layout == torch.strided

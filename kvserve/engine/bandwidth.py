@@ -41,14 +41,12 @@ def weight_bytes_read(model: torch.nn.Module) -> int:
     """Bytes of weights one step reads: every matrix except the embedding table (a step
     gathers only its tokens' rows), counting a tied lm_head once."""
     seen, total = set(), 0
-    for name, p in model.named_parameters():
-        if name == "embed_tokens.weight" or p.data_ptr() in seen:
+    for name, p in model.named_parameters(remove_duplicate=False):
+        # id, not data_ptr: a backend's packed matrices have no plain storage to point at
+        if name == "embed_tokens.weight" or id(p) in seen:
             continue
-        seen.add(p.data_ptr())
+        seen.add(id(p))
         total += p.numel() * p.element_size()
-    head, embed = model.lm_head.weight, model.embed_tokens.weight
-    if head.data_ptr() == embed.data_ptr():
-        total += head.numel() * head.element_size()
     return total
 
 

@@ -26,8 +26,38 @@ from torch import nn
 from kvserve.kernels import pointwise, prefill
 
 
+def linear_layers(model: nn.Module) -> list[tuple[nn.Linear, bool]]:
+    """The model's matrices a backend may keep in its own layout, each with whether it is the
+    fused gate/up projection: every decoder layer's four and the LM head. A head tied to the
+    embedding table becomes a copy when a backend packs it (the lookup gathers rows of the
+    dense table): the vocabulary-wide GEMM of every step is worth that memory."""
+    out: list[tuple[nn.Linear, bool]] = []
+    for layer in getattr(model, "layers", []):
+        out += [(layer.qkv_proj, False), (layer.o_proj, False), (layer.gate_up_proj, True),
+                (layer.down_proj, False)]  # fmt: skip
+    if hasattr(model, "lm_head"):
+        out.append((model.lm_head, False))
+    return out
+
+
+def _dense(w: torch.Tensor) -> torch.Tensor:
+    return w.to_dense() if w.layout == torch._mkldnn else w
+
+
 class TorchOps:
     name = "torch"
+
+    def adopt(self, model: nn.Module) -> None:
+        """Put the model's matrices in the layout this backend computes with: plain dense
+        ``[out, in]`` tensors (undoing a packing backend, see :meth:`OneDNNOps.adopt`)."""
+        for lin, gate_up in linear_layers(model):
+            if lin.weight.layout != torch._mkldnn:
+                continue
+            w = _dense(lin.weight)
+            if gate_up:
+                w = torch.cat([w, _dense(lin.up_weight)])
+                del lin.up_weight
+            lin.weight = nn.Parameter(w, requires_grad=False)
 
     def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
@@ -64,10 +94,34 @@ class TorchOps:
 
 
 class OneDNNOps(TorchOps):
+    """``prepack``: keep every matrix in oneDNN's blocked layout for this CPU (packed once at
+    load, replacing the dense weight, so no extra memory), instead of handing oneDNN plain
+    weights that it re-lays-out on every call. That re-layout costs most at decode sizes (a
+    few dozen rows per step), which is also how vLLM's CPU build runs its GEMMs."""
+
     name = "onednn"
 
-    def __init__(self) -> None:
+    # Row count oneDNN picks the packed layout for: a decode step's batch. Other row counts
+    # use the same packed weights.
+    PACK_ROWS = 64
+
+    def __init__(self, prepack: bool = False) -> None:
         self._lp = torch.ops.mkldnn._linear_pointwise
+        self.prepack = prepack
+
+    def adopt(self, model: nn.Module) -> None:
+        super().adopt(model)  # dense first, whatever the previous backend left
+        if not self.prepack:
+            return
+        pack = torch.ops.mkldnn._reorder_linear_weight
+        for lin, gate_up in linear_layers(model):
+            w = lin.weight.detach()
+            if gate_up:  # SiLU fuses into the gate's GEMM and the product into the up one's
+                inter = w.shape[0] // 2
+                lin.up_weight = nn.Parameter(pack(w[inter:].contiguous(), self.PACK_ROWS),
+                                             requires_grad=False)  # fmt: skip
+                w = w[:inter].contiguous()
+            lin.weight = nn.Parameter(pack(w, self.PACK_ROWS), requires_grad=False)
 
     def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         return self._lp(x, layer.weight, layer.bias, "none", [], "")
@@ -78,10 +132,14 @@ class OneDNNOps(TorchOps):
     def swiglu_add(
         self, x: torch.Tensor, gate_up: nn.Linear, down: nn.Linear, residual: torch.Tensor
     ) -> torch.Tensor:
-        inter = down.weight.shape[1]
-        w = gate_up.weight  # row slices of a contiguous matrix are contiguous: no copies
-        gate = self._lp(x, w[:inter], None, "swish", [], "")
-        h = self._lp.binary(x, gate, w[inter:], None, "mul")
+        w = gate_up.weight
+        if w.layout == torch._mkldnn:  # packed by adopt: the gate rows, the up rows apart
+            wg, wu = w, gate_up.up_weight
+        else:  # row slices of a contiguous matrix are contiguous: no copies
+            inter = down.weight.shape[1]
+            wg, wu = w[:inter], w[inter:]
+        gate = self._lp(x, wg, None, "swish", [], "")
+        h = self._lp.binary(x, gate, wu, None, "mul")
         return self._lp.binary(h, residual, down.weight, None, "add")
 
     def rms_norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -116,5 +174,9 @@ def select_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
         and os.environ.get("KVSERVE_DISABLE_ONEDNN") != "1"
     ):
-        return OneDNNOps()
+        # Packed bf16 weights measured faster at decode sizes and even at prefill sizes on an
+        # AMX Xeon (BENCHMARKS.md); float32 keeps plain weights, the layout its exactness
+        # tests against transformers were established with. KVSERVE_DISABLE_PREPACK=1 for A/B.
+        prepack = dtype == torch.bfloat16 and os.environ.get("KVSERVE_DISABLE_PREPACK") != "1"
+        return OneDNNOps(prepack=prepack)
     return TorchOps()

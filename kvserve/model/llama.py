@@ -146,12 +146,13 @@ class LlamaForCausalLM(nn.Module):
 
     def set_ops(self, ops: TorchOps) -> None:
         """Choose the compute backend (see :mod:`kvserve.model.linear_ops`)."""
+        ops.adopt(self)  # the backend may keep the matrices in a layout of its own
         self.ops = ops
         for layer in self.layers:
             layer.ops = ops
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.ops.linear(hidden, self.lm_head).float()
 
     def exact_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """Float32 logits of ``token_ids`` ([n, k]) for hidden rows [n, hidden], from the
