@@ -224,6 +224,6 @@ def paged_decode_attention(
         block_tables=block_tables.to(torch.int64),
         windows=seq_windows,
     )
-    out = torch.empty(q.shape, dtype=torch.float32)
+    out = torch.empty(q.shape, dtype=q.dtype if q.dtype in _IO_DTYPES else torch.float32)
     paged_attention(q, k_cache, v_cache, group, window, out)
     return out.to(q.dtype)
