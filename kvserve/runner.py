@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from kvserve.config import EngineConfig, ModelConfig
+from kvserve.kernels.allocator import tune_host_allocator
 from kvserve.kv.formats import canonical_kv_format, make_kv_storage
 from kvserve.kv.storage import KVStorage
 from kvserve.model.attention import (
@@ -233,6 +234,8 @@ def build_runner(config: EngineConfig, num_blocks: int, max_model_len: int) -> M
     mc = ModelConfig.from_pretrained(model_dir)
     dtype = resolve_dtype(config.dtype, mc)
     device = torch.device(config.device)
+    if device.type == "cpu":
+        tune_host_allocator()
     cc, sc = config.cache, config.scheduler
     kv_name = canonical_kv_format(cc.kv_cache_dtype, str(dtype).removeprefix("torch."))
     model = load_model(model_dir, mc, dtype, device, max_model_len)
