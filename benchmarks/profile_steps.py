@@ -70,6 +70,7 @@ def main() -> None:
     for name in PARTS:  # every layer shares one ops object
         t.wrap(model.ops, name, name)
     t.wrap(model.ops, "causal_attention", "prefill attention kernel")
+    t.wrap(model.ops, "context_attention", "context attention kernel")
     t.wrap(llama_mod, "paged_attention", "attention (+KV write)")
     storage = e.storage
     for name in ("write", "decode_attention", "fused_attention", "gather"):
@@ -112,7 +113,9 @@ def main() -> None:
     dt = getattr(torch, args.dtype)
     peak_flops = measure_gemm_peak(dt, cfg.hidden_size)
     bw = measure_peak_bandwidth(torch.device("cpu"))
-    layer_params = sum(p.numel() for n, p in model.named_parameters() if n.endswith("proj.weight"))
+    # every matrix of the layers (a packing backend keeps the up projection apart)
+    layer_params = sum(p.numel() for n, p in model.named_parameters()
+                       if n.startswith("layers.") and "proj" in n)  # fmt: skip
     head_params = model.lm_head.weight.numel()
     rows = []
     for phase in ("prefill", "decode"):
@@ -132,7 +135,16 @@ def main() -> None:
         parts = [
             ("GEMMs (linear, SwiGLU, LM head)", gemm, gemm_bound),
             ("attention incl. KV write", attn, kv_bound),
-            ("  of it: prefill kernel", a.get("prefill attention kernel", 0.0), None),
+            (
+                "  of it: prefill kernel (chunks starting a prompt)",
+                a.get("prefill attention kernel", 0.0),
+                None,
+            ),
+            (
+                "  of it: context kernel (chunks continuing one)",
+                a.get("context attention kernel", 0.0),
+                None,
+            ),
             ("  of it: KV write", a.get("storage.write", 0.0), None),
             (
                 "  of it: decode kernel",

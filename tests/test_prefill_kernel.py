@@ -97,3 +97,70 @@ def test_paged_attention_routes_fresh_chunks_to_the_kernel_only():
     torch.testing.assert_close(got[fresh].float(), want[fresh].float(), atol=1.6e-2, rtol=1.6e-2)
     assert not torch.equal(got[fresh], torch.zeros_like(got[fresh]))
     assert torch.equal(got[:1], want[:1]) and torch.equal(got[41:], want[41:])
+
+
+AMX = torch.cpu._is_amx_tile_supported()
+
+
+@pytest.mark.parametrize(
+    "ctx, tokens, heads, kv_heads, d, window",
+    [
+        (16, 30, 4, 2, 64, None),  # a chunk after one cached block
+        (100, 1, 8, 4, 64, None),  # one query after a long context
+        (37, 70, 9, 3, 64, 25),  # SmolLM2's grouping, a window reaching into the context
+        (200, 45, 8, 2, 128, None),  # head size 128
+        (64, 33, 4, 4, 32, 50),  # MHA, head size 32
+    ],
+)
+def test_context_kernel_matches_naive_attention(ctx, tokens, heads, kv_heads, d, window):
+    """A chunk continuing its sequence over the gathered context and its own keys, read as a
+    strided view of the gathered [KVH, S, D] layout. Where the CPU has AMX the tile kernel
+    takes it and matches naive float32 attention within bf16 rounding; elsewhere it declines
+    with nothing written (and SDPA serves, as the routing test checks)."""
+    g = torch.Generator().manual_seed(ctx + tokens)
+    n = ctx + tokens
+    kv = torch.randn(2, kv_heads, n + 5, d, generator=g).to(torch.bfloat16)  # gathered, padded
+    keys, vals = kv[0, :, :n].transpose(0, 1), kv[1, :, :n].transpose(0, 1)  # [n, KVH, D]
+    q = torch.randn(tokens, heads, d, generator=g).to(torch.bfloat16)
+    out = torch.full((tokens, heads, d), float("nan"), dtype=torch.bfloat16)
+    took = prefill.context_attention(q, keys, vals, out, window)
+    assert took == AMX
+    if not took:
+        assert torch.isnan(out).all()
+        return
+    want = reference_attention(q, keys, vals, torch.arange(ctx, n), window)
+    torch.testing.assert_close(out.float(), want.float(), atol=1.6e-2, rtol=1.6e-2)
+
+
+def test_paged_attention_routes_continuing_chunks_to_the_context_kernel():
+    """The routing test's step with the fast backend's context kernel too: chunk C (30 tokens
+    after a cached block) now runs in the kernel where the CPU has AMX, and every row still
+    equals the reference backend's within bf16 rounding."""
+    torch.manual_seed(3)
+    bs, h, kvh, d = 16, 4, 2, 64
+    ref_store = DenseKVStorage(1, 32, bs, kvh, d, torch.bfloat16)
+    ref_store.k[0].normal_()
+    ref_store.v[0].normal_()
+    fast_store = DenseKVStorage(1, 32, bs, kvh, d, torch.bfloat16)
+    fast_store.k[0].copy_(ref_store.k[0])
+    fast_store.v[0].copy_(ref_store.v[0])
+    q, k, v = _qkv(40 + 30, h, kvh, d, seed=5)
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat([4 * bs + torch.arange(40), 8 * bs + torch.arange(16),
+                                9 * bs + torch.arange(14)]),
+        block_size=bs,
+        prefills=[PrefillChunk(0, 40, 0, None), PrefillChunk(40, 30, 16, torch.tensor([7, 8, 9]))],
+    )  # fmt: skip
+    ops = TorchOps()
+    want = paged_attention(q, k, v, 0, ref_store, meta, None, ops.causal_attention,
+                           ops.context_attention)  # fmt: skip
+    calls = []
+    fast = OneDNNOps()
+
+    def context(*args):
+        calls.append(fast.context_attention(*args))
+        return calls[-1]
+
+    got = paged_attention(q, k, v, 0, fast_store, meta, None, fast.causal_attention, context)
+    assert calls == [AMX]  # chunk C only: the fresh chunk goes to the causal kernel
+    torch.testing.assert_close(got.float(), want.float(), atol=1.6e-2, rtol=1.6e-2)

@@ -31,6 +31,17 @@ def _declare(lib: ctypes.CDLL) -> None:
 _LIB = NativeLibrary(_SRC, _FLAGS, "prefill attention", _declare)
 
 
+def _declare_amx(lib: ctypes.CDLL) -> None:
+    fn = lib.kvserve_prefill_attention_amx
+    fn.restype = _i
+    fn.argtypes = [_p, _i64, _p, _p, _i64, _i64, _p, _i64, _i64, _i, _i, _i, _f, _i, _i, _i]
+
+
+# bf16 on AMX tiles where the build machine has them (it declines elsewhere).
+_AMX = NativeLibrary(_SRC.with_name("prefill_attention_amx.c"), _FLAGS, "AMX prefill attention",
+                     _declare_amx)  # fmt: skip
+
+
 def native_available() -> bool:
     return _LIB.get() is not None
 
@@ -58,10 +69,52 @@ def prefill_attention(
     lib = _LIB.get()
     assert lib is not None
     L, h, d = q.shape
-    rc = lib.kvserve_prefill_attention(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(),
-                                        k.stride(0), out.data_ptr(), L, h, k.shape[1], d,
-                                        d**-0.5, window or 0, _DTYPES[q.dtype],
-                                        torch.get_num_threads())  # fmt: skip
+    rc = _amx_attention(q, k, v, out, window)
+    if rc == 1:  # not for the tiles: the FMA kernel
+        rc = lib.kvserve_prefill_attention(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(),
+                                            k.stride(0), out.data_ptr(), L, h, k.shape[1], d,
+                                            d**-0.5, window or 0, _DTYPES[q.dtype],
+                                            torch.get_num_threads())  # fmt: skip
+    if rc == 2:
+        raise MemoryError("prefill attention: could not allocate the packed K/V")
+    return rc == 0
+
+
+def _amx_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, window: int | None
+) -> int:
+    """The AMX kernel's return code (0 done, 1 declined, 2 out of memory): bf16 only, keys
+    ``[Lk, KVH, D]`` with any row and head strides and packed values."""
+    amx = _AMX.get() if q.dtype == torch.bfloat16 else None
+    if amx is None or k.stride(2) != 1 or v.stride() != k.stride():
+        return 1
+    L, h, d = q.shape
+    return amx.kvserve_prefill_attention_amx(q.data_ptr(), q.stride(0), k.data_ptr(),
+                                             v.data_ptr(), k.stride(0), k.stride(1),
+                                             out.data_ptr(), L, k.shape[0], h, k.shape[1], d,
+                                             d**-0.5, window or 0, 1,
+                                             torch.get_num_threads())  # fmt: skip
+
+
+def context_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, window: int | None
+) -> bool:
+    """Causal attention of a chunk q [L, H, D] that continues its sequence, over the whole
+    sequence's keys k/v [Lk, KVH, D] (its cached context, then its own; any row and head
+    strides, packed values), written into out [L, H, D] (contiguous): query i is at position
+    Lk - L + i. False, with nothing written, where no kernel takes it (the caller uses SDPA)."""
+    if not (
+        q.dim() == k.dim() == v.dim() == 3
+        and packed_rows(q, _DTYPES)
+        and k.shape == v.shape
+        and k.shape[0] >= q.shape[0]
+        and q.shape[2] == k.shape[2]
+        and out.shape == q.shape
+        and q.dtype == k.dtype == v.dtype == out.dtype
+        and out.is_contiguous()
+    ):
+        return False
+    rc = _amx_attention(q, k, v, out, window)
     if rc == 2:
         raise MemoryError("prefill attention: could not allocate the packed K/V")
     return rc == 0

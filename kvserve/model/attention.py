@@ -23,8 +23,10 @@ import torch.nn.functional as F
 
 from kvserve.kv.storage import KVStorage
 
-# A backend's causal attention of a chunk over its own fresh K/V, written into ``out``
-# (q [L, H, D], k/v [L, KVH, D], out [L, H, D], window); False if it does not take the input.
+# A backend's causal attention of a chunk, written into ``out`` (q [L, H, D], k/v [Lk, KVH, D],
+# out [L, H, D], window); False if it does not take the input. The causal kernel serves chunks
+# that start their sequence (Lk = L, fresh K/V), the context kernel chunks that continue one
+# (keys: the gathered context, then the chunk's own).
 CausalKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int | None], bool]
 
 # Chunks over a cached context up to this many queries go to the fused paged kernel; longer
@@ -185,10 +187,11 @@ def paged_attention(
     meta: AttentionMetadata,
     window: int | None = None,
     causal_kernel: CausalKernel | None = None,
+    context_kernel: CausalKernel | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend. q: [T, H, D]; k, v: [T, KVH, D].
-    ``causal_kernel`` (the backend's, see linear_ops) may serve chunks that start a sequence;
-    SDPA serves what it declines."""
+    ``causal_kernel`` and ``context_kernel`` (the backend's, see linear_ops) may serve chunks
+    that start a sequence and chunks that continue one; SDPA serves what they decline."""
     storage.write(layer, meta.slot_mapping, k, v)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -242,6 +245,11 @@ def paged_attention(
             # ``gather`` returns a new tensor, so these writes never touch the cache.
             kp[0, :, p.ctx_len :] = k[sl].transpose(0, 1)
             vp[0, :, p.ctx_len :] = v[sl].transpose(0, 1)
+            if context_kernel is not None and context_kernel(
+                q[sl], kp[0].transpose(0, 1), vp[0].transpose(0, 1), out[sl],
+                combine_windows(window, p.window),
+            ):  # fmt: skip
+                continue
         mask = meta.prefill_mask(i, window, num_keys)
         op = F.scaled_dot_product_attention(
             qp, kp, vp, attn_mask=mask, is_causal=mask is None, enable_gqa=group > 1

@@ -92,6 +92,18 @@ class TorchOps:
         """Attention of a chunk that starts its sequence, into ``out``; False = use SDPA."""
         return False
 
+    def context_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        window: int | None,
+    ) -> bool:
+        """Attention of a chunk that continues its sequence, over the whole sequence's keys
+        (``k``/``v`` [context + chunk, KVH, D]), into ``out``; False = use SDPA."""
+        return False
+
 
 class OneDNNOps(TorchOps):
     """``prepack``: keep every matrix in oneDNN's blocked layout for this CPU (packed once at
@@ -162,6 +174,16 @@ class OneDNNOps(TorchOps):
         window: int | None,
     ) -> bool:
         return prefill.prefill_attention(q, k, v, out, window)
+
+    def context_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        window: int | None,
+    ) -> bool:
+        return prefill.context_attention(q, k, v, out, window)
 
 
 def select_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:

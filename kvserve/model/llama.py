@@ -107,9 +107,8 @@ class DecoderLayer(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = ops.rotary(rotary, positions, q, k)  # the fast path rotates q and k in place
-        attn = paged_attention(
-            q, k, v, self.layer_idx, storage, meta, self.window, ops.causal_attention
-        )
+        attn = paged_attention(q, k, v, self.layer_idx, storage, meta, self.window,
+                               ops.causal_attention, ops.context_attention)  # fmt: skip
         h = ops.linear_add(attn.reshape(t, self.q_size), self.o_proj, x)
         return ops.swiglu_add(
             ops.rms_norm(self.post_attention_layernorm, h), self.gate_up_proj, self.down_proj, h
