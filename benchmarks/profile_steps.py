@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
     args = ap.parse_args()
     threads = set_threads()
     import kvserve.model.llama as llama_mod
@@ -62,7 +63,13 @@ def main() -> None:
 
     path = bench_model(args.model)
     prompts = random_prompts(args.num_prompts, 128, 1024, vocab_size(args.model), seed=0)
-    llm = LLM(path, dtype=args.dtype, max_num_seqs=len(prompts), enable_prefix_caching=False)
+    llm = LLM(
+        path,
+        dtype=args.dtype,
+        max_num_seqs=len(prompts),
+        enable_prefix_caching=False,
+        max_num_batched_tokens=args.budget,
+    )
     e = llm.engine
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4))  # warm-up
     model, runner, core = e.model, e.runner, e.core

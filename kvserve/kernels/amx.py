@@ -1,0 +1,107 @@
+"""bf16 linear layers on AMX tiles (``amx_gemm.c``), built on first use with the system C
+compiler and loaded with ctypes; ``F.linear`` (plain weights) is the reference tests compare
+against.
+
+A packed weight is a bf16 tensor of shape ``[N / 16, K / 32, 16, 32]``: four dimensions, so no
+code path can mistake it for a dense ``[N, K]`` matrix. :func:`available` is False where the
+build machine has no AMX, the OS refuses the tile state, there is no compiler, or
+``KVSERVE_DISABLE_KERNELS=1``; the caller then keeps oneDNN.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from kvserve.kernels import NativeLibrary
+
+_p, _i, _i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+EPI_NONE, EPI_ADD, EPI_SWIGLU = 0, 1, 2
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.kvserve_amx_available.restype = _i
+    lib.kvserve_amx_pack.argtypes = [_p, _i64, _i64, _p]
+    lib.kvserve_amx_unpack.argtypes = [_p, _i64, _i64, _p]
+    lib.kvserve_amx_linear.restype = _i
+    lib.kvserve_amx_linear.argtypes = [_p, _i64, _i64, _i64, _p, _p, _i64, _p, _i, _p, _i64, _p,
+                                       _i64, _i]  # fmt: skip
+
+
+_LIB = NativeLibrary(Path(__file__).with_name("amx_gemm.c"),
+                     ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=c11"],
+                     "AMX linear layers", _declare)  # fmt: skip
+
+
+def available() -> bool:
+    lib = _LIB.get()
+    return lib is not None and lib.kvserve_amx_available() == 1
+
+
+def packable(w: torch.Tensor) -> bool:
+    """A dense bf16 CPU matrix whose dimensions the tiles take (both multiples of 32)."""
+    return (w.dim() == 2 and w.dtype == torch.bfloat16 and w.device.type == "cpu"
+            and w.shape[0] % 32 == 0 and w.shape[1] % 32 == 0)  # fmt: skip
+
+
+def is_packed(w: torch.Tensor) -> bool:
+    return w.dim() == 4 and w.shape[2:] == (16, 32)
+
+
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """``w [N, K]`` in the tile layout, as ``[N / 16, K / 32, 16, 32]``."""
+    lib = _LIB.get()
+    assert lib is not None and packable(w)
+    n, k = w.shape
+    w = w.contiguous()
+    out = torch.empty(n // 16, k // 32, 16, 32, dtype=torch.bfloat16)
+    lib.kvserve_amx_pack(w.data_ptr(), n, k, out.data_ptr())
+    return out
+
+
+def unpack(wp: torch.Tensor) -> torch.Tensor:
+    """The dense ``[N, K]`` matrix back, bit for bit."""
+    lib = _LIB.get()
+    assert lib is not None and is_packed(wp)
+    n, k = wp.shape[0] * 16, wp.shape[1] * 32
+    out = torch.empty(n, k, dtype=torch.bfloat16)
+    lib.kvserve_amx_unpack(wp.contiguous().data_ptr(), n, k, out.data_ptr())
+    return out
+
+
+def linear(
+    x: torch.Tensor,
+    wp: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    up: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x [M, K] @ W^T`` (bf16), plus ``bias`` or plus ``residual [M, N]``, or with ``up``
+    (the up projection, packed): ``silu(x Wg^T) * (x Wu^T)``. Rounded to bf16 once."""
+    lib = _LIB.get()
+    assert lib is not None
+    m, k = x.shape
+    n = wp.shape[0] * 16
+    assert wp.shape[1] * 32 == k and x.dtype == torch.bfloat16
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    y = torch.empty(m, n, dtype=torch.bfloat16)
+    epi, aux, ldaux = EPI_NONE, None, 0
+    if up is not None:
+        epi = EPI_SWIGLU
+    elif residual is not None:
+        assert residual.shape == (m, n) and residual.dtype == torch.bfloat16
+        residual = residual if residual.stride(1) == 1 else residual.contiguous()
+        epi, aux, ldaux = EPI_ADD, residual.data_ptr(), residual.stride(0)
+    b = None if bias is None else bias.float().contiguous()
+    rc = lib.kvserve_amx_linear(x.data_ptr(), x.stride(0), m, k, wp.data_ptr(),
+                                None if up is None else up.data_ptr(), n,
+                                None if b is None else b.data_ptr(), epi, aux, ldaux,
+                                y.data_ptr(), n, torch.get_num_threads())  # fmt: skip
+    if rc == 2:
+        raise MemoryError("AMX linear: could not allocate the packed activations")
+    if rc != 0:
+        raise RuntimeError(f"AMX linear declined x={tuple(x.shape)} w={tuple(wp.shape)}")
+    return y

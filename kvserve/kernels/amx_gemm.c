@@ -1,0 +1,260 @@
+#define _GNU_SOURCE
+/* bfloat16 linear layers on AMX tiles, with the decoder's epilogues fused.
+ *
+ * y = x W^T for x [M, K] (rows lda apart) and a weight W [N, K] packed once at load into the
+ * tile layout the products read (VNNI pairs: the two bf16 values of W a tile row multiplies
+ * together are adjacent):
+ *   wp[nb][kb][r][c][2] = W[16 nb + c][32 kb + 2 r + {0,1}]   (one 1 KiB B tile per 16 x 32)
+ * x is first copied into contiguous 16 x 32 tiles (a partial last block of rows padded with
+ * zeros). A micro-step is 32 rows x 32 columns: four float32 accumulator tiles, two A and two
+ * B tiles, with the weights prefetched two K steps ahead (they stream from memory at decode
+ * sizes). Its epilogue rounds to bf16 once, after adding a bias, adding a residual, or, for the
+ * gate/up pair of SwiGLU, taking silu(gate) * up, so an MLP's intermediate is written once.
+ * Thread t owns a contiguous share of the columns; with few rows (decode) each column block's
+ * weights serve every row block before the next is read, with many (prefill) a row block
+ * serves every column block of the thread. The epilogue of one micro-step runs after the
+ * next one's tile products (tile stores land before the vector loads that read them).
+ *
+ * Why not oneDNN: in a whole forward pass (cold weights, one layer after another) oneDNN's
+ * bf16 matmuls with prepacked weights ran 1.3-2.3x slower than these on a 2-core AMX Xeon, the
+ * most at decode sizes; and oneDNN keeps a primitive per distinct row count, memory that grows
+ * with traffic (BENCHMARKS.md). K and N must be multiples of 32 (the caller uses oneDNN for
+ * other shapes).
+ *
+ * Returns 0, 1 (nothing written) where it does not apply (no AMX on the build machine or the
+ * OS refuses the tile state), 2 out of memory.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+enum { EPI_NONE = 0, EPI_ADD = 1, EPI_SWIGLU = 2 };
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static int amx_permitted(void) {
+    static int state = 0; /* 0 unknown, 1 yes, -1 no */
+    if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) ? -1 : 1;
+    return state == 1;
+}
+
+int kvserve_amx_available(void) { return amx_permitted(); }
+
+/* float32 -> bf16, round to nearest even (NaN-free inputs), 16 lanes. */
+static inline __m256i to_bf16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+static inline __m512 from_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* silu(g) * u in float32. */
+static inline __m512 silu_mul(__m512 g, __m512 u) {
+    /* silu(g) = g / (1 + exp(-g)), exp on 16 lanes (clamped: exp(88) is finite) */
+    __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), g),
+                                           _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), f);
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    const __m512 e = _mm512_scalef_ps(p, n);
+    const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+    return _mm512_mul_ps(s, u);
+}
+
+void kvserve_amx_pack(const uint16_t *w, int64_t N, int64_t K, uint16_t *wp) {
+    const int64_t nkb = K / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t nb = 0; nb < N / 16; nb++)
+        for (int64_t kb = 0; kb < nkb; kb++) {
+            uint16_t *t = wp + (nb * nkb + kb) * 512;
+            for (int r = 0; r < 16; r++)
+                for (int c = 0; c < 16; c++) {
+                    const uint16_t *src = w + (nb * 16 + c) * K + kb * 32 + 2 * r;
+                    t[r * 32 + 2 * c] = src[0];
+                    t[r * 32 + 2 * c + 1] = src[1];
+                }
+        }
+}
+
+void kvserve_amx_unpack(const uint16_t *wp, int64_t N, int64_t K, uint16_t *w) {
+    const int64_t nkb = K / 32;
+    for (int64_t nb = 0; nb < N / 16; nb++)
+        for (int64_t kb = 0; kb < nkb; kb++) {
+            const uint16_t *t = wp + (nb * nkb + kb) * 512;
+            for (int r = 0; r < 16; r++)
+                for (int c = 0; c < 16; c++) {
+                    uint16_t *dst = w + (nb * 16 + c) * K + kb * 32 + 2 * r;
+                    dst[0] = t[r * 32 + 2 * c];
+                    dst[1] = t[r * 32 + 2 * c + 1];
+                }
+        }
+}
+
+/* 32 rows (a0: rows 0-15, a1: rows 16-31, lda apart) x two 16-column B panels b0, b1 over
+ * nkb K blocks, into cb[32][32] float32. */
+static inline __attribute__((always_inline)) void block32(const uint16_t *a0, const uint16_t *a1,
+                                                          const uint16_t *b0, const uint16_t *b1,
+                                                          int64_t nkb, float *cb) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kb = 0; kb < nkb; kb++) {
+        for (int l = 0; l < 1024; l += 64) { /* the weights stream from memory: ahead */
+            _mm_prefetch((const char *)(b0 + (kb + 2) * 512) + l, _MM_HINT_T0);
+            _mm_prefetch((const char *)(b1 + (kb + 2) * 512) + l, _MM_HINT_T0);
+        }
+        _tile_loadd(4, a0 + kb * 512, 64);
+        _tile_loadd(5, a1 + kb * 512, 64);
+        _tile_loadd(6, b0 + kb * 512, 64);
+        _tile_loadd(7, b1 + kb * 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, cb, 128);
+    _tile_stored(1, cb + 16, 128);
+    _tile_stored(2, cb + 512, 128);
+    _tile_stored(3, cb + 528, 128);
+}
+
+/* y[M, N] (rows ldy apart) = epilogue(x W^T): EPI_NONE (+ bias, float32 [N], or NULL),
+ * EPI_ADD (+ aux [M, N] bf16, rows ldaux apart), EPI_SWIGLU (wp2 holds the up projection:
+ * y = silu(x Wg^T) * (x Wu^T), both packed as wp). */
+int kvserve_amx_linear(const uint16_t *x, int64_t lda, int64_t M, int64_t K, const uint16_t *wp,
+                       const uint16_t *wp2, int64_t N, const float *bias, int epilogue,
+                       const uint16_t *aux, int64_t ldaux, uint16_t *y, int64_t ldy,
+                       int num_threads) {
+    if (K % 32 || N % 32 || M <= 0 || !amx_permitted()) return 1;
+    const int64_t nkb = K / 32, nnb = N / 32, nmb = (M + 31) / 32;
+    const int64_t mtail = M % 32;
+    /* x as contiguous 16 x 32 tiles, [row block][half][kb][16][32] (a partial last block padded
+     * with zeros): a tile load then reads one 1 KiB run instead of 16 rows far apart */
+    uint16_t *ap = aligned_alloc(64, (size_t)nmb * 32 * K * 2);
+    if (!ap) return 2;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t r = 0; r < nmb * 32; r++) {
+        const int64_t mb = r / 32, half = (r % 32) / 16, i = r % 16;
+        uint16_t *dst = ap + ((mb * 2 + half) * nkb * 16 + i) * 32;
+        if (r < M) {
+            const uint16_t *src = x + r * lda;
+            for (int64_t kb = 0; kb < nkb; kb++) memcpy(dst + kb * 512, src + kb * 32, 64);
+        } else {
+            for (int64_t kb = 0; kb < nkb; kb++) memset(dst + kb * 512, 0, 64);
+        }
+    }
+    /* few rows: little work per column, so fewer threads than columns to share */
+    int threads = num_threads;
+    if ((int64_t)threads > nnb) threads = (int)nnb;
+#pragma omp parallel num_threads(threads)
+    {
+        tile_config cfg = {0};
+        cfg.palette_id = 1;
+        for (int t = 0; t < 8; t++) {
+            cfg.rows[t] = 16;
+            cfg.colsb[t] = 64;
+        }
+        _tile_loadconfig(&cfg);
+        float cb[2][32 * 32] __attribute__((aligned(64)));
+        float cu[2][32 * 32] __attribute__((aligned(64)));
+
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        const int64_t nb_lo = nnb * t / T, nb_hi = nnb * (t + 1) / T;
+        /* Few row blocks (decode): each column block's weights are read once and serve every
+         * row block from L1. Many (prefill): a row block stays in L1 while the thread's
+         * columns stream from its L2. */
+        const int cols_outer = nmb <= 4;
+        const int64_t n_outer = cols_outer ? nb_hi - nb_lo : nmb;
+        const int64_t n_inner = cols_outer ? nmb : nb_hi - nb_lo;
+        const int64_t items = n_outer * n_inner;
+        /* A software pipeline over (row block, column block) items: the tiles of item i run
+         * before the epilogue of item i - 1 reads its stored accumulators, so a vector load
+         * never waits on a tile store that has only just been issued. */
+        for (int64_t it = 0; it <= items; it++) {
+            if (it < items) {
+                const int64_t o = it / n_inner, in = it % n_inner;
+                const int64_t mb = cols_outer ? in : o, nb = nb_lo + (cols_outer ? o : in);
+                const uint16_t *a0 = ap + mb * 2 * nkb * 512, *a1 = a0 + nkb * 512;
+                const uint16_t *b0 = wp + (2 * nb) * nkb * 512, *b1 = b0 + nkb * 512;
+                block32(a0, a1, b0, b1, nkb, cb[it & 1]);
+                if (epilogue == EPI_SWIGLU) {
+                    const uint16_t *u0 = wp2 + (2 * nb) * nkb * 512, *u1 = u0 + nkb * 512;
+                    block32(a0, a1, u0, u1, nkb, cu[it & 1]);
+                }
+            }
+            if (it == 0) continue;
+            const int64_t p = it - 1, o = p / n_inner, in = p % n_inner;
+            const int64_t mb = cols_outer ? in : o, nb = nb_lo + (cols_outer ? o : in);
+            const int rows = mtail && mb == nmb - 1 ? (int)mtail : 32;
+            const float *c = cb[p & 1], *u = cu[p & 1];
+            for (int i = 0; i < rows; i++) {
+                const int64_t row = mb * 32 + i;
+                uint16_t *dst = y + row * ldy + nb * 32;
+                for (int h = 0; h < 2; h++) {
+                    __m512 v = _mm512_load_ps(c + i * 32 + 16 * h);
+                    if (epilogue == EPI_SWIGLU) /* rounded once, as oneDNN's fused ops do */
+                        v = silu_mul(v, _mm512_load_ps(u + i * 32 + 16 * h));
+                    else if (epilogue == EPI_ADD)
+                        v = _mm512_add_ps(v, from_bf16(aux + row * ldaux + nb * 32 + 16 * h));
+                    else if (bias)
+                        v = _mm512_add_ps(v, _mm512_loadu_ps(bias + nb * 32 + 16 * h));
+                    _mm256_storeu_si256((__m256i *)(dst + 16 * h), to_bf16(v));
+                }
+            }
+        }
+        _tile_release();
+
+    }
+    free(ap);
+    return 0;
+}
+
+#else
+
+int kvserve_amx_available(void) { return 0; }
+
+void kvserve_amx_pack(const uint16_t *w, int64_t N, int64_t K, uint16_t *wp) {
+    (void)w, (void)N, (void)K, (void)wp;
+}
+
+void kvserve_amx_unpack(const uint16_t *wp, int64_t N, int64_t K, uint16_t *w) {
+    (void)wp, (void)N, (void)K, (void)w;
+}
+
+int kvserve_amx_linear(const uint16_t *x, int64_t lda, int64_t M, int64_t K, const uint16_t *wp,
+                       const uint16_t *wp2, int64_t N, const float *bias, int epilogue,
+                       const uint16_t *aux, int64_t ldaux, uint16_t *y, int64_t ldy,
+                       int num_threads) {
+    (void)x, (void)lda, (void)M, (void)K, (void)wp, (void)wp2, (void)N, (void)bias;
+    (void)epilogue, (void)aux, (void)ldaux, (void)y, (void)ldy, (void)num_threads;
+    return 1; /* no AMX on the build machine: oneDNN serves */
+}
+
+#endif

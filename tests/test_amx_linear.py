@@ -1,0 +1,112 @@
+"""bf16 linear layers on AMX tiles against F.linear in float32, and the AMX backend in the
+engine. Where the CPU has no AMX the kernel must say so (and the engine keep oneDNN)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve.kernels import amx
+from kvserve.model.linear_ops import AMXOps, OneDNNOps, TorchOps, select_ops
+
+AMX = torch.cpu._is_amx_tile_supported()
+
+
+def test_kernel_is_available_exactly_where_the_cpu_has_amx():
+    assert amx.available() == AMX
+    ops = select_ops(torch.device("cpu"), torch.bfloat16)
+    assert isinstance(ops, AMXOps) == AMX
+    assert not isinstance(select_ops(torch.device("cpu"), torch.float32), AMXOps)
+
+
+needs_amx = pytest.mark.skipif(not AMX, reason="no AMX on this CPU: oneDNN serves (tested above)")
+
+
+@needs_amx
+@pytest.mark.parametrize("m", [1, 7, 31, 32, 33, 64, 100, 300])
+@pytest.mark.parametrize("k, n", [(64, 32), (576, 960), (512, 1536), (1536, 576)])
+def test_amx_linear_matches_float32_reference(m, k, n):
+    """Plain, with a bias, with a residual and SwiGLU's gate/up pair: each within one bf16
+    rounding of the float32 result of the same bf16 inputs, any row count (tails padded)."""
+    g = torch.Generator().manual_seed(m * 7 + k)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=g) * k**-0.5).to(torch.bfloat16)
+    wu = (torch.randn(n, k, generator=g) * k**-0.5).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    res = torch.randn(m, n, generator=g).to(torch.bfloat16)
+    wp, wup = amx.pack(w), amx.pack(wu)
+    ref = x.float() @ w.float().t()
+    cases = [
+        (amx.linear(x, wp), ref),
+        (amx.linear(x, wp, bias=bias), ref + bias.float()),
+        (amx.linear(x, wp, residual=res), ref + res.float()),
+        (amx.linear(x, wp, up=wup), F.silu(ref) * (x.float() @ wu.float().t())),
+    ]
+    for got, want in cases:
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=8e-3)
+
+
+@needs_amx
+def test_amx_linear_reads_strided_rows():
+    """Rows of x some distance apart (a view into a wider activation)."""
+    g = torch.Generator().manual_seed(1)
+    wide = torch.randn(40, 160, generator=g).to(torch.bfloat16)
+    x = wide[:, 32:96]
+    w = (torch.randn(64, 64, generator=g) * 0.1).to(torch.bfloat16)
+    torch.testing.assert_close(amx.linear(x, amx.pack(w)).float(), x.float() @ w.float().t(),
+                               atol=1e-2, rtol=8e-3)  # fmt: skip
+
+
+@needs_amx
+def test_pack_unpack_round_trip_and_shape():
+    w = torch.randn(96, 64).to(torch.bfloat16)
+    wp = amx.pack(w)
+    assert wp.shape == (6, 2, 16, 32) and amx.is_packed(wp) and not amx.is_packed(w)
+    assert torch.equal(amx.unpack(wp), w)
+    assert not amx.packable(torch.randn(48, 64).to(torch.bfloat16))  # 48 rows: not 32-aligned
+    assert not amx.packable(torch.randn(64, 64))  # float32
+
+
+@needs_amx
+def test_amx_backend_adopts_a_model_and_gives_it_back(checkpoint, monkeypatch):
+    """The whole model through AMXOps: every matrix packed for the tiles (or for oneDNN where
+    its dims are not multiples of 32), the layer ops within bf16 rounding of the plain oneDNN
+    ops on the same weights, and TorchOps restoring the dense weights bit for bit."""
+    from kvserve.config import ModelConfig
+    from kvserve.model.loader import load_model
+
+    path = checkpoint("llama_gqa", intermediate_size=80)  # the MLP's dims: not 32-aligned
+    cfg = ModelConfig.from_pretrained(path)
+    monkeypatch.setenv("KVSERVE_DISABLE_PREPACK", "1")
+    model = load_model(path, cfg, torch.bfloat16, torch.device("cpu"), 64)
+    dense = {n: p.detach().clone() for n, p in model.named_parameters()}
+    layer = model.layers[0]
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(21, cfg.hidden_size, generator=g).to(torch.bfloat16)
+    res = torch.randn(21, cfg.hidden_size, generator=g).to(torch.bfloat16)
+    ref = OneDNNOps(prepack=False)
+    want = [ref.linear(x, layer.qkv_proj), ref.linear_add(x, layer.o_proj, res),
+            ref.swiglu_add(x, layer.gate_up_proj, layer.down_proj, res)]  # fmt: skip
+    ops = AMXOps()
+    model.set_ops(ops)
+    kinds = {n: ("amx" if amx.is_packed(p) else "onednn" if p.layout == torch._mkldnn else "dense")
+             for n, p in model.named_parameters()}  # fmt: skip
+    assert kinds["layers.0.qkv_proj.weight"] == "amx"
+    assert kinds["layers.0.down_proj.weight"] == "onednn"
+    for n, p in dense.items():
+        if "proj" in n or n == "lm_head.weight":
+            aligned = p.shape[0] % 32 == 0 and p.shape[1] % 32 == 0
+            if "gate_up" in n:
+                aligned = (p.shape[0] // 2) % 32 == 0 and p.shape[1] % 32 == 0
+            assert kinds[n] == ("amx" if aligned else "onednn"), n
+    got = [ops.linear(x, layer.qkv_proj), ops.linear_add(x, layer.o_proj, res),
+           ops.swiglu_add(x, layer.gate_up_proj, layer.down_proj, res)]  # fmt: skip
+    for w, o in zip(want, got, strict=True):
+        torch.testing.assert_close(o.float(), w.float(), atol=3e-2, rtol=2e-2)
+    model.set_ops(TorchOps())
+    back = dict(model.named_parameters())
+    assert back.keys() == dense.keys()
+    for n, p in dense.items():
+        assert torch.equal(back[n], p), n
