@@ -226,7 +226,9 @@ class AMXOps(OneDNNOps):
         if not amx.is_packed(gate_up.weight):  # dims not multiples of 32: oneDNN's
             return super().swiglu_add(x, gate_up, down, residual)
         h = amx.linear(x, gate_up.weight, up=gate_up.up_weight)
-        return self.linear_add(h, down, residual)
+        if amx.is_packed(down.weight):
+            return amx.linear(h, down.weight, residual=residual)
+        return super().linear_add(h, down, residual)
 
 
 def select_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
