@@ -76,15 +76,15 @@ def run_kvserve(path: str, prompts, max_tokens: int, dtype: str, budget: int) ->
 def agreement(path: str, prompts, ref: list[list[int]], test: list[list[int]], budget: int) -> dict:
     """How far bfloat16 greedy decoding follows float32's on the workload.
 
-    ``free``: the share of output tokens before each request's first divergence (after one
-    flip a sequence continues from different text, so later tokens say nothing about dtype).
+    ``free`` and ``identical``: :func:`kvserve.main_job.agreement` (the share of each output
+    before its first divergence, averaged; the share of identical outputs).
     ``forced``: teacher-forced top-1 agreement: bfloat16 scores every position of the float32
     output (prompt log-probs of prompt + float32 output) and its argmax is compared with the
     float32 token; one near-tie then costs one token, not the rest of the sequence."""
     from kvserve import LLM, SamplingParams
+    from kvserve.main_job import agreement as free_running
 
-    same = sum(next((i for i, (a, b) in enumerate(zip(r, t, strict=True)) if a != b), len(r))
-               for r, t in zip(ref, test, strict=True))  # fmt: skip
+    free = free_running(ref, test)
     total = sum(map(len, ref))
     llm = LLM(path, dtype="bfloat16", max_num_seqs=len(prompts), max_num_batched_tokens=budget,
               enable_prefix_caching=False)  # fmt: skip
@@ -97,8 +97,8 @@ def agreement(path: str, prompts, ref: list[list[int]], test: list[list[int]], b
             hit += entry[tok] >= max(entry.values())
     del llm
     gc.collect()
-    identical = sum(r == t for r, t in zip(ref, test, strict=True)) / len(ref)
-    return {"free": same / total, "forced": hit / total, "identical": identical}
+    return {"free": free["token_agreement"], "forced": hit / total,
+            "identical": free["identical_outputs"]}  # fmt: skip
 
 
 def run_transformers(path: str, prompts, max_tokens: int, dtype: str, bsz: int) -> float:
