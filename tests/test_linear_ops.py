@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -105,3 +109,35 @@ def test_bf16_engine_packs_its_weights(checkpoint, make_llm):
     assert amx.is_packed(w) if torch.cpu._is_amx_tile_supported() else w.layout == torch._mkldnn
     fp32 = make_llm(checkpoint("llama_gqa"), dtype="float32")
     assert fp32.engine.model.layers[0].qkv_proj.weight.layout == torch.strided
+
+
+_GROWTH = """
+import sys, torch
+from kvserve.model.linear_ops import select_ops
+if sys.argv[1] == "engine":
+    select_ops(torch.device("cpu"), torch.float32)  # what loading a model does first
+def rss_mb():
+    return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) // 1024
+w, lp = torch.randn(256, 128), torch.ops.mkldnn._linear_pointwise
+lp(torch.randn(1, 128), w, None, "none", [], "")
+before = rss_mb()
+for rows in range(2, 300):  # a serving engine's step token counts
+    lp(torch.randn(rows, 128), w, None, "none", [], "")
+print(rss_mb() - before)
+"""
+
+
+def test_onednn_state_per_row_count_is_bounded():
+    """oneDNN and ideep keep state for every GEMM shape they have seen, ~0.6 MB each;
+    once the engine picked its ops, 300 row counts cost at most about the bounded caches'
+    worth, where PyTorch's defaults keep all of them (measured in a fresh process each, the
+    caches' capacity being read at the first oneDNN call)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}  # fmt: skip
+    grew = {
+        mode: int(subprocess.run([sys.executable, "-c", _GROWTH, mode], env=env, check=True,
+                                 capture_output=True, text=True).stdout.split()[-1])
+        for mode in ("torch-defaults", "engine")
+    }  # fmt: skip
+    assert grew["torch-defaults"] > 120, grew  # the unbounded growth this guards against
+    assert grew["engine"] < 0.5 * grew["torch-defaults"], grew

@@ -231,6 +231,21 @@ class AMXOps(OneDNNOps):
         return super().linear_add(h, down, residual)
 
 
+# oneDNN keeps a compiled primitive, and PyTorch's ideep layer a cache entry holding it, for
+# every input shape it has seen: 1,024 of each by default. An engine step's row count is its
+# token count, which changes almost every step under serving traffic, so a server's memory
+# grew for hours towards a thousand primitives per matrix shape (BENCHMARKS.md, "Resident
+# memory"). Rebuilding a primitive costs far less than a step; 64 bounds both caches. Each
+# variable is read once, at the process's first oneDNN call: set before it, and the user's
+# own settings win.
+ONEDNN_CACHE_CAPACITY = 64
+
+
+def bound_onednn_caches() -> None:
+    for var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        os.environ.setdefault(var, str(ONEDNN_CACHE_CAPACITY))
+
+
 def select_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
     """oneDNN on CPU for float32/bfloat16 when PyTorch ships it (``KVSERVE_DISABLE_ONEDNN=1``
     forces the reference); plain PyTorch everywhere else, e.g. on CUDA."""
@@ -244,6 +259,7 @@ def select_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
         # Packed bf16 weights measured faster at decode sizes and even at prefill sizes on an
         # AMX Xeon (BENCHMARKS.md); float32 keeps plain weights, the layout its exactness
         # tests against transformers were established with. KVSERVE_DISABLE_PREPACK=1 for A/B.
+        bound_onednn_caches()
         prepack = dtype == torch.bfloat16 and os.environ.get("KVSERVE_DISABLE_PREPACK") != "1"
         if prepack and os.environ.get("KVSERVE_DISABLE_AMX") != "1" and amx.available():
             return AMXOps()
