@@ -104,6 +104,26 @@ def copy_bandwidth(nbytes: int = 256 * 2**20, reps: int = 5) -> float:
     return nbytes / median(times)
 
 
+def wait_ready(port: int, timeout: float = 120.0, proc: Any = None) -> float:
+    """Seconds until the server on ``port`` answers ``/health`` with 200 (kvserve and vLLM
+    both serve it); RuntimeError if ``proc`` (its Popen) exits first or time runs out."""
+    import urllib.error
+    import urllib.request
+
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return time.perf_counter() - t0
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"server on port {port} not ready after {timeout:.0f} s")
+
+
 def table(rows: list[dict[str, Any]], cols: list[str]) -> str:
     def fmt(v: Any) -> str:
         if isinstance(v, float):

@@ -25,7 +25,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import bench_model, emit, median, set_threads, table, vocab_size
+from benchmarks.common import (
+    bench_model,
+    emit,
+    median,
+    set_threads,
+    table,
+    vocab_size,
+    wait_ready,
+)
 from kvserve import LLM, SamplingParams
 
 BS = 16
@@ -229,7 +237,7 @@ def replicas(args: argparse.Namespace) -> dict[str, Any]:
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
                                           stderr=subprocess.DEVNULL))  # fmt: skip
         for port in ports:
-            _wait_ready(httpx, port)
+            wait_ready(port)
         rng = random.Random(3)
         rows = []
         prompt = _rand(rng, args.prefix_len, vocab)
@@ -249,18 +257,6 @@ def replicas(args: argparse.Namespace) -> dict[str, Any]:
             p.terminate()
             p.wait(timeout=30)
         server.stop()
-
-
-def _wait_ready(httpx: Any, port: int, timeout: float = 120.0) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"server on port {port} did not start")
 
 
 def _completion(httpx: Any, port: int, prompt: list[int]) -> tuple[float, int]:

@@ -8,7 +8,7 @@ share the two cores. The in-process rows run `kvserve bench --model` with the sa
     python -m benchmarks.serving --model smollm2 --dtype bfloat16 --rates 2,8 --rounds 2 \
         --vllm-python /tmp/vllm-venv/bin/python
 
-vLLM needs its own virtualenv (README, "Speed against vLLM") and the environment
+vLLM needs its own virtualenv (README, "Against vLLM") and the environment
 ``VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=4`` (set here when absent).
 """
 
@@ -21,38 +21,20 @@ import signal
 import statistics
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO, bench_model, copy_bandwidth, emit
+from benchmarks.common import REPO, bench_model, copy_bandwidth, emit, wait_ready
 
 KVSERVE = [sys.executable, "-m", "kvserve.cli"]
 
 
-def wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> float:
-    """Seconds until ``/v1/models`` answers; raises if the server exits or never answers."""
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with code {proc.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2):
-                return time.perf_counter() - t0
-        except OSError:
-            time.sleep(0.5)
-    raise RuntimeError(f"server not ready after {timeout:.0f} s")
-
-
-def bench(extra: list[str], args: argparse.Namespace, i: int, out: Path) -> dict[str, Any]:
-    """One `kvserve bench` run at the i-th rate; its JSON summary (the last line it prints).
-    Each rate gets its own seed (--seed + i, as `kvserve bench --sweep` does): a server
-    keeps its prefix cache between runs, and the same prompts again would all be hits."""
-    rate = args.rate_list[i]
+def bench(extra: list[str], args: argparse.Namespace, rate: float, seed: int,
+          out: Path) -> dict[str, Any]:  # fmt: skip
+    """One `kvserve bench` run; its JSON summary (the last line it prints)."""
     cmd = [*KVSERVE, "bench", *extra, "--workload", args.workload,
            "--num-prompts", str(args.num_prompts), "--length-scale", str(args.length_scale),
-           "--request-rate", str(rate), "--seed", str(args.seed + i), "--warmup", "2",
+           "--request-rate", str(rate), "--seed", str(seed), "--warmup", "2",
            "--no-plots", "--no-progress", "--json", "--output-dir", str(out)]  # fmt: skip
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     if res.returncode != 0:
@@ -60,16 +42,22 @@ def bench(extra: list[str], args: argparse.Namespace, i: int, out: Path) -> dict
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def served(cmd: list[str], env: dict[str, str], port: int, args: argparse.Namespace,
-           log: Path) -> tuple[float, list[dict[str, Any]]]:  # fmt: skip
-    """Start a server, run each rate against it, stop it: (startup seconds, summaries)."""
+def served(
+    cmd: list[str],
+    env: dict[str, str],
+    port: int,
+    args: argparse.Namespace,
+    points: list[tuple[float, int]],
+    log: Path,
+) -> tuple[float, list[dict[str, Any]]]:
+    """Start a server, run each (rate, seed) against it, stop it: (startup s, summaries)."""
     with open(log, "w") as logf:
         proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO,
                                 start_new_session=True)  # fmt: skip
         try:
-            startup = wait_ready(port, proc, args.startup_timeout)
+            startup = wait_ready(port, args.startup_timeout, proc)
             url = ["--base-url", f"http://127.0.0.1:{port}", "--tokenizer", args.model_dir]
-            return startup, [bench(url, args, i, log.parent) for i in range(len(args.rate_list))]
+            return startup, [bench(url, args, r, seed, log.parent) for r, seed in points]
         finally:
             os.killpg(proc.pid, signal.SIGINT)
             try:
@@ -92,7 +80,7 @@ def row(name: str, rate: float, s: dict[str, Any], rnd: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default="bfloat16")
@@ -107,8 +95,20 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=18950)
     ap.add_argument("--startup-timeout", type=float, default=300)
     ap.add_argument("--out", default="/tmp/kvserve-serving-bench")
-    args = ap.parse_args()
-    rates = args.rate_list = [float(r) for r in args.rates.split(",")]
+    args = ap.parse_args(argv)
+    try:
+        rates = [float(r) for r in args.rates.split(",")]
+    except ValueError:
+        ap.error(f"--rates: comma list of request rates (req/s), got {args.rates!r}")
+    if not all(r > 0 for r in rates):
+        ap.error(f"--rates: every rate must be > 0 req/s, got {args.rates!r}")
+    if args.rounds < 1:
+        ap.error(f"--rounds: must be >= 1, got {args.rounds}")
+    if args.vllm_python and not (Path(args.vllm_python).parent / "vllm").is_file():
+        ap.error(f"--vllm-python: no `vllm` command beside {args.vllm_python} (a vllm-cpu venv)")
+    # Each rate gets its own seed (--seed + i, as `kvserve bench --sweep` does): a server keeps
+    # its prefix cache between runs, and the same prompts again would all be hits.
+    points = [(r, args.seed + i) for i, r in enumerate(rates)]
     args.model_dir = bench_model(args.model)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -131,24 +131,24 @@ def main() -> None:
     # and the table gives each figure's median over the rounds.
     for rnd in range(args.rounds):
         print(f"round {rnd + 1}: copy bandwidth {copy_bandwidth() / 1e9:.1f} GB/s", flush=True)
-        t, sums = served(kv_cmd, env, args.port, args, out / "kvserve.log")
+        t, sums = served(kv_cmd, env, args.port, args, points, out / "kvserve.log")
         startups.setdefault("kvserve", t)
         rows += [row("kvserve serve", r, s, rnd) for r, s in zip(rates, sums, strict=True)]
-        rows += [row("kvserve in-process", r, bench(inproc, args, i, out), rnd)
-                 for i, r in enumerate(rates)]  # fmt: skip
+        rows += [row("kvserve in-process", r, bench(inproc, args, r, seed, out), rnd)
+                 for r, seed in points]  # fmt: skip
         if vl_cmd is not None:
-            t, sums = served(vl_cmd, venv_env, args.port + 1, args, out / "vllm.log")
+            t, sums = served(vl_cmd, venv_env, args.port + 1, args, points, out / "vllm.log")
             startups.setdefault("vllm", t)
             rows += [row("vllm serve", r, s, rnd) for r, s in zip(rates, sums, strict=True)]
     for r in rows:
         print(json.dumps(r))
-    rows = [
-        {"engine": e, "rate": rate, **{k: statistics.median(x[k] for x in rows
-         if (x["engine"], x["rate"]) == (e, rate)) for k in METRICS}}
-        for e, rate in dict.fromkeys((x["engine"], x["rate"]) for x in rows)
-    ]  # fmt: skip
-
-    by = {(r["engine"], r["rate"]): r for r in rows}
+    runs: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    for r in rows:
+        runs.setdefault((r["engine"], r["rate"]), []).append(r)
+    by = {key: {"engine": key[0], "rate": key[1],
+                **{k: statistics.median(r[k] for r in rs) for k in METRICS}}
+          for key, rs in runs.items()}  # fmt: skip
+    rows = list(by.values())
     print(f"\n{args.model} {args.dtype}, {args.workload} x{args.num_prompts}, "
           f"medians of {args.rounds} round(s), "
           f"length scale {args.length_scale}, seeds {args.seed}.. by rate; startup "

@@ -3,6 +3,7 @@ conservation after every test that uses it."""
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -69,28 +70,28 @@ def check_blocks(core) -> None:  # noqa: ANN001 - an EngineCore
     core.kv.check_invariants()
 
 
-def check_blocks_after_step(core) -> None:  # noqa: ANN001 - an EngineCore
-    """check_blocks, at the step cadence described above."""
-    if type(core.runner).__name__ == "CostModelRunner":
-        every = SPARSE_EVERY
-    else:
-        every = -(-core.kv.pool.num_blocks // DENSE_BLOCKS)
-    core._checked_steps = getattr(core, "_checked_steps", 0) + 1
-    if core._checked_steps % every == 0:
-        check_blocks(core)
-
-
 @pytest.fixture(autouse=True)
 def conserve_blocks_every_step(monkeypatch):
-    """Every engine a test builds checks its pool as it steps (check_blocks_after_step), not
-    only at teardown."""
+    """Every engine a test builds checks its pool as it steps (at the cadence described
+    above), not only at teardown."""
     from kvserve.engine.core import EngineCore
+    from kvserve.sim.simulate import CostModelRunner
 
     init = EngineCore.__init__
 
     def patched(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
         init(self, *args, **kwargs)
-        self.step_hooks.append(check_blocks_after_step)
+        if isinstance(self.runner, CostModelRunner):
+            every = SPARSE_EVERY
+        else:
+            every = -(-self.kv.pool.num_blocks // DENSE_BLOCKS)
+        steps = itertools.count(1)
+
+        def check_every(core) -> None:  # noqa: ANN001 - an EngineCore
+            if next(steps) % every == 0:
+                check_blocks(core)
+
+        self.step_hooks.append(check_every)
 
     monkeypatch.setattr(EngineCore, "__init__", patched)
 
