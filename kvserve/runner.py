@@ -27,6 +27,7 @@ from kvserve.model.attention import (
     KERNEL_MAX_QUERY,
     AttentionMetadata,
     Compaction,
+    GroupVotes,
     ObservedDecode,
     PagedGroup,
     PrefillChunk,
@@ -169,8 +170,8 @@ class ModelRunner:
         slot_chunks: list[np.ndarray] = []
         meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), block_size=bs)
 
-        # q_start, q_len, ctx, retention window, blocks
-        group_rows: list[tuple[int, int, int, int, list[int]]] = []
+        # q_start, q_len, ctx, retention window, sinks, blocks
+        group_rows: list[tuple[int, int, int, int, int, list[int]]] = []
         if nd:
             dec = items[:nd]
             ctx = np.fromiter((s.num_cached for s in dec), np.int64, nd)
@@ -184,10 +185,13 @@ class ModelRunner:
             if any(s.window for s in dec):
                 wins = np.fromiter((s.window for s in dec), np.int32, nd)
                 meta.decode_windows = torch.from_numpy(wins).to(dev)
-            group_rows += [(i, 1, int(ctx[i]), dec[i].window, dec[i].block_ids) for i in range(nd)]
+            group_rows += [(i, 1, int(ctx[i]), dec[i].window, 0, dec[i].block_ids)
+                           for i in range(nd)]  # fmt: skip
 
         q_start = nd
         observed: list[tuple[int, int, list[int], list]] = []  # row, entries, table, mass
+        voting: list[tuple[int, int, list]] = []  # group row, entries, mass
+        fused_retention = self.storage.fused_retention
         for s in items[nd:]:
             n, c = s.num_tokens, s.num_cached
             ids.extend(s.token_ids)
@@ -196,6 +200,11 @@ class ModelRunner:
             bt = np.asarray(s.block_ids, dtype=np.int64)
             table = torch.from_numpy(bt[: -(-(c + n) // bs)]).to(dev) if c else None
             in_group = bool(c) and n <= KERNEL_MAX_QUERY and not s.per_sequence
+            # Retention windows (with StreamingLLM's sinks or without) over a cached context,
+            # long chunks too: the kernel reads only the sink and window blocks, where the
+            # reference path would gather them and build [heads, queries, keys] scores.
+            windowed = s.sinks or (s.window and c)
+            in_group |= bool(windowed) and fused_retention and not s.compact and not s.observe
             chunk = PrefillChunk(q_start, n, c, table, in_group, s.window, s.sinks)
             if s.compact:
                 chunk.compact = _compaction(s, bs, dev)
@@ -204,13 +213,19 @@ class ModelRunner:
                 chunk.mass = self.mass.setdefault(s.req_id, [None] * layers)
                 if n == 1 and c and not s.compact:  # attended in one batch with its like
                     chunk.in_group = True
-                    observed.append((q_start, c + 1, s.block_ids, chunk.mass))
+                    if fused_retention:  # the fused kernel adds its mass
+                        voting.append((len(group_rows), c + 1, chunk.mass))
+                        group_rows.append((q_start, 1, c, s.window, 0, s.block_ids))
+                    else:
+                        observed.append((q_start, c + 1, s.block_ids, chunk.mass))
             meta.prefills.append(chunk)
             if in_group:
-                group_rows.append((q_start, n, c, s.window, s.block_ids))
+                group_rows.append((q_start, n, c, s.window, s.sinks, s.block_ids))
             q_start += n
         if group_rows:
             meta.paged = _paged_group(group_rows, null, dev)
+            if voting:
+                meta.paged.votes = _group_votes(voting, len(group_rows), 2 * bs)
         if observed:
             meta.observed = ObservedDecode(
                 torch.tensor([r for r, *_ in observed], device=dev),
@@ -258,6 +273,38 @@ def padded_tables(tables: list[list[int]], null: int) -> np.ndarray:
     return out
 
 
+def _group_votes(voting: list[tuple[int, int, list]], num_rows: int, spare: int) -> GroupVotes:
+    """Each H2O decode row's mass, per layer, grown by a zero column for its new entry (the
+    kernel adds every entry's share in place), with the addresses the kernel writes to."""
+    layers = len(voting[0][2])
+    ptrs = np.zeros((layers, num_rows), dtype=np.int64)
+    strides = np.zeros((layers, num_rows), dtype=np.int64)
+    keep = []
+    for row, n, mass in voting:
+        for layer in range(layers):
+            prev = mass[layer]
+            assert prev is not None and prev.shape[1] == n - 1
+            m = mass[layer] = _grown(prev, n, spare)
+            ptrs[layer, row], strides[layer, row] = m.data_ptr(), m.stride(0)
+            keep.append(m)
+    return GroupVotes(torch.from_numpy(ptrs), torch.from_numpy(strides), keep)
+
+
+def _grown(prev: torch.Tensor, n: int, spare: int) -> torch.Tensor:
+    """``prev`` [KVH, n - 1] as a view of ``n`` columns whose last is zero: a view of the
+    buffer a previous step grew (its columns past the view were zeroed and are written only
+    here, one per step), else a new buffer with ``spare`` columns of room."""
+    base = prev._base
+    if (
+        base is not None and base.dim() == 2 and base.shape[1] >= n
+        and prev.data_ptr() == base.data_ptr() and prev.stride() == base.stride()
+    ):  # fmt: skip
+        return base[:, :n]
+    buf = torch.zeros(prev.shape[0], n + spare, dtype=torch.float32, device=prev.device)
+    buf[:, : n - 1] = prev
+    return buf[:, :n]
+
+
 def _compaction(s: ScheduledSeq, bs: int, dev: torch.device) -> Compaction:
     """Slots of the sequence's cache entries (before compaction, this step's included) and of
     the fresh blocks its kept entries go to."""
@@ -275,20 +322,29 @@ def _compaction(s: ScheduledSeq, bs: int, dev: torch.device) -> Compaction:
 
 
 def _paged_group(
-    rows: list[tuple[int, int, int, int, list[int]]], null: int, dev: torch.device
+    rows: list[tuple[int, int, int, int, int, list[int]]], null: int, dev: torch.device
 ) -> PagedGroup:
-    """Arrays for the fused kernel over decode tokens and short continuation chunks; block
-    tables padded with the null block."""
+    """Arrays for the fused kernel over decode tokens, short continuation chunks and
+    StreamingLLM's chunks; block tables padded with the null block."""
     table = padded_tables([b for *_, b in rows], null)
-    arr = np.array([r[:4] for r in rows], dtype=np.int64)
-    windows = None
+    arr = np.array([r[:5] for r in rows], dtype=np.int64)
+    num_rows = int(arr[-1, 0] + arr[-1, 1])
+    windows = sinks = shift = None
     if arr[:, 3].any():
         windows = torch.from_numpy(arr[:, 3].astype(np.int32)).to(dev)
+    if arr[:, 4].any():  # a query at cache entry c sees its sinks shifted by c - S - w + 1
+        sinks = torch.from_numpy(arr[:, 4].astype(np.int32)).to(dev)
+        rot = np.zeros(num_rows, dtype=np.int64)
+        for q0, n, c, w, s in arr[arr[:, 4] > 0]:
+            rot[q0 : q0 + n] = np.maximum(np.arange(c, c + n) - s - w + 1, 0)
+        shift = torch.from_numpy(rot).to(dev)
     return PagedGroup(
-        num_rows=int(arr[-1, 0] + arr[-1, 1]),
+        num_rows=num_rows,
         q_start=torch.from_numpy(np.ascontiguousarray(arr[:, 0])).to(dev),
         q_len=torch.from_numpy(np.ascontiguousarray(arr[:, 1])).to(dev),
         ctx_len=torch.from_numpy(np.ascontiguousarray(arr[:, 2])).to(dev),
         block_tables=torch.from_numpy(table).to(dev),
         windows=windows,
+        sinks=sinks,
+        sink_shift=shift,
     )

@@ -200,3 +200,137 @@ def test_bf16_queries_over_bf16_cache_match_naive_attention(kv_heads, heads, bs,
             ref = reference_attention(q[sl].float(), keys, vals, torch.arange(ctx, n), eff)
             # bf16 output: within its rounding (2^-8 relative) of the float32 reference
             torch.testing.assert_close(out[sl].float(), ref, atol=1e-2, rtol=8e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kv_heads, heads", [(3, 9), (2, 2)])
+@pytest.mark.parametrize("bs, d", [(4, 16), (16, 64)])
+def test_votes_are_the_attention_probabilities_each_key_receives(dtype, kv_heads, heads, bs, d):
+    """H2O's side output: for the sequences that ask, each visible key's probability summed
+    over the sequence's queries and each KV head's query heads is added to their buffer,
+    against naive float32 softmax of the same values; other columns and sequences untouched,
+    and the attention output the same as without votes."""
+    from types import SimpleNamespace
+
+    torch.manual_seed(6)
+    nblocks = 256
+    storage = DenseKVStorage(1, nblocks, bs, kv_heads, d, dtype)
+    storage.k[0].normal_()
+    storage.v[0].normal_()
+    # (q_len, ctx_len, retention window, votes?)
+    seqs = [(1, 40, 0, True), (3, 0, 0, False), (1, 0, 0, True), (16, 21, 0, True),
+            (1, 70, 9, True), (5, 33, 0, False), (1, 17, 0, False)]  # fmt: skip
+    perm = torch.randperm(nblocks).tolist()
+    tables, starts, row = [], [], 0
+    for q_len, ctx, *_ in seqs:
+        nb = -(-(ctx + q_len) // bs)
+        tables.append(perm[:nb])
+        perm = perm[nb:]
+        starts.append(row)
+        row += q_len
+    width = max(map(len, tables))
+    bt = torch.tensor([t + [nblocks] * (width - len(t)) for t in tables])
+    group = SimpleNamespace(
+        num_rows=row, q_start=torch.tensor(starts), q_len=torch.tensor([s[0] for s in seqs]),
+        ctx_len=torch.tensor([s[1] for s in seqs]), block_tables=bt,
+        windows=torch.tensor([s[2] for s in seqs], dtype=torch.int32),
+    )  # fmt: skip
+    q = torch.randn(row, heads, d).to(dtype if dtype == torch.bfloat16 else torch.float32)
+    bufs = [torch.rand(kv_heads, ctx + q_len + 5) for q_len, ctx, *_ in seqs]
+    before = [b.clone() for b in bufs]
+    ptrs = torch.tensor([b.data_ptr() if s[3] else 0 for b, s in zip(bufs, seqs, strict=True)])
+    strides = torch.tensor([b.stride(0) for b in bufs])
+    out = torch.empty(row, heads, d, dtype=q.dtype)
+    kernels.paged_attention(q, storage.k[0], storage.v[0], group, None, out, (ptrs, strides))
+    plain = torch.empty_like(out)
+    kernels.paged_attention(q, storage.k[0], storage.v[0], group, None, plain)
+    assert torch.equal(out, plain)
+    g = heads // kv_heads
+    for i, (q_len, ctx, w, votes) in enumerate(seqs):
+        added = bufs[i] - before[i]
+        if not votes:
+            assert torch.equal(added, torch.zeros_like(added))
+            continue
+        n = ctx + q_len
+        keys = storage.gather(0, bt[i : i + 1])[0][0, :, :n].float()  # [KVH, n, D]
+        qs = q[starts[i] : starts[i] + q_len].float().view(q_len, kv_heads, g, d)
+        scores = torch.einsum("qkgd,ksd->kgqs", qs, keys) * d**-0.5
+        qpos = torch.arange(ctx, n)[:, None]
+        kpos = torch.arange(n)[None, :]
+        hidden = (kpos > qpos) | ((kpos <= qpos - w) if w else torch.zeros_like(kpos > qpos))
+        probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)
+        ref = probs.sum(dim=(1, 2))  # [KVH, n]
+        torch.testing.assert_close(added[:, :n], ref, atol=3e-4, rtol=3e-3)
+        assert torch.equal(added[:, n:], torch.zeros_like(added[:, n:]))
+
+
+def test_votes_refuse_a_sequence_longer_than_one_query_tile():
+    from types import SimpleNamespace
+
+    storage = DenseKVStorage(1, 8, 4, 1, 16, torch.float32)
+    group = SimpleNamespace(
+        num_rows=17, q_start=torch.tensor([0]), q_len=torch.tensor([17]),
+        ctx_len=torch.tensor([0]), block_tables=torch.arange(5)[None], windows=None,
+    )  # fmt: skip
+    buf = torch.zeros(1, 17)
+    votes = (torch.tensor([buf.data_ptr()]), torch.tensor([17]))
+    q, out = torch.randn(17, 1, 16), torch.empty(17, 1, 16)
+    with pytest.raises(RuntimeError, match="paged attention kernel failed"):
+        kernels.paged_attention(q, storage.k[0], storage.v[0], group, None, out, votes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bs, d", [(4, 16), (16, 64)])
+def test_sink_keys_are_scored_with_each_rows_rotated_back_query(dtype, bs, d):
+    """StreamingLLM in the fused kernel: a row at cache entry c sees the keys of its window
+    (c - w, c] with its query and the sink keys before that window, [0, min(S, c - w + 1)),
+    with its row of ``q_back``; one softmax over both. Decode rows and chunks (long ones too,
+    several query tiles) against naive float32 attention of the same values."""
+    from types import SimpleNamespace
+
+    torch.manual_seed(7)
+    kv_heads, heads, nblocks = 2, 6, 256
+    storage = DenseKVStorage(1, nblocks, bs, kv_heads, d, dtype)
+    storage.k[0].normal_()
+    storage.v[0].normal_()
+    # (q_len, ctx_len, window, sinks): past the window, inside it, a chunk straddling it
+    seqs = [(1, 60, 16, 4), (1, 10, 16, 4), (40, 0, 16, 3), (7, 30, 12, 5), (1, 45, 0, 0),
+            (20, 100, 32, 1)]  # fmt: skip
+    perm = torch.randperm(nblocks).tolist()
+    tables, starts, row = [], [], 0
+    for q_len, ctx, *_ in seqs:
+        nb = -(-(ctx + q_len) // bs)
+        tables.append(perm[:nb])
+        perm = perm[nb:]
+        starts.append(row)
+        row += q_len
+    width = max(map(len, tables))
+    bt = torch.tensor([t + [nblocks] * (width - len(t)) for t in tables])
+    group = SimpleNamespace(
+        num_rows=row, q_start=torch.tensor(starts), q_len=torch.tensor([s[0] for s in seqs]),
+        ctx_len=torch.tensor([s[1] for s in seqs]), block_tables=bt,
+        windows=torch.tensor([s[2] for s in seqs], dtype=torch.int32),
+        sinks=torch.tensor([s[3] for s in seqs], dtype=torch.int32),
+    )  # fmt: skip
+    qdt = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    q, q_back = torch.randn(row, heads, d).to(qdt), torch.randn(row, heads, d).to(qdt)
+    out = torch.full((row, heads, d), float("nan"), dtype=qdt)
+    kernels.paged_attention(q, storage.k[0], storage.v[0], group, None, out, q_back=q_back)
+    g = heads // kv_heads
+    for i, (q_len, ctx, w, s) in enumerate(seqs):
+        n = ctx + q_len
+        kc, vc = storage.gather(0, bt[i : i + 1])
+        keys = kc[0, :, :n].float().repeat_interleave(g, 0)  # [H, n, D]
+        vals = vc[0, :, :n].float().repeat_interleave(g, 0)
+        for j in range(q_len):
+            c, r = ctx + j, starts[i] + j
+            t = torch.arange(n)
+            in_window = (t <= c) & ((t > c - w) if w else True)
+            sink = (t < s) & (t <= c - w) if s else torch.zeros(n, dtype=torch.bool)
+            qq = torch.where(sink[None, :, None], q_back[r].float()[:, None], q[r].float()[:, None])
+            scores = (qq * keys).sum(-1) * d**-0.5  # [H, n]
+            scores = scores.masked_fill(~(in_window | sink)[None], float("-inf"))
+            ref = torch.einsum("hn,hnd->hd", scores.softmax(-1), vals)
+            bf16 = qdt == torch.bfloat16
+            tol = {"atol": 2e-2, "rtol": 2e-2} if bf16 else {"atol": 2e-5, "rtol": 1e-4}
+            torch.testing.assert_close(out[r].float(), ref, **tol)

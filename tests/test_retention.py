@@ -175,9 +175,13 @@ def test_streaming_reference_is_the_model_when_nothing_is_evicted(llama, streami
 
 @pytest.mark.parametrize("spec, sinks, window", [("sinks:4,window:24", 4, 24),
                                                  ("sinks:12,window:16", 12, 16)])  # fmt: skip
-@pytest.mark.parametrize("budget", [2048, 16])
+# budget 16: chunks that cross the window; "reference": no kernels, the per-sequence path
+@pytest.mark.parametrize("budget, path", [(2048, "fused"), (16, "fused"), (16, "reference")])
 def test_sinks_equal_streaming_llm_with_in_cache_positions(llama, make_llm, streaming, spec,
-                                                           sinks, window, budget):  # fmt: skip
+                                                           sinks, window, budget, path,
+                                                           monkeypatch):  # fmt: skip
+    if path == "reference":
+        monkeypatch.setenv("KVSERVE_DISABLE_KERNELS", "1")
     prompts = prompts_of_lengths([5, 70], seed=12)
     key = (sinks, window)
     if key not in _STREAMING:  # the reference is slow (token by token): once per policy

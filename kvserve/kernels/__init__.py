@@ -130,7 +130,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.restype = ctypes.c_int
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     fn.argtypes = [p, p, p, p, i64, p, p, p, p, p, i32, i32, i32, i32, i32, i32,
-                   ctypes.c_float, i32, i32, i32, i32]  # fmt: skip
+                   ctypes.c_float, i32, i32, i32, i32, p, p, p, p]  # fmt: skip
 
 
 _LIB = NativeLibrary(_SRC, _FLAGS, "paged attention", _declare)
@@ -152,6 +152,8 @@ def paged_attention(
     group: Any,
     window: int | None,
     out: torch.Tensor,
+    votes: tuple[torch.Tensor, torch.Tensor] | None = None,
+    q_back: torch.Tensor | None = None,
 ) -> None:
     """Attention of the group's query rows over their cached blocks, written into ``out``.
 
@@ -159,6 +161,16 @@ def paged_attention(
     [num_blocks, KVH, block_size, D]; ``group`` has int64 tensors q_start, q_len, ctx_len [B]
     and block_tables [B, n], and ``windows`` (int32 [B], a sequence's retention window, 0 for
     none) or None (see :class:`kvserve.model.attention.PagedGroup`). ``window`` is the layer's.
+
+    ``votes`` (H2O's attention mass), int64 [B] addresses and row strides: for each sequence
+    whose address is not 0, the probability each visible key receives, summed over the
+    sequence's queries and each KV head's query heads, is added to that float32 [KVH, stride]
+    buffer (a sequence with votes has at most 16 queries).
+
+    StreamingLLM: ``group.sinks`` (int32 [B], or None) gives a windowed sequence's sink count;
+    each of its rows also sees the sink keys before its window, scored with its row of
+    ``q_back`` (the query rotated back by the row's position shift, see
+    :func:`kvserve.model.attention.rotate_back`).
     """
     lib = _LIB.get()
     assert lib is not None
@@ -173,6 +185,11 @@ def paged_attention(
     bt = group.block_tables.contiguous()
     wins = getattr(group, "windows", None)
     wins = None if wins is None else wins.to(torch.int32).contiguous()
+    sinks = getattr(group, "sinks", None)
+    sinks = None if sinks is None else sinks.to(torch.int32).contiguous()
+    if sinks is not None:
+        assert q_back is not None, "a group with sinks needs the rotated-back queries"
+        q_back = q_back[:n].to(qf.dtype).contiguous()
     rc = lib.kvserve_paged_attention(
         qf.data_ptr(),
         k_cache.data_ptr(),
@@ -195,6 +212,10 @@ def paged_attention(
         torch.get_num_threads(),
         _IO_DTYPES[qf.dtype],
         _IO_DTYPES[dst.dtype],
+        None if votes is None else votes[0].data_ptr(),
+        None if votes is None else votes[1].data_ptr(),
+        None if sinks is None else sinks.data_ptr(),
+        None if sinks is None else q_back.data_ptr(),
     )
     if rc != 0:
         raise RuntimeError(f"paged attention kernel failed (code {rc}) for q={tuple(q.shape)}")

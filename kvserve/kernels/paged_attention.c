@@ -271,24 +271,126 @@ static inline void prefetch_block(const void *k_cache, const void *v_cache, int6
 }
 #endif
 
+/* One block of one KV head for the R rows of a task that read it: the path this CPU, cache
+ * dtype and head size allow (bf16 dot products, AVX-512, or portable). row0/nrow0: the
+ * head's first row in this block and in the next one (-1: none, for the prefetch). */
+static inline __attribute__((always_inline)) void attend_head(
+    const float *qh, const uint16_t *qbh, const int64_t *ph, int window, const void *k_cache,
+    const void *v_cache, int64_t row0, int64_t nrow0, float *sh, float *ah, float *mh,
+    float *lh, int R, int D, int dtype, int use_bf16, int bs, int lo, int hi, int64_t t0,
+    float scale, float *ktmp, float *vtmp) {
+    (void)qbh; (void)use_bf16; (void)nrow0; (void)scale;
+#ifdef HAVE_BF16_PATH
+    if (use_bf16) {
+        const uint16_t *kr = (const uint16_t *)k_cache + row0 * D;
+        const uint16_t *vr = (const uint16_t *)v_cache + row0 * D;
+        const char *kpf = nrow0 < 0 ? NULL : (const char *)((const uint16_t *)k_cache + nrow0 * D);
+        const char *vpf = nrow0 < 0 ? NULL : (const char *)((const uint16_t *)v_cache + nrow0 * D);
+        if (D == 64) attend_block_bf16(qbh, kr, vr, sh, ah, mh, lh, ph, R, 64, bs, lo, hi, t0, window, scale, kpf, vpf);
+        else attend_block_bf16(qbh, kr, vr, sh, ah, mh, lh, ph, R, 128, bs, lo, hi, t0, window, scale, kpf, vpf);
+        return;
+    }
+#endif
+#ifdef HAVE_AVX512_PATH
+    if ((D == 64 || D == 128) && dtype != DT_F16) {
+        const size_t esz = dtype == DT_F32 ? 4 : 2;
+        const char *kr = (const char *)k_cache + row0 * D * esz;
+        const char *vr = (const char *)v_cache + row0 * D * esz;
+#define AVX_CALL(DD, DT) attend_block_avx512(qh, kr, vr, sh, ah, mh, lh, ph, R, DD, DT, bs, lo, hi, t0, window)
+        if (D == 64 && dtype == DT_F32) AVX_CALL(64, DT_F32);
+        else if (D == 64) AVX_CALL(64, DT_BF16);
+        else if (dtype == DT_F32) AVX_CALL(128, DT_F32);
+        else AVX_CALL(128, DT_BF16);
+#undef AVX_CALL
+        return;
+    }
+#endif
+    const float *kb = load_rows(k_cache, row0, bs, D, dtype, ktmp);
+    const float *vb = load_rows(v_cache, row0, bs, D, dtype, vtmp);
+    switch (D) { /* constant D at the common head sizes */
+    case 64: attend_block(qh, kb, vb, sh, ah, mh, lh, ph, R, 64, bs, lo, hi, t0, window); break;
+    case 128: attend_block(qh, kb, vb, sh, ah, mh, lh, ph, R, 128, bs, lo, hi, t0, window); break;
+    case 32: attend_block(qh, kb, vb, sh, ah, mh, lh, ph, R, 32, bs, lo, hi, t0, window); break;
+    default: attend_block(qh, kb, vb, sh, ah, mh, lh, ph, R, D, bs, lo, hi, t0, window);
+    }
+}
+
+/* H2O's side output for one task: once its rows' softmax max m and sum l are final, score
+ * the keys again and add each key's probability, summed over the task's rows of each KV head
+ * (the G query heads of the group, and the chunk's queries), to that head's row of `vote`
+ * (float32 [KVH, vs]). A second pass over the keys the task just read (still in cache) keeps
+ * the streaming pass as it is: the probabilities need the final max and sum, which the online
+ * softmax knows only at the end. */
+static void add_votes(float *vote, int64_t vs, const void *k_cache, const int64_t *table,
+                      const float *qs, const uint16_t *qb, float *s, const float *m,
+                      const float *l, const int64_t *qpos, int R, int HG, int h0, int KVH,
+                      int D, int bs, int64_t first, int64_t last, int window, int dtype,
+                      int use_bf16, float scale, float *ktmp) {
+    (void)qb; (void)use_bf16; (void)scale;
+    for (int h = 0; h < HG; h++) {
+        float *vh = vote + (int64_t)(h0 + h) * vs;
+        const int rr = h * R;
+        for (int64_t t0 = (first / bs) * bs; t0 <= last; t0 += bs) {
+            const int64_t row0 = (table[t0 / bs] * KVH + h0 + h) * bs;
+            const int lo = (int)(first > t0 ? first - t0 : 0);
+            const int hi = (int)(last - t0 + 1 < bs ? last - t0 + 1 : bs);
+            const float *kb = NULL;
+#ifdef HAVE_BF16_PATH
+            if (!use_bf16)
+#endif
+                kb = load_rows(k_cache, row0, bs, D, dtype, ktmp);
+            for (int r = rr; r < rr + R; r++) {
+                float *restrict sr = s + (int64_t)r * bs;
+#ifdef HAVE_BF16_PATH
+                if (use_bf16) {
+                    scores_bf16(qb + (int64_t)r * D, (const uint16_t *)k_cache + row0 * D, sr, D,
+                                lo, hi, scale, NULL);
+                } else
+#endif
+                {
+                    const float *restrict qr = qs + (int64_t)r * D;
+                    for (int t = lo; t < hi; t++) {
+                        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                        for (int d = 0; d < D; d++) dot += qr[d] * kb[t * D + d];
+                        sr[t] = dot;
+                    }
+                }
+                int64_t a = window > 0 ? qpos[r] - window + 1 - t0 : lo;
+                a = a < lo ? lo : (a > hi ? hi : a);
+                int64_t z = qpos[r] - t0 + 1;
+                z = z > hi ? hi : (z < a ? a : z);
+                if (l[r] <= 0.f) continue;
+                const float inv = 1.f / l[r], mr = m[r];
+                for (int64_t t = a; t < z; t++) vh[t0 + t] += expf(sr[t] - mr) * inv;
+            }
+        }
+    }
+}
+
 int kvserve_paged_attention(const void *q, const void *k_cache, const void *v_cache,
                             const int64_t *block_tables, int64_t bt_stride,
                             const int64_t *q_start, const int64_t *q_len,
                             const int64_t *ctx_len, const int32_t *seq_windows, void *out,
                             int B, int H, int KVH, int D, int bs, int layer_window, float scale,
-                            int dtype, int num_threads, int q_dtype, int out_dtype) {
+                            int dtype, int num_threads, int q_dtype, int out_dtype,
+                            const int64_t *vote_ptrs, const int64_t *vote_strides,
+                            const int32_t *seq_sinks, const void *q_back) {
     if ((q_dtype != DT_F32 && q_dtype != DT_BF16) || (out_dtype != DT_F32 && out_dtype != DT_BF16))
         return -1;
     if (H % KVH) return -1;
+    /* A sequence's votes are added by the one task that holds all its queries. */
+    for (int b = 0; vote_ptrs && b < B; b++)
+        if (vote_ptrs[b] && q_len[b] > QT) return -1;
     const int G = H / KVH;
     /* The bf16 path fetches the next block a few lines per key as it goes (measured ~1.3x
      * the decode kernel's throughput on scattered blocks against fetching the whole block
      * at once, which stalls on the core's outstanding-miss limit); the others at once. */
-    int spread_prefetch = 0;
+    int spread_prefetch = 0, use_bf16 = 0;
     (void)spread_prefetch;
 #ifdef HAVE_BF16_PATH
     /* bf16 dot products need the queries exactly in bf16: only a bf16 model's queries are. */
-    const int use_bf16 = dtype == DT_BF16 && q_dtype == DT_BF16 && (D == 64 || D == 128);
+    use_bf16 = dtype == DT_BF16 && q_dtype == DT_BF16 && (D == 64 || D == 128);
     spread_prefetch = use_bf16;
 #endif
     const size_t esz = dtype == DT_F32 ? 4 : 2;
@@ -322,8 +424,12 @@ int kvserve_paged_attention(const void *q, const void *k_cache, const void *v_ca
         float *m = malloc(sizeof(float) * maxr), *l = malloc(sizeof(float) * maxr);
         int64_t *qpos = malloc(sizeof(int64_t) * maxr);
         uint16_t *qb = malloc(sizeof(uint16_t) * maxr * D);
+        /* StreamingLLM's sink keys: each row's query rotated back (q_back), its last sink */
+        float *qsb = malloc(sizeof(float) * maxr * D);
+        uint16_t *qbb = malloc(sizeof(uint16_t) * maxr * D);
+        int64_t *qpos_s = malloc(sizeof(int64_t) * maxr);
         float *ktmp = malloc(sizeof(float) * bs * D), *vtmp = malloc(sizeof(float) * bs * D);
-        if (!qs || !acc || !s || !m || !l || !qpos || !ktmp || !vtmp || !qb) {
+        if (!qs || !acc || !s || !m || !l || !qpos || !ktmp || !vtmp || !qb || !qsb || !qbb || !qpos_s) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -338,6 +444,7 @@ int kvserve_paged_attention(const void *q, const void *k_cache, const void *v_ca
             const int R = nq * G; /* rows per head; head h's rows start at h * R */
             const int sw = seq_windows ? seq_windows[b] : 0;
             const int window = sw > 0 && (layer_window <= 0 || sw < layer_window) ? sw : layer_window;
+            const int sinks = seq_sinks && window > 0 ? seq_sinks[b] : 0;
             for (int h = 0; h < HG; h++) {
                 for (int i = 0; i < nq; i++) {
                     for (int g = 0; g < G; g++) {
@@ -357,12 +464,40 @@ int kvserve_paged_attention(const void *q, const void *k_cache, const void *v_ca
                         m[r] = -FLT_MAX;
                         l[r] = 0.f;
                         qpos[r] = ctx_len[b] + i0 + i;
+                        if (sinks > 0) { /* sees sink keys up to its window's start */
+                            const int64_t w0 = qpos[r] - window; /* newest key before it */
+                            qpos_s[r] = w0 < sinks - 1 ? w0 : sinks - 1;
+                            if (q_dtype == DT_BF16) {
+                                const uint16_t *qp = (const uint16_t *)q_back + qo;
+                                for (int d = 0; d < D; d++) {
+                                    qbb[r * D + d] = qp[d];
+                                    qsb[r * D + d] = bf16_to_f32(qp[d]) * scale;
+                                }
+                            } else {
+                                const float *qp = (const float *)q_back + qo;
+                                for (int d = 0; d < D; d++) qsb[r * D + d] = qp[d] * scale;
+                            }
+                        }
                     }
                 }
             }
             const int64_t last = ctx_len[b] + i0 + nq - 1; /* newest key any row sees */
             const int64_t first = (window > 0 && ctx_len[b] + i0 - window + 1 > 0)
                                       ? ctx_len[b] + i0 - window + 1 : 0;
+            /* Sink keys outside a row's window, scored with its rotated-back query; no window
+             * key is a sink key seen here too (each row's sink range ends where its window
+             * starts), and the online softmax does not care in which order keys come. */
+            for (int64_t t0 = 0; t0 < sinks; t0 += bs) {
+                const int64_t blk = block_tables[(int64_t)b * bt_stride + t0 / bs];
+                const int hi = (int)(sinks - t0 < bs ? sinks - t0 : bs);
+                for (int h = 0; h < HG; h++) {
+                    const int rr = h * R;
+                    attend_head(qsb + rr * D, qbb + rr * D, qpos_s + rr, 0, k_cache, v_cache,
+                                (blk * KVH + h0 + h) * bs, -1, s + rr * bs, acc + rr * D,
+                                m + rr, l + rr, R, D, dtype, use_bf16, bs, 0, hi, t0, scale,
+                                ktmp, vtmp);
+                }
+            }
             for (int64_t t0 = (first / bs) * bs; t0 <= last; t0 += bs) {
                 const int64_t blk = block_tables[(int64_t)b * bt_stride + t0 / bs];
                 const int64_t nblk = t0 + bs <= last ? block_tables[(int64_t)b * bt_stride + t0 / bs + 1] : -1;
@@ -375,45 +510,18 @@ int kvserve_paged_attention(const void *q, const void *k_cache, const void *v_ca
                                    KVH, h0, HG, bs, D, esz);
 #endif
                 for (int h = 0; h < HG; h++) {
-                    const int64_t row0 = (blk * KVH + h0 + h) * bs;
                     const int rr = h * R; /* this head's first row */
-                    float *sh = s + rr * bs, *ah = acc + rr * D, *mh = m + rr, *lh = l + rr;
-                    const int64_t *ph = qpos + rr;
-#ifdef HAVE_BF16_PATH
-                    if (use_bf16) {
-                        const uint16_t *kr = (const uint16_t *)k_cache + row0 * D;
-                        const uint16_t *vr = (const uint16_t *)v_cache + row0 * D;
-                        const uint16_t *qh = qb + rr * D;
-                        const char *kpf = nblk < 0 ? NULL : (const char *)((const uint16_t *)k_cache + (nblk * KVH + h0 + h) * bs * D);
-                        const char *vpf = nblk < 0 ? NULL : (const char *)((const uint16_t *)v_cache + (nblk * KVH + h0 + h) * bs * D);
-                        if (D == 64) attend_block_bf16(qh, kr, vr, sh, ah, mh, lh, ph, R, 64, bs, lo, hi, t0, window, scale, kpf, vpf);
-                        else attend_block_bf16(qh, kr, vr, sh, ah, mh, lh, ph, R, 128, bs, lo, hi, t0, window, scale, kpf, vpf);
-                        continue;
-                    }
-#endif
-                    const float *qh = qs + rr * D;
-#ifdef HAVE_AVX512_PATH
-                    if ((D == 64 || D == 128) && dtype != DT_F16) {
-                        const char *kr = (const char *)k_cache + row0 * D * esz;
-                        const char *vr = (const char *)v_cache + row0 * D * esz;
-#define AVX_CALL(DD, DT) attend_block_avx512(qh, kr, vr, sh, ah, mh, lh, ph, R, DD, DT, bs, lo, hi, t0, window)
-                        if (D == 64 && dtype == DT_F32) AVX_CALL(64, DT_F32);
-                        else if (D == 64) AVX_CALL(64, DT_BF16);
-                        else if (dtype == DT_F32) AVX_CALL(128, DT_F32);
-                        else AVX_CALL(128, DT_BF16);
-#undef AVX_CALL
-                        continue;
-                    }
-#endif
-                    const float *kb = load_rows(k_cache, row0, bs, D, dtype, ktmp);
-                    const float *vb = load_rows(v_cache, row0, bs, D, dtype, vtmp);
-                    switch (D) { /* constant D at the common head sizes */
-                    case 64: attend_block(qh, kb, vb, sh, ah, mh, lh, ph, R, 64, bs, lo, hi, t0, window); break;
-                    case 128: attend_block(qh, kb, vb, sh, ah, mh, lh, ph, R, 128, bs, lo, hi, t0, window); break;
-                    case 32: attend_block(qh, kb, vb, sh, ah, mh, lh, ph, R, 32, bs, lo, hi, t0, window); break;
-                    default: attend_block(qh, kb, vb, sh, ah, mh, lh, ph, R, D, bs, lo, hi, t0, window);
-                    }
+                    attend_head(qs + rr * D, qb + rr * D, qpos + rr, window, k_cache, v_cache,
+                                (blk * KVH + h0 + h) * bs,
+                                nblk < 0 ? -1 : (nblk * KVH + h0 + h) * bs, s + rr * bs,
+                                acc + rr * D, m + rr, l + rr, R, D, dtype, use_bf16, bs, lo, hi,
+                                t0, scale, ktmp, vtmp);
                 }
+            }
+            if (vote_ptrs && vote_ptrs[b]) {
+                add_votes((float *)(intptr_t)vote_ptrs[b], vote_strides[b], k_cache,
+                          block_tables + (int64_t)b * bt_stride, qs, qb, s, m, l, qpos, R, HG,
+                          h0, KVH, D, bs, first, last, window, dtype, use_bf16, scale, ktmp);
             }
             for (int h = 0; h < HG; h++) {
                 for (int i = 0; i < nq; i++) {
@@ -433,6 +541,7 @@ int kvserve_paged_attention(const void *q, const void *k_cache, const void *v_ca
             }
         }
         free(qs); free(acc); free(s); free(m); free(l); free(qpos); free(ktmp); free(vtmp); free(qb);
+        free(qsb); free(qbb); free(qpos_s);
     }
     free(tile_seq);
     free(tile_i0);

@@ -261,11 +261,20 @@ class KVStorage(ABC):
         return None
 
     def fused_attention(
-        self, layer: int, q: torch.Tensor, group: Any, window: int | None, out: torch.Tensor
-    ) -> bool:
+        self, layer: int, q: torch.Tensor, group: Any, window: int | None, out: torch.Tensor,
+        q_back: torch.Tensor | None = None,
+    ) -> bool:  # fmt: skip
         """Attend the rows of a :class:`~kvserve.model.attention.PagedGroup` (decode tokens
         and short continuation chunks) straight from the blocks, writing into ``out``; False
-        when this format has no such kernel."""
+        when this format has no such kernel. ``q_back``: the queries rotated back for the
+        group's sink keys (StreamingLLM), when it has any."""
+        return False
+
+    @property
+    def fused_retention(self) -> bool:
+        """Whether :meth:`fused_attention` serves retention's extras: H2O's attention mass
+        as a side output (the group's ``votes``) and StreamingLLM's sink keys (its ``sinks``).
+        A format without them serves those sequences on the per-sequence reference paths."""
         return False
 
     # -- moving blocks -------------------------------------------------------------------------
@@ -433,14 +442,25 @@ class DenseKVStorage(KVStorage):
         )
 
     def fused_attention(
-        self, layer: int, q: torch.Tensor, group: Any, window: int | None, out: torch.Tensor
-    ) -> bool:
+        self, layer: int, q: torch.Tensor, group: Any, window: int | None, out: torch.Tensor,
+        q_back: torch.Tensor | None = None,
+    ) -> bool:  # fmt: skip
         from kvserve import kernels
 
         if not self._kernel_applies(q):
             return False
-        kernels.paged_attention(q, self.k[layer], self.v[layer], group, window, out)
+        votes = getattr(group, "votes", None)
+        votes = None if votes is None else votes.of_layer(layer)
+        kernels.paged_attention(q, self.k[layer], self.v[layer], group, window, out, votes, q_back)
         return True
+
+    @property
+    def fused_retention(self) -> bool:
+        from kvserve import kernels
+
+        return self.use_kernels and kernels.supports(
+            self.dtype, self.device, 1, self.head_dim, self.block_size
+        )
 
     def _kernel_applies(self, q: torch.Tensor) -> bool:
         from kvserve import kernels

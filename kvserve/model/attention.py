@@ -44,6 +44,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int
     return x * cos + rotated * sin
 
 
+def rotate_back(q: torch.Tensor, shift: torch.Tensor, rotary: Any) -> torch.Tensor:
+    """Each row of ``q`` [T, H, D] rotated back by its ``shift`` [T] positions: against a
+    sink key stored rotated at its own position, the score of a query at in-cache distance
+    (StreamingLLM; RoPE rotations compose, see :func:`retained_attention`)."""
+    cos = rotary.cos[shift][:, None, :]
+    sin = rotary.sin[shift][:, None, :]
+    return apply_rotary(q.float(), cos, -sin, rotary.rot_dim).to(q.dtype)
+
+
 def combine_windows(layer: int | None, request: int) -> int | None:
     """The tighter of a layer's sliding window and a request's retention window (0: none)."""
     if request and (layer is None or request < layer):
@@ -90,6 +99,22 @@ class PagedGroup:
     ctx_len: torch.Tensor  # [B] keys cached before the chunk
     block_tables: torch.Tensor  # [B, max_blocks]
     windows: torch.Tensor | None = None  # [B] int32 retention windows (0: none), or None
+    votes: GroupVotes | None = None  # H2O decode tokens among the rows: where their mass goes
+    sinks: torch.Tensor | None = None  # [B] int32 StreamingLLM sink counts (0: none), or None
+    sink_shift: torch.Tensor | None = None  # [num_rows] int64: each row's rotate-back for sinks
+
+
+@dataclass(slots=True)
+class GroupVotes:
+    """Where the fused kernel adds H2O's attention mass: per layer and group row, the
+    address and row stride of a float32 ``[KVH, stride]`` buffer (0: the row has none)."""
+
+    ptrs: torch.Tensor  # [layers, B] int64
+    strides: torch.Tensor  # [layers, B] int64
+    keep: list[torch.Tensor]  # the buffers, alive while the kernel writes into them
+
+    def of_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ptrs[layer], self.strides[layer]
 
 
 @dataclass(slots=True)
@@ -198,7 +223,13 @@ def paged_attention(
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
 
-    fused = meta.paged is not None and storage.fused_attention(layer, q, meta.paged, window, out)
+    paged = meta.paged
+    q_back = None
+    if paged is not None and paged.sink_shift is not None:
+        q_back = rotate_back(q[: paged.num_rows], paged.sink_shift, meta.rotary)
+    fused = paged is not None and storage.fused_attention(layer, q, paged, window, out, q_back)
+    if not fused and paged is not None and (paged.votes is not None or paged.sinks is not None):
+        raise RuntimeError("retention rows were grouped for a fused kernel that declined them")
     nd = 0 if fused else meta.num_decode
     if nd:
         assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
@@ -434,10 +465,7 @@ def retained_attention(
         seen |= is_sink[None, :] & (kpos[None, :] <= qpos[:, None])
         shift = (qpos - p.sinks - w + 1).clamp(min=0)
         if bool(shift.any()) and bool(is_sink.any()):
-            rot = meta.rotary
-            cos = rot.cos[shift][:, None, :]
-            sin = rot.sin[shift][:, None, :]
-            q_back = apply_rotary(qf, cos, -sin, rot.rot_dim)  # R(-shift) q
+            q_back = rotate_back(qf, shift, meta.rotary)  # R(-shift) q
             sink_scores = torch.einsum("lhd,shd->hls", q_back, kr[is_sink]) * scale
             scores[:, :, is_sink] = sink_scores
     scores = scores.masked_fill(~seen[None], float("-inf"))
