@@ -190,7 +190,7 @@ class ModelRunner:
 
         q_start = nd
         observed: list[tuple[int, int, list[int], list]] = []  # row, entries, table, mass
-        voting: list[tuple[int, int, list]] = []  # group row, entries, mass
+        voting: list[tuple[int, int, int, list]] = []  # group row, entries, new, mass
         fused_retention = self.storage.fused_retention
         for s in items[nd:]:
             n, c = s.num_tokens, s.num_cached
@@ -211,13 +211,13 @@ class ModelRunner:
             if s.observe:
                 layers = self.model.config.num_hidden_layers
                 chunk.mass = self.mass.setdefault(s.req_id, [None] * layers)
-                if n == 1 and c and not s.compact:  # attended in one batch with its like
+                if fused_retention:  # every chunk: the kernel adds its mass as it attends
                     chunk.in_group = True
-                    if fused_retention:  # the fused kernel adds its mass
-                        voting.append((len(group_rows), c + 1, chunk.mass))
-                        group_rows.append((q_start, 1, c, s.window, 0, s.block_ids))
-                    else:
-                        observed.append((q_start, c + 1, s.block_ids, chunk.mass))
+                    voting.append((len(group_rows), c, n, chunk.mass))
+                    group_rows.append((q_start, n, c, s.window, 0, s.block_ids))
+                elif n == 1 and c and not s.compact:  # attended in one batch with its like
+                    chunk.in_group = True
+                    observed.append((q_start, c + 1, s.block_ids, chunk.mass))
             meta.prefills.append(chunk)
             if in_group:
                 group_rows.append((q_start, n, c, s.window, s.sinks, s.block_ids))
@@ -225,7 +225,8 @@ class ModelRunner:
         if group_rows:
             meta.paged = _paged_group(group_rows, null, dev)
             if voting:
-                meta.paged.votes = _group_votes(voting, len(group_rows), 2 * bs)
+                heads = self.storage.num_kv_heads
+                meta.paged.votes = _group_votes(voting, len(group_rows), heads, 2 * bs)
         if observed:
             meta.observed = ObservedDecode(
                 torch.tensor([r for r, *_ in observed], device=dev),
@@ -273,36 +274,41 @@ def padded_tables(tables: list[list[int]], null: int) -> np.ndarray:
     return out
 
 
-def _group_votes(voting: list[tuple[int, int, list]], num_rows: int, spare: int) -> GroupVotes:
-    """Each H2O decode row's mass, per layer, grown by a zero column for its new entry (the
+def _group_votes(
+    voting: list[tuple[int, int, int, list]], num_rows: int, heads: int, spare: int
+) -> GroupVotes:
+    """Each H2O row's mass, per layer, grown by zero columns for the chunk's new entries (the
     kernel adds every entry's share in place), with the addresses the kernel writes to."""
-    layers = len(voting[0][2])
+    layers = len(voting[0][3])
     ptrs = np.zeros((layers, num_rows), dtype=np.int64)
     strides = np.zeros((layers, num_rows), dtype=np.int64)
     keep = []
-    for row, n, mass in voting:
+    for row, c, n, mass in voting:
         for layer in range(layers):
             prev = mass[layer]
-            assert prev is not None and prev.shape[1] == n - 1
-            m = mass[layer] = _grown(prev, n, spare)
+            assert (prev is None and c == 0) or (prev is not None and prev.shape[1] == c)
+            m = mass[layer] = _grown(prev, c + n, heads, spare)
             ptrs[layer, row], strides[layer, row] = m.data_ptr(), m.stride(0)
             keep.append(m)
     return GroupVotes(torch.from_numpy(ptrs), torch.from_numpy(strides), keep)
 
 
-def _grown(prev: torch.Tensor, n: int, spare: int) -> torch.Tensor:
-    """``prev`` [KVH, n - 1] as a view of ``n`` columns whose last is zero: a view of the
-    buffer a previous step grew (its columns past the view were zeroed and are written only
-    here, one per step), else a new buffer with ``spare`` columns of room."""
-    base = prev._base
+def _grown(prev: torch.Tensor | None, size: int, heads: int, spare: int) -> torch.Tensor:
+    """``prev`` [KVH, entries] (None: no entries yet) as a view of ``size`` columns whose new
+    ones are zero: a view of the buffer an earlier step grew (its columns past the view were
+    zeroed and are written only through such views), else a new buffer with ``spare`` columns
+    of room."""
+    base = None if prev is None else prev._base
     if (
-        base is not None and base.dim() == 2 and base.shape[1] >= n
+        prev is not None and base is not None and base.dim() == 2 and base.shape[1] >= size
         and prev.data_ptr() == base.data_ptr() and prev.stride() == base.stride()
     ):  # fmt: skip
-        return base[:, :n]
-    buf = torch.zeros(prev.shape[0], n + spare, dtype=torch.float32, device=prev.device)
-    buf[:, : n - 1] = prev
-    return buf[:, :n]
+        return base[:, :size]
+    buf = torch.zeros(heads, size + spare, dtype=torch.float32)
+    if prev is not None:
+        buf = buf.to(prev.device)
+        buf[:, : prev.shape[1]] = prev
+    return buf[:, :size]
 
 
 def _compaction(s: ScheduledSeq, bs: int, dev: torch.device) -> Compaction:

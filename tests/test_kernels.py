@@ -218,8 +218,10 @@ def test_votes_are_the_attention_probabilities_each_key_receives(dtype, kv_heads
     storage.k[0].normal_()
     storage.v[0].normal_()
     # (q_len, ctx_len, retention window, votes?)
+    # (several query tiles of one sequence add to the same keys: 40 and 33 queries)
     seqs = [(1, 40, 0, True), (3, 0, 0, False), (1, 0, 0, True), (16, 21, 0, True),
-            (1, 70, 9, True), (5, 33, 0, False), (1, 17, 0, False)]  # fmt: skip
+            (1, 70, 9, True), (5, 33, 0, False), (1, 17, 0, False), (40, 10, 0, True),
+            (33, 0, 0, True)]  # fmt: skip
     perm = torch.randperm(nblocks).tolist()
     tables, starts, row = [], [], 0
     for q_len, ctx, *_ in seqs:
@@ -262,21 +264,6 @@ def test_votes_are_the_attention_probabilities_each_key_receives(dtype, kv_heads
         ref = probs.sum(dim=(1, 2))  # [KVH, n]
         torch.testing.assert_close(added[:, :n], ref, atol=3e-4, rtol=3e-3)
         assert torch.equal(added[:, n:], torch.zeros_like(added[:, n:]))
-
-
-def test_votes_refuse_a_sequence_longer_than_one_query_tile():
-    from types import SimpleNamespace
-
-    storage = DenseKVStorage(1, 8, 4, 1, 16, torch.float32)
-    group = SimpleNamespace(
-        num_rows=17, q_start=torch.tensor([0]), q_len=torch.tensor([17]),
-        ctx_len=torch.tensor([0]), block_tables=torch.arange(5)[None], windows=None,
-    )  # fmt: skip
-    buf = torch.zeros(1, 17)
-    votes = (torch.tensor([buf.data_ptr()]), torch.tensor([17]))
-    q, out = torch.randn(17, 1, 16), torch.empty(17, 1, 16)
-    with pytest.raises(RuntimeError, match="paged attention kernel failed"):
-        kernels.paged_attention(q, storage.k[0], storage.v[0], group, None, out, votes)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

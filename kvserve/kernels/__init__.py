@@ -165,7 +165,7 @@ def paged_attention(
     ``votes`` (H2O's attention mass), int64 [B] addresses and row strides: for each sequence
     whose address is not 0, the probability each visible key receives, summed over the
     sequence's queries and each KV head's query heads, is added to that float32 [KVH, stride]
-    buffer (a sequence with votes has at most 16 queries).
+    buffer (a block size of at most 256).
 
     StreamingLLM: ``group.sinks`` (int32 [B], or None) gives a windowed sequence's sink count;
     each of its rows also sees the sink keys before its window, scored with its row of

@@ -325,8 +325,9 @@ static void add_votes(float *vote, int64_t vs, const void *k_cache, const int64_
                       const float *qs, const uint16_t *qb, float *s, const float *m,
                       const float *l, const int64_t *qpos, int R, int HG, int h0, int KVH,
                       int D, int bs, int64_t first, int64_t last, int window, int dtype,
-                      int use_bf16, float scale, float *ktmp) {
+                      int use_bf16, float scale, float *ktmp, int shared) {
     (void)qb; (void)use_bf16; (void)scale;
+    float sums[256]; /* block_size <= 256 */
     for (int h = 0; h < HG; h++) {
         float *vh = vote + (int64_t)(h0 + h) * vs;
         const int rr = h * R;
@@ -339,6 +340,7 @@ static void add_votes(float *vote, int64_t vs, const void *k_cache, const int64_
             if (!use_bf16)
 #endif
                 kb = load_rows(k_cache, row0, bs, D, dtype, ktmp);
+            for (int t = lo; t < hi; t++) sums[t] = 0.f;
             for (int r = rr; r < rr + R; r++) {
                 float *restrict sr = s + (int64_t)r * bs;
 #ifdef HAVE_BF16_PATH
@@ -362,7 +364,15 @@ static void add_votes(float *vote, int64_t vs, const void *k_cache, const int64_
                 z = z > hi ? hi : (z < a ? a : z);
                 if (l[r] <= 0.f) continue;
                 const float inv = 1.f / l[r], mr = m[r];
-                for (int64_t t = a; t < z; t++) vh[t0 + t] += expf(sr[t] - mr) * inv;
+                for (int64_t t = a; t < z; t++) sums[t] += expf(sr[t] - mr) * inv;
+            }
+            if (shared) { /* other tasks (query tiles of the sequence) add to these keys too */
+                for (int t = lo; t < hi; t++) {
+#pragma omp atomic
+                    vh[t0 + t] += sums[t];
+                }
+            } else {
+                for (int t = lo; t < hi; t++) vh[t0 + t] += sums[t];
             }
         }
     }
@@ -379,9 +389,7 @@ int kvserve_paged_attention(const void *q, const void *k_cache, const void *v_ca
     if ((q_dtype != DT_F32 && q_dtype != DT_BF16) || (out_dtype != DT_F32 && out_dtype != DT_BF16))
         return -1;
     if (H % KVH) return -1;
-    /* A sequence's votes are added by the one task that holds all its queries. */
-    for (int b = 0; vote_ptrs && b < B; b++)
-        if (vote_ptrs[b] && q_len[b] > QT) return -1;
+    if (vote_ptrs && bs > 256) return -1;
     const int G = H / KVH;
     /* The bf16 path fetches the next block a few lines per key as it goes (measured ~1.3x
      * the decode kernel's throughput on scattered blocks against fetching the whole block
@@ -521,7 +529,8 @@ int kvserve_paged_attention(const void *q, const void *k_cache, const void *v_ca
             if (vote_ptrs && vote_ptrs[b]) {
                 add_votes((float *)(intptr_t)vote_ptrs[b], vote_strides[b], k_cache,
                           block_tables + (int64_t)b * bt_stride, qs, qb, s, m, l, qpos, R, HG,
-                          h0, KVH, D, bs, first, last, window, dtype, use_bf16, scale, ktmp);
+                          h0, KVH, D, bs, first, last, window, dtype, use_bf16, scale, ktmp,
+                          q_len[b] > QT);
             }
             for (int h = 0; h < HG; h++) {
                 for (int i = 0; i < nq; i++) {

@@ -287,9 +287,13 @@ def paged_attention(
         )
         out[sl] = op[0].transpose(0, 1)
     for p in meta.prefills:
-        if p.compact is not None and p.compact.kind == "snapkv":
+        if p.compact is None:
+            continue
+        if p.compact.kind == "snapkv":
             sl = slice(p.q_start, p.q_start + p.q_len)
             compact_prompt(q[sl], k[sl], layer, storage, p)
+        elif p.in_group:  # H2O, attended by the fused kernel, which added its mass
+            compact_heavy(layer, storage, p)
     return out
 
 
@@ -377,14 +381,20 @@ def observed_attention(
     prev = p.mass[layer]
     if prev is None:
         prev = torch.zeros(num_kv, 0, device=q.device)
-    mass = torch.cat([prev, torch.zeros(num_kv, n, device=q.device)], dim=1) + vote
-    c = p.compact
-    if c is not None:
-        keep = h2o_keep(mass, c.budget, c.window)
-        storage.copy_entries(layer, c.src_slots[keep], c.dst_slots)
-        mass = mass.gather(1, keep)
-    p.mass[layer] = mass
+    p.mass[layer] = torch.cat([prev, torch.zeros(num_kv, n, device=q.device)], dim=1) + vote
+    if p.compact is not None:
+        compact_heavy(layer, storage, p)
     return out
+
+
+def compact_heavy(layer: int, storage: KVStorage, p: PrefillChunk) -> None:
+    """H2O's compaction for one layer once the chunk's mass is in: each KV head's kept
+    entries (its newest and its heaviest) copied into the fresh blocks; the mass follows."""
+    c, mass = p.compact, p.mass[layer] if p.mass is not None else None
+    assert c is not None and mass is not None
+    keep = h2o_keep(mass, c.budget, c.window)
+    storage.copy_entries(layer, c.src_slots[keep], c.dst_slots)
+    p.mass[layer] = mass.gather(1, keep)
 
 
 def observed_decode(
