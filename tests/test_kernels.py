@@ -3,6 +3,8 @@ per-sequence attention."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -13,6 +15,27 @@ from kvserve.model.attention import AttentionMetadata, paged_attention, referenc
 pytestmark = pytest.mark.skipif(
     not kernels.native_available(), reason="no C compiler: the reference path is in use"
 )
+
+
+def scattered_group(nblocks: int, bs: int, seqs: list[tuple], **extra: object) -> SimpleNamespace:
+    """A kernel group for ``seqs`` of (q_len, ctx_len, retention window, ...): each sequence's
+    blocks drawn at random from the pool (tables padded with the null block), its rows one
+    after another; ``extra`` adds fields (sinks)."""
+    perm = torch.randperm(nblocks).tolist()
+    tables, starts, row = [], [], 0
+    for q_len, ctx, *_ in seqs:
+        nb = -(-(ctx + q_len) // bs)
+        tables.append(perm[:nb])
+        perm = perm[nb:]
+        starts.append(row)
+        row += q_len
+    width = max(map(len, tables))
+    return SimpleNamespace(
+        num_rows=row, starts=starts, q_start=torch.tensor(starts),
+        q_len=torch.tensor([s[0] for s in seqs]), ctx_len=torch.tensor([s[1] for s in seqs]),
+        block_tables=torch.tensor([t + [nblocks] * (width - len(t)) for t in tables]),
+        windows=torch.tensor([s[2] for s in seqs], dtype=torch.int32), **extra,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -67,8 +90,6 @@ def test_paged_attention_uses_same_math_with_and_without_kernel():
 @pytest.mark.parametrize("bs, d", [(4, 16), (16, 64)])
 def test_chunk_kernel_matches_naive_attention(window, dtype, bs, d):
     """Short chunks continuing a cached context (and decode rows) in one fused call."""
-    from types import SimpleNamespace
-
     torch.manual_seed(2)
     kvh, h, nblocks = 2, 6, 64
     storage = DenseKVStorage(1, nblocks, bs, kvh, d, dtype)
@@ -107,32 +128,14 @@ def test_chunk_kernel_matches_naive_attention(window, dtype, bs, d):
 def test_per_sequence_retention_windows_match_naive_attention(dtype):
     """Each sequence attends its own recent window (a retention policy's), combined with the
     layer's: decode rows and a short chunk, fused kernel against naive attention."""
-    from types import SimpleNamespace
-
     torch.manual_seed(3)
     bs, d, kvh, h, nblocks = 4, 16, 2, 4, 64
     storage = DenseKVStorage(1, nblocks, bs, kvh, d, dtype)
     storage.k[0].normal_()
     storage.v[0].normal_()
     seqs = [(1, 17, 5), (1, 9, 0), (6, 11, 8)]  # (q_len, ctx_len, retention window; 0 none)
-    perm = torch.randperm(nblocks).tolist()
-    tables, starts, row = [], [], 0
-    for q_len, ctx, _ in seqs:
-        nb = -(-(ctx + q_len) // bs)
-        tables.append(perm[:nb])
-        perm = perm[nb:]
-        starts.append(row)
-        row += q_len
-    width = max(map(len, tables))
-    bt = torch.tensor([t + [nblocks] * (width - len(t)) for t in tables])
-    group = SimpleNamespace(
-        num_rows=row,
-        q_start=torch.tensor(starts),
-        q_len=torch.tensor([s[0] for s in seqs]),
-        ctx_len=torch.tensor([s[1] for s in seqs]),
-        block_tables=bt,
-        windows=torch.tensor([s[2] for s in seqs], dtype=torch.int32),
-    )
+    group = scattered_group(nblocks, bs, seqs)
+    row, starts, bt = group.num_rows, group.starts, group.block_tables
     q = torch.randn(row, h, d)
     for layer_window in (None, 6):
         out = torch.empty(row, h, d)
@@ -155,8 +158,6 @@ def test_bf16_queries_over_bf16_cache_match_naive_attention(kv_heads, heads, bs,
     """A bf16 model's path: bf16 queries and cache, bf16 output written by the kernel (its
     CPU bf16 dot products where the CPU has them). Decode rows, chunks that cross blocks and
     tiles, layer and retention windows, against naive float32 attention of the same values."""
-    from types import SimpleNamespace
-
     torch.manual_seed(4)
     nblocks = 512
     storage = DenseKVStorage(1, nblocks, bs, kv_heads, d, torch.bfloat16)
@@ -168,24 +169,8 @@ def test_bf16_queries_over_bf16_cache_match_naive_attention(kv_heads, heads, bs,
         q_len = 1 if i % 3 else int(torch.randint(2, 21, (1,), generator=g))
         ctx = int(torch.randint(0, 150, (1,), generator=g))
         seqs.append((q_len, ctx, 0 if i % 4 else int(torch.randint(1, 40, (1,), generator=g))))
-    perm = torch.randperm(nblocks).tolist()
-    tables, starts, row = [], [], 0
-    for q_len, ctx, _ in seqs:
-        nb = -(-(ctx + q_len) // bs)
-        tables.append(perm[:nb])
-        perm = perm[nb:]
-        starts.append(row)
-        row += q_len
-    width = max(map(len, tables))
-    bt = torch.tensor([t + [nblocks] * (width - len(t)) for t in tables])
-    group = SimpleNamespace(
-        num_rows=row,
-        q_start=torch.tensor(starts),
-        q_len=torch.tensor([s[0] for s in seqs]),
-        ctx_len=torch.tensor([s[1] for s in seqs]),
-        block_tables=bt,
-        windows=torch.tensor([s[2] for s in seqs], dtype=torch.int32),
-    )
+    group = scattered_group(nblocks, bs, seqs)
+    row, starts, bt = group.num_rows, group.starts, group.block_tables
     q = torch.randn(row, heads, d).to(torch.bfloat16)
     for layer_window in (None, 23):
         out = torch.full((row, heads, d), float("nan"), dtype=torch.bfloat16)
@@ -210,8 +195,6 @@ def test_votes_are_the_attention_probabilities_each_key_receives(dtype, kv_heads
     over the sequence's queries and each KV head's query heads is added to their buffer,
     against naive float32 softmax of the same values; other columns and sequences untouched,
     and the attention output the same as without votes."""
-    from types import SimpleNamespace
-
     torch.manual_seed(6)
     nblocks = 256
     storage = DenseKVStorage(1, nblocks, bs, kv_heads, d, dtype)
@@ -222,21 +205,8 @@ def test_votes_are_the_attention_probabilities_each_key_receives(dtype, kv_heads
     seqs = [(1, 40, 0, True), (3, 0, 0, False), (1, 0, 0, True), (16, 21, 0, True),
             (1, 70, 9, True), (5, 33, 0, False), (1, 17, 0, False), (40, 10, 0, True),
             (33, 0, 0, True)]  # fmt: skip
-    perm = torch.randperm(nblocks).tolist()
-    tables, starts, row = [], [], 0
-    for q_len, ctx, *_ in seqs:
-        nb = -(-(ctx + q_len) // bs)
-        tables.append(perm[:nb])
-        perm = perm[nb:]
-        starts.append(row)
-        row += q_len
-    width = max(map(len, tables))
-    bt = torch.tensor([t + [nblocks] * (width - len(t)) for t in tables])
-    group = SimpleNamespace(
-        num_rows=row, q_start=torch.tensor(starts), q_len=torch.tensor([s[0] for s in seqs]),
-        ctx_len=torch.tensor([s[1] for s in seqs]), block_tables=bt,
-        windows=torch.tensor([s[2] for s in seqs], dtype=torch.int32),
-    )  # fmt: skip
+    group = scattered_group(nblocks, bs, seqs)
+    row, starts, bt = group.num_rows, group.starts, group.block_tables
     q = torch.randn(row, heads, d).to(dtype if dtype == torch.bfloat16 else torch.float32)
     bufs = [torch.rand(kv_heads, ctx + q_len + 5) for q_len, ctx, *_ in seqs]
     before = [b.clone() for b in bufs]
@@ -273,8 +243,6 @@ def test_sink_keys_are_scored_with_each_rows_rotated_back_query(dtype, bs, d):
     (c - w, c] with its query and the sink keys before that window, [0, min(S, c - w + 1)),
     with its row of ``q_back``; one softmax over both. Decode rows and chunks (long ones too,
     several query tiles) against naive float32 attention of the same values."""
-    from types import SimpleNamespace
-
     torch.manual_seed(7)
     kv_heads, heads, nblocks = 2, 6, 256
     storage = DenseKVStorage(1, nblocks, bs, kv_heads, d, dtype)
@@ -283,22 +251,9 @@ def test_sink_keys_are_scored_with_each_rows_rotated_back_query(dtype, bs, d):
     # (q_len, ctx_len, window, sinks): past the window, inside it, a chunk straddling it
     seqs = [(1, 60, 16, 4), (1, 10, 16, 4), (40, 0, 16, 3), (7, 30, 12, 5), (1, 45, 0, 0),
             (20, 100, 32, 1)]  # fmt: skip
-    perm = torch.randperm(nblocks).tolist()
-    tables, starts, row = [], [], 0
-    for q_len, ctx, *_ in seqs:
-        nb = -(-(ctx + q_len) // bs)
-        tables.append(perm[:nb])
-        perm = perm[nb:]
-        starts.append(row)
-        row += q_len
-    width = max(map(len, tables))
-    bt = torch.tensor([t + [nblocks] * (width - len(t)) for t in tables])
-    group = SimpleNamespace(
-        num_rows=row, q_start=torch.tensor(starts), q_len=torch.tensor([s[0] for s in seqs]),
-        ctx_len=torch.tensor([s[1] for s in seqs]), block_tables=bt,
-        windows=torch.tensor([s[2] for s in seqs], dtype=torch.int32),
-        sinks=torch.tensor([s[3] for s in seqs], dtype=torch.int32),
-    )  # fmt: skip
+    sinks = torch.tensor([s[3] for s in seqs], dtype=torch.int32)
+    group = scattered_group(nblocks, bs, seqs, sinks=sinks)
+    row, starts, bt = group.num_rows, group.starts, group.block_tables
     qdt = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
     q, q_back = torch.randn(row, heads, d).to(qdt), torch.randn(row, heads, d).to(qdt)
     out = torch.full((row, heads, d), float("nan"), dtype=qdt)
