@@ -130,3 +130,26 @@ def test_jsonl_prompts_and_lengths(tmp_path):
 def test_unknown_workload_names_the_choices():
     with pytest.raises(ValueError, match="workload: unknown 'nope'"):
         make_workload(WorkloadSpec("nope", num_prompts=1))
+
+
+def test_filler_words_are_the_seeded_choice_and_period_draws():
+    """TextMaker.words draws exactly ``rng.choice`` then ``rng.random`` per word (a seed's
+    text must not change with how fast it is made): against the plain loop."""
+    import random
+
+    from kvserve.bench.workloads import _WORDS, TextMaker
+
+    def plain(rng: random.Random, n: int) -> str:
+        out: list[str] = []
+        for i in range(max(1, n)):
+            w = rng.choice(_WORDS)
+            out.append(w.capitalize() if i == 0 or out[-1].endswith(".") else w)
+            if rng.random() < 0.08:
+                out[-1] += "."
+        return " ".join(out)
+
+    tm = TextMaker()
+    for seed, n in [(0, 1), (1, 0), (2, 37), (3, 1000), (4, 5000)]:
+        a, b = random.Random(seed), random.Random(seed)
+        assert tm.words(a, n) == plain(b, n)
+        assert a.random() == b.random()  # the generators end in the same state
