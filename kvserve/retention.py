@@ -47,8 +47,9 @@ back to the pool.
   block of entries, each KV head keeps its R most recent entries (default B // 4) and the
   B - R others with the most mass, copied into fresh blocks like SnapKV's, so blocks are
   freed in whole-block steps and each compaction is amortised over a block of decode steps.
-  The mass comes from the attention itself: such sequences take the per-sequence attention
-  path, which returns the probabilities it computed. A prompt prefix cached by someone else
+  The mass comes from the attention itself: the fused paged kernel adds each entry's
+  probability to it as a side output (a per-sequence float32 path does where a KV format has
+  no such kernel). A prompt prefix cached by someone else
   has no mass, so H2O requests do not read the prefix cache (their blocks before the first
   compaction are exact and are published for everyone). ``h2o:50%`` sizes B per prompt.
 

@@ -69,8 +69,9 @@ class ScheduledSeq:
 
     @property
     def per_sequence(self) -> bool:
-        """Attended on its own (sinks, a compaction's scoring, H2O's mass), not in the
-        fused kernel's group."""
+        """Needs more than the plain paged attention (sinks, a compaction's scoring, H2O's
+        mass): the runner groups it for the fused kernel only where the KV format's kernel
+        serves retention (``KVStorage.fused_retention``), else attends it on its own."""
         return bool(self.sinks or self.compact or self.observe)
 
     @property
