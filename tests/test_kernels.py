@@ -95,29 +95,15 @@ def test_chunk_kernel_matches_naive_attention(window, dtype, bs, d):
     storage = DenseKVStorage(1, nblocks, bs, kvh, d, dtype)
     storage.k[0].normal_()
     storage.v[0].normal_()
-    # (q_len, ctx_len): a decode row, a chunk crossing blocks, a 20-query chunk (two tiles).
-    seqs = [(1, 9), (7, 13), (20, 3)]
-    perm = torch.randperm(nblocks).tolist()
-    tables, starts, row = [], [], 0
-    for ql, ctx in seqs:
-        n = -(-(ql + ctx) // bs)
-        tables.append(perm[:n])
-        perm = perm[n:]
-        starts.append(row)
-        row += ql
-    width = max(map(len, tables))
-    group = SimpleNamespace(
-        num_rows=row,
-        q_start=torch.tensor(starts),
-        q_len=torch.tensor([s[0] for s in seqs]),
-        ctx_len=torch.tensor([s[1] for s in seqs]),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-    )
+    # (q_len, ctx_len, -): a decode row, a chunk crossing blocks, a 20-query chunk (two tiles).
+    seqs = [(1, 9, 0), (7, 13, 0), (20, 3, 0)]  # no retention windows
+    group = scattered_group(nblocks, bs, seqs)
+    row, starts, bt = group.num_rows, group.starts, group.block_tables
     q = torch.randn(row, h, d)
     out = torch.full((row, h, d), float("nan"))
     kernels.paged_attention(q, storage.k[0], storage.v[0], group, window, out)
-    for (ql, ctx), t, st in zip(seqs, tables, starts, strict=True):
-        keys, vals = storage.gather(0, torch.tensor([t]))
+    for i, ((ql, ctx, _), st) in enumerate(zip(seqs, starts, strict=True)):
+        keys, vals = storage.gather(0, bt[i : i + 1])
         keys = keys[0, :, : ctx + ql].transpose(0, 1).float()
         vals = vals[0, :, : ctx + ql].transpose(0, 1).float()
         ref = reference_attention(q[st : st + ql], keys, vals, ctx + torch.arange(ql), window)
