@@ -3,6 +3,7 @@ cost, failure counts and the /metrics deltas."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import numpy as np
@@ -47,6 +48,15 @@ def test_describe_scales_to_ms_and_handles_empty():
     assert d["p90"] == pytest.approx(370.0)
     empty = describe([])
     assert empty["n"] == 0 and empty["mean"] is None and empty["p99"] is None
+
+
+def test_describe_matches_numpy():
+    rng = random.Random(5)
+    xs = [rng.expovariate(1.0) for _ in range(1001)]
+    d = describe(xs, scale=1.0)
+    for q in (50, 90, 95, 99):
+        assert d[f"p{q}"] == pytest.approx(float(np.percentile(xs, q)))
+    assert d["mean"] == pytest.approx(float(np.mean(xs)))
 
 
 def _rec(i, ttft, e2e, out, itl=(), ok=True, prompt=100, reason=None, detail=None):
@@ -186,3 +196,31 @@ def test_record_to_dict_is_asdict_plus_tpot():
     assert d == {**asdict(r), "tpot": 0.375}
     d["itl"].append(9.0)
     assert r.itl == [0.25, 0.5]  # a copy, as asdict gives
+
+
+def test_json_report_parses_back_with_one_line_per_record(tmp_path):
+    from kvserve.bench.report import write_json
+
+    recs = [_rec(i, 0.01 * i, 0.5, 3, itl=(0.1, 0.25)).to_dict() for i in range(3)]
+    payload = {"summary": {"ttft_ms": {"p50": 1.5, "n": 3}, "note": "a\nb"}, "records": recs}
+    text = write_json(tmp_path / "r.json", payload).read_text()
+    assert json.loads(text) == payload  # the stdlib parser is the reference
+    rows = [ln for ln in text.splitlines() if '"index"' in ln]
+    assert len(rows) == 3 and all(ln.count('"itl"') == 1 for ln in rows)
+    sweep = {"summary": [], "records": [recs[:2], [], recs[2:]]}
+    assert json.loads(write_json(tmp_path / "s.json", sweep).read_text()) == sweep
+
+
+def test_latency_cdf_is_thinned_to_exact_points_of_the_full_cdf():
+    from bisect import bisect_right
+
+    from kvserve.bench.report import _cdf_points
+
+    rng = random.Random(9)
+    xs = sorted(rng.random() for _ in range(50_001))
+    px, py = _cdf_points(xs, most=500)
+    assert len(px) <= 500 and px[0] == xs[0] and px[-1] == xs[-1] and py[-1] == 1.0
+    for x, y in zip(px, py, strict=True):  # each kept point is on the full empirical CDF
+        assert y == bisect_right(xs, x) / len(xs)
+    small = [1.0, 2.0, 3.0]
+    assert _cdf_points(small) == (small, [1 / 3, 2 / 3, 1.0])
