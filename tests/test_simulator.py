@@ -4,9 +4,12 @@ figures against the planner's."""
 
 from __future__ import annotations
 
+import gc
+import hashlib
 import json
 import math
 import random
+import re
 
 import numpy as np
 import pytest
@@ -195,6 +198,8 @@ def test_hash_tokenizer_keeps_shared_prefixes():
     a, b = tok.encode("The cache block, the model."), tok.encode("The cache block, the end")
     assert a[:4] == b[:4] and len(a) == 7 and all(3 <= t < 1000 for t in a)
     assert HashTokenizer(1000).encode("The cache block") == a[:3]  # stable across instances
+    digest = hashlib.blake2b(b"cache", digest_size=8).digest()  # the documented id formula
+    assert tok.encode("cache cache") == [3 + int.from_bytes(digest, "little") % 997] * 2
     for text in ("", "a, b; c.", "The cache block, the model.\nUser: hi", "x" * 50 + " y"):
         assert tok.count(text) == len(tok.encode(text))
 
@@ -424,3 +429,36 @@ def test_replicas_split_the_load_and_tp_splits_the_step(llama8b):
     s2 = shape_of(SEED_8B, tp=2)
     t2 = prof.step_time(step_features(decode, s2), s2)
     assert 0.5 * t1 < t2 < 0.8 * t1
+
+
+def test_replay_leaves_no_cyclic_garbage_and_restores_the_collector():
+    """The replay raises the collector's threshold on the premise that a step makes no
+    reference cycles: a preempting, prefix-sharing run leaves none to collect, and the
+    collector's settings are back as they were afterwards."""
+    kw = dict(model=default_model(), num_gpu_blocks=24, max_model_len=256)
+    words = "the cache block model server request queue latency ".split()
+    reqs = [BenchRequest(i, "chat", " ".join(words * 4) + f" {i}", 40, 40) for i in range(12)]
+    threshold = gc.get_threshold()
+    gc.collect()
+    gc.disable()
+    try:
+        res, (sim,) = simulate_load(SimTarget(kw, cpu_profile()), reqs, LoadSpec(), 0)
+        leaked = gc.collect()
+    finally:
+        gc.enable()
+    assert all(r.success for r in res.records)
+    assert sim.engine.core.scheduler.stats.num_preemptions > 0  # the pool is too small
+    assert leaked == 0
+    assert gc.get_threshold() == threshold and gc.get_freeze_count() == 0
+
+
+def test_hash_tokenizer_count_equals_the_pattern_on_any_text():
+    """The ASCII shortcut counts what the pattern finds: every ASCII character (controls,
+    punctuation, underscores, digits, odd whitespace) and some non-ASCII, at random."""
+    tok = HashTokenizer(1000)
+    alphabet = [chr(i) for i in range(128)] + list("é€ü—\u00a0\u3000字")
+    rng = random.Random(4)
+    for k in range(400):
+        chars = alphabet[:128] if k % 2 else alphabet
+        text = "".join(rng.choice(chars) for _ in range(rng.randrange(0, 60)))
+        assert tok.count(text) == max(1, len(re.findall(r"\w+|[^\w\s]", text))), repr(text)
