@@ -372,7 +372,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.finished
+        return self.status in _FINISHED
 
     def __repr__(self) -> str:
         return (

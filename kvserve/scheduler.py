@@ -61,7 +61,8 @@ def check_stop(r: Request, token: int, max_model_len: int) -> bool:
     status and returns True when it finished. (Stop strings need text: the engine's output
     processor checks those.)"""
     p = r.sampling_params
-    n_out = r.num_output_tokens
+    n_all = len(r.all_token_ids)
+    n_out = n_all - len(r.prompt_token_ids)
     if n_out >= p.min_tokens:
         if token in r.eos_token_ids:
             r.status = RequestStatus.FINISHED_STOPPED
@@ -70,7 +71,7 @@ def check_stop(r: Request, token: int, max_model_len: int) -> bool:
             r.stop_reason = token
             r.status = RequestStatus.FINISHED_STOPPED
             return True
-    if n_out >= r.max_tokens or r.num_tokens >= max_model_len:
+    if n_out >= r.max_tokens or n_all >= max_model_len:
         r.status = RequestStatus.FINISHED_LENGTH
         return True
     return False
@@ -157,15 +158,22 @@ class Scheduler(AdmissionSteps, RetentionSteps):
                 loads.finish(self.requests, idle)
 
         # 1. Running requests, oldest first; preempt from the newest end when blocks run out.
+        # Without a retention policy or a model window (most requests) the retention steps
+        # change nothing: skipped, since this loop runs per running request per step.
+        native = self.native_window
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._chunk(req, min(req.num_tokens - req.num_computed_tokens, budget))
+            n = min(len(req.all_token_ids) - req.num_computed_tokens, budget)
+            retains = req.retention is not None
+            if retains:
+                n = self._chunk(req, n)
             if n <= 0:
                 i += 1
                 continue
-            self._retain(req)
-            extra = self._compact_blocks(req, n)
+            if retains or native:
+                self._retain(req)
+            extra = self._compact_blocks(req, n) if retains else 0
             while not self.kv.allocate_slots(req, n, compact_blocks=extra):
                 self.stats.allocation_failures += 1
                 if loads is not None and loads.release_one():
@@ -209,9 +217,10 @@ class Scheduler(AdmissionSteps, RetentionSteps):
         c = req.num_computed_tokens
         rid = req.request_id
         sample_ids: tuple[str, ...] = ()
-        if c + n == req.num_tokens:  # the step reaches the newest token: it samples
+        if c + n == len(req.all_token_ids):  # the step reaches the newest token: it samples
             sample_ids = (rid, *(f.request_id for f in req.forks)) if req.forks else (rid,)
-            for r in (req, *req.forks):
+            new = (req, *req.forks) if req.forks or rid not in self._in_runner else ()
+            for r in new:
                 if r.request_id not in self._in_runner:
                     self._in_runner.add(r.request_id)
                     out.new_requests.append(
@@ -233,7 +242,7 @@ class Scheduler(AdmissionSteps, RetentionSteps):
                            sinks)  # fmt: skip
         if spec is not None and spec.observes:
             seq.observe = True
-        compact = self.kv.compact_block_ids(req)
+        compact = self.kv.compact_block_ids(req) if spec is not None else None
         if compact:
             if spec.observes:
                 seq.compact = ("h2o", spec.budget, spec.num_recent, 0)
@@ -280,11 +289,10 @@ class Scheduler(AdmissionSteps, RetentionSteps):
         for seq in scheduler_output.seqs:
             first = self.requests[seq.req_id]
             n = len(seq.token_ids)
-            if first.num_computed_tokens < first.num_prompt_tokens:
-                st.prefill_tokens_computed_total += min(
-                    n, first.num_prompt_tokens - first.num_computed_tokens
-                )
-            first.num_computed_tokens += n
+            c, p = first.num_computed_tokens, len(first.prompt_token_ids)
+            if c < p:
+                st.prefill_tokens_computed_total += min(n, p - c)
+            first.num_computed_tokens = c + n
             if first.metrics.first_scheduled_time is None:
                 first.metrics.first_scheduled_time = scheduled_at
                 st.queue_time_sum += max(0.0, scheduled_at - first.arrival_time)

@@ -136,6 +136,8 @@ class EngineCore:
         return refused + updated
 
     def _forget_if_done(self, r: Request) -> None:
+        if not r.is_finished:
+            return
         children = self.families.get(r.parent_id)
-        if r.is_finished and children and all(c.is_finished for c in children):
+        if children and all(c.is_finished for c in children):
             del self.families[r.parent_id]

@@ -260,8 +260,10 @@ class KVCacheManager:
         fits = blocks and done + num_new_tokens <= len(blocks) * self.block_size
         if fits and not computed and not compact_blocks:
             # The common decode step: the tokens fit the table's last, private block.
-            tail = blocks[done // self.block_size :]
-            if all(b.ref_cnt == 1 for b in tail):
+            first, last = done // self.block_size, len(blocks) - 1
+            if blocks[last].ref_cnt == 1 and (
+                first == last or all(b.ref_cnt == 1 for b in blocks[first:last])
+            ):
                 self._track_partial(self._block_ids[rid], done, num_new_tokens, ())
                 return True
         if not self.can_allocate(request, num_new_tokens, computed, compact_blocks):
@@ -345,6 +347,9 @@ class KVCacheManager:
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Publish the request's full blocks whose K/V have been computed."""
+        full = request.num_computed_tokens // self.block_size
+        if full <= self.num_cached_blocks.get(request.request_id, 0):
+            return  # the common decode step: no block filled since the last call
         n_full, unpublished = self._unpublished(request, request.num_computed_tokens)
         for block, h in unpublished:
             self.pool.cache_block(block, h)
