@@ -153,3 +153,11 @@ def test_filler_words_are_the_seeded_choice_and_period_draws():
         a, b = random.Random(seed), random.Random(seed)
         assert tm.words(a, n) == plain(b, n)
         assert a.random() == b.random()  # the generators end in the same state
+
+    class OwnRandom(random.Random):  # choice() then draws indices through random()
+        def random(self) -> float:
+            return super().random()
+
+    a, b = OwnRandom(5), OwnRandom(5)
+    assert type(a)._randbelow is not random.Random._randbelow
+    assert tm.words(a, 300) == plain(b, 300)

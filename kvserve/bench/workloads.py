@@ -99,6 +99,7 @@ WORKLOADS = (*KINDS, "mixed")
 
 
 _CAPITALIZED = tuple(w.capitalize() for w in _WORDS)
+_STOCK_RANDBELOW = random.Random._randbelow_with_getrandbits  # what choice() uses
 
 
 class TextMaker:
@@ -112,12 +113,22 @@ class TextMaker:
     def words(self, rng: random.Random, n_words: int) -> str:
         """``n_words`` seeded words in sentences. The draws are exactly ``rng.choice(words)``
         then ``rng.random()`` per word (what ``choice`` calls, without its per-call overhead:
-        a 100,000-request workload draws ~30 M words), so a seed's text never changes."""
-        below, rnd, n = rng._randbelow, rng.random, len(_WORDS)
+        a 100,000-request workload draws ~30 M words), so a seed's text never changes.
+        ``choice`` draws an index as ``Random._randbelow_with_getrandbits`` does, inlined
+        here: ``getrandbits(k)`` for the bit length k of the word count until it is below
+        it (a subclass with its own generator takes the method)."""
+        rnd, n = rng.random, len(_WORDS)
+        getrandbits, k = rng.getrandbits, n.bit_length()
+        below = None if type(rng)._randbelow is _STOCK_RANDBELOW else rng._randbelow
         out = []
         capital = True
         for _ in range(max(1, n_words)):
-            i = below(n)
+            if below is None:
+                i = getrandbits(k)
+                while i >= n:
+                    i = getrandbits(k)
+            else:
+                i = below(n)
             w = _CAPITALIZED[i] if capital else _WORDS[i]
             capital = rnd() < 0.08
             out.append(w + "." if capital else w)
