@@ -65,7 +65,7 @@ class ScheduledSeq:
     # pooling width) in the chunk that ends the prompt, or ("h2o", budget, recent, 0); every
     # layer copies its kept entries, in order, into the fresh ``compact_block_ids``.
     compact: tuple[str, int, int, int] | tuple[()] = ()
-    compact_block_ids: list[int] = field(default_factory=list)
+    compact_block_ids: list[int] | tuple[()] = ()  # a list when the step compacts
 
     @property
     def per_sequence(self) -> bool:
