@@ -452,13 +452,18 @@ def test_replay_leaves_no_cyclic_garbage_and_restores_the_collector():
     assert gc.get_threshold() == threshold and gc.get_freeze_count() == 0
 
 
-def test_hash_tokenizer_count_equals_the_pattern_on_any_text():
-    """The ASCII shortcut counts what the pattern finds: every ASCII character (controls,
-    punctuation, underscores, digits, odd whitespace) and some non-ASCII, at random."""
+def test_hash_tokenizer_count_and_ids_follow_the_pattern_on_any_text():
+    """The ASCII count and the word-wise ids match the pattern's pieces and the documented id
+    formula: every ASCII character (controls, punctuation, underscores, digits, odd
+    whitespace) and some non-ASCII, at random."""
     tok = HashTokenizer(1000)
     alphabet = [chr(i) for i in range(128)] + list("é€ü—\u00a0\u3000字")
     rng = random.Random(4)
     for k in range(400):
         chars = alphabet[:128] if k % 2 else alphabet
         text = "".join(rng.choice(chars) for _ in range(rng.randrange(0, 60)))
-        assert tok.count(text) == max(1, len(re.findall(r"\w+|[^\w\s]", text))), repr(text)
+        pieces = re.findall(r"\w+|[^\w\s]", text)
+        assert tok.count(text) == max(1, len(pieces)), repr(text)
+        ids = [3 + int.from_bytes(hashlib.blake2b(p.encode(), digest_size=8).digest(), "little")
+               % 997 for p in pieces]  # fmt: skip
+        assert tok.encode(text) == (ids or [3]), repr(text)

@@ -26,6 +26,7 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,7 @@ _ASCII = [chr(i) for i in range(128)]
 _ASCII_OTHER = "".join(c for c in _ASCII if not (c.isalnum() or c == "_" or c.isspace()))
 _OTHER_TO_SPACE = str.maketrans(_ASCII_OTHER, " " * len(_ASCII_OTHER))
 _ONLY_OTHER = str.maketrans("", "", "".join(c for c in _ASCII if c not in _ASCII_OTHER))
+_MAX_WORDS = 1 << 16  # whitespace-separated words whose ids HashTokenizer remembers
 
 
 class HashTokenizer:
@@ -99,15 +101,21 @@ class HashTokenizer:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self._ids: dict[str, int] = {}
+        self._word_ids: dict[str, tuple[int, ...]] = {}
 
     def encode(self, text: str) -> list[int]:
-        pieces = self._PIECES.findall(text)
-        out = list(map(self._ids.get, pieces))  # filler text repeats a few hundred words
-        if None in out:
-            for i, tid in enumerate(out):
-                if tid is None:
-                    out[i] = self._id(pieces[i])
-        return out or [3]
+        # Pieces never span whitespace (\s and str.split() agree on it), so the text's ids
+        # are its whitespace-separated words' ids in order; filler text repeats a few
+        # hundred words, each looked up once here (up to _MAX_WORDS remembered).
+        words = text.split()
+        ids = list(map(self._word_ids.get, words))
+        if None in ids:
+            for i, got in enumerate(ids):
+                if got is None:
+                    got = ids[i] = tuple(map(self._id, self._PIECES.findall(words[i])))
+                    if len(self._word_ids) < _MAX_WORDS:
+                        self._word_ids[words[i]] = got
+        return list(chain.from_iterable(ids)) or [3]
 
     def _id(self, piece: str) -> int:
         tid = self._ids.get(piece)
