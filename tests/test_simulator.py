@@ -14,6 +14,7 @@ import re
 import numpy as np
 import pytest
 
+from benchmarks.simulate_speed import LLAMA_8B
 from kvserve.bench.runner import LoadSpec
 from kvserve.bench.workloads import BenchRequest
 from kvserve.engine_args import default_model
@@ -34,13 +35,7 @@ from kvserve.sim.cost import (
 from kvserve.sim.simulate import HashTokenizer, SimTarget, build_engine, simulate_load
 from kvserve.step import ScheduledSeq, SchedulerOutput
 
-SEED_8B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-    "head_dim": 128, "vocab_size": 128256, "intermediate_size": 14336,
-    "max_position_embeddings": 131072, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0, "tie_word_embeddings": False, "eos_token_id": 128001,
-}  # fmt: skip
+SEED_8B = LLAMA_8B  # the seed's example shapes, as the speed benchmark simulates them
 
 
 def shape_of(cfg: dict, fmt: str = "bfloat16", dtype: str = "bfloat16", tp: int = 1):
@@ -467,3 +462,13 @@ def test_hash_tokenizer_count_and_ids_follow_the_pattern_on_any_text():
         ids = [3 + int.from_bytes(hashlib.blake2b(p.encode(), digest_size=8).digest(), "little")
                % 997 for p in pieces]  # fmt: skip
         assert tok.encode(text) == (ids or [3]), repr(text)
+
+
+def test_speed_benchmark_times_every_phase_of_a_real_run(llama8b, tmp_path):
+    from benchmarks.simulate_speed import PHASES, one_run
+
+    t = one_run(str(llama8b), "chat", 6, 40.0, str(tmp_path))
+    assert set(t) == set(PHASES) and all(v >= 0 for v in t.values())
+    assert t["total"] >= sum(t[p] for p in PHASES if p != "total") * 0.999
+    saved = json.loads((tmp_path / "run.json").read_text())
+    assert saved["summary"]["completed"] == 6 and len(saved["records"]) == 6
