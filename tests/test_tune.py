@@ -44,7 +44,7 @@ def llama8b(tmp_path):
 
 
 def run_tune(workload: str, n: int, space: dict, reports: list[str], gpu: str = "h100-sxm",
-             slo: str = "ttft=60s,tpot=1s", model: str | None = None):  # fmt: skip
+             slo: str = "ttft=60s,tpot=1s", model: str | None = None, jobs: int = 1):  # fmt: skip
     from kvserve.bench.metrics import parse_slo
 
     kw = dict(model=model or default_model(), dtype="bfloat16")
@@ -58,7 +58,8 @@ def run_tune(workload: str, n: int, space: dict, reports: list[str], gpu: str = 
     reqs = make_workload(WorkloadSpec(name=workload, num_prompts=n, seed=0,
                                       max_model_len=max_len), count)  # fmt: skip
     gate = QualityGate.load(reports, kw["model"])
-    return tune(kw, make_target, reqs, LoadSpec(), 0, space, parse_slo(slo), 2.0, gate)
+    return tune(kw, make_target, reqs, LoadSpec(), 0, space, parse_slo(slo), 2.0, gate,
+                jobs=jobs)  # fmt: skip
 
 
 def test_rag_picks_prefix_caching_on(llama8b):
@@ -71,6 +72,33 @@ def test_rag_picks_prefix_caching_on(llama8b):
 
 
 SPACE = {"kv_cache_dtype": ("auto", "fp8_e4m3")}
+
+
+def test_parallel_trials_find_what_the_sequential_search_finds(llama8b, monkeypatch):
+    """Forked simulations (jobs=2) give every trial the sequential search gives, in the same
+    order, with the same figures; a gate-excluded value and a value that cannot run too."""
+    import kvserve.sim.tune as tune_mod
+
+    forked: list[int] = []
+    real = tune_mod._in_forks
+
+    def spy(fn, items, jobs):
+        forked.append(len(items))
+        return real(fn, items, jobs)
+
+    monkeypatch.setattr(tune_mod, "_in_forks", spy)
+    space = {"enable_prefix_caching": (False, True), "block_size": (16, 32, 7, 64),
+             "kv_cache_dtype": ("auto", "fp8_e4m3"), "max_num_seqs": (256, 8)}  # fmt: skip
+    runs = [run_tune("rag", 24, space, [], model=llama8b, jobs=j) for j in (1, 2)]
+    assert forked and max(forked) >= 3  # block sizes 32, 7 and 64 at once
+    seq, par = ([(t.settings, t.excluded, t.summary, t.cost_usd) for t in r.trials] for r in runs)
+    assert par == seq and len(seq) >= 7
+    assert runs[1].best.settings == runs[0].best.settings
+    excluded = [t.excluded for t in runs[1].trials if t.excluded]
+    assert any("no passing quality report" in e for e in excluded)
+    assert any("cannot run" in e for e in excluded)  # block size 7
+    with pytest.raises(ValueError, match="jobs: must be an integer >= 1"):
+        run_tune("rag", 4, space, [], model=llama8b, jobs=0)
 
 
 def test_memory_bound_long_context_picks_fp8_when_its_gate_passes(tmp_path):

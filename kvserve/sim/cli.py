@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -266,6 +267,13 @@ def add_tune_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
         help="a `kvserve quality --json` report for this model (repeatable)",
     )
     s.add_argument("--top", type=int, default=5, help="configurations to print")
+    s.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="simulations run at once, each in its own process (default: the CPUs this "
+        "process may use); the result does not depend on it",
+    )
     s.add_argument("--max-passes", type=int, default=3)
     add_workload_args(p)
     add_load_args(p)
@@ -273,6 +281,14 @@ def add_tune_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
     p.set_defaults(output_dir=str(Path("reports") / "tune"))
     add_engine_args(p)
     return cmd_tune
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return os.cpu_count() or 1
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -318,8 +334,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
         bar.total += 1
         bar.update(t.excluded is None)
 
+    jobs = args.jobs if args.jobs is not None else usable_cpus()
     res = tune(kw, make_target, reqs, load, args.seed, space, slo, args.gpu_hour_cost, gate,
-               args.max_passes, on_trial)  # fmt: skip
+               args.max_passes, on_trial, jobs)  # fmt: skip
     wall = time.perf_counter() - t0
     ranked = res.eligible
     print(

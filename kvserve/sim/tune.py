@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing as mp
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -207,8 +209,13 @@ def tune(
     gate: QualityGate,
     max_passes: int = 3,
     on_trial: Callable[[Trial], None] | None = None,
+    jobs: int = 1,
 ) -> TuneResult:
-    """Coordinate descent over ``space``; ``make_target(engine kwargs, tp, replicas)``."""
+    """Coordinate descent over ``space``; ``make_target(engine kwargs, tp, replicas)``.
+    ``jobs`` > 1 simulates the rest of a pass's candidates at once in that many forked
+    processes; the descent then reads them in its own order, so the result is the same."""
+    if not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs: must be an integer >= 1, got {jobs!r}")
     if not slo:
         raise ValueError("slo: tune needs an SLO (--slo ttft=500ms,tpot=50ms): useful tokens are "
                          "those of requests that meet it")  # fmt: skip
@@ -218,12 +225,8 @@ def tune(
         raise ValueError("search: the search space is empty")
     seen: dict[tuple[tuple[str, Any], ...], Trial] = {}
 
-    def run(settings: dict[str, Any]) -> Trial:
-        k = _key(settings)
-        if k in seen:
-            return seen[k]
+    def simulate(settings: dict[str, Any]) -> Trial:
         trial = Trial(dict(settings))
-        seen[k] = trial
         trial.excluded = gate.verdict(settings)
         if trial.excluded is None:
             kw = {**engine_kwargs, **{n: v for n, v in settings.items() if n not in TARGET_KEYS}}
@@ -238,9 +241,30 @@ def tune(
                                           target.gpus)  # fmt: skip
                 trial.useful_tokens = useful_tokens(res.records, slo)
                 trial.cost_usd = gpu_hour_cost * target.gpus * res.duration / 3600.0
-        if on_trial is not None:
-            on_trial(trial)
         return trial
+
+    ahead: dict[tuple[tuple[str, Any], ...], Trial] = {}  # simulated ahead, not yet tried
+
+    def run(settings: dict[str, Any]) -> Trial:
+        k = _key(settings)
+        if k not in seen:
+            seen[k] = ahead.pop(k, None) or simulate(settings)
+            if on_trial is not None:
+                on_trial(seen[k])
+        return seen[k]
+
+    def prefetch(candidates: list[dict[str, Any]]) -> None:
+        """Simulate, in parallel, the candidates the descent may try next. It tries them
+        only through ``run``, in its own order, so a result is reported (and counts) only if
+        the sequential search would have run it; the others are work spent ahead."""
+        todo = {
+            k: c
+            for c in candidates
+            if (k := _key(c)) not in seen and k not in ahead and gate.verdict(c) is None
+        }
+        if jobs < 2 or len(todo) < 2:
+            return
+        ahead.update(zip(todo, _in_forks(simulate, list(todo.values()), jobs), strict=True))
 
     best_settings = {k: v[0] for k, v in space.items()}
     baseline = dict(best_settings)
@@ -251,8 +275,13 @@ def tune(
 
     for _ in range(max_passes):
         changed = False
-        for name, values in space.items():
-            for v in values:
+        names = list(space)
+        for d, name in enumerate(names):
+            # The rest of the pass tries each value of each remaining dimension with the
+            # others at the best so far: all of them can run at once, and stay valid until
+            # the best changes (then the rest is simulated again from the new best).
+            prefetch([{**best_settings, n: v} for n in names[d:] for v in space[n]])
+            for v in space[name]:
                 t = run({**best_settings, name: v})
                 if better(t, best):
                     best, best_settings, changed = t, dict(t.settings), True
@@ -261,6 +290,32 @@ def tune(
     trials = list(seen.values())
     winner = best if best.usd_per_million_useful < math.inf else None
     return TuneResult(trials, winner, baseline, slo)
+
+
+_FORK_WORK: tuple[Callable[[dict[str, Any]], Trial], list[dict[str, Any]]] | None = None
+
+
+def _fork_trial(i: int) -> Trial:
+    fn, items = _FORK_WORK  # type: ignore[misc]  # set by _in_forks before the fork
+    return fn(items[i])
+
+
+def _in_forks(
+    fn: Callable[[dict[str, Any]], Trial], items: list[dict[str, Any]], jobs: int
+) -> list[Trial]:
+    """``[fn(x) for x in items]`` in up to ``jobs`` forked processes. The children inherit
+    the workload and targets instead of receiving them pickled (a long trace is hundreds of
+    MB of prompts); only the trials come back. The simulator does no tensor work, so the
+    forks start no thread pools. Where ``fork`` does not exist, in order here."""
+    global _FORK_WORK
+    if "fork" not in mp.get_all_start_methods():
+        return [fn(x) for x in items]
+    _FORK_WORK = (fn, items)
+    try:
+        with ProcessPoolExecutor(min(jobs, len(items)), mp.get_context("fork")) as pool:
+            return list(pool.map(_fork_trial, range(len(items))))
+    finally:
+        _FORK_WORK = None
 
 
 def useful_tokens(records: list[RequestRecord], slo: dict[str, float]) -> int:
