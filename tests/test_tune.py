@@ -5,6 +5,7 @@ input gets a message that says what is wrong."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -80,13 +81,13 @@ def test_parallel_trials_find_what_the_sequential_search_finds(llama8b, monkeypa
     import kvserve.sim.tune as tune_mod
 
     forked: list[int] = []
-    real = tune_mod._in_forks
+    real = tune_mod.fork_map
 
     def spy(fn, items, jobs):
         forked.append(len(items))
         return real(fn, items, jobs)
 
-    monkeypatch.setattr(tune_mod, "_in_forks", spy)
+    monkeypatch.setattr(tune_mod, "fork_map", spy)
     space = {"enable_prefix_caching": (False, True), "block_size": (16, 32, 7, 64),
              "kv_cache_dtype": ("auto", "fp8_e4m3"), "max_num_seqs": (256, 8)}  # fmt: skip
     runs = [run_tune("rag", 24, space, [], model=llama8b, jobs=j) for j in (1, 2)]
@@ -233,3 +234,25 @@ def test_cli_simulate_sweep_runs_one_point_per_rate(capsys, tmp_path, llama8b):
     assert low["duration_s"] > 10 * high["duration_s"]
     assert high["ttft_ms"]["p99"] >= low["ttft_ms"]["p99"]
     assert (tmp_path / "w-sweep.png").exists()
+
+
+def test_cli_simulate_sweep_points_side_by_side_equal_one_at_a_time(capsys, tmp_path, llama8b):
+    """--jobs 2 runs the points in forks: every figure but the wall time is as with --jobs 1,
+    the records too; a --jobs below 1 is refused naming the flag."""
+    runs = []
+    for jobs in ("1", "2"):
+        code, _, _ = cli(
+            capsys, "simulate", "--model", llama8b, "--gpu", "h100-sxm", "--workload", "rag",
+            "--num-prompts", "30", "--sweep", "rate=3,20,inf", "--no-progress", "--no-plots",
+            "--output-dir", str(tmp_path), "--label", f"j{jobs}", "--jobs", jobs,
+        )  # fmt: skip
+        assert code == 0
+        data = json.loads((tmp_path / f"j{jobs}.json").read_text())
+        for s in data["sweep"]:
+            s["simulation"].pop("wall_s")
+            s.pop("label")
+        runs.append(data)
+    assert runs[0] == runs[1]
+    assert [s["sweep_value"] for s in runs[1]["sweep"]] == [3.0, 20.0, math.inf]
+    code, _, err = cli(capsys, "simulate", "--model", llama8b, "--gpu", "h100-sxm", "--jobs", "0")
+    assert code == 2 and "jobs: must be an integer >= 1" in err

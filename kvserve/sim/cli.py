@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from kvserve.bench.cli import (
     workload_spec,
 )
 from kvserve.engine_args import add_engine_args, default_model, engine_kwargs
+from kvserve.sim.forks import fork_map, usable_cpus
 
 DEFAULT_SIM_DIR = Path("reports") / "sim"
 
@@ -44,6 +44,14 @@ def add_sim_target_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per replica")
     g.add_argument("--replicas", type=int, default=1, help="engine replicas behind a balancer")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="simulations run at once, each in its own process: tune's candidates, "
+        "simulate's --sweep points (default: the CPUs this process may use); the results "
+        "do not depend on it",
+    )
 
 
 def add_simulate_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
@@ -133,6 +141,15 @@ def _calibrate(args: argparse.Namespace, kw: dict[str, Any]) -> int:
     return 0
 
 
+def sim_jobs(args: argparse.Namespace) -> int:
+    """--jobs, or the CPUs this process may use."""
+    if args.jobs is None:
+        return usable_cpus()
+    if args.jobs < 1:
+        raise ValueError(f"jobs: must be an integer >= 1, got {args.jobs}")
+    return int(args.jobs)
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     """One simulated run (or one per --sweep value, each its own draw of the workload as in
     bench); prints bench's table, writes JSON, Markdown and plots under --output-dir."""
@@ -166,10 +183,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     )
     gpus = target.gpus if target.gpu is not None else args.gpus
     label = args.label or f"{Path(args.workload).stem}-sim-{time.strftime('%Y%m%d-%H%M%S')}"
-    points, notes = [], []
-    for i, load in enumerate(loads):
+    jobs = sim_jobs(args)
+    side_by_side = jobs > 1 and len(loads) > 1  # progress bars would interleave
+
+    def point(item: tuple[int, Any]) -> tuple[dict[str, Any], list[Any], float, list[str]]:
+        i, load = item
         reqs = make_workload(workload_spec(args, args.seed + i, max_len), count)
-        bar = Progress(len(reqs), f"simulate {load.describe()}", enabled=not args.no_progress)
+        bar = Progress(len(reqs), f"simulate {load.describe()}",
+                       enabled=not args.no_progress and not side_by_side)  # fmt: skip
         t0 = time.perf_counter()
         res, sims = simulate_load(
             target, reqs, load, args.seed + i, warm if i == 0 else None, args.temperature,
@@ -179,7 +200,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         s = summarize(res.records, res.duration, slo, args.gpu_hour_cost, gpus)
         s["server"] = server_summary(res.before, res.after, res.samples)
         sim = sims[0]
-        notes = sim.notes
         s["target"] = (
             f"simulated {model_name(args.model, kw['model'])} on {target.profile.device}"
             + (f" (pool of {target.gpu.name})" if target.gpu else "")
@@ -203,7 +223,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             s["sweep_value"] = load.concurrency if sweep_label == "concurrency" else (
                 load.request_rate
             )  # fmt: skip
-        points.append((s, res.records, wall))
+        return s, res.records, wall, sim.notes
+
+    if side_by_side and not args.no_progress:
+        print(f"simulating {len(loads)} sweep points, {min(jobs, len(loads))} at a time",
+              file=sys.stderr)  # fmt: skip
+    started = time.perf_counter()
+    results = fork_map(point, list(enumerate(loads)), jobs)
+    took = time.perf_counter() - started  # points side by side: not the sum of their walls
+    points = [(s, records, wall) for s, records, wall, _ in results]
+    notes = results[0][3]
     out_dir = Path(args.output_dir)
     plots: list[str] = []
     if sweep_label is None:
@@ -231,7 +260,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     md_path.write_text("\n\n".join(markdown(p[0], plots if i == 0 else None)
                                     for i, p in enumerate(points)))  # fmt: skip
     n = sum(len(p[1]) for p in points)
-    took = sum(p[2] for p in points)
     print(f"simulated {n} requests in {took:.1f}s; wrote {json_path}, {md_path}"
           + "".join(f", {x}" for x in plots))  # fmt: skip
     if args.json:
@@ -267,13 +295,6 @@ def add_tune_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
         help="a `kvserve quality --json` report for this model (repeatable)",
     )
     s.add_argument("--top", type=int, default=5, help="configurations to print")
-    s.add_argument(
-        "--jobs",
-        type=int,
-        default=None,
-        help="simulations run at once, each in its own process (default: the CPUs this "
-        "process may use); the result does not depend on it",
-    )
     s.add_argument("--max-passes", type=int, default=3)
     add_workload_args(p)
     add_load_args(p)
@@ -281,14 +302,6 @@ def add_tune_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
     p.set_defaults(output_dir=str(Path("reports") / "tune"))
     add_engine_args(p)
     return cmd_tune
-
-
-def usable_cpus() -> int:
-    """CPUs this process may run on (its affinity mask where the OS has one)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -334,7 +347,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         bar.total += 1
         bar.update(t.excluded is None)
 
-    jobs = args.jobs if args.jobs is not None else usable_cpus()
+    jobs = sim_jobs(args)
     res = tune(kw, make_target, reqs, load, args.seed, space, slo, args.gpu_hour_cost, gate,
                args.max_passes, on_trial, jobs)  # fmt: skip
     wall = time.perf_counter() - t0

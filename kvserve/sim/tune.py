@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-import multiprocessing as mp
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +28,7 @@ from kvserve.bench.workloads import BenchRequest
 from kvserve.config import ConfigError
 from kvserve.kv.formats import KV_CACHE_DTYPES
 from kvserve.plan.capacity import PlanError
+from kvserve.sim.forks import fork_map
 from kvserve.sim.simulate import SimTarget, simulate_load
 
 DENSE = ("auto", "float32", "bfloat16", "float16")
@@ -264,7 +263,7 @@ def tune(
         }
         if jobs < 2 or len(todo) < 2:
             return
-        ahead.update(zip(todo, _in_forks(simulate, list(todo.values()), jobs), strict=True))
+        ahead.update(zip(todo, fork_map(simulate, list(todo.values()), jobs), strict=True))
 
     best_settings = {k: v[0] for k, v in space.items()}
     baseline = dict(best_settings)
@@ -290,32 +289,6 @@ def tune(
     trials = list(seen.values())
     winner = best if best.usd_per_million_useful < math.inf else None
     return TuneResult(trials, winner, baseline, slo)
-
-
-_FORK_WORK: tuple[Callable[[dict[str, Any]], Trial], list[dict[str, Any]]] | None = None
-
-
-def _fork_trial(i: int) -> Trial:
-    fn, items = _FORK_WORK  # type: ignore[misc]  # set by _in_forks before the fork
-    return fn(items[i])
-
-
-def _in_forks(
-    fn: Callable[[dict[str, Any]], Trial], items: list[dict[str, Any]], jobs: int
-) -> list[Trial]:
-    """``[fn(x) for x in items]`` in up to ``jobs`` forked processes. The children inherit
-    the workload and targets instead of receiving them pickled (a long trace is hundreds of
-    MB of prompts); only the trials come back. The simulator does no tensor work, so the
-    forks start no thread pools. Where ``fork`` does not exist, in order here."""
-    global _FORK_WORK
-    if "fork" not in mp.get_all_start_methods():
-        return [fn(x) for x in items]
-    _FORK_WORK = (fn, items)
-    try:
-        with ProcessPoolExecutor(min(jobs, len(items)), mp.get_context("fork")) as pool:
-            return list(pool.map(_fork_trial, range(len(items))))
-    finally:
-        _FORK_WORK = None
 
 
 def useful_tokens(records: list[RequestRecord], slo: dict[str, float]) -> int:
