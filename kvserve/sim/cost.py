@@ -157,38 +157,38 @@ def step_features(
     per_pair = 4 * shape.num_heads * shape.head_dim / shape.tp  # QK^T and PV, FLOPs per entry
     kv_per_entry = shape.kv_bytes_per_token / shape.num_layers  # one layer's entry
     block_bytes = shape.kv_bytes_per_token * block_size
+    # Sums in locals, not on f: this loop runs per sequence per simulated step.
+    seqs = solo = tokens = sampled = prefill_seqs = 0
+    decode_entries = pairs = first_touch = 0.0
     for s in out.seqs:
         n = len(s.token_ids)
         cached = s.num_cached
         end = cached + n
-        f.seqs += 1
-        f.solo_seqs += s.per_sequence
-        f.tokens += n
-        f.sampled_rows += len(s.sample_ids) + s.num_prompt_logit_rows
+        seqs += 1
+        solo += s.per_sequence
+        tokens += n
+        sampled += len(s.sample_ids) + s.num_prompt_logit_rows
         own = s.window + s.sinks if s.window else None
         if n == 1:
-            entries = 0.0
             for w, count in groups:
                 bound = (min(own, w) if own and w else own or w) or end
-                entries += count * min(end, bound)
-            f.decode_kv_bytes += entries * kv_per_entry
+                decode_entries += count * min(end, bound)
         else:
-            pairs = 0.0
             for w, count in groups:
                 bound = min(own, w) if own and w else own or w
                 pairs += count * _attended(cached, n, bound)
-            f.prefill_seqs += 1
-            f.prefill_attention_flops += pairs * per_pair
+            prefill_seqs += 1
         if touched is not None and n:
             first, last = cached // block_size, (end - 1) // block_size
-            for b in s.block_ids[first : last + 1]:
+            for b in (*s.block_ids[first : last + 1], *s.compact_block_ids):
                 if b not in touched:
                     touched.add(b)
-                    f.first_touch_bytes += block_bytes
-            for b in s.compact_block_ids:
-                if b not in touched:
-                    touched.add(b)
-                    f.first_touch_bytes += block_bytes
+                    first_touch += block_bytes
+    f.seqs, f.solo_seqs, f.tokens, f.sampled_rows = seqs, solo, tokens, sampled
+    f.prefill_seqs = prefill_seqs
+    f.decode_kv_bytes = decode_entries * kv_per_entry
+    f.prefill_attention_flops = pairs * per_pair
+    f.first_touch_bytes = first_touch
     f.new_prompt_tokens = sum(len(r.prompt_token_ids) for r in out.new_requests)
     f.linear_flops = (
         2.0 * (shape.layer_params * f.tokens + shape.head_params * f.sampled_rows) / shape.tp
