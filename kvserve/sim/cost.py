@@ -65,6 +65,14 @@ class ModelShape:
     kv_bytes_per_token: float  # every layer, metadata included, one GPU's share
     layer_windows: tuple[int | None, ...]
     tp: int = 1
+    # The layers grouped by their own sliding window (None: full attention), with how many
+    # have it: read once per simulated step, so computed once here.
+    window_groups: tuple[tuple[int | None, int], ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        windows = self.layer_windows or (None,) * self.num_layers
+        groups = tuple((w, windows.count(w)) for w in dict.fromkeys(windows))
+        object.__setattr__(self, "window_groups", groups)
 
     @classmethod
     def from_arch(
@@ -92,12 +100,6 @@ class ModelShape:
             layer_windows=spec.layer_windows,
             tp=tp,
         )
-
-    @property
-    def window_groups(self) -> tuple[tuple[int | None, int], ...]:
-        """The layers grouped by their own sliding window (None: full attention)."""
-        windows = self.layer_windows or (None,) * self.num_layers
-        return tuple((w, windows.count(w)) for w in dict.fromkeys(windows))
 
     @property
     def head_params(self) -> int:
