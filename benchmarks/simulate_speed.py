@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import emit, table
+from benchmarks.common import emit, median, table
 
 ROOT = Path(__file__).resolve().parent.parent
 PHASES = ("workload", "replay", "summary", "json", "plot", "total")
@@ -83,8 +82,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.num_prompts < 1 or args.rounds < 1:
-        raise SystemExit("--num-prompts and --rounds must be >= 1")
+    for flag, v in (("--num-prompts", args.num_prompts), ("--rounds", args.rounds)):
+        if v < 1:
+            raise SystemExit(f"{flag}: must be >= 1, got {v}")
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "llama-3-8b"
         model.mkdir()
@@ -118,7 +118,7 @@ def main() -> None:
             if args.baseline:
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)],
                                check=False, capture_output=True)  # fmt: skip
-    med = {k: {ph: statistics.median(t[ph] for t in v) for ph in PHASES} for k, v in times.items()}
+    med = {k: {ph: median([t[ph] for t in v]) for ph in PHASES} for k, v in times.items()}
     names = list(trees)
     cols = ["phase (s, median)", *names] + (["this / baseline"] if len(names) > 1 else [])
     rows = []

@@ -472,3 +472,12 @@ def test_speed_benchmark_times_every_phase_of_a_real_run(llama8b, tmp_path):
     assert t["total"] >= sum(t[p] for p in PHASES if p != "total") * 0.999
     saved = json.loads((tmp_path / "run.json").read_text())
     assert saved["summary"]["completed"] == 6 and len(saved["records"]) == 6
+
+
+@pytest.mark.parametrize("flag", ["--num-prompts", "--rounds"])
+def test_speed_benchmark_refuses_counts_below_one(monkeypatch, flag):
+    from benchmarks import simulate_speed
+
+    monkeypatch.setattr("sys.argv", ["simulate_speed", flag, "0"])
+    with pytest.raises(SystemExit, match=f"{flag}: must be >= 1, got 0"):
+        simulate_speed.main()

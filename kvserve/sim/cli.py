@@ -186,7 +186,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     jobs = sim_jobs(args)
     side_by_side = jobs > 1 and len(loads) > 1  # progress bars would interleave
 
-    def point(item: tuple[int, Any]) -> tuple[dict[str, Any], list[Any], float, list[str]]:
+    def point(item: tuple[int, Any]) -> tuple[dict[str, Any], list[Any], float]:
         i, load = item
         reqs = make_workload(workload_spec(args, args.seed + i, max_len), count)
         bar = Progress(len(reqs), f"simulate {load.describe()}",
@@ -223,16 +223,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             s["sweep_value"] = load.concurrency if sweep_label == "concurrency" else (
                 load.request_rate
             )  # fmt: skip
-        return s, res.records, wall, sim.notes
+        return s, res.records, wall
 
     if side_by_side and not args.no_progress:
         print(f"simulating {len(loads)} sweep points, {min(jobs, len(loads))} at a time",
               file=sys.stderr)  # fmt: skip
     started = time.perf_counter()
-    results = fork_map(point, list(enumerate(loads)), jobs)
+    points = fork_map(point, list(enumerate(loads)), jobs)
     took = time.perf_counter() - started  # points side by side: not the sum of their walls
-    points = [(s, records, wall) for s, records, wall, _ in results]
-    notes = results[0][3]
+    notes = points[0][0]["simulation"]["notes"]
     out_dir = Path(args.output_dir)
     plots: list[str] = []
     if sweep_label is None:
