@@ -131,6 +131,7 @@ def make_kv_storage(
     k_scales: Any = None,
     v_scales: Any = None,
     use_kernels: bool = True,
+    layer_slots: tuple[int, ...] | None = None,
 ) -> KVStorage:
     """The storage for a format name (``auto`` and aliases resolved against ``dtype``);
     ``dtype`` is the compute dtype that ``gather`` returns (and, for dense formats, ``auto``'s
@@ -142,4 +143,5 @@ def make_kv_storage(
     return storage_class(name).from_format(
         name, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device,
         max_num_seqs=max_num_seqs, k_scales=k_scales, v_scales=v_scales, use_kernels=use_kernels,
+        **({"layer_slots": layer_slots} if layer_slots is not None else {}),
     )  # fmt: skip

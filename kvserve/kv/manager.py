@@ -76,10 +76,13 @@ class KVCacheManager:
         model_id: str = "",
         kv_format: str = "",
         max_partial_blocks: int | None = None,
+        pool: BlockPool | None = None,
     ) -> None:
+        """``pool``: blocks shared with other managers (a hybrid model's layer groups,
+        :mod:`kvserve.kv.grouped`); by default a pool of ``num_blocks`` of its own."""
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = pool if pool is not None else BlockPool(num_blocks, enable_caching)
         self.root = root_hash(model_id, kv_format)
         # The storage's reserved padding block: one past the last real block, never handed out.
         # Its handle stands in a table for the blocks a retention policy dropped.
@@ -157,13 +160,8 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return [], 0
-        hashes = self.block_hashes(request)
-        limit = request.num_tokens - 1
-        if request.compaction_pending:  # SnapKV's observation window is computed this time
-            limit = min(limit, request.num_prompt_tokens - request.retention.obs)
-        max_blocks = limit // self.block_size
         hit: list[KVCacheBlock] = []
-        for h in hashes[:max_blocks]:
+        for h in self.block_hashes(request)[: self.max_hit_blocks(request)]:
             block = self.pool.get_cached_block(h)
             if block is None:
                 break
@@ -171,6 +169,14 @@ class KVCacheManager:
         if count:
             self.count_hits(request, hit)
         return hit, len(hit) * self.block_size
+
+    def max_hit_blocks(self, request: Request) -> int:
+        """The most leading blocks a prefix hit may cover: one token is always left to
+        compute, and SnapKV computes its observation window itself."""
+        limit = request.num_tokens - 1
+        if request.compaction_pending:
+            limit = min(limit, request.num_prompt_tokens - request.retention.obs)
+        return limit // self.block_size
 
     def count_hits(self, request: Request, hit: Sequence[KVCacheBlock]) -> None:
         """Count one admission's prefix lookup (and the hits write-through-selective counts)."""
@@ -232,7 +238,7 @@ class KVCacheManager:
         compact_blocks: int = 0,
     ) -> bool:
         _, need, copies, partial = self._plan(request, num_new_tokens, computed)
-        reclaimed = sum(1 for b in computed if b.ref_cnt == 0)
+        reclaimed = sum(1 for b in computed if b.ref_cnt == 0 and b is not self._null)
         if need + copies + compact_blocks > self.pool.num_free_blocks - reclaimed:
             return False
         cap = self.max_partial_blocks
@@ -273,7 +279,15 @@ class KVCacheManager:
         ids = self._block_ids.setdefault(rid, [])
         new = self._ops.new_blocks.setdefault(rid, [])
         if computed:
-            self.pool.touch(computed)
+            # A window layer group's hit may start with null entries: blocks no query of the
+            # request reaches (kvserve.kv.grouped); they count as dropped from the start.
+            skip = 0
+            while skip < len(computed) and computed[skip] is self._null:
+                skip += 1
+            if skip:
+                assert not blocks, f"{rid}: null hits only start a table"
+                self._dropped[rid] = (0, skip)
+            self.pool.touch(computed[skip:])
             blocks.extend(computed)
             ids.extend(b.block_id for b in computed)
             self.num_cached_blocks[rid] = len(blocks)
@@ -466,10 +480,7 @@ class KVCacheManager:
     def tier_candidates(self, request: Request, num_hit_blocks: int) -> list[BlockHash]:
         """The request's block hashes after its ``num_hit_blocks`` device hits, up to the same
         limit as a device hit (one token always left to compute): what a tier may hold."""
-        limit = request.num_tokens - 1
-        if request.compaction_pending:
-            limit = min(limit, request.num_prompt_tokens - request.retention.obs)
-        return self.block_hashes(request)[num_hit_blocks : limit // self.block_size]
+        return self.block_hashes(request)[num_hit_blocks : self.max_hit_blocks(request)]
 
     def blocks_completed_by(
         self, request: Request, num_new_tokens: int
@@ -535,6 +546,17 @@ class KVCacheManager:
         """Raise if the pool or the tables are inconsistent (free + cached-free + in-use =
         total, reference counts equal table entries, int tables mirror block tables)."""
         self.pool.check_invariants()
+        refs = self.table_refs()
+        for b in self.pool.blocks:
+            assert b.ref_cnt == refs.get(b.block_id, 0), f"ref count mismatch on {b}"
+        for b in self._partial | self._filling:
+            assert self.pool.blocks[b].ref_cnt > 0, f"freed block {b} counted as partial"
+        if self.max_partial_blocks is not None:
+            assert self.num_partial_blocks <= self.max_partial_blocks, "partial blocks"
+
+    def table_refs(self) -> dict[int, int]:
+        """References to each block from this manager's tables and set-aside compaction
+        blocks, after checking that the tables are well formed."""
         refs: dict[int, int] = {}
         for rid, blocks in self.req_blocks.items():
             assert self._block_ids[rid] == [b.block_id for b in blocks], f"table of {rid}"
@@ -546,9 +568,4 @@ class KVCacheManager:
         for staged in self._compact.values():
             for b in staged:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
-        for b in self.pool.blocks:
-            assert b.ref_cnt == refs.get(b.block_id, 0), f"ref count mismatch on {b}"
-        for b in self._partial | self._filling:
-            assert self.pool.blocks[b].ref_cnt > 0, f"freed block {b} counted as partial"
-        if self.max_partial_blocks is not None:
-            assert self.num_partial_blocks <= self.max_partial_blocks, "partial blocks"
+        return refs

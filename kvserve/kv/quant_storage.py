@@ -47,9 +47,10 @@ class Fp8KVStorage(KVStorage):
         k_scales: torch.Tensor | None = None,
         v_scales: torch.Tensor | None = None,
         use_kernels: bool = True,
+        layer_slots: tuple[int, ...] | None = None,
     ) -> None:
         super().__init__(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype,
-                         device, use_kernels)  # fmt: skip
+                         device, use_kernels, layer_slots)  # fmt: skip
         self.fp8_dtype = codecs.FP8_DTYPES[fp8_format]
         self.format_name = fp8_format
         shape = (self.num_rows, num_kv_heads, block_size, head_dim)
@@ -69,7 +70,8 @@ class Fp8KVStorage(KVStorage):
         return cls(num_layers, num_blocks, block_size, num_kv_heads, head_dim, compute_dtype,
                    device, fp8_format=name, k_scales=options.get("k_scales"),
                    v_scales=options.get("v_scales"),
-                   use_kernels=options.get("use_kernels", True))  # fmt: skip
+                   use_kernels=options.get("use_kernels", True),
+                   layer_slots=options.get("layer_slots"))  # fmt: skip
 
     def _scales(self, given: torch.Tensor | None) -> list[torch.Tensor]:
         """[num_layers, kv_heads] (or broadcastable) -> per-layer float32 [kv_heads]."""
@@ -204,9 +206,10 @@ class Int8KVStorage(KVStorage):
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         use_kernels: bool = True,
+        layer_slots: tuple[int, ...] | None = None,
     ) -> None:
         super().__init__(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype,
-                         device, use_kernels)  # fmt: skip
+                         device, use_kernels, layer_slots)  # fmt: skip
         self.format_name = "int8"
         shape = (self.num_rows, num_kv_heads, block_size, head_dim)
         sshape = (self.num_rows, num_kv_heads, block_size)

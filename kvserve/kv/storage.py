@@ -115,6 +115,7 @@ class KVStorage(ABC):
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         use_kernels: bool = True,
+        layer_slots: tuple[int, ...] | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks: must be >= 1, got {num_blocks}")
@@ -126,6 +127,9 @@ class KVStorage(ABC):
         self.dtype = dtype  # the compute dtype that gather returns
         self.device = torch.device(device)
         self.use_kernels = use_kernels
+        # Hybrid models (kvserve.kv.layer_groups): layer l's per-block tensors are those of slot
+        # layer_slots[l], shared by the layers of other groups (a block belongs to one group).
+        self.layer_slots = layer_slots
         self.null_block = num_blocks
         self.format_name = ""  # set by subclasses: the layout that goes into prefix-cache keys
 
@@ -145,11 +149,12 @@ class KVStorage(ABC):
         k_scales: torch.Tensor | None = None,
         v_scales: torch.Tensor | None = None,
         use_kernels: bool = True,
+        layer_slots: tuple[int, ...] | None = None,
     ) -> KVStorage:
         """The storage for canonical format ``name`` (one of :attr:`formats`). Formats
         ignore the options that do not concern them."""
         return cls(num_layers, num_blocks, block_size, num_kv_heads, head_dim, compute_dtype,
-                   device, use_kernels=use_kernels)  # fmt: skip
+                   device, use_kernels=use_kernels, layer_slots=layer_slots)  # fmt: skip
 
     @property
     def num_rows(self) -> int:
@@ -193,13 +198,16 @@ class KVStorage(ABC):
     def nbytes(self) -> int:
         """Bytes of the usable blocks (the pool sizing rule's per-token figure times slots)."""
         per_row = sum(
-            t[0].numel() * t.element_size() for ts in self.block_tensors().values() for t in ts
+            t[0].numel() * t.element_size()
+            for ts in self.distinct_block_tensors().values()
+            for t in ts
         )
         return per_row * self.num_blocks
 
     def fixed_nbytes(self) -> int:
         """Every other byte the storage allocated: the null block and the fixed tensors."""
-        rows = sum(t.numel() * t.element_size() for ts in self.block_tensors().values() for t in ts)
+        tensors = self.distinct_block_tensors().values()
+        rows = sum(t.numel() * t.element_size() for ts in tensors for t in ts)
         fixed = sum(t.numel() * t.element_size() for t in self.fixed_tensors())
         return rows - self.nbytes() + fixed
 
@@ -219,7 +227,7 @@ class KVStorage(ABC):
             return
         src = torch.tensor([s for s, _ in pairs], device=self.device)
         dst = torch.tensor([d for _, d in pairs], device=self.device)
-        for ts in self.block_tensors().values():
+        for ts in self.distinct_block_tensors().values():
             for t in ts:
                 t[dst] = t[src]
 
@@ -347,8 +355,21 @@ class KVStorage(ABC):
 
     # -- helpers for subclasses ----------------------------------------------------------------
     def per_layer(self, *shape: int, dtype: torch.dtype) -> list[torch.Tensor]:
-        """One zero tensor per layer of shape ``shape``."""
-        return [zeros(shape, dtype, self.device) for _ in range(self.num_layers)]
+        """One zero tensor per layer of shape ``shape`` (per slot, with ``layer_slots``: the
+        layers that share a slot share its tensor)."""
+        if self.layer_slots is None:
+            return [zeros(shape, dtype, self.device) for _ in range(self.num_layers)]
+        slots = [zeros(shape, dtype, self.device) for _ in range(max(self.layer_slots) + 1)]
+        return [slots[s] for s in self.layer_slots]
+
+    def distinct_block_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """:meth:`block_tensors` with each shared slot tensor once (what holds bytes, and
+        what a whole-block copy must touch)."""
+        if self.layer_slots is None:
+            return self.block_tensors()
+        first = {s: layer for layer, s in reversed(list(enumerate(self.layer_slots)))}
+        keep = sorted(first.values())
+        return {name: [ts[i] for i in keep] for name, ts in self.block_tensors().items()}
 
     def gather_blocks(
         self, block_tables: torch.Tensor, decode: Any, *per_layer: torch.Tensor
@@ -382,9 +403,10 @@ class DenseKVStorage(KVStorage):
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         use_kernels: bool = True,
+        layer_slots: tuple[int, ...] | None = None,
     ) -> None:
         super().__init__(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype,
-                         device, use_kernels)  # fmt: skip
+                         device, use_kernels, layer_slots)  # fmt: skip
         self.format_name = str(dtype).removeprefix("torch.")
         shape = (self.num_rows, num_kv_heads, block_size, head_dim)
         self.k = self.per_layer(*shape, dtype=dtype)
@@ -397,7 +419,8 @@ class DenseKVStorage(KVStorage):
         """The storage dtype is the format's own (``auto`` resolved to the model dtype)."""
         kernels = options.get("use_kernels", True)
         return cls(num_layers, num_blocks, block_size, num_kv_heads, head_dim,
-                   TORCH_DTYPES[name], device, use_kernels=kernels)  # fmt: skip
+                   TORCH_DTYPES[name], device, use_kernels=kernels,
+                   layer_slots=options.get("layer_slots"))  # fmt: skip
 
     @classmethod
     def format_bytes_per_token(
