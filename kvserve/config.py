@@ -260,6 +260,9 @@ class CacheConfig:
     # kv_offload_reuse_threshold times.
     kv_offload_write_policy: str = "write_back"
     kv_offload_reuse_threshold: int = 2
+    # Hybrid models (full and sliding-window layers): one table for every layer instead of
+    # one per layer group, so nothing behind the windows is freed (vLLM's flag).
+    disable_hybrid_kv_cache_manager: bool = False
 
     @property
     def kv_offload(self) -> bool:

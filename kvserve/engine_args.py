@@ -46,6 +46,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     g.add_argument("--calculate-kv-scales", action="store_true")
     g.add_argument(
+        "--disable-hybrid-kv-cache-manager",
+        action="store_true",
+        help="hybrid models (full and sliding-window layers): one block table for every "
+        "layer, so blocks behind the windows are not freed (as vLLM's flag)",
+    )
+    g.add_argument(
         "--kv-retention",
         default=None,
         metavar="SPEC",
@@ -160,6 +166,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kv_cache_memory=args.kv_cache_memory,
         kv_cache_dtype=args.kv_cache_dtype,
         calculate_kv_scales=args.calculate_kv_scales,
+        disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
         kv_retention=args.kv_retention,
         kv_offload_cpu=_offload_cpu(args),
         kv_offload_disk=args.kv_offload_disk,

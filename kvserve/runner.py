@@ -14,6 +14,7 @@ prompt rows a request asked logits for.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ import torch
 from kvserve.config import EngineConfig, ModelConfig
 from kvserve.kernels.allocator import tune_host_allocator
 from kvserve.kv.formats import canonical_kv_format, make_kv_storage
+from kvserve.kv.layer_groups import LayerGroups, engine_layer_groups
 from kvserve.kv.storage import KVStorage
 from kvserve.model.attention import (
     KERNEL_MAX_QUERY,
@@ -46,8 +48,12 @@ class ModelRunner:
         storage: KVStorage,
         sampler: Sampler,
         device: torch.device,
+        layer_groups: LayerGroups | None = None,
     ) -> None:
+        """``layer_groups``: a hybrid model's per-group block tables (the storage's layers
+        alias its slots); each layer attends through its group's tables."""
         self.model = model
+        self.layer_groups = layer_groups
         self.storage = storage
         self.sampler = sampler
         self.block_size = storage.block_size
@@ -109,6 +115,8 @@ class ModelRunner:
         self._apply_kv_ops(sched, out)
         items = self._order(sched.seqs)
         input_ids, positions, meta = self._prepare(items)
+        if self.layer_groups is not None:
+            meta.by_layer = self._group_metas(items, meta)
         self.storage.begin_step(meta.slot_mapping)
         hidden = self.model(input_ids, positions, self.storage, meta)
         if sched.kv_ops.offload_after:  # write-through: blocks this step filled
@@ -148,6 +156,17 @@ class ModelRunner:
             out.logprobs = sampled.logprobs
             out.sampled_logprobs = sampled.sampled_logprobs
         return out
+
+    def _group_metas(
+        self, items: list[ScheduledSeq], meta: AttentionMetadata
+    ) -> list[AttentionMetadata]:
+        """Each layer's metadata: group 0's is ``meta``; the other groups' differ only in
+        their block tables (and so in their slots)."""
+        metas = [meta]
+        for g in range(1, self.layer_groups.num_groups):
+            seqs = [replace(s, block_ids=s.group_block_ids[g - 1]) for s in items]
+            metas.append(self._prepare(seqs)[2])
+        return [metas[g] for g in self.layer_groups.group_of]
 
     def _rescore(self, hidden: torch.Tensor):  # noqa: ANN202 - a Rescore or None
         """Exact logits for the sampler's greedy candidates, when the model has a float32
@@ -258,12 +277,18 @@ def build_runner(config: EngineConfig, num_blocks: int, max_model_len: int) -> M
     k_scales = v_scales = None
     if kv_name.startswith("fp8") and not cc.calculate_kv_scales:
         k_scales, v_scales = load_kv_scales(model_dir, mc)
+    groups = engine_layer_groups(
+        mc.layer_windows, kv_name, cc.kv_offload, cc.disable_hybrid_kv_cache_manager
+    )
+    pool_blocks = num_blocks * groups.num_groups if groups is not None else num_blocks
     storage = make_kv_storage(
-        kv_name, mc.num_hidden_layers, num_blocks, cc.block_size, mc.num_key_value_heads,
+        kv_name, mc.num_hidden_layers, pool_blocks, cc.block_size, mc.num_key_value_heads,
         mc.head_dim, dtype, device, max_num_seqs=min(sc.max_num_seqs, num_blocks),
         k_scales=k_scales, v_scales=v_scales,
+        layer_slots=groups.slot_of if groups is not None else None,
     )  # fmt: skip
-    return ModelRunner(model, storage, Sampler(mc.vocab_size, config.seed, device), device)
+    sampler = Sampler(mc.vocab_size, config.seed, device)
+    return ModelRunner(model, storage, sampler, device, groups)
 
 
 def padded_tables(tables: list[list[int]], null: int) -> np.ndarray:

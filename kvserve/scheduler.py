@@ -96,6 +96,8 @@ class Scheduler(AdmissionSteps, RetentionSteps):
         # behind it are released for every request, exactly.
         self.native_window = native_window
         self.kv = kv
+        # A hybrid model's manager also has a table per other layer group.
+        self._group_tables = getattr(kv, "group_block_ids", None)
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}  # every unfinished request, forks included
         self.waiting = WaitingQueue(config)
@@ -240,6 +242,8 @@ class Scheduler(AdmissionSteps, RetentionSteps):
         seq = ScheduledSeq(rid, req.all_token_ids[c : c + n], c, req.num_cache_entries,
                            self.kv.block_ids(req)[:], sample_ids, prompt_rows, window,
                            sinks)  # fmt: skip
+        if self._group_tables is not None:
+            seq.group_block_ids = self._group_tables(req)
         if spec is not None and spec.observes:
             seq.observe = True
         compact = self.kv.compact_block_ids(req) if spec is not None else None

@@ -66,6 +66,9 @@ class ScheduledSeq:
     # layer copies its kept entries, in order, into the fresh ``compact_block_ids``.
     compact: tuple[str, int, int, int] | tuple[()] = ()
     compact_block_ids: list[int] | tuple[()] = ()  # a list when the step compacts
+    # A hybrid model's other layer groups' tables (kvserve.kv.layer_groups): group g's is
+    # ``group_block_ids[g - 1]``; ``block_ids`` is group 0's.
+    group_block_ids: tuple[list[int], ...] = ()
 
     @property
     def per_sequence(self) -> bool:

@@ -258,20 +258,6 @@ def test_model_native_window_frees_blocks_exactly(checkpoint, make_llm):
     # mistral_swa through this same freeing path).
 
 
-def test_hybrid_model_keeps_full_tables(checkpoint, make_llm, tmp_path):
-    src = Path(checkpoint("qwen2", sliding_window=24))
-    for f in src.iterdir():
-        (tmp_path / f.name).write_bytes(f.read_bytes())
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    cfg["max_window_layers"] = 1  # layer 0 full attention, layer 1 a 24-token window
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    llm = make_llm(str(tmp_path), dtype="float32", block_size=8, enable_prefix_caching=False)
-    assert llm.engine.model_config.layer_windows == (None, 24)
-    assert llm.engine.native_window == 0  # layer 0 reads everything: nothing is freed
-    used, _ = decode_and_watch(llm, prompts_of_lengths([40], seed=3)[0], 60)
-    assert max(used) == -(-(40 + 59) // 8)
-
-
 # -- prefix caching ---------------------------------------------------------------------------
 @pytest.mark.parametrize("spec", ["window:16", "sinks:4,window:16"])
 def test_prefix_caching_stays_lossless_for_other_requests(llama, make_llm, spec):

@@ -51,7 +51,10 @@ class InputProcessor:
         kv_format: tuple[str, bool] = ("", True),
         classes: WorkloadClasses | None = None,
         prefix_share: Any = None,
+        group_windows: tuple[int | None, ...] = (),
     ) -> None:
+        # A hybrid model's layer groups' windows (per-group tables; () for one table).
+        self.group_windows = group_windows
         # Workload classes, and (token ids, cache salt) -> the share of them cached now.
         self.classes = classes
         self.prefix_share = prefix_share
@@ -199,11 +202,18 @@ class InputProcessor:
         if retention is not None and retention.compacts_prompt(num_prompt):
             kept = retention.num_kept
             return max(cdiv(num_prompt, bs) + cdiv(kept, bs), cdiv(kept + max_tokens, bs) + 1)
-        w = retention.window if retention is not None else self.native_window
-        if not w or self.max_chunk is None:
-            return full
         sinks = cdiv(retention.sinks, self.block_size) if retention is not None else 0
-        return min(full, sinks + cdiv(w + self.max_chunk, self.block_size) + 1)
+
+        def held(w: int | None) -> int:
+            if not w or self.max_chunk is None:
+                return full
+            return min(full, sinks + cdiv(w + self.max_chunk, self.block_size) + 1)
+
+        w = retention.window if retention is not None else self.native_window
+        if self.group_windows:  # each layer group its own table, in model blocks
+            per = [held(min(x for x in (g, w) if x) if g or w else 0) for g in self.group_windows]
+            return cdiv(sum(per), len(per))
+        return held(w)
 
     def retention(self, params: SamplingParams) -> RetentionSpec | None:
         """The request's own policy ("none" turns the engine's default off), else the

@@ -33,6 +33,8 @@ from kvserve.engine.prefix_transfer import PrefixPayload, export_prefix, import_
 from kvserve.engine.sizing import model_fingerprint, num_kv_blocks
 from kvserve.engine.stats import EngineStats
 from kvserve.kv.formats import canonical_kv_format, kv_bytes_per_token, storage_class
+from kvserve.kv.grouped import GroupedKVCacheManager
+from kvserve.kv.layer_groups import engine_layer_groups
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.storage import KVStorage
 from kvserve.model.loader import resolve_dtype
@@ -106,17 +108,29 @@ class LLMEngine:
             layout = self.storage.format_name
             partial_cap = getattr(self.storage, "partial_block_capacity", None)
         self.model_id = model_fingerprint(model_dir)
-        self.kv = KVCacheManager(
-            self.num_blocks,
-            self.block_size,
-            cc.enable_prefix_caching,
-            model_id=self.model_id,
-            kv_format=f"{layout}/bs{self.block_size}",
-            max_partial_blocks=partial_cap,
+        # A hybrid model (full and sliding layers): a block table per layer group, so that
+        # window layers give their blocks back (kvserve.kv.layer_groups).
+        self.layer_groups = engine_layer_groups(
+            mc.layer_windows, kv_name, cc.kv_offload, cc.disable_hybrid_kv_cache_manager
         )
+        self.kv: KVCacheManager | GroupedKVCacheManager
+        if self.layer_groups is not None:
+            self.kv = GroupedKVCacheManager(
+                self.layer_groups, self.num_blocks, self.block_size, cc.enable_prefix_caching,
+                model_id=self.model_id, kv_format=f"{layout}/bs{self.block_size}",
+            )  # fmt: skip
+        else:
+            self.kv = KVCacheManager(
+                self.num_blocks,
+                self.block_size,
+                cc.enable_prefix_caching,
+                model_id=self.model_id,
+                kv_format=f"{layout}/bs{self.block_size}",
+                max_partial_blocks=partial_cap,
+            )
         self.runner = runner
         # A model whose every layer slides over the same window never reads behind it: its
-        # blocks go back to the pool, exactly (a hybrid model keeps full tables for now).
+        # blocks go back to the pool, exactly.
         windows = set(mc.layer_windows)
         self.native_window = 0
         if len(windows) == 1 and None not in windows:
@@ -134,6 +148,7 @@ class LLMEngine:
             self.retention, sc.max_num_batched_tokens, self.native_window,
             any(mc.layer_windows), (kv_name, self.kv_entry_copy), self.workload_classes,
             self.kv.cached_share,
+            self.layer_groups.windows if self.layer_groups is not None else (),
         )  # fmt: skip
         for c in self.workload_classes.classes if self.workload_classes else ():
             try:  # each class's policy on this engine, at start rather than per request
@@ -238,6 +253,7 @@ class LLMEngine:
     def export_prefix(self, token_ids: list[int], cache_salt: str | None = None) -> PrefixPayload:
         """The longest cached full-block prefix of ``token_ids`` as a picklable payload
         (hashes, model and format identity, the blocks' stored bytes)."""
+        self._one_table("export_prefix")
         return export_prefix(self.kv, self._own_storage("export_prefix"), self.model_id,
                              token_ids, cache_salt)  # fmt: skip
 
@@ -245,6 +261,7 @@ class LLMEngine:
         """Place a payload's blocks in this engine's prefix cache (between steps); returns how
         many blocks were imported. Raises :class:`ValueError` for another model, format or
         block size, and places nothing then."""
+        self._one_table("import_prefix")
         storage = self._own_storage("import_prefix")
         store = None
         if self.offload is not None:
@@ -261,6 +278,13 @@ class LLMEngine:
         if self.offload is not None:
             self.offload.flush(timeout_s=10.0)
             self.offload.close()
+
+    def _one_table(self, what: str) -> None:
+        if self.layer_groups is not None:
+            raise RuntimeError(
+                f"{what}: not with per-group block tables (a hybrid sliding-window model); "
+                "start the engine with disable_hybrid_kv_cache_manager"
+            )
 
     def _own_storage(self, what: str) -> KVStorage:
         if self.storage is None:
@@ -297,6 +321,7 @@ class LLMEngine:
             num_steps=self.core.num_steps,
             retention_evicted_tokens=dict(st.retention_evicted_tokens),
             retention_reclaimed_blocks=st.retention_reclaimed_blocks,
+            window_freed_blocks=getattr(kv, "window_freed_blocks", 0),
             kv_offload=self.offload.stats() if self.offload is not None else {},
             tier_hit_tokens=loads.hit_tokens if loads is not None else 0,
             tier_loads_abandoned=loads.abandoned if loads is not None else 0,

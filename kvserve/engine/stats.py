@@ -30,6 +30,9 @@ class EngineStats:
     # Retention: policy -> tokens whose blocks went back to the pool early; those blocks.
     retention_evicted_tokens: dict[str, int] = field(default_factory=dict)
     retention_reclaimed_blocks: int = 0
+    # Hybrid models: blocks of sliding-window layer groups given back behind their windows
+    # (pool blocks of one layer group each; kvserve.kv.layer_groups).
+    window_freed_blocks: int = 0
     # Offload tiers: name -> counters and gauges (kvserve.kv.offload.KVOffload.stats), the
     # prompt tokens loaded from tiers, loads given up to free blocks, and what preempted
     # requests got back (device or tier hits) or recomputed when admitted again.

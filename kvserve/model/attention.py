@@ -141,6 +141,9 @@ class AttentionMetadata:
     paged: PagedGroup | None = None
     observed: ObservedDecode | None = None
     rotary: Any = None  # the model's RotaryEmbedding (cos/sin tables), set by its forward
+    # A hybrid model's per-layer metadata (its layer group's block tables), or None: every
+    # layer uses this one.
+    by_layer: list[AttentionMetadata] | None = None
     _masks: dict = field(default_factory=dict)
 
     def decode_mask(self, window: int | None) -> torch.Tensor:

@@ -139,8 +139,15 @@ class LlamaForCausalLM(nn.Module):
         """Final hidden states ``[T, hidden]`` (normed); logits come from :meth:`logits`."""
         x = self.embed_tokens(input_ids)
         meta.rotary = self.rotary  # a sink retention policy re-rotates queries with it
-        for layer in self.layers:
-            x = layer(x, positions, self.rotary, storage, meta)
+        by_layer = meta.by_layer
+        if by_layer is not None:  # a hybrid model: each layer group's own block tables
+            for m in by_layer:
+                m.rotary = self.rotary
+            for layer, m in zip(self.layers, by_layer, strict=True):
+                x = layer(x, positions, self.rotary, storage, m)
+        else:
+            for layer in self.layers:
+                x = layer(x, positions, self.rotary, storage, meta)
         return self.ops.rms_norm(self.norm, x)
 
     def set_ops(self, ops: TorchOps) -> None:

@@ -78,6 +78,12 @@ class _EngineCollector(Collector):
             "KV blocks a retention policy returned to the pool before their request finished.",
             value=s.retention_reclaimed_blocks,
         )
+        yield CounterMetricFamily(
+            PREFIX + "kv_window_freed_blocks",
+            "Blocks of a hybrid model's sliding-window layer groups returned to the pool "
+            "behind their windows (each holds one layer group's K/V).",
+            value=s.window_freed_blocks,
+        )
         yield from _offload_metrics(s)
         yield from _admission_metrics(s)
 
