@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -17,12 +18,13 @@ from kvserve.plan.capacity import (
     checkpoint_bytes,
     format_table,
     kv_heads_per_gpu,
+    load_arch,
     window_fraction,
 )
 from kvserve.plan.cli import plan, validate
 from kvserve.plan.cost import decode_roofline, expected_experts_touched, usd_per_million
 from kvserve.plan.gpus import GPUS, get_gpu
-from kvserve.plan.validate import owned_tensor_bytes
+from kvserve.plan.validate import owned_tensor_bytes, validate_windows
 
 GiB = 1024**3
 
@@ -285,3 +287,43 @@ def test_plan_errors_name_the_field(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(SEED))
     assert main(["plan", str(tmp_path), "--validate"]) == 2
     assert "validate" in capsys.readouterr().err
+
+
+def _hybrid_checkpoint(checkpoint, tmp_path) -> str:
+    src = Path(checkpoint("qwen2", sliding_window=24, num_layers=4))
+    for f in src.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["max_window_layers"] = 2  # layers 0-1 full attention, 2-3 a 24-token window
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["hybrid", "mistral_swa"])
+def test_validate_windows_against_a_live_sequence(checkpoint, tmp_path, name):
+    """The planner's window-aware bytes for a sequence past the window are what the engine
+    holds, to block rounding: per layer, its tokens (full) or its window (sliding)."""
+    path = _hybrid_checkpoint(checkpoint, tmp_path) if name == "hybrid" else checkpoint(name)
+    w = validate_windows(path, block_size=8)
+    assert w is not None and w.ok, w
+    layers = load_arch(path).layer_windows
+    per_token_layer = 2 * 2 * 16 * 4  # K and V, 2 KV heads, head dim 16, float32
+    held = sum(min(w.context, win) if win else w.context for win in layers)
+    assert w.predicted_bytes == held * per_token_layer
+    assert w.context > 2 * 24
+    assert validate_windows(checkpoint("llama_gqa")) is None  # no sliding layer
+
+
+def test_validate_windows_fails_with_one_table(checkpoint, tmp_path, monkeypatch):
+    """With one block table for every layer the full layers pin the window layers' blocks:
+    the engine holds more than the window-aware figure allows, and the check says so."""
+    import kvserve.engine.llm_engine as le
+    import kvserve.runner as rn
+
+    path = _hybrid_checkpoint(checkpoint, tmp_path)
+    monkeypatch.setattr(le, "engine_layer_groups", lambda *a: None)
+    monkeypatch.setattr(rn, "engine_layer_groups", lambda *a: None)
+    w = validate_windows(path, block_size=8)
+    assert not w.ok and w.engine_bytes > w.predicted_bytes + w.slack_bytes
+    rc = main(["plan", path, "--validate", "--validate-memory", "8MiB", "--json"])
+    assert rc == 1

@@ -11,11 +11,12 @@ Architectures the engine cannot run are still planned: the parser below only nee
 MLA (DeepSeek-V2/V3, ``kv_lora_rank``) caches one latent of ``kv_lora_rank + qk_rope_head_dim``
 elements per token per layer instead of a K and a V; we pass that width as a single "head" and
 halve the K+V figure, which is exact for dense formats. Sliding-window layers hold at most their
-window. The engine's pool gives every layer the same block table: when every layer has the same
-window (Mistral) the engine frees the blocks behind it, so the ``*_window_aware`` figures are
-what it holds (within a block or two per sequence); a hybrid model keeps full tables, so there
-the engine-consistent figures count every layer at full length and ``*_window_aware`` shows what
-a per-layer-group allocator (such as vLLM's hybrid allocator) would hold.
+window. The engine frees the blocks behind a window: with one table when every layer has the
+same window (Mistral), with a table per layer group when some layers attend everything (a
+hybrid model; :mod:`kvserve.kv.layer_groups`). So the ``*_window_aware`` figures are what it
+holds for a sequence (within a block or two per layer; ``kvserve plan --validate`` runs one
+sequence past the window to check), and the plain figures count every layer at full length:
+what it holds with ``--disable-hybrid-kv-cache-manager``, with KIVI or with offload tiers.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from kvserve.plan.capacity import (
 )
 from kvserve.plan.cost import decode_roofline, usd_per_million
 from kvserve.plan.gpus import GPUS, get_gpu
-from kvserve.plan.validate import validate
+from kvserve.plan.validate import validate, validate_windows
 
 
 def human_bytes(n: float) -> str:
@@ -222,8 +222,8 @@ def print_plan(p: dict[str, Any], model: str, file: Any = sys.stdout) -> None:
         f"({human_bytes(p['kv_bytes_per_token_per_gpu'])} per GPU)",
         f"sequence   {p['context']:,} tokens: {human_bytes(p['kv_bytes_per_sequence'])}"
         + (
-            f" ({human_bytes(p['kv_bytes_per_sequence_window_aware'])} if sliding layers keep "
-            "only their window)"
+            f" ({human_bytes(p['kv_bytes_per_sequence_window_aware'])} held: sliding layers "
+            "keep only their window)"
             if p["sliding_window_layers"]
             else ""
         ),
@@ -292,6 +292,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         )
         p["validation"] = [asdict(r) for r in rows]
         status = 0 if rows and all(r.ok for r in rows) else 1
+        win = validate_windows(str(model_dir), args.block_size, args.dtype, args.device)
+        p["validation_windows"] = asdict(win) if win is not None else None
+        if win is not None and not win.ok:
+            status = 1
     if args.json:
         print(json.dumps(p))
         return status
@@ -309,5 +313,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     else ""
                 )
                 + (f"  ({r['reason']})" if r["reason"] else "")
+            )
+        w = p["validation_windows"]
+        if w is not None:
+            print(
+                f"  {'ok  ' if w['ok'] else 'FAIL'} one sequence of {w['context']} tokens, "
+                f"window-aware bytes {w['predicted_bytes']:.0f} predicted vs "
+                f"{w['engine_bytes']} held by the engine (block rounding allows "
+                f"{w['slack_bytes']:.0f} more)"
             )
     return status

@@ -179,3 +179,60 @@ def _mismatch(row: ValidationRow, block_bytes: float) -> str:
             f"head dim x element size x block size x {row.engine_blocks} blocks"
         )
     return ""
+
+
+@dataclass(slots=True)
+class WindowCheck:
+    """A model with sliding-window layers: the planner's window-aware bytes for one sequence
+    of ``context`` tokens against the bytes of the blocks a live engine holds for it (dense
+    ``auto`` format). The engine holds whole blocks: each full-attention layer up to one
+    block more than its tokens, each window layer up to two (the block its oldest query
+    starts in and the one being filled), which is the allowed ``slack_bytes``."""
+
+    context: int
+    predicted_bytes: float
+    engine_bytes: int
+    slack_bytes: float
+    ok: bool
+
+
+def validate_windows(
+    model_dir: str, block_size: int = 16, dtype: str = "auto", device: str = "cpu"
+) -> WindowCheck | None:
+    """Run one sequence past the widest window and compare what the engine's pool holds
+    with :func:`~kvserve.plan.capacity.capacity`'s window-aware figure (None: the model has
+    no sliding-window layer)."""
+    from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from kvserve.engine import LLMEngine
+    from kvserve.plan.capacity import capacity
+    from kvserve.request import SamplingParams
+
+    spec = load_arch(model_dir)
+    windows = [w for w in spec.layer_windows if w]
+    if not windows:
+        return None
+    context = min(2 * max(windows) + 3 * block_size, spec.max_position_embeddings - 2)
+    engine = LLMEngine(
+        EngineConfig(
+            model=model_dir,
+            dtype=dtype,
+            device=device,
+            cache=CacheConfig(block_size=block_size, enable_prefix_caching=False),
+            scheduler=SchedulerConfig(max_model_len=context + 2, max_num_seqs=1),
+        )
+    )
+    vocab = min(spec.vocab_size, 1000)
+    prompt = [(7 * i + 3) % vocab for i in range(context - 1)]
+    engine.add_request("w", prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    while engine.requests["w"].num_computed_tokens < context:  # the prompt, then one token
+        engine.step()
+    storage = engine.storage
+    per_row = owned_tensor_bytes(storage) / (storage.num_blocks + 1)
+    held = engine.kv.pool.num_used_blocks * per_row
+    while engine.has_unfinished_requests():
+        engine.step()
+    cap = capacity(spec, engine.kv_cache_dtype, 1e12, context)
+    per_layer_block = cap.kv_bytes_per_token / spec.num_layers * block_size
+    slack = per_layer_block * sum(2 if w else 1 for w in spec.layer_windows)
+    pred = cap.kv_bytes_per_sequence_window_aware
+    return WindowCheck(context, pred, int(held), slack, pred <= held <= pred + slack)
