@@ -207,7 +207,7 @@ class GroupedKVCacheManager:
             hit = self._of(computed, g)
             _, fresh, copies, _ = sub._plan(request, num_new_tokens, hit)
             need += fresh + copies
-            reclaimed += sum(1 for b in hit if b.ref_cnt == 0)
+            reclaimed += sub.num_reclaimed(hit)
         return need <= self.pool.num_free_blocks - reclaimed
 
     def allocate_slots(
@@ -220,6 +220,11 @@ class GroupedKVCacheManager:
         """Every group's slots for ``num_new_tokens``, or False and no table grows; the
         window groups first give back what their windows left behind."""
         self._drop_behind_windows(request)
+        if not computed and not compact_blocks:
+            if all(sub.fits_in_place(request, num_new_tokens) for sub in self.subs):
+                for sub in self.subs:  # the common decode step
+                    sub.grow_in_place(request, num_new_tokens)
+                return True
         if not self.can_allocate(request, num_new_tokens, computed, compact_blocks):
             return False
         for g, sub in enumerate(self.subs):

@@ -238,11 +238,16 @@ class KVCacheManager:
         compact_blocks: int = 0,
     ) -> bool:
         _, need, copies, partial = self._plan(request, num_new_tokens, computed)
-        reclaimed = sum(1 for b in computed if b.ref_cnt == 0 and b is not self._null)
-        if need + copies + compact_blocks > self.pool.num_free_blocks - reclaimed:
+        free = self.pool.num_free_blocks - self.num_reclaimed(computed)
+        if need + copies + compact_blocks > free:
             return False
         cap = self.max_partial_blocks
         return cap is None or self.num_partial_blocks + partial <= cap
+
+    def num_reclaimed(self, computed: Sequence[KVCacheBlock]) -> int:
+        """Prefix hits that sit in the free queue now (cached-free): taking them leaves fewer
+        blocks free (null entries of a window group's hit are no blocks)."""
+        return sum(1 for b in computed if b.ref_cnt == 0 and b is not self._null)
 
     def allocate_slots(
         self,
@@ -260,18 +265,12 @@ class KVCacheManager:
         to write into is first replaced by a private copy (copy-on-write); the copy itself is
         recorded for the runner to apply before the forward pass.
         """
-        rid = request.request_id
-        blocks = self.req_blocks.get(rid)
-        done = request.num_cache_entries
-        fits = blocks and done + num_new_tokens <= len(blocks) * self.block_size
-        if fits and not computed and not compact_blocks:
+        if not computed and not compact_blocks and self.fits_in_place(request, num_new_tokens):
             # The common decode step: the tokens fit the table's last, private block.
-            first, last = done // self.block_size, len(blocks) - 1
-            if blocks[last].ref_cnt == 1 and (
-                first == last or all(b.ref_cnt == 1 for b in blocks[first:last])
-            ):
-                self._track_partial(self._block_ids[rid], done, num_new_tokens, ())
-                return True
+            self.grow_in_place(request, num_new_tokens)
+            return True
+        rid = request.request_id
+        done = request.num_cache_entries
         if not self.can_allocate(request, num_new_tokens, computed, compact_blocks):
             return False
         first, need, _, _ = self._plan(request, num_new_tokens, computed)
@@ -312,6 +311,23 @@ class KVCacheManager:
             self._compact[rid] = staged
             new.extend(b.block_id for b in staged)
         return True
+
+    def fits_in_place(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether the tokens fit the blocks the request already holds, none of them shared
+        (no new block, no copy): then an allocation only counts partial blocks."""
+        blocks = self.req_blocks.get(request.request_id)
+        done = request.num_cache_entries
+        if not blocks or done + num_new_tokens > len(blocks) * self.block_size:
+            return False
+        first, last = done // self.block_size, len(blocks) - 1
+        return blocks[last].ref_cnt == 1 and (
+            first == last or all(b.ref_cnt == 1 for b in blocks[first:last])
+        )
+
+    def grow_in_place(self, request: Request, num_new_tokens: int) -> None:
+        """Allocate tokens that :meth:`fits_in_place` said fit: only partial blocks change."""
+        ids = self._block_ids[request.request_id]
+        self._track_partial(ids, request.num_cache_entries, num_new_tokens, ())
 
     def compact_block_ids(self, request: Request) -> list[int]:
         """The fresh blocks set aside for the request's compaction this step ([] if none)."""
