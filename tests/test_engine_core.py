@@ -14,9 +14,11 @@ import torch
 from kvserve import SamplingParams
 from kvserve.config import SchedulerConfig
 from kvserve.engine import EngineCore, EngineCoreRequest
+from kvserve.kv.grouped import GroupedKVCacheManager
+from kvserve.kv.layer_groups import LayerGroups
 from kvserve.kv.manager import KVCacheManager
 from kvserve.request import RequestStatus
-from kvserve.step import ModelRunnerOutput, SchedulerOutput
+from kvserve.step import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from tests.conftest import check_blocks, prompts_of_lengths
 
 VOCAB = 50
@@ -34,8 +36,13 @@ class FakeRunner:
     inside the sequence's own blocks, no slot written twice, positions and cache indices
     where the scheduler says the sequence stands."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, windows: tuple[int | None, ...] = (None,)
+    ) -> None:
+        """``windows``: each layer group's window (a hybrid model's per-group tables): every
+        entry a step's queries reach must sit in a real block of each group's table."""
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.windows = windows
         self.drawn: dict[str, int] = {}
         self.calls = 0
 
@@ -48,13 +55,22 @@ class FakeRunner:
             self.drawn[nr.req_id] = len(nr.output_token_ids)
         written: set[int] = set()
         out = ModelRunnerOutput()
+        bs = self.block_size
         for seq in so.seqs:
-            slots = seq.cache_slots(self.block_size).tolist()
-            assert all(0 <= s < self.num_blocks * self.block_size for s in slots)
-            assert not written & set(slots), "two sequences write one slot"
-            written |= set(slots)
+            tables = [seq.block_ids, *seq.group_block_ids]
+            assert len(tables) == len(self.windows)
+            for table, w in zip(tables, self.windows, strict=True):
+                view = ScheduledSeq(seq.req_id, seq.token_ids, seq.position, seq.num_cached,
+                                    table)  # fmt: skip
+                slots = view.cache_slots(bs).tolist()
+                assert all(0 <= s < self.num_blocks * bs for s in slots)
+                assert not written & set(slots), "two sequences (or groups) write one slot"
+                written |= set(slots)
+                assert len(table) * bs >= seq.num_cached + seq.num_tokens
+                first = max(0, seq.num_cached - w + 1) if w else 0
+                reached = {table[j // bs] for j in range(first, seq.num_cached + seq.num_tokens)}
+                assert self.num_blocks not in reached, "a query's entry was dropped"
             assert list(seq.positions) == list(range(seq.num_cached, seq.num_cached + len(slots)))
-            assert len(seq.block_ids) * self.block_size >= seq.num_cached + seq.num_tokens
             for rid in seq.sample_ids:
                 i = self.drawn[rid]
                 self.drawn[rid] = i + 1
@@ -84,11 +100,18 @@ def expected_tokens(req_id: str, params: SamplingParams, max_tokens: int) -> lis
     return out
 
 
-def run_random_workload(seed: int, num_requests: int = 1000) -> dict:
+def run_random_workload(
+    seed: int, num_requests: int = 1000, groups: LayerGroups | None = None
+) -> dict:
     rng = random.Random(seed)
     block_size, num_blocks = 4, 24
-    kv = KVCacheManager(num_blocks, block_size, enable_caching=True)
-    runner, clock = FakeRunner(num_blocks, block_size), VirtualClock()
+    if groups is None:
+        kv = KVCacheManager(num_blocks, block_size, enable_caching=True)
+        runner = FakeRunner(num_blocks, block_size)
+    else:  # a hybrid model's per-group tables over a pool of the same bytes
+        kv = GroupedKVCacheManager(groups, num_blocks, block_size, enable_caching=True)
+        runner = FakeRunner(num_blocks * groups.num_groups, block_size, groups.windows)
+    clock = VirtualClock()
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=40)
     core = EngineCore(config, kv, runner, max_model_len=96, clock=clock)
     prefixes = [[rng.randrange(VOCAB) for _ in range(rng.randrange(4, 24))] for _ in range(6)]
@@ -158,6 +181,16 @@ def test_thousand_random_requests_without_a_model():
     assert first["preemptions"] > 20 and first["hits"] > 0 and first["aborted"] > 10
     assert run_random_workload(seed=7) == first
     assert run_random_workload(seed=8, num_requests=50)["outputs"] != first["outputs"]
+
+
+@pytest.mark.parametrize("windows", [(None, 8), (None, None, 6, 6, 6, 6), (12, None, 5)])
+def test_random_requests_on_per_group_tables(windows):
+    """The same workload on a hybrid model's per-group tables: the same tokens as the fake
+    runner was asked for, every group's blocks checked after every step, no group ever
+    dropping an entry a query reaches, and prefix hits through every group."""
+    groups = LayerGroups.of(windows)
+    run = run_random_workload(seed=7, num_requests=300, groups=groups)
+    assert run["preemptions"] > 0 and run["hits"] > 0 and run["aborted"] > 0
 
 
 # -- the step input is plain data -------------------------------------------------------------
