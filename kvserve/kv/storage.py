@@ -500,7 +500,8 @@ class KVStorageWrapper(KVStorage):
 
     def __init__(self, inner: KVStorage) -> None:
         super().__init__(inner.num_layers, inner.num_blocks, inner.block_size, inner.num_kv_heads,
-                         inner.head_dim, inner.dtype, inner.device, inner.use_kernels)  # fmt: skip
+                         inner.head_dim, inner.dtype, inner.device, inner.use_kernels,
+                         inner.layer_slots)  # fmt: skip
         self.inner = inner
         self.format_name = inner.format_name
 
