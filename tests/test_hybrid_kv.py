@@ -8,14 +8,17 @@ import json
 import math
 from pathlib import Path
 
+import httpx
 import pytest
 
 from kvserve import SamplingParams
 from kvserve.kv.hashing import extend_block_hashes
 from kvserve.kv.layer_groups import LayerGroups
 from kvserve.plan.validate import owned_tensor_bytes
+from kvserve.server.app import BackgroundServer, build_state
 from tests.conftest import prompts_of_lengths
 from tests.test_exactness import hf_greedy
+from tests.test_server import scrape
 
 transformers = pytest.importorskip("transformers")
 
@@ -261,3 +264,21 @@ def test_window_groups_hit_without_their_evicted_early_blocks(hybrid, make_llm):
     assert out.num_cached_tokens == 96
     plain = make_llm(path, enable_prefix_caching=False, **kw)
     assert out.outputs[0].token_ids == tokens(plain, [b])[0]
+
+
+def test_served_over_http_with_the_freed_blocks_in_metrics(hybrid, make_llm):
+    """`kvserve serve` on a hybrid model: the same tokens as transformers over HTTP, the
+    layer groups in the cache config and the freed blocks counted in /metrics."""
+    path = hybrid(4, 2)
+    llm = make_llm(path, dtype="float32", block_size=8)
+    state = build_state(llm.engine, ["m"])
+    body = {"model": "m", "prompt": PROMPTS[3], "max_tokens": NEW, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    with BackgroundServer(state) as srv:
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+        metrics = scrape(srv.url)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == llm.engine.tokenizer.decode(reference(path)[3])
+    info = dict(next(k for k in metrics if k[0] == "kvserve:cache_config_info")[1])
+    assert info["kv_layer_groups"] == "2"
+    assert metrics[("kvserve:kv_window_freed_blocks_total", ())] > 0

@@ -302,6 +302,7 @@ def test_metrics_move_as_expected(server, client):
     assert dict(info[0][1])["block_size"] == "16"
     assert dict(info[0][1])["kv_cache_dtype"] == "float32"
     assert int(dict(info[0][1])["num_gpu_blocks"]) == server.state.loop.engine.num_blocks
+    assert dict(info[0][1])["kv_layer_groups"] == "1"  # every layer attends everything
 
     prompt = "Metrics prompt number one, long enough for two blocks."
     n_prompt = len(prompt) + 1

@@ -212,6 +212,7 @@ def build_state(
         "enable_prefix_caching": str(engine.config.cache.enable_prefix_caching),
         "max_model_len": str(engine.max_model_len),
         "kv_retention": engine.retention.text() if engine.retention else "none",
+        "kv_layer_groups": str(engine.layer_groups.num_groups if engine.layer_groups else 1),
     }
     metrics = ServerMetrics(lambda: holder[0].stats if holder else None, cache_info,
                             engine.workload_classes)  # fmt: skip
@@ -296,6 +297,11 @@ def run_server(args: argparse.Namespace) -> int:
     log.info("serving %s: KV blocks %d x %d tokens (%s), max_model_len %d", names[0],
              engine.num_blocks, engine.block_size, engine.kv_cache_dtype,
              engine.max_model_len)  # fmt: skip
+    if engine.layer_groups is not None:
+        g = engine.layer_groups
+        log.info("hybrid model: %d layer groups of %d layers, windows %s; each group its own "
+                 "block table", g.num_groups, g.num_slots,
+                 [w or "full" for w in g.windows])  # fmt: skip
     # uvicorn re-raises a captured SIGTERM/SIGINT after its graceful shutdown; by default that
     # kills the process (-15) or raises KeyboardInterrupt after a clean drain. Exit 0 instead.
     signal.signal(signal.SIGTERM, lambda *_: None)
