@@ -23,6 +23,8 @@ from kvserve.plan.cost import decode_roofline
 from kvserve.plan.gpus import get_gpu
 from kvserve.request import SamplingParams
 from kvserve.sim.cost import (
+    EFFICIENCY_FIELDS,
+    UNSEEN,
     ModelShape,
     Profile,
     StepFeatures,
@@ -347,9 +349,16 @@ def test_cli_calibrate_then_simulate_the_same_workload(tmp_path, capsys):
     common = ["--workload", "chat", "--num-prompts", "16", "--length-scale", "0.25",
               "--kv-cache-memory", "16MiB", "--no-progress"]  # fmt: skip
     assert main(["simulate", "--calibrate", "--profile-output", str(prof), *common]) == 0
-    assert "calibrated on" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "calibrated on" in printed
     p = Profile.load(prof)
     assert p.calibration["steps"] >= 8 and p.peak_flops > 0 and p.peak_bandwidth > 0
+    # A term the runs never exercised keeps the marker itself (not the marker rescaled by
+    # the summed-time fit), and the CLI names it.
+    for f in EFFICIENCY_FIELDS:
+        v = getattr(p, f)
+        assert v == UNSEEN or 0 < v < 1e3, (f, v)
+        assert (f in printed) == (v == UNSEEN)
     assert p.calibration["total_time_error"] == pytest.approx(0.0, abs=1e-6)
     real_wall = p.calibration["wall_s"]
     out = tmp_path / "out"
@@ -481,3 +490,18 @@ def test_speed_benchmark_refuses_counts_below_one(monkeypatch, flag):
     monkeypatch.setattr("sys.argv", ["simulate_speed", flag, "0"])
     with pytest.raises(SystemExit, match=f"{flag}: must be >= 1, got 0"):
         simulate_speed.main()
+
+
+def test_fit_marks_a_term_it_never_saw_with_the_marker_itself():
+    """Steps whose weight read never binds (the GEMMs always take longer): the fit has no
+    time to give that term, and its efficiency is the UNSEEN marker exactly, not the marker
+    divided by the summed-time correction (a finite-looking 800,000-odd)."""
+    cfg = json.loads((default_model_dir() / "config.json").read_text())
+    shape = shape_of(cfg, "float32", "float32")
+    truth = cpu_profile(step_overhead_s=3e-3, per_seq_s=4e-5, gemm_efficiency=0.6,
+                        weight_read_efficiency=1e9, decode_kv_efficiency=0.4)  # fmt: skip
+    fitted, report = fit_profile(synthetic_steps(truth, shape, 200, noise=0.01), shape,
+                                 cpu_profile())  # fmt: skip
+    assert report.total_time_error == pytest.approx(0.0, abs=1e-9)
+    assert fitted.weight_read_efficiency == UNSEEN
+    assert fitted.gemm_efficiency < 1e3

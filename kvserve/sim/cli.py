@@ -116,6 +116,7 @@ def _calibrate(args: argparse.Namespace, kw: dict[str, Any]) -> int:
     from kvserve.bench.engine_target import EngineTarget
     from kvserve.bench.workloads import make_workload
     from kvserve.sim.calibrate import calibrate
+    from kvserve.sim.cost import EFFICIENCY_FIELDS, UNSEEN
 
     target = EngineTarget.from_kwargs(kw, temperature=0.0, ignore_eos=True)
     tok = target.engine.tokenizer  # the real run's tokenizer and context count the workload
@@ -137,6 +138,10 @@ def _calibrate(args: argparse.Namespace, kw: dict[str, Any]) -> int:
         f"{profile.device}: per-step error median {report.median_abs_error:.1%}, p90 "
         f"{report.p90_abs_error:.1%}, summed time {report.total_time_error:+.1%}"
     )
+    unseen = [f for f in EFFICIENCY_FIELDS if getattr(profile, f) == UNSEEN]
+    if unseen:
+        print(f"too cheap to measure in these runs (their time is taken as zero): "
+              f"{', '.join(unseen)} = {UNSEEN:g}")  # fmt: skip
     print(f"wrote {out}")
     return 0
 

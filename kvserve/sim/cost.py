@@ -474,7 +474,8 @@ def fit_profile(
     for name in SECONDS_FIELDS:
         setattr(p, name, getattr(p, name) * r)
     for name in EFFICIENCY_FIELDS:
-        setattr(p, name, getattr(p, name) / r)
+        if getattr(p, name) != UNSEEN:  # the marker stays recognisable in the profile
+            setattr(p, name, getattr(p, name) / r)
     pred *= r
     rel = np.abs(pred - t) / t
     report = FitReport(
