@@ -193,7 +193,12 @@ class GroupedKVCacheManager:
     # -- allocation -------------------------------------------------------------------------------
     @staticmethod
     def _of(computed: Sequence[KVCacheBlock], g: int) -> Sequence[KVCacheBlock]:
-        return computed.groups[g] if isinstance(computed, GroupHits) else computed
+        """Group ``g``'s share of hits from :meth:`get_computed_blocks` (blocks of one group
+        are never another's)."""
+        if isinstance(computed, GroupHits):
+            return computed.groups[g]
+        assert not computed, "prefix hits must come from get_computed_blocks (one per group)"
+        return ()
 
     def can_allocate(
         self,
