@@ -505,3 +505,23 @@ def test_fit_marks_a_term_it_never_saw_with_the_marker_itself():
     assert report.total_time_error == pytest.approx(0.0, abs=1e-9)
     assert fitted.weight_read_efficiency == UNSEEN
     assert fitted.gemm_efficiency < 1e3
+
+
+def test_replicas_side_by_side_equal_one_at_a_time(llama8b):
+    """Replicas share nothing: run in forked processes (jobs=2) they give the same records,
+    fleet counters and samples as in turn, report their steps and blocks without their
+    engines, and the progress callback hears of every request."""
+    gpu = get_gpu("h100-sxm")
+    words = "the cache block model server request queue latency market price".split()
+    reqs = [BenchRequest(i, "chat", f"{i} " + " ".join(words) * (5 + i % 7), 8, 500)
+            for i in range(24)]  # fmt: skip
+    target = SimTarget(dict(model=llama8b), gpu_profile(gpu), gpu, replicas=3)
+    heard: list[bool] = []
+    seq, sims = simulate_load(target, reqs, LoadSpec(20.0), 3)
+    par, infos = simulate_load(target, reqs, LoadSpec(20.0), 3, progress=heard.append, jobs=2)
+    assert par.records == seq.records and par.duration == seq.duration
+    assert par.before == seq.before and par.after == seq.after and par.samples == seq.samples
+    assert len(heard) == 24 and all(heard)
+    assert [i.runner.steps for i in infos] == [s.runner.steps for s in sims]
+    assert [i.num_blocks for i in infos] == [s.num_blocks for s in sims]
+    assert all(not hasattr(i, "engine") for i in infos)

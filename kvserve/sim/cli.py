@@ -49,8 +49,8 @@ def add_sim_target_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="simulations run at once, each in its own process: tune's candidates, "
-        "simulate's --sweep points (default: the CPUs this process may use); the results "
-        "do not depend on it",
+        "simulate's --sweep points, or else its --replicas (default: the CPUs this process "
+        "may use); the results do not depend on it",
     )
 
 
@@ -200,6 +200,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         res, sims = simulate_load(
             target, reqs, load, args.seed + i, warm if i == 0 else None, args.temperature,
             0.5, progress=lambda ok, bar=bar: bar.update(ok),
+            jobs=1 if side_by_side else jobs,  # replicas side by side unless points are
         )  # fmt: skip
         wall = time.perf_counter() - t0
         s = summarize(res.records, res.duration, slo, args.gpu_hour_cost, gpus)

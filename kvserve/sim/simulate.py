@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from kvserve.bench.metrics import RequestRecord
@@ -40,6 +41,7 @@ from kvserve.plan.capacity import PlanError, capacity, load_arch, load_config
 from kvserve.plan.gpus import GPU
 from kvserve.request import SamplingParams
 from kvserve.sim.cost import ModelShape, Profile, step_features
+from kvserve.sim.forks import fork_map
 from kvserve.step import ModelRunnerOutput, SchedulerOutput
 
 
@@ -443,46 +445,112 @@ def simulate_load(
     temperature: float = 0.0,
     sample_every: float = 0.5,
     progress: Callable[[bool], None] | None = None,
-) -> tuple[RunResult, list[SimEngine]]:
+    jobs: int = 1,
+) -> tuple[RunResult, list[SimEngine] | list[ReplicaInfo]]:
     """Replay ``requests`` under ``load`` on ``target.replicas`` simulated engines (requests
-    dealt round-robin, as a load balancer would) and collect one record each."""
-    from kvserve.bench.engine_target import engine_snapshot
+    dealt round-robin, as a load balancer would) and collect one record each.
 
-    sims = [build_engine(target) for _ in range(target.replicas)]
+    The replicas share nothing, so with ``jobs`` > 1 they run side by side in forked
+    processes (:mod:`kvserve.sim.forks`) with the same results; each then reports a
+    :class:`ReplicaInfo` instead of its engine, and ``progress`` hears of its requests when
+    it ends."""
     offsets = (
         None
         if load.closed_loop
         else arrival_times(len(requests), load.request_rate, load.burstiness, seed)
     )
+
+    def one(k: int, report: Callable[[bool], None] | None) -> _ReplicaRun:
+        return _run_replica(target, requests, load, offsets, k, warmup, temperature,
+                            sample_every, report)  # fmt: skip
+
+    if jobs > 1 and target.replicas > 1:
+        runs = fork_map(lambda k: one(k, None).detached(), range(target.replicas), jobs)
+        if progress is not None:
+            for run in runs:
+                for _, rec in run.records:
+                    progress(rec.success)
+    else:
+        runs = [one(k, progress) for k in range(target.replicas)]
     records: list[RequestRecord | None] = [None] * len(requests)
     before: dict[str, float] = {}
     after: dict[str, float] = {}
     samples: list[dict[str, float]] = []
-    end = 0.0
-    with _few_collections():
-        for k, sim in enumerate(sims):
-            rep = _Replica(sim, temperature, sample_every)
-            for w in warmup or []:  # one at a time, as the bench warms up
-                rep.run([w], [0.0], None, sim.clock.now)
-            rep.on_done = progress
-            t0 = sim.clock.now
-            rep._next_sample = t0
-            _merge(before, engine_snapshot(sim.engine), target.replicas)
-            mine = list(range(k, len(requests), target.replicas))
-            share = [requests[i] for i in mine]
-            sends = None if offsets is None else [offsets[i] for i in mine]
-            cap = load.concurrency
-            if cap is not None and target.replicas > 1:
-                cap = max(1, math.ceil(cap / target.replicas))
-            recs = rep.run(share, sends, cap, t0)
-            for i, r in zip(mine, recs, strict=True):
-                r.send_time -= t0
-                records[i] = r
-            end = max(end, sim.clock.now - t0)
-            _merge(after, engine_snapshot(sim.engine), target.replicas)
-            samples += rep.samples
+    for run in runs:
+        _merge(before, run.before, target.replicas)
+        _merge(after, run.after, target.replicas)
+        for i, r in run.records:
+            records[i] = r
+        samples += run.samples
+    end = max(run.duration for run in runs)
     done = [r for r in records if r is not None]
-    return RunResult(done, max(end, 1e-9), before, after, samples), sims
+    return RunResult(done, max(end, 1e-9), before, after, samples), [run.sim for run in runs]
+
+
+@dataclass(slots=True)
+class ReplicaInfo:
+    """What a replica simulated in another process reports besides its records: the
+    figures a report reads from a :class:`SimEngine` (``runner.steps``, ``runner.busy_s``)."""
+
+    num_blocks: int
+    notes: list[str]
+    runner: Any
+
+
+@dataclass(slots=True)
+class _ReplicaRun:
+    sim: SimEngine | ReplicaInfo
+    records: list[tuple[int, RequestRecord]]  # (index in the trace, record)
+    before: dict[str, float]
+    after: dict[str, float]
+    samples: list[dict[str, float]]
+    duration: float
+
+    def detached(self) -> _ReplicaRun:
+        """The same run without its engine, to cross a process boundary."""
+        s = self.sim
+        runner = SimpleNamespace(steps=s.runner.steps, busy_s=s.runner.busy_s)
+        info = ReplicaInfo(s.num_blocks, list(s.notes), runner)
+        return _ReplicaRun(info, self.records, self.before, self.after, self.samples,
+                           self.duration)  # fmt: skip
+
+
+def _run_replica(
+    target: SimTarget,
+    requests: list[BenchRequest],
+    load: LoadSpec,
+    offsets: list[float] | None,
+    k: int,
+    warmup: list[BenchRequest] | None,
+    temperature: float,
+    sample_every: float,
+    progress: Callable[[bool], None] | None,
+) -> _ReplicaRun:
+    """Replica ``k`` of the fleet: its engine, its share of the trace (every
+    ``replicas``-th request from ``k``), and what it measured."""
+    from kvserve.bench.engine_target import engine_snapshot
+
+    sim = build_engine(target)
+    with _few_collections():
+        rep = _Replica(sim, temperature, sample_every)
+        for w in warmup or []:  # one at a time, as the bench warms up
+            rep.run([w], [0.0], None, sim.clock.now)
+        rep.on_done = progress
+        t0 = sim.clock.now
+        rep._next_sample = t0
+        before = engine_snapshot(sim.engine)
+        mine = list(range(k, len(requests), target.replicas))
+        share = [requests[i] for i in mine]
+        sends = None if offsets is None else [offsets[i] for i in mine]
+        cap = load.concurrency
+        if cap is not None and target.replicas > 1:
+            cap = max(1, math.ceil(cap / target.replicas))
+        recs = rep.run(share, sends, cap, t0)
+        for r in recs:
+            r.send_time -= t0
+        after = engine_snapshot(sim.engine)
+    return _ReplicaRun(sim, list(zip(mine, recs, strict=True)), before, after, rep.samples,
+                       sim.clock.now - t0)  # fmt: skip
 
 
 @contextmanager
