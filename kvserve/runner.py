@@ -54,6 +54,7 @@ class ModelRunner:
         alias its slots); each layer attends through its group's tables."""
         self.model = model
         self.layer_groups = layer_groups
+        self._group_of = layer_groups.group_of if layer_groups is not None else ()
         self.storage = storage
         self.sampler = sampler
         self.block_size = storage.block_size
@@ -166,7 +167,7 @@ class ModelRunner:
         for g in range(1, self.layer_groups.num_groups):
             seqs = [replace(s, block_ids=s.group_block_ids[g - 1]) for s in items]
             metas.append(self._prepare(seqs)[2])
-        return [metas[g] for g in self.layer_groups.group_of]
+        return [metas[g] for g in self._group_of]
 
     def _rescore(self, hidden: torch.Tensor):  # noqa: ANN202 - a Rescore or None
         """Exact logits for the sampler's greedy candidates, when the model has a float32

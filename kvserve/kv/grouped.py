@@ -159,10 +159,10 @@ class GroupedKVCacheManager:
             for g, w in enumerate(self.groups.windows)
         ):
             k -= 1
-        groups = [
-            [sub._null] * self._first_needed(k, w) + found[self._first_needed(k, w) : k]
-            for sub, found, w in zip(self.subs, cached, self.groups.windows, strict=True)
-        ]
+        groups = []
+        for sub, found, w in zip(self.subs, cached, self.groups.windows, strict=True):
+            first = self._first_needed(k, w)
+            groups.append([sub._null] * first + found[first:k])
         out = GroupHits(groups[0])
         out.groups = groups
         if count:

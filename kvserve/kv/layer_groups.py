@@ -64,20 +64,20 @@ class LayerGroups:
     @property
     def slot_of(self) -> tuple[int, ...]:
         """Each layer's slot (its position inside its group)."""
-        out = [0] * sum(len(g) for g in self.layers)
-        for members in self.layers:
-            for slot, layer in enumerate(members):
-                out[layer] = slot
-        return tuple(out)
+        return tuple(slot for _, slot in self._placement())
 
     @property
     def group_of(self) -> tuple[int, ...]:
         """Each layer's group."""
-        out = [0] * sum(len(g) for g in self.layers)
+        return tuple(g for g, _ in self._placement())
+
+    def _placement(self) -> list[tuple[int, int]]:
+        """(group, slot) of each layer."""
+        out = [(0, 0)] * sum(len(g) for g in self.layers)
         for g, members in enumerate(self.layers):
-            for layer in members:
-                out[layer] = g
-        return tuple(out)
+            for slot, layer in enumerate(members):
+                out[layer] = (g, slot)
+        return out
 
 
 def engine_layer_groups(
