@@ -111,7 +111,7 @@ class AdmissionSteps:
             extra = self._compact_blocks(req, n, num_cached)
             while not kv.allocate_slots(req, n, computed, extra):
                 self.stats.allocation_failures += 1
-                if not self.running and not picked and loads and loads.release_one(keep=req):
+                if not self.running and not picked and loads and loads.stalled(req):
                     continue  # nothing runs: blocks held for tier loads must not stall it
                 break
             else:
@@ -155,7 +155,7 @@ class AdmissionSteps:
         self.waiting.remove(req)
         req.skips = 0
         if self.tier_loads is not None:
-            self.tier_loads.forget(req)
+            self.tier_loads.forget(req, admitted=True)
         if req.num_preemptions and req.num_cached_tokens >= 0:
             restored = req.num_computed_tokens + num_cached
             self.stats.preempted_tokens_restored += restored

@@ -156,7 +156,7 @@ class Scheduler(AdmissionSteps, RetentionSteps):
         if loads is not None:
             loads.begin_step()
             if self.offload.num_loading:
-                idle = not self.running and all(r.loading for r in self.waiting)
+                idle = not self.running  # only loads can make progress now
                 loads.finish(self.requests, idle)
 
         # 1. Running requests, oldest first; preempt from the newest end when blocks run out.

@@ -240,6 +240,34 @@ def test_many_loads_in_a_small_pool_all_finish(checkpoint, make_llm):
     assert st.tier_hit_tokens > 0
 
 
+def test_a_request_that_does_not_fit_waits_for_loads_in_flight(checkpoint, make_llm):
+    """Tier loads hold most of an idle pool: the next request waits for them to land and run
+    (then hits the tier itself) instead of taking a loading request's blocks and recomputing
+    one of the two prompts from scratch."""
+    prompts = prompts_of_lengths([120] * 6, vocab=320, seed=9)
+    flood = prompts_of_lengths([300, 300], vocab=320, seed=10)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    got = []
+    for kw in ({}, {"kv_offload_cpu": "4MiB"}):
+        llm = make_llm(checkpoint("llama_gqa"), num_gpu_blocks=28, block_size=16, **kw)
+        for p in prompts:
+            _tokens(llm, [p], params)
+        for f in flood:
+            _tokens(llm, [f], params)
+        if llm.engine.offload is not None:
+            assert llm.engine.offload.flush()
+            tier = llm.engine.offload.tiers[0]
+            real_get = tier.get
+            tier.get = lambda key, get=real_get: (time.sleep(0.002), get(key))[1]  # in flight
+        outs = llm.generate(prompts, params)
+        got.append([o.outputs[0].token_ids for o in outs])
+    assert got[0] == got[1]
+    hit = (120 - 1) // 16 * 16
+    assert [o.num_cached_tokens for o in outs] == [hit] * len(prompts)
+    assert llm.stats().tier_hit_tokens == hit * len(prompts)  # a released load counts once
+    llm.engine.kv.check_invariants()
+
+
 def test_preempted_requests_come_back_from_the_tier(checkpoint, make_llm):
     prompts = prompts_of_lengths([100] * 4, vocab=320, seed=11)
     params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
@@ -481,5 +509,49 @@ def test_a_store_backlog_drops_blocks_instead_of_blocking():
         small = BlockPayload({"format": "x"}, 1, {"k": torch.zeros(1, 1, 100)})  # 400 bytes
         off.store([b"i" * 32], small)
         assert off.flush() and off.stats()["cpu"]["entries"] == 1
+    finally:
+        off.close()
+
+
+def test_a_load_asked_again_gets_its_own_blocks_not_the_cancelled_ones():
+    """A request whose load is released and asked again under the same id, while the worker
+    still fetches the first: the first fetch's blocks (other keys, for other pool blocks)
+    must never be handed to the second load."""
+    import threading
+
+    import torch
+
+    from kvserve.kv.offload import KVOffload
+    from kvserve.kv.storage import BlockPayload
+    from kvserve.kv.tiers import HostTier
+
+    ident = {"format": "x"}
+    off = KVOffload([HostTier(1 << 20)], b"n" * 16, ident)
+    tier = off.tiers[0]
+    try:
+        a, b = [b"a" * 32, b"c" * 32], [b"b" * 32]
+        for i, h in enumerate([*a, *b]):
+            off.store([h], BlockPayload(ident, 1, {"k": torch.full((1, 4), float(i))}))
+        assert off.flush()
+        fetching, go = threading.Event(), threading.Event()
+        real_get = tier.get
+
+        def slow_get(key):  # noqa: ANN001, ANN202
+            fetching.set()
+            go.wait(5)
+            return real_get(key)
+
+        tier.get = slow_get
+        off.start_load("r", a)
+        assert fetching.wait(5)  # the worker is inside the first load
+        off.cancel("r")
+        off.start_load("r", b)
+        go.set()
+        deadline, got = time.monotonic() + 5, {}
+        while "r" not in got and time.monotonic() < deadline:
+            got = off.poll_loads(wait=True)
+        (payload,) = got["r"].payloads
+        assert payload.num_blocks == 1
+        assert payload.tensors["k"].eq(2.0).all()  # b's block, not a's two
     finally:
         off.close()

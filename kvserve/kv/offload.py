@@ -140,7 +140,10 @@ class KVOffload:
         self._stores: deque[tuple[list[bytes], BlockPayload]] = deque()
         self._pending_bytes = 0
         self._loads: dict[str, _Load] = {}
-        self._load_queue: deque[str] = deque()
+        # Loads in the order they were asked for. A request whose load was cancelled may ask
+        # again under the same id before the worker is done with the first: a result goes to
+        # the very load it was fetched for, never to its successor (other keys, other blocks).
+        self._load_queue: deque[tuple[str, _Load]] = deque()
         self._closed = False
         self._gauges: dict[str, tuple[int, int]] = {}
         self._gauges_at = float("-inf")
@@ -181,9 +184,9 @@ class KVOffload:
 
     def start_load(self, req_id: str, hashes: Sequence[BlockHash]) -> None:
         with self._lock:
-            keys = [self.key(h) for h in hashes]
-            self._loads[req_id] = _Load(keys, self.clock() + self.load_timeout_s)
-            self._load_queue.append(req_id)
+            load = _Load([self.key(h) for h in hashes], self.clock() + self.load_timeout_s)
+            self._loads[req_id] = load
+            self._load_queue.append((req_id, load))
             self._lock.notify_all()
 
     def cancel(self, req_id: str) -> None:
@@ -314,20 +317,18 @@ class KVOffload:
                     return
                 job: tuple[str, Any]
                 if self._load_queue:  # loads first: a request waits on them
-                    rid = self._load_queue.popleft()
-                    load = self._loads.get(rid)
-                    if load is None:
-                        continue
-                    job = ("load", (rid, list(load.keys)))
+                    rid, load = self._load_queue.popleft()
+                    if self._loads.get(rid) is not load:
+                        continue  # cancelled (perhaps asked again: that one is queued too)
+                    job = ("load", (rid, load))
                 else:
                     job = ("store", self._stores.popleft())
             try:
                 if job[0] == "load":
-                    rid, keys = job[1]
-                    result = LoadResult(BlockPayload.concat(self._load(keys)))
+                    rid, load = job[1]
+                    result = LoadResult(BlockPayload.concat(self._load(load.keys)))
                     with self._lock:
-                        load = self._loads.get(rid)
-                        if load is not None:
+                        if self._loads.get(rid) is load:
                             load.result = result
                         self._lock.notify_all()
                 else:

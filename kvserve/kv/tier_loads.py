@@ -3,10 +3,13 @@ tiers, kept beside the KV manager so the scheduler only asks three questions (st
 this request? which loads finished? release a holder's blocks?).
 
 A load holds fresh pool blocks while its request waits (it is not running). Such holders are
-released, newest first, when a running request needs blocks or when nothing else could run:
-a waiting request must never stall the pool. A released request asks the tiers again when it
-is next considered, but not in the step that released it (two holders would otherwise take
-each other's blocks forever).
+released when a running request needs blocks, or when nothing runs, no load is in flight and
+a waiting request does not fit: a waiting request must never stall the pool. While a load is
+in flight nothing is released for a waiting request: the load lands within its timeout, its
+request runs and frees blocks as it finishes, and taking its blocks instead would recompute a
+prompt the tier holds. The newest holder goes first. A released request asks the tiers again
+when it is next considered, but not in the step that released it (two holders would otherwise
+take each other's blocks forever).
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ class TierLoads:
         self.offload = offload
         self.holders: list[Request] = []  # oldest first
         self._released: list[Request] = []  # ... this step
-        self.hit_tokens = 0  # prompt tokens loaded instead of computed
+        self.hit_tokens = 0  # prompt tokens loaded instead of computed (by admitted requests)
         self.abandoned = 0  # loads given up to free their blocks
+        self._landed: dict[str, int] = {}  # request id -> tokens its finished load gave it
 
     def begin_step(self) -> None:
         self._released = []
@@ -67,7 +71,13 @@ class TierLoads:
             req.tier_hit_end = 0  # the tiers' answer is used up: no second load
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = req.num_computed_tokens
-            self.hit_tokens += j * bs
+            self._landed[rid] = j * bs  # counted once the request runs (a release undoes it)
+
+    def stalled(self, req: Request) -> bool:
+        """Nothing runs and ``req`` does not fit: free a holder's blocks for it, unless a load
+        is still in flight (its request runs once it lands, and frees blocks as it finishes;
+        recomputing ``req`` from scratch instead would throw away the tier's hit)."""
+        return not self.offload.num_loading and self.release_one(keep=req)
 
     def release_one(self, keep: Request | None = None) -> bool:
         """Free the blocks of the newest holder (not ``keep``); False if there is none."""
@@ -78,6 +88,7 @@ class TierLoads:
             self._released.append(req)
             if req.loading:
                 self.offload.cancel(req.request_id)
+            self._landed.pop(req.request_id, None)
             self.kv.free(req)
             req.loading = False
             req.tier_probed = False
@@ -87,8 +98,12 @@ class TierLoads:
             return True
         return False
 
-    def forget(self, req: Request) -> None:
-        """The request was admitted or finished: it holds nothing for a load any more."""
+    def forget(self, req: Request, admitted: bool = False) -> None:
+        """The request was admitted (its loaded tokens count as tier hits) or finished: it
+        holds nothing for a load any more."""
+        landed = self._landed.pop(req.request_id, 0)
+        if admitted:
+            self.hit_tokens += landed
         if req in self.holders:
             self.holders.remove(req)
             if req.loading:
