@@ -232,6 +232,7 @@ def _layer_windows(cfg: dict[str, Any], arch: str, layers: int) -> tuple[int | N
 
 
 OFFLOAD_WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
+PREEMPTION_MODES = ("swap", "recompute")
 
 
 @dataclass(slots=True)
@@ -260,6 +261,10 @@ class CacheConfig:
     # kv_offload_reuse_threshold times.
     kv_offload_write_policy: str = "write_back"
     kv_offload_reuse_threshold: int = 2
+    # A preempted request's published blocks come back from the tiers (swap, the default with
+    # a tier) or are computed again (recompute, the only mode without one; vLLM's name). Device
+    # prefix hits are taken either way: they cost nothing.
+    preemption_mode: str | None = None
     # Hybrid models (full and sliding-window layers): one table for every layer instead of
     # one per layer group, so nothing behind the windows is freed (vLLM's flag).
     disable_hybrid_kv_cache_manager: bool = False
@@ -310,6 +315,16 @@ class CacheConfig:
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 1000:
             raise ConfigError(f"kv_offload_reuse_threshold: must be an integer in [1, 1000], "
                               f"got {n!r}")  # fmt: skip
+        if self.preemption_mode is None:
+            self.preemption_mode = "swap" if self.kv_offload else "recompute"
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ConfigError(f"preemption_mode: must be one of {', '.join(PREEMPTION_MODES)}, "
+                              f"got {self.preemption_mode!r}")  # fmt: skip
+        if self.preemption_mode == "swap" and not self.kv_offload:
+            raise ConfigError(
+                "preemption_mode: swap needs an offload tier to swap to (kv_offload_cpu, "
+                "kv_offload_disk or kv_offload_redis)"
+            )
         if self.kv_offload and not self.enable_prefix_caching:
             raise ConfigError(
                 "kv_offload_*: offload tiers hold prefix-cache blocks; they need "

@@ -15,6 +15,7 @@ from kvserve.config import (
     ADMISSION_POLICIES,
     DTYPES,
     OFFLOAD_WRITE_POLICIES,
+    PREEMPTION_MODES,
     SCHEDULING_POLICIES,
     ConfigError,
 )
@@ -115,6 +116,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "it is computed, or once it has been hit --kv-offload-reuse-threshold times",
     )
     o.add_argument("--kv-offload-reuse-threshold", type=int, default=2, metavar="N")
+    o.add_argument(
+        "--preemption-mode",
+        default=None,
+        choices=PREEMPTION_MODES,
+        help="a preempted request's blocks come back from the tiers (swap; the default with "
+        "a tier) or are computed again (recompute; the only mode without a tier)",
+    )
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument(
@@ -176,6 +184,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kv_offload_timeout=args.kv_offload_timeout,
         kv_offload_write_policy=args.kv_offload_write_policy,
         kv_offload_reuse_threshold=args.kv_offload_reuse_threshold,
+        preemption_mode=args.preemption_mode,
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         scheduling_policy=args.scheduling_policy,

@@ -40,6 +40,7 @@ def engine_config(
     kv_offload_timeout: float = 0.5,
     kv_offload_write_policy: str = "write_back",
     kv_offload_reuse_threshold: int = 2,
+    preemption_mode: str | None = None,
     disable_hybrid_kv_cache_manager: bool = False,
 ) -> EngineConfig:
     """The :class:`EngineConfig` of the keyword arguments ``LLM`` takes (the simulator
@@ -66,6 +67,7 @@ def engine_config(
             kv_offload_timeout=kv_offload_timeout,
             kv_offload_write_policy=kv_offload_write_policy,
             kv_offload_reuse_threshold=kv_offload_reuse_threshold,
+            preemption_mode=preemption_mode,
             disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager,
         ),
         scheduler=SchedulerConfig(

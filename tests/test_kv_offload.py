@@ -281,6 +281,29 @@ def test_preempted_requests_come_back_from_the_tier(checkpoint, make_llm):
     assert st.preempted_tokens_restored > 0
 
 
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_mode_decides_whether_preempted_requests_load(checkpoint, make_llm, mode):
+    """With a tier, swap brings a preempted request's blocks back from it; recompute never
+    loads them, so it schedules exactly as an engine without tiers (same preemptions, same
+    tokens restored from the pool and recomputed), while evicted blocks still go down."""
+    prompts = prompts_of_lengths([100] * 4, vocab=320, seed=11)
+    params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+    runs = []
+    for kw in ({}, {"kv_offload_cpu": "8MiB", "preemption_mode": mode}):
+        llm = make_llm(checkpoint("llama_gqa"), num_gpu_blocks=30, block_size=16, **kw)
+        runs.append((_tokens(llm, prompts, params), llm.stats()))
+    (plain, base), (tokens, st) = runs
+    assert tokens == plain and st.num_preemptions > 0
+    sched = (st.num_preemptions, st.preempted_tokens_restored, st.preempted_tokens_recomputed)
+    if mode == "swap":
+        assert st.tier_hit_tokens > 0
+        assert st.preempted_tokens_recomputed < base.preempted_tokens_recomputed
+    else:
+        assert st.tier_hit_tokens == 0 and st.kv_offload["cpu"]["stored"] > 0
+        assert sched == (base.num_preemptions, base.preempted_tokens_restored,
+                         base.preempted_tokens_recomputed)  # fmt: skip
+
+
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "kivi4"])
 def test_quantized_formats_round_trip_through_a_tier(checkpoint, make_llm, workload, fmt):
     """A lossy format's hit attends to quantized K/V where a recompute attends to exact K/V
@@ -353,6 +376,8 @@ def test_tier_sizes_are_respected(checkpoint, make_llm, tmp_path):
          "kv_offload_reuse_threshold"),
         ({"kv_offload_cpu": "1GiB", "calculate_kv_scales": True, "kv_cache_dtype": "fp8_e4m3"},
          "calculate_kv_scales"),
+        ({"kv_offload_cpu": "1GiB", "preemption_mode": "swapp"}, "preemption_mode"),
+        ({"preemption_mode": "swap"}, "preemption_mode: swap needs an offload tier"),
     ],
 )  # fmt: skip
 def test_bad_offload_flags_fail_at_start_naming_the_field(checkpoint, make_llm, kwargs, field):
@@ -383,6 +408,9 @@ def test_cli_refuses_both_cpu_size_flags():
     args = p.parse_args(["--kv-offloading-size", "0"])
     with pytest.raises(ConfigError, match="kv_offloading_size"):
         engine_kwargs(args)
+    args = p.parse_args(["--kv-offload-cpu", "1GiB", "--preemption-mode", "recompute"])
+    assert engine_kwargs(args)["preemption_mode"] == "recompute"
+    assert engine_kwargs(p.parse_args([]))["preemption_mode"] is None  # swap iff a tier
 
 
 def test_replicas_share_tenant_partitions_only_through_the_shared_secret(monkeypatch):

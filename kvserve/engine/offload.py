@@ -51,6 +51,7 @@ def build_offload(
         "write_through": 0,
         "write_through_selective": cc.kv_offload_reuse_threshold,
     }[cc.kv_offload_write_policy]
+    offload.swap_preempted = cc.preemption_mode == "swap"
     return offload
 
 

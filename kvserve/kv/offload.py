@@ -130,6 +130,9 @@ class KVOffload:
         # Prefix-cache hits after which a block is stored before it is evicted (0: once
         # computed; None: only on eviction); the KV manager applies it.
         self.write_through_hits: int | None = None
+        # Whether a preempted request loads its blocks from the tiers (preemption_mode swap)
+        # or computes them again (recompute); the scheduler applies it.
+        self.swap_preempted = True
         self.dropped_stores = 0  # blocks not stored because the store backlog was full
         self._down_until = {t.name: 0.0 for t in self.tiers}
         self._backoff = {t.name: BACKOFF_START_S for t in self.tiers}

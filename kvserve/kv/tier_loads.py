@@ -38,7 +38,7 @@ class TierLoads:
         for them and start loading; it stays waiting until the load is done. Each admission
         of a request asks the tiers once (a request the pool has no room for yet keeps the
         answer and tries again when next considered)."""
-        if req in self._released:
+        if req in self._released or (req.num_preemptions and not self.offload.swap_preempted):
             return False
         kv = self.kv
         candidates = kv.tier_candidates(req, len(computed))
