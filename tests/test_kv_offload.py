@@ -219,46 +219,46 @@ def test_abort_while_loading_frees_everything(checkpoint, make_llm, workload):
     assert engine.kv.num_used_blocks == 0
 
 
+SMALL_POOL_PROMPTS = prompts_of_lengths([120] * 6, vocab=320, seed=9)
+
+
+def _small_pool_pushed_out(checkpoint, make_llm, params, tier: bool):  # noqa: ANN001, ANN202
+    """An engine of 28 blocks that served six 120-token prompts and then a flood that pushed
+    them out of the pool (into the host tier, if ``tier``)."""
+    kw = {"kv_offload_cpu": "4MiB"} if tier else {}
+    llm = make_llm(checkpoint("llama_gqa"), num_gpu_blocks=28, block_size=16, **kw)
+    for p in SMALL_POOL_PROMPTS + prompts_of_lengths([300, 300], vocab=320, seed=10):
+        _tokens(llm, [p], params)
+    if tier:
+        assert llm.engine.offload.flush()
+    return llm
+
+
 def test_many_loads_in_a_small_pool_all_finish(checkpoint, make_llm):
     """More tier hits than the pool can hold at once: loads that hold blocks are released for
     running requests, nothing deadlocks, and every output equals the run without tiers."""
-    prompts = prompts_of_lengths([120] * 6, vocab=320, seed=9)
-    flood = prompts_of_lengths([300, 300], vocab=320, seed=10)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     out = []
-    for kw in ({}, {"kv_offload_cpu": "4MiB"}):
-        llm = make_llm(checkpoint("llama_gqa"), num_gpu_blocks=28, block_size=16, **kw)
-        for p in prompts:
-            _tokens(llm, [p], params)
-        for f in flood:
-            _tokens(llm, [f], params)
-        if llm.engine.offload:
-            llm.engine.offload.flush()
-        out.append(_tokens(llm, prompts, params))
-        st = llm.stats()
+    for tier in (False, True):
+        llm = _small_pool_pushed_out(checkpoint, make_llm, params, tier)
+        out.append(_tokens(llm, SMALL_POOL_PROMPTS, params))
     assert out[0] == out[1]
-    assert st.tier_hit_tokens > 0
+    assert llm.stats().tier_hit_tokens > 0
 
 
 def test_a_request_that_does_not_fit_waits_for_loads_in_flight(checkpoint, make_llm):
     """Tier loads hold most of an idle pool: the next request waits for them to land and run
     (then hits the tier itself) instead of taking a loading request's blocks and recomputing
     one of the two prompts from scratch."""
-    prompts = prompts_of_lengths([120] * 6, vocab=320, seed=9)
-    flood = prompts_of_lengths([300, 300], vocab=320, seed=10)
+    prompts = SMALL_POOL_PROMPTS
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     got = []
-    for kw in ({}, {"kv_offload_cpu": "4MiB"}):
-        llm = make_llm(checkpoint("llama_gqa"), num_gpu_blocks=28, block_size=16, **kw)
-        for p in prompts:
-            _tokens(llm, [p], params)
-        for f in flood:
-            _tokens(llm, [f], params)
-        if llm.engine.offload is not None:
-            assert llm.engine.offload.flush()
-            tier = llm.engine.offload.tiers[0]
-            real_get = tier.get
-            tier.get = lambda key, get=real_get: (time.sleep(0.002), get(key))[1]  # in flight
+    for tier in (False, True):
+        llm = _small_pool_pushed_out(checkpoint, make_llm, params, tier)
+        if tier:
+            host = llm.engine.offload.tiers[0]
+            real_get = host.get
+            host.get = lambda key, get=real_get: (time.sleep(0.002), get(key))[1]  # in flight
         outs = llm.generate(prompts, params)
         got.append([o.outputs[0].token_ids for o in outs])
     assert got[0] == got[1]
