@@ -27,7 +27,7 @@ from kvserve.admission import Admission
 from kvserve.admission_steps import AdmissionSteps
 from kvserve.config import SchedulerConfig
 from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.offload import KVOffload
+from kvserve.kv.offload import OffloadTiers
 from kvserve.kv.tier_loads import TierLoads
 from kvserve.request import Request, RequestStatus
 from kvserve.retention_steps import RetentionSteps
@@ -84,7 +84,7 @@ class Scheduler(AdmissionSteps, RetentionSteps):
         kv: KVCacheManager,
         max_model_len: int,
         native_window: int = 0,
-        offload: KVOffload | None = None,
+        offload: OffloadTiers | None = None,
     ) -> None:
         self.config = config
         self.offload = offload

@@ -330,10 +330,6 @@ def test_bad_config_gpu_and_target_flags(tmp_path, llama8b):
         SimTarget(dict(model=llama8b), cpu_profile(), tp=2)
     with pytest.raises(ValueError, match="replicas: must be an integer >= 1"):
         SimTarget(dict(model=llama8b), cpu_profile(), replicas=0)
-    from kvserve.config import ConfigError
-
-    with pytest.raises(ConfigError, match="offload tiers"):
-        SimTarget(dict(model=llama8b, kv_offload_cpu="1GiB"), cpu_profile())
     l4 = get_gpu("l4")  # 24 GB: 16 GB of weights fit; at tp=1 on a 16 GB part they would not
     small = get_gpu("custom:12:0.3:100")
     with pytest.raises(PlanError, match="leave no KV room"):

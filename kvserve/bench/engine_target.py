@@ -34,6 +34,7 @@ def engine_snapshot(engine: Any) -> dict[str, float]:
         "prefix_cache_queries_total": float(s.prefix_cache_queries),
         "prefix_cache_hits_total": float(s.prefix_cache_hits),
         "prefix_cache_evictions_total": float(s.prefix_cache_evictions),
+        "kv_offload_hit_tokens_total": float(s.tier_hit_tokens),
         "num_preemptions_total": float(s.num_preemptions),
         "prompt_tokens_total": float(s.prompt_tokens_total),
         "generation_tokens_total": float(s.generation_tokens_total),

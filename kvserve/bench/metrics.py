@@ -179,6 +179,10 @@ def server_summary(
         "prefix_cache_hits": hits,
         "prefix_cache_hit_rate": hits / queries if queries else None,
         "prefix_cache_evictions": delta("prefix_cache_evictions_total"),
+        # Prompt tokens loaded from an offload tier (after the device's prefix hits missed),
+        # and their share of the tokens the prefix cache was asked for.
+        "tier_hit_tokens": (tier := delta("kv_offload_hit_tokens_total")),
+        "tier_hit_rate": tier / queries if tier is not None and queries else None,
         "kv_allocation_failures": delta("kv_allocation_failures_total"),
         "requests_refused": delta("requests_refused_total"),
         "queue_time_mean_ms": _ratio(

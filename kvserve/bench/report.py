@@ -115,6 +115,8 @@ def _headline(s: dict[str, Any]) -> list[list[str]]:
              f"({_f(srv['prefix_cache_hits'], '{:.0f}')} / "
              f"{_f(srv['prefix_cache_queries'], '{:.0f}')} tokens)"],
             ["prefix cache evictions", _f(srv["prefix_cache_evictions"], "{:.0f}")],
+            ["offload tier hits", f"{_f(srv.get('tier_hit_rate'), '{:.1%}')} "
+             f"({_f(srv.get('tier_hit_tokens'), '{:.0f}')} tokens)"],
             ["KV allocation failures", _f(srv.get("kv_allocation_failures"), "{:.0f}")],
             ["refused by admission", _f(srv.get("requests_refused"), "{:.0f}")],
             ["queue time mean ms", _f(srv.get("queue_time_mean_ms"), "{:.1f}")],

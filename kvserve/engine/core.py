@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from kvserve.config import SchedulerConfig
 from kvserve.engine.inputs import EngineCoreRequest
 from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.offload import KVOffload
+from kvserve.kv.offload import OffloadTiers
 from kvserve.request import Request, RequestStatus
 from kvserve.scheduler import Scheduler
 from kvserve.step import Runner, SchedulerOutput
@@ -37,7 +37,7 @@ class EngineCore:
         eos_token_ids: tuple[int, ...] = (),
         clock: Clock = time.monotonic,
         native_window: int = 0,
-        offload: KVOffload | None = None,
+        offload: OffloadTiers | None = None,
     ) -> None:
         self.kv = kv
         self.scheduler = Scheduler(scheduler_config, kv, max_model_len, native_window, offload)

@@ -27,7 +27,7 @@ from kvserve.engine.bandwidth import (
 )
 from kvserve.engine.core import Clock, EngineCore
 from kvserve.engine.inputs import InputProcessor, PromptType
-from kvserve.engine.offload import build_offload
+from kvserve.engine.offload import apply_policies, build_offload
 from kvserve.engine.outputs import OutputProcessor, RequestFamily
 from kvserve.engine.prefix_transfer import PrefixPayload, export_prefix, import_prefix
 from kvserve.engine.sizing import model_fingerprint, num_kv_blocks
@@ -36,6 +36,7 @@ from kvserve.kv.formats import canonical_kv_format, kv_bytes_per_token, storage_
 from kvserve.kv.grouped import GroupedKVCacheManager
 from kvserve.kv.layer_groups import engine_layer_groups
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.offload import OffloadTiers
 from kvserve.kv.storage import KVStorage
 from kvserve.model.loader import resolve_dtype
 from kvserve.model.resolve import resolve_model
@@ -55,7 +56,11 @@ from kvserve.workload_class_file import load_workload_classes
 
 class LLMEngine:
     def __init__(
-        self, config: EngineConfig, runner: Runner | None = None, clock: Clock | None = None
+        self,
+        config: EngineConfig,
+        runner: Runner | None = None,
+        clock: Clock | None = None,
+        offload: OffloadTiers | None = None,
     ) -> None:
         self.config = config
         model_dir = Path(resolve_model(config.model))  # a name, a directory or a .gguf file
@@ -135,7 +140,13 @@ class LLMEngine:
         self.native_window = 0
         if len(windows) == 1 and None not in windows:
             self.native_window = int(windows.pop())
-        self.offload = build_offload(cc, self.storage, self.kv.root, self.bytes_per_token)
+        # ``offload``: tiers to use instead of the ones the config names (the simulator's,
+        # modelled on its clock); the config's policies apply to them all the same.
+        if offload is not None:
+            apply_policies(offload, cc)
+            self.offload = offload
+        else:
+            self.offload = build_offload(cc, self.storage, self.kv.root, self.bytes_per_token)
         self.core = EngineCore(sc, self.kv, runner, self.max_model_len, self.eos_token_ids,
                                clock or time.monotonic, self.native_window,
                                self.offload)  # fmt: skip

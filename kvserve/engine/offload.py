@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvserve.config import CacheConfig, ConfigError
 from kvserve.kv.hashing import BlockHash
-from kvserve.kv.offload import KVOffload, tier_namespace
+from kvserve.kv.offload import KVOffload, OffloadTiers, tier_namespace
 from kvserve.kv.redis_tier import RedisTier
 from kvserve.kv.storage import KVStorage
 from kvserve.kv.tiers import DiskTier, HostTier, Tier
@@ -26,13 +26,13 @@ def build_offload(
     tiers: list[Tier] = []
     try:
         if cc.kv_offload_cpu:
-            _fits("kv_offload_cpu", cc.kv_offload_cpu, block_bytes)
+            check_tier_size("kv_offload_cpu", cc.kv_offload_cpu, block_bytes)
             tiers.append(HostTier(cc.kv_offload_cpu))
         if cc.kv_offload_disk:
-            _fits("kv_offload_disk_size", cc.kv_offload_disk_size, block_bytes)
+            check_tier_size("kv_offload_disk_size", cc.kv_offload_disk_size, block_bytes)
             tiers.append(DiskTier(cc.kv_offload_disk, cc.kv_offload_disk_size))
         if cc.kv_offload_redis:
-            _fits("kv_offload_redis_size", cc.kv_offload_redis_size, block_bytes)
+            check_tier_size("kv_offload_redis_size", cc.kv_offload_redis_size, block_bytes)
             tiers.append(
                 RedisTier(cc.kv_offload_redis, cc.kv_offload_redis_size, cc.kv_offload_timeout)
             )
@@ -46,16 +46,21 @@ def build_offload(
     offload = KVOffload(
         tiers, namespace, storage.identity(), load_timeout_s=LOAD_TIMEOUTS * cc.kv_offload_timeout
     )
+    apply_policies(offload, cc)
+    return offload
+
+
+def apply_policies(offload: OffloadTiers, cc: CacheConfig) -> None:
+    """The config's write policy and preemption mode, on real or modelled tiers alike."""
     offload.write_through_hits = {
         "write_back": None,
         "write_through": 0,
         "write_through_selective": cc.kv_offload_reuse_threshold,
     }[cc.kv_offload_write_policy]
     offload.swap_preempted = cc.preemption_mode == "swap"
-    return offload
 
 
-def _fits(field: str, size: int | str, block_bytes: int) -> None:
+def check_tier_size(field: str, size: int | str, block_bytes: int) -> None:
     if int(size) < block_bytes:
         raise ConfigError(
             f"{field}: {size} bytes is smaller than one KV block ({block_bytes} bytes with this "

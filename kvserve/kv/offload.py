@@ -30,7 +30,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -105,6 +105,39 @@ class _Load:
     result: LoadResult | None = None
 
 
+class OffloadTiers(Protocol):
+    """What the scheduler and the engine ask of the tiers: :class:`KVOffload` here, the
+    simulator's modelled tiers (:mod:`kvserve.sim.tiers`) on a virtual clock."""
+
+    # Prefix-cache hits after which a block is stored before it is evicted (0: once
+    # computed; None: only on eviction); the KV manager applies it.
+    write_through_hits: int | None
+    # Whether a preempted request loads its blocks from the tiers (preemption_mode swap)
+    # or computes them again (recompute); the scheduler applies it.
+    swap_preempted: bool
+
+    @property
+    def num_loading(self) -> int: ...
+
+    def probe(self, hashes: Sequence[BlockHash]) -> int: ...
+
+    def start_load(self, req_id: str, hashes: Sequence[BlockHash]) -> None: ...
+
+    def cancel(self, req_id: str) -> None: ...
+
+    def poll_loads(self, wait: bool = False) -> dict[str, LoadResult]: ...
+
+    def store(self, hashes: Sequence[BlockHash], payload: Any) -> None: ...
+
+    def wants(self, block_hash: BlockHash) -> bool: ...
+
+    def stats(self) -> dict[str, dict[str, Any]]: ...
+
+    def flush(self, timeout_s: float = 10.0) -> bool: ...
+
+    def close(self) -> None: ...
+
+
 class KVOffload:
     """The tiers, their worker thread, and the counters; one per engine."""
 
@@ -127,11 +160,7 @@ class KVOffload:
         self.max_pending_bytes = max_pending_bytes
         self.clock = clock
         self.counters = {t.name: TierCounters() for t in self.tiers}
-        # Prefix-cache hits after which a block is stored before it is evicted (0: once
-        # computed; None: only on eviction); the KV manager applies it.
-        self.write_through_hits: int | None = None
-        # Whether a preempted request loads its blocks from the tiers (preemption_mode swap)
-        # or computes them again (recompute); the scheduler applies it.
+        self.write_through_hits: int | None = None  # see OffloadTiers
         self.swap_preempted = True
         self.dropped_stores = 0  # blocks not stored because the store backlog was full
         self._down_until = {t.name: 0.0 for t in self.tiers}

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from kvserve.kv.block_pool import KVCacheBlock
 from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.offload import KVOffload
+from kvserve.kv.offload import OffloadTiers
 from kvserve.request import Request
 
 
 class TierLoads:
-    def __init__(self, kv: KVCacheManager, offload: KVOffload) -> None:
+    def __init__(self, kv: KVCacheManager, offload: OffloadTiers) -> None:
         self.kv = kv
         self.offload = offload
         self.holders: list[Request] = []  # oldest first

@@ -45,6 +45,7 @@ SECONDS_FIELDS = (
     "per_new_prompt_token_s", "per_solo_seq_s", "per_token_s",
     "per_sampled_row_s", "first_touch_s_per_byte",
 )  # fmt: skip
+TIER_NAMES = ("cpu", "disk", "redis")  # offload tiers, as kvserve.kv.tiers names them
 EFFICIENCY_FIELDS = (
     "gemm_efficiency", "weight_read_efficiency", "prefill_attention_efficiency",
     "decode_kv_efficiency",
@@ -232,6 +233,12 @@ class Profile:
     allreduce_latency_s: float = 0.0  # per all-reduce, for tp > 1
     request_overhead_s: float = 0.0  # per added request (validation, tokenization)
     request_overhead_per_token_s: float = 0.0
+    # Offload tiers (kvserve.sim.tiers), by tier name (cpu, disk, redis): the bytes/s a load
+    # moves from the tier into one GPU's pool, and the fixed seconds of each batch of blocks
+    # asked of it; and the step's seconds per byte of blocks exported to the tiers.
+    tier_bandwidth: dict[str, float] = field(default_factory=dict)
+    tier_latency_s: dict[str, float] = field(default_factory=dict)
+    offload_export_s_per_byte: float = 0.0
     calibration: dict[str, Any] = field(default_factory=dict)  # fit quality, what it ran
     version: int = PROFILE_VERSION
 
@@ -299,10 +306,20 @@ class Profile:
             v = getattr(p, name)
             if not (isinstance(v, int | float) and 0 < v):
                 raise ValueError(f"{where}: {name} must be > 0, got {v!r}")
-        for name in SECONDS_FIELDS:
+        for name in (*SECONDS_FIELDS, "offload_export_s_per_byte"):
             v = getattr(p, name)
             if not (isinstance(v, int | float) and v >= 0):
                 raise ValueError(f"{where}: {name} must be >= 0 seconds, got {v!r}")
+        for name, positive in (("tier_bandwidth", True), ("tier_latency_s", False)):
+            table = getattr(p, name)
+            if not isinstance(table, dict):
+                raise ValueError(f"{where}: {name} must be an object of tier name -> number")
+            for tier, v in table.items():
+                if tier not in TIER_NAMES:
+                    raise ValueError(f"{where}: {name}: unknown tier {tier!r}; known: {TIER_NAMES}")
+                if not (isinstance(v, int | float) and (v > 0 if positive else v >= 0)):
+                    bound = "> 0" if positive else ">= 0"
+                    raise ValueError(f"{where}: {name}[{tier!r}] must be {bound}, got {v!r}")
         return p
 
     @classmethod
@@ -335,6 +352,22 @@ GPU_FACTORS = dict(
     decode_kv_efficiency=0.65,
     allreduce_latency_s=1e-5,
 )
+# Offload tiers on a GPU: assumptions, not measurements (no GPU here), in the profile so a
+# measured figure can replace them. Host memory: pinned buffers over the part's PCIe x16 link
+# at ~80 % of its one-direction peak (Gen5 64 GB/s, Gen4 32 GB/s). Disk: a local NVMe drive
+# (PCIe Gen4, ~6 GB/s sequential read, ~100 us a request). Redis: a 25 GbE network, ~2.5
+# GB/s after framing, ~0.5 ms a pipelined round trip. A tier's entries reach the GPU through
+# host memory, so a slower tier's figure includes the PCIe hop's (it is much the faster).
+PCIE_GEN5 = ("h100-sxm", "h100-pcie", "h100-nvl", "h200", "mi300x", "mi325x")
+TIER_LATENCY_S = {"cpu": 1e-5, "disk": 1e-4, "redis": 5e-4}
+
+
+def gpu_tier_links(gpu_key: str) -> dict[str, float]:
+    """Bytes/s of a tier load into one GPU of ``gpu_key`` (see above), by tier name."""
+    pcie = (64e9 if gpu_key in PCIE_GEN5 else 32e9) * 0.8
+    return {"cpu": pcie, "disk": 6e9, "redis": 2.5e9}
+
+
 # NVLink per-GPU one-direction bandwidth by part (bytes/s); PCIe parts get PCIe 5 x16.
 INTERCONNECT = {
     "h100-sxm": 450e9, "h200": 450e9, "a100-80gb": 300e9, "a100-40gb": 300e9,
@@ -351,6 +384,11 @@ def gpu_profile(gpu: GPU) -> Profile:
         source=f"peaks: {gpu.source}; factors: typical serving-engine efficiencies "
         "(kvserve.sim.cost.GPU_FACTORS), not calibrated on this part",
         interconnect_bandwidth=INTERCONNECT.get(gpu.key, 64e9),
+        tier_bandwidth=gpu_tier_links(gpu.key),
+        tier_latency_s=dict(TIER_LATENCY_S),
+        # An evicted block's copy out runs on a copy stream beside the forward pass; what
+        # the step pays is the launch, in per_seq_s's noise.
+        offload_export_s_per_byte=0.0,
         **GPU_FACTORS,  # type: ignore[arg-type]
     )
 

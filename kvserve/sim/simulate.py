@@ -34,14 +34,15 @@ from typing import Any
 from kvserve.bench.metrics import RequestRecord
 from kvserve.bench.runner import LoadSpec, RunResult
 from kvserve.bench.workloads import BenchRequest, arrival_times
-from kvserve.config import ConfigError
 from kvserve.engine import LLMEngine
+from kvserve.engine.offload import LOAD_TIMEOUTS
 from kvserve.llm import engine_config
 from kvserve.plan.capacity import PlanError, capacity, load_arch, load_config
 from kvserve.plan.gpus import GPU
 from kvserve.request import SamplingParams
 from kvserve.sim.cost import ModelShape, Profile, step_features
 from kvserve.sim.forks import fork_map
+from kvserve.sim.tiers import ModelledBlocks, SimOffload, modelled_tiers
 from kvserve.step import ModelRunnerOutput, SchedulerOutput
 
 
@@ -76,11 +77,22 @@ class CostModelRunner:
         assert self.shape is not None, "the simulator sets the model shape before the first step"
         f = step_features(scheduler_output, self.shape, self.touched, self.block_size)
         dt = self.profile.step_time(f, self.shape)
+        ids = [rid for s in scheduler_output.seqs for rid in s.sample_ids]
+        out = ModelRunnerOutput(ids, [self.token_id] * len(ids), [None] * len(ids))
+        ops = scheduler_output.kv_ops
+        if ops.offload or ops.offload_after:
+            # Blocks bound for the tiers: evicted ones before the pass, written-through after;
+            # the step pays for copying them out (the tiers only count them).
+            for blocks in (ops.offload, ops.offload_after):
+                if blocks:
+                    out.offloaded.append(([h for _, h in blocks], ModelledBlocks(len(blocks))))
+            exported = len(ops.offload) + len(ops.offload_after)
+            block_bytes = self.shape.kv_bytes_per_token * self.block_size
+            dt += exported * block_bytes * self.profile.offload_export_s_per_byte
         self.clock.advance(dt)
         self.busy_s += dt
         self.steps += 1
-        ids = [rid for s in scheduler_output.seqs for rid in s.sample_ids]
-        return ModelRunnerOutput(ids, [self.token_id] * len(ids), [None] * len(ids))
+        return out
 
 
 # ASCII as HashTokenizer's pattern splits it: word characters (\w), whitespace (\s, what
@@ -162,12 +174,6 @@ class SimTarget:
             )
         if self.tp > 1 and self.gpu is None:
             raise ValueError("tp: tensor parallelism is simulated on a --gpu only")
-        offload = ("kv_offload_cpu", "kv_offload_disk", "kv_offload_redis")
-        if any(self.engine_kwargs.get(k) for k in offload):
-            raise ConfigError(
-                "kv_offload_*: the simulator does not model offload tiers yet (planned); "
-                "simulate without them"
-            )
 
     @property
     def gpus(self) -> int:
@@ -185,6 +191,7 @@ class SimEngine:
     encode: Callable[[str], list[int]]
     num_blocks: int
     notes: list[str] = field(default_factory=list)
+    offload: SimOffload | None = None  # the modelled tiers, with --kv-offload-*
 
 
 def model_dir_of(model: str) -> str:
@@ -229,7 +236,12 @@ def build_engine(target: SimTarget) -> SimEngine:
         kw["num_gpu_blocks"] = cap.num_blocks
     clock = VirtualClock()
     runner = CostModelRunner(target.profile, clock, token_id=0)
-    engine = LLMEngine(engine_config(**kw), runner=runner, clock=clock)
+    config = engine_config(**kw)
+    offload = None
+    if config.cache.kv_offload:
+        tiers = modelled_tiers(config.cache, target.profile)
+        offload = SimOffload(tiers, clock, LOAD_TIMEOUTS * config.cache.kv_offload_timeout)
+    engine = LLMEngine(config, runner=runner, clock=clock, offload=offload)
     # The placeholder token: any id that is not an end of sequence.
     runner.token_id = next(i for i in range(3, spec.vocab_size) if i not in engine.eos_token_ids)
     dtype = str(engine.dtype).removeprefix("torch.")
@@ -238,6 +250,8 @@ def build_engine(target: SimTarget) -> SimEngine:
     )
     runner.shape = shape
     runner.block_size = engine.block_size
+    if offload is not None:
+        offload.set_geometry(shape.kv_bytes_per_token * engine.block_size, target.tp)
     notes = []
     if target.gpu is not None and dtype != target.profile.dtype:
         notes.append(
@@ -249,7 +263,7 @@ def build_engine(target: SimTarget) -> SimEngine:
     else:
         encode = HashTokenizer(spec.vocab_size).encode
         notes.append("no tokenizer.json beside the config: one token per word (hashed ids)")
-    return SimEngine(engine, clock, runner, shape, encode, engine.num_blocks, notes)
+    return SimEngine(engine, clock, runner, shape, encode, engine.num_blocks, notes, offload)
 
 
 def token_counter(target: SimTarget) -> tuple[Callable[[str], int], int]:
@@ -311,7 +325,7 @@ class _Replica:
     ) -> list[RequestRecord]:
         """Send ``requests`` at ``t0 + sends[i]`` (open loop; None: closed loop of
         ``concurrency`` users), at most ``concurrency`` in flight; step until all finish."""
-        eng, clock = self.sim.engine, self.sim.clock
+        eng, clock, offload = self.sim.engine, self.sim.clock, self.sim.offload
         core = eng.core
         records = [
             RequestRecord(r.index, r.kind, r.prefix_group, r.input_len, r.max_tokens)
@@ -369,7 +383,9 @@ class _Replica:
                         "simulator: the scheduler made no progress for 1000 steps with "
                         f"{len(inflight)} requests in flight"
                     )
-                if due:
+                # Idle until the next arrival, unless a tier load lands first: the engine
+                # waited for it (a little at a time) in the step, so the clock moved.
+                if due and not (offload is not None and offload.num_loading):
                     clock.now = max(clock.now, due[0][0])
                 continue
             idle_steps = 0

@@ -1,0 +1,251 @@
+"""Offload tiers on the simulator's clock: ``--kv-offload-*`` without bytes or a worker thread.
+
+The scheduler and the KV manager are the real ones, and they ask these tiers exactly what they
+ask the real :class:`~kvserve.kv.offload.KVOffload` (the
+:class:`~kvserve.kv.offload.OffloadTiers` questions). :class:`SimOffload` answers from a model
+of each tier: the block keys it holds, in LRU order, within its byte budget counted in blocks
+(what the real tier holds, without the bytes), and the time of a load from the profile's
+figures for that tier (``tier_bandwidth``, ``tier_latency_s``). The real worker thread becomes
+a queue on the virtual clock: loads run one after another, each taking the latency of every
+batch of blocks asked of a tier plus its bytes over that tier's bandwidth, and
+:meth:`SimOffload.poll_loads` hands over the loads that have landed by now, waiting when the
+engine is idle as the real one does (at most ``POLL_WAIT_S`` at a time, so arrivals are not
+held up). A load that would outlast its timeout ends empty at its deadline (the request
+recomputes). A probe costs the engine thread each asked tier's latency, as the real probe
+does. Stores are visible at once: the real worker writes them within milliseconds, off the
+step path; the export they need is charged to the step by the cost-model runner.
+
+Not modelled: tier failures and back-off (a modelled tier never fails), entry headers (an
+entry is its block's bytes), and the worker's stores competing with its loads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.config import CacheConfig, ConfigError
+from kvserve.engine.offload import check_tier_size
+from kvserve.kv.hashing import BlockHash
+from kvserve.kv.offload import LOAD_BATCH, POLL_WAIT_S, LoadResult, TierCounters
+from kvserve.sim.cost import Profile
+
+
+@dataclass(slots=True)
+class ModelledBlocks:
+    """What a modelled load hands the runner in place of a payload: only a block count."""
+
+    num_blocks: int
+
+
+@dataclass(slots=True)
+class ModelledTier:
+    """A tier's keys in LRU order within its capacity, and its link to the device."""
+
+    name: str
+    flag: str  # the CLI flag that sizes it, for error messages
+    capacity_bytes: int
+    bandwidth: float  # bytes/s into one GPU's pool
+    latency_s: float  # per batch of blocks asked
+    block_bytes: float = 1.0  # one block, every GPU of the replica (set with the geometry)
+    entries: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+    num_evictions: int = 0
+
+    @property
+    def capacity_blocks(self) -> int:
+        return int(self.capacity_bytes // self.block_bytes)
+
+    def put(self, key: bytes) -> bool:
+        """Hold ``key``, evicting the least recently used to make room; False if present."""
+        if key in self.entries:
+            return False
+        while len(self.entries) >= self.capacity_blocks:
+            self.entries.popitem(last=False)
+            self.num_evictions += 1
+        self.entries[key] = None
+        return True
+
+    def count_present(self, keys: Sequence[bytes]) -> int:
+        n = 0
+        for key in keys:
+            if key not in self.entries:
+                break
+            n += 1
+        return n
+
+
+def modelled_tiers(cc: CacheConfig, profile: Profile) -> list[ModelledTier]:
+    """The tiers ``cc`` names, fastest first (as the engine orders them), with the profile's
+    link figures. Raises ConfigError naming the profile field a tier lacks."""
+    disk, redis = cc.kv_offload_disk, cc.kv_offload_redis
+    sizes = [
+        ("cpu", "kv_offload_cpu", cc.kv_offload_cpu),
+        ("disk", "kv_offload_disk_size", cc.kv_offload_disk_size if disk else None),
+        ("redis", "kv_offload_redis_size", cc.kv_offload_redis_size if redis else None),
+    ]
+    tiers = []
+    for name, flag, size in sizes:
+        if not size:
+            continue
+        bw, lat = profile.tier_bandwidth.get(name), profile.tier_latency_s.get(name)
+        if bw is None or lat is None:
+            raise ConfigError(
+                f"profile {profile.device!r}: no figures for the {name} tier; add "
+                f"tier_bandwidth[{name!r}] (bytes/s) and tier_latency_s[{name!r}] (seconds) "
+                "to the profile, or calibrate with --calibrate"
+            )
+        tiers.append(ModelledTier(name, flag, int(size), float(bw), float(lat)))
+    return tiers
+
+
+@dataclass(slots=True)
+class _Load:
+    start_at: float
+    end_at: float  # when the queue is done with it
+    ready_at: float  # when the engine sees it (end_at, or the deadline)
+    num_blocks: int
+
+
+class SimOffload:
+    """Modelled tiers behind a simulated engine's pool (see the module's docstring)."""
+
+    def __init__(self, tiers: list[ModelledTier], clock: Any, load_timeout_s: float) -> None:
+        if not tiers:
+            raise ValueError("SimOffload: at least one tier")
+        self.tiers = tiers
+        self.clock = clock  # a VirtualClock: now() and advance(seconds)
+        self.load_timeout_s = load_timeout_s
+        self.counters = {t.name: TierCounters() for t in tiers}
+        self.write_through_hits: int | None = None  # set by the engine from its config
+        self.swap_preempted = True
+        self.gpu_block_bytes = 1.0  # one GPU's share of a block: what one link moves
+        self._loads: dict[str, _Load] = {}
+        self._queue_free_at = 0.0
+
+    def set_geometry(self, gpu_block_bytes: float, tp: int) -> None:
+        """A block's bytes on one GPU, and the GPUs of a replica (a tier holds every GPU's
+        share; each GPU loads its own over its own link, in parallel). Raises ConfigError
+        for a tier smaller than one block, naming its flag."""
+        self.gpu_block_bytes = gpu_block_bytes
+        for tier in self.tiers:
+            tier.block_bytes = gpu_block_bytes * tp
+            check_tier_size(tier.flag, tier.capacity_bytes, math.ceil(tier.block_bytes))
+
+    # -- what the scheduler asks ----------------------------------------------------------
+    @property
+    def num_loading(self) -> int:
+        return len(self._loads)
+
+    def wants(self, block_hash: BlockHash) -> bool:
+        return not any(block_hash in t.entries for t in self.tiers)
+
+    def probe(self, hashes: Sequence[BlockHash]) -> int:
+        if not hashes:
+            return 0
+        best = 0
+        for tier in self.tiers:
+            self.clock.advance(tier.latency_s)  # the engine thread asks each tier in turn
+            best = max(best, tier.count_present(hashes))
+            if best == len(hashes):
+                break
+        return best
+
+    def start_load(self, req_id: str, hashes: Sequence[BlockHash]) -> None:
+        now = self.clock()
+        per_tier = dict.fromkeys((t.name for t in self.tiers), 0)
+        got = 0
+        for key in hashes:
+            found = None
+            for i, tier in enumerate(self.tiers):
+                c = self.counters[tier.name]
+                c.queries += 1
+                if key in tier.entries:
+                    found = tier
+                    tier.entries.move_to_end(key)
+                    for faster in self.tiers[:i]:  # a slower tier's block goes up too
+                        faster.put(key)
+                    break
+                c.fail("missing")
+            if found is None:
+                break
+            per_tier[found.name] += 1
+            got += 1
+        seconds = 0.0
+        for tier in self.tiers:
+            n = per_tier[tier.name]
+            if not n:
+                continue
+            t = (
+                math.ceil(n / LOAD_BATCH) * tier.latency_s
+                + n * self.gpu_block_bytes / tier.bandwidth
+            )
+            c = self.counters[tier.name]
+            c.hits += n
+            c.bytes_up += int(n * tier.block_bytes)
+            c.seconds_up += t
+            seconds += t
+        start = max(now, self._queue_free_at)
+        end = start + seconds
+        self._queue_free_at = end
+        ready = end
+        if end - now > self.load_timeout_s:  # the engine gives up at the deadline
+            ready, got = now + self.load_timeout_s, 0
+            self.counters[self.tiers[0].name].fail("load_timeout")
+        self._loads[req_id] = _Load(start, end, ready, got)
+
+    def cancel(self, req_id: str) -> None:
+        load = self._loads.pop(req_id, None)
+        # Not started and last in the queue: the worker would skip it, its time is free.
+        if (
+            load is not None
+            and load.start_at >= self.clock()
+            and load.end_at == self._queue_free_at
+        ):
+            self._queue_free_at = load.start_at
+
+    def poll_loads(self, wait: bool = False) -> dict[str, LoadResult]:
+        now = self.clock()
+        if wait and self._loads:
+            first = min(load.ready_at for load in self._loads.values())
+            if first > now:  # the idle engine waits, at most POLL_WAIT_S at a time
+                self.clock.advance(min(first, now + POLL_WAIT_S) - now)
+                now = self.clock()
+        done: dict[str, LoadResult] = {}
+        for rid, load in list(self._loads.items()):
+            if load.ready_at <= now:
+                blocks = [ModelledBlocks(load.num_blocks)] if load.num_blocks else []
+                done[rid] = LoadResult(blocks)  # type: ignore[arg-type]
+                del self._loads[rid]
+        return done
+
+    def store(self, hashes: Sequence[BlockHash], payload: Any) -> None:
+        for key in hashes:
+            for tier in self.tiers:
+                if tier.put(key):
+                    c = self.counters[tier.name]
+                    c.stored += 1
+                    c.bytes_down += int(tier.block_bytes)
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for tier in self.tiers:
+            c = self.counters[tier.name]
+            out[tier.name] = dict(
+                queries=c.queries, hits=c.hits, stored=c.stored,
+                bytes_down=c.bytes_down, seconds_down=c.seconds_down,
+                bytes_up=c.bytes_up, seconds_up=c.seconds_up,
+                failures=dict(c.failures), entries=len(tier.entries),
+                used_bytes=int(len(tier.entries) * tier.block_bytes),
+                capacity_bytes=tier.capacity_bytes, evictions=tier.num_evictions,
+                backed_off=False,
+            )  # fmt: skip
+        return out
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        return True  # stores are visible at once
+
+    def close(self) -> None:
+        pass

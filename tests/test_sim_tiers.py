@@ -1,0 +1,158 @@
+"""The simulator's offload tiers (kvserve.sim.tiers): the real scheduler's tier decisions, load
+times from the profile's figures, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from kvserve.config import ConfigError
+from kvserve.engine_args import default_model
+from kvserve.request import SamplingParams
+from kvserve.sim.cost import Profile, gpu_profile
+from kvserve.sim.simulate import SimTarget, build_engine
+from kvserve.sim.tiers import ModelledTier
+from tests.test_simulator import SEED_8B, cpu_profile
+
+TIER = dict(tier_bandwidth={"cpu": 4e9, "disk": 1e9}, tier_latency_s={"cpu": 1e-4, "disk": 1e-3})
+
+
+def prompts_that_evict(seed: int = 5) -> list[list[int]]:
+    """Three distinct prompts that together overflow a 16-block pool, then the first two
+    again with new endings: their prefixes were pushed out of the device pool meanwhile."""
+    rng = random.Random(seed)
+    a, b, c = ([rng.randrange(3, 4000) for _ in range(100)] for _ in range(3))
+    return [a, b, c, a[:96] + [7, 8, 9], b[:80] + [11, 12]]
+
+
+def one_at_a_time(engine, step, prompts, max_tokens=4):
+    """Each prompt alone, to the end: the scheduler's decisions (per step, which request
+    computes how many tokens) cannot depend on how long a tier load takes."""
+    seen = []
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", {"prompt_token_ids": p}, SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True), arrival_time=0.0)  # fmt: skip
+        while engine.has_unfinished_requests():
+            step()
+            last = engine.core.last_step
+            if last.seqs:
+                seen.append([(s.req_id, s.num_tokens) for s in last.seqs])
+    return seen
+
+
+def test_modelled_tier_makes_the_real_tiers_decisions(make_llm):
+    """The bundled model with a real host tier and the simulator with a modelled one, on the
+    same requests: the same steps, the same tier hits and stores."""
+    kw = dict(model=default_model(), num_gpu_blocks=16, kv_offload_cpu="64MiB")
+    prompts = prompts_that_evict()
+    real = make_llm(**kw).engine
+    sim = build_engine(SimTarget(kw, cpu_profile(**TIER))).engine
+    real_steps = one_at_a_time(real, real.step, prompts)
+    sim_steps = one_at_a_time(sim, sim.core.step, prompts)
+    r, s = real.stats(), sim.stats()
+    assert r.tier_hit_tokens > 0, "the trace should load from the tier"
+    assert s.tier_hit_tokens == r.tier_hit_tokens
+    assert s.prefix_cache_hits == r.prefix_cache_hits
+    assert sim_steps == real_steps
+    for key in ("stored", "hits", "queries"):
+        assert s.kv_offload["cpu"][key] == r.kv_offload["cpu"][key], key
+    # Without a tier the reloaded prompts compute their prefixes: more tokens computed.
+    plain = build_engine(SimTarget({**kw, "kv_offload_cpu": None}, cpu_profile())).engine
+    plain_steps = one_at_a_time(plain, plain.core.step, prompts)
+    assert sum(n for st in plain_steps for _, n in st) > sum(n for st in sim_steps for _, n in st)
+
+
+def ttft_of_last(kw, profile):
+    """Simulated seconds from the last prompt's arrival to its first token."""
+    sim = build_engine(SimTarget(kw, profile))
+    eng = sim.engine
+    prompts = prompts_that_evict()
+    one_at_a_time(eng, eng.core.step, prompts[:-1])
+    before = eng.stats().tier_hit_tokens
+    sent = sim.clock.now
+    eng.add_request("last", {"prompt_token_ids": prompts[-1]},
+                    SamplingParams(max_tokens=1, ignore_eos=True), arrival_time=sent)  # fmt: skip
+    while eng.has_unfinished_requests():
+        eng.core.step()
+    return sim.clock.now - sent, eng.stats().tier_hit_tokens - before, sim
+
+
+def test_a_load_takes_the_tiers_latency_and_bytes_over_its_bandwidth():
+    kw = dict(model=default_model(), num_gpu_blocks=16, kv_offload_cpu="64MiB")
+    fast, hit_fast, sim = ttft_of_last(kw, cpu_profile(**TIER))
+    slow_tier = {**TIER, "tier_bandwidth": {"cpu": 1e8}, "tier_latency_s": {"cpu": 3e-3}}
+    slow, hit_slow, _ = ttft_of_last(kw, cpu_profile(**slow_tier))
+    assert hit_fast == hit_slow > 0
+    blocks = hit_fast // 16
+    # Same steps, only the tier differs: the probe's and the load's latency, and the load's
+    # bytes over the bandwidth.
+    block = sim.shape.kv_bytes_per_token * 16
+    expected = 2 * (3e-3 - 1e-4) + blocks * block * (1 / 1e8 - 1 / 4e9)
+    assert slow - fast == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_load_past_its_timeout_is_a_miss_and_the_prompt_is_computed():
+    kw = dict(model=default_model(), num_gpu_blocks=16, kv_offload_cpu="64MiB",
+              kv_offload_timeout=0.001)  # fmt: skip
+    glacial = {**TIER, "tier_bandwidth": {"cpu": 1e3}}
+    t, hit, sim = ttft_of_last(kw, cpu_profile(**glacial))
+    assert hit == 0
+    assert sim.engine.stats().kv_offload["cpu"]["failures"].get("load_timeout", 0) >= 1
+    assert t >= 10 * 0.001  # it waited out the deadline (10 timeouts) before computing
+
+
+def test_slower_tier_blocks_go_up_to_the_faster_one():
+    t_cpu = ModelledTier("cpu", "kv_offload_cpu", 10, 1.0, 0.0)
+    t_disk = ModelledTier("disk", "kv_offload_disk_size", 100, 1.0, 0.0)
+    from kvserve.sim.simulate import VirtualClock
+    from kvserve.sim.tiers import SimOffload
+
+    clock = VirtualClock()
+    off = SimOffload([t_cpu, t_disk], clock, load_timeout_s=1e9)
+    off.set_geometry(1.0, 1)
+    keys = [bytes([i]) for i in range(12)]
+    off.store(keys, None)
+    # LRU within 10 blocks: the first two went from the cpu tier, all 12 are on disk.
+    assert list(t_cpu.entries) == keys[2:] and t_cpu.num_evictions == 2
+    assert off.probe(keys) == 12 and t_cpu.count_present(keys) == 0
+    off.start_load("r", keys[:3])
+    # 0 came from disk into the cpu tier and pushed out its oldest, 2; so 1 and 2 came from
+    # disk too (pushing out 3 and 4): all three are the cpu tier's most recent now.
+    assert list(t_cpu.entries) == keys[5:] + keys[:3] and t_cpu.num_evictions == 5
+    assert off.counters["disk"].hits == 3 and off.counters["cpu"].hits == 0
+    # Three 1-byte blocks at 1 byte/s: an idle engine waits 10 ms at a time, as the real one.
+    assert off.poll_loads(wait=True) == {} and clock.now == pytest.approx(0.01)
+    clock.advance(2.99 - clock.now)
+    assert off.poll_loads() == {}
+    assert off.poll_loads(wait=True)["r"].num_blocks == 3 and clock.now == pytest.approx(3.0)
+
+
+def test_tier_errors_name_the_field(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(SEED_8B))
+    kw = dict(model=str(tmp_path), kv_offload_redis="redis://h:6379/0",
+              kv_offload_redis_size="64GiB", num_gpu_blocks=64)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"no figures for the redis tier.*tier_bandwidth"):
+        build_engine(SimTarget(kw, cpu_profile(**TIER)))
+    tiny = dict(model=str(tmp_path), kv_offload_cpu=4096, num_gpu_blocks=64)
+    with pytest.raises(ConfigError, match="kv_offload_cpu: 4096 bytes is smaller than one KV"):
+        build_engine(SimTarget(tiny, cpu_profile(**TIER)))
+    good = cpu_profile(**TIER).to_json()
+    for bad, msg in (
+        ({"tier_bandwidth": {"ssd": 1e9}}, "unknown tier 'ssd'"),
+        ({"tier_bandwidth": {"cpu": 0}}, r"tier_bandwidth\['cpu'\] must be > 0"),
+        ({"tier_latency_s": {"cpu": -1}}, r"tier_latency_s\['cpu'\] must be >= 0"),
+        ({"offload_export_s_per_byte": -1}, "offload_export_s_per_byte must be >= 0"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            Profile.from_json({**good, **bad})
+
+
+def test_gpu_profiles_carry_every_tier_and_pcie_generation():
+    from kvserve.plan.gpus import get_gpu
+
+    h100, a100 = gpu_profile(get_gpu("h100-sxm")), gpu_profile(get_gpu("a100-80gb"))
+    assert set(h100.tier_bandwidth) == set(h100.tier_latency_s) == {"cpu", "disk", "redis"}
+    # PCIe Gen5 x16 against Gen4 x16: twice the host link.
+    assert h100.tier_bandwidth["cpu"] == pytest.approx(2 * a100.tier_bandwidth["cpu"])
