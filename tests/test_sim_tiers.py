@@ -14,7 +14,9 @@ from kvserve.request import SamplingParams
 from kvserve.sim.cost import Profile, gpu_profile
 from kvserve.sim.simulate import SimTarget, build_engine
 from kvserve.sim.tiers import ModelledTier
+from kvserve.sim.tune import parse_search, serve_command
 from tests.test_simulator import SEED_8B, cpu_profile
+from tests.test_tune import run_tune
 
 TIER = dict(tier_bandwidth={"cpu": 4e9, "disk": 1e9}, tier_latency_s={"cpu": 1e-4, "disk": 1e-3})
 
@@ -156,3 +158,20 @@ def test_gpu_profiles_carry_every_tier_and_pcie_generation():
     assert set(h100.tier_bandwidth) == set(h100.tier_latency_s) == {"cpu", "disk", "redis"}
     # PCIe Gen5 x16 against Gen4 x16: twice the host link.
     assert h100.tier_bandwidth["cpu"] == pytest.approx(2 * a100.tier_bandwidth["cpu"])
+
+
+def test_tune_takes_a_host_tier_when_rag_documents_do_not_fit(tmp_path):
+    """Llama-3-8B on a GPU whose pool holds a fraction of a RAG workload's documents and
+    requests: evicted documents come back from the host tier instead of being computed
+    again, so the tier's configuration computes fewer prompt tokens and costs less."""
+    (tmp_path / "config.json").write_text(json.dumps(SEED_8B))
+    res = run_tune("rag", 96, {"kv_offload_cpu": (None, "64GiB")}, [],
+                   gpu="custom:17:3.35:989.5", model=str(tmp_path))  # fmt: skip
+    off, on = res.trials
+    assert (off.settings, on.settings) == ({"kv_offload_cpu": None}, {"kv_offload_cpu": "64GiB"})
+    assert on.summary["cached_prompt_tokens"] > off.summary["cached_prompt_tokens"]
+    assert on.usd_per_million_useful < off.usd_per_million_useful
+    assert res.best is on
+    assert "--kv-offload-cpu 64GiB" in serve_command("m", on.settings)
+    with pytest.raises(ValueError, match="kv_offload_cpu: expected a size"):
+        parse_search(["kv_offload_cpu=off,lots"])

@@ -363,6 +363,13 @@ def test_cli_calibrate_then_simulate_the_same_workload(tmp_path, capsys):
     s = json.loads((out / "s.json").read_text())["summary"]
     assert s["completed"] == 16
     assert 0.5 * real_wall < s["duration_s"] < 2.0 * real_wall
+    # The calibration measured the host and disk tier paths, so tiers simulate on it.
+    for tier in ("cpu", "disk"):
+        assert 0 < p.tier_bandwidth[tier] < math.inf and 0 <= p.tier_latency_s[tier] < 1
+    capsys.readouterr()
+    assert main([*args, "--kv-offload-cpu", "64MiB", "--label", "t"]) == 0
+    assert "offload tier hits" in capsys.readouterr().out
+    assert json.loads((out / "t.json").read_text())["summary"]["completed"] == 16
 
 
 def test_closed_loop_keeps_its_users_busy_and_counts_a_refused_request():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import platform
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,9 @@ from kvserve.bench.engine_target import EngineTarget
 from kvserve.bench.runner import LoadSpec, benchmark
 from kvserve.bench.workloads import BenchRequest
 from kvserve.engine.bandwidth import measure_peak_bandwidth
+from kvserve.kv.storage import BlockPayload, KVStorage
+from kvserve.kv.tier_entry import decode_entry, encode_entry
+from kvserve.kv.tiers import DiskTier, HostTier, Tier
 from kvserve.plan.capacity import load_arch, load_config
 from kvserve.sim.cost import FitReport, ModelShape, Profile, StepFeatures, fit_profile
 from kvserve.sim.cost import step_features as features_of
@@ -44,6 +48,50 @@ def measure_gemm_peak(dtype: torch.dtype, hidden: int, device: str = "cpu") -> f
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t0)
     return 2 * 2048 * hidden * 3 * hidden / best
+
+
+def measure_tier_path(
+    storage: KVStorage, bytes_per_block: float, blocks: int = 16, rounds: int = 5
+) -> tuple[dict[str, float], dict[str, float], float]:
+    """The tier path on this machine, in the engine's own KV format, as the offload worker and
+    the runner take it: per tier (a host tier; a disk tier in a temporary directory, so the
+    page cache's speed, not the drive's), fetch ``n`` entries, check and decode them, import
+    them into the pool; timed for one block and for ``blocks``, best of ``rounds``, for a
+    latency per load and a bandwidth. Also the step's export (seconds per byte). Writes the
+    pool's first blocks back with their own bytes: nothing changes in the pool."""
+    n = min(blocks, storage.num_blocks)
+    ids = list(range(n))
+    exports = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        payload = storage.export_blocks(ids)
+        exports.append(time.perf_counter() - t0)
+    keys = [i.to_bytes(8, "little") for i in ids]
+    datas = [encode_entry(k, payload.select([i])) for i, k in enumerate(keys)]
+    bandwidth, latency = {}, {}
+    with tempfile.TemporaryDirectory(prefix="kvserve-calibrate-") as tmp:
+        size = 4 * sum(len(d) for d in datas)
+        for tier in (HostTier(size), DiskTier(tmp, size)):
+            for k, d in zip(keys, datas, strict=True):
+                tier.put(k, d)
+
+            def load(m: int, tier: Tier = tier) -> float:
+                best = float("inf")
+                for _ in range(rounds):
+                    t0 = time.perf_counter()
+                    got = [decode_entry(k, d, copy=False) for k, d in
+                           zip(keys[:m], tier.get_many(keys[:m]), strict=True)]  # fmt: skip
+                    for p in BlockPayload.concat(got):
+                        storage.import_blocks(ids[:m], p)
+                    best = min(best, time.perf_counter() - t0)
+                return best
+
+            one, many = load(1), load(n)
+            per_block = max((many - one) / max(n - 1, 1), 1e-12)
+            bandwidth[tier.name] = bytes_per_block / per_block
+            latency[tier.name] = max(one - per_block, 0.0)
+            tier.close()
+    return bandwidth, latency, min(exports) / (n * bytes_per_block)
 
 
 def device_name(device: str = "cpu") -> str:
@@ -130,6 +178,11 @@ def calibrate(
             coef = np.array([float(y.mean()), 0.0])
         profile.request_overhead_s = max(0.0, float(coef[0]))
         profile.request_overhead_per_token_s = max(0.0, float(coef[1]))
+    if eng.storage is not None:
+        bpb = shape.kv_bytes_per_token * eng.block_size
+        bw, lat, export = measure_tier_path(eng.storage, bpb)
+        profile.tier_bandwidth, profile.tier_latency_s = bw, lat
+        profile.offload_export_s_per_byte = export
     profile.calibration = {
         "model": model,
         "kv_cache_dtype": eng.kv_cache_dtype,

@@ -289,8 +289,9 @@ def add_tune_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
         default=None,
         metavar="NAME=V1,V2",
         help="values of one dimension (repeatable; the first value is where the search "
-        "starts): enable_prefix_caching, kv_cache_dtype, kv_retention, block_size, "
-        "max_num_seqs, max_num_batched_tokens, admission, replicas, tp",
+        "starts): enable_prefix_caching, kv_cache_dtype, kv_retention, kv_offload_cpu "
+        "(sizes, or off), block_size, max_num_seqs, max_num_batched_tokens, admission, "
+        "replicas, tp",
     )
     s.add_argument(
         "--quality-report",

@@ -25,7 +25,7 @@ from typing import Any
 from kvserve.bench.metrics import RequestRecord, meets_slo, summarize
 from kvserve.bench.runner import LoadSpec
 from kvserve.bench.workloads import BenchRequest
-from kvserve.config import ConfigError
+from kvserve.config import ConfigError, parse_bytes
 from kvserve.kv.formats import KV_CACHE_DTYPES
 from kvserve.plan.capacity import PlanError
 from kvserve.sim.forks import fork_map
@@ -43,11 +43,18 @@ def _bool(s: str) -> bool:
     raise ValueError(f"search: expected on/off, got {s!r}")
 
 
-# name -> (type, default values); the first value is where the search starts.
+def _optional(s: str) -> str | None:
+    return None if s.strip().lower() in ("none", "off", "") else s.strip()
+
+
+# name -> (type, default values); the first value is where the search starts. A host tier
+# (kv_offload_cpu, a size) is searched only when asked: host memory is not in the GPU-hour
+# price, so an operator says how much of it a replica may have.
 DIMENSIONS: dict[str, tuple[Callable[[str], Any], tuple[Any, ...]]] = {
     "enable_prefix_caching": (_bool, (True, False)),
     "kv_cache_dtype": (str, ("auto", "fp8_e4m3", "int8", "kivi4")),
-    "kv_retention": (lambda s: None if s.lower() in ("none", "off", "") else s, (None,)),
+    "kv_retention": (_optional, (None,)),
+    "kv_offload_cpu": (_optional, (None,)),
     "block_size": (int, (16, 32)),
     "max_num_seqs": (int, (256, 64)),
     "max_num_batched_tokens": (int, (2048, 8192)),
@@ -83,6 +90,10 @@ def parse_search(items: list[str] | None) -> dict[str, tuple[Any, ...]]:
                 raise ValueError(
                     f"search: kv_cache_dtype: unknown {bad}; known: {', '.join(KV_CACHE_DTYPES)}"
                 )
+        if name == "kv_offload_cpu":
+            for v in parsed:
+                if v is not None:
+                    parse_bytes(v, "search: kv_offload_cpu")  # ConfigError is a ValueError
         if name in ("replicas", "tp", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if any(v < 1 for v in parsed):
                 raise ValueError(f"search: {name} values must be >= 1, got {parsed}")
@@ -339,6 +350,7 @@ def serve_command(model: str, settings: dict[str, Any]) -> str:
         "max_num_batched_tokens": "--max-num-batched-tokens",
         "admission": "--admission",
         "kv_retention": "--kv-retention",
+        "kv_offload_cpu": "--kv-offload-cpu",
     }
     for name, flag in flags.items():
         v = settings.get(name)
