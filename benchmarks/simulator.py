@@ -59,7 +59,9 @@ CASES = (
     Case("overload", "decode-heavy", 64, -3.0, {"num_gpu_blocks": 160}),
     # RAG into a pool too small to keep its four shared documents: evicted prefixes go to a
     # host tier and come back from it (the tier's figures are the calibration's measurement).
-    Case("rag-tier", "rag", 64, None, {"num_gpu_blocks": 40, "kv_offload_cpu": "1GiB"}),
+    # At 0.35x of saturation: the all-at-once rate overstates what a 40-block pool sustains
+    # under Poisson arrivals, and at 0.6x the real engine's queue sometimes runs away.
+    Case("rag-tier", "rag", 64, -0.35, {"num_gpu_blocks": 40, "kv_offload_cpu": "1GiB"}),
 )
 LIMITS = {
     "output_throughput": 0.10, "ttft_p50": 0.10, "tpot_p50": 0.10, "ttft_p99": 0.20,
