@@ -34,6 +34,10 @@ from kvserve.retention_steps import RetentionSteps
 from kvserve.step import ModelRunnerOutput, NewRequestData, ScheduledSeq, SchedulerOutput
 from kvserve.waiting import WaitingQueue
 
+# A step computing at least this many prompt tokens times the engine's prefill (seconds per
+# token), which a tier load is weighed against.
+PREFILL_TIMING_MIN_TOKENS = 256
+
 
 @dataclass(slots=True)
 class SchedulerStats:
@@ -285,6 +289,10 @@ class Scheduler(AdmissionSteps, RetentionSteps):
         if self.offload is not None:
             for hashes, payload in runner_output.offloaded:
                 self.offload.store(hashes, payload)
+            pre = scheduler_output.num_prefill_tokens
+            if self.tier_loads is not None and pre >= PREFILL_TIMING_MIN_TOKENS:
+                tokens = pre + scheduler_output.num_decode_tokens
+                self.tier_loads.observe_compute((now - scheduled_at) / tokens)
         for rid, rows in runner_output.prompt_logits.items():
             self.requests[rid].prompt_logits.append(rows)
         row = {rid: i for i, rid in enumerate(runner_output.req_ids)}

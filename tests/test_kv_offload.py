@@ -13,6 +13,7 @@ import pytest
 
 from kvserve import SamplingParams
 from kvserve.config import ConfigError
+from kvserve.kv.tier_loads import TierLoads
 from kvserve.kv.tiers import DiskTier, TierError
 from tests.conftest import prompts_of_lengths
 
@@ -246,10 +247,13 @@ def test_many_loads_in_a_small_pool_all_finish(checkpoint, make_llm):
     assert llm.stats().tier_hit_tokens > 0
 
 
-def test_a_request_that_does_not_fit_waits_for_loads_in_flight(checkpoint, make_llm):
+def test_a_request_that_does_not_fit_waits_for_loads_in_flight(checkpoint, make_llm, monkeypatch):
     """Tier loads hold most of an idle pool: the next request waits for them to land and run
     (then hits the tier itself) instead of taking a loading request's blocks and recomputing
     one of the two prompts from scratch."""
+    # The tier is slowed only to keep loads in flight: load its hits even so (the rule that
+    # computes hits whose load would be slower is tested on its own).
+    monkeypatch.setattr(TierLoads, "_pays", lambda self, n: True)
     prompts = SMALL_POOL_PROMPTS
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     got = []
@@ -583,3 +587,26 @@ def test_a_load_asked_again_gets_its_own_blocks_not_the_cancelled_ones():
         assert payload.tensors["k"].eq(2.0).all()  # b's block, not a's two
     finally:
         off.close()
+
+
+def test_a_tier_slower_than_the_prefill_is_not_loaded(checkpoint, make_llm):
+    """Once the tier's loads are measured slower than computing the same tokens (here 20 ms
+    a block against well under a millisecond of prefill each), its hits are computed instead:
+    counted as skipped, no tier tokens, outputs equal to the run without tiers."""
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    plain = _small_pool_pushed_out(checkpoint, make_llm, params, tier=False)
+    reference = _tokens(plain, SMALL_POOL_PROMPTS, params)
+    llm = _small_pool_pushed_out(checkpoint, make_llm, params, tier=True)
+    host = llm.engine.offload.tiers[0]
+    real_get = host.get
+    host.get = lambda key, get=real_get: (time.sleep(0.02), get(key))[1]
+    got, cached = [], []
+    for p in SMALL_POOL_PROMPTS:  # one at a time: the first loads measure the tier
+        (out,) = llm.generate([p], params)
+        got.append(out.outputs[0].token_ids)
+        cached.append(out.num_cached_tokens)
+    assert got == reference
+    st = llm.stats()
+    assert cached[:2] == [112, 112], "before the tier is measured, hits are loaded"
+    assert st.tier_loads_skipped >= 1 and cached[-1] == 0
+    assert st.tier_hit_tokens == sum(cached)

@@ -10,6 +10,7 @@ import pytest
 
 from kvserve.config import ConfigError
 from kvserve.engine_args import default_model
+from kvserve.kv.tier_loads import TierLoads
 from kvserve.request import SamplingParams
 from kvserve.sim.cost import Profile, gpu_profile
 from kvserve.sim.simulate import SimTarget, build_engine
@@ -66,11 +67,14 @@ def test_modelled_tier_makes_the_real_tiers_decisions(make_llm):
     assert sum(n for st in plain_steps for _, n in st) > sum(n for st in sim_steps for _, n in st)
 
 
-def ttft_of_last(kw, profile):
-    """Simulated seconds from the last prompt's arrival to its first token."""
+def ttft_of_last(kw, profile, flood: list[int] | None = None):
+    """Simulated seconds from the last prompt's arrival to its first token (``flood``: the
+    prompt that pushes the first two out, in place of the third)."""
     sim = build_engine(SimTarget(kw, profile))
     eng = sim.engine
     prompts = prompts_that_evict()
+    if flood is not None:
+        prompts[2] = flood
     one_at_a_time(eng, eng.core.step, prompts[:-1])
     before = eng.stats().tier_hit_tokens
     sent = sim.clock.now
@@ -95,7 +99,9 @@ def test_a_load_takes_the_tiers_latency_and_bytes_over_its_bandwidth():
     assert slow - fast == pytest.approx(expected, rel=1e-6)
 
 
-def test_a_load_past_its_timeout_is_a_miss_and_the_prompt_is_computed():
+def test_a_load_past_its_timeout_is_a_miss_and_the_prompt_is_computed(monkeypatch):
+    # A load this slow is not started (computing is faster); forced, it times out.
+    monkeypatch.setattr(TierLoads, "_pays", lambda self, n: True)
     kw = dict(model=default_model(), num_gpu_blocks=16, kv_offload_cpu="64MiB",
               kv_offload_timeout=0.001)  # fmt: skip
     glacial = {**TIER, "tier_bandwidth": {"cpu": 1e3}}
@@ -175,3 +181,26 @@ def test_tune_takes_a_host_tier_when_rag_documents_do_not_fit(tmp_path):
     assert "--kv-offload-cpu 64GiB" in serve_command("m", on.settings)
     with pytest.raises(ValueError, match="kv_offload_cpu: expected a size"):
         parse_search(["kv_offload_cpu=off,lots"])
+
+
+def test_a_load_slower_than_recomputing_is_skipped(monkeypatch):
+    """The scheduler weighs each tier hit: loaded over a fast link, computed over a slow one,
+    and in each case the choice gives the lower TTFT of the two (forcing the load by
+    patching the rule, or running without the tier, is never faster but for the probe)."""
+    kw = dict(model=default_model(), num_gpu_blocks=20, kv_offload_cpu="64MiB")
+    # A long flood: its prefill step times the engine's prefill per token.
+    flood = [random.Random(1).randrange(3, 4000) for _ in range(300)]
+    slow = {**TIER, "tier_bandwidth": {"cpu": 2e6}}
+    ttft = {}
+    for name, prof in (("fast", TIER), ("slow", slow)):
+        chosen, hit, sim = ttft_of_last(kw, cpu_profile(**prof), flood)
+        skipped = sim.engine.stats().tier_loads_skipped
+        with monkeypatch.context() as m:
+            m.setattr(TierLoads, "_pays", lambda self, n: True)
+            loaded, hit_forced, _ = ttft_of_last(kw, cpu_profile(**prof), flood)
+        plain, _, _ = ttft_of_last({**kw, "kv_offload_cpu": None}, cpu_profile(), flood)
+        ttft[name] = (chosen, loaded, plain, hit, hit_forced, skipped)
+        probe = prof["tier_latency_s"]["cpu"]  # asking the tier costs its latency either way
+        assert chosen <= min(loaded, plain + probe) + 1e-9, (name, ttft[name])
+    assert ttft["fast"][3] > 0 and ttft["fast"][5] == 0  # loaded
+    assert ttft["slow"][3] == 0 and ttft["slow"][4] > 0 and ttft["slow"][5] >= 1  # computed

@@ -336,6 +336,7 @@ class LLMEngine:
             kv_offload=self.offload.stats() if self.offload is not None else {},
             tier_hit_tokens=loads.hit_tokens if loads is not None else 0,
             tier_loads_abandoned=loads.abandoned if loads is not None else 0,
+            tier_loads_skipped=loads.skipped if loads is not None else 0,
             preempted_tokens_restored=st.preempted_tokens_restored,
             preempted_tokens_recomputed=st.preempted_tokens_recomputed,
             allocation_failures=st.allocation_failures,

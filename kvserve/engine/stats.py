@@ -39,6 +39,7 @@ class EngineStats:
     kv_offload: dict[str, dict[str, Any]] = field(default_factory=dict)
     tier_hit_tokens: int = 0
     tier_loads_abandoned: int = 0
+    tier_loads_skipped: int = 0  # tier hits computed instead: loading was estimated slower
     preempted_tokens_restored: int = 0
     preempted_tokens_recomputed: int = 0
     allocation_failures: int = 0

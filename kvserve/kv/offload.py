@@ -46,6 +46,7 @@ POLL_WAIT_S = 0.01
 GAUGE_REFRESH_S = 1.0
 WORKER_NICE = 10
 LOAD_BATCH = 64  # blocks asked of a tier at once
+RATE_MIN_HITS = 8  # blocks a tier must have loaded before its measured rate is trusted
 
 
 def tier_namespace(root: BlockHash, identity: dict[str, Any], pool: dict[str, Any]) -> bytes:
@@ -121,6 +122,11 @@ class OffloadTiers(Protocol):
 
     def probe(self, hashes: Sequence[BlockHash]) -> int: ...
 
+    def load_seconds(self, num_blocks: int) -> float | None:
+        """Expected seconds to load ``num_blocks`` of the last probe's hit (None: not known
+        yet); the scheduler weighs it against computing them."""
+        ...
+
     def start_load(self, req_id: str, hashes: Sequence[BlockHash]) -> None: ...
 
     def cancel(self, req_id: str) -> None: ...
@@ -177,6 +183,7 @@ class KVOffload:
         # the very load it was fetched for, never to its successor (other keys, other blocks).
         self._load_queue: deque[tuple[str, _Load]] = deque()
         self._closed = False
+        self._probe_tier: Tier | None = None  # the tier that held the last probe's hit
         self._gauges: dict[str, tuple[int, int]] = {}
         self._gauges_at = float("-inf")
         self._thread = threading.Thread(target=self._work, name="kvserve-offload", daemon=True)
@@ -205,14 +212,29 @@ class KVOffload:
             return 0
         keys = [self.key(h) for h in hashes]
         best = 0
+        self._probe_tier = None
         for tier in self._enabled():
             try:
-                best = max(best, tier.count_present(keys))
+                n = tier.count_present(keys)
             except TierError as e:
                 self._failed(tier, e.reason)
+                continue
+            if n > best:
+                best, self._probe_tier = n, tier
             if best == len(keys):
                 break
         return best
+
+    def load_seconds(self, num_blocks: int) -> float | None:
+        """From the probed tier's loads so far (fetch and verification, as the worker timed
+        them): their mean seconds per block, once it has loaded ``RATE_MIN_HITS`` blocks."""
+        tier = self._probe_tier
+        if tier is None:
+            return None
+        c = self.counters[tier.name]
+        if c.hits < RATE_MIN_HITS:
+            return None
+        return num_blocks * c.seconds_up / c.hits
 
     def start_load(self, req_id: str, hashes: Sequence[BlockHash]) -> None:
         with self._lock:

@@ -10,6 +10,11 @@ request runs and frees blocks as it finishes, and taking its blocks instead woul
 prompt the tier holds. The newest holder goes first. A released request asks the tiers again
 when it is next considered, but not in the step that released it (two holders would otherwise
 take each other's blocks forever).
+
+A tier hit is loaded only when that is expected to be faster than computing it (SGLang #26305:
+a hit from a slow remote tier can take longer than the prefill it saves): the load's
+estimate comes from the tiers' measured transfer rate, the computation's from the engine's
+recent prefill steps. Until both have been measured, every hit is loaded.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ class TierLoads:
         self._released: list[Request] = []  # ... this step
         self.hit_tokens = 0  # prompt tokens loaded instead of computed (by admitted requests)
         self.abandoned = 0  # loads given up to free their blocks
+        self.skipped = 0  # tier hits computed instead: the load was estimated slower
+        self.compute_s_per_token: float | None = None  # recent prefill steps, smoothed
         self._landed: dict[str, int] = {}  # request id -> tokens its finished load gave it
 
     def begin_step(self) -> None:
@@ -46,6 +53,10 @@ class TierLoads:
             req.tier_probed = True
             req.tier_hit_end = len(computed) + self.offload.probe(candidates)
         n = min(req.tier_hit_end - len(computed), len(candidates))
+        if n > 0 and not self._pays(n):
+            req.tier_hit_end = len(computed)  # computed this time; asked again if preempted
+            self.skipped += 1
+            return False
         if n <= 0 or not kv.allocate_slots(req, n * kv.block_size, computed):
             return False
         req.num_computed_tokens = len(computed) * kv.block_size
@@ -54,6 +65,20 @@ class TierLoads:
         self.holders.append(req)
         self.offload.start_load(req.request_id, candidates[:n])
         return True
+
+    def observe_compute(self, seconds_per_token: float) -> None:
+        """A prefill step's seconds per token (an exponential average of recent ones)."""
+        old = self.compute_s_per_token
+        self.compute_s_per_token = (
+            seconds_per_token if old is None else old + 0.2 * (seconds_per_token - old)
+        )
+
+    def _pays(self, n: int) -> bool:
+        """Whether loading ``n`` blocks is expected to beat computing their tokens."""
+        load_s = self.offload.load_seconds(n)
+        if load_s is None or self.compute_s_per_token is None:
+            return True
+        return load_s <= n * self.kv.block_size * self.compute_s_per_token
 
     def finish(self, requests: dict[str, Request], idle: bool) -> None:
         """Hand the finished loads' payloads to the runner (next record) and count their

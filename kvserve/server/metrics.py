@@ -179,6 +179,8 @@ def _offload_metrics(s: Any) -> Iterator[Metric]:
          s.tier_hit_tokens),
         ("kv_offload_loads_abandoned", "Tier loads given up to free blocks for running requests.",
          s.tier_loads_abandoned),
+        ("kv_offload_loads_skipped", "Tier hits computed instead of loaded: the load was "
+         "estimated slower than the prefill it would save.", s.tier_loads_skipped),
         ("preempted_tokens_restored", "Tokens a preempted request got back from the prefix "
          "cache or a tier when admitted again.", s.preempted_tokens_restored),
         ("preempted_tokens_recomputed", "Tokens a preempted request computed again.",

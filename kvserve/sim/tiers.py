@@ -124,6 +124,7 @@ class SimOffload:
         self.gpu_block_bytes = 1.0  # one GPU's share of a block: what one link moves
         self._loads: dict[str, _Load] = {}
         self._queue_free_at = 0.0
+        self._probe_tier: ModelledTier | None = None
 
     def set_geometry(self, gpu_block_bytes: float, tp: int) -> None:
         """A block's bytes on one GPU, and the GPUs of a replica (a tier holds every GPU's
@@ -146,12 +147,28 @@ class SimOffload:
         if not hashes:
             return 0
         best = 0
+        self._probe_tier = None
         for tier in self.tiers:
             self.clock.advance(tier.latency_s)  # the engine thread asks each tier in turn
-            best = max(best, tier.count_present(hashes))
+            n = tier.count_present(hashes)
+            if n > best:
+                best, self._probe_tier = n, tier
             if best == len(hashes):
                 break
         return best
+
+    def load_seconds(self, num_blocks: int) -> float | None:
+        """The probed tier's latency and bytes over its bandwidth (the profile's figures are
+        known from the start, as a real tier's rate is once measured)."""
+        tier = self._probe_tier
+        if tier is None:
+            return None
+        return self._transfer_s(tier, num_blocks)
+
+    def _transfer_s(self, tier: ModelledTier, n: int) -> float:
+        return (
+            math.ceil(n / LOAD_BATCH) * tier.latency_s + n * self.gpu_block_bytes / tier.bandwidth
+        )
 
     def start_load(self, req_id: str, hashes: Sequence[BlockHash]) -> None:
         now = self.clock()
@@ -178,10 +195,7 @@ class SimOffload:
             n = per_tier[tier.name]
             if not n:
                 continue
-            t = (
-                math.ceil(n / LOAD_BATCH) * tier.latency_s
-                + n * self.gpu_block_bytes / tier.bandwidth
-            )
+            t = self._transfer_s(tier, n)
             c = self.counters[tier.name]
             c.hits += n
             c.bytes_up += int(n * tier.block_bytes)
