@@ -10,6 +10,7 @@ import json
 import math
 import random
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -89,6 +90,19 @@ def test_step_features_hand_computed():
     assert touched == {0, 3, 6}
     assert g.first_touch_bytes == 3 * 16 * shape.kv_bytes_per_token
     assert step_features(out, shape, touched, 16).first_touch_bytes == 0
+    assert f.compact_bytes == 0
+    # A SnapKV compaction at the prompt's end keeping 24 entries: each layer reads and writes
+    # 24 entries of 256 bytes (K+V x 2 heads x 16 x 4 B), counted with the KV traffic.
+    snap = ScheduledSeq("d", list(range(40)), 0, 0, [7, 8, 9], sample_ids=("d",),
+                        compact=("snapkv", 24, 8, 7), compact_block_ids=[10, 11])  # fmt: skip
+    h = step_features(SchedulerOutput(seqs=[snap]), shape)
+    assert h.compact_bytes == 2 * 24 * 2 * 256
+    prof = cpu_profile()
+    plain = step_features(SchedulerOutput(seqs=[replace(snap, compact=(), compact_block_ids=())]),
+                          shape)  # fmt: skip
+    extra = prof.step_time(h, shape) - prof.step_time(plain, shape)
+    copy_s = h.compact_bytes / (prof.peak_bandwidth * prof.decode_kv_efficiency)
+    assert extra == pytest.approx(copy_s + prof.per_solo_seq_s)
 
 
 def test_tensor_parallel_splits_work_and_adds_allreduce():

@@ -10,7 +10,8 @@ batch over a device peak, divided by an efficiency factor:
   the roofline of reading every weight once against computing every token through it;
 - prefill attention: FLOPs of each new token against the cache entries it attends to (causal,
   windows honoured), over peak x ``e_prefill_attention``;
-- decode attention: the cache bytes the decode tokens read, over bandwidth x ``e_decode_kv``;
+- decode attention: the cache bytes the decode tokens read, over bandwidth x ``e_decode_kv``,
+  and at that rate a retention compaction's copies (each kept entry read and written once);
 - tensor parallelism: two all-reduces of the hidden state per layer over the interconnect.
 
 The weight term reaching its floor is the only non-linear piece, and it is a hinge:
@@ -123,6 +124,7 @@ class StepFeatures:
     linear_flops: float = 0.0
     prefill_attention_flops: float = 0.0
     decode_kv_bytes: float = 0.0
+    compact_bytes: float = 0.0  # a retention compaction's copies: kept entries read and written
     allreduce_bytes: float = 0.0
     first_touch_bytes: float = 0.0  # pool blocks written for the first time
     new_prompt_tokens: int = 0  # prompts scheduled for the first time (hashed, set up)
@@ -162,7 +164,7 @@ def step_features(
     block_bytes = shape.kv_bytes_per_token * block_size
     # Sums in locals, not on f: this loop runs per sequence per simulated step.
     seqs = solo = tokens = sampled = prefill_seqs = 0
-    decode_entries = pairs = first_touch = 0.0
+    decode_entries = pairs = first_touch = compacted = 0.0
     for s in out.seqs:
         n = len(s.token_ids)
         cached = s.num_cached
@@ -181,6 +183,8 @@ def step_features(
                 bound = min(own, w) if own and w else own or w
                 pairs += count * _attended(cached, n, bound)
             prefill_seqs += 1
+        if s.compact:  # every layer copies its kept entries into fresh blocks
+            compacted += s.compact[1]
         if touched is not None and n:
             first, last = cached // block_size, (end - 1) // block_size
             for b in (*s.block_ids[first : last + 1], *s.compact_block_ids):
@@ -190,6 +194,7 @@ def step_features(
     f.seqs, f.solo_seqs, f.tokens, f.sampled_rows = seqs, solo, tokens, sampled
     f.prefill_seqs = prefill_seqs
     f.decode_kv_bytes = decode_entries * kv_per_entry
+    f.compact_bytes = 2 * compacted * shape.kv_bytes_per_token
     f.prefill_attention_flops = pairs * per_pair
     f.first_touch_bytes = first_touch
     f.new_prompt_tokens = sum(len(r.prompt_token_ids) for r in out.new_requests)
@@ -258,7 +263,9 @@ class Profile:
         weights = shape.weight_bytes / (self.peak_bandwidth * self.weight_read_efficiency)
         t += max(compute, weights)
         t += f.prefill_attention_flops / (self.peak_flops * self.prefill_attention_efficiency)
-        t += f.decode_kv_bytes / (self.peak_bandwidth * self.decode_kv_efficiency)
+        # KV memory traffic: the decode tokens' reads, and a compaction's copies
+        kv_bytes = f.decode_kv_bytes + f.compact_bytes
+        t += kv_bytes / (self.peak_bandwidth * self.decode_kv_efficiency)
         t += f.first_touch_bytes * self.first_touch_s_per_byte
         if shape.tp > 1 and f.tokens:
             if self.interconnect_bandwidth <= 0:
@@ -455,7 +462,7 @@ def fit_profile(
         "per_token_s": np.array([f.tokens for f in feats], dtype=np.float64),
         "per_sampled_row_s": np.array([f.sampled_rows for f in feats], dtype=np.float64),
         "prefill_attention": np.array([f.prefill_attention_flops for f in feats]) / P,
-        "decode_kv": np.array([f.decode_kv_bytes for f in feats]) / B,
+        "decode_kv": np.array([f.decode_kv_bytes + f.compact_bytes for f in feats]) / B,
         "first_touch_s_per_byte": np.array([f.first_touch_bytes for f in feats]),
     }
     lin = np.array([f.linear_flops for f in feats]) / P
