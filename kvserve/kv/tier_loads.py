@@ -52,11 +52,14 @@ class TierLoads:
         if not req.tier_probed:
             req.tier_probed = True
             req.tier_hit_end = len(computed) + self.offload.probe(candidates)
+            # Weighed right after the probe, whose tier the estimate is for; the answer
+            # holds until the request is preempted (then it is asked again).
+            n = min(req.tier_hit_end - len(computed), len(candidates))
+            if n > 0 and not self._pays(n):
+                req.tier_hit_end = len(computed)
+                self.skipped += 1
+                return False
         n = min(req.tier_hit_end - len(computed), len(candidates))
-        if n > 0 and not self._pays(n):
-            req.tier_hit_end = len(computed)  # computed this time; asked again if preempted
-            self.skipped += 1
-            return False
         if n <= 0 or not kv.allocate_slots(req, n * kv.block_size, computed):
             return False
         req.num_computed_tokens = len(computed) * kv.block_size
