@@ -286,13 +286,14 @@ class Scheduler(AdmissionSteps, RetentionSteps):
         touched: dict[str, Request] = {}
         finished: list[Request] = []
         st = self.stats
-        if self.offload is not None:
+        loads = self.tier_loads  # set exactly when there are tiers
+        if loads is not None:
             for hashes, payload in runner_output.offloaded:
-                self.offload.store(hashes, payload)
+                loads.offload.store(hashes, payload)
             pre = scheduler_output.num_prefill_tokens
-            if self.tier_loads is not None and pre >= PREFILL_TIMING_MIN_TOKENS:
+            if pre >= PREFILL_TIMING_MIN_TOKENS:
                 tokens = pre + scheduler_output.num_decode_tokens
-                self.tier_loads.observe_compute((now - scheduled_at) / tokens)
+                loads.observe_compute((now - scheduled_at) / tokens)
         for rid, rows in runner_output.prompt_logits.items():
             self.requests[rid].prompt_logits.append(rows)
         row = {rid: i for i, rid in enumerate(runner_output.req_ids)}

@@ -25,17 +25,14 @@ def build_offload(
     block_bytes = int(bytes_per_token * cc.block_size)
     tiers: list[Tier] = []
     try:
-        if cc.kv_offload_cpu:
-            check_tier_size("kv_offload_cpu", cc.kv_offload_cpu, block_bytes)
-            tiers.append(HostTier(cc.kv_offload_cpu))
-        if cc.kv_offload_disk:
-            check_tier_size("kv_offload_disk_size", cc.kv_offload_disk_size, block_bytes)
-            tiers.append(DiskTier(cc.kv_offload_disk, cc.kv_offload_disk_size))
-        if cc.kv_offload_redis:
-            check_tier_size("kv_offload_redis_size", cc.kv_offload_redis_size, block_bytes)
-            tiers.append(
-                RedisTier(cc.kv_offload_redis, cc.kv_offload_redis_size, cc.kv_offload_timeout)
-            )
+        for name, field, size in tier_sizes(cc):
+            check_tier_size(field, size, block_bytes)
+            if name == "cpu":
+                tiers.append(HostTier(size))
+            elif name == "disk":
+                tiers.append(DiskTier(cc.kv_offload_disk, size))
+            else:
+                tiers.append(RedisTier(cc.kv_offload_redis, size, cc.kv_offload_timeout))
     except ValueError as e:
         for t in tiers:
             t.close()
@@ -48,6 +45,17 @@ def build_offload(
     )
     apply_policies(offload, cc)
     return offload
+
+
+def tier_sizes(cc: CacheConfig) -> list[tuple[str, str, int]]:
+    """(tier name, its size field, bytes) of each tier ``cc`` asks for, fastest first: the
+    order loads try them in."""
+    wanted = (
+        ("cpu", "kv_offload_cpu", cc.kv_offload_cpu),
+        ("disk", "kv_offload_disk_size", cc.kv_offload_disk and cc.kv_offload_disk_size),
+        ("redis", "kv_offload_redis_size", cc.kv_offload_redis and cc.kv_offload_redis_size),
+    )
+    return [(name, field, int(size)) for name, field, size in wanted if size]
 
 
 def apply_policies(offload: OffloadTiers, cc: CacheConfig) -> None:

@@ -49,17 +49,17 @@ class TierLoads:
             return False
         kv = self.kv
         candidates = kv.tier_candidates(req, len(computed))
-        if not req.tier_probed:
+        probed_now = not req.tier_probed
+        if probed_now:
             req.tier_probed = True
             req.tier_hit_end = len(computed) + self.offload.probe(candidates)
-            # Weighed right after the probe, whose tier the estimate is for; the answer
-            # holds until the request is preempted (then it is asked again).
-            n = min(req.tier_hit_end - len(computed), len(candidates))
-            if n > 0 and not self._pays(n):
-                req.tier_hit_end = len(computed)
-                self.skipped += 1
-                return False
         n = min(req.tier_hit_end - len(computed), len(candidates))
+        # Weighed right after the probe, whose tier the estimate is for; the answer holds
+        # until the request is preempted (then it is asked again).
+        if probed_now and n > 0 and not self._pays(n):
+            req.tier_hit_end = len(computed)
+            self.skipped += 1
+            return False
         if n <= 0 or not kv.allocate_slots(req, n * kv.block_size, computed):
             return False
         req.num_computed_tokens = len(computed) * kv.block_size

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.config import CacheConfig, ConfigError
-from kvserve.engine.offload import check_tier_size
+from kvserve.engine.offload import check_tier_size, tier_sizes
 from kvserve.kv.hashing import BlockHash
 from kvserve.kv.offload import LOAD_BATCH, POLL_WAIT_S, LoadResult, TierCounters
 from kvserve.sim.cost import Profile
@@ -80,16 +80,8 @@ class ModelledTier:
 def modelled_tiers(cc: CacheConfig, profile: Profile) -> list[ModelledTier]:
     """The tiers ``cc`` names, fastest first (as the engine orders them), with the profile's
     link figures. Raises ConfigError naming the profile field a tier lacks."""
-    disk, redis = cc.kv_offload_disk, cc.kv_offload_redis
-    sizes = [
-        ("cpu", "kv_offload_cpu", cc.kv_offload_cpu),
-        ("disk", "kv_offload_disk_size", cc.kv_offload_disk_size if disk else None),
-        ("redis", "kv_offload_redis_size", cc.kv_offload_redis_size if redis else None),
-    ]
     tiers = []
-    for name, flag, size in sizes:
-        if not size:
-            continue
+    for name, flag, size in tier_sizes(cc):
         bw, lat = profile.tier_bandwidth.get(name), profile.tier_latency_s.get(name)
         if bw is None or lat is None:
             raise ConfigError(
@@ -97,7 +89,7 @@ def modelled_tiers(cc: CacheConfig, profile: Profile) -> list[ModelledTier]:
                 f"tier_bandwidth[{name!r}] (bytes/s) and tier_latency_s[{name!r}] (seconds) "
                 "to the profile, or calibrate with --calibrate"
             )
-        tiers.append(ModelledTier(name, flag, int(size), float(bw), float(lat)))
+        tiers.append(ModelledTier(name, flag, size, float(bw), float(lat)))
     return tiers
 
 
