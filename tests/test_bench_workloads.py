@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from dataclasses import replace
 
 import pytest
 
@@ -91,6 +92,27 @@ def test_multi_turn_resends_history():
             assert nxt.prompt.startswith(prev.prompt)
             assert nxt.input_len > prev.input_len
     assert reqs[1].prefix_group == "multi-turn/0" and reqs[5].prefix_group == "multi-turn/1"
+
+
+def test_active_conversations_take_turns_together():
+    """Five 3-turn conversations, three active at a time: the first three send turn t before
+    any sends t + 1, then the last two; the texts are those of one-at-a-time."""
+    spec = WorkloadSpec("multi-turn", num_prompts=14, seed=2, turns=3, length_scale=0.3)
+    alone = make_workload(spec, byte_count)
+    convs = [alone[i : i + 3] for i in range(0, 14, 3)]  # the last one has 2 turns
+    together = make_workload(replace(spec, max_active_conversations=3), byte_count)
+    expected = [convs[c][t].prompt for t in range(3) for c in range(3)]
+    expected += [convs[c][t].prompt for t in range(3) for c in (3, 4) if t < len(convs[c])]
+    assert [r.prompt for r in together] == expected
+    assert [r.index for r in together] == list(range(14))
+    # Each history is still resent, and a later turn still extends its own conversation.
+    by_prompt = {r.prompt: r for r in together}
+    for conv in convs:
+        for prev, nxt in zip(conv, conv[1:], strict=False):
+            assert by_prompt[nxt.prompt].prefix_group == f"multi-turn/{convs.index(conv)}"
+            assert nxt.prompt.startswith(prev.prompt)
+    with pytest.raises(ValueError, match="max_active_conversations: must be >= 1, got 0"):
+        make_workload(replace(spec, max_active_conversations=0), byte_count)
 
 
 def test_mixed_has_every_kind_and_keeps_turn_order():

@@ -94,6 +94,18 @@ def test_entry_round_trip_is_bit_exact(dtype):
     assert same_bits(out.extra["nested"][1][0], torch.arange(3))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_payload_concat_and_select_are_bit_exact(dtype):
+    parts = [BlockPayload({"f": 1}, n, {"k": random_bits((3, n, 2, 8, 16), dtype, n)})
+             for n in (2, 1, 3)]  # fmt: skip
+    (joined,) = BlockPayload.concat(parts)
+    as_bytes = torch.cat([p.tensors["k"].view(torch.uint8) for p in parts], dim=1)
+    assert joined.num_blocks == 6 and same_bits(joined.tensors["k"], as_bytes.view(dtype))
+    picked = joined.select([4, 0, 5])
+    assert picked.num_blocks == 3
+    assert same_bits(picked.tensors["k"], as_bytes[:, [4, 0, 5]].view(dtype))
+
+
 def test_entry_result_owns_its_memory_and_odd_shapes_survive():
     payload = BlockPayload({}, 0, {"scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3),
                                    "mask": torch.tensor([True, False]),

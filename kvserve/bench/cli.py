@@ -96,6 +96,13 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
         ("--turns", int, "turns per conversation (multi-turn)"),
     ):
         w.add_argument(name, type=kind, default=None, help=f"{h} (default: per workload)")
+    w.add_argument(
+        "--max-active-conversations",
+        type=int,
+        default=1,
+        help="multi-turn: conversations that take turns together (each sends turn t before "
+        "any sends t+1), so their histories compete for the KV pool; 1: one at a time",
+    )
     w.add_argument("--length-scale", type=float, default=1.0, help="multiply every length")
     w.add_argument("--temperature", type=float, default=0.0)
     w.add_argument(
@@ -189,6 +196,7 @@ def workload_spec(args: argparse.Namespace, seed: int, max_model_len: int | None
         num_prefixes=args.num_prefixes,
         prefix_share=args.prefix_share,
         turns=args.turns,
+        max_active_conversations=args.max_active_conversations,
         length_scale=args.length_scale,
         max_model_len=max_model_len,
     )

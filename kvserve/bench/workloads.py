@@ -71,6 +71,7 @@ class WorkloadSpec:
     num_prefixes: int | None = None
     prefix_share: float | None = None
     turns: int | None = None
+    max_active_conversations: int = 1
     length_scale: float = 1.0
     max_model_len: int | None = None
     mix: dict[str, float] = field(default_factory=dict)
@@ -174,23 +175,28 @@ def _make_kind(
     out: list[BenchRequest] = []
     if kind == "multi-turn":
         turns = max(1, int(_param(spec, kind, "turns")))
-        conv = 0
-        while len(out) < n:
+        convs: list[list[BenchRequest]] = []
+        made = 0
+        while made < n:
             history = prefixes[0] if prefixes else tm.text(rng, max(1, p_len))
-            for t in range(min(turns, n - len(out))):
+            conv = []
+            for t in range(min(turns, n - made)):
                 # Turn 0 shares the system prompt; later turns share their whole history.
-                group = f"multi-turn/{conv}" if t else ("multi-turn/system" if prefixes else None)
+                group = (
+                    f"multi-turn/{len(convs)}" if t else ("multi-turn/system" if prefixes else None)
+                )
                 user = tm.text(rng, _length(rng, in_len, ratio, sc))
                 prompt = f"{history}\nUser: {user}\nAssistant:"
                 o = _length(rng, out_len, ratio, sc)
-                out.append(
+                conv.append(
                     BenchRequest(0, kind, prompt, o, tm.count(prompt), group,
                                  tm.count(history) if group else 0)
                 )  # fmt: skip
                 # The next turn resends everything, with a synthetic reply of this turn's length.
                 history = f"{prompt} {tm.text(rng, o)}"
-            conv += 1
-        return out
+            convs.append(conv)
+            made += len(conv)
+        return _interleave(convs, spec.max_active_conversations)
     for i in range(n):
         pre, group = "", None
         if prefixes and rng.random() < share:
@@ -210,6 +216,22 @@ def _make_kind(
             BenchRequest(i, kind, prompt, o, tm.count(prompt), group,
                          tm.count(pre) if group else 0)
         )  # fmt: skip
+    return out
+
+
+def _interleave(convs: list[list[BenchRequest]], active: int) -> list[BenchRequest]:
+    """Send order of conversations taking turns ``active`` at a time: every conversation of a
+    group sends turn t before any sends turn t + 1 (vLLM's ``--max-active-conversations``,
+    LMCache's users of a multi-round QA), so the histories of the group compete for the KV
+    pool between turns, as many users chatting at once do. 1: each conversation to its end
+    before the next starts. The texts do not depend on ``active``, only the order."""
+    if active < 1:
+        raise ValueError(f"max_active_conversations: must be >= 1, got {active}")
+    out: list[BenchRequest] = []
+    for g in range(0, len(convs), active):
+        group = convs[g : g + active]
+        for t in range(max(len(c) for c in group)):
+            out.extend(c[t] for c in group if t < len(c))
     return out
 
 
