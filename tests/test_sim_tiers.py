@@ -204,3 +204,45 @@ def test_a_load_slower_than_recomputing_is_skipped(monkeypatch):
         assert chosen <= min(loaded, plain + probe) + 1e-9, (name, ttft[name])
     assert ttft["fast"][3] > 0 and ttft["fast"][5] == 0  # loaded
     assert ttft["slow"][3] == 0 and ttft["slow"][4] > 0 and ttft["slow"][5] >= 1  # computed
+
+
+def test_replicas_behind_one_redis_share_it_as_real_engines_do(make_llm, redis_url, monkeypatch):
+    """Two replicas on one Redis, written through: a document one replica computed is a tier
+    hit on the other. The simulated fleet (requests dealt round-robin, arriving far apart)
+    and two real engines on a real Redis (the bundled model, each request to its end before
+    the next) find the same cached tokens per request; simulated replicas that do not share
+    the tier find fewer."""
+    from kvserve.bench.runner import LoadSpec
+    from kvserve.bench.workloads import WorkloadSpec, make_workload
+    from kvserve.sim import simulate
+
+    kw = dict(model=default_model(), num_gpu_blocks=64, kv_offload_redis=redis_url,
+              kv_offload_write_policy="write_through")  # fmt: skip
+    a, b = make_llm(**kw), make_llm(**kw)
+    encode = a.engine.tokenizer.encode
+    reqs = make_workload(
+        WorkloadSpec("rag", num_prompts=6, seed=3, num_prefixes=1, prefix_share=1.0,
+                     length_scale=0.5),
+        lambda text: len(encode(text)),
+    )  # fmt: skip
+    real = []
+    for i, r in enumerate(reqs):
+        llm = (a, b)[i % 2]
+        params = SamplingParams(max_tokens=r.max_tokens, ignore_eos=True)
+        (out,) = llm.generate([{"prompt_token_ids": encode(r.prompt)}], params)
+        assert llm.engine.offload.flush()  # written through before the next request
+        real.append(out.num_cached_tokens)
+    assert b.stats().tier_hit_tokens > 0, "the second replica should hit the first's blocks"
+
+    profile = cpu_profile(tier_bandwidth={"redis": 1e9}, tier_latency_s={"redis": 2e-4})
+    target = SimTarget(kw, profile, replicas=2)
+    load = LoadSpec(request_rate=0.001)  # each request ends long before the next arrives
+
+    def cached() -> list[int]:
+        res, _ = simulate.simulate_load(target, reqs, load)
+        return [rec.cached_tokens for rec in sorted(res.records, key=lambda r: r.index)]
+
+    assert cached() == real, real
+    monkeypatch.setattr(simulate, "SHARED_TIERS", ())
+    alone = cached()
+    assert sum(alone) < sum(real), (alone, real)

@@ -295,6 +295,7 @@ class _Replica:
         self._next_sample = 0.0
         self._tokens: dict[str, list[int]] = {}
         self._sent = 0
+        self.records: list[RequestRecord] = []
 
     def _tokens_of(self, req: BenchRequest) -> list[int]:
         ids = self._tokens.get(req.prompt)
@@ -325,9 +326,23 @@ class _Replica:
     ) -> list[RequestRecord]:
         """Send ``requests`` at ``t0 + sends[i]`` (open loop; None: closed loop of
         ``concurrency`` users), at most ``concurrency`` in flight; step until all finish."""
+        for _ in self.steps(requests, sends, concurrency, t0):
+            pass
+        return self.records
+
+    def steps(
+        self,
+        requests: Sequence[BenchRequest],
+        sends: list[float] | None,
+        concurrency: int | None,
+        t0: float,
+    ) -> Iterator[None]:
+        """:meth:`run` one iteration at a time (a step, or the clock moved to an arrival):
+        it yields before each, so a fleet whose replicas share a tier can always advance the
+        replica furthest behind in time. The records are in ``self.records``."""
         eng, clock, offload = self.sim.engine, self.sim.clock, self.sim.offload
         core = eng.core
-        records = [
+        self.records = records = [
             RequestRecord(r.index, r.kind, r.prefix_group, r.input_len, r.max_tokens)
             for r in requests
         ]
@@ -349,6 +364,7 @@ class _Replica:
                 heapq.heappush(due, (when, queued.pop()))  # refused: the user sends the next
 
         while due or backlog or inflight:
+            yield
             while backlog and len(inflight) < cap:  # a slot freed at the last step's end
                 send(backlog.pop(0), clock.now)
             while due and due[0][0] <= clock.now:
@@ -400,7 +416,6 @@ class _Replica:
                 self._done(records[i])
                 if sends is None and queued:  # the user sends its next request now
                     heapq.heappush(due, (clock.now, queued.pop()))
-        return records
 
     def _done(self, rec: RequestRecord) -> None:
         if self.on_done is not None:
@@ -466,10 +481,11 @@ def simulate_load(
     """Replay ``requests`` under ``load`` on ``target.replicas`` simulated engines (requests
     dealt round-robin, as a load balancer would) and collect one record each.
 
-    The replicas share nothing, so with ``jobs`` > 1 they run side by side in forked
-    processes (:mod:`kvserve.sim.forks`) with the same results; each then reports a
+    Replicas that share nothing run one after another, or with ``jobs`` > 1 side by side in
+    forked processes (:mod:`kvserve.sim.forks`) with the same results; each then reports a
     :class:`ReplicaInfo` instead of its engine, and ``progress`` hears of its requests when
-    it ends."""
+    it ends. Replicas behind one Redis tier share it and run on one timeline
+    (:func:`_run_fleet`)."""
     offsets = (
         None
         if load.closed_loop
@@ -480,7 +496,10 @@ def simulate_load(
         return _run_replica(target, requests, load, offsets, k, warmup, temperature,
                             sample_every, report)  # fmt: skip
 
-    if jobs > 1 and target.replicas > 1:
+    if target.replicas > 1 and shares_tiers(target):
+        runs = _run_fleet(target, requests, load, offsets, warmup, temperature, sample_every,
+                          progress)  # fmt: skip
+    elif jobs > 1 and target.replicas > 1:
         runs = fork_map(lambda k: one(k, None).detached(), range(target.replicas), jobs)
         if progress is not None:
             for run in runs:
@@ -531,6 +550,61 @@ class _ReplicaRun:
                            self.duration)  # fmt: skip
 
 
+@dataclass(slots=True)
+class _Share:
+    """One replica's part of the trace, warmed up and ready to replay step by step."""
+
+    sim: SimEngine
+    rep: _Replica
+    mine: list[int]  # indices in the trace
+    t0: float
+    before: dict[str, float]
+    steps: Iterator[None]
+
+
+def _prepare(
+    sim: SimEngine,
+    target: SimTarget,
+    requests: list[BenchRequest],
+    load: LoadSpec,
+    offsets: list[float] | None,
+    k: int,
+    warmup: list[BenchRequest] | None,
+    temperature: float,
+    sample_every: float,
+    progress: Callable[[bool], None] | None,
+) -> _Share:
+    """Replica ``k``'s share of the trace (every ``replicas``-th request from ``k``), after
+    its warm-up requests, one at a time."""
+    from kvserve.bench.engine_target import engine_snapshot
+
+    rep = _Replica(sim, temperature, sample_every)
+    for w in warmup or []:  # one at a time, as the bench warms up
+        rep.run([w], [0.0], None, sim.clock.now)
+    rep.on_done = progress
+    t0 = sim.clock.now
+    rep._next_sample = t0
+    before = engine_snapshot(sim.engine)
+    mine = list(range(k, len(requests), target.replicas))
+    share = [requests[i] for i in mine]
+    sends = None if offsets is None else [offsets[i] for i in mine]
+    cap = load.concurrency
+    if cap is not None and target.replicas > 1:
+        cap = max(1, math.ceil(cap / target.replicas))
+    return _Share(sim, rep, mine, t0, before, rep.steps(share, sends, cap, t0))
+
+
+def _finish(sh: _Share) -> _ReplicaRun:
+    from kvserve.bench.engine_target import engine_snapshot
+
+    recs = sh.rep.records
+    for r in recs:
+        r.send_time -= sh.t0
+    return _ReplicaRun(sh.sim, list(zip(sh.mine, recs, strict=True)), sh.before,
+                       engine_snapshot(sh.sim.engine), sh.rep.samples,
+                       sh.sim.clock.now - sh.t0)  # fmt: skip
+
+
 def _run_replica(
     target: SimTarget,
     requests: list[BenchRequest],
@@ -542,31 +616,64 @@ def _run_replica(
     sample_every: float,
     progress: Callable[[bool], None] | None,
 ) -> _ReplicaRun:
-    """Replica ``k`` of the fleet: its engine, its share of the trace (every
-    ``replicas``-th request from ``k``), and what it measured."""
-    from kvserve.bench.engine_target import engine_snapshot
-
+    """Replica ``k`` of a fleet that shares nothing: its engine, its share, what it measured."""
     sim = build_engine(target)
     with _few_collections():
-        rep = _Replica(sim, temperature, sample_every)
-        for w in warmup or []:  # one at a time, as the bench warms up
-            rep.run([w], [0.0], None, sim.clock.now)
-        rep.on_done = progress
-        t0 = sim.clock.now
-        rep._next_sample = t0
-        before = engine_snapshot(sim.engine)
-        mine = list(range(k, len(requests), target.replicas))
-        share = [requests[i] for i in mine]
-        sends = None if offsets is None else [offsets[i] for i in mine]
-        cap = load.concurrency
-        if cap is not None and target.replicas > 1:
-            cap = max(1, math.ceil(cap / target.replicas))
-        recs = rep.run(share, sends, cap, t0)
-        for r in recs:
-            r.send_time -= t0
-        after = engine_snapshot(sim.engine)
-    return _ReplicaRun(sim, list(zip(mine, recs, strict=True)), before, after, rep.samples,
-                       sim.clock.now - t0)  # fmt: skip
+        sh = _prepare(sim, target, requests, load, offsets, k, warmup, temperature,
+                      sample_every, progress)  # fmt: skip
+        for _ in sh.steps:
+            pass
+        return _finish(sh)
+
+
+SHARED_TIERS = ("redis",)  # a server every replica points at; host memory and disk are local
+
+
+def shares_tiers(target: SimTarget) -> bool:
+    """Whether the replicas of ``target`` share an offload tier (a Redis URL)."""
+    return bool(target.engine_kwargs.get("kv_offload_redis"))
+
+
+def _run_fleet(
+    target: SimTarget,
+    requests: list[BenchRequest],
+    load: LoadSpec,
+    offsets: list[float] | None,
+    warmup: list[BenchRequest] | None,
+    temperature: float,
+    sample_every: float,
+    progress: Callable[[bool], None] | None,
+) -> list[_ReplicaRun]:
+    """Replicas that share a tier (one Redis behind every replica, as ``kvserve serve
+    --kv-offload-redis`` on each): one modelled tier object for all, and one timeline, the
+    replica furthest behind in virtual time stepping next, so that a block one replica
+    stores is a hit for another from the moment it was stored (to a step's resolution).
+    Each replica still loads over its own link (the server's own bandwidth is not shared)."""
+    sims = [build_engine(target) for _ in range(target.replicas)]
+    first = sims[0].offload
+    for sim in sims[1:]:
+        tiers = sim.offload.tiers  # type: ignore[union-attr]
+        for i, tier in enumerate(tiers):
+            if tier.name in SHARED_TIERS:
+                tiers[i] = first.tiers[i]  # type: ignore[union-attr]
+    with _few_collections():
+        shares = [
+            _prepare(
+                sim, target, requests, load, offsets, k, warmup, temperature, sample_every, progress
+            )  # fmt: skip
+            for k, sim in enumerate(sims)
+        ]
+        ready = [(0.0, k) for k in range(len(shares))]
+        while ready:
+            _, k = heapq.heappop(ready)
+            sh = shares[k]
+            if next(sh.steps, _DONE) is _DONE:
+                continue
+            heapq.heappush(ready, (sh.sim.clock.now - sh.t0, k))
+        return [_finish(sh) for sh in shares]
+
+
+_DONE = object()
 
 
 @contextmanager

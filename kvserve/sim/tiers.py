@@ -15,8 +15,10 @@ recomputes). A probe costs the engine thread each asked tier's latency, as the r
 does. Stores are visible at once: the real worker writes them within milliseconds, off the
 step path; the export they need is charged to the step by the cost-model runner.
 
-Not modelled: tier failures and back-off (a modelled tier never fails), entry headers (an
-entry is its block's bytes), and the worker's stores competing with its loads.
+Replicas behind one Redis share its :class:`ModelledTier` (``kvserve.sim.simulate``'s fleet
+runs them on one timeline). Not modelled: tier failures and back-off (a modelled tier never
+fails), entry headers (an entry is its block's bytes), the worker's stores competing with its
+loads, and replicas sharing the Redis server's bandwidth.
 """
 
 from __future__ import annotations
