@@ -492,13 +492,13 @@ def simulate_load(
         else arrival_times(len(requests), load.request_rate, load.burstiness, seed)
     )
 
+    trace = _Trace(requests, load, offsets, warmup, temperature, sample_every)
+
     def one(k: int, report: Callable[[bool], None] | None) -> _ReplicaRun:
-        return _run_replica(target, requests, load, offsets, k, warmup, temperature,
-                            sample_every, report)  # fmt: skip
+        return _run_replica(target, trace, k, report)
 
     if target.replicas > 1 and shares_tiers(target):
-        runs = _run_fleet(target, requests, load, offsets, warmup, temperature, sample_every,
-                          progress)  # fmt: skip
+        runs = _run_fleet(target, trace, progress)
     elif jobs > 1 and target.replicas > 1:
         runs = fork_map(lambda k: one(k, None).detached(), range(target.replicas), jobs)
         if progress is not None:
@@ -551,6 +551,19 @@ class _ReplicaRun:
 
 
 @dataclass(slots=True)
+class _Trace:
+    """What every replica of a run replays: the requests, the load and its send offsets
+    (None: closed loop), the warm-up requests and the sampling settings."""
+
+    requests: list[BenchRequest]
+    load: LoadSpec
+    offsets: list[float] | None
+    warmup: list[BenchRequest] | None
+    temperature: float
+    sample_every: float
+
+
+@dataclass(slots=True)
 class _Share:
     """One replica's part of the trace, warmed up and ready to replay step by step."""
 
@@ -565,21 +578,17 @@ class _Share:
 def _prepare(
     sim: SimEngine,
     target: SimTarget,
-    requests: list[BenchRequest],
-    load: LoadSpec,
-    offsets: list[float] | None,
+    trace: _Trace,
     k: int,
-    warmup: list[BenchRequest] | None,
-    temperature: float,
-    sample_every: float,
     progress: Callable[[bool], None] | None,
 ) -> _Share:
     """Replica ``k``'s share of the trace (every ``replicas``-th request from ``k``), after
     its warm-up requests, one at a time."""
     from kvserve.bench.engine_target import engine_snapshot
 
-    rep = _Replica(sim, temperature, sample_every)
-    for w in warmup or []:  # one at a time, as the bench warms up
+    requests, load, offsets = trace.requests, trace.load, trace.offsets
+    rep = _Replica(sim, trace.temperature, trace.sample_every)
+    for w in trace.warmup or []:  # one at a time, as the bench warms up
         rep.run([w], [0.0], None, sim.clock.now)
     rep.on_done = progress
     t0 = sim.clock.now
@@ -606,21 +615,12 @@ def _finish(sh: _Share) -> _ReplicaRun:
 
 
 def _run_replica(
-    target: SimTarget,
-    requests: list[BenchRequest],
-    load: LoadSpec,
-    offsets: list[float] | None,
-    k: int,
-    warmup: list[BenchRequest] | None,
-    temperature: float,
-    sample_every: float,
-    progress: Callable[[bool], None] | None,
+    target: SimTarget, trace: _Trace, k: int, progress: Callable[[bool], None] | None
 ) -> _ReplicaRun:
     """Replica ``k`` of a fleet that shares nothing: its engine, its share, what it measured."""
     sim = build_engine(target)
     with _few_collections():
-        sh = _prepare(sim, target, requests, load, offsets, k, warmup, temperature,
-                      sample_every, progress)  # fmt: skip
+        sh = _prepare(sim, target, trace, k, progress)
         for _ in sh.steps:
             pass
         return _finish(sh)
@@ -635,14 +635,7 @@ def shares_tiers(target: SimTarget) -> bool:
 
 
 def _run_fleet(
-    target: SimTarget,
-    requests: list[BenchRequest],
-    load: LoadSpec,
-    offsets: list[float] | None,
-    warmup: list[BenchRequest] | None,
-    temperature: float,
-    sample_every: float,
-    progress: Callable[[bool], None] | None,
+    target: SimTarget, trace: _Trace, progress: Callable[[bool], None] | None
 ) -> list[_ReplicaRun]:
     """Replicas that share a tier (one Redis behind every replica, as ``kvserve serve
     --kv-offload-redis`` on each): one modelled tier object for all, and one timeline, the
@@ -657,12 +650,7 @@ def _run_fleet(
             if tier.name in SHARED_TIERS:
                 tiers[i] = first.tiers[i]  # type: ignore[union-attr]
     with _few_collections():
-        shares = [
-            _prepare(
-                sim, target, requests, load, offsets, k, warmup, temperature, sample_every, progress
-            )  # fmt: skip
-            for k, sim in enumerate(sims)
-        ]
+        shares = [_prepare(sim, target, trace, k, progress) for k, sim in enumerate(sims)]
         ready = [(0.0, k) for k in range(len(shares))]
         while ready:
             _, k = heapq.heappop(ready)
