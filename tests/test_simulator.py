@@ -204,6 +204,26 @@ def test_profile_file_round_trip_and_errors(tmp_path):
         Profile.load(tmp_path / "missing.json")
 
 
+def test_a_saved_gpu_profile_sizes_the_pool_as_its_gpu(tmp_path, llama8b):
+    """A shipped profile saved and edited (a what-if) and given without --gpu: the pool is
+    the planner's for that GPU, not the engine's default CPU pool; a CPU profile names no
+    GPU and sizes nothing."""
+    from argparse import Namespace
+
+    from kvserve.sim.cli import sim_target
+
+    gpu = get_gpu("h100-sxm")
+    edited = replace(gpu_profile(gpu), tier_bandwidth={"redis": 1e10})
+    args = Namespace(gpu=None, profile=str(edited.save(tmp_path / "what-if.json")), tp=1,
+                     replicas=1, gpu_memory_utilization=0.9)  # fmt: skip
+    target = sim_target(args, {"model": llama8b})
+    assert target.gpu == gpu
+    plan = capacity(arch_from_config(SEED_8B), "bfloat16", gpu.memory_bytes, 32768)
+    assert build_engine(target).num_blocks == plan.num_blocks
+    args.profile = str(cpu_profile().save(tmp_path / "cpu.json"))
+    assert sim_target(args, {"model": llama8b}).gpu is None
+
+
 def test_hash_tokenizer_keeps_shared_prefixes():
     tok = HashTokenizer(1000)
     a, b = tok.encode("The cache block, the model."), tok.encode("The cache block, the end")

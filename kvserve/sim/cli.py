@@ -95,13 +95,17 @@ def model_name(given: str | None, resolved: str) -> str:
 
 
 def sim_target(args: argparse.Namespace, kw: dict[str, Any]) -> Any:
-    from kvserve.plan.gpus import get_gpu
+    from kvserve.plan.gpus import GPUS, get_gpu
     from kvserve.sim.cost import Profile, gpu_profile
     from kvserve.sim.simulate import SimTarget
 
     gpu = get_gpu(args.gpu) if args.gpu else None
     if args.profile:
         profile = Profile.load(args.profile)
+        if gpu is None:
+            # A shipped GPU profile saved and edited (a what-if): its device sizes the pool as
+            # --gpu would, instead of the engine's default CPU pool.
+            gpu = next((g for g in GPUS.values() if g.name == profile.device), None)
     elif gpu is not None:
         profile = gpu_profile(gpu)
     else:
