@@ -225,8 +225,6 @@ def _interleave(convs: list[list[BenchRequest]], active: int) -> list[BenchReque
     LMCache's users of a multi-round QA), so the histories of the group compete for the KV
     pool between turns, as many users chatting at once do. 1: each conversation to its end
     before the next starts. The texts do not depend on ``active``, only the order."""
-    if active < 1:
-        raise ValueError(f"max_active_conversations: must be >= 1, got {active}")
     out: list[BenchRequest] = []
     for g in range(0, len(convs), active):
         group = convs[g : g + active]
@@ -256,6 +254,10 @@ def make_workload(spec: WorkloadSpec, count_tokens: CountFn | None = None) -> li
     """The requests of a named workload (or a JSONL file), in send order, indexed 0..n-1."""
     if spec.num_prompts < 1:
         raise ValueError(f"num_prompts: must be >= 1, got {spec.num_prompts}")
+    if spec.max_active_conversations < 1:
+        raise ValueError(
+            f"max_active_conversations: must be >= 1, got {spec.max_active_conversations}"
+        )
     tm = TextMaker(count_tokens)
     rng = random.Random(spec.seed)
     name = spec.name
