@@ -10,7 +10,8 @@ rotary), paged attention (the KV write included; its prefill kernel separately),
 sampling, the runner's batch building and KV record, the scheduler, and the engine's output
 processing (detokenization). A step is "prefill" when it computes any prompt token. Bounds:
 GEMMs at this CPU's measured GEMM peak for the dtype (a 2,048 x hidden x 3 hidden matmul, best
-of several); decode attention at the measured read bandwidth (weights are counted in the GEMM
+of several), float32's for prefill steps when a bf16 model runs its large GEMMs in float32
+(``UpcastOps``); decode attention at the measured read bandwidth (weights are counted in the GEMM
 row); host work (scheduling, batch building, sampling, output) at zero.
 """
 
@@ -25,6 +26,7 @@ import torch
 
 from benchmarks.common import bench_model, emit, random_prompts, set_threads, table, vocab_size
 from kvserve.engine.bandwidth import measure_peak_bandwidth
+from kvserve.model.linear_ops import UpcastOps
 from kvserve.sim.calibrate import measure_gemm_peak
 
 PARTS = ("linear", "linear_add", "swiglu_add", "rms_norm", "rotary")
@@ -119,6 +121,9 @@ def main() -> None:
     cfg = e.model_config
     dt = getattr(torch, args.dtype)
     peak_flops = measure_gemm_peak(dt, cfg.hidden_size)
+    # a bf16 model on UpcastOps runs prefill-sized GEMMs in float32: their bound is float32's
+    upcast = isinstance(model.ops, UpcastOps)
+    prefill_peak = measure_gemm_peak(torch.float32, cfg.hidden_size) if upcast else peak_flops
     bw = measure_peak_bandwidth(torch.device("cpu"))
     # every matrix of the layers (a packing backend keeps the up projection apart)
     layer_params = sum(p.numel() for n, p in model.named_parameters()
@@ -137,7 +142,7 @@ def main() -> None:
         sched = a.get("schedule", 0.0) + a.get("update", 0.0)
         output = wall[phase] - runner_t - sched
         gemm_flops = 2 * (tokens[phase] * layer_params + head_rows[phase] * head_params)
-        gemm_bound = gemm_flops / peak_flops
+        gemm_bound = gemm_flops / (prefill_peak if phase == "prefill" else peak_flops)
         kv_bound = kv_entries * e.bytes_per_token / bw if phase == "decode" else None
         parts = [
             ("GEMMs (linear, SwiGLU, LM head)", gemm, gemm_bound),
@@ -181,7 +186,9 @@ def main() -> None:
         f"model {args.model}, {args.dtype}, {threads} threads; {args.num_prompts} prompts of "
         f"128-1024 tokens, {args.max_tokens} out; {n_out / total:.1f} out tok/s; steps: "
         f"prefill {steps['prefill']} ({tokens['prefill']} tokens), decode {steps['decode']}; "
-        f"GEMM peak {peak_flops / 1e9:.0f} GFLOP/s, read bandwidth {bw / 1e9:.1f} GB/s"
+        f"GEMM peak {peak_flops / 1e9:.0f} GFLOP/s"
+        + (f" (float32, prefill: {prefill_peak / 1e9:.0f})" if upcast else "")
+        + f", read bandwidth {bw / 1e9:.1f} GB/s"
     )
     print(table(rows, ["phase", "part", "s", "share", "ms/step", "bound s"]))
     emit({"benchmark": "profile_steps", "model": args.model, "dtype": args.dtype,

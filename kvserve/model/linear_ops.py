@@ -11,13 +11,16 @@ start a sequence (kvserve/kernels/prefill_attention.c), which skips the key bloc
 diagonal that SDPA's CPU kernel computes below 768 queries. The kernels round where the
 references round (rotary is bit-identical); RMSNorm's sum of squares and the attention's sums
 run in their own order, so float32 results match the reference to rounding, as oneDNN's GEMMs
-do. The model code calls these methods and never knows which backend runs; tests compare the
+do. ``AMXOps`` and ``UpcastOps`` are bf16 variants of it for CPUs with and without AMX
+tiles. The model code calls these methods and never knows which backend runs; tests compare the
 two, and the float32 exactness tests against transformers run through the fast path.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +49,9 @@ def _dense(w: torch.Tensor) -> torch.Tensor:
     return amx.unpack(w) if amx.is_packed(w) else w
 
 
+_FLOAT32_COPIES = ("weight32", "up_weight32", "bias32")
+
+
 def _is_dense(w: torch.Tensor) -> bool:
     return w.layout == torch.strided and not amx.is_packed(w)
 
@@ -57,6 +63,8 @@ class TorchOps:
         """Put the model's matrices in the layout this backend computes with: plain dense
         ``[out, in]`` tensors (undoing a packing backend, see :meth:`OneDNNOps.adopt`)."""
         for lin, gate_up in linear_layers(model):
+            for name in _FLOAT32_COPIES:  # an upcasting backend's (UpcastOps)
+                lin.__dict__.pop(name, None)
             if _is_dense(lin.weight):
                 continue
             w = _dense(lin.weight)
@@ -64,6 +72,10 @@ class TorchOps:
                 w = torch.cat([w, _dense(lin.up_weight)])
                 del lin.up_weight
             lin.weight = nn.Parameter(w, requires_grad=False)
+
+    def describe(self) -> str:
+        """The backend in a server's start-up log."""
+        return self.name
 
     def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
@@ -231,6 +243,72 @@ class AMXOps(OneDNNOps):
         return super().linear_add(h, down, residual)
 
 
+class UpcastOps(OneDNNOps):
+    """A bfloat16 model whose large GEMMs run in float32, for CPUs where that is faster
+    (chosen by timing both, :func:`upcast_min_rows`). Without AMX, a Xeon's bf16 dot-product
+    instruction (``vdpbf16ps``) retires half the multiply-adds per cycle of its two float32
+    FMA ports, so oneDNN's bf16 GEMMs top out near half the float32 rate, and prefill, where
+    GEMMs are most of the time, runs at that rate. Each matrix is kept twice: the packed bf16
+    one, for steps of fewer than ``min_rows`` tokens (decode-sized GEMMs stream the weights
+    from memory, and bf16's are half the bytes), and a packed float32 copy of the same
+    values for larger steps. The arithmetic is the bf16 GEMM's: bf16 inputs (their products
+    are exact in float32), float32 sums and epilogue, the result rounded to bf16 once; only
+    the order of the sums differs, as between any two GEMM kernels. The copies cost twice
+    the bf16 weight bytes of host memory; the KV cache and the activations stay bf16."""
+
+    name = "onednn-upcast"
+
+    def __init__(self, min_rows: int) -> None:
+        super().__init__(prepack=True)
+        self.min_rows = min_rows
+
+    def adopt(self, model: nn.Module) -> None:
+        TorchOps.adopt(self, model)  # dense bf16 first: the float32 copies come from it
+        pack32 = torch.ops.mkldnn._reorder_linear_weight
+        copies = []
+        for lin, gate_up in linear_layers(model):
+            w = lin.weight.detach().float()
+            c = {"bias32": None if lin.bias is None else lin.bias.detach().float()}
+            if gate_up:  # the gate rows and the up rows apart, as the bf16 packing keeps them
+                inter = w.shape[0] // 2
+                c["up_weight32"] = pack32(w[inter:].contiguous(), self.PACK_ROWS)
+                w = w[:inter].contiguous()
+            c["weight32"] = pack32(w, self.PACK_ROWS)
+            copies.append((lin, c))
+        super().adopt(model)  # packs the bf16 matrices
+        for lin, c in copies:  # plain attributes, not parameters: decode steps read bf16
+            lin.__dict__.update(c)
+
+    def describe(self) -> str:
+        return f"{self.name} (float32 GEMMs in steps of {self.min_rows}+ tokens)"
+
+    def _big(self, x: torch.Tensor) -> bool:
+        return x.shape[0] >= self.min_rows
+
+    def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+        if not self._big(x):
+            return super().linear(x, layer)
+        out = self._lp(x.float(), layer.weight32, layer.bias32, "none", [], "")
+        return out.to(x.dtype)
+
+    def linear_add(self, x: torch.Tensor, layer: nn.Linear, residual: torch.Tensor) -> torch.Tensor:
+        if not self._big(x):
+            return super().linear_add(x, layer, residual)
+        out = self._lp.binary(x.float(), residual.float(), layer.weight32, None, "add")
+        return out.to(x.dtype)
+
+    def swiglu_add(
+        self, x: torch.Tensor, gate_up: nn.Linear, down: nn.Linear, residual: torch.Tensor
+    ) -> torch.Tensor:
+        if not self._big(x):
+            return super().swiglu_add(x, gate_up, down, residual)
+        x32 = x.float()
+        gate = self._lp(x32, gate_up.weight32, None, "swish", [], "")
+        h = self._lp.binary(x32, gate, gate_up.up_weight32, None, "mul")
+        out = self._lp.binary(h, residual.float(), down.weight32, None, "add")
+        return out.to(x.dtype)
+
+
 # oneDNN keeps a compiled primitive, and PyTorch's ideep layer a cache entry holding it, for
 # every input shape it has seen: 1,024 of each by default. An engine step's row count is its
 # token count, which changes almost every step under serving traffic, so a server's memory
@@ -246,6 +324,56 @@ def bound_onednn_caches() -> None:
         os.environ.setdefault(var, str(ONEDNN_CACHE_CAPACITY))
 
 
+# The GEMM timed in both dtypes to decide whether a bf16 model's large GEMMs run in float32
+# (UpcastOps): prefill-sized rows, a mid-size matrix; and how much faster float32 must be,
+# so that the choice does not flip with timing noise.
+UPCAST_PROBE = (256, 1024, 1024)  # rows, in, out
+UPCAST_GAIN = 1.25
+# Steps with fewer tokens keep bf16 where the CPU has a bf16 dot product: at decode sizes
+# the GEMMs stream the weights from memory, and bf16's are half the bytes (BENCHMARKS.md).
+UPCAST_MIN_ROWS = 128
+
+
+def upcast_min_rows() -> int | None:
+    """The token count from which a bf16 model's GEMMs run in float32, or None for never.
+
+    ``KVSERVE_UPCAST_MIN_ROWS`` decides when set (0 = never); otherwise both dtypes are timed
+    on this CPU, once per process."""
+    env = os.environ.get("KVSERVE_UPCAST_MIN_ROWS")
+    if env is None:
+        return _measured_upcast_rows()
+    try:
+        rows = int(env)
+    except ValueError:
+        rows = -1
+    if rows < 0:
+        raise ValueError(f"KVSERVE_UPCAST_MIN_ROWS: must be an integer >= 0, got {env!r}")
+    return rows or None
+
+
+@functools.cache
+def _measured_upcast_rows() -> int | None:
+    m, k, n = UPCAST_PROBE
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+    lp = torch.ops.mkldnn._linear_pointwise
+    best = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        wd = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), OneDNNOps.PACK_ROWS)
+        lp(xd, wd, None, "none", [], "")  # the first call builds oneDNN's primitive
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            lp(xd, wd, None, "none", [], "")
+            times.append(time.perf_counter() - t0)
+        best[dtype] = min(times)
+    if best[torch.bfloat16] < UPCAST_GAIN * best[torch.float32]:
+        return None
+    # Without a bf16 dot product (oneDNN converts), float32 wins at every size.
+    return UPCAST_MIN_ROWS if torch.cpu._is_avx512_bf16_supported() else 1
+
+
 def select_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
     """oneDNN on CPU for float32/bfloat16 when PyTorch ships it (``KVSERVE_DISABLE_ONEDNN=1``
     forces the reference); plain PyTorch everywhere else, e.g. on CUDA."""
@@ -259,9 +387,13 @@ def select_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
         # Packed bf16 weights measured faster at decode sizes and even at prefill sizes on an
         # AMX Xeon (BENCHMARKS.md); float32 keeps plain weights, the layout its exactness
         # tests against transformers were established with. KVSERVE_DISABLE_PREPACK=1 for A/B.
+        # Without AMX, bf16 GEMMs may be slower than float32 ones: see upcast_min_rows.
         bound_onednn_caches()
         prepack = dtype == torch.bfloat16 and os.environ.get("KVSERVE_DISABLE_PREPACK") != "1"
         if prepack and os.environ.get("KVSERVE_DISABLE_AMX") != "1" and amx.available():
             return AMXOps()
+        rows = upcast_min_rows() if prepack else None
+        if rows is not None:
+            return UpcastOps(rows)
         return OneDNNOps(prepack=prepack)
     return TorchOps()

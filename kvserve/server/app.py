@@ -297,6 +297,8 @@ def run_server(args: argparse.Namespace) -> int:
     log.info("serving %s: KV blocks %d x %d tokens (%s), max_model_len %d", names[0],
              engine.num_blocks, engine.block_size, engine.kv_cache_dtype,
              engine.max_model_len)  # fmt: skip
+    dtype = str(engine.dtype).removeprefix("torch.")
+    log.info("compute: %s, %s", engine.model.ops.describe(), dtype)
     if engine.layer_groups is not None:
         g = engine.layer_groups
         log.info("hybrid model: %d layer groups of %d layers, windows %s; each group its own "
