@@ -74,9 +74,10 @@ def test_large_steps_compute_bf16_values_in_float32(checkpoint, monkeypatch, row
 
 
 def test_float32_copies_are_not_parameters_and_go_with_the_backend(checkpoint, monkeypatch):
-    """The copies hold the bf16 weights' values exactly; the model's parameters (and so the
-    weight bytes a decode step is charged) are those of the packed bf16 backend; switching to
-    the reference backend drops the copies and restores the dense weights bit for bit."""
+    """The copies (of the layers' matrices) hold the bf16 weights' values exactly; the
+    model's parameters (and so the weight bytes a decode step is charged) are those of the
+    packed bf16 backend; switching to the reference backend drops the copies and restores
+    the dense weights bit for bit."""
     from kvserve.engine.bandwidth import weight_bytes_read
 
     model, _ = _load_bf16(checkpoint, monkeypatch, "llama_gqa")
@@ -90,6 +91,7 @@ def test_float32_copies_are_not_parameters_and_go_with_the_backend(checkpoint, m
     gate_up = dense["layers.0.gate_up_proj.weight"].float()
     assert torch.equal(layer.gate_up_proj.weight32.to_dense(), gate_up[:inter])
     assert torch.equal(layer.gate_up_proj.up_weight32.to_dense(), gate_up[inter:])
+    assert not hasattr(model.lm_head, "weight32")  # prefill samples too few rows to gain
     assert layer.qkv_proj.weight.layout == torch._mkldnn  # the bf16 matrices packed
     assert weight_bytes_read(model) == plain_bytes
     assert not any(n.endswith("32") for n, _ in model.named_parameters())

@@ -251,10 +251,11 @@ class UpcastOps(OneDNNOps):
     GEMMs are most of the time, runs at that rate. Each matrix is kept twice: the packed bf16
     one, for steps of fewer than ``min_rows`` tokens (decode-sized GEMMs stream the weights
     from memory, and bf16's are half the bytes), and a packed float32 copy of the same
-    values for larger steps. The arithmetic is the bf16 GEMM's: bf16 inputs (their products
-    are exact in float32), float32 sums and epilogue, the result rounded to bf16 once; only
-    the order of the sums differs, as between any two GEMM kernels. The copies cost twice
-    the bf16 weight bytes of host memory; the KV cache and the activations stay bf16."""
+    values for larger steps (not for the LM head, which in prefill sees only the sampled
+    rows). The arithmetic is the bf16 GEMM's: bf16 inputs (their products are exact in
+    float32), float32 sums and epilogue, the result rounded to bf16 once; only the order of
+    the sums differs, as between any two GEMM kernels. The copies cost twice the bf16 bytes
+    of the layers' weights in host memory; the KV cache and the activations stay bf16."""
 
     name = "onednn-upcast"
 
@@ -267,6 +268,8 @@ class UpcastOps(OneDNNOps):
         pack32 = torch.ops.mkldnn._reorder_linear_weight
         copies = []
         for lin, gate_up in linear_layers(model):
+            if lin is getattr(model, "lm_head", None):
+                continue  # only sampled rows reach it in prefill: rarely min_rows of them
             w = lin.weight.detach().float()
             c = {"bias32": None if lin.bias is None else lin.bias.detach().float()}
             if gate_up:  # the gate rows and the up rows apart, as the bf16 packing keeps them
@@ -282,17 +285,17 @@ class UpcastOps(OneDNNOps):
     def describe(self) -> str:
         return f"{self.name} (float32 GEMMs in steps of {self.min_rows}+ tokens)"
 
-    def _big(self, x: torch.Tensor) -> bool:
-        return x.shape[0] >= self.min_rows
+    def _big(self, x: torch.Tensor, layer: nn.Linear) -> bool:
+        return x.shape[0] >= self.min_rows and "weight32" in layer.__dict__
 
     def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-        if not self._big(x):
+        if not self._big(x, layer):
             return super().linear(x, layer)
         out = self._lp(x.float(), layer.weight32, layer.bias32, "none", [], "")
         return out.to(x.dtype)
 
     def linear_add(self, x: torch.Tensor, layer: nn.Linear, residual: torch.Tensor) -> torch.Tensor:
-        if not self._big(x):
+        if not self._big(x, layer):
             return super().linear_add(x, layer, residual)
         out = self._lp.binary(x.float(), residual.float(), layer.weight32, None, "add")
         return out.to(x.dtype)
@@ -300,7 +303,7 @@ class UpcastOps(OneDNNOps):
     def swiglu_add(
         self, x: torch.Tensor, gate_up: nn.Linear, down: nn.Linear, residual: torch.Tensor
     ) -> torch.Tensor:
-        if not self._big(x):
+        if not self._big(x, gate_up):
             return super().swiglu_add(x, gate_up, down, residual)
         x32 = x.float()
         gate = self._lp(x32, gate_up.weight32, None, "swish", [], "")

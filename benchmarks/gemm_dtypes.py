@@ -1,0 +1,95 @@
+"""bf16 against float32 GEMMs on this CPU, by step size, on a model's own matrices: the
+measurement behind ``UpcastOps`` (kvserve/model/linear_ops.py), which runs a bf16 model's
+steps of ``UPCAST_MIN_ROWS`` or more tokens in float32 where that is faster.
+
+    python -m benchmarks.gemm_dtypes --model smollm2
+
+For each row count (a step's tokens), every layer matrix of the model (each layer's own
+copy, so that small steps stream the weights from memory as a decode step does) is
+multiplied through oneDNN with packed weights: in bf16, and in float32 with the bf16
+activations converted on the way in and the result rounded back (what UpcastOps does). The
+ratio column is bf16 time over float32 time: above 1, float32 is faster. The start-up probe
+that makes the choice (``upcast_min_rows``) is printed too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from benchmarks.common import bench_model, emit, set_threads, table
+from kvserve.config import ModelConfig
+from kvserve.model.linear_ops import OneDNNOps, upcast_min_rows
+
+ROWS = (1, 8, 16, 32, 64, 128, 256, 1024)
+
+
+def layer_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """(out, in) of one layer's matrices as the packing backend keeps them."""
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    return [(q + 2 * kv, h), (h, q), (inter, h), (inter, h), (h, inter)]
+
+
+def time_pass(mats: list[torch.Tensor], xs: dict[int, torch.Tensor], upcast: bool) -> float:
+    lp = torch.ops.mkldnn._linear_pointwise
+
+    def once() -> None:
+        for w in mats:
+            x = xs[w.shape[1]]
+            if upcast:
+                lp(x.float(), w, None, "none", [], "").to(torch.bfloat16)
+            else:
+                lp(x, w, None, "none", [], "")
+
+    once()  # oneDNN builds its primitives on the first call
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        once()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)))
+    args = ap.parse_args()
+    threads = set_threads()
+    cfg = ModelConfig.from_pretrained(bench_model(args.model))
+    shapes = layer_shapes(cfg) * cfg.num_hidden_layers
+    gen = torch.Generator().manual_seed(0)
+    dense = [torch.randn(n, k, generator=gen) * k**-0.5 for n, k in shapes]
+    pack = torch.ops.mkldnn._reorder_linear_weight
+    mats = {
+        dt: [pack(w.to(dt), OneDNNOps.PACK_ROWS) for w in dense]
+        for dt in (torch.bfloat16, torch.float32)
+    }
+    flops_per_row = 2 * sum(n * k for n, k in shapes)
+    rows_out = []
+    for m in (int(r) for r in args.rows.split(",")):
+        xs = {
+            k: torch.randn(m, k, generator=gen).to(torch.bfloat16) for k in {k for _, k in shapes}
+        }
+        bf16 = time_pass(mats[torch.bfloat16], xs, upcast=False)
+        fp32 = time_pass(mats[torch.float32], xs, upcast=True)
+        rows_out.append({"rows": m, "bf16 ms": bf16 * 1e3, "float32 ms": fp32 * 1e3,
+                         "bf16 GFLOP/s": m * flops_per_row / bf16 / 1e9,
+                         "float32 GFLOP/s": m * flops_per_row / fp32 / 1e9,
+                         "bf16 / float32 time": bf16 / fp32})  # fmt: skip
+    probe = upcast_min_rows()
+    choice = f"float32 from {probe} rows" if probe else "bf16 throughout"
+    print(f"model {args.model}: {cfg.num_hidden_layers} layers x {len(layer_shapes(cfg))} "
+          f"matrices, {threads} threads, bf16 activations; AVX512-BF16 "
+          f"{torch.cpu._is_avx512_bf16_supported()}, AMX {torch.cpu._is_amx_tile_supported()}; "
+          f"start-up choice: {choice}")  # fmt: skip
+    print(table(rows_out, list(rows_out[0])))
+    emit({"benchmark": "gemm_dtypes", "model": args.model, "upcast_min_rows": probe,
+          "rows": rows_out})  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
