@@ -127,6 +127,16 @@ def prompts_of_lengths(lengths, vocab=256, seed=0):
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
+def run_with_prompt_logits(engine, prompt, params):  # noqa: ANN001, ANN201 - an LLMEngine
+    """The one output of ``prompt`` run to the end with its prompt logits kept."""
+    engine.add_request("p", prompt, params, return_prompt_logits=True)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    (out,) = outs
+    return out
+
+
 # -- real Redis --
 @pytest.fixture(scope="session")
 def redis_server():

@@ -8,6 +8,7 @@ import torch
 from kvserve import SamplingParams
 from kvserve.model.sampler import Sampler, _top_k_top_p
 from kvserve.request import Request
+from tests.conftest import run_with_prompt_logits
 
 
 def _req(params: SamplingParams, prompt=(1, 2, 3), output=()) -> Request:
@@ -155,14 +156,9 @@ def test_prompt_logprobs_and_logits_match_transformers(checkpoint, make_llm):
     # A small budget splits the prompt into chunks that attend through the paged cache.
     llm = make_llm(path, dtype="float32", max_num_batched_tokens=16)
     prompt = list(range(40, 90))
-    engine = llm.engine
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2))  # warm the cache
-    engine.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3),
-                       return_prompt_logits=True)  # fmt: skip
-    outs = []
-    while engine.has_unfinished_requests():
-        outs += engine.step()
-    (out,) = outs
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    out = run_with_prompt_logits(llm.engine, prompt, params)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0], -1)

@@ -15,6 +15,7 @@ from kvserve.model.linear_ops import (
     select_ops,
     upcast_min_rows,
 )
+from tests.conftest import run_with_prompt_logits
 
 pytestmark = pytest.mark.skipif(
     not isinstance(select_ops(torch.device("cpu"), torch.float32), OneDNNOps),
@@ -138,13 +139,7 @@ def test_engine_prompt_logits_match_transformers_on_the_bf16_weights(
     llm = make_llm(path, dtype="bfloat16", max_num_batched_tokens=16)
     assert isinstance(llm.engine.model.ops, UpcastOps)
     prompt = list(range(40, 90))
-    engine = llm.engine
-    engine.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=2),
-                       return_prompt_logits=True)  # fmt: skip
-    outs = []
-    while engine.has_unfinished_requests():
-        outs += engine.step()
-    (out,) = outs
+    out = run_with_prompt_logits(llm.engine, prompt, SamplingParams(temperature=0, max_tokens=2))
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     with torch.no_grad():
         peer = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
