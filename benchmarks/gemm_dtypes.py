@@ -53,11 +53,17 @@ def time_pass(mats: list[torch.Tensor], xs: dict[int, torch.Tensor], upcast: boo
     return best
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    try:
+        row_counts = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        row_counts = [0]
+    if min(row_counts) < 1:
+        ap.error(f"--rows: a comma list of integers >= 1, got {args.rows!r}")
     threads = set_threads()
     cfg = ModelConfig.from_pretrained(bench_model(args.model))
     shapes = layer_shapes(cfg) * cfg.num_hidden_layers
@@ -70,7 +76,7 @@ def main() -> None:
     }
     flops_per_row = 2 * sum(n * k for n, k in shapes)
     rows_out = []
-    for m in (int(r) for r in args.rows.split(",")):
+    for m in row_counts:
         xs = {
             k: torch.randn(m, k, generator=gen).to(torch.bfloat16) for k in {k for _, k in shapes}
         }

@@ -147,3 +147,13 @@ def test_engine_prompt_logits_match_transformers_on_the_bf16_weights(
     assert out.prompt_logits.shape == ref.shape
     ours, theirs = (out.prompt_logits - ref).abs(), (peer - ref).abs()
     assert ours.mean() <= 1.2 * theirs.mean() and ours.max() <= 1.5 * theirs.max()
+
+
+@pytest.mark.parametrize("rows", ["8,x", "0", "16,-4"])
+def test_gemm_benchmark_refuses_bad_row_counts(capsys, rows):
+    from benchmarks.gemm_dtypes import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--rows", rows])
+    assert e.value.code == 2
+    assert f"--rows: a comma list of integers >= 1, got {rows!r}" in capsys.readouterr().err
