@@ -246,3 +246,56 @@ def test_replicas_behind_one_redis_share_it_as_real_engines_do(make_llm, redis_u
     monkeypatch.setattr(simulate, "SHARED_TIERS", ())
     alone = cached()
     assert sum(alone) < sum(real), (alone, real)
+
+
+def test_a_redis_server_answers_one_load_at_a_time_for_every_replica():
+    """Two replicas' loads asked of one modelled Redis at the same moment: the second starts
+    when the server is done with the first (latency + bytes / bandwidth each), and its
+    estimate says so; a host tier (each replica's own) makes no one wait. A cancelled load
+    that had not started gives its server time back."""
+    from kvserve.sim.simulate import VirtualClock
+    from kvserve.sim.tiers import SimOffload, modelled_tiers
+
+    prof = cpu_profile(tier_bandwidth={"redis": 1e6, "cpu": 1e6},
+                       tier_latency_s={"redis": 1e-3, "cpu": 1e-3})  # fmt: skip
+    cc = build_engine(
+        SimTarget(
+            dict(model=default_model(), kv_offload_redis="redis://h:1/0", kv_offload_cpu="1GiB"),
+            prof,
+        )
+    ).engine.config.cache
+    redis = next(t for t in modelled_tiers(cc, prof) if t.name == "redis")
+    keys = [bytes([i]) for i in range(70)]
+    replicas = []
+    for _ in range(2):
+        clock = VirtualClock()
+        off = SimOffload([redis], clock, load_timeout_s=1e9)
+        off.set_geometry(1000.0, 1)  # 1 kB blocks
+        replicas.append((clock, off))
+    replicas[0][1].store(keys, None)
+    one = 2 * 1e-3 + 70 * 1000.0 / 1e6  # two batches of <= 64 blocks, and the bytes
+    (ca, a), (cb, b) = replicas
+    assert a.probe(keys) == 70 and b.probe(keys) == 70  # each probe costs the latency
+    assert b.load_seconds(70) == pytest.approx(one)
+    a.start_load("x", keys)  # both clocks are at 1 ms (the probe)
+    # b's estimate now includes the wait for a's load, which holds the server until 1 ms +
+    # one load: b would wait one load's time, then take its own.
+    assert b.load_seconds(70) == pytest.approx(2 * one)
+    b.start_load("y", keys)
+    assert a._loads["x"].end_at == pytest.approx(1e-3 + one)
+    assert b._loads["y"].end_at == pytest.approx(1e-3 + 2 * one)
+    assert b.counters["redis"].seconds_up == pytest.approx(2 * one)  # the wait is timed
+    # Cancelled before it started (a's clock at 1 ms, b's load starts at 1 + one ms):
+    # the server is free again once a's load ends.
+    b.cancel("y")
+    assert redis.free_at == pytest.approx(1e-3 + one)
+    # Each replica's own host tier: no queue across replicas.
+    hosts = []
+    for _ in range(2):
+        cpu = next(t for t in modelled_tiers(cc, prof) if t.name == "cpu")
+        off = SimOffload([cpu], VirtualClock(), load_timeout_s=1e9)
+        off.set_geometry(1000.0, 1)
+        off.store(keys, None)
+        off.start_load("z", keys)
+        hosts.append(off._loads["z"].end_at)
+    assert hosts[0] == hosts[1] == pytest.approx(one)

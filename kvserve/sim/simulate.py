@@ -42,7 +42,7 @@ from kvserve.plan.gpus import GPU
 from kvserve.request import SamplingParams
 from kvserve.sim.cost import ModelShape, Profile, step_features
 from kvserve.sim.forks import fork_map
-from kvserve.sim.tiers import ModelledBlocks, SimOffload, modelled_tiers
+from kvserve.sim.tiers import SERVER_TIERS, ModelledBlocks, SimOffload, modelled_tiers
 from kvserve.step import ModelRunnerOutput, SchedulerOutput
 
 
@@ -626,7 +626,7 @@ def _run_replica(
         return _finish(sh)
 
 
-SHARED_TIERS = ("redis",)  # a server every replica points at; host memory and disk are local
+SHARED_TIERS = SERVER_TIERS  # a server every replica points at; host memory and disk are local
 
 
 def shares_tiers(target: SimTarget) -> bool:
@@ -640,8 +640,8 @@ def _run_fleet(
     """Replicas that share a tier (one Redis behind every replica, as ``kvserve serve
     --kv-offload-redis`` on each): one modelled tier object for all, and one timeline, the
     replica furthest behind in virtual time stepping next, so that a block one replica
-    stores is a hit for another from the moment it was stored (to a step's resolution).
-    Each replica still loads over its own link (the server's own bandwidth is not shared)."""
+    stores is a hit for another from the moment it was stored (to a step's resolution), and
+    the server answers their loads one at a time, in the order they were asked."""
     sims = [build_engine(target) for _ in range(target.replicas)]
     first = sims[0].offload
     for sim in sims[1:]:
@@ -651,6 +651,13 @@ def _run_fleet(
                 tiers[i] = first.tiers[i]  # type: ignore[union-attr]
     with _few_collections():
         shares = [_prepare(sim, target, trace, k, progress) for k, sim in enumerate(sims)]
+        # The replay's timeline starts at each replica's end of warm-up (the warm-ups, one
+        # request at a time and not measured, leave the server idle).
+        for sh in shares:
+            sh.sim.offload.epoch = sh.t0  # type: ignore[union-attr]
+            for tier in sh.sim.offload.tiers:  # type: ignore[union-attr]
+                if tier.free_at is not None:
+                    tier.free_at = -math.inf
         ready = [(0.0, k) for k in range(len(shares))]
         while ready:
             _, k = heapq.heappop(ready)

@@ -15,10 +15,12 @@ recomputes). A probe costs the engine thread each asked tier's latency, as the r
 does. Stores are visible at once: the real worker writes them within milliseconds, off the
 step path; the export they need is charged to the step by the cost-model runner.
 
-Replicas behind one Redis share its :class:`ModelledTier` (``kvserve.sim.simulate``'s fleet
-runs them on one timeline). Not modelled: tier failures and back-off (a modelled tier never
-fails), entry headers (an entry is its block's bytes), the worker's stores competing with its
-loads, and replicas sharing the Redis server's bandwidth.
+A Redis server answers one load at a time (redis-server runs commands on one thread): a
+load's Redis part starts when the server is done with the loads asked before it, and
+replicas behind one Redis share its :class:`ModelledTier`, so they queue for it together
+(``kvserve.sim.simulate``'s fleet runs them on one timeline). Not modelled: tier failures
+and back-off (a modelled tier never fails), entry headers (an entry is its block's bytes),
+and stores competing with loads (for the worker or the server's link).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from kvserve.engine.offload import check_tier_size, tier_sizes
 from kvserve.kv.hashing import BlockHash
 from kvserve.kv.offload import LOAD_BATCH, POLL_WAIT_S, LoadResult, TierCounters
 from kvserve.sim.cost import Profile
+
+SERVER_TIERS = ("redis",)  # a server behind a network link, which replicas can share
 
 
 @dataclass(slots=True)
@@ -55,6 +59,10 @@ class ModelledTier:
     block_bytes: float = 1.0  # one block, every GPU of the replica (set with the geometry)
     entries: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
     num_evictions: int = 0
+    # A server (Redis) answers one load at a time, whichever replica asked: when it is next
+    # free, on the fleet's timeline. None: the tier is the replica's own (host, disk), whose
+    # loads only its own worker queues.
+    free_at: float | None = None
 
     @property
     def capacity_blocks(self) -> int:
@@ -91,7 +99,10 @@ def modelled_tiers(cc: CacheConfig, profile: Profile) -> list[ModelledTier]:
                 f"tier_bandwidth[{name!r}] (bytes/s) and tier_latency_s[{name!r}] (seconds) "
                 "to the profile, or calibrate with --calibrate"
             )
-        tiers.append(ModelledTier(name, flag, size, float(bw), float(lat)))
+        tier = ModelledTier(name, flag, size, float(bw), float(lat))
+        if name in SERVER_TIERS:
+            tier.free_at = -math.inf
+        tiers.append(tier)
     return tiers
 
 
@@ -101,6 +112,7 @@ class _Load:
     end_at: float  # when the queue is done with it
     ready_at: float  # when the engine sees it (end_at, or the deadline)
     num_blocks: int
+    servers: list[tuple[ModelledTier, float, float]]  # servers booked: free_at before, after
 
 
 class SimOffload:
@@ -119,6 +131,9 @@ class SimOffload:
         self._loads: dict[str, _Load] = {}
         self._queue_free_at = 0.0
         self._probe_tier: ModelledTier | None = None
+        # This engine's clock minus the fleet's timeline, on which a shared server's free_at
+        # is kept (replicas' clocks differ by their warm-up; the fleet sets it).
+        self.epoch = 0.0
 
     def set_geometry(self, gpu_block_bytes: float, tp: int) -> None:
         """A block's bytes on one GPU, and the GPUs of a replica (a tier holds every GPU's
@@ -153,11 +168,16 @@ class SimOffload:
 
     def load_seconds(self, num_blocks: int) -> float | None:
         """The probed tier's latency and bytes over its bandwidth (the profile's figures are
-        known from the start, as a real tier's rate is once measured)."""
+        known from the start, as a real tier's rate is once measured), plus, for a server,
+        the wait for the loads it still has to answer (which the real worker's measured
+        rate takes in)."""
         tier = self._probe_tier
         if tier is None:
             return None
-        return self._transfer_s(tier, num_blocks)
+        took = self._transfer_s(tier, num_blocks)
+        if tier.free_at is not None:
+            took += max(tier.free_at + self.epoch - max(self.clock(), self._queue_free_at), 0.0)
+        return took
 
     def _transfer_s(self, tier: ModelledTier, n: int) -> float:
         return (
@@ -184,35 +204,47 @@ class SimOffload:
                 break
             per_tier[found.name] += 1
             got += 1
-        seconds = 0.0
+        start = t = max(now, self._queue_free_at)
+        servers: list[tuple[ModelledTier, float, float]] = []  # (server, free_at before, after)
         for tier in self.tiers:
             n = per_tier[tier.name]
             if not n:
                 continue
-            t = self._transfer_s(tier, n)
+            took = self._transfer_s(tier, n)
+            if tier.free_at is not None:
+                # The server answers this part once it is done with every load asked before
+                # (by any replica); the worker waits for it, and times the wait as part of
+                # the load, as the real worker's clock does.
+                before = tier.free_at
+                took += max(before + self.epoch - t, 0.0)
+                tier.free_at = t + took - self.epoch
+                servers.append((tier, before, tier.free_at))
             c = self.counters[tier.name]
             c.hits += n
             c.bytes_up += int(n * tier.block_bytes)
-            c.seconds_up += t
-            seconds += t
-        start = max(now, self._queue_free_at)
-        end = start + seconds
+            c.seconds_up += took
+            t += took
+        end = t
         self._queue_free_at = end
         ready = end
         if end - now > self.load_timeout_s:  # the engine gives up at the deadline
             ready, got = now + self.load_timeout_s, 0
             self.counters[self.tiers[0].name].fail("load_timeout")
-        self._loads[req_id] = _Load(start, end, ready, got)
+        self._loads[req_id] = _Load(start, end, ready, got, servers)
 
     def cancel(self, req_id: str) -> None:
         load = self._loads.pop(req_id, None)
-        # Not started and last in the queue: the worker would skip it, its time is free.
+        # Not started and last in the queue: the worker would skip it, its time is free, and
+        # so is the servers' time it had booked, where nothing was booked after it.
         if (
             load is not None
             and load.start_at >= self.clock()
             and load.end_at == self._queue_free_at
         ):
             self._queue_free_at = load.start_at
+            for tier, before, after in reversed(load.servers):
+                if tier.free_at == after:
+                    tier.free_at = before
 
     def poll_loads(self, wait: bool = False) -> dict[str, LoadResult]:
         now = self.clock()
