@@ -610,3 +610,57 @@ def test_a_tier_slower_than_the_prefill_is_not_loaded(checkpoint, make_llm):
     assert cached[:2] == [112, 112], "before the tier is measured, hits are loaded"
     assert st.tier_loads_skipped >= 1 and cached[-1] == 0
     assert st.tier_hit_tokens == sum(cached)
+
+
+def test_backlog_is_the_queued_loads_blocks_at_the_measured_rate():
+    """What the load rule adds before a new load lands: 0 until the tiers' rate is measured,
+    then the blocks of every load not yet fetched times the mean seconds per block the worker
+    timed."""
+    import threading
+
+    import torch
+
+    from kvserve.kv.offload import RATE_MIN_HITS, KVOffload
+    from kvserve.kv.storage import BlockPayload
+    from kvserve.kv.tiers import HostTier
+
+    ident = {"format": "x"}
+    off = KVOffload([HostTier(1 << 20)], b"n" * 16, ident)
+    tier = off.tiers[0]
+    try:
+        keys = [bytes([i]) * 32 for i in range(RATE_MIN_HITS + 5)]
+        for i, h in enumerate(keys):
+            off.store([h], BlockPayload(ident, 1, {"k": torch.full((1, 4), float(i))}))
+        assert off.flush()
+        off.start_load("warm", keys[: RATE_MIN_HITS - 1])
+        while not off.poll_loads(wait=True):
+            pass
+        assert off.backlog_seconds() == 0.0  # 7 blocks timed: not trusted yet
+        off.start_load("warm2", keys[RATE_MIN_HITS - 1 : RATE_MIN_HITS])
+        while not off.poll_loads(wait=True):
+            pass
+        c = off.counters["cpu"]
+        assert c.hits == RATE_MIN_HITS
+        per_block = c.seconds_up / c.hits
+        fetching, go = threading.Event(), threading.Event()
+        real_get = tier.get
+
+        def held_get(key):  # noqa: ANN001, ANN202
+            fetching.set()
+            go.wait(5)
+            return real_get(key)
+
+        tier.get = held_get
+        off.start_load("a", keys[RATE_MIN_HITS : RATE_MIN_HITS + 3])
+        assert fetching.wait(5)  # the worker is inside a's load
+        off.start_load("b", keys[RATE_MIN_HITS + 3 :])
+        assert off.backlog_seconds() == pytest.approx(5 * per_block)
+        go.set()
+        done: dict = {}
+        deadline = time.monotonic() + 5
+        while len(done) < 2 and time.monotonic() < deadline:
+            done |= off.poll_loads(wait=True)
+        assert set(done) == {"a", "b"}
+        assert off.backlog_seconds() == 0.0  # nothing left to fetch
+    finally:
+        off.close()

@@ -299,3 +299,50 @@ def test_a_redis_server_answers_one_load_at_a_time_for_every_replica():
         off.start_load("z", keys)
         hosts.append(off._loads["z"].end_at)
     assert hosts[0] == hosts[1] == pytest.approx(one)
+
+
+def test_a_load_that_would_land_after_its_deadline_is_not_started(monkeypatch):
+    """Two requests whose prefixes the tier holds arrive together; one load takes 0.6 of the
+    timeout, so the second, queued behind the first, would land after its deadline: it is
+    computed at once (a skipped load) instead of waiting out the timeout and computing then,
+    which is what starting it does (the rule without the deadline check, patched in)."""
+    kw = dict(model=default_model(), num_gpu_blocks=16, kv_offload_cpu="64MiB",
+              kv_offload_timeout=0.01)  # fmt: skip
+    prompts = prompts_that_evict()
+    prompts[2] = [random.Random(2).randrange(3, 4000) for _ in range(250)]  # fills the pool
+
+    def run():
+        probe = build_engine(SimTarget(kw, cpu_profile(**TIER)))
+        timeout = probe.offload.load_timeout_s
+        block = probe.shape.kv_bytes_per_token * 16
+        lat = 1e-4
+        bw = 6 * block / (0.6 * timeout - lat)  # the first request's 6 blocks: 0.6 timeout
+        prof = {**TIER, "tier_bandwidth": {"cpu": bw}, "tier_latency_s": {"cpu": lat}}
+        sim = build_engine(SimTarget(kw, cpu_profile(**prof)))
+        eng = sim.engine
+        one_at_a_time(eng, eng.core.step, prompts[:3])
+        sent = sim.clock.now
+        for rid, p in (("a", prompts[3]), ("b", prompts[4])):
+            eng.add_request(rid, {"prompt_token_ids": p},
+                            SamplingParams(max_tokens=1, ignore_eos=True), arrival_time=sent)  # fmt: skip
+        first = {}
+        while eng.has_unfinished_requests():
+            for r in eng.core.step():
+                if r.request_id in ("a", "b") and r.request_id not in first:
+                    first[r.request_id] = sim.clock.now - sent
+        return first, eng.stats(), timeout
+
+    first, st, timeout = run()
+    assert st.tier_hit_tokens == 96  # a's six blocks; b's five were computed
+    assert st.tier_loads_skipped == 1
+    assert st.kv_offload["cpu"]["failures"].get("load_timeout", 0) == 0
+    assert first["b"] < timeout
+
+    def without_deadline_check(self, n):
+        return True
+
+    monkeypatch.setattr(TierLoads, "_pays", without_deadline_check)
+    forced, st_forced, _ = run()
+    assert st_forced.kv_offload["cpu"]["failures"].get("load_timeout", 0) == 1
+    assert st_forced.tier_hit_tokens == 96
+    assert forced["b"] > timeout > first["b"]  # it waited out the deadline, then computed

@@ -116,6 +116,7 @@ class OffloadTiers(Protocol):
     # Whether a preempted request loads its blocks from the tiers (preemption_mode swap)
     # or computes them again (recompute); the scheduler applies it.
     swap_preempted: bool
+    load_timeout_s: float  # a load not landed by then is a miss (the request computes)
 
     @property
     def num_loading(self) -> int: ...
@@ -125,6 +126,11 @@ class OffloadTiers(Protocol):
     def load_seconds(self, num_blocks: int) -> float | None:
         """Expected seconds to load ``num_blocks`` of the last probe's hit (None: not known
         yet); the scheduler weighs it against computing them."""
+        ...
+
+    def backlog_seconds(self) -> float:
+        """Expected seconds before the worker starts a load asked now (the loads queued
+        before it); with :meth:`load_seconds`, when the load would land."""
         ...
 
     def start_load(self, req_id: str, hashes: Sequence[BlockHash]) -> None: ...
@@ -235,6 +241,17 @@ class KVOffload:
         if c.hits < RATE_MIN_HITS:
             return None
         return num_blocks * c.seconds_up / c.hits
+
+    def backlog_seconds(self) -> float:
+        """The blocks of the loads still to be fetched, at the tiers' mean measured seconds
+        per block (0 until ``RATE_MIN_HITS`` blocks have been loaded: not known yet)."""
+        hits = sum(c.hits for c in self.counters.values())
+        if hits < RATE_MIN_HITS:
+            return 0.0
+        per_block = sum(c.seconds_up for c in self.counters.values()) / hits
+        with self._lock:
+            blocks = sum(len(load.keys) for load in self._loads.values() if load.result is None)
+        return blocks * per_block
 
     def start_load(self, req_id: str, hashes: Sequence[BlockHash]) -> None:
         with self._lock:

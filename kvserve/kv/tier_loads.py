@@ -14,7 +14,11 @@ take each other's blocks forever).
 A tier hit is loaded only when that is expected to be faster than computing it (SGLang #26305:
 a hit from a slow remote tier can take longer than the prefill it saves): the load's
 estimate comes from the tiers' measured transfer rate, the computation's from the engine's
-recent prefill steps. Until both have been measured, every hit is loaded.
+recent prefill steps. Until both have been measured, every hit is loaded. A load expected to
+land after its timeout, behind the loads already queued on the worker, is not started: its
+request would wait out the deadline and then compute. The queue is not weighed against
+computing otherwise: the engine's time is what every request shares, and a load that lands
+in time saves it.
 """
 
 from __future__ import annotations
@@ -77,9 +81,15 @@ class TierLoads:
         )
 
     def _pays(self, n: int) -> bool:
-        """Whether loading ``n`` blocks is expected to beat computing their tokens."""
-        load_s = self.offload.load_seconds(n)
-        if load_s is None or self.compute_s_per_token is None:
+        """Whether loading ``n`` blocks is expected to beat computing their tokens, and to
+        land before its deadline (the loads queued before it included)."""
+        offload = self.offload
+        load_s = offload.load_seconds(n)
+        if load_s is None:
+            return True
+        if offload.backlog_seconds() + load_s > offload.load_timeout_s:
+            return False  # the request would wait out the deadline, then compute anyway
+        if self.compute_s_per_token is None:
             return True
         return load_s <= n * self.kv.block_size * self.compute_s_per_token
 

@@ -179,6 +179,9 @@ class SimOffload:
             took += max(tier.free_at + self.epoch - max(self.clock(), self._queue_free_at), 0.0)
         return took
 
+    def backlog_seconds(self) -> float:
+        return max(self._queue_free_at - self.clock(), 0.0)
+
     def _transfer_s(self, tier: ModelledTier, n: int) -> float:
         return (
             math.ceil(n / LOAD_BATCH) * tier.latency_s + n * self.gpu_block_bytes / tier.bandwidth
