@@ -322,9 +322,9 @@ def test_a_load_that_would_land_after_its_deadline_is_not_started(monkeypatch):
         eng = sim.engine
         one_at_a_time(eng, eng.core.step, prompts[:3])
         sent = sim.clock.now
+        params = SamplingParams(max_tokens=1, ignore_eos=True)
         for rid, p in (("a", prompts[3]), ("b", prompts[4])):
-            eng.add_request(rid, {"prompt_token_ids": p},
-                            SamplingParams(max_tokens=1, ignore_eos=True), arrival_time=sent)  # fmt: skip
+            eng.add_request(rid, {"prompt_token_ids": p}, params, arrival_time=sent)
         first = {}
         while eng.has_unfinished_requests():
             for r in eng.core.step():
