@@ -111,7 +111,7 @@ def test_min_rows_from_the_environment(monkeypatch):
     if AMX:
         assert isinstance(ops, AMXOps)
     else:
-        assert isinstance(ops, UpcastOps) and ops.min_rows == 64
+        assert isinstance(ops, UpcastOps) and ops.min_rows == 64 and ops.forced
     assert type(select_ops(torch.device("cpu"), torch.float32)) is OneDNNOps
     monkeypatch.setenv("KVSERVE_UPCAST_MIN_ROWS", "0")
     assert upcast_min_rows() is None
@@ -157,3 +157,38 @@ def test_gemm_benchmark_refuses_bad_row_counts(capsys, rows):
         main(["--rows", rows])
     assert e.value.code == 2
     assert f"--rows: a comma list of integers >= 1, got {rows!r}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("forced", [False, True])
+def test_float32_copies_only_where_memory_allows(checkpoint, monkeypatch, forced):
+    """The copies take 4 bytes per layer weight; when that is over a quarter of the memory
+    available at load time they are not made (every GEMM stays packed bf16, bit for bit the
+    packed backend's, and the backend says why), unless the user set the threshold."""
+    from kvserve.model import linear_ops
+
+    model, cfg = _load_bf16(checkpoint, monkeypatch, "llama_gqa")
+    head = model.lm_head
+    need = 4 * sum(p.numel() for n, p in model.named_parameters()
+                   if n.startswith("layers.") and n.endswith("proj.weight"))  # fmt: skip
+    assert head.weight.numel() * 4 < need  # the LM head is not copied
+    # Just too little memory: the copies would be a hair over the share.
+    monkeypatch.setattr(linear_ops, "available_memory", lambda: int(need * 4 - 4))
+    ops = UpcastOps(min_rows=16, forced=forced)
+    model.set_ops(ops)
+    layer = model.layers[0]
+    assert hasattr(layer.qkv_proj, "weight32") == forced
+    x = torch.randn(64, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    x = x.to(torch.bfloat16)
+    got = ops.linear(x, layer.qkv_proj)
+    if forced:
+        assert ops.skipped is None and "float32 GEMMs in steps of 16+" in ops.describe()
+    else:
+        assert ops.skipped == (need, need * 4 - 4)
+        assert "would take" in ops.describe() and "bf16 GEMMs" in ops.describe()
+        packed = OneDNNOps(prepack=True)
+        model.set_ops(packed)
+        assert torch.equal(got, packed.linear(x, layer.qkv_proj))
+    # Enough memory: the copies are made.
+    monkeypatch.setattr(linear_ops, "available_memory", lambda: int(need * 4))
+    model.set_ops(UpcastOps(min_rows=16))
+    assert hasattr(layer.qkv_proj, "weight32")

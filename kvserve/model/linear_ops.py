@@ -255,21 +255,40 @@ class UpcastOps(OneDNNOps):
     rows). The arithmetic is the bf16 GEMM's: bf16 inputs (their products are exact in
     float32), float32 sums and epilogue, the result rounded to bf16 once; only the order of
     the sums differs, as between any two GEMM kernels. The copies cost twice the bf16 bytes
-    of the layers' weights in host memory; the KV cache and the activations stay bf16."""
+    of the layers' weights in host memory; the KV cache and the activations stay bf16.
+
+    That memory is what the KV pool and other processes would use, and for a large model it
+    is large (an 8 B model: 32 GB). Unless ``forced`` (the user set the threshold), the copies
+    are made only when they take at most ``UPCAST_MEMORY_SHARE`` of the memory available at
+    load time; otherwise every GEMM stays packed bf16 and :meth:`describe` says why."""
 
     name = "onednn-upcast"
 
-    def __init__(self, min_rows: int) -> None:
+    def __init__(self, min_rows: int, forced: bool = False) -> None:
         super().__init__(prepack=True)
         self.min_rows = min_rows
+        self.forced = forced
+        self.skipped: tuple[int, int] | None = None  # (copy bytes, bytes available) if so
 
     def adopt(self, model: nn.Module) -> None:
+        head = getattr(model, "lm_head", None)
+        # Only sampled rows reach the LM head in prefill: rarely min_rows of them.
+        layers = [(lin, gu) for lin, gu in linear_layers(model) if lin is not head]
+        # A packing backend keeps the up half of gate_up apart (see OneDNNOps.adopt).
+        need = 4 * sum(
+            lin.weight.numel() + (lin.up_weight.numel() if gu and hasattr(lin, "up_weight") else 0)
+            for lin, gu in layers
+        )
+        avail = available_memory()
+        if not self.forced and avail is not None and need > UPCAST_MEMORY_SHARE * avail:
+            self.skipped = (need, avail)
+            OneDNNOps.adopt(self, model)  # packed bf16 for every step
+            return
+        self.skipped = None
         TorchOps.adopt(self, model)  # dense bf16 first: the float32 copies come from it
         pack32 = torch.ops.mkldnn._reorder_linear_weight
         copies = []
-        for lin, gate_up in linear_layers(model):
-            if lin is getattr(model, "lm_head", None):
-                continue  # only sampled rows reach it in prefill: rarely min_rows of them
+        for lin, gate_up in layers:
             w = lin.weight.detach().float()
             c = {"bias32": None if lin.bias is None else lin.bias.detach().float()}
             if gate_up:  # the gate rows and the up rows apart, as the bf16 packing keeps them
@@ -283,6 +302,13 @@ class UpcastOps(OneDNNOps):
             lin.__dict__.update(c)
 
     def describe(self) -> str:
+        if self.skipped is not None:
+            need, avail = (b / 2**30 for b in self.skipped)
+            return (
+                f"{self.name} off: float32 copies of the weights would take {need:.1f} GiB, "
+                f"over {UPCAST_MEMORY_SHARE:.0%} of the {avail:.1f} GiB available "
+                "(KVSERVE_UPCAST_MIN_ROWS=N makes them anyway); bf16 GEMMs"
+            )
         return f"{self.name} (float32 GEMMs in steps of {self.min_rows}+ tokens)"
 
     def _big(self, x: torch.Tensor, layer: nn.Linear) -> bool:
@@ -335,6 +361,21 @@ UPCAST_GAIN = 1.25
 # Steps with fewer tokens keep bf16 where the CPU has a bf16 dot product: at decode sizes
 # the GEMMs stream the weights from memory, and bf16's are half the bytes (BENCHMARKS.md).
 UPCAST_MIN_ROWS = 128
+# The share of the memory available at load time that the float32 copies may take.
+UPCAST_MEMORY_SHARE = 0.25
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel says can be allocated without swapping (``MemAvailable``), or None
+    where there is no /proc/meminfo."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def upcast_min_rows() -> int | None:
@@ -400,6 +441,6 @@ def select_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
             return AMXOps()
         rows = upcast_min_rows() if prepack else None
         if rows is not None:
-            return UpcastOps(rows)
+            return UpcastOps(rows, forced="KVSERVE_UPCAST_MIN_ROWS" in os.environ)
         return OneDNNOps(prepack=prepack)
     return TorchOps()
