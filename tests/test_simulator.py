@@ -167,6 +167,38 @@ def test_fit_recovers_the_profile_that_made_the_steps():
     assert fitted.decode_kv_efficiency == pytest.approx(0.4, rel=0.25)
 
 
+def test_fit_gives_large_steps_their_own_gemm_efficiency():
+    """An engine whose steps of 128+ tokens take another GEMM path (UpcastOps: a bf16 model's
+    float32 GEMMs on a CPU without AMX) runs them at another efficiency. Steps made by such a
+    profile: the fit recovers both efficiencies and predicts held-out steps; a one-path fit
+    of the same steps misses the large ones."""
+    cfg = json.loads((default_model_dir() / "config.json").read_text())
+    shape = shape_of(cfg, "float32", "float32")
+    truth = cpu_profile(
+        step_overhead_s=3e-3, per_seq_s=4e-5, prefill_step_s=5e-4, gemm_efficiency=0.3,
+        weight_read_efficiency=0.5, prefill_attention_efficiency=0.3, decode_kv_efficiency=0.4,
+        large_step_tokens=128, gemm_efficiency_large=0.9,
+    )  # fmt: skip
+    train = synthetic_steps(truth, shape, 600, noise=0.05)
+    assert sum(f.tokens >= 128 for f, _ in train) > 100
+    fitted, _ = fit_profile(train, shape, cpu_profile(large_step_tokens=128), 1e11)
+    assert fitted.large_step_tokens == 128
+    assert fitted.gemm_efficiency_large == pytest.approx(0.9, rel=0.2)
+    assert fitted.gemm_efficiency == pytest.approx(0.3, rel=0.2)
+    one_path, _ = fit_profile(train, shape, cpu_profile())
+    test = [(f, t) for f, t in synthetic_steps(truth, shape, 300, noise=0.0, seed=1)
+            if f.tokens >= 128]  # fmt: skip
+    real = np.array([t for _, t in test])
+    two = np.array([fitted.step_time(f, shape) for f, _ in test])
+    one = np.array([one_path.step_time(f, shape) for f, _ in test])
+    assert np.median(np.abs(two / real - 1)) < 0.05
+    assert np.median(np.abs(one / real - 1)) > 2 * np.median(np.abs(two / real - 1))
+    # The other path's own peak bounds its efficiency (here: no faster than peak_flops / 2,
+    # but for the few percent of the summed-time correction applied to every term).
+    capped, _ = fit_profile(train, shape, cpu_profile(large_step_tokens=128), 0.5e11)
+    assert capped.gemm_efficiency_large < 0.55
+
+
 def default_model_dir():
     from pathlib import Path
 

@@ -180,6 +180,8 @@ def test_float32_copies_only_where_memory_allows(checkpoint, monkeypatch, forced
     x = torch.randn(64, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
     x = x.to(torch.bfloat16)
     got = ops.linear(x, layer.qkv_proj)
+    # What the simulator's calibration reads: the steps that take the float32 path.
+    assert ops.large_step_rows == (16 if forced else 0)
     if forced:
         assert ops.skipped is None and "float32 GEMMs in steps of 16+" in ops.describe()
     else:

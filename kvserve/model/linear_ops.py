@@ -77,6 +77,12 @@ class TorchOps:
         """The backend in a server's start-up log."""
         return self.name
 
+    @property
+    def large_step_rows(self) -> int:
+        """Steps of at least this many tokens run their GEMMs on another path (0: none do);
+        the simulator's cost model gives them their own efficiency."""
+        return 0
+
     def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
 
@@ -300,6 +306,10 @@ class UpcastOps(OneDNNOps):
         super().adopt(model)  # packs the bf16 matrices
         for lin, c in copies:  # plain attributes, not parameters: decode steps read bf16
             lin.__dict__.update(c)
+
+    @property
+    def large_step_rows(self) -> int:
+        return 0 if self.skipped is not None else self.min_rows
 
     def describe(self) -> str:
         if self.skipped is not None:

@@ -139,6 +139,12 @@ def calibrate(
         "dtype; a streaming read); factors fitted to the real engine's step times",
         dtype=dtype,
     )
+    # A bf16 model whose large steps run float32 GEMMs (UpcastOps): their own efficiency,
+    # bounded by the float32 GEMM's own peak.
+    base.large_step_tokens = eng.model.ops.large_step_rows
+    large_peak = (
+        measure_gemm_peak(torch.float32, spec.hidden_size, dev) if base.large_step_tokens else None
+    )
     steps: list[tuple[StepFeatures, float]] = []
     adds: list[tuple[int, float]] = []
     warm = len(warmup or [])
@@ -169,7 +175,7 @@ def calibrate(
     asyncio.run(benchmark(target, workloads, loads, seed, warmup, progress=False))
     wall = time.perf_counter() - t0
     adds = adds[warm:]
-    profile, report = fit_profile(steps, shape, base)
+    profile, report = fit_profile(steps, shape, base, large_peak)
     if adds:
         x = np.array([[1.0, n] for n, _ in adds])
         y = np.array([s for _, s in adds])

@@ -7,7 +7,10 @@ batch over a device peak, divided by an efficiency factor:
   per chunk, per token, per sampled row, and per prompt token of a request's first step (its
   block hashes, its sampling state) (scheduling, batch building, sampling, Python);
 - the linear layers: ``max(FLOPs / (peak x e_gemm), weight bytes / (bandwidth x e_weights))``,
-  the roofline of reading every weight once against computing every token through it;
+  the roofline of reading every weight once against computing every token through it; an
+  engine whose large steps take another GEMM path (a bf16 model's float32 GEMMs on a CPU
+  without AMX, :class:`~kvserve.model.linear_ops.UpcastOps`) has a second efficiency for
+  steps of at least ``large_step_tokens`` tokens, which are compute-bound;
 - prefill attention: FLOPs of each new token against the cache entries it attends to (causal,
   windows honoured), over peak x ``e_prefill_attention``;
 - decode attention: the cache bytes the decode tokens read, over bandwidth x ``e_decode_kv``,
@@ -49,7 +52,7 @@ SECONDS_FIELDS = (
 TIER_NAMES = ("cpu", "disk", "redis")  # offload tiers, as kvserve.kv.tiers names them
 EFFICIENCY_FIELDS = (
     "gemm_efficiency", "weight_read_efficiency", "prefill_attention_efficiency",
-    "decode_kv_efficiency",
+    "decode_kv_efficiency", "gemm_efficiency_large",
 )  # fmt: skip
 
 
@@ -228,6 +231,10 @@ class Profile:
     per_token_s: float = 0.0
     per_sampled_row_s: float = 0.0
     gemm_efficiency: float = 0.5
+    # Steps of at least this many tokens run their GEMMs on another path, at
+    # gemm_efficiency_large of peak_flops (0: one path for every step).
+    large_step_tokens: int = 0
+    gemm_efficiency_large: float = 0.5
     weight_read_efficiency: float = 0.7
     prefill_attention_efficiency: float = 0.4
     decode_kv_efficiency: float = 0.6
@@ -259,9 +266,12 @@ class Profile:
             + self.per_token_s * f.tokens
             + self.per_sampled_row_s * f.sampled_rows
         )
-        compute = f.linear_flops / (self.peak_flops * self.gemm_efficiency)
-        weights = shape.weight_bytes / (self.peak_bandwidth * self.weight_read_efficiency)
-        t += max(compute, weights)
+        if self.large_step_tokens and f.tokens >= self.large_step_tokens:
+            t += f.linear_flops / (self.peak_flops * self.gemm_efficiency_large)
+        else:
+            compute = f.linear_flops / (self.peak_flops * self.gemm_efficiency)
+            weights = shape.weight_bytes / (self.peak_bandwidth * self.weight_read_efficiency)
+            t += max(compute, weights)
         t += f.prefill_attention_flops / (self.peak_flops * self.prefill_attention_efficiency)
         # KV memory traffic: the decode tokens' reads, and a compaction's copies
         kv_bytes = f.decode_kv_bytes + f.compact_bytes
@@ -313,6 +323,9 @@ class Profile:
             v = getattr(p, name)
             if not (isinstance(v, int | float) and 0 < v):
                 raise ValueError(f"{where}: {name} must be > 0, got {v!r}")
+        n = p.large_step_tokens
+        if not (isinstance(n, int) and n >= 0):
+            raise ValueError(f"{where}: large_step_tokens must be an integer >= 0, got {n!r}")
         for name in (*SECONDS_FIELDS, "offload_export_s_per_byte"):
             v = getattr(p, name)
             if not (isinstance(v, int | float) and v >= 0):
@@ -442,9 +455,13 @@ def fit_profile(
     samples: list[tuple[StepFeatures, float]],
     shape: ModelShape,
     base: Profile,
+    large_peak_flops: float | None = None,
 ) -> tuple[Profile, FitReport]:
     """Factors that best explain measured ``(features, seconds)`` steps, on ``base``'s
-    peaks. A term the steps never exercise (no decode, no prefill) keeps ``base``'s factor."""
+    peaks. A term the steps never exercise (no decode, no prefill) keeps ``base``'s factor.
+    With ``base.large_step_tokens``, steps that large get their own GEMM efficiency (against
+    ``base.peak_flops``, at most ``large_peak_flops`` / ``base.peak_flops``: the other path's
+    own measured peak, when given)."""
     if len(samples) < 8:
         raise ValueError(f"calibration: needs at least 8 measured steps, got {len(samples)}")
     feats = [f for f, _ in samples]
@@ -466,16 +483,25 @@ def fit_profile(
         "first_touch_s_per_byte": np.array([f.first_touch_bytes for f in feats]),
     }
     lin = np.array([f.linear_flops for f in feats]) / P
+    large = np.array([bool(base.large_step_tokens) and f.tokens >= base.large_step_tokens
+                      for f in feats])  # fmt: skip
+    if large.any():  # compute-bound: no weight-read floor
+        cols["gemm_large"] = np.where(large, lin, 0.0)
+        lin = np.where(large, 0.0, lin)
     names = list(cols)
     used = [n for n in names if cols[n].any()]
     wt = 1.0 / t  # relative error
     # The device terms are in units of their peak time, and no term beats its peak: their
     # coefficients are 1 + a non-negative excess (efficiency <= 1).
-    floor = np.array([1.0 if n in PHYSICAL else 0.0 for n in used] + [1.0])
+    large_floor = P / large_peak_flops if large_peak_flops else 1.0
+    floor = np.array(
+        [1.0 if n in PHYSICAL else large_floor if n == "gemm_large" else 0.0 for n in used] + [1.0]
+    )
     best: tuple[float, np.ndarray, float] | None = None
-    knees = np.unique(np.quantile(lin, np.linspace(0.0, 1.0, 41)))
+    small = lin[~large] if (~large).any() else lin
+    knees = np.unique(np.quantile(small, np.linspace(0.0, 1.0, 41)))
     for knee in np.concatenate(([0.0], knees)):
-        hinge = np.maximum(lin, knee)
+        hinge = np.where(large, 0.0, np.maximum(lin, knee))
         a = np.column_stack([cols[n] for n in used] + [hinge]) * wt[:, None]
         scale = np.abs(a).max(axis=0)
         scale[scale == 0] = 1.0
@@ -507,6 +533,7 @@ def fit_profile(
     for name, attr in (
         ("prefill_attention", "prefill_attention_efficiency"),
         ("decode_kv", "decode_kv_efficiency"),
+        ("gemm_large", "gemm_efficiency_large"),
     ):
         c = coef.get(name, 0.0)
         if name in used:  # exercised: a zero coefficient means too cheap to see
