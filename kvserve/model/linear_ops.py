@@ -368,9 +368,11 @@ def bound_onednn_caches() -> None:
 # so that the choice does not flip with timing noise.
 UPCAST_PROBE = (256, 1024, 1024)  # rows, in, out
 UPCAST_GAIN = 1.25
-# Steps with fewer tokens keep bf16 where the CPU has a bf16 dot product: at decode sizes
-# the GEMMs stream the weights from memory, and bf16's are half the bytes (BENCHMARKS.md).
-UPCAST_MIN_ROWS = 128
+# Steps with fewer tokens keep bf16 where the CPU has a bf16 dot product: at small decode
+# batches the GEMMs stream the weights from memory, bf16's are half the bytes, and the
+# conversions in and out weigh more. Every layer of the benchmark models, with conversions:
+# float32 about even at 32 rows, 1.16x faster at 64 (BENCHMARKS.md).
+UPCAST_MIN_ROWS = 64
 # The share of the memory available at load time that the float32 copies may take.
 UPCAST_MEMORY_SHARE = 0.25
 
