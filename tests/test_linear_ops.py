@@ -101,14 +101,17 @@ def test_prepacked_weights_give_the_plain_results_and_unpack_exactly(checkpoint,
         assert back[n].layout == torch.strided and torch.equal(back[n], p), n
 
 
-def test_bf16_engine_packs_its_weights(checkpoint, make_llm):
+def test_engines_pack_their_weights(checkpoint, make_llm, monkeypatch):
     llm = make_llm(checkpoint("llama_gqa"), dtype="bfloat16")
     model = llm.engine.model
     assert isinstance(model.ops, OneDNNOps) and model.ops.prepack
     w = model.layers[0].qkv_proj.weight  # packed for the AMX tiles where the CPU has them
     assert amx.is_packed(w) if torch.cpu._is_amx_tile_supported() else w.layout == torch._mkldnn
     fp32 = make_llm(checkpoint("llama_gqa"), dtype="float32")
-    assert fp32.engine.model.layers[0].qkv_proj.weight.layout == torch.strided
+    assert fp32.engine.model.layers[0].qkv_proj.weight.layout == torch._mkldnn
+    monkeypatch.setenv("KVSERVE_DISABLE_PREPACK", "1")  # the A/B switch: plain weights
+    plain = make_llm(checkpoint("llama_gqa"), dtype="float32")
+    assert plain.engine.model.layers[0].qkv_proj.weight.layout == torch.strided
 
 
 _GROWTH = """

@@ -443,15 +443,16 @@ def select_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
         and os.environ.get("KVSERVE_DISABLE_ONEDNN") != "1"
     ):
-        # Packed bf16 weights measured faster at decode sizes and even at prefill sizes on an
-        # AMX Xeon (BENCHMARKS.md); float32 keeps plain weights, the layout its exactness
-        # tests against transformers were established with. KVSERVE_DISABLE_PREPACK=1 for A/B.
+        # Packed weights measured faster at decode sizes in both dtypes, and for bf16 even at
+        # prefill sizes on an AMX Xeon (BENCHMARKS.md); float32's greedy tokens still equal
+        # transformers' (the exactness tests). KVSERVE_DISABLE_PREPACK=1 for A/B.
         # Without AMX, bf16 GEMMs may be slower than float32 ones: see upcast_min_rows.
         bound_onednn_caches()
-        prepack = dtype == torch.bfloat16 and os.environ.get("KVSERVE_DISABLE_PREPACK") != "1"
-        if prepack and os.environ.get("KVSERVE_DISABLE_AMX") != "1" and amx.available():
+        prepack = os.environ.get("KVSERVE_DISABLE_PREPACK") != "1"
+        bf16 = prepack and dtype == torch.bfloat16
+        if bf16 and os.environ.get("KVSERVE_DISABLE_AMX") != "1" and amx.available():
             return AMXOps()
-        rows = upcast_min_rows() if prepack else None
+        rows = upcast_min_rows() if bf16 else None
         if rows is not None:
             return UpcastOps(rows, forced="KVSERVE_UPCAST_MIN_ROWS" in os.environ)
         return OneDNNOps(prepack=prepack)
