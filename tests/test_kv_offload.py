@@ -545,11 +545,27 @@ def test_a_store_backlog_drops_blocks_instead_of_blocking():
         off.close()
 
 
+def hold_gets(tier):  # noqa: ANN001, ANN201
+    """Make the tier's gets wait until ``go`` is set; ``fetching`` is set once one waits (the
+    worker is inside a load)."""
+    import threading
+
+    fetching, go = threading.Event(), threading.Event()
+    real_get = tier.get
+
+    def held_get(key):  # noqa: ANN001, ANN202
+        fetching.set()
+        go.wait(5)
+        return real_get(key)
+
+    tier.get = held_get
+    return fetching, go
+
+
 def test_a_load_asked_again_gets_its_own_blocks_not_the_cancelled_ones():
     """A request whose load is released and asked again under the same id, while the worker
     still fetches the first: the first fetch's blocks (other keys, for other pool blocks)
     must never be handed to the second load."""
-    import threading
 
     import torch
 
@@ -565,15 +581,7 @@ def test_a_load_asked_again_gets_its_own_blocks_not_the_cancelled_ones():
         for i, h in enumerate([*a, *b]):
             off.store([h], BlockPayload(ident, 1, {"k": torch.full((1, 4), float(i))}))
         assert off.flush()
-        fetching, go = threading.Event(), threading.Event()
-        real_get = tier.get
-
-        def slow_get(key):  # noqa: ANN001, ANN202
-            fetching.set()
-            go.wait(5)
-            return real_get(key)
-
-        tier.get = slow_get
+        fetching, go = hold_gets(tier)
         off.start_load("r", a)
         assert fetching.wait(5)  # the worker is inside the first load
         off.cancel("r")
@@ -616,7 +624,6 @@ def test_backlog_is_the_queued_loads_blocks_at_the_measured_rate():
     """What the load rule adds before a new load lands: 0 until the tiers' rate is measured,
     then the blocks of every load not yet fetched times the mean seconds per block the worker
     timed."""
-    import threading
 
     import torch
 
@@ -642,15 +649,7 @@ def test_backlog_is_the_queued_loads_blocks_at_the_measured_rate():
         c = off.counters["cpu"]
         assert c.hits == RATE_MIN_HITS
         per_block = c.seconds_up / c.hits
-        fetching, go = threading.Event(), threading.Event()
-        real_get = tier.get
-
-        def held_get(key):  # noqa: ANN001, ANN202
-            fetching.set()
-            go.wait(5)
-            return real_get(key)
-
-        tier.get = held_get
+        fetching, go = hold_gets(tier)
         off.start_load("a", keys[RATE_MIN_HITS : RATE_MIN_HITS + 3])
         assert fetching.wait(5)  # the worker is inside a's load
         off.start_load("b", keys[RATE_MIN_HITS + 3 :])
