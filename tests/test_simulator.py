@@ -594,3 +594,29 @@ def test_replicas_side_by_side_equal_one_at_a_time(llama8b):
     assert [i.runner.steps for i in infos] == [s.runner.steps for s in sims]
     assert [i.num_blocks for i in infos] == [s.num_blocks for s in sims]
     assert all(not hasattr(i, "engine") for i in infos)
+
+
+def test_a_measured_first_touch_cost_is_kept_not_fitted():
+    """Given the first-touch cost (measured by the calibration), the fit keeps it and fits the
+    rest around it: held-out steps of a profile with that cost are predicted, and the other
+    factors are recovered."""
+    cfg = json.loads((default_model_dir() / "config.json").read_text())
+    shape = shape_of(cfg, "float32", "float32")
+    truth = cpu_profile(step_overhead_s=3e-3, per_seq_s=4e-5, gemm_efficiency=0.6,
+                        decode_kv_efficiency=0.4, first_touch_s_per_byte=2e-9)  # fmt: skip
+
+    def with_touch(steps):  # each step's first writes: its prompt chunk's blocks
+        out = []
+        for f, _ in steps:
+            f.first_touch_bytes = 0.0 if f.prefill_seqs == 0 else f.tokens * 1e4
+            out.append((f, truth.step_time(f, shape)))
+        return out
+
+    train = with_touch(synthetic_steps(truth, shape, 400, noise=0.0))
+    fitted, _ = fit_profile(train, shape, cpu_profile(), None, 2e-9)
+    assert fitted.first_touch_s_per_byte == pytest.approx(2e-9, rel=1e-6)
+    assert fitted.step_overhead_s == pytest.approx(3e-3, rel=0.05)
+    test = with_touch(synthetic_steps(truth, shape, 200, noise=0.0, seed=1))
+    pred = np.array([fitted.step_time(f, shape) for f, _ in test])
+    real = np.array([t for _, t in test])
+    assert np.max(np.abs(pred / real - 1)) < 0.02

@@ -456,12 +456,15 @@ def fit_profile(
     shape: ModelShape,
     base: Profile,
     large_peak_flops: float | None = None,
+    first_touch_s_per_byte: float | None = None,
 ) -> tuple[Profile, FitReport]:
     """Factors that best explain measured ``(features, seconds)`` steps, on ``base``'s
     peaks. A term the steps never exercise (no decode, no prefill) keeps ``base``'s factor.
     With ``base.large_step_tokens``, steps that large get their own GEMM efficiency (against
     ``base.peak_flops``, at most ``large_peak_flops`` / ``base.peak_flops``: the other path's
-    own measured peak, when given)."""
+    own measured peak, when given). ``first_touch_s_per_byte``, when given, is that term's
+    measured cost and is not fitted: first writes into the pool grow with a prefill step's
+    tokens, as its GEMMs and host work do, and a fit cannot tell them apart."""
     if len(samples) < 8:
         raise ValueError(f"calibration: needs at least 8 measured steps, got {len(samples)}")
     feats = [f for f, _ in samples]
@@ -482,6 +485,10 @@ def fit_profile(
         "decode_kv": np.array([f.decode_kv_bytes + f.compact_bytes for f in feats]) / B,
         "first_touch_s_per_byte": np.array([f.first_touch_bytes for f in feats]),
     }
+    known = np.zeros(len(t))  # seconds of measured terms, not fitted
+    if first_touch_s_per_byte is not None:
+        touch = cols.pop("first_touch_s_per_byte")
+        known = touch * first_touch_s_per_byte
     lin = np.array([f.linear_flops for f in feats]) / P
     large = np.array([bool(base.large_step_tokens) and f.tokens >= base.large_step_tokens
                       for f in feats])  # fmt: skip
@@ -505,9 +512,9 @@ def fit_profile(
         a = np.column_stack([cols[n] for n in used] + [hinge]) * wt[:, None]
         scale = np.abs(a).max(axis=0)
         scale[scale == 0] = 1.0
-        rhs = np.ones(len(t)) - a @ floor
+        rhs = np.ones(len(t)) - known * wt - a @ floor
         x = _nnls(a / scale, rhs) / scale + floor
-        loss = float(np.sum((a @ x - 1.0) ** 2))
+        loss = float(np.sum((a @ x + known * wt - 1.0) ** 2))
         if best is None or loss < best[0]:
             best = (loss, x, float(knee))
     assert best is not None
@@ -524,7 +531,11 @@ def fit_profile(
         p.per_solo_seq_s = float(coef["per_solo_seq_s"])
     p.per_token_s = float(coef.get("per_token_s", 0.0))
     p.per_sampled_row_s = float(coef.get("per_sampled_row_s", 0.0))
-    p.first_touch_s_per_byte = float(coef.get("first_touch_s_per_byte", 0.0))
+    p.first_touch_s_per_byte = (
+        first_touch_s_per_byte
+        if first_touch_s_per_byte is not None
+        else float(coef.get("first_touch_s_per_byte", 0.0))
+    )
     # max(F / (P e_g), W / (B e_w)) is the hinge a max(F, knee): e_g = 1 / a, and the weight
     # read takes a x knee seconds.
     p.gemm_efficiency = 1.0 / gemm_inv if gemm_inv > 0 else UNSEEN
