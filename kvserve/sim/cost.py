@@ -500,10 +500,9 @@ def fit_profile(
     wt = 1.0 / t  # relative error
     # The device terms are in units of their peak time, and no term beats its peak: their
     # coefficients are 1 + a non-negative excess (efficiency <= 1).
-    large_floor = P / large_peak_flops if large_peak_flops else 1.0
-    floor = np.array(
-        [1.0 if n in PHYSICAL else large_floor if n == "gemm_large" else 0.0 for n in used] + [1.0]
-    )
+    floors = dict.fromkeys(PHYSICAL, 1.0)
+    floors["gemm_large"] = P / large_peak_flops if large_peak_flops else 1.0
+    floor = np.array([floors.get(n, 0.0) for n in used] + [1.0])
     best: tuple[float, np.ndarray, float] | None = None
     small = lin[~large] if (~large).any() else lin
     knees = np.unique(np.quantile(small, np.linspace(0.0, 1.0, 41)))

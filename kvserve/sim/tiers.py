@@ -174,13 +174,18 @@ class SimOffload:
         tier = self._probe_tier
         if tier is None:
             return None
-        took = self._transfer_s(tier, num_blocks)
-        if tier.free_at is not None:
-            took += max(tier.free_at + self.epoch - max(self.clock(), self._queue_free_at), 0.0)
-        return took
+        start = max(self.clock(), self._queue_free_at)
+        return self._server_wait(tier, start) + self._transfer_s(tier, num_blocks)
 
     def backlog_seconds(self) -> float:
         return max(self._queue_free_at - self.clock(), 0.0)
+
+    def _server_wait(self, tier: ModelledTier, at: float) -> float:
+        """Seconds from ``at`` (this engine's clock) until the tier's server is free: 0 for a
+        tier that is no server, or a server idle by then."""
+        if tier.free_at is None:
+            return 0.0
+        return max(tier.free_at + self.epoch - at, 0.0)
 
     def _transfer_s(self, tier: ModelledTier, n: int) -> float:
         return (
@@ -219,7 +224,7 @@ class SimOffload:
                 # (by any replica); the worker waits for it, and times the wait as part of
                 # the load, as the real worker's clock does.
                 before = tier.free_at
-                took += max(before + self.epoch - t, 0.0)
+                took += self._server_wait(tier, t)
                 tier.free_at = t + took - self.epoch
                 servers.append((tier, before, tier.free_at))
             c = self.counters[tier.name]
