@@ -224,6 +224,9 @@ def test_profile_file_round_trip_and_errors(tmp_path):
         ({k: v for k, v in data.items() if k != "peak_flops"}, "missing field 'peak_flops'"),
         ({**data, "gemm_efficiency": 0}, "gemm_efficiency must be > 0"),
         ({**data, "per_seq_s": -1}, "per_seq_s must be >= 0"),
+        ({**data, "large_step_tokens": -1}, "large_step_tokens must be an integer >= 0"),
+        ({**data, "large_step_tokens": 64.5}, "large_step_tokens must be an integer >= 0"),
+        ({**data, "gemm_efficiency_large": 0}, "gemm_efficiency_large must be > 0"),
         ({**data, "version": 99}, "version 99"),
     ):
         (tmp_path / "bad.json").write_text(json.dumps(bad))
