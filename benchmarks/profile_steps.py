@@ -58,6 +58,12 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
+    ap.add_argument(
+        "--lazy-pool",
+        action="store_true",
+        help="leave the KV pool unmapped until first written (the engine's default): the KV "
+        "write rows then include a page fault per 4 KiB of new KV",
+    )
     args = ap.parse_args()
     threads = set_threads()
     import kvserve.model.llama as llama_mod
@@ -71,6 +77,7 @@ def main() -> None:
         max_num_seqs=len(prompts),
         enable_prefix_caching=False,
         max_num_batched_tokens=args.budget,
+        kv_cache_prefault=not args.lazy_pool,  # as throughput.py runs it
     )
     e = llm.engine
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4))  # warm-up
@@ -188,7 +195,8 @@ def main() -> None:
         f"prefill {steps['prefill']} ({tokens['prefill']} tokens), decode {steps['decode']}; "
         f"GEMM peak {peak_flops / 1e9:.0f} GFLOP/s"
         + (f" (float32, prefill: {prefill_peak / 1e9:.0f})" if upcast else "")
-        + f", read bandwidth {bw / 1e9:.1f} GB/s"
+        + f", read bandwidth {bw / 1e9:.1f} GB/s; KV pool "
+        + ("lazily mapped" if args.lazy_pool else "faulted in at start")
     )
     print(table(rows, ["phase", "part", "s", "share", "ms/step", "bound s"]))
     emit({"benchmark": "profile_steps", "model": args.model, "dtype": args.dtype,

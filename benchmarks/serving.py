@@ -117,8 +117,10 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[dict[str, Any]] = []
     startups: dict[str, float] = {}
 
-    kv_cmd = [*KVSERVE, "serve", "--model", args.model_dir, *common, "--port", str(args.port)]
-    inproc = ["--model", args.model_dir, *common]
+    # vLLM zero-fills its KV space at start; kvserve's pool is faulted in there too.
+    kv_common = [*common, "--kv-cache-prefault"]
+    kv_cmd = [*KVSERVE, "serve", "--model", args.model_dir, *kv_common, "--port", str(args.port)]
+    inproc = ["--model", args.model_dir, *kv_common]
     venv_env, vl_cmd = None, None
     if args.vllm_python:
         venv = Path(args.vllm_python).parent

@@ -268,6 +268,10 @@ class CacheConfig:
     # Hybrid models (full and sliding-window layers): one table for every layer instead of
     # one per layer group, so nothing behind the windows is freed (vLLM's flag).
     disable_hybrid_kv_cache_manager: bool = False
+    # Fault the CPU pool's pages in at start (vLLM zero-fills its KV space there) instead of
+    # at each block's first write: slower start, pool resident from the start, and the first
+    # pass through the pool runs at the steady rate (KVStorage.prefault says why it matters).
+    kv_cache_prefault: bool = False
 
     @property
     def kv_offload(self) -> bool:
@@ -287,6 +291,9 @@ class CacheConfig:
             raise ConfigError(f"num_gpu_blocks: must be an integer >= 1, got {self.num_gpu_blocks}")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        if not isinstance(self.kv_cache_prefault, bool):
+            raise ConfigError(f"kv_cache_prefault: must be true or false, got "
+                              f"{self.kv_cache_prefault!r}")  # fmt: skip
         if not isinstance(self.kv_cache_dtype, str):
             raise ConfigError(f"kv_cache_dtype: must be a format name, got {self.kv_cache_dtype!r}")
         # The names are the KV format registry's (kvserve.kv.formats); the engine checks them.

@@ -47,6 +47,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     g.add_argument("--calculate-kv-scales", action="store_true")
     g.add_argument(
+        "--kv-cache-prefault",
+        action="store_true",
+        help="CPU: fault the KV pool's pages in at start, as vLLM's zero-filled KV space is, "
+        "so the first requests do not pay a page fault per 4 KiB of new KV (start-up takes "
+        "longer and the whole pool is resident from the start)",
+    )
+    g.add_argument(
         "--disable-hybrid-kv-cache-manager",
         action="store_true",
         help="hybrid models (full and sliding-window layers): one block table for every "
@@ -174,6 +181,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kv_cache_memory=args.kv_cache_memory,
         kv_cache_dtype=args.kv_cache_dtype,
         calculate_kv_scales=args.calculate_kv_scales,
+        kv_cache_prefault=args.kv_cache_prefault,
         disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
         kv_retention=args.kv_retention,
         kv_offload_cpu=_offload_cpu(args),

@@ -42,6 +42,7 @@ def engine_config(
     kv_offload_reuse_threshold: int = 2,
     preemption_mode: str | None = None,
     disable_hybrid_kv_cache_manager: bool = False,
+    kv_cache_prefault: bool = False,
 ) -> EngineConfig:
     """The :class:`EngineConfig` of the keyword arguments ``LLM`` takes (the simulator
     builds an engine from the same arguments)."""
@@ -69,6 +70,7 @@ def engine_config(
             kv_offload_reuse_threshold=kv_offload_reuse_threshold,
             preemption_mode=preemption_mode,
             disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager,
+            kv_cache_prefault=kv_cache_prefault,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs,

@@ -337,6 +337,27 @@ def test_simulated_open_loop_times_follow_the_profile():
     assert rec.e2e == pytest.approx(1e-3 + first + sum(decode))
 
 
+@pytest.mark.parametrize("prefault", [False, True])
+def test_a_prefaulted_pool_pays_no_first_touch(prefault):
+    """A CPU profile charges a pool block's first write; an engine started with
+    kv_cache_prefault faulted every page in at start, so its first prefill pays nothing."""
+    kw = dict(model=default_model(), num_gpu_blocks=64, kv_cache_prefault=prefault)
+    prof = cpu_profile(request_overhead_s=1e-3, first_touch_s_per_byte=1e-8)
+    sim = build_engine(SimTarget(kw, prof))
+    prompt = "The cache block model server request queue latency"
+    ids = sim.encode(prompt)
+    req = BenchRequest(0, "chat", prompt, 1, len(ids))
+    res, (eng,) = simulate_load(SimTarget(kw, prof), [req], LoadSpec(1.0), seed=0)
+    shape = eng.shape
+    pre = step_features(
+        SchedulerOutput(seqs=[ScheduledSeq("a", ids, 0, 0, [0, 1, 2, 3], ("a",))]), shape
+    )
+    assert pre.first_touch_bytes == 0  # no touched set given: nothing charged
+    blocks = -(-len(ids) // 16)
+    touch = 0.0 if prefault else blocks * 16 * shape.kv_bytes_per_token * 1e-8
+    assert res.records[0].ttft == pytest.approx(1e-3 + prof.step_time(pre, shape) + touch)
+
+
 # -- GPU scale -------------------------------------------------------------------------------
 @pytest.fixture
 def llama8b(tmp_path):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -52,6 +53,8 @@ from kvserve.retention import parse_retention
 from kvserve.runner import ModelRunner, build_runner
 from kvserve.step import Runner
 from kvserve.workload_class_file import load_workload_classes
+
+log = logging.getLogger("kvserve.engine")
 
 
 class LLMEngine:
@@ -112,6 +115,11 @@ class LLMEngine:
             self.model, self.storage = runner.model, runner.storage
             layout = self.storage.format_name
             partial_cap = getattr(self.storage, "partial_block_capacity", None)
+            if cc.kv_cache_prefault:
+                t0 = time.perf_counter()
+                touched = self.storage.prefault()
+                log.info("KV pool: %.2f GiB faulted in at start in %.2f s (--kv-cache-prefault)",
+                         touched / 2**30, time.perf_counter() - t0)  # fmt: skip
         self.model_id = model_fingerprint(model_dir)
         # A hybrid model (full and sliding layers): a block table per layer group, so that
         # window layers give their blocks back (kvserve.kv.layer_groups).

@@ -79,6 +79,9 @@ class BlockPayload:
         return BlockPayload(self.identity, len(indices), tensors, self.pool, extra)
 
 
+PAGE_BYTES = 4096  # the smallest page of the CPUs kvserve runs on (x86-64, arm64 4K kernels)
+
+
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero tensor. On the CPU its memory comes from calloc (through NumPy), so the
     operating system hands out zero pages as they are first written instead of the engine
@@ -210,6 +213,30 @@ class KVStorage(ABC):
         rows = sum(t.numel() * t.element_size() for ts in tensors for t in ts)
         fixed = sum(t.numel() * t.element_size() for t in self.fixed_tensors())
         return rows - self.nbytes() + fixed
+
+    def prefault(self) -> int:
+        """Fault every page of the pool in now instead of at its first write; returns the
+        bytes touched. Contents are kept: one byte of each page (and the last byte) is copied
+        onto itself.
+
+        :func:`zeros` leaves a CPU pool's pages unmapped until a block is first written, so
+        the first pass through the pool pays a page fault per 4 KiB inside engine steps; in a
+        virtual machine whose host backs guest memory on demand, such a fault costs many
+        times the write itself (BENCHMARKS.md has figures). vLLM zero-fills its KV space at
+        start; this moves the same cost to the same place, for the whole pool rather than the
+        part a run uses, so that the first requests run at the steady rate."""
+        if self.device.type != "cpu":
+            return 0  # device memory is backed when it is allocated
+        tensors = [t for ts in self.distinct_block_tensors().values() for t in ts]
+        touched = 0
+        for t in tensors + self.fixed_tensors():
+            if not t.is_contiguous() or t.numel() == 0:
+                continue
+            raw = t.view(-1).view(torch.uint8)
+            raw[::PAGE_BYTES].copy_(raw[::PAGE_BYTES].clone())
+            raw[-1:].copy_(raw[-1:].clone())  # a tail that crosses into one more page
+            touched += raw.numel()
+        return touched
 
     # -- the step ------------------------------------------------------------------------------
     def begin_step(self, slot_mapping: torch.Tensor) -> None:  # noqa: B027 - optional hook

@@ -169,7 +169,8 @@ def calibrate(
     warm = len(warmup or [])
     step, add = eng.step, eng.add_request
 
-    touched: set[int] = set()  # the real pool's blocks written so far
+    # The real pool's blocks written so far (None: faulted in at start, none is new).
+    touched: set[int] | None = None if eng.config.cache.kv_cache_prefault else set()
 
     def timed_step() -> Any:
         a = time.perf_counter()

@@ -237,6 +237,8 @@ def build_engine(target: SimTarget) -> SimEngine:
     clock = VirtualClock()
     runner = CostModelRunner(target.profile, clock, token_id=0)
     config = engine_config(**kw)
+    if config.cache.kv_cache_prefault:
+        runner.touched = None  # every page was faulted in at start
     offload = None
     if config.cache.kv_offload:
         tiers = modelled_tiers(config.cache, target.profile)
