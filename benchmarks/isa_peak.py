@@ -44,8 +44,11 @@ def main() -> None:
     rows = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    for name, fn, dtype in (("float32 FMA (vfmadd231ps)", "kvserve_peak_fma_f32", torch.float32),
-                            ("bf16 dot (vdpbf16ps)", "kvserve_peak_dot_bf16", torch.bfloat16)):  # fmt: skip
+    probes = [
+        ("float32 FMA (vfmadd231ps)", "kvserve_peak_fma_f32", torch.float32),
+        ("bf16 dot (vdpbf16ps)", "kvserve_peak_dot_bf16", torch.bfloat16),
+    ]
+    for name, fn, dtype in probes:
         f = getattr(lib, fn)
         f.restype, f.argtypes = ctypes.c_double, [ctypes.c_int64, ctypes.POINTER(ctypes.c_float)]
         peak = median([f(ITERS, ctypes.byref(sink)) for _ in range(3)])

@@ -79,7 +79,7 @@ class BlockPayload:
         return BlockPayload(self.identity, len(indices), tensors, self.pool, extra)
 
 
-PAGE_BYTES = 4096  # the smallest page of the CPUs kvserve runs on (x86-64, arm64 4K kernels)
+PAGE_BYTES = 4096  # a stride that reaches every page: no kernel kvserve runs on has smaller ones
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
