@@ -107,14 +107,22 @@ static inline __attribute__((always_inline)) void attend_block(
 
 /* attend_block with explicit AVX-512 for head sizes that are multiples of 16: the query row
  * and the output accumulator stay in registers, and cached rows are converted in registers
- * instead of through a scratch buffer. D and dt are constants at each call site. */
+ * instead of through a scratch buffer. D and dt are constants at each call site.
+ *
+ * kpf/vpf: the same head's rows in the task's next block (NULL: none), fetched into L2 a row
+ * at a time as this block's rows are used. Blocks are scattered over the pool, so the
+ * hardware prefetchers stop at each block's end. Fetching the whole next block into L1 at
+ * once stalled on the core's few outstanding L1 misses; into L2, a row at a time, decode
+ * attention over a scattered float32 cache went from ~13 to ~17 GB/s on a 2-core Xeon
+ * without AMX (BENCHMARKS.md, session 39). */
 static inline __attribute__((always_inline)) void attend_block_avx512(
     const float *restrict qs, const void *kraw, const void *vraw, float *restrict s,
     float *restrict acc, float *restrict m, float *restrict l, const int64_t *restrict qpos,
     const int R, const int D, const int dt, const int bs, const int lo, const int hi,
-    const int64_t t0, const int window) {
+    const int64_t t0, const int window, const char *kpf, const char *vpf) {
     enum { MAXV = 16 }; /* up to D = 256 */
     const int nv = D / 16;
+    const int rb = D * (dt == DT_F32 ? 4 : 2); /* bytes of one cached row */
     for (int r = 0; r < R; r++) {
         __m512 q[MAXV];
         for (int j = 0; j < nv; j++) q[j] = _mm512_loadu_ps(qs + r * D + 16 * j);
@@ -123,6 +131,8 @@ static inline __attribute__((always_inline)) void attend_block_avx512(
         for (; t + 16 <= hi; t += 16) { /* 16 rows' dot products, reduced together */
             __m512 a[16];
             for (int i = 0; i < 16; i++) {
+                if (r == 0 && kpf) /* the next block's key row, a row at a time */
+                    for (int b = 0; b < rb; b += 64) _mm_prefetch(kpf + (int64_t)(t + i) * rb + b, _MM_HINT_T1);
                 a[i] = _mm512_mul_ps(q[0], load16(kraw, (int64_t)(t + i) * D, dt));
                 for (int j = 1; j < nv; j++)
                     a[i] = _mm512_fmadd_ps(q[j], load16(kraw, (int64_t)(t + i) * D + 16 * j, dt), a[i]);
@@ -144,6 +154,9 @@ static inline __attribute__((always_inline)) void attend_block_avx512(
         __m512 o[MAXV];
         const __m512 c = _mm512_set1_ps(corr);
         for (int j = 0; j < nv; j++) o[j] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 16 * j), c);
+        if (r == 0 && vpf)
+            for (int t = lo; t < hi; t++)
+                for (int b = 0; b < rb; b += 64) _mm_prefetch(vpf + (int64_t)t * rb + b, _MM_HINT_T1);
         for (int t = vlo; t < vhi; t++) {
             const __m512 p = _mm512_set1_ps(sr[t]);
             for (int j = 0; j < nv; j++)
@@ -258,19 +271,6 @@ static inline __attribute__((always_inline)) void attend_block_bf16(
 #define HAVE_BF16_PATH 1
 #endif
 
-#ifdef HAVE_AVX512_PATH
-/* Start fetching the K and V rows of `n` heads from head hk of block blk (a scattered block
- * the task reaches next). */
-static inline void prefetch_block(const void *k_cache, const void *v_cache, int64_t blk, int KVH,
-                                  int hk, int n, int bs, int D, size_t esz) {
-    const size_t off0 = ((size_t)blk * KVH + hk) * bs * D * esz, len = (size_t)n * bs * D * esz;
-    for (size_t off = 0; off < len; off += 64) {
-        _mm_prefetch((const char *)k_cache + off0 + off, _MM_HINT_T0);
-        _mm_prefetch((const char *)v_cache + off0 + off, _MM_HINT_T0);
-    }
-}
-#endif
-
 /* One block of one KV head for the R rows of a task that read it: the path this CPU, cache
  * dtype and head size allow (bf16 dot products, AVX-512, or portable). row0/nrow0: the
  * head's first row in this block and in the next one (-1: none, for the prefetch). */
@@ -296,7 +296,9 @@ static inline __attribute__((always_inline)) void attend_head(
         const size_t esz = dtype == DT_F32 ? 4 : 2;
         const char *kr = (const char *)k_cache + row0 * D * esz;
         const char *vr = (const char *)v_cache + row0 * D * esz;
-#define AVX_CALL(DD, DT) attend_block_avx512(qh, kr, vr, sh, ah, mh, lh, ph, R, DD, DT, bs, lo, hi, t0, window)
+        const char *kpf = nrow0 < 0 ? NULL : (const char *)k_cache + nrow0 * D * esz;
+        const char *vpf = nrow0 < 0 ? NULL : (const char *)v_cache + nrow0 * D * esz;
+#define AVX_CALL(DD, DT) attend_block_avx512(qh, kr, vr, sh, ah, mh, lh, ph, R, DD, DT, bs, lo, hi, t0, window, kpf, vpf)
         if (D == 64 && dtype == DT_F32) AVX_CALL(64, DT_F32);
         else if (D == 64) AVX_CALL(64, DT_BF16);
         else if (dtype == DT_F32) AVX_CALL(128, DT_F32);
@@ -391,18 +393,11 @@ int kvserve_paged_attention(const void *q, const void *k_cache, const void *v_ca
     if (H % KVH) return -1;
     if (vote_ptrs && bs > 256) return -1;
     const int G = H / KVH;
-    /* The bf16 path fetches the next block a few lines per key as it goes (measured ~1.3x
-     * the decode kernel's throughput on scattered blocks against fetching the whole block
-     * at once, which stalls on the core's outstanding-miss limit); the others at once. */
-    int spread_prefetch = 0, use_bf16 = 0;
-    (void)spread_prefetch;
+    int use_bf16 = 0;
 #ifdef HAVE_BF16_PATH
     /* bf16 dot products need the queries exactly in bf16: only a bf16 model's queries are. */
     use_bf16 = dtype == DT_BF16 && q_dtype == DT_BF16 && (D == 64 || D == 128);
-    spread_prefetch = use_bf16;
 #endif
-    const size_t esz = dtype == DT_F32 ? 4 : 2;
-    (void)esz; /* used by the AVX-512 prefetch only */
     /* Task list: (sequence, tile of queries, group of HG KV heads). A task walks its blocks
      * once for all its heads, so it reads one contiguous run of HG * block_size rows per block
      * instead of HG scattered ones (measured on scattered pools: the runs stream, the pieces
@@ -509,14 +504,9 @@ int kvserve_paged_attention(const void *q, const void *k_cache, const void *v_ca
             for (int64_t t0 = (first / bs) * bs; t0 <= last; t0 += bs) {
                 const int64_t blk = block_tables[(int64_t)b * bt_stride + t0 / bs];
                 const int64_t nblk = t0 + bs <= last ? block_tables[(int64_t)b * bt_stride + t0 / bs + 1] : -1;
-                (void)nblk; /* used by the bf16 path only */
+                (void)nblk; /* the AVX-512 paths prefetch from it */
                 const int lo = (int)(first > t0 ? first - t0 : 0);
                 const int hi = (int)(last - t0 + 1 < bs ? last - t0 + 1 : bs);
-#ifdef HAVE_AVX512_PATH
-                if (!spread_prefetch && t0 + bs <= last && (D == 64 || D == 128) && dtype != DT_F16)
-                    prefetch_block(k_cache, v_cache, block_tables[(int64_t)b * bt_stride + t0 / bs + 1],
-                                   KVH, h0, HG, bs, D, esz);
-#endif
                 for (int h = 0; h < HG; h++) {
                     const int rr = h * R; /* this head's first row */
                     attend_head(qs + rr * D, qb + rr * D, qpos + rr, window, k_cache, v_cache,
