@@ -5,12 +5,20 @@ One layer's storage per format, filled with the same random K/V; every round tim
 Blocks are laid out in order ("contiguous") or shuffled as in a pool after churn ("scattered").
 
     .venv/bin/python -m benchmarks.attention_kernels [--quick]
+
+``--bandwidth`` asks another question: how near the memory's read bandwidth the dense kernel
+runs one decode step of a whole model, each layer's cache its own pool (SmolLM2-135M's
+attention: 30 layers, 9 query heads over 3 KV heads of 64; 64 sequences of 640 tokens;
+scattered blocks), with float32 and bfloat16 caches, the queries in the cache's dtype:
+
+    .venv/bin/python -m benchmarks.attention_kernels --bandwidth
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import torch
@@ -57,15 +65,68 @@ def run(batch: int, context: int, rounds: int, scattered: bool) -> dict[str, dic
     }
 
 
+def model_step(dtype: torch.dtype, batch: int, context: int, rounds: int) -> float:
+    """Median seconds of one decode step over every layer of the SmolLM2 shape."""
+    from kvserve.kernels import paged_decode_attention
+
+    layers, heads, kvh, d, bs = 30, 9, 3, 64, 16
+    nb = context // bs + 1
+    g = torch.Generator().manual_seed(0)
+    pools = [
+        tuple(torch.randn(batch * nb, kvh, bs, d, generator=g).to(dtype) for _ in "kv")
+        for _ in range(layers)
+    ]
+    tables = torch.randperm(batch * nb, generator=g).view(batch, nb)
+    lens = torch.full((batch,), context)
+    q = torch.randn(batch, heads, d, generator=g).to(dtype)
+    times = []
+    for _ in range(rounds + 1):  # the first round builds the kernel and warms up
+        t0 = time.perf_counter()
+        for k, v in pools:
+            paged_decode_attention(q, k, v, tables, lens, None)
+        times.append(time.perf_counter() - t0)
+    return median(times[1:])
+
+
+def bandwidth(batch: int, context: int, rounds: int) -> None:
+    from kvserve.engine.bandwidth import measure_peak_bandwidth
+
+    threads = set_threads()
+    peak = measure_peak_bandwidth(torch.device("cpu"))
+    rows, summary = [], {}
+    for dtype in (torch.float32, torch.bfloat16):
+        sec = model_step(dtype, batch, context, rounds)
+        nbytes = 30 * batch * context * 3 * 64 * 2 * dtype.itemsize
+        gbs = nbytes / sec / 1e9
+        name = str(dtype).removeprefix("torch.")
+        rows.append({"cache": name, "ms/step": sec * 1e3, "GB/s": gbs, "of peak": gbs * 1e9 / peak})
+        summary[name] = {"ms": round(sec * 1e3, 2), "gbps": round(gbs, 2)}
+    print(f"\n## one decode step of SmolLM2's attention: batch {batch}, context {context}, "
+          f"scattered blocks, {rounds} rounds, {threads} thread(s); read bandwidth "
+          f"{peak / 1e9:.1f} GB/s")  # fmt: skip
+    print(table(rows, ["cache", "ms/step", "GB/s", "of peak"]))
+    summary["read_gbps"] = round(peak / 1e9, 2)
+    emit(summary)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=3072)
+    ap.add_argument("--bandwidth", action="store_true",
+                    help="one decode step of a whole model against the read bandwidth "
+                    "(batch 64 and context 640 unless given; the engine's threads)")  # fmt: skip
     args = ap.parse_args(argv)
     for name, value in (("--batch", args.batch), ("--context", args.context)):
         if value < 1:
             ap.error(f"{name} must be >= 1, got {value}")
+    if args.bandwidth:
+        given = argv if argv is not None else sys.argv[1:]
+        batch = args.batch if "--batch" in given else 64
+        context = args.context if "--context" in given else 640
+        bandwidth(batch, context, 5 if args.quick else 15)
+        return
     os.environ.setdefault("KVSERVE_BENCH_THREADS", "1")
     threads = set_threads()
     rounds = 10 if args.quick else 60
