@@ -33,20 +33,30 @@ PARTS = ("linear", "linear_add", "swiglu_add", "rms_norm", "rotary")
 
 
 class Timers:
+    """Wall-clock timers around methods, summed per (phase, key). An ``exclusive`` timer
+    called inside another exclusive one counts nothing of its own: the LM head calls the
+    ops' ``linear``, and an ops method may call another, and each second counts once."""
+
     def __init__(self) -> None:
         self.acc: dict[str, float] = defaultdict(float)
         self.phase = "decode"
+        self.busy = False  # an exclusive timer is running
 
-    def wrap(self, obj: Any, name: str, key: str) -> None:
+    def wrap(self, obj: Any, name: str, key: str, exclusive: bool = False) -> None:
         fn = getattr(obj, name)
         acc = self.acc
 
         def timed(*a: Any, **k: Any) -> Any:
+            if exclusive and self.busy:
+                return fn(*a, **k)
+            self.busy = self.busy or exclusive
             t0 = time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
                 acc[(self.phase, key)] += time.perf_counter() - t0
+                if exclusive:
+                    self.busy = False
 
         setattr(obj, name, timed)
 
@@ -84,7 +94,7 @@ def main() -> None:
     model, runner, core = e.model, e.runner, e.core
     t = Timers()
     for name in PARTS:  # every layer shares one ops object
-        t.wrap(model.ops, name, name)
+        t.wrap(model.ops, name, name, exclusive=True)
     t.wrap(model.ops, "causal_attention", "prefill attention kernel")
     t.wrap(model.ops, "context_attention", "context attention kernel")
     t.wrap(llama_mod, "paged_attention", "attention (+KV write)")
@@ -93,7 +103,7 @@ def main() -> None:
         if hasattr(storage, name):
             t.wrap(storage, name, f"storage.{name}")
     t.wrap(model, "forward", "model forward")
-    t.wrap(model, "logits", "LM head")
+    t.wrap(model, "logits", "LM head", exclusive=True)  # its linear is not counted again
     t.wrap(runner, "sampler", "sampling")
     t.wrap(runner, "_prepare", "batch building")
     t.wrap(runner, "_apply_kv_ops", "KV record")
