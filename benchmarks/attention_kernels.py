@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 import torch
@@ -26,6 +25,8 @@ import torch
 from benchmarks.common import emit, median, set_threads, table
 
 FORMATS = ["bfloat16", "fp8_e4m3", "fp8_e5m2", "int8", "kivi4", "kivi2"]
+# SmolLM2-135M's attention for --bandwidth: layers, query heads, KV heads, head size
+MODEL_LAYERS, MODEL_HEADS, MODEL_KV_HEADS, MODEL_HEAD_DIM = 30, 9, 3, 64
 
 
 def run(batch: int, context: int, rounds: int, scattered: bool) -> dict[str, dict[str, float]]:
@@ -69,7 +70,7 @@ def model_step(dtype: torch.dtype, batch: int, context: int, rounds: int) -> flo
     """Median seconds of one decode step over every layer of the SmolLM2 shape."""
     from kvserve.kernels import paged_decode_attention
 
-    layers, heads, kvh, d, bs = 30, 9, 3, 64, 16
+    layers, heads, kvh, d, bs = MODEL_LAYERS, MODEL_HEADS, MODEL_KV_HEADS, MODEL_HEAD_DIM, 16
     nb = context // bs + 1
     g = torch.Generator().manual_seed(0)
     pools = [
@@ -96,7 +97,8 @@ def bandwidth(batch: int, context: int, rounds: int) -> None:
     rows, summary = [], {}
     for dtype in (torch.float32, torch.bfloat16):
         sec = model_step(dtype, batch, context, rounds)
-        nbytes = 30 * batch * context * 3 * 64 * 2 * dtype.itemsize
+        per_token = MODEL_LAYERS * MODEL_KV_HEADS * MODEL_HEAD_DIM * 2 * dtype.itemsize  # K and V
+        nbytes = batch * context * per_token
         gbs = nbytes / sec / 1e9
         name = str(dtype).removeprefix("torch.")
         rows.append({"cache": name, "ms/step": sec * 1e3, "GB/s": gbs, "of peak": gbs * 1e9 / peak})
@@ -112,20 +114,21 @@ def bandwidth(batch: int, context: int, rounds: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--context", type=int, default=3072)
+    ap.add_argument("--batch", type=int, default=None, help="default 8 (--bandwidth: 64)")
+    ap.add_argument("--context", type=int, default=None, help="default 3072 (--bandwidth: 640)")
     ap.add_argument("--bandwidth", action="store_true",
                     help="one decode step of a whole model against the read bandwidth "
                     "(batch 64 and context 640 unless given; the engine's threads)")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.batch is None:
+        args.batch = 64 if args.bandwidth else 8
+    if args.context is None:
+        args.context = 640 if args.bandwidth else 3072
     for name, value in (("--batch", args.batch), ("--context", args.context)):
         if value < 1:
             ap.error(f"{name} must be >= 1, got {value}")
     if args.bandwidth:
-        given = argv if argv is not None else sys.argv[1:]
-        batch = args.batch if "--batch" in given else 64
-        context = args.context if "--context" in given else 640
-        bandwidth(batch, context, 5 if args.quick else 15)
+        bandwidth(args.batch, args.context, 5 if args.quick else 15)
         return
     os.environ.setdefault("KVSERVE_BENCH_THREADS", "1")
     threads = set_threads()

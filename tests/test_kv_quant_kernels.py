@@ -57,11 +57,12 @@ def test_quant_kernel_matches_reference(fmt, kv_heads, heads, window, dtype, d, 
     torch.testing.assert_close(fused, ref.reshape(q.shape), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("mode", [[], ["--bandwidth"]])
 @pytest.mark.parametrize("flag", ["--batch", "--context"])
-def test_attention_kernels_benchmark_rejects_non_positive_sizes(flag, capsys):
+def test_attention_kernels_benchmark_rejects_non_positive_sizes(flag, mode, capsys):
     from benchmarks.attention_kernels import main
 
     with pytest.raises(SystemExit) as e:
-        main([flag, "0"])
+        main([*mode, flag, "0"])
     assert e.value.code == 2
     assert f"{flag} must be >= 1, got 0" in capsys.readouterr().err
