@@ -504,7 +504,6 @@ int kvserve_paged_attention(const void *q, const void *k_cache, const void *v_ca
             for (int64_t t0 = (first / bs) * bs; t0 <= last; t0 += bs) {
                 const int64_t blk = block_tables[(int64_t)b * bt_stride + t0 / bs];
                 const int64_t nblk = t0 + bs <= last ? block_tables[(int64_t)b * bt_stride + t0 / bs + 1] : -1;
-                (void)nblk; /* the AVX-512 paths prefetch from it */
                 const int lo = (int)(first > t0 ? first - t0 : 0);
                 const int hi = (int)(last - t0 + 1 < bs ? last - t0 + 1 : bs);
                 for (int h = 0; h < HG; h++) {
