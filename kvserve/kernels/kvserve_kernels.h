@@ -56,6 +56,35 @@ static inline __attribute__((always_inline)) __m512 load16(const void *base, int
     return _mm512_cvtph_ps(h);
 }
 
+/* float32 -> bf16, round to nearest even (NaN-free inputs), 16 lanes. */
+static inline __m256i to_bf16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+/* silu(g) * u in float32. */
+static inline __m512 silu_mul(__m512 g, __m512 u) {
+    /* silu(g) = g / (1 + exp(-g)), exp on 16 lanes (clamped: exp(88) is finite) */
+    __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), g),
+                                           _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), f);
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    const __m512 e = _mm512_scalef_ps(p, n);
+    const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+    return _mm512_mul_ps(s, u);
+}
+
 /* The 16 horizontal sums of a[0..15], lane i = sum of a[i]'s lanes: a transposing add tree
  * (45 shuffles and adds, where 16 separate reductions cost about 140). */
 static inline __attribute__((always_inline)) __m512 hsum16(const __m512 *a) {

@@ -26,6 +26,8 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
+#include "kvserve_kernels.h"
+
 #define KB 32      /* keys per block: two 16-lane vectors */
 #define MAXD 256   /* largest head size */
 #define MAXR 64    /* largest rows per task */
@@ -114,14 +116,6 @@ static void pv_rows(float *aa, float *ab, const float *pa, const float *pb, floa
         pv_rows_d(aa, ab, pa, pb, ca, cb, vb, 128);
     else
         pv_rows_d(aa, ab, pa, pb, ca, cb, vb, D);
-}
-
-/* float32 -> bf16, round to nearest even, 16 lanes (no AVX512-BF16 needed). */
-static inline __m256i to_bf16(__m512 x) {
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
 }
 
 int kvserve_prefill_attention(const void *q, int64_t q_stride, const void *k, const void *v,

@@ -29,6 +29,8 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
+
+#include "kvserve_kernels.h"
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -68,14 +70,6 @@ static inline __m512 exp_neg(__m512 x) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
     return _mm512_scalef_ps(p, n);
-}
-
-/* float32 -> bf16, round to nearest even, 16 lanes. */
-static inline __m256i to_bf16(__m512 x) {
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
 }
 
 static void pack_kv(const uint16_t *k, const uint16_t *v, int64_t kv_stride, int64_t L, int D,
