@@ -1,15 +1,18 @@
 """bf16 against float32 GEMMs on this CPU, by step size, on a model's own matrices: the
 measurement behind ``UpcastOps`` (kvserve/model/linear_ops.py), which runs a bf16 model's
-steps of ``UPCAST_MIN_ROWS`` or more tokens in float32 where that is faster.
+steps of ``UPCAST_MIN_ROWS`` or more tokens in float32 where that is faster, and behind
+kvserve's own bf16 kernels (``PackedOps``: AMX tiles, or AVX-512 FMAs without them).
 
     python -m benchmarks.gemm_dtypes --model smollm2
 
 For each row count (a step's tokens), every layer matrix of the model (each layer's own
 copy, so that small steps stream the weights from memory as a decode step does) is
 multiplied through oneDNN with packed weights: in bf16, and in float32 with the bf16
-activations converted on the way in and the result rounded back (what UpcastOps does). The
-ratio column is bf16 time over float32 time: above 1, float32 is faster. The start-up probe
-that makes the choice (``upcast_min_rows``) is printed too.
+activations converted on the way in and the result rounded back (what UpcastOps does), and,
+where the CPU runs one (and every matrix's dims are multiples of 32), by kvserve's bf16
+kernel on the same matrices in its tile layout. The ratio columns are each time over the
+kernel's (or, without one, oneDNN bf16's over float32's): above 1, the kernel (float32) is
+faster. The start-up probe that makes the choice (``upcast_min_rows``) is printed too.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 
 from benchmarks.common import bench_model, emit, set_threads, table
 from kvserve.config import ModelConfig
+from kvserve.kernels import amx
 from kvserve.model.linear_ops import OneDNNOps, upcast_min_rows
 
 ROWS = (1, 8, 16, 32, 64, 128, 256, 1024)
@@ -33,16 +37,20 @@ def layer_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
     return [(q + 2 * kv, h), (h, q), (inter, h), (inter, h), (h, inter)]
 
 
-def time_pass(mats: list[torch.Tensor], xs: dict[int, torch.Tensor], upcast: bool) -> float:
+def time_pass(mats: list[torch.Tensor], xs: dict[int, torch.Tensor], how: str) -> float:
+    """Best of three passes over ``mats``: "bf16" and "float32" through oneDNN, or the name of
+    a kernel of ours (the matrices then in its tile layout)."""
     lp = torch.ops.mkldnn._linear_pointwise
 
     def once() -> None:
         for w in mats:
-            x = xs[w.shape[1]]
-            if upcast:
+            if how == "float32":
+                x = xs[w.shape[1]]
                 lp(x.float(), w, None, "none", [], "").to(torch.bfloat16)
+            elif how == "bf16":
+                lp(xs[w.shape[1]], w, None, "none", [], "")
             else:
-                lp(x, w, None, "none", [], "")
+                amx.linear(xs[w.shape[1] * 32], w, kernel=how)
 
     once()  # oneDNN builds its primitives on the first call
     best = float("inf")
@@ -71,27 +79,36 @@ def main(argv: list[str] | None = None) -> None:
     dense = [torch.randn(n, k, generator=gen) * k**-0.5 for n, k in shapes]
     pack = torch.ops.mkldnn._reorder_linear_weight
     mats = {
-        dt: [pack(w.to(dt), OneDNNOps.PACK_ROWS) for w in dense]
-        for dt in (torch.bfloat16, torch.float32)
+        how: [pack(w.to(dt), OneDNNOps.PACK_ROWS) for w in dense]
+        for how, dt in (("bf16", torch.bfloat16), ("float32", torch.float32))
     }
+    kernel = "amx" if amx.available() else "avx512" if amx.avx512_available() else None
+    if kernel is not None and all(amx.packable(w.to(torch.bfloat16)) for w in dense):
+        mats[kernel] = [amx.pack(w.to(torch.bfloat16)) for w in dense]
+    else:
+        kernel = None
     flops_per_row = 2 * sum(n * k for n, k in shapes)
     rows_out = []
     for m in row_counts:
         xs = {
             k: torch.randn(m, k, generator=gen).to(torch.bfloat16) for k in {k for _, k in shapes}
         }
-        bf16 = time_pass(mats[torch.bfloat16], xs, upcast=False)
-        fp32 = time_pass(mats[torch.float32], xs, upcast=True)
-        rows_out.append({"rows": m, "bf16 ms": bf16 * 1e3, "float32 ms": fp32 * 1e3,
-                         "bf16 GFLOP/s": m * flops_per_row / bf16 / 1e9,
-                         "float32 GFLOP/s": m * flops_per_row / fp32 / 1e9,
-                         "bf16 / float32 time": bf16 / fp32})  # fmt: skip
-    probe = upcast_min_rows()
+        t = {how: time_pass(mt, xs, how) for how, mt in mats.items()}
+        row = {"rows": m}
+        row.update({f"{how} ms": v * 1e3 for how, v in t.items()})
+        row.update({f"{how} GFLOP/s": m * flops_per_row / v / 1e9 for how, v in t.items()})
+        if kernel is None:
+            row["bf16 / float32 time"] = t["bf16"] / t["float32"]
+        else:
+            row[f"bf16 / {kernel}"] = t["bf16"] / t[kernel]
+            row[f"float32 / {kernel}"] = t["float32"] / t[kernel]
+        rows_out.append(row)
+    probe = upcast_min_rows(kernel)
     choice = f"float32 from {probe} rows" if probe else "bf16 throughout"
     print(f"model {args.model}: {cfg.num_hidden_layers} layers x {len(layer_shapes(cfg))} "
           f"matrices, {threads} threads, bf16 activations; AVX512-BF16 "
           f"{torch.cpu._is_avx512_bf16_supported()}, AMX {torch.cpu._is_amx_tile_supported()}; "
-          f"start-up choice: {choice}")  # fmt: skip
+          f"kvserve's bf16 kernel: {kernel or 'none'}; start-up choice: {choice}")  # fmt: skip
     print(table(rows_out, list(rows_out[0])))
     emit({"benchmark": "gemm_dtypes", "model": args.model, "upcast_min_rows": probe,
           "rows": rows_out})  # fmt: skip

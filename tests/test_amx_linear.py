@@ -1,5 +1,6 @@
-"""bf16 linear layers on AMX tiles against F.linear in float32, and the AMX backend in the
-engine. Where the CPU has no AMX the kernel must say so (and the engine keep oneDNN)."""
+"""bf16 linear layers on packed weights (AMX tiles, or AVX-512 FMAs without them) against
+F.linear in float32, and their backends in the engine. Where the CPU lacks what a kernel needs,
+the kernel must say so (and the engine keep oneDNN)."""
 
 from __future__ import annotations
 
@@ -8,27 +9,47 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kernels import amx
-from kvserve.model.linear_ops import AMXOps, OneDNNOps, TorchOps, select_ops
+from kvserve.model.linear_ops import AMXOps, OneDNNOps, PackedOps, TorchOps, select_ops
 
 AMX = torch.cpu._is_amx_tile_supported()
 
 
-def test_kernel_is_available_exactly_where_the_cpu_has_amx():
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        return next((set(ln.split(":")[1].split()) for ln in f if ln.startswith("flags")), set())
+
+
+AVX512 = "avx512f" in _cpu_flags()
+
+
+def test_kernels_are_available_exactly_where_the_cpu_has_their_instructions(monkeypatch):
+    """AMX first where the CPU has it; otherwise the AVX-512 kernel for bf16 (alone, or beside
+    float32 copies for large steps); float32 models keep oneDNN."""
     assert amx.available() == AMX
+    assert amx.avx512_available() == AVX512
     ops = select_ops(torch.device("cpu"), torch.bfloat16)
     assert isinstance(ops, AMXOps) == AMX
-    assert not isinstance(select_ops(torch.device("cpu"), torch.float32), AMXOps)
+    if not AMX:
+        assert isinstance(ops, PackedOps) and ops.kernel == ("avx512" if AVX512 else None)
+    assert not isinstance(select_ops(torch.device("cpu"), torch.float32), PackedOps)
+    monkeypatch.setenv("KVSERVE_DISABLE_AMX", "1")
+    monkeypatch.setenv("KVSERVE_DISABLE_AVX512_GEMM", "1")  # the A/B switches: oneDNN's
+    ops = select_ops(torch.device("cpu"), torch.bfloat16)
+    assert not isinstance(ops, PackedOps) or ops.kernel is None
 
 
 needs_amx = pytest.mark.skipif(not AMX, reason="no AMX on this CPU: oneDNN serves (tested above)")
+needs_avx512 = pytest.mark.skipif(not AVX512, reason="no AVX-512 on this CPU (tested above)")
+KERNELS = [pytest.param("amx", marks=needs_amx), pytest.param("avx512", marks=needs_avx512)]
 
 
-@needs_amx
-@pytest.mark.parametrize("m", [1, 7, 31, 32, 33, 64, 100, 300])
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 7, 12, 13, 31, 32, 33, 64, 100, 300])
 @pytest.mark.parametrize("k, n", [(64, 32), (576, 960), (512, 1536), (1536, 576)])
-def test_amx_linear_matches_float32_reference(m, k, n):
+def test_packed_linear_matches_float32_reference(kernel, m, k, n):
     """Plain, with a bias, with a residual and SwiGLU's gate/up pair: each within one bf16
-    rounding of the float32 result of the same bf16 inputs, any row count (tails padded)."""
+    rounding of the float32 result of the same bf16 inputs, any row count (tails padded; the
+    AVX-512 kernel's register tiles of 1-4 and 5-12 rows, its blocks of 96 rows)."""
     g = torch.Generator().manual_seed(m * 7 + k)
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
     w = (torch.randn(n, k, generator=g) * k**-0.5).to(torch.bfloat16)
@@ -38,28 +59,28 @@ def test_amx_linear_matches_float32_reference(m, k, n):
     wp, wup = amx.pack(w), amx.pack(wu)
     ref = x.float() @ w.float().t()
     cases = [
-        (amx.linear(x, wp), ref),
-        (amx.linear(x, wp, bias=bias), ref + bias.float()),
-        (amx.linear(x, wp, residual=res), ref + res.float()),
-        (amx.linear(x, wp, up=wup), F.silu(ref) * (x.float() @ wu.float().t())),
+        (amx.linear(x, wp, kernel=kernel), ref),
+        (amx.linear(x, wp, bias=bias, kernel=kernel), ref + bias.float()),
+        (amx.linear(x, wp, residual=res, kernel=kernel), ref + res.float()),
+        (amx.linear(x, wp, up=wup, kernel=kernel), F.silu(ref) * (x.float() @ wu.float().t())),
     ]
     for got, want in cases:
         assert got.dtype == torch.bfloat16 and got.shape == (m, n)
         torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=8e-3)
 
 
-@needs_amx
-def test_amx_linear_reads_strided_rows():
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("m", [3, 40])
+def test_packed_linear_reads_strided_rows(kernel, m):
     """Rows of x some distance apart (a view into a wider activation)."""
     g = torch.Generator().manual_seed(1)
-    wide = torch.randn(40, 160, generator=g).to(torch.bfloat16)
+    wide = torch.randn(m, 160, generator=g).to(torch.bfloat16)
     x = wide[:, 32:96]
     w = (torch.randn(64, 64, generator=g) * 0.1).to(torch.bfloat16)
-    torch.testing.assert_close(amx.linear(x, amx.pack(w)).float(), x.float() @ w.float().t(),
-                               atol=1e-2, rtol=8e-3)  # fmt: skip
+    got = amx.linear(x, amx.pack(w), kernel=kernel)
+    torch.testing.assert_close(got.float(), x.float() @ w.float().t(), atol=1e-2, rtol=8e-3)
 
 
-@needs_amx
 def test_pack_unpack_round_trip_and_shape():
     w = torch.randn(96, 64).to(torch.bfloat16)
     wp = amx.pack(w)
@@ -69,9 +90,9 @@ def test_pack_unpack_round_trip_and_shape():
     assert not amx.packable(torch.randn(64, 64))  # float32
 
 
-@needs_amx
-def test_amx_backend_adopts_a_model_and_gives_it_back(checkpoint, monkeypatch):
-    """The whole model through AMXOps: every matrix packed for the tiles (or for oneDNN where
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_packed_backend_adopts_a_model_and_gives_it_back(checkpoint, monkeypatch, kernel):
+    """The whole model through PackedOps: every matrix packed for the tiles (or for oneDNN where
     its dims are not multiples of 32), the layer ops within bf16 rounding of the plain oneDNN
     ops on the same weights, and TorchOps restoring the dense weights bit for bit."""
     from kvserve.config import ModelConfig
@@ -89,7 +110,7 @@ def test_amx_backend_adopts_a_model_and_gives_it_back(checkpoint, monkeypatch):
     ref = OneDNNOps(prepack=False)
     want = [ref.linear(x, layer.qkv_proj), ref.linear_add(x, layer.o_proj, res),
             ref.swiglu_add(x, layer.gate_up_proj, layer.down_proj, res)]  # fmt: skip
-    ops = AMXOps()
+    ops = PackedOps(kernel)
     model.set_ops(ops)
     kinds = {n: ("amx" if amx.is_packed(p) else "onednn" if p.layout == torch._mkldnn else "dense")
              for n, p in model.named_parameters()}  # fmt: skip

@@ -10,12 +10,14 @@ import torch.nn.functional as F
 from kvserve.model.linear_ops import (
     AMXOps,
     OneDNNOps,
+    PackedOps,
     TorchOps,
     UpcastOps,
     select_ops,
     upcast_min_rows,
 )
 from tests.conftest import run_with_prompt_logits
+from tests.test_amx_linear import needs_avx512
 
 pytestmark = pytest.mark.skipif(
     not isinstance(select_ops(torch.device("cpu"), torch.float32), OneDNNOps),
@@ -35,12 +37,14 @@ def _load_bf16(checkpoint, monkeypatch, name: str):
     return load_model(path, cfg, torch.bfloat16, torch.device("cpu"), 64), cfg
 
 
+@pytest.mark.parametrize("kernel", [None, pytest.param("avx512", marks=needs_avx512)])
 @pytest.mark.parametrize("rows", [64, 300])
-def test_large_steps_compute_bf16_values_in_float32(checkpoint, monkeypatch, rows):
+def test_large_steps_compute_bf16_values_in_float32(checkpoint, monkeypatch, rows, kernel):
     """At or above ``min_rows`` tokens each layer op is the float32 result of the bf16
     inputs and weights (bias, residual, SwiGLU's silu-and-product and the down projection
     all in float32) rounded to bf16 once; below it, the packed bf16 backend's result bit for
-    bit. Reference: the formula in float32 over the dense bf16 weights (qwen2: a qkv bias)."""
+    bit (oneDNN's, or kvserve's AVX-512 kernel's). Reference: the formula in float32 over the
+    dense bf16 weights (qwen2: a qkv bias)."""
     model, cfg = _load_bf16(checkpoint, monkeypatch, "qwen2")
     layer = model.layers[0]
     w = {n: p.detach().float() for n, p in layer.named_parameters()}
@@ -55,11 +59,11 @@ def test_large_steps_compute_bf16_values_in_float32(checkpoint, monkeypatch, row
         rf + xf @ w["o_proj.weight"].t(),
         rf + (F.silu(xf @ wg.t()) * (xf @ wu.t())) @ w["down_proj.weight"].t(),
     ]
-    ops = UpcastOps(min_rows=100)
+    ops = UpcastOps(min_rows=100, kernel=kernel)
     model.set_ops(ops)
     got = [ops.linear(x, layer.qkv_proj), ops.linear_add(x, layer.o_proj, res),
            ops.swiglu_add(x, layer.gate_up_proj, layer.down_proj, res)]  # fmt: skip
-    packed = OneDNNOps(prepack=True)
+    packed = OneDNNOps(prepack=True) if kernel is None else PackedOps(kernel)
     if rows >= ops.min_rows:
         for o, ref in zip(got, want, strict=True):
             assert o.dtype == torch.bfloat16

@@ -1,17 +1,20 @@
-"""bf16 linear layers on AMX tiles (``amx_gemm.c``), built on first use with the system C
-compiler and loaded with ctypes; ``F.linear`` (plain weights) is the reference tests compare
-against.
+"""bf16 linear layers on weights packed in the AMX tile layout: on AMX tiles
+(``amx_gemm.c``) or, on CPUs without them, with AVX-512 float32 FMAs (``avx512_gemm.c``), both
+built on first use with the system C compiler and loaded with ctypes; ``F.linear`` (plain
+weights) is the reference tests compare against.
 
 A packed weight is a bf16 tensor of shape ``[N / 16, K / 32, 16, 32]``: four dimensions, so no
 code path can mistake it for a dense ``[N, K]`` matrix. :func:`available` is False where the
 build machine has no AMX, the OS refuses the tile state, there is no compiler, or
-``KVSERVE_DISABLE_KERNELS=1``; the caller then keeps oneDNN.
+``KVSERVE_DISABLE_KERNELS=1``, :func:`avx512_available` where it has no AVX-512 (or the same
+two); the caller then keeps oneDNN.
 """
 
 from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,19 +28,35 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvserve_amx_available.restype = _i
     lib.kvserve_amx_pack.argtypes = [_p, _i64, _i64, _p]
     lib.kvserve_amx_unpack.argtypes = [_p, _i64, _i64, _p]
-    lib.kvserve_amx_linear.restype = _i
-    lib.kvserve_amx_linear.argtypes = [_p, _i64, _i64, _i64, _p, _p, _i64, _p, _i, _p, _i64, _p,
-                                       _i64, _i]  # fmt: skip
+    _declare_linear(lib.kvserve_amx_linear)
 
 
-_LIB = NativeLibrary(Path(__file__).with_name("amx_gemm.c"),
-                     ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=c11"],
-                     "AMX linear layers", _declare)  # fmt: skip
+def _declare_linear(fn: Any) -> None:  # both kernels' entry points
+    fn.restype = _i
+    fn.argtypes = [_p, _i64, _i64, _i64, _p, _p, _i64, _p, _i, _p, _i64, _p, _i64, _i]
+
+
+def _declare512(lib: ctypes.CDLL) -> None:
+    lib.kvserve_avx512_available.restype = _i
+    _declare_linear(lib.kvserve_avx512_linear)
+
+
+_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=c11"]
+_LIB = NativeLibrary(Path(__file__).with_name("amx_gemm.c"), _FLAGS, "AMX linear layers",
+                     _declare)  # fmt: skip
+_LIB512 = NativeLibrary(Path(__file__).with_name("avx512_gemm.c"), _FLAGS,
+                        "AVX-512 linear layers", _declare512)  # fmt: skip
+KERNELS = ("amx", "avx512")
 
 
 def available() -> bool:
     lib = _LIB.get()
     return lib is not None and lib.kvserve_amx_available() == 1
+
+
+def avx512_available() -> bool:
+    lib = _LIB512.get()
+    return lib is not None and lib.kvserve_avx512_available() == 1
 
 
 def packable(w: torch.Tensor) -> bool:
@@ -77,11 +96,14 @@ def linear(
     bias: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     up: torch.Tensor | None = None,
+    kernel: str = "amx",
 ) -> torch.Tensor:
     """``x [M, K] @ W^T`` (bf16), plus ``bias`` or plus ``residual [M, N]``, or with ``up``
-    (the up projection, packed): ``silu(x Wg^T) * (x Wu^T)``. Rounded to bf16 once."""
-    lib = _LIB.get()
-    assert lib is not None
+    (the up projection, packed): ``silu(x Wg^T) * (x Wu^T)``. Rounded to bf16 once.
+    ``kernel``: one of :data:`KERNELS`."""
+    lib = (_LIB if kernel == "amx" else _LIB512).get()
+    assert lib is not None and kernel in KERNELS
+    fn = lib.kvserve_amx_linear if kernel == "amx" else lib.kvserve_avx512_linear
     m, k = x.shape
     n = wp.shape[0] * 16
     assert wp.shape[1] * 32 == k and x.dtype == torch.bfloat16
@@ -96,12 +118,11 @@ def linear(
         residual = residual if residual.stride(1) == 1 else residual.contiguous()
         epi, aux, ldaux = EPI_ADD, residual.data_ptr(), residual.stride(0)
     b = None if bias is None else bias.float().contiguous()
-    rc = lib.kvserve_amx_linear(x.data_ptr(), x.stride(0), m, k, wp.data_ptr(),
-                                None if up is None else up.data_ptr(), n,
-                                None if b is None else b.data_ptr(), epi, aux, ldaux,
-                                y.data_ptr(), n, torch.get_num_threads())  # fmt: skip
+    rc = fn(x.data_ptr(), x.stride(0), m, k, wp.data_ptr(), None if up is None else up.data_ptr(),
+            n, None if b is None else b.data_ptr(), epi, aux, ldaux, y.data_ptr(), n,
+            torch.get_num_threads())  # fmt: skip
     if rc == 2:
-        raise MemoryError("AMX linear: could not allocate the packed activations")
+        raise MemoryError(f"{kernel} linear: could not allocate the packed activations")
     if rc != 0:
-        raise RuntimeError(f"AMX linear declined x={tuple(x.shape)} w={tuple(wp.shape)}")
+        raise RuntimeError(f"{kernel} linear declined x={tuple(x.shape)} w={tuple(wp.shape)}")
     return y

@@ -29,6 +29,36 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* The layout is plain C: the AVX-512 kernel (avx512_gemm.c) reads it on CPUs without AMX. */
+void kvserve_amx_pack(const uint16_t *w, int64_t N, int64_t K, uint16_t *wp) {
+    const int64_t nkb = K / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t nb = 0; nb < N / 16; nb++)
+        for (int64_t kb = 0; kb < nkb; kb++) {
+            uint16_t *t = wp + (nb * nkb + kb) * 512;
+            for (int r = 0; r < 16; r++)
+                for (int c = 0; c < 16; c++) {
+                    const uint16_t *src = w + (nb * 16 + c) * K + kb * 32 + 2 * r;
+                    t[r * 32 + 2 * c] = src[0];
+                    t[r * 32 + 2 * c + 1] = src[1];
+                }
+        }
+}
+
+void kvserve_amx_unpack(const uint16_t *wp, int64_t N, int64_t K, uint16_t *w) {
+    const int64_t nkb = K / 32;
+    for (int64_t nb = 0; nb < N / 16; nb++)
+        for (int64_t kb = 0; kb < nkb; kb++) {
+            const uint16_t *t = wp + (nb * nkb + kb) * 512;
+            for (int r = 0; r < 16; r++)
+                for (int c = 0; c < 16; c++) {
+                    uint16_t *dst = w + (nb * 16 + c) * K + kb * 32 + 2 * r;
+                    dst[0] = t[r * 32 + 2 * c];
+                    dst[1] = t[r * 32 + 2 * c + 1];
+                }
+        }
+}
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -58,35 +88,6 @@ int kvserve_amx_available(void) { return amx_permitted(); }
 
 static inline __m512 from_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
-void kvserve_amx_pack(const uint16_t *w, int64_t N, int64_t K, uint16_t *wp) {
-    const int64_t nkb = K / 32;
-#pragma omp parallel for schedule(static)
-    for (int64_t nb = 0; nb < N / 16; nb++)
-        for (int64_t kb = 0; kb < nkb; kb++) {
-            uint16_t *t = wp + (nb * nkb + kb) * 512;
-            for (int r = 0; r < 16; r++)
-                for (int c = 0; c < 16; c++) {
-                    const uint16_t *src = w + (nb * 16 + c) * K + kb * 32 + 2 * r;
-                    t[r * 32 + 2 * c] = src[0];
-                    t[r * 32 + 2 * c + 1] = src[1];
-                }
-        }
-}
-
-void kvserve_amx_unpack(const uint16_t *wp, int64_t N, int64_t K, uint16_t *w) {
-    const int64_t nkb = K / 32;
-    for (int64_t nb = 0; nb < N / 16; nb++)
-        for (int64_t kb = 0; kb < nkb; kb++) {
-            const uint16_t *t = wp + (nb * nkb + kb) * 512;
-            for (int r = 0; r < 16; r++)
-                for (int c = 0; c < 16; c++) {
-                    uint16_t *dst = w + (nb * 16 + c) * K + kb * 32 + 2 * r;
-                    dst[0] = t[r * 32 + 2 * c];
-                    dst[1] = t[r * 32 + 2 * c + 1];
-                }
-        }
 }
 
 /* 32 rows (a0: rows 0-15, a1: rows 16-31, lda apart) x two 16-column B panels b0, b1 over
@@ -212,14 +213,6 @@ int kvserve_amx_linear(const uint16_t *x, int64_t lda, int64_t M, int64_t K, con
 #else
 
 int kvserve_amx_available(void) { return 0; }
-
-void kvserve_amx_pack(const uint16_t *w, int64_t N, int64_t K, uint16_t *wp) {
-    (void)w, (void)N, (void)K, (void)wp;
-}
-
-void kvserve_amx_unpack(const uint16_t *wp, int64_t N, int64_t K, uint16_t *w) {
-    (void)wp, (void)N, (void)K, (void)w;
-}
 
 int kvserve_amx_linear(const uint16_t *x, int64_t lda, int64_t M, int64_t K, const uint16_t *wp,
                        const uint16_t *wp2, int64_t N, const float *bias, int epilogue,

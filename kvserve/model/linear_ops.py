@@ -212,30 +212,34 @@ class OneDNNOps(TorchOps):
         return prefill.context_attention(q, k, v, out, window)
 
 
-class AMXOps(OneDNNOps):
-    """bf16 on the CPU's AMX tiles (kvserve/kernels/amx_gemm.c): every matrix whose
-    dimensions are multiples of 32 is packed into the tile layout at load (replacing the dense
-    weight) and multiplied by the native kernel, with the bias, the residual add and SwiGLU's
-    silu-and-product in its epilogue; other matrices stay with packed oneDNN. Measured in a
-    whole forward pass, the kernel beat oneDNN's packed matmuls at every batch size, most at
-    decode sizes (BENCHMARKS.md), and it keeps no per-shape state."""
+class PackedOps(OneDNNOps):
+    """bf16 with kvserve's own GEMM kernels (kvserve/kernels/amx.py): every matrix whose
+    dimensions are multiples of 32 is packed into the AMX tile layout at load (replacing the
+    dense weight) and multiplied by the native kernel, with the bias, the residual add and
+    SwiGLU's silu-and-product in its epilogue; other matrices stay with packed oneDNN.
+    ``kernel`` "amx" runs on the CPU's AMX tiles; "avx512", for CPUs without them, on its
+    float32 FMA units. Measured in a whole forward pass, each beat oneDNN's packed bf16
+    matmuls at every batch size, most at decode sizes (BENCHMARKS.md), and neither keeps
+    per-shape state."""
 
-    name = "amx"
-
-    def __init__(self) -> None:
+    def __init__(self, kernel: str | None = "amx") -> None:
         super().__init__(prepack=True)
+        self.kernel = kernel  # None (a subclass's choice): every matrix packed for oneDNN
+        self.name = kernel or "onednn"
 
     def _pack(self, w: torch.Tensor) -> torch.Tensor:
-        return amx.pack(w) if amx.packable(w) else super()._pack(w)
+        if self.kernel is not None and amx.packable(w):
+            return amx.pack(w)
+        return super()._pack(w)
 
     def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         if amx.is_packed(layer.weight):
-            return amx.linear(x, layer.weight, bias=layer.bias)
+            return amx.linear(x, layer.weight, bias=layer.bias, kernel=self.kernel)
         return super().linear(x, layer)
 
     def linear_add(self, x: torch.Tensor, layer: nn.Linear, residual: torch.Tensor) -> torch.Tensor:
         if amx.is_packed(layer.weight):
-            return amx.linear(x, layer.weight, residual=residual)
+            return amx.linear(x, layer.weight, residual=residual, kernel=self.kernel)
         return super().linear_add(x, layer, residual)
 
     def swiglu_add(
@@ -243,20 +247,28 @@ class AMXOps(OneDNNOps):
     ) -> torch.Tensor:
         if not amx.is_packed(gate_up.weight):  # dims not multiples of 32: oneDNN's
             return super().swiglu_add(x, gate_up, down, residual)
-        h = amx.linear(x, gate_up.weight, up=gate_up.up_weight)
+        h = amx.linear(x, gate_up.weight, up=gate_up.up_weight, kernel=self.kernel)
         if amx.is_packed(down.weight):
-            return amx.linear(h, down.weight, residual=residual)
+            return amx.linear(h, down.weight, residual=residual, kernel=self.kernel)
         return super().linear_add(h, down, residual)
 
 
-class UpcastOps(OneDNNOps):
+class AMXOps(PackedOps):
+    """bf16 on the CPU's AMX tiles (kvserve/kernels/amx_gemm.c)."""
+
+    def __init__(self) -> None:
+        super().__init__("amx")
+
+
+class UpcastOps(PackedOps):
     """A bfloat16 model whose large GEMMs run in float32, for CPUs where that is faster
     (chosen by timing both, :func:`upcast_min_rows`). Without AMX, a Xeon's bf16 dot-product
     instruction (``vdpbf16ps``) retires half the multiply-adds per cycle of its two float32
     FMA ports, so oneDNN's bf16 GEMMs top out near half the float32 rate, and prefill, where
     GEMMs are most of the time, runs at that rate. Each matrix is kept twice: the packed bf16
     one, for steps of fewer than ``min_rows`` tokens (decode-sized GEMMs stream the weights
-    from memory, and bf16's are half the bytes), and a packed float32 copy of the same
+    from memory, and bf16's are half the bytes; multiplied by ``kernel``, see
+    :class:`PackedOps`, or by oneDNN where it is None), and a packed float32 copy of the same
     values for larger steps (not for the LM head, which in prefill sees only the sampled
     rows). The arithmetic is the bf16 GEMM's: bf16 inputs (their products are exact in
     float32), float32 sums and epilogue, the result rounded to bf16 once; only the order of
@@ -268,10 +280,9 @@ class UpcastOps(OneDNNOps):
     are made only when they take at most ``UPCAST_MEMORY_SHARE`` of the memory available at
     load time; otherwise every GEMM stays packed bf16 and :meth:`describe` says why."""
 
-    name = "onednn-upcast"
-
-    def __init__(self, min_rows: int, forced: bool = False) -> None:
-        super().__init__(prepack=True)
+    def __init__(self, min_rows: int, forced: bool = False, kernel: str | None = None) -> None:
+        super().__init__(kernel)
+        self.name += "-upcast"
         self.min_rows = min_rows
         self.forced = forced
         self.skipped: tuple[int, int] | None = None  # (copy bytes, bytes available) if so
@@ -390,14 +401,15 @@ def available_memory() -> int | None:
     return None
 
 
-def upcast_min_rows() -> int | None:
+def upcast_min_rows(kernel: str | None = None) -> int | None:
     """The token count from which a bf16 model's GEMMs run in float32, or None for never.
 
     ``KVSERVE_UPCAST_MIN_ROWS`` decides when set (0 = never); otherwise both dtypes are timed
-    on this CPU, once per process."""
+    on this CPU, once per process: the bf16 GEMM by ``kernel`` (see :class:`PackedOps`), or by
+    oneDNN where it is None."""
     env = os.environ.get("KVSERVE_UPCAST_MIN_ROWS")
     if env is None:
-        return _measured_upcast_rows()
+        return _measured_upcast_rows(kernel)
     try:
         rows = int(env)
     except ValueError:
@@ -408,7 +420,7 @@ def upcast_min_rows() -> int | None:
 
 
 @functools.cache
-def _measured_upcast_rows() -> int | None:
+def _measured_upcast_rows(kernel: str | None) -> int | None:
     m, k, n = UPCAST_PROBE
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
@@ -416,15 +428,20 @@ def _measured_upcast_rows() -> int | None:
     best = {}
     for dtype in (torch.float32, torch.bfloat16):
         xd = x.to(dtype)
-        try:
-            wd = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), OneDNNOps.PACK_ROWS)
-            lp(xd, wd, None, "none", [], "")  # the first call builds oneDNN's primitive
-        except RuntimeError:  # a CPU oneDNN has no bf16 path for: the packed backend decides
-            return None
+        if dtype == torch.bfloat16 and kernel is not None:
+            wp = amx.pack(w.to(dtype))
+            gemm = functools.partial(amx.linear, xd, wp, kernel=kernel)
+        else:
+            try:
+                wd = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), OneDNNOps.PACK_ROWS)
+                gemm = functools.partial(lp, xd, wd, None, "none", [], "")
+            except RuntimeError:  # a CPU oneDNN has no bf16 path for: the packed backend
+                return None
+        gemm()  # oneDNN's first call builds its primitive
         times = []
         for _ in range(5):
             t0 = time.perf_counter()
-            lp(xd, wd, None, "none", [], "")
+            gemm()
             times.append(time.perf_counter() - t0)
         best[dtype] = min(times)
     if best[torch.bfloat16] < UPCAST_GAIN * best[torch.float32]:
@@ -452,8 +469,14 @@ def select_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
         bf16 = prepack and dtype == torch.bfloat16
         if bf16 and os.environ.get("KVSERVE_DISABLE_AMX") != "1" and amx.available():
             return AMXOps()
-        rows = upcast_min_rows() if bf16 else None
+        # Without AMX, kvserve's AVX-512 kernel where the CPU has AVX-512 (faster than
+        # oneDNN's bf16 GEMMs at every size measured; KVSERVE_DISABLE_AVX512_GEMM=1 for A/B).
+        use512 = bf16 and os.environ.get("KVSERVE_DISABLE_AVX512_GEMM") != "1"
+        kernel = "avx512" if use512 and amx.avx512_available() else None
+        rows = upcast_min_rows(kernel) if bf16 else None
         if rows is not None:
-            return UpcastOps(rows, forced="KVSERVE_UPCAST_MIN_ROWS" in os.environ)
+            return UpcastOps(rows, forced="KVSERVE_UPCAST_MIN_ROWS" in os.environ, kernel=kernel)
+        if kernel is not None:
+            return PackedOps(kernel)
         return OneDNNOps(prepack=prepack)
     return TorchOps()

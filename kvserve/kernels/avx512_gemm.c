@@ -1,0 +1,186 @@
+#define _GNU_SOURCE
+/* bfloat16 linear layers with AVX-512 float32 FMAs, for CPUs without AMX, on weights in the
+ * tile layout amx_gemm.c packs (VNNI pairs: wp[nb][kb][r][c][2] = W[16 nb + c][32 kb + 2 r +
+ * {0,1}]), with the same fused epilogues (bias, residual add, SwiGLU's silu-and-product).
+ *
+ * Why: at decode sizes (a few rows) a linear layer is a stream of its weights from memory,
+ * and oneDNN's bf16 GEMM read them at about half the bandwidth its float32 GEMV reaches, so a
+ * bf16 decode step, with half the bytes, ran slower than a float32 one (BENCHMARKS.md). In the
+ * tile layout each 16-column block of W is one sequential run of K / 2 vectors of 16 columns
+ * x 2 k; a register tile of up to 12 rows x 2 blocks (or 4 rows x 4 blocks) keeps float32
+ * accumulators in registers while the weights stream past once. A weight vector becomes two
+ * float32 vectors with one shift and one mask (a bf16 value is the high half of a float32),
+ * and the products run on the float32 FMA ports, which do twice the multiply-adds per cycle
+ * of the bf16 dot-product instruction on the CPUs measured. Products of bf16 values are exact
+ * in float32, the sums float32, the result rounded to bf16 once: the arithmetic of a bf16
+ * GEMM, in its own order.
+ *
+ * x is first converted to float32 in the order the tiles read it (per tile of MT rows,
+ * [K / 2][MT][2]: one pointer walks it). With many rows (prefill), rows go in blocks of
+ * MB_ROWS: each block's tiles reuse a column group's weights from cache before the next group
+ * is read. Thread t owns a contiguous share of the output columns.
+ *
+ * Returns 0, 1 (nothing written) for shapes it does not take (K or N not a multiple of 32,
+ * no rows) or a build without AVX-512, 2 out of memory.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#include "kvserve_kernels.h"
+#include <omp.h>
+
+enum { EPI_NONE = 0, EPI_ADD = 1, EPI_SWIGLU = 2 };
+enum { MT_MAX = 12, MB_ROWS = 96 };
+
+int kvserve_avx512_available(void) { return 1; }
+
+/* c[i][16 j + l] (rows 64 floats apart) = sum over k of x[i][k] W_j[l][k], for MT rows of x
+ * (xt: [npairs][MT][2] float32) and NT column blocks w[j] (npairs vectors of 16 columns x 2). */
+#define TILE(MT, NT)                                                                          \
+    static void tile_##MT##_##NT(const float *xt, const uint16_t *const *w, int64_t npairs,  \
+                                 float *c) {                                                  \
+        __m512 acc[MT][NT];                                                                   \
+        const __m512i high = _mm512_set1_epi32((int)0xffff0000u);                             \
+        for (int i = 0; i < MT; i++)                                                          \
+            for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();                     \
+        for (int64_t p = 0; p < npairs; p++) {                                                \
+            const float *xp = xt + p * 2 * MT;                                                \
+            __m512 w0[NT], w1[NT];                                                            \
+            for (int j = 0; j < NT; j++) {                                                    \
+                const __m512i v = _mm512_loadu_si512(w[j] + p * 32);                          \
+                w0[j] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));                        \
+                w1[j] = _mm512_castsi512_ps(_mm512_and_si512(v, high));                       \
+            }                                                                                 \
+            for (int i = 0; i < MT; i++) {                                                    \
+                const __m512 a0 = _mm512_set1_ps(xp[2 * i]), a1 = _mm512_set1_ps(xp[2 * i + 1]); \
+                for (int j = 0; j < NT; j++) {                                                \
+                    acc[i][j] = _mm512_fmadd_ps(a0, w0[j], acc[i][j]);                        \
+                    acc[i][j] = _mm512_fmadd_ps(a1, w1[j], acc[i][j]);                        \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
+        for (int i = 0; i < MT; i++)                                                          \
+            for (int j = 0; j < NT; j++) _mm512_store_ps(c + i * 64 + j * 16, acc[i][j]);     \
+    }
+
+/* Up to 4 rows: 4 blocks (4 x 4 + 8 weight registers); more rows: 2 blocks (12 x 2 + 4). */
+#define TILES4(MT) TILE(MT, 1) TILE(MT, 2) TILE(MT, 3) TILE(MT, 4)
+#define TILES2(MT) TILE(MT, 1) TILE(MT, 2)
+TILES4(1) TILES4(2) TILES4(3) TILES4(4)
+TILES2(5) TILES2(6) TILES2(7) TILES2(8) TILES2(9) TILES2(10) TILES2(11) TILES2(12)
+
+typedef void (*tile_fn)(const float *, const uint16_t *const *, int64_t, float *);
+#define ROW4(MT) {tile_##MT##_1, tile_##MT##_2, tile_##MT##_3, tile_##MT##_4}
+#define ROW2(MT) {tile_##MT##_1, tile_##MT##_2, NULL, NULL}
+static const tile_fn TILE_FNS[MT_MAX][4] = {ROW4(1), ROW4(2), ROW4(3), ROW4(4), ROW2(5),
+                                            ROW2(6), ROW2(7), ROW2(8), ROW2(9), ROW2(10),
+                                            ROW2(11), ROW2(12)};
+
+/* Rows go in blocks of MB_ROWS (the last one partial), each block in
+ * near-equal tiles of at most MT_MAX rows (none much shorter than the others). */
+static int64_t tiles_in_block(int64_t rows) { return (rows + MT_MAX - 1) / MT_MAX; }
+
+/* y[M, N] (rows ldy apart) = epilogue(x W^T) for x [M, K] bf16 (rows lda apart):
+ * EPI_NONE (+ bias, float32 [N], or NULL), EPI_ADD (+ aux [M, N] bf16, rows ldaux apart),
+ * EPI_SWIGLU (wp2 holds the up projection: y = silu(x Wg^T) * (x Wu^T), both packed). */
+int kvserve_avx512_linear(const uint16_t *x, int64_t lda, int64_t M, int64_t K,
+                          const uint16_t *wp, const uint16_t *wp2, int64_t N, const float *bias,
+                          int epilogue, const uint16_t *aux, int64_t ldaux, uint16_t *y,
+                          int64_t ldy, int num_threads) {
+    if (K % 32 || N % 32 || M <= 0) return 1;
+    const int64_t npairs = K / 2, nnb = N / 16, blk = K * 16;
+    /* tile bounds: start[t] .. start[t + 1], tiles of row block b from first[b] */
+    const int64_t nblocks = M <= 4 ? 1 : (M + MB_ROWS - 1) / MB_ROWS;
+    int64_t ntiles = 0;
+    for (int64_t b = 0; b < nblocks; b++) {
+        const int64_t rows = b == nblocks - 1 ? M - b * MB_ROWS : MB_ROWS;
+        ntiles += M <= 4 ? 1 : tiles_in_block(rows);
+    }
+    const size_t xbytes = ((size_t)M * K * 4 + 63) / 64 * 64;
+    float *xt = aligned_alloc(64, xbytes + (size_t)(ntiles + 1 + nblocks + 1) * 8);
+    if (!xt) return 2;
+    int64_t *start = (int64_t *)((char *)xt + xbytes), *first = start + ntiles + 1;
+    int64_t t = 0;
+    for (int64_t b = 0; b < nblocks; b++) {
+        const int64_t r0 = b * MB_ROWS, rows = b == nblocks - 1 ? M - r0 : MB_ROWS;
+        const int64_t n = M <= 4 ? 1 : tiles_in_block(rows);
+        first[b] = t;
+        for (int64_t i = 0; i < n; i++) start[t++] = r0 + rows * i / n;
+    }
+    start[ntiles] = M;
+    first[nblocks] = ntiles;
+    /* Output blocks per group: 4 weight blocks stream together at up to 4 rows, 2 above (for
+     * SwiGLU, each output block takes a gate and an up block). */
+    const int swiglu = epilogue == EPI_SWIGLU;
+    const int64_t group = (M <= 4 ? 4 : 2) >> swiglu;
+    int threads = num_threads < 1 ? 1 : num_threads;
+    if ((int64_t)threads > nnb) threads = (int)nnb;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t ti = 0; ti < ntiles; ti++) { /* x as float32 pairs, in the tiles' order */
+            const int64_t m0 = start[ti], mt = start[ti + 1] - m0;
+            float *dst = xt + m0 * K;
+            for (int64_t i = 0; i < mt; i++) {
+                const uint16_t *src = x + (m0 + i) * lda;
+                for (int64_t p = 0; p < npairs; p++) {
+                    dst[(p * mt + i) * 2] = bf16_to_f32(src[2 * p]);
+                    dst[(p * mt + i) * 2 + 1] = bf16_to_f32(src[2 * p + 1]);
+                }
+            }
+        }
+        float c[MT_MAX * 64] __attribute__((aligned(64)));
+        const int th = omp_get_thread_num(), T = omp_get_num_threads();
+        const int64_t lo = nnb * th / T, hi = nnb * (th + 1) / T;
+        for (int64_t b = 0; b < nblocks; b++)
+            for (int64_t ob = lo; ob < hi; ob += group) {
+                const int g = (int)(hi - ob < group ? hi - ob : group);
+                const uint16_t *w[4];
+                for (int j = 0; j < g; j++) {
+                    w[j] = wp + (ob + j) * blk;
+                    if (swiglu) w[g + j] = wp2 + (ob + j) * blk;
+                }
+                const int nt = swiglu ? 2 * g : g;
+                for (int64_t ti = first[b]; ti < first[b + 1]; ti++) {
+                    const int64_t m0 = start[ti];
+                    const int mt = (int)(start[ti + 1] - m0);
+                    TILE_FNS[mt - 1][nt - 1](xt + m0 * K, w, npairs, c);
+                    for (int i = 0; i < mt; i++) {
+                        const int64_t row = m0 + i;
+                        for (int j = 0; j < g; j++) {
+                            const int64_t col = (ob + j) * 16;
+                            __m512 v = _mm512_load_ps(c + i * 64 + j * 16);
+                            if (swiglu) /* rounded once, as oneDNN's fused ops do */
+                                v = silu_mul(v, _mm512_load_ps(c + i * 64 + (g + j) * 16));
+                            else if (epilogue == EPI_ADD)
+                                v = _mm512_add_ps(v, load16(aux, row * ldaux + col, DT_BF16));
+                            else if (bias)
+                                v = _mm512_add_ps(v, _mm512_loadu_ps(bias + col));
+                            _mm256_storeu_si256((__m256i *)(y + row * ldy + col), to_bf16(v));
+                        }
+                    }
+                }
+            }
+    }
+    free(xt);
+    return 0;
+}
+
+#else
+
+int kvserve_avx512_available(void) { return 0; }
+
+int kvserve_avx512_linear(const uint16_t *x, int64_t lda, int64_t M, int64_t K,
+                          const uint16_t *wp, const uint16_t *wp2, int64_t N, const float *bias,
+                          int epilogue, const uint16_t *aux, int64_t ldaux, uint16_t *y,
+                          int64_t ldy, int num_threads) {
+    (void)x, (void)lda, (void)M, (void)K, (void)wp, (void)wp2, (void)N, (void)bias;
+    (void)epilogue, (void)aux, (void)ldaux, (void)y, (void)ldy, (void)num_threads;
+    return 1; /* no AVX-512 on the build machine: oneDNN serves */
+}
+
+#endif
