@@ -33,24 +33,6 @@
 #define MAXR 64    /* largest rows per task */
 #define QK_ROWS 8  /* rows whose scores are computed together */
 
-/* exp(x) for x <= 0 (scores minus the running max), relative error ~2e-7; lanes below -87
- * give ~0. 2^n * p(f) with n = round(x log2 e) and a degree-6 polynomial on |f| <= ln2 / 2. */
-static inline __m512 exp_neg(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-    f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), f);
-    __m512 p = _mm512_set1_ps(1.f / 720);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
-}
-
 static inline float bf16f(uint16_t h) {
     const uint32_t u = (uint32_t)h << 16;
     float f;
@@ -210,8 +192,8 @@ int kvserve_prefill_attention(const void *q, int64_t q_stride, const void *k, co
                         const float mx = bmax > m[r] ? bmax : m[r];
                         corr[i] = expf(m[r] - mx);
                         const __m512 mxv = _mm512_set1_ps(mx);
-                        const __m512 pr0 = _mm512_maskz_mov_ps(v0, exp_neg(_mm512_sub_ps(s0[i], mxv)));
-                        const __m512 pr1 = _mm512_maskz_mov_ps(v1, exp_neg(_mm512_sub_ps(s1[i], mxv)));
+                        const __m512 pr0 = _mm512_maskz_mov_ps(v0, exp16(_mm512_sub_ps(s0[i], mxv)));
+                        const __m512 pr1 = _mm512_maskz_mov_ps(v1, exp16(_mm512_sub_ps(s1[i], mxv)));
                         l[r] = l[r] * corr[i] + _mm512_reduce_add_ps(_mm512_add_ps(pr0, pr1));
                         m[r] = mx;
                         _mm512_storeu_ps(pp[i], pr0);

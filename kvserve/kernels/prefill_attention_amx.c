@@ -55,23 +55,6 @@ static int amx_permitted(void) {
     return state == 1;
 }
 
-/* exp(x) for x <= 0, relative error ~2e-7 (as in prefill_attention.c). */
-static inline __m512 exp_neg(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-    f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), f);
-    __m512 p = _mm512_set1_ps(1.f / 720);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
-}
-
 static void pack_kv(const uint16_t *k, const uint16_t *v, int64_t kv_stride, int64_t L, int D,
                     int64_t b32, uint16_t *kp, uint16_t *vp) {
     const int ndc = D / 32, nn = D / 16;
@@ -114,8 +97,8 @@ static inline __attribute__((always_inline)) float softmax_row(const float *srow
     const float mx = bmax > *m ? bmax : *m;
     const float corr = mx == *m ? 1.f : expf(*m - mx);
     const __m512 mxv = _mm512_set1_ps(mx);
-    const __m512 p0 = _mm512_maskz_mov_ps(v0, exp_neg(_mm512_sub_ps(s0, mxv)));
-    const __m512 p1 = _mm512_maskz_mov_ps(v1, exp_neg(_mm512_sub_ps(s1, mxv)));
+    const __m512 p0 = _mm512_maskz_mov_ps(v0, exp16(_mm512_sub_ps(s0, mxv)));
+    const __m512 p1 = _mm512_maskz_mov_ps(v1, exp16(_mm512_sub_ps(s1, mxv)));
     *l = *l * corr + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
     *m = mx;
     _mm512_store_si512(prow, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
@@ -232,8 +215,8 @@ static void attend_d64(const uint16_t *qbuf, const uint16_t *kph, const uint16_t
                 m[i] = bmax;
             }
             const __m512 mv = _mm512_set1_ps(m[i]);
-            const __m512 p0v = _mm512_maskz_mov_ps(v0, exp_neg(_mm512_sub_ps(s0, mv)));
-            const __m512 p1v = _mm512_maskz_mov_ps(v1, exp_neg(_mm512_sub_ps(s1, mv)));
+            const __m512 p0v = _mm512_maskz_mov_ps(v0, exp16(_mm512_sub_ps(s0, mv)));
+            const __m512 p1v = _mm512_maskz_mov_ps(v1, exp16(_mm512_sub_ps(s1, mv)));
             _mm512_store_ps(lv + i * 16, _mm512_add_ps(_mm512_load_ps(lv + i * 16),
                                                        _mm512_add_ps(p0v, p1v)));
             _mm512_store_si512(pb + i * KB, (__m512i)_mm512_cvtne2ps_pbh(p1v, p0v));
