@@ -1,5 +1,5 @@
-"""The native RMSNorm and rotary kernels against the PyTorch reference modules in llama.py, and
-the fast-path benchmark's option checks."""
+"""The native RMSNorm and rotary kernels against the PyTorch reference modules in llama.py, the
+KV cache write against indexed assignment, and the fast-path benchmark's option checks."""
 
 from __future__ import annotations
 
@@ -72,6 +72,34 @@ def test_kernels_decline_what_they_do_not_handle():
     assert pointwise.rms_norm(torch.randn(3, 8, dtype=torch.float16), torch.ones(8), 1e-5) is None
     transposed = torch.randn(8, 3, dtype=torch.bfloat16).t()
     assert pointwise.rms_norm(transposed, torch.ones(8, dtype=torch.bfloat16), 1e-5) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+def test_kv_write_equals_indexed_assignment(dtype, tokens):
+    """K and V rows (strided views of a fused projection) land in the same places, bit for
+    bit, as the reference's indexed assignment puts them, negative slots included; a slot
+    outside the pools raises and writes nothing; other layouts are declined."""
+    rows, kvh, bs, d = 40, 2, 16, 64
+    g = torch.Generator().manual_seed(tokens)
+    _, _, k, v = _qkv_views(tokens, dtype, d)
+    k = k.reshape(tokens, kvh, d)  # the view of the fused output: rows 8 * d apart
+    v = v.view(tokens, kvh, d)
+    slots = torch.randperm(rows * bs, generator=g)[:tokens] - rows * bs // 2
+    pools = [torch.randn(rows, kvh, bs, d, generator=g).to(dtype) for _ in range(2)]
+    want = [p.clone() for p in pools]
+    blk, off = slots // bs, slots % bs
+    want[0][blk, :, off] = k
+    want[1][blk, :, off] = v
+    assert pointwise.kv_write(pools[0], pools[1], slots, k, v)
+    assert torch.equal(pools[0], want[0]) and torch.equal(pools[1], want[1])
+    bad = slots.clone()
+    bad[-1] = rows * bs
+    with pytest.raises(IndexError, match=rf"outside \[{-rows * bs}, {rows * bs}\)"):
+        pointwise.kv_write(pools[0], pools[1], bad, k + 1, v + 1)
+    assert torch.equal(pools[0], want[0]) and torch.equal(pools[1], want[1])
+    assert not pointwise.kv_write(pools[0], pools[1], slots, k.half(), v.half())
+    assert not pointwise.kv_write(pools[0], pools[1], slots.int(), k, v)
 
 
 @pytest.mark.parametrize("tokens", [1, 9, 600])

@@ -1,4 +1,5 @@
-/* Fused element-wise ops of a decoder layer: RMSNorm and rotary embedding.
+/* Fused element-wise ops of a decoder layer: RMSNorm and rotary embedding (and the copy of a
+ * step's K/V rows into the paged cache, at the end).
  *
  * In PyTorch each is a chain of separate ops (RMSNorm: to float, square, mean, rsqrt, scale,
  * round, weight; rotary: two gathers of cos/sin, their casts, a negated concatenation, two
@@ -17,6 +18,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "kvserve_kernels.h"
 
@@ -115,6 +117,33 @@ int kvserve_rotary(void *q, int64_t q_stride, int q_heads, void *k, int64_t k_st
                 rotate_head(base, row, c, s, half, DT_BF16);
             else
                 rotate_head(base, row, c, s, half, DT_F32);
+        }
+    }
+    return 0;
+}
+
+/* This step's K and V rows into a paged cache of the same dtype: token t's KVH heads (rows
+ * k_stride / v_stride elements apart, heads head_dim apart inside a row) go to slot
+ * slots[t] of the per-layer pools [rows, KVH, block_size, head_dim], a negative slot
+ * counting from the end as a PyTorch index does. PyTorch's indexed assignment of the same
+ * rows costs tens of microseconds per call in index bookkeeping, per layer and step; this is
+ * a few copies of head_dim values. Returns 2 (nothing written) if a slot is out of range. */
+int kvserve_kv_write(void *k_pool, void *v_pool, int64_t rows, int kv_heads, int block_size,
+                     int head_dim, const int64_t *slots, int64_t tokens, const void *k,
+                     int64_t k_stride, const void *v, int64_t v_stride, int elem_size) {
+    const int64_t n = rows * block_size;
+    for (int64_t t = 0; t < tokens; t++)
+        if (slots[t] < -n || slots[t] >= n) return 2;
+    const size_t bytes = (size_t)head_dim * elem_size;
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t s = slots[t] < 0 ? slots[t] + n : slots[t];
+        const int64_t blk = s / block_size, off = s % block_size;
+        for (int h = 0; h < kv_heads; h++) {
+            const int64_t dst = ((blk * kv_heads + h) * block_size + off) * head_dim;
+            const int64_t src_k = t * k_stride + (int64_t)h * head_dim;
+            const int64_t src_v = t * v_stride + (int64_t)h * head_dim;
+            memcpy((char *)k_pool + dst * elem_size, (const char *)k + src_k * elem_size, bytes);
+            memcpy((char *)v_pool + dst * elem_size, (const char *)v + src_v * elem_size, bytes);
         }
     }
     return 0;

@@ -1,10 +1,12 @@
-"""Fused RMSNorm and in-place rotary embedding (``pointwise.c``), built on first use with the
-system C compiler and loaded with ctypes, like the attention kernels beside it.
+"""Fused RMSNorm, in-place rotary embedding and the KV cache write (``pointwise.c``), built on
+first use with the system C compiler and loaded with ctypes, like the attention kernels beside
+it.
 
-``RMSNorm.forward`` and ``RotaryEmbedding.forward`` (kvserve/model/llama.py) stay the reference;
-tests compare the two. Each function returns None / False when it cannot take the input (no
-compiler, ``KVSERVE_DISABLE_KERNELS=1``, a dtype or layout it does not handle), and the caller
-then runs the reference.
+``RMSNorm.forward``, ``RotaryEmbedding.forward`` (kvserve/model/llama.py) and the dense
+storage's indexed assignment (kvserve/kv/storage.py) stay the references; tests compare. Each
+function returns None / False when it cannot take the input (no compiler,
+``KVSERVE_DISABLE_KERNELS=1``, a dtype or layout it does not handle), and the caller then runs
+the reference.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvserve_rotary.restype = _i
     lib.kvserve_rotary.argtypes = [_p, _i64, _i, _p, _i64, _i, _i, _i, _p, _p, _i64, _p, _i64,
                                    _i, _i]  # fmt: skip
+    lib.kvserve_kv_write.restype = _i
+    lib.kvserve_kv_write.argtypes = [_p, _p, _i64, _i, _i, _i, _p, _i64, _p, _i64, _p, _i64, _i]
 
 
 _LIB = NativeLibrary(_SRC, _FLAGS, "fused RMSNorm / rotary", _declare)
@@ -95,4 +99,40 @@ def rotary_(
                              torch.get_num_threads())  # fmt: skip
     if rc == 2:
         raise IndexError(f"rotary: a position is outside [0, {cos.shape[0]})")
+    return rc == 0
+
+
+def kv_write(
+    k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+    v: torch.Tensor,
+) -> bool:  # fmt: skip
+    """Copy k, v [T, KVH, D] into slots ``slots`` (int64 [T]) of the pools [rows, KVH,
+    block_size, D] (same dtype, contiguous); False (nothing touched) if not handled. A slot
+    outside the pools raises IndexError, as the reference's indexing does."""
+    if not (
+        k_pool.dtype == v_pool.dtype == k.dtype == v.dtype
+        and k_pool.dtype in _DTYPES
+        and k_pool.is_contiguous()
+        and v_pool.is_contiguous()
+        and k_pool.shape == v_pool.shape
+        and k.dim() == 3
+        and k.shape == v.shape
+        and k.shape[1:] == (k_pool.shape[1], k_pool.shape[3])
+        and packed_rows(k, _DTYPES)
+        and packed_rows(v, _DTYPES)
+        and slots.dtype == torch.int64
+        and slots.is_contiguous()
+        and slots.device.type == "cpu"
+        and slots.shape == (k.shape[0],)
+    ):
+        return False
+    lib = _LIB.get()
+    if lib is None:
+        return False
+    rows, kvh, bs, d = k_pool.shape
+    rc = lib.kvserve_kv_write(k_pool.data_ptr(), v_pool.data_ptr(), rows, kvh, bs, d,
+                              slots.data_ptr(), k.shape[0], k.data_ptr(), k.stride(0),
+                              v.data_ptr(), v.stride(0), k.element_size())  # fmt: skip
+    if rc == 2:
+        raise IndexError(f"KV write: a slot is outside [{-rows * bs}, {rows * bs})")
     return rc == 0

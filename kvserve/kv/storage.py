@@ -462,6 +462,12 @@ class DenseKVStorage(KVStorage):
     def write(
         self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
+        from kvserve.kernels import pointwise
+
+        if self.use_kernels and pointwise.kv_write(
+            self.k[layer], self.v[layer], slot_mapping, k, v
+        ):
+            return
         blk = slot_mapping // self.block_size
         off = slot_mapping % self.block_size
         self.k[layer][blk, :, off] = k.to(self.dtype)
