@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.model.linear_ops import (
+    UPCAST_MIN_ROWS_AVX512,
     AMXOps,
     OneDNNOps,
     PackedOps,
@@ -108,8 +109,9 @@ def test_float32_copies_are_not_parameters_and_go_with_the_backend(checkpoint, m
 
 
 def test_min_rows_from_the_environment(monkeypatch):
-    """``KVSERVE_UPCAST_MIN_ROWS`` sets the threshold (0: never); AMX, where the CPU has it,
-    comes first; a bad value names the variable."""
+    """``KVSERVE_UPCAST_MIN_ROWS`` sets the threshold (0: never), with kvserve's AVX-512 kernel
+    too (which otherwise has a fixed one); AMX, where the CPU has it, comes first; a bad value
+    names the variable."""
     monkeypatch.setenv("KVSERVE_UPCAST_MIN_ROWS", "64")
     ops = select_ops(torch.device("cpu"), torch.bfloat16)
     if AMX:
@@ -117,8 +119,12 @@ def test_min_rows_from_the_environment(monkeypatch):
     else:
         assert isinstance(ops, UpcastOps) and ops.min_rows == 64 and ops.forced
     assert type(select_ops(torch.device("cpu"), torch.float32)) is OneDNNOps
+    assert upcast_min_rows("avx512") == 64  # the user's setting wins over the kernel's
     monkeypatch.setenv("KVSERVE_UPCAST_MIN_ROWS", "0")
-    assert upcast_min_rows() is None
+    assert upcast_min_rows() is None and upcast_min_rows("avx512") is None
+    monkeypatch.delenv("KVSERVE_UPCAST_MIN_ROWS")
+    assert upcast_min_rows("avx512") == UPCAST_MIN_ROWS_AVX512  # fixed: no probe to run
+    monkeypatch.setenv("KVSERVE_UPCAST_MIN_ROWS", "0")
     assert not isinstance(select_ops(torch.device("cpu"), torch.bfloat16), UpcastOps)
     for bad in ("-1", "many"):
         monkeypatch.setenv("KVSERVE_UPCAST_MIN_ROWS", bad)

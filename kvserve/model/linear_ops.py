@@ -384,6 +384,11 @@ UPCAST_GAIN = 1.25
 # conversions in and out weigh more. Every layer of the benchmark models, with conversions:
 # float32 about even at 32 rows, 1.16x faster at 64 (BENCHMARKS.md).
 UPCAST_MIN_ROWS = 64
+# With kvserve's AVX-512 kernel as the bf16 GEMM: both it and oneDNN's float32 GEMM run on the
+# float32 FMA units, and below this many rows the kernel is as fast or faster (it reads half
+# the weight bytes); from it, oneDNN's tuned float32 GEMM was ahead in the engine's prefill
+# (BENCHMARKS.md, session 40), so there is nothing for a probe to decide.
+UPCAST_MIN_ROWS_AVX512 = 128
 # The share of the memory available at load time that the float32 copies may take.
 UPCAST_MEMORY_SHARE = 0.25
 
@@ -405,11 +410,13 @@ def upcast_min_rows(kernel: str | None = None) -> int | None:
     """The token count from which a bf16 model's GEMMs run in float32, or None for never.
 
     ``KVSERVE_UPCAST_MIN_ROWS`` decides when set (0 = never); otherwise both dtypes are timed
-    on this CPU, once per process: the bf16 GEMM by ``kernel`` (see :class:`PackedOps`), or by
-    oneDNN where it is None."""
+    on this CPU, once per process (float32 against oneDNN's bf16 GEMM). With kvserve's AVX-512
+    kernel as the bf16 GEMM (``kernel`` "avx512") it is ``UPCAST_MIN_ROWS_AVX512``."""
     env = os.environ.get("KVSERVE_UPCAST_MIN_ROWS")
+    if env is None and kernel == "avx512":
+        return UPCAST_MIN_ROWS_AVX512
     if env is None:
-        return _measured_upcast_rows(kernel)
+        return _measured_upcast_rows()
     try:
         rows = int(env)
     except ValueError:
@@ -420,7 +427,7 @@ def upcast_min_rows(kernel: str | None = None) -> int | None:
 
 
 @functools.cache
-def _measured_upcast_rows(kernel: str | None) -> int | None:
+def _measured_upcast_rows() -> int | None:
     m, k, n = UPCAST_PROBE
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
@@ -428,20 +435,15 @@ def _measured_upcast_rows(kernel: str | None) -> int | None:
     best = {}
     for dtype in (torch.float32, torch.bfloat16):
         xd = x.to(dtype)
-        if dtype == torch.bfloat16 and kernel is not None:
-            wp = amx.pack(w.to(dtype))
-            gemm = functools.partial(amx.linear, xd, wp, kernel=kernel)
-        else:
-            try:
-                wd = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), OneDNNOps.PACK_ROWS)
-                gemm = functools.partial(lp, xd, wd, None, "none", [], "")
-            except RuntimeError:  # a CPU oneDNN has no bf16 path for: the packed backend
-                return None
-        gemm()  # oneDNN's first call builds its primitive
+        try:
+            wd = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), OneDNNOps.PACK_ROWS)
+            lp(xd, wd, None, "none", [], "")  # the first call builds oneDNN's primitive
+        except RuntimeError:  # a CPU oneDNN has no bf16 path for: the packed backend decides
+            return None
         times = []
         for _ in range(5):
             t0 = time.perf_counter()
-            gemm()
+            lp(xd, wd, None, "none", [], "")
             times.append(time.perf_counter() - t0)
         best[dtype] = min(times)
     if best[torch.bfloat16] < UPCAST_GAIN * best[torch.float32]:
