@@ -62,27 +62,11 @@ void kvserve_amx_unpack(const uint16_t *wp, int64_t N, int64_t K, uint16_t *w) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 
+#define KVSERVE_AMX_TILES
 #include "kvserve_kernels.h"
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 
 enum { EPI_NONE = 0, EPI_ADD = 1, EPI_SWIGLU = 2 };
-
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-static int amx_permitted(void) {
-    static int state = 0; /* 0 unknown, 1 yes, -1 no */
-    if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) ? -1 : 1;
-    return state == 1;
-}
 
 int kvserve_amx_available(void) { return amx_permitted(); }
 

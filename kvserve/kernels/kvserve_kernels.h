@@ -109,4 +109,24 @@ static inline __attribute__((always_inline)) __m512 hsum16(const __m512 *a) {
                          _mm512_shuffle_f32x4(z[0], z[1], 0xdd));
 }
 #endif
+#if defined(KVSERVE_AMX_TILES) /* defined by the AMX kernels, after _GNU_SOURCE (syscall) */
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Linux hands out the AMX register state only to a process that asks (once per process). */
+static inline int amx_permitted(void) {
+    static int state = 0; /* 0 unknown, 1 yes, -1 no */
+    if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) ? -1 : 1;
+    return state == 1;
+}
+#endif
 #endif

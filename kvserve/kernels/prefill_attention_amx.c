@@ -30,30 +30,14 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 
+#define KVSERVE_AMX_TILES
 #include "kvserve_kernels.h"
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #define MAXD 128
 #define QB 32 /* queries per task: two A tiles of rows */
 #define KB 32 /* keys per step: one A tile of P (32 bf16 per row) */
 #define QB16 16 /* queries per task at head size 64 */
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-/* Linux hands out the AMX register state only to a process that asks (once per process). */
-static int amx_permitted(void) {
-    static int state = 0; /* 0 unknown, 1 yes, -1 no */
-    if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) ? -1 : 1;
-    return state == 1;
-}
 
 static void pack_kv(const uint16_t *k, const uint16_t *v, int64_t kv_stride, int64_t L, int D,
                     int64_t b32, uint16_t *kp, uint16_t *vp) {
