@@ -83,8 +83,9 @@ def main(argv: list[str] | None = None) -> None:
         for how, dt in (("bf16", torch.bfloat16), ("float32", torch.float32))
     }
     kernel = "amx" if amx.available() else "avx512" if amx.avx512_available() else None
-    if kernel is not None and all(amx.packable(w.to(torch.bfloat16)) for w in dense):
-        mats[kernel] = [amx.pack(w.to(torch.bfloat16)) for w in dense]
+    bf16 = [w.to(torch.bfloat16) for w in dense]
+    if kernel is not None and all(amx.packable(w) for w in bf16):
+        mats[kernel] = [amx.pack(w) for w in bf16]
     else:
         kernel = None
     flops_per_row = 2 * sum(n * k for n, k in shapes)

@@ -46,7 +46,9 @@ _LIB = NativeLibrary(Path(__file__).with_name("amx_gemm.c"), _FLAGS, "AMX linear
                      _declare)  # fmt: skip
 _LIB512 = NativeLibrary(Path(__file__).with_name("avx512_gemm.c"), _FLAGS,
                         "AVX-512 linear layers", _declare512)  # fmt: skip
-KERNELS = ("amx", "avx512")
+# kernel name -> (its library, its entry point), for :func:`linear`
+_ENTRY = {"amx": (_LIB, "kvserve_amx_linear"), "avx512": (_LIB512, "kvserve_avx512_linear")}
+KERNELS = tuple(_ENTRY)
 
 
 def available() -> bool:
@@ -101,9 +103,10 @@ def linear(
     """``x [M, K] @ W^T`` (bf16), plus ``bias`` or plus ``residual [M, N]``, or with ``up``
     (the up projection, packed): ``silu(x Wg^T) * (x Wu^T)``. Rounded to bf16 once.
     ``kernel``: one of :data:`KERNELS`."""
-    lib = (_LIB if kernel == "amx" else _LIB512).get()
-    assert lib is not None and kernel in KERNELS
-    fn = lib.kvserve_amx_linear if kernel == "amx" else lib.kvserve_avx512_linear
+    native, entry = _ENTRY[kernel]
+    lib = native.get()
+    assert lib is not None
+    fn = getattr(lib, entry)
     m, k = x.shape
     n = wp.shape[0] * 16
     assert wp.shape[1] * 32 == k and x.dtype == torch.bfloat16

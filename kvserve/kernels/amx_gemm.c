@@ -66,13 +66,7 @@ void kvserve_amx_unpack(const uint16_t *wp, int64_t N, int64_t K, uint16_t *w) {
 #include "kvserve_kernels.h"
 #include <omp.h>
 
-enum { EPI_NONE = 0, EPI_ADD = 1, EPI_SWIGLU = 2 };
-
 int kvserve_amx_available(void) { return amx_permitted(); }
-
-static inline __m512 from_bf16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
 
 /* 32 rows (a0: rows 0-15, a1: rows 16-31, lda apart) x two 16-column B panels b0, b1 over
  * nkb K blocks, into cb[32][32] float32. */
@@ -172,20 +166,11 @@ int kvserve_amx_linear(const uint16_t *x, int64_t lda, int64_t M, int64_t K, con
             const int64_t mb = cols_outer ? in : o, nb = nb_lo + (cols_outer ? o : in);
             const int rows = mtail && mb == nmb - 1 ? (int)mtail : 32;
             const float *c = cb[p & 1], *u = cu[p & 1];
-            for (int i = 0; i < rows; i++) {
-                const int64_t row = mb * 32 + i;
-                uint16_t *dst = y + row * ldy + nb * 32;
-                for (int h = 0; h < 2; h++) {
-                    __m512 v = _mm512_load_ps(c + i * 32 + 16 * h);
-                    if (epilogue == EPI_SWIGLU) /* rounded once, as oneDNN's fused ops do */
-                        v = silu_mul(v, _mm512_load_ps(u + i * 32 + 16 * h));
-                    else if (epilogue == EPI_ADD)
-                        v = _mm512_add_ps(v, from_bf16(aux + row * ldaux + nb * 32 + 16 * h));
-                    else if (bias)
-                        v = _mm512_add_ps(v, _mm512_loadu_ps(bias + nb * 32 + 16 * h));
-                    _mm256_storeu_si256((__m256i *)(dst + 16 * h), to_bf16(v));
-                }
-            }
+            for (int i = 0; i < rows; i++)
+                for (int h = 0; h < 2; h++)
+                    store_epilogue16(_mm512_load_ps(c + i * 32 + 16 * h), u + i * 32 + 16 * h,
+                                     epilogue, aux, ldaux, bias, y, ldy, mb * 32 + i,
+                                     nb * 32 + 16 * h);
         }
         _tile_release();
 

@@ -33,7 +33,6 @@
 #include "kvserve_kernels.h"
 #include <omp.h>
 
-enum { EPI_NONE = 0, EPI_ADD = 1, EPI_SWIGLU = 2 };
 enum { MT_MAX = 12, MB_ROWS = 96 };
 
 int kvserve_avx512_available(void) { return 1; }
@@ -149,20 +148,11 @@ int kvserve_avx512_linear(const uint16_t *x, int64_t lda, int64_t M, int64_t K,
                     const int64_t m0 = start[ti];
                     const int mt = (int)(start[ti + 1] - m0);
                     TILE_FNS[mt - 1][nt - 1](xt + m0 * K, w, npairs, c);
-                    for (int i = 0; i < mt; i++) {
-                        const int64_t row = m0 + i;
-                        for (int j = 0; j < g; j++) {
-                            const int64_t col = (ob + j) * 16;
-                            __m512 v = _mm512_load_ps(c + i * 64 + j * 16);
-                            if (swiglu) /* rounded once, as oneDNN's fused ops do */
-                                v = silu_mul(v, _mm512_load_ps(c + i * 64 + (g + j) * 16));
-                            else if (epilogue == EPI_ADD)
-                                v = _mm512_add_ps(v, load16(aux, row * ldaux + col, DT_BF16));
-                            else if (bias)
-                                v = _mm512_add_ps(v, _mm512_loadu_ps(bias + col));
-                            _mm256_storeu_si256((__m256i *)(y + row * ldy + col), to_bf16(v));
-                        }
-                    }
+                    for (int i = 0; i < mt; i++) /* SwiGLU: the up sums g blocks along */
+                        for (int j = 0; j < g; j++)
+                            store_epilogue16(_mm512_load_ps(c + i * 64 + j * 16),
+                                             c + i * 64 + (g + j) * 16, epilogue, aux, ldaux,
+                                             bias, y, ldy, m0 + i, (ob + j) * 16);
                 }
             }
     }

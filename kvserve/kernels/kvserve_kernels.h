@@ -90,6 +90,24 @@ static inline __m512 silu_mul(__m512 g, __m512 u) {
     return _mm512_mul_ps(s, u);
 }
 
+/* The bf16 linear kernels' fused epilogues (amx_gemm.c, avx512_gemm.c). */
+enum { EPI_NONE = 0, EPI_ADD = 1, EPI_SWIGLU = 2 };
+
+/* 16 outputs y[row][col .. col + 15] from their float32 sums v: EPI_SWIGLU silu(v) * u[0..15]
+ * (the up projection's sums), EPI_ADD v + aux[row][col ..] (bf16, rows ldaux apart), else
+ * v + bias[col ..] (float32, or NULL); rounded to bf16 once, as oneDNN's fused ops do. */
+static inline __attribute__((always_inline)) void store_epilogue16(
+    __m512 v, const float *u, int epilogue, const uint16_t *aux, int64_t ldaux,
+    const float *bias, uint16_t *y, int64_t ldy, int64_t row, int64_t col) {
+    if (epilogue == EPI_SWIGLU)
+        v = silu_mul(v, _mm512_load_ps(u));
+    else if (epilogue == EPI_ADD)
+        v = _mm512_add_ps(v, load16(aux, row * ldaux + col, DT_BF16));
+    else if (bias)
+        v = _mm512_add_ps(v, _mm512_loadu_ps(bias + col));
+    _mm256_storeu_si256((__m256i *)(y + row * ldy + col), to_bf16(v));
+}
+
 /* The 16 horizontal sums of a[0..15], lane i = sum of a[i]'s lanes: a transposing add tree
  * (45 shuffles and adds, where 16 separate reductions cost about 140). */
 static inline __attribute__((always_inline)) __m512 hsum16(const __m512 *a) {

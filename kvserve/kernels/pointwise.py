@@ -36,7 +36,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvserve_kv_write.argtypes = [_p, _p, _i64, _i, _i, _i, _p, _i64, _p, _i64, _p, _i64, _i]
 
 
-_LIB = NativeLibrary(_SRC, _FLAGS, "fused RMSNorm / rotary", _declare)
+_LIB = NativeLibrary(_SRC, _FLAGS, "fused RMSNorm / rotary / KV write", _declare)
 
 
 def native_available() -> bool:
