@@ -13,6 +13,10 @@ from kvserve.model.synthetic import make_random_checkpoint
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+# Where make_llm's engines (and the exactness tests' transformers reference) run: cpu in CI;
+# KVSERVE_TEST_DEVICE=cuda runs the same tests on a GPU, as a smoke test of the device paths.
+TEST_DEVICE = os.environ.get("KVSERVE_TEST_DEVICE", "cpu")
+
 # name -> make_random_checkpoint kwargs
 CHECKPOINTS = {
     "llama_gqa": dict(arch="llama", num_heads=4, num_kv_heads=2, seed=1),
@@ -105,6 +109,7 @@ def make_llm():
     engines = []
 
     def build(model: str, **kwargs):
+        kwargs.setdefault("device", TEST_DEVICE)
         llm = LLM(model, **kwargs)
         engines.append(llm.engine)
         return llm

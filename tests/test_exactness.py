@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvserve import SamplingParams
-from tests.conftest import prompts_of_lengths
+from tests.conftest import TEST_DEVICE, prompts_of_lengths
 
 transformers = pytest.importorskip("transformers")
 
@@ -17,12 +17,13 @@ NEW_TOKENS = 64
 def hf_greedy(path: str, prompts: list[list[int]], n: int, **load: object) -> list[list[int]]:
     """transformers' greedy tokens; ``load`` goes to ``from_pretrained`` (e.g. a config)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **load)
+    model.to(TEST_DEVICE)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     outs = []
     with torch.no_grad():
         for p in prompts:
-            ids = torch.tensor([p])
+            ids = torch.tensor([p], device=TEST_DEVICE)
             g = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                max_new_tokens=n)  # fmt: skip
             outs.append(g[0, len(p) :].tolist())

@@ -181,5 +181,5 @@ def test_runner_uses_positions_for_rope_and_cache_indices_for_the_cache(make_llm
         new = [NewRequestData("x", ids, params, ())] if i == 0 else []
         out = runner.execute_model(SchedulerOutput(seqs=[seq], new_requests=new))
         got.append(out.prompt_logits["x"])
-    torch.testing.assert_close(torch.cat(got), ref, atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.cat(got).cpu(), ref, atol=1e-4, rtol=0)
     assert out.token_ids == [int(ref[-1].argmax())]

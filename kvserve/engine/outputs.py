@@ -144,7 +144,8 @@ def build_output(family: RequestFamily) -> RequestOutput | None:
     prompt_lp, prompt_logits = None, None
     if first.prompt_logits and not family.sent_prompt_logits:
         family.sent_prompt_logits = True
-        prompt_logits = torch.cat(first.prompt_logits)
+        # On the host: an output must not hold device memory (nor its caller a GPU tensor)
+        prompt_logits = torch.cat(first.prompt_logits).cpu()
         n = first.sampling_params.prompt_logprobs
         if n is not None:
             prompt_lp = prompt_logprobs(prompt_logits, family.prompt_token_ids, n)
@@ -179,7 +180,7 @@ def prompt_logprobs(
     """vLLM's prompt_logprobs: None for the first token, then the actual token's log-prob
     and the top-n at each later position."""
     rows = logits[: len(prompt) - 1]
-    actual = rows.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist()
+    actual = rows.gather(1, torch.tensor(prompt[1:], device=rows.device)[:, None])[:, 0].tolist()
     out: list[dict[int, float] | None] = [None]
     top_v, top_i = rows.topk(n, dim=-1) if n else (None, None)
     for pos, tok in enumerate(prompt[1:]):

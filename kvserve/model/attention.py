@@ -498,7 +498,7 @@ def reference_attention(
     kr = keys.repeat_interleave(num_heads // num_kv, dim=1)
     vr = values.repeat_interleave(num_heads // num_kv, dim=1)
     scores = torch.einsum("lhd,shd->hls", q.float(), kr.float()) / q.shape[-1] ** 0.5
-    kpos = torch.arange(keys.shape[0])[None, :]
+    kpos = torch.arange(keys.shape[0], device=keys.device)[None, :]
     allowed = kpos <= q_positions[:, None]
     if window is not None:
         allowed &= kpos > q_positions[:, None] - window
