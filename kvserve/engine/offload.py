@@ -41,8 +41,9 @@ def build_offload(
         raise ConfigError(str(e)) from e
     namespace = tier_namespace(root, storage.identity(), storage.pool_state())
     offload = KVOffload(
-        tiers, namespace, storage.identity(), load_timeout_s=LOAD_TIMEOUTS * cc.kv_offload_timeout
-    )
+        tiers, namespace, storage.identity(), load_timeout_s=LOAD_TIMEOUTS * cc.kv_offload_timeout,
+        pin_memory=storage.host_copies.pins,
+    )  # fmt: skip
     apply_policies(offload, cc)
     return offload
 

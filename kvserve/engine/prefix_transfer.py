@@ -54,7 +54,7 @@ def export_prefix(
         block_size=kv.block_size,
         root=kv.root,
         hashes=hashes[: len(ids)],
-        blocks=storage.export_blocks(ids),
+        blocks=storage.export_blocks(ids).wait(),  # a value the caller may send anywhere
     )
 
 

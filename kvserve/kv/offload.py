@@ -161,6 +161,7 @@ class KVOffload:
         load_timeout_s: float = 5.0,
         max_pending_bytes: int = 1 << 30,
         clock: Callable[[], float] = time.monotonic,
+        pin_memory: bool = False,
     ) -> None:
         if not tiers:
             raise ValueError("KVOffload: at least one tier")
@@ -171,6 +172,9 @@ class KVOffload:
         self.load_timeout_s = load_timeout_s
         self.max_pending_bytes = max_pending_bytes
         self.clock = clock
+        # A GPU pool: loaded payloads are copied into pinned memory here, on the worker, so
+        # that importing them is an asynchronous copy, not a host copy on the step's path.
+        self.pin_memory = pin_memory
         self.counters = {t.name: TierCounters() for t in self.tiers}
         self.write_through_hits: int | None = None  # see OffloadTiers
         self.swap_preempted = True
@@ -481,6 +485,8 @@ class KVOffload:
                 if _canonical(payload.identity) != self._identity_json:
                     raise EntryError("format", "the entry was stored by another format")
                 payload.identity = self.identity  # JSON turned its tuples into lists
+                if self.pin_memory:
+                    payload = payload.pinned()
             except EntryError as e:
                 c.fail(e.reason)
                 self._drop(tier, key)

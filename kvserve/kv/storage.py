@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvserve.kv.host_copies import HostCopies
+
 TORCH_DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -41,13 +43,34 @@ class BlockPayload:
 
     ``tensors`` maps each per-block tensor's name to ``[num_layers, n, ...]`` CPU tensors in
     the order of the exported block ids; ``pool`` holds pool-wide state the blocks need to be
-    decoded (fp8's per-head scales); ``extra`` is format-specific (KIVI's residual rows)."""
+    decoded (fp8's per-head scales); ``extra`` is format-specific (KIVI's residual rows).
+    ``ready``: the event of an export from a GPU still copying ``tensors`` into pinned host
+    memory (:mod:`kvserve.kv.host_copies`); whoever reads their bytes calls :meth:`wait`."""
 
     identity: dict[str, Any]
     num_blocks: int
     tensors: dict[str, torch.Tensor]
     pool: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    ready: Any = None
+
+    def wait(self) -> BlockPayload:
+        """Block until ``tensors`` hold their bytes (a no-op for a payload made on the CPU)."""
+        event = self.ready
+        if event is not None:
+            event.synchronize()
+            self.ready = None
+        return self
+
+    def pinned(self) -> BlockPayload:
+        """This payload with its tensors copied into pinned host memory, from which an import
+        to a GPU runs without blocking the engine (the offload worker pins what it loads)."""
+        self.wait()
+        tensors = {}
+        for name, t in self.tensors.items():
+            tensors[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            tensors[name].copy_(t)
+        return BlockPayload(self.identity, self.num_blocks, tensors, self.pool, self.extra)
 
     @staticmethod
     def concat(payloads: list[BlockPayload]) -> list[BlockPayload]:
@@ -55,6 +78,8 @@ class BlockPayload:
         they are when there is one or any carries format side state (KIVI's residual rows)."""
         if len(payloads) <= 1 or any(p.extra for p in payloads):
             return list(payloads)
+        for p in payloads:
+            p.wait()
         first = payloads[0]
         n = sum(p.num_blocks for p in payloads)
         tensors = {k: torch.cat([p.tensors[k] for p in payloads], dim=1) for k in first.tensors}
@@ -63,7 +88,7 @@ class BlockPayload:
     def select(self, indices: list[int]) -> BlockPayload:
         """The payload of the blocks at ``indices`` (positions in this payload), in order."""
         idx = torch.tensor(indices, dtype=torch.long)
-        tensors = {name: t.index_select(1, idx) for name, t in self.tensors.items()}
+        tensors = {name: t.index_select(1, idx) for name, t in self.wait().tensors.items()}
         extra: dict[str, Any] = {}
         res = self.extra.get("residual", [])
         if res:
@@ -133,6 +158,7 @@ class KVStorage(ABC):
         # Hybrid models (kvserve.kv.layer_groups): layer l's per-block tensors are those of slot
         # layer_slots[l], shared by the layers of other groups (a block belongs to one group).
         self.layer_slots = layer_slots
+        self.host_copies = HostCopies(self.device)
         self.null_block = num_blocks
         self.format_name = ""  # set by subclasses: the layout that goes into prefix-cache keys
 
@@ -329,7 +355,8 @@ class KVStorage(ABC):
 
     def export_blocks(self, block_ids: list[int]) -> BlockPayload:
         """The exact stored bytes of ``block_ids`` (CPU tensors), with whatever pool-wide state
-        decoding them needs."""
+        decoding them needs. From a GPU pool the copy to (pinned) host memory is still under
+        way when this returns: read the payload after :meth:`BlockPayload.wait`."""
         self._check_ids(block_ids, "export_blocks")
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         tensors = {}
@@ -339,9 +366,12 @@ class KVStorage(ABC):
                 for layer, t in enumerate(ts):
                     torch.index_select(t, 0, idx, out=out[layer])
                 tensors[name] = out
-            else:
-                tensors[name] = torch.stack([t.index_select(0, idx) for t in ts]).cpu()
-        return BlockPayload(self.identity(), len(block_ids), tensors, self._export_pool())
+            else:  # one gather on the device, one transfer to the host off the step's path
+                gathered = torch.stack([t.index_select(0, idx) for t in ts])
+                tensors[name] = self.host_copies.to_host(gathered)
+        ready = self.host_copies.done()
+        return BlockPayload(self.identity(), len(block_ids), tensors, self._export_pool(),
+                            ready=ready)  # fmt: skip
 
     def import_blocks(self, block_ids: list[int], payload: BlockPayload) -> None:
         """Write a payload's blocks into ``block_ids`` (bit-exact); raises
@@ -360,9 +390,11 @@ class KVStorage(ABC):
         self._import_pool(payload.pool)
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         for name, ts in self.block_tensors().items():
-            src = payload.tensors[name]
+            src = payload.wait().tensors[name]
+            if src.device != ts[0].device:  # every layer in one transfer
+                src = self.host_copies.to_device(src)
             for layer, t in enumerate(ts):
-                t.index_copy_(0, idx, src[layer].to(t.device))
+                t.index_copy_(0, idx, src[layer])
 
     def pool_state(self) -> dict[str, Any]:
         """Pool-wide state the blocks need to be decoded (fp8's per-head scales): part of

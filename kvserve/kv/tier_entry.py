@@ -62,6 +62,7 @@ def encode_entry(key: bytes, payload: BlockPayload) -> bytes:
     """The bytes of ``payload`` stored under ``key`` (one allocation: a single join)."""
     if len(key) > 0xFFFF:
         raise ValueError(f"encode_entry: key is {len(key)} bytes, at most 65535")
+    payload.wait()  # an export from a GPU may still be copying into host memory
     arrays: list[np.ndarray] = []
     specs: list[dict[str, Any]] = []
     offset = 0
