@@ -20,12 +20,16 @@ from kvserve.config import user_cache_dir
 REPO = Path(__file__).resolve().parent.parent
 MODEL_CACHE = user_cache_dir() / "bench-models"
 
-# ~5 M and ~50 M parameter random Llamas (GQA), the sizes the issues quote.
+# ~5 M, ~50 M and ~135 M parameter random Llamas (GQA), the sizes the issues quote.
 MODELS: dict[str, dict[str, Any]] = {
     "5m": dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_layers=4,
                num_heads=4, num_kv_heads=2),
     "50m": dict(vocab_size=16384, hidden_size=512, intermediate_size=1536, num_layers=10,
                 num_heads=8, num_kv_heads=4),
+    # SmolLM2-135M's shape with random weights: the real model's speed where its 98 MB GGUF
+    # cannot go (a device machine that takes 64 MiB of files; no downloads at run time).
+    "135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                 num_heads=9, num_kv_heads=3, tie_word_embeddings=True, rope_theta=100000.0),
 }  # fmt: skip
 
 
@@ -91,17 +95,27 @@ def drain(engine: Any, prompts: list[list[int]], params: Any) -> dict[str, float
             "preemptions": engine.stats().num_preemptions}  # fmt: skip
 
 
-def copy_bandwidth(nbytes: int = 256 * 2**20, reps: int = 5) -> float:
-    """Measured memory copy bandwidth in bytes/s (read + write counted once, as a stream)."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32).normal_()
+def copy_bandwidth(nbytes: int = 256 * 2**20, reps: int = 5, device: str = "cpu") -> float:
+    """Measured memory copy bandwidth in bytes/s (read + write counted once, as a stream) on
+    ``device``."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).normal_()
     dst = torch.empty_like(src)
     dst.copy_(src)
     times = []
     for _ in range(reps):
+        sync(device)
         t0 = time.perf_counter()
         dst.copy_(src)
+        sync(device)
         times.append(time.perf_counter() - t0)
     return nbytes / median(times)
+
+
+def sync(device: str | torch.device) -> None:
+    """Wait for ``device``'s queued work (a no-op on the CPU, whose work is never queued), so
+    that a wall-clock timer around it measures the work, not its launch."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def wait_ready(port: int, timeout: float = 120.0, proc: Any = None) -> float:

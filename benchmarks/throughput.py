@@ -34,6 +34,7 @@ from benchmarks.common import (
     median,
     random_prompts,
     set_threads,
+    sync,
     table,
     vocab_size,
 )
@@ -41,13 +42,20 @@ from kvserve.engine.bandwidth import weight_bytes_read
 
 
 def run_kvserve(
-    path: str, prompts, max_tokens: int, dtype: str, budget: int, prefault: bool = True
+    path: str,
+    prompts,
+    max_tokens: int,
+    dtype: str,
+    budget: int,
+    prefault: bool = True,
+    device: str = "cpu",
 ) -> dict:
     from kvserve import LLM, SamplingParams
 
     start = time.perf_counter()
     llm = LLM(path, dtype=dtype, max_num_seqs=len(prompts), max_num_batched_tokens=budget,
-              enable_prefix_caching=False, kv_cache_prefault=prefault)  # fmt: skip
+              enable_prefix_caching=False, kv_cache_prefault=prefault,
+              device=device)  # fmt: skip
     start = time.perf_counter() - start
     engine = llm.engine
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4))  # warm-up
@@ -77,7 +85,14 @@ def run_kvserve(
             "tokens": tokens, "start_s": start}  # fmt: skip
 
 
-def agreement(path: str, prompts, ref: list[list[int]], test: list[list[int]], budget: int) -> dict:
+def agreement(
+    path: str,
+    prompts,
+    ref: list[list[int]],
+    test: list[list[int]],
+    budget: int,
+    device: str = "cpu",
+) -> dict:
     """How far bfloat16 greedy decoding follows float32's on the workload.
 
     ``free`` and ``identical``: :func:`kvserve.main_job.agreement` (the share of each output
@@ -91,7 +106,7 @@ def agreement(path: str, prompts, ref: list[list[int]], test: list[list[int]], b
     free = free_running(ref, test)
     total = sum(map(len, ref))
     llm = LLM(path, dtype="bfloat16", max_num_seqs=len(prompts), max_num_batched_tokens=budget,
-              enable_prefix_caching=False)  # fmt: skip
+              enable_prefix_caching=False, device=device)  # fmt: skip
     sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
     outs = llm.generate([p + r for p, r in zip(prompts, ref, strict=True)], sp)
     hit = 0
@@ -105,26 +120,31 @@ def agreement(path: str, prompts, ref: list[list[int]], test: list[list[int]], b
             "identical": free["identical_outputs"]}  # fmt: skip
 
 
-def run_transformers(path: str, prompts, max_tokens: int, dtype: str, bsz: int) -> float:
+def run_transformers(
+    path: str, prompts, max_tokens: int, dtype: str, bsz: int, device: str = "cpu"
+) -> float:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     with torch.no_grad():  # warm-up, as kvserve gets one: first-call allocations, oneDNN plans
-        model.generate(torch.tensor([p[:16] for p in prompts[:2]]), do_sample=False,
-                       max_new_tokens=4, min_new_tokens=4)  # fmt: skip
+        model.generate(torch.tensor([p[:16] for p in prompts[:2]], device=device),
+                       do_sample=False, max_new_tokens=4, min_new_tokens=4)  # fmt: skip
+    sync(device)
     t0 = time.perf_counter()
     n_out = 0
     with torch.no_grad():
         for i in range(0, len(prompts), bsz):
             batch = prompts[i : i + bsz]
             width = max(map(len, batch))
-            ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch],
+                                device=device)  # fmt: skip
             out = model.generate(ids, attention_mask=mask, do_sample=False,
                                  max_new_tokens=max_tokens, min_new_tokens=max_tokens)  # fmt: skip
             n_out += (out.shape[1] - width) * len(batch)
+    sync(device)
     return n_out / (time.perf_counter() - t0)
 
 
@@ -161,8 +181,13 @@ def main() -> None:
     ap.add_argument(
         "--sizes",
         default=None,
-        help="comma list of 5m, 50m (random Llamas) or model names or paths (smollm2)",
+        help="comma list of 5m, 50m, 135m (random Llamas; 135m has SmolLM2-135M's shape) or "
+        "model names or paths (smollm2)",
     )
+    # The same benchmark on an accelerator (a CUDA smoke test): both kvserve and transformers
+    # run there, vLLM's CPU build does not (--vllm-python is refused), and the roofline uses
+    # that device's copy bandwidth.
+    ap.add_argument("--device", default="cpu", help="torch device: cpu or cuda[:N]")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
     # vLLM's CPU build schedules 4,096 tokens per step offline by default; both engines get it.
@@ -202,14 +227,24 @@ def main() -> None:
         ap.error(f"--rounds: must be >= 1, got {args.rounds}")
     if args.float32_rounds is not None and args.float32_rounds < 1:
         ap.error(f"--float32-rounds: must be >= 1, got {args.float32_rounds}")
+    if args.vllm_python and args.device != "cpu":
+        ap.error("--vllm-python: vLLM's CPU build is the peer on --device cpu only")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        ap.error(f"--device: {e}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device: {args.device} asked for, but this torch sees no CUDA device")
     threads = set_threads()
     sizes = (args.sizes or ("5m" if args.quick else "5m,50m")).split(",")
     dtypes = ["bfloat16", "float32"] if args.dtype == "both" else [args.dtype]
     n = 16 if args.quick else args.num_prompts
     max_tokens = 32 if args.quick else args.max_tokens
     hf_sizes = [16] if args.quick else [int(b) for b in args.hf_batch_sizes.split(",")]
-    bw = copy_bandwidth()
-    print(f"threads {threads}, dtypes {'/'.join(dtypes)}, copy bandwidth {bw / 1e9:.1f} GB/s, "
+    bw = copy_bandwidth(device=args.device)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"device {where}, threads {threads}, dtypes {'/'.join(dtypes)}, "
+          f"copy bandwidth {bw / 1e9:.1f} GB/s, "
           f"{n} prompts of 128-1024 tokens, {max_tokens} output tokens, "
           f"{args.rounds} round(s), kvserve pool "
           f"{'lazily mapped' if args.lazy_pool else 'faulted in at start'}")  # fmt: skip
@@ -226,17 +261,19 @@ def main() -> None:
                 rounds = args.float32_rounds
             for _ in range(rounds):  # alternate the engines: drift hits both alike
                 kv = run_kvserve(path, prompts, max_tokens, dtype, args.budget,
-                                 not args.lazy_pool)  # fmt: skip
+                                 not args.lazy_pool, args.device)  # fmt: skip
                 wbytes = weight_bytes_read(kv.pop("model"))
                 steps += [dt / ((wbytes + kv_t * kv["bytes_per_token"]) / bw)
                           for dt, _, kv_t in kv["decode_steps"]]  # fmt: skip
                 kv_runs.append(kv)
                 gc.collect()
-                vl = run_vllm(path, prompts, max_tokens, dtype, args.vllm_python, args.budget)
+                vl = (run_vllm(path, prompts, max_tokens, dtype, args.vllm_python, args.budget)
+                      if device.type == "cpu" else None)  # fmt: skip
                 if vl is not None:
                     vllm_runs.append(vl)
                     ratios.append(kv["tok_s"] / vl)
-            hf = {b: run_transformers(path, prompts, max_tokens, dtype, b) for b in hf_sizes}
+            hf = {b: run_transformers(path, prompts, max_tokens, dtype, b, args.device)
+                  for b in hf_sizes}  # fmt: skip
             print(f"[{size} {dtype}] kvserve runs: "
                   + ", ".join(f"{r['tok_s']:.0f}" for r in kv_runs)
                   + " (start-up " + ", ".join(f"{r['start_s']:.1f}" for r in kv_runs) + " s)"
@@ -257,9 +294,11 @@ def main() -> None:
         agree = None
         if args.agreement:
             runs = {d: per_dtype[d]["tokens"] if d in per_dtype else
-                    run_kvserve(path, prompts, max_tokens, d, args.budget)["tokens"]
+                    run_kvserve(path, prompts, max_tokens, d, args.budget,
+                                device=args.device)["tokens"]
                     for d in ("float32", "bfloat16")}  # fmt: skip
-            agree = agreement(path, prompts, runs["float32"], runs["bfloat16"], args.budget)
+            agree = agreement(path, prompts, runs["float32"], runs["bfloat16"], args.budget,
+                              args.device)  # fmt: skip
             print(f"[{size}] bfloat16 vs float32 greedy tokens: teacher-forced top-1 "
                   f"{agree['forced']:.4f}, before the first divergence {agree['free']:.4f}, "
                   f"identical sequences {agree['identical']:.3f}")  # fmt: skip
@@ -303,7 +342,8 @@ def main() -> None:
     head = summary[sizes[0]]
     emit({**{k: head[k] for k in ("kvserve_tok_s", "transformers_tok_s", "ratio",
                                   "roofline_ratio")}, "by_model": summary,
-          "dtype": args.dtype, "kv_cache_prefault": not args.lazy_pool})  # fmt: skip
+          "dtype": args.dtype, "kv_cache_prefault": not args.lazy_pool,
+          "device": where})  # fmt: skip
 
 
 if __name__ == "__main__":
