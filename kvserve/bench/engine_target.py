@@ -19,6 +19,7 @@ from typing import Any
 
 from kvserve.bench.metrics import RequestRecord
 from kvserve.bench.workloads import BenchRequest
+from kvserve.kernels.openmp import release_thread_pool
 
 _STOP = object()
 
@@ -88,6 +89,7 @@ class EngineTarget:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        release_thread_pool()  # this thread built the engine; the bench-engine thread steps it
         self._thread = threading.Thread(target=self._run, name="bench-engine", daemon=True)
         self._thread.start()
 

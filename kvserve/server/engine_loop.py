@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.engine import EngineStats, LLMEngine
+from kvserve.kernels.openmp import release_thread_pool
 from kvserve.request import InvalidRequestError, RequestOutput, RequestTags, SamplingParams
 
 log = logging.getLogger("kvserve.server")
@@ -144,6 +145,7 @@ class EngineLoop:
     def start(self) -> None:
         """Start the engine thread (idempotent: an app may be started after a test did)."""
         if not self._thread.is_alive() and not self._stopping:
+            release_thread_pool()  # this thread built the engine; the engine thread steps it
             self._thread.start()
 
     @property
