@@ -66,12 +66,13 @@ def _drop_page_cache() -> bool:
 def ttft(args: argparse.Namespace) -> dict[str, Any]:
     model, vocab = bench_model(args.model), vocab_size(args.model)
     rows, summary = [], {}
-    server = _redis()
+    server = _redis() if "redis" in args.tiers else None
     try:
         for plen in args.prefix:
             rows += _ttft_rows(args, model, vocab, plen, server)
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
     print(table(rows, ["model", "prefix", "from", "TTFT ms", "x cold", "cached", "load GB/s"]))
     for r in rows:
         summary[f"{r['prefix']}/{r['from']}"] = round(r["x cold"], 4)
@@ -82,7 +83,7 @@ def _ttft_rows(args: argparse.Namespace, model: str, vocab: int, plen: int, serv
     rng = random.Random(plen)
     suffix = 16
     pool = -(-(plen + suffix + 2) // BS) + 2  # one such request at a time: a flood evicts it
-    common = dict(num_gpu_blocks=pool, block_size=BS, dtype=args.dtype,
+    common = dict(num_gpu_blocks=pool, block_size=BS, dtype=args.dtype, device=args.device,
                   max_num_batched_tokens=args.max_num_batched_tokens)  # fmt: skip
     disk = tempfile.mkdtemp(prefix="kvserve-bench-disk-")
     configs = {
@@ -90,8 +91,12 @@ def _ttft_rows(args: argparse.Namespace, model: str, vocab: int, plen: int, serv
         "device": {},
         "cpu": {"kv_offload_cpu": "8GiB"},
         "disk": {"kv_offload_disk": disk, "kv_offload_disk_size": "20GiB"},
-        "redis": {"kv_offload_redis": server.url, "kv_offload_redis_size": "8GiB"},
+        "redis": {
+            "kv_offload_redis": server.url if server else "",
+            "kv_offload_redis_size": "8GiB",
+        },
     }
+    configs = {k: v for k, v in configs.items() if k == "recompute" or k in args.tiers}
     prefix = _rand(rng, plen, vocab)
     out, cold_ms = [], None
     for name, kw in configs.items():
@@ -287,6 +292,14 @@ def main() -> None:
             s.add_argument("--reps", type=int, default=3)
             s.add_argument("--max-num-batched-tokens", type=int, default=2048)
             s.add_argument("--drop-caches", action="store_true")
+            # On a GPU (--device cuda) the pool is in device memory and the host tier's copies
+            # run through pinned memory; a machine without redis-server leaves redis out.
+            s.add_argument("--device", default="cpu")
+            s.add_argument(
+                "--tiers",
+                default="device,cpu,disk,redis",
+                help="comma list of device, cpu, disk, redis (recompute always runs)",
+            )
         if name == "multiturn":
             s.add_argument("--conversations", type=int, default=16)
             s.add_argument("--turns", type=int, default=4)
@@ -302,6 +315,11 @@ def main() -> None:
             s.add_argument("--prefix-len", type=int, default=2048)
             s.add_argument("--port", type=int, default=8391)
     args = p.parse_args()
+    if args.cmd == "ttft":
+        args.tiers = args.tiers.split(",")
+        bad = sorted(set(args.tiers) - {"device", "cpu", "disk", "redis"})
+        if bad:
+            p.error(f"--tiers: unknown {', '.join(bad)}; choose from device, cpu, disk, redis")
     threads = set_threads()
     print(f"threads={threads} model={args.model} dtype={args.dtype}")
     summary = {"ttft": ttft, "multiturn": multiturn, "preempt": preempt,
