@@ -7,10 +7,11 @@ engine built on one thread (loading, packing weights, warming up) and stepped on
 server's engine loop, ``kvserve bench``'s in-process target) leaves the first pool idle beside
 the second. libgomp then counts more threads than CPUs and switches every pool to "throttled"
 waiting: after each parallel region the workers sleep almost at once, and the next region
-pays a futex wake-up per worker. A decode step runs hundreds of regions, so on 2 cores the
-same step took 1.5-3x as long on the engine thread as on the thread that built the engine.
-Freeing the builder's pool (``omp_pause_resource_all``, OpenMP 5.0) restores the fast path;
-the pool is recreated by the next parallel region on that thread, if there ever is one.
+pays a futex wake-up per worker. A decode step runs hundreds of regions, so the same step
+runs much slower on the engine thread than on the thread that built the engine
+(``BENCHMARKS.md``, session 41). Freeing the builder's pool (``omp_pause_resource_all``,
+OpenMP 5.0) restores the fast path; the pool is recreated by the next parallel region on that
+thread, if there ever is one.
 """
 
 from __future__ import annotations

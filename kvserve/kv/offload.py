@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import threading
 import time
@@ -38,6 +39,8 @@ from kvserve.kv.hashing import BlockHash
 from kvserve.kv.storage import BlockPayload
 from kvserve.kv.tier_entry import EntryError, decode_entry, encode_entry
 from kvserve.kv.tiers import Tier, TierError
+
+log = logging.getLogger("kvserve.offload")
 
 TIER_KEY_VERSION = 1
 BACKOFF_START_S = 1.0
@@ -486,7 +489,10 @@ class KVOffload:
                     raise EntryError("format", "the entry was stored by another format")
                 payload.identity = self.identity  # JSON turned its tuples into lists
                 if self.pin_memory:
-                    payload = payload.pinned()
+                    try:
+                        payload = payload.pinned()
+                    except RuntimeError:  # no pinned memory to be had: a pageable copy will do
+                        log.warning("kv offload: pinning a loaded entry failed", exc_info=True)
             except EntryError as e:
                 c.fail(e.reason)
                 self._drop(tier, key)
