@@ -65,11 +65,7 @@ class BlockPayload:
     def pinned(self) -> BlockPayload:
         """This payload with its tensors copied into pinned host memory, from which an import
         to a GPU runs without blocking the engine (the offload worker pins what it loads)."""
-        self.wait()
-        tensors = {}
-        for name, t in self.tensors.items():
-            tensors[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            tensors[name].copy_(t)
+        tensors = {name: t.pin_memory() for name, t in self.wait().tensors.items()}
         return BlockPayload(self.identity, self.num_blocks, tensors, self.pool, self.extra)
 
     @staticmethod
@@ -389,8 +385,9 @@ class KVStorage(ABC):
             )
         self._import_pool(payload.pool)
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        payload.wait()
         for name, ts in self.block_tensors().items():
-            src = payload.wait().tensors[name]
+            src = payload.tensors[name]
             if src.device != ts[0].device:  # every layer in one transfer
                 src = self.host_copies.to_device(src)
             for layer, t in enumerate(ts):
