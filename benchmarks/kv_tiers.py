@@ -280,7 +280,7 @@ def _completion(httpx: Any, port: int, prompt: list[int]) -> tuple[float, int]:
     return dt, usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     for name in ("ttft", "multiturn", "preempt", "replicas"):
@@ -314,7 +314,7 @@ def main() -> None:
         if name == "replicas":
             s.add_argument("--prefix-len", type=int, default=2048)
             s.add_argument("--port", type=int, default=8391)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.cmd == "ttft":
         args.tiers = args.tiers.split(",")
         bad = sorted(set(args.tiers) - {"device", "cpu", "disk", "redis"})

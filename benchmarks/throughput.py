@@ -171,7 +171,7 @@ def run_vllm(
     return float(json.loads(lines[-1])["vllm_tok_s"])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true")
     # The faster dtype depends on the CPU: bfloat16 with AMX or AVX512-BF16, float32 on a CPU
@@ -222,7 +222,7 @@ def main() -> None:
         help="leave kvserve's KV pool unmapped until first written (its default outside "
         "this benchmark): each timed run then pays the page faults of its new KV",
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds: must be >= 1, got {args.rounds}")
     if args.float32_rounds is not None and args.float32_rounds < 1:

@@ -1,0 +1,42 @@
+"""The throughput and tier benchmarks refuse bad device and tier arguments before they build
+any model or start any server, naming the flag."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import kv_tiers, throughput
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--device", "tpu0"], "--device: "),
+        (["--device", "cuda", "--vllm-python", "/x/python"],
+         "--vllm-python: vLLM's CPU build is the peer on --device cpu only"),
+        (["--rounds", "0"], "--rounds: must be >= 1, got 0"),
+    ],
+)  # fmt: skip
+def test_throughput_names_the_bad_flag(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        throughput.main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_throughput_refuses_cuda_where_torch_sees_none(capsys, monkeypatch):
+    monkeypatch.setattr(throughput.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        throughput.main(["--device", "cuda"])
+    assert e.value.code == 2
+    assert "--device: cuda asked for, but this torch sees no CUDA device" in (
+        capsys.readouterr().err
+    )
+
+
+def test_kv_tiers_names_an_unknown_tier(capsys):
+    with pytest.raises(SystemExit) as e:
+        kv_tiers.main(["ttft", "--tiers", "cpu,tape"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--tiers: unknown tape; choose from device, cpu, disk, redis" in err
