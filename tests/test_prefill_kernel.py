@@ -99,9 +99,7 @@ def test_paged_attention_routes_fresh_chunks_to_the_kernel_only():
     assert torch.equal(got[:1], want[:1]) and torch.equal(got[41:], want[41:])
 
 
-AMX = torch.cpu._is_amx_tile_supported()
-
-
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.bfloat16, 1.6e-2)])
 @pytest.mark.parametrize(
     "ctx, tokens, heads, kv_heads, d, window",
     [
@@ -110,32 +108,46 @@ AMX = torch.cpu._is_amx_tile_supported()
         (37, 70, 9, 3, 64, 25),  # SmolLM2's grouping, a window reaching into the context
         (200, 45, 8, 2, 128, None),  # head size 128
         (64, 33, 4, 4, 32, 50),  # MHA, head size 32
+        (1000, 40, 8, 8, 64, None),  # the 50 M benchmark model's heads, a long context
+        (5, 300, 4, 1, 32, 100),  # MQA, many tiles, a window shorter than the chunk
     ],
 )
-def test_context_kernel_matches_naive_attention(ctx, tokens, heads, kv_heads, d, window):
+def test_context_kernel_matches_naive_attention(ctx, tokens, heads, kv_heads, d, window,
+                                                dtype, tol):  # fmt: skip
     """A chunk continuing its sequence over the gathered context and its own keys, read as a
-    strided view of the gathered [KVH, S, D] layout. Where the CPU has AMX the tile kernel
-    takes it and matches naive float32 attention within bf16 rounding; elsewhere it declines
-    with nothing written (and SDPA serves, as the routing test checks)."""
+    strided view of the gathered [KVH, S, D] layout (the AMX tile kernel where the CPU has
+    it, else the FMA kernel), against naive float32 attention: within bf16 rounding, or
+    float32's summation order."""
     g = torch.Generator().manual_seed(ctx + tokens)
     n = ctx + tokens
-    kv = torch.randn(2, kv_heads, n + 5, d, generator=g).to(torch.bfloat16)  # gathered, padded
+    kv = torch.randn(2, kv_heads, n + 5, d, generator=g).to(dtype)  # gathered, padded
     keys, vals = kv[0, :, :n].transpose(0, 1), kv[1, :, :n].transpose(0, 1)  # [n, KVH, D]
-    q = torch.randn(tokens, heads, d, generator=g).to(torch.bfloat16)
-    out = torch.full((tokens, heads, d), float("nan"), dtype=torch.bfloat16)
-    took = prefill.context_attention(q, keys, vals, out, window)
-    assert took == AMX
-    if not took:
-        assert torch.isnan(out).all()
-        return
+    q = torch.randn(tokens, heads, d, generator=g).to(dtype)
+    out = torch.full((tokens, heads, d), float("nan"), dtype=dtype)
+    assert prefill.context_attention(q, keys, vals, out, window)
     want = reference_attention(q, keys, vals, torch.arange(ctx, n), window)
-    torch.testing.assert_close(out.float(), want.float(), atol=1.6e-2, rtol=1.6e-2)
+    torch.testing.assert_close(out.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_context_kernel_declines_what_it_does_not_handle():
+    """Values laid out unlike the keys, head size 40, fewer keys than queries and mixed
+    dtypes go to SDPA, with nothing written."""
+    q = torch.randn(8, 4, 64)
+    kv = torch.randn(2, 20, 2, 64)
+    out = torch.full((8, 4, 64), float("nan"))
+    v_heads_first = torch.randn(2, 20, 64).transpose(0, 1)  # [20, 2, 64], other strides
+    assert not prefill.context_attention(q, kv[0], v_heads_first, out, None)
+    assert not prefill.context_attention(q, kv[0, :5], kv[1, :5], out, None)
+    assert not prefill.context_attention(q.bfloat16(), kv[0], kv[1], out.bfloat16(), None)
+    k40 = torch.randn(20, 2, 40)
+    assert not prefill.context_attention(q[..., :40].contiguous(), k40, k40, out[..., :40], None)
+    assert torch.isnan(out).all()
 
 
 def test_paged_attention_routes_continuing_chunks_to_the_context_kernel():
     """The routing test's step with the fast backend's context kernel too: chunk C (30 tokens
-    after a cached block) now runs in the kernel where the CPU has AMX, and every row still
-    equals the reference backend's within bf16 rounding."""
+    after a cached block) now runs in the kernel, and every row still equals the reference
+    backend's within bf16 rounding."""
     torch.manual_seed(3)
     bs, h, kvh, d = 16, 4, 2, 64
     ref_store = DenseKVStorage(1, 32, bs, kvh, d, torch.bfloat16)
@@ -162,5 +174,5 @@ def test_paged_attention_routes_continuing_chunks_to_the_context_kernel():
         return calls[-1]
 
     got = paged_attention(q, k, v, 0, fast_store, meta, None, fast.causal_attention, context)
-    assert calls == [AMX]  # chunk C only: the fresh chunk goes to the causal kernel
+    assert calls == [True]  # chunk C only: the fresh chunk goes to the causal kernel
     torch.testing.assert_close(got.float(), want.float(), atol=1.6e-2, rtol=1.6e-2)

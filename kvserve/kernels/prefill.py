@@ -1,5 +1,7 @@
-"""Causal attention of a prefill chunk over its own fresh K/V (``prefill_attention.c``),
-built on first use with the system C compiler and loaded with ctypes.
+"""Causal attention of a prefill chunk (``prefill_attention.c``; bf16 on AMX tiles in
+``prefill_attention_amx.c`` where the CPU has them): over its own fresh K/V when it starts its
+sequence, over its gathered context and its own K/V when it continues one. Built on first use
+with the system C compiler and loaded with ctypes.
 
 SDPA (``is_causal=True``) stays the reference in kvserve/model/attention.py; tests compare the
 two. :func:`prefill_attention` returns False, with nothing written, wherever the kernel does
@@ -25,7 +27,7 @@ _p, _i, _i64, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.kvserve_prefill_attention
     fn.restype = _i
-    fn.argtypes = [_p, _i64, _p, _p, _i64, _p, _i64, _i, _i, _i, _f, _i, _i, _i]
+    fn.argtypes = [_p, _i64, _p, _p, _i64, _i64, _p, _i64, _i64, _i, _i, _i, _f, _i, _i, _i]
 
 
 _LIB = NativeLibrary(_SRC, _FLAGS, "prefill attention", _declare)
@@ -66,18 +68,7 @@ def prefill_attention(
         and native_available()
     ):
         return False
-    lib = _LIB.get()
-    assert lib is not None
-    L, h, d = q.shape
-    rc = _amx_attention(q, k, v, out, window)
-    if rc == 1:  # not for the tiles: the FMA kernel
-        rc = lib.kvserve_prefill_attention(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(),
-                                            k.stride(0), out.data_ptr(), L, h, k.shape[1], d,
-                                            d**-0.5, window or 0, _DTYPES[q.dtype],
-                                            torch.get_num_threads())  # fmt: skip
-    if rc == 2:
-        raise MemoryError("prefill attention: could not allocate the packed K/V")
-    return rc == 0
+    return _attention(q, k, v, out, window)
 
 
 def _amx_attention(
@@ -112,9 +103,26 @@ def context_attention(
         and out.shape == q.shape
         and q.dtype == k.dtype == v.dtype == out.dtype
         and out.is_contiguous()
+        and k.stride(2) == 1
+        and v.stride() == k.stride()
     ):
         return False
+    return _attention(q, k, v, out, window)
+
+
+def _attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, window: int | None
+) -> bool:
+    """The AMX kernel where it takes the call, else the FMA kernel (queries at the last
+    ``L`` of the ``Lk`` key positions); False where neither does."""
     rc = _amx_attention(q, k, v, out, window)
+    lib = _LIB.get() if rc == 1 else None
+    if lib is not None:  # not for the tiles: the FMA kernel
+        L, h, d = q.shape
+        rc = lib.kvserve_prefill_attention(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(),
+                                            k.stride(0), k.stride(1), out.data_ptr(), L,
+                                            k.shape[0], h, k.shape[1], d, d**-0.5, window or 0,
+                                            _DTYPES[q.dtype], torch.get_num_threads())  # fmt: skip
     if rc == 2:
         raise MemoryError("prefill attention: could not allocate the packed K/V")
     return rc == 0

@@ -1,14 +1,17 @@
-/* Causal attention of a prefill chunk that starts its sequence, over its own fresh K/V.
+/* Causal attention of a prefill chunk over its sequence's keys: its own fresh K/V when the
+ * chunk starts the sequence, or its cached context followed by its own K/V when it continues
+ * one (a chunked prompt's later chunks, a prefix-cache hit's suffix).
  *
  * PyTorch's CPU flash kernel splits keys into 512-wide blocks below 768 queries, so a causal
  * mask saves it nothing at the usual prompt lengths: it computes the whole square. This kernel
  * works in 16-key blocks and skips every block above the diagonal; both matrix products are
  * float32 FMAs over values converted once (a CPU without AVX512-BF16 has no faster bf16 path).
  *
- * Layout: q [L, H, D] and k/v [L, KVH, D] in float32 or bfloat16 (dt 0 / 1), rows (tokens)
- * q_stride / kv_stride elements apart (views into the fused QKV projection); out [L, H, D] in
- * the same dtype, contiguous. K and V of each
- * KV head are first converted to float32 and repacked, once per call:
+ * Layout: q [L, H, D] and k/v [Lk, KVH, D] (Lk >= L) in float32 or bfloat16 (dt 0 / 1), rows
+ * (tokens) q_stride / kv_stride elements apart and KV heads kv_head_stride apart (views into
+ * the fused QKV projection, or into the gathered [KVH, S, D] context); out [L, H, D] in the
+ * same dtype, contiguous. Query i sits at position Lk - L + i. K and V of each KV head are
+ * first converted to float32 and repacked, once per call:
  *   kt[block][d][j] = k[16 block + j][d]   (16 keys' values of one dim: one 512-bit load)
  *   vf[block][j][d] = v[16 block + j][d]
  * A task is one KV head and a tile of TQ query positions for each of the G query heads that
@@ -45,13 +48,13 @@ static inline float load_dt(const void *base, int64_t i, int dt) {
     return dt ? bf16f(((const uint16_t *)base)[i]) : ((const float *)base)[i];
 }
 
-static void pack_block(const void *k, const void *v, int64_t kv_stride, int64_t L, int D,
+static void pack_block(const void *k, const void *v, int64_t kv_stride, int64_t Lk, int D,
                        int64_t b, float *kt, float *vf, int dt) {
     for (int j = 0; j < KB; j++) {
         const int64_t t = b * KB + j;
         for (int d = 0; d < D; d++) {
-            kt[d * KB + j] = t < L ? load_dt(k, t * kv_stride + d, dt) : 0.f;
-            vf[j * D + d] = t < L ? load_dt(v, t * kv_stride + d, dt) : 0.f;
+            kt[d * KB + j] = t < Lk ? load_dt(k, t * kv_stride + d, dt) : 0.f;
+            vf[j * D + d] = t < Lk ? load_dt(v, t * kv_stride + d, dt) : 0.f;
         }
     }
 }
@@ -101,15 +104,17 @@ static void pv_rows(float *aa, float *ab, const float *pa, const float *pb, floa
 }
 
 int kvserve_prefill_attention(const void *q, int64_t q_stride, const void *k, const void *v,
-                              int64_t kv_stride, void *out, int64_t L, int H, int KVH, int D,
-                              float scale, int window, int dt, int num_threads) {
+                              int64_t kv_stride, int64_t kv_head_stride, void *out, int64_t L,
+                              int64_t Lk, int H, int KVH, int D, float scale, int window, int dt,
+                              int num_threads) {
     const int G = H / KVH;
-    if (D % 16 || D > MAXD || H % KVH || L <= 0 || (dt != 0 && dt != 1)) return 1;
+    if (D % 16 || D > MAXD || H % KVH || L <= 0 || Lk < L || (dt != 0 && dt != 1)) return 1;
+    const int64_t off = Lk - L; /* position of query 0 */
     const int esz = dt ? 2 : 4;
     int TQ = 16 / G;
     TQ = TQ < 1 ? 1 : TQ;
     if (G * TQ > MAXR) return 1;
-    const int64_t nb = (L + KB - 1) / KB, block_elems = (int64_t)KB * D;
+    const int64_t nb = (Lk + KB - 1) / KB, block_elems = (int64_t)KB * D;
     float *kt = aligned_alloc(64, (size_t)(KVH * nb * block_elems) * 4);
     float *vf = aligned_alloc(64, (size_t)(KVH * nb * block_elems) * 4);
     if (!kt || !vf) {
@@ -119,14 +124,15 @@ int kvserve_prefill_attention(const void *q, int64_t q_stride, const void *k, co
     }
     const int64_t tiles = (L + TQ - 1) / TQ;
     const int chunks = D / 16;
-#pragma omp parallel num_threads(L * H * D < (1 << 15) ? 1 : num_threads)
+#pragma omp parallel num_threads(Lk * H * D < (1 << 15) ? 1 : num_threads)
     {
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < KVH * nb; task++) {
             const int h = (int)(task / nb);
-            const int64_t b = task % nb, off = (h * nb + b) * block_elems;
-            pack_block((const char *)k + (int64_t)h * D * esz, (const char *)v + (int64_t)h * D * esz,
-                       kv_stride, L, D, b, kt + off, vf + off, dt);
+            const int64_t b = task % nb, boff = (h * nb + b) * block_elems;
+            const int64_t hoff = (int64_t)h * kv_head_stride * esz;
+            pack_block((const char *)k + hoff, (const char *)v + hoff, kv_stride, Lk, D, b,
+                       kt + boff, vf + boff, dt);
         }
         float acc[MAXR * MAXD], m[MAXR], l[MAXR];
         float qf[QK_ROWS][MAXD];
@@ -137,13 +143,13 @@ int kvserve_prefill_attention(const void *q, int64_t q_stride, const void *k, co
             const int h = (int)(task % KVH);
             const int64_t tile = tiles - 1 - task / KVH, p0 = tile * TQ;
             const int tq = (int)(p0 + TQ <= L ? TQ : L - p0), R = G * tq;
-            const int64_t p_last = p0 + tq - 1;
+            const int64_t p_last = off + p0 + tq - 1; /* the tile's last key position */
             for (int r = 0; r < R; r++) {
                 m[r] = -INFINITY;
                 l[r] = 0.f;
             }
             memset(acc, 0, sizeof(float) * (size_t)R * D);
-            int64_t b_lo = window > 0 ? (p0 - window + 1) / KB : 0;
+            int64_t b_lo = window > 0 ? (off + p0 - window + 1) / KB : 0;
             b_lo = b_lo < 0 ? 0 : b_lo;
             const int64_t b_hi = p_last / KB;
             for (int r0 = 0; r0 < R; r0 += QK_ROWS) {
@@ -173,7 +179,7 @@ int kvserve_prefill_attention(const void *q, int64_t q_stride, const void *k, co
                     }
                     for (int i = 0; i < nr; i++) {
                         const int r = r0 + i;
-                        const int64_t pos = p0 + r % tq, j0 = b * KB;
+                        const int64_t pos = off + p0 + r % tq, j0 = b * KB;
                         /* visible keys of this row in the block: lanes [lo, hi) */
                         int64_t lo = window > 0 ? pos - window + 1 - j0 : 0;
                         int64_t hi = pos - j0 + 1;
@@ -235,9 +241,11 @@ int kvserve_prefill_attention(const void *q, int64_t q_stride, const void *k, co
 #else
 
 int kvserve_prefill_attention(const void *q, int64_t q_stride, const void *k, const void *v,
-                              int64_t kv_stride, void *out, int64_t L, int H, int KVH, int D,
-                              float scale, int window, int dt, int num_threads) {
-    (void)q, (void)q_stride, (void)k, (void)v, (void)kv_stride, (void)out, (void)L, (void)H;
+                              int64_t kv_stride, int64_t kv_head_stride, void *out, int64_t L,
+                              int64_t Lk, int H, int KVH, int D, float scale, int window, int dt,
+                              int num_threads) {
+    (void)q, (void)q_stride, (void)k, (void)v, (void)kv_stride, (void)kv_head_stride, (void)out;
+    (void)L, (void)Lk, (void)H;
     (void)KVH, (void)D, (void)scale, (void)window, (void)dt, (void)num_threads;
     return 1; /* no AVX-512 on the build machine: SDPA serves */
 }

@@ -6,9 +6,10 @@ oneDNN matmuls with fused epilogues (SiLU on the gate projection, the product wi
 projection, the residual add after ``o_proj`` and ``down_proj``), so the MLP's intermediate
 activations are written once instead of four times (~1.6x faster at 2,048 tokens on a 2-core
 AVX-512 CPU), the native RMSNorm and in-place rotary kernels (kvserve/kernels/pointwise.c),
-which replace chains of full-size temporaries, and the causal attention of chunks that
-start a sequence (kvserve/kernels/prefill_attention.c), which skips the key blocks above the
-diagonal that SDPA's CPU kernel computes below 768 queries. The kernels round where the
+which replace chains of full-size temporaries, and the causal attention of prefill chunks,
+those that start a sequence and those that continue one (kvserve/kernels/prefill_attention.c),
+which skips the key blocks above the diagonal that SDPA's CPU kernel computes below 768
+queries. The kernels round where the
 references round (rotary is bit-identical); RMSNorm's sum of squares and the attention's sums
 run in their own order, so float32 results match the reference to rounding, as oneDNN's GEMMs
 do. ``AMXOps`` and ``UpcastOps`` are bf16 variants of it for CPUs with and without AMX
