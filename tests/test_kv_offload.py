@@ -663,3 +663,34 @@ def test_backlog_is_the_queued_loads_blocks_at_the_measured_rate():
         assert off.backlog_seconds() == 0.0  # nothing left to fetch
     finally:
         off.close()
+
+
+def test_the_offload_worker_runs_torch_on_itself_alone():
+    """The worker's torch ops (joining loaded blocks, selecting a store's) run on a team of
+    one, while the thread that made the offload keeps its team: a worker pool of its own
+    would throttle the engine's compute threads (kernels/openmp.py)."""
+    import torch
+
+    from kvserve.kv.offload import KVOffload
+    from kvserve.kv.storage import BlockPayload
+    from kvserve.kv.tiers import HostTier
+
+    teams: list[int] = []
+
+    class Recording(HostTier):
+        def put(self, key: bytes, data: bytes) -> bool:
+            teams.append(torch.get_num_threads())  # on the worker thread
+            return super().put(key, data)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    ident = {"format": "x"}
+    off = KVOffload([Recording(1 << 20)], b"n" * 16, ident)
+    try:
+        off.store([b"a" * 32, b"b" * 32], BlockPayload(ident, 2, {"k": torch.ones(1, 2, 4)}))
+        assert off.flush()
+        assert teams == [1, 1]
+        assert torch.get_num_threads() == 2
+    finally:
+        off.close()
+        torch.set_num_threads(before)

@@ -12,6 +12,11 @@ runs much slower on the engine thread than on the thread that built the engine
 (``BENCHMARKS.md``, session 41). Freeing the builder's pool (``omp_pause_resource_all``,
 OpenMP 5.0) restores the fast path; the pool is recreated by the next parallel region on that
 thread, if there ever is one.
+
+A helper thread that lives beside the engine (the KV offload worker) must not start a pool of
+its own at all: one parallel torch op there (a ``torch.cat`` of loaded blocks) would leave its
+pool idle beside the engine's for the rest of the run, with the same throttling.
+:func:`serial_thread` makes the calling thread's parallel regions run on that thread alone.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+
+import torch
 
 OMP_PAUSE_SOFT = 1  # OpenMP 5.0's omp_pause_soft: free the calling thread's pool
 
@@ -51,3 +58,21 @@ def release_thread_pool() -> bool:
     pause.argtypes = [ctypes.c_int]
     pause.restype = ctypes.c_int
     return pause(OMP_PAUSE_SOFT) == 0
+
+
+def serial_thread() -> bool:
+    """Make the calling thread's OpenMP parallel regions (torch's intra-op parallelism, which
+    asks the calling thread's team size) run on that thread alone, so it never starts a pool;
+    other threads keep theirs. Call it first thing on a helper thread beside an engine. False
+    where there is nothing to call (no libgomp loaded, another OS)."""
+    lib = _libgomp()
+    set_threads = getattr(lib, "omp_set_num_threads", None) if lib is not None else None
+    if set_threads is None:
+        return False
+    # ATen sets a thread's team size to torch.set_num_threads' value at its first parallel op
+    # on that thread (once per thread): have that happen first, then shrink the team.
+    torch.get_num_threads()
+    set_threads.argtypes = [ctypes.c_int]
+    set_threads.restype = None
+    set_threads(1)
+    return True

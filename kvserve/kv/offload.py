@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 import torch
 
+from kvserve.kernels.openmp import serial_thread
 from kvserve.kv.hashing import BlockHash
 from kvserve.kv.storage import BlockPayload
 from kvserve.kv.tier_entry import EntryError, decode_entry, encode_entry
@@ -381,6 +382,9 @@ class KVOffload:
 
     # -- the worker thread ------------------------------------------------------------------
     def _work(self) -> None:
+        # Torch work here (joining loaded blocks, selecting a store's) runs on this thread
+        # alone: a worker pool of its own would throttle the engine's (kernels/openmp.py).
+        serial_thread()
         # Below the engine's compute threads: on a machine with as many cores as those
         # threads, an equal-priority worker would stall every step's parallel regions.
         try:
