@@ -439,6 +439,8 @@ def test_cli_calibrate_then_simulate_the_same_workload(tmp_path, capsys):
     assert "calibrated on" in printed
     p = Profile.load(prof)
     assert p.calibration["steps"] >= 8 and p.peak_flops > 0 and p.peak_bandwidth > 0
+    solo = p.calibration["solo_prefills"]  # prefilled alone before the workload
+    assert len(solo) == 3 and solo == sorted(solo) and solo[-1] <= 2048  # the default budget
     # A term the runs never exercised keeps the marker itself (not the marker rescaled by
     # the summed-time fit), and the CLI names it.
     for f in EFFICIENCY_FIELDS:
@@ -460,6 +462,17 @@ def test_cli_calibrate_then_simulate_the_same_workload(tmp_path, capsys):
     assert main([*args, "--kv-offload-cpu", "64MiB", "--label", "t"]) == 0
     assert "offload tier hits" in capsys.readouterr().out
     assert json.loads((out / "t.json").read_text())["summary"]["completed"] == 16
+
+
+def test_solo_prefill_lengths():
+    """Quarter, half and whole of the smallest of the step budget, the context less the
+    sampled token and half the pool; lengths under 16 tokens are left out."""
+    from kvserve.sim.calibrate import solo_prefill_lengths
+
+    assert solo_prefill_lengths(2048, 4096, 255, 16) == [510, 1020, 2040]  # half the pool
+    assert solo_prefill_lengths(2048, 4096, 1000, 16) == [512, 1024, 2048]  # the budget
+    assert solo_prefill_lengths(8192, 301, 1000, 16) == [75, 150, 300]  # the context
+    assert solo_prefill_lengths(2048, 4096, 4, 16) == [16, 32]  # 32 tokens of room: no 8
 
 
 def test_closed_loop_keeps_its_users_busy_and_counts_a_refused_request():

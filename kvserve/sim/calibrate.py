@@ -7,6 +7,13 @@ pass, sampling, output processing) beside the features of the batch it ran, and 
 ``add_request`` beside its prompt length. The device's peaks are
 measured first (a representative GEMM in the compute dtype; a streaming read), so the fitted
 factors are efficiencies against this machine's own ceilings, the same fields a CUDA run fills.
+
+Before the workload, a few prompts of random tokens are prefilled alone (a quarter, half and
+all of the step's token budget, one step each). A workload's large steps mix many sequences'
+chunks with decodes, so their GEMM cost and their per-sequence costs grow together and the
+fit cannot tell them apart; it put the difference on the GEMMs and over-predicted a long
+prompt prefilled alone by about half (``BENCHMARKS.md``, simulator). The solo steps pin the
+large-step GEMM cost on its own.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from kvserve.kv.storage import BlockPayload, KVStorage
 from kvserve.kv.tier_entry import decode_entry, encode_entry
 from kvserve.kv.tiers import DiskTier, HostTier, Tier
 from kvserve.plan.capacity import load_arch, load_config
+from kvserve.request import SamplingParams
 from kvserve.sim.cost import FitReport, ModelShape, Profile, StepFeatures, fit_profile
 from kvserve.sim.cost import step_features as features_of
 
@@ -113,6 +121,21 @@ def measure_tier_path(
     return bandwidth, latency, min(exports) / (n * bytes_per_block)
 
 
+# Solo prefills before the workload, as shares of the largest prompt the probe may use.
+SOLO_PREFILL_SHARES = (0.25, 0.5, 1.0)
+SOLO_PREFILL_MIN_TOKENS = 16
+
+
+def solo_prefill_lengths(budget: int, max_model_len: int, num_blocks: int, block_size: int
+                         ) -> list[int]:  # fmt: skip
+    """The prompt lengths of the solo prefills: shares of the step's token budget, capped by
+    the context (one token left to sample) and by half the pool (the probe must never
+    preempt or wait)."""
+    room = min(budget, max_model_len - 1, (num_blocks * block_size) // 2)
+    lengths = [int(room * share) for share in SOLO_PREFILL_SHARES]
+    return [n for n in lengths if n >= SOLO_PREFILL_MIN_TOKENS]
+
+
 def device_name(device: str = "cpu") -> str:
     """The CPU's model name (lscpu's), or the CUDA device's."""
     if device.startswith("cuda"):
@@ -171,6 +194,7 @@ def calibrate(
 
     # The real pool's blocks written so far (None: faulted in at start, none is new).
     touched: set[int] | None = None if eng.config.cache.kv_cache_prefault else set()
+    probing = [False]
 
     def timed_step() -> Any:
         a = time.perf_counter()
@@ -178,7 +202,7 @@ def calibrate(
         seconds = time.perf_counter() - a
         if eng.core.last_step.seqs:
             f = features_of(eng.core.last_step, shape, touched, eng.block_size)
-            if len(adds) > warm:  # warm-up steps only touch blocks
+            if probing[0] or len(adds) > warm:  # warm-up steps only touch blocks
                 steps.append((f, seconds))
         return out
 
@@ -190,7 +214,17 @@ def calibrate(
         return rid
 
     eng.step, eng.add_request = timed_step, timed_add  # type: ignore[method-assign]
-    t0 = time.perf_counter()
+    solo = solo_prefill_lengths(eng.config.scheduler.max_num_batched_tokens, eng.max_model_len,
+                                eng.num_blocks, eng.block_size)  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    probing[0] = True
+    for n in solo:  # on this thread, before the target's engine thread starts
+        ids = torch.randint(0, eng.model_config.vocab_size, (n,), generator=gen).tolist()
+        add(None, ids, SamplingParams(temperature=0.0, max_tokens=1))
+        while eng.has_unfinished_requests():
+            timed_step()
+    probing[0] = False
+    t0 = time.perf_counter()  # the workload's wall time, without the solo prefills
     workloads, loads = [r for r, _ in runs], [ld for _, ld in runs]
     asyncio.run(benchmark(target, workloads, loads, seed, warmup, progress=False))
     wall = time.perf_counter() - t0
@@ -217,6 +251,7 @@ def calibrate(
         "kv_cache_dtype": eng.kv_cache_dtype,
         "num_requests": sum(len(r) for r in workloads),
         "loads": [ld.describe() for ld in loads],
+        "solo_prefills": solo,
         "seed": seed,
         "wall_s": wall,
         "steps": report.steps,
