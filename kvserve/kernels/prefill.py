@@ -93,7 +93,14 @@ def context_attention(
     """Causal attention of a chunk q [L, H, D] that continues its sequence, over the whole
     sequence's keys k/v [Lk, KVH, D] (its cached context, then its own; any row and head
     strides, packed values), written into out [L, H, D] (contiguous): query i is at position
-    Lk - L + i. False, with nothing written, where no kernel takes it (the caller uses SDPA)."""
+    Lk - L + i. False, with nothing written, where no kernel takes it (the caller uses SDPA).
+
+    The FMA kernel (CPUs without AMX) converts and repacks every key and value of the call
+    before it multiplies, and skips only the blocks above the diagonal: it is faster than
+    SDPA's matrix products when the chunk's own triangle is a large share of the work, and
+    up to 4x slower for a short chunk after a long context (a question after a cached
+    document). It takes a chunk only when its context is no longer than the chunk
+    (``BENCHMARKS.md``, session 42)."""
     if not (
         q.dim() == k.dim() == v.dim() == 3
         and packed_rows(q, _DTYPES)
@@ -107,16 +114,21 @@ def context_attention(
         and v.stride() == k.stride()
     ):
         return False
-    return _attention(q, k, v, out, window)
+    return _attention(q, k, v, out, window, fma=k.shape[0] - q.shape[0] <= q.shape[0])
 
 
 def _attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, window: int | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    window: int | None,
+    fma: bool = True,
 ) -> bool:
-    """The AMX kernel where it takes the call, else the FMA kernel (queries at the last
-    ``L`` of the ``Lk`` key positions); False where neither does."""
+    """The AMX kernel where it takes the call, else (if ``fma``) the FMA kernel (queries at
+    the last ``L`` of the ``Lk`` key positions); False where neither does."""
     rc = _amx_attention(q, k, v, out, window)
-    lib = _LIB.get() if rc == 1 else None
+    lib = _LIB.get() if rc == 1 and fma else None
     if lib is not None:  # not for the tiles: the FMA kernel
         L, h, d = q.shape
         rc = lib.kvserve_prefill_attention(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(),
