@@ -98,7 +98,7 @@ def context_attention(
     The FMA kernel (CPUs without AMX) converts and repacks every key and value of the call
     before it multiplies, and skips only the blocks above the diagonal: it is faster than
     SDPA's matrix products when the chunk's own triangle is a large share of the work, and
-    up to 4x slower for a short chunk after a long context (a question after a cached
+    several times slower for a short chunk after a long context (a question after a cached
     document). It takes a chunk only when its context is no longer than the chunk
     (``BENCHMARKS.md``, session 42)."""
     if not (
