@@ -91,11 +91,9 @@ def _ttft_rows(args: argparse.Namespace, model: str, vocab: int, plen: int, serv
         "device": {},
         "cpu": {"kv_offload_cpu": "8GiB"},
         "disk": {"kv_offload_disk": disk, "kv_offload_disk_size": "20GiB"},
-        "redis": {
-            "kv_offload_redis": server.url if server else "",
-            "kv_offload_redis_size": "8GiB",
-        },
     }
+    if server is not None:  # started only when --tiers names redis
+        configs["redis"] = {"kv_offload_redis": server.url, "kv_offload_redis_size": "8GiB"}
     configs = {k: v for k, v in configs.items() if k == "recompute" or k in args.tiers}
     prefix = _rand(rng, plen, vocab)
     out, cold_ms = [], None

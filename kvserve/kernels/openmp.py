@@ -24,14 +24,17 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 OMP_PAUSE_SOFT = 1  # OpenMP 5.0's omp_pause_soft: free the calling thread's pool
 
 
-def _libgomp() -> ctypes.CDLL | None:
-    """The libgomp already loaded in this process (torch's), never a new one."""
+def _libgomp_fn(name: str, restype: type | None) -> Callable[[int], Any] | None:
+    """``name`` (taking one int) from the libgomp already loaded in this process (torch's),
+    never a new one; None where there is none (another OS, no libgomp, an older OpenMP)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -41,9 +44,15 @@ def _libgomp() -> ctypes.CDLL | None:
         return None
     for path in sorted(paths):
         try:
-            return ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
         except OSError:
             continue
+        fn = getattr(lib, name, None)
+        if fn is None:
+            return None
+        fn.argtypes = [ctypes.c_int]
+        fn.restype = restype
+        return fn
     return None
 
 
@@ -51,13 +60,8 @@ def release_thread_pool() -> bool:
     """Free the calling thread's OpenMP worker threads; call it on the thread that built an
     engine, before another thread steps it. False where there is nothing to call (no libgomp
     loaded, an OpenMP without OpenMP 5.0's pause, another OS) or the runtime refused."""
-    lib = _libgomp()
-    pause = getattr(lib, "omp_pause_resource_all", None) if lib is not None else None
-    if pause is None:
-        return False
-    pause.argtypes = [ctypes.c_int]
-    pause.restype = ctypes.c_int
-    return pause(OMP_PAUSE_SOFT) == 0
+    pause = _libgomp_fn("omp_pause_resource_all", ctypes.c_int)
+    return pause is not None and pause(OMP_PAUSE_SOFT) == 0
 
 
 def serial_thread() -> bool:
@@ -65,14 +69,11 @@ def serial_thread() -> bool:
     asks the calling thread's team size) run on that thread alone, so it never starts a pool;
     other threads keep theirs. Call it first thing on a helper thread beside an engine. False
     where there is nothing to call (no libgomp loaded, another OS)."""
-    lib = _libgomp()
-    set_threads = getattr(lib, "omp_set_num_threads", None) if lib is not None else None
+    set_threads = _libgomp_fn("omp_set_num_threads", None)
     if set_threads is None:
         return False
     # ATen sets a thread's team size to torch.set_num_threads' value at its first parallel op
     # on that thread (once per thread): have that happen first, then shrink the team.
     torch.get_num_threads()
-    set_threads.argtypes = [ctypes.c_int]
-    set_threads.restype = None
     set_threads(1)
     return True

@@ -194,7 +194,7 @@ def calibrate(
 
     # The real pool's blocks written so far (None: faulted in at start, none is new).
     touched: set[int] | None = None if eng.config.cache.kv_cache_prefault else set()
-    probing = [False]
+    probing = False  # the solo prefills: recorded, though no request was added through add
 
     def timed_step() -> Any:
         a = time.perf_counter()
@@ -202,7 +202,7 @@ def calibrate(
         seconds = time.perf_counter() - a
         if eng.core.last_step.seqs:
             f = features_of(eng.core.last_step, shape, touched, eng.block_size)
-            if probing[0] or len(adds) > warm:  # warm-up steps only touch blocks
+            if probing or len(adds) > warm:  # warm-up steps only touch blocks
                 steps.append((f, seconds))
         return out
 
@@ -217,13 +217,13 @@ def calibrate(
     solo = solo_prefill_lengths(eng.config.scheduler.max_num_batched_tokens, eng.max_model_len,
                                 eng.num_blocks, eng.block_size)  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
-    probing[0] = True
+    probing = True
     for n in solo:  # on this thread, before the target's engine thread starts
         ids = torch.randint(0, eng.model_config.vocab_size, (n,), generator=gen).tolist()
         add(None, ids, SamplingParams(temperature=0.0, max_tokens=1))
         while eng.has_unfinished_requests():
             timed_step()
-    probing[0] = False
+    probing = False
     t0 = time.perf_counter()  # the workload's wall time, without the solo prefills
     workloads, loads = [r for r, _ in runs], [ld for _, ld in runs]
     asyncio.run(benchmark(target, workloads, loads, seed, warmup, progress=False))
