@@ -1,6 +1,6 @@
 """bf16 against float32 GEMMs on this CPU, by step size, on a model's own matrices: the
 measurement behind ``UpcastOps`` (kvserve/model/linear_ops.py), which runs a bf16 model's
-steps of ``UPCAST_MIN_ROWS`` or more tokens in float32 where that is faster, and behind
+large steps on oneDNN (in float32 or in bf16, whichever is faster here), and behind
 kvserve's own bf16 kernels (``PackedOps``: AMX tiles, or AVX-512 FMAs without them).
 
     python -m benchmarks.gemm_dtypes --model smollm2
@@ -12,7 +12,7 @@ activations converted on the way in and the result rounded back (what UpcastOps 
 where the CPU runs one (and every matrix's dims are multiples of 32), by kvserve's bf16
 kernel on the same matrices in its tile layout. The ratio columns are each time over the
 kernel's (or, without one, oneDNN bf16's over float32's): above 1, the kernel (float32) is
-faster. The start-up probe that makes the choice (``upcast_min_rows``) is printed too.
+faster. The start-up probe that makes the choice (``large_step_gemm``) is printed too.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from benchmarks.common import bench_model, emit, set_threads, table
 from kvserve.config import ModelConfig
 from kvserve.kernels import amx
-from kvserve.model.linear_ops import OneDNNOps, upcast_min_rows
+from kvserve.model.linear_ops import OneDNNOps, large_step_gemm
 
 ROWS = (1, 8, 16, 32, 64, 128, 256, 1024)
 
@@ -104,14 +104,22 @@ def main(argv: list[str] | None = None) -> None:
             row[f"bf16 / {kernel}"] = t["bf16"] / t[kernel]
             row[f"float32 / {kernel}"] = t["float32"] / t[kernel]
         rows_out.append(row)
-    probe = upcast_min_rows(kernel)
-    choice = f"float32 from {probe} rows" if probe else "bf16 throughout"
+    probe = large_step_gemm(kernel)
+    if probe is None:
+        choice = "bf16 throughout"
+    else:
+        rows, dtype = probe
+        choice = (
+            f"float32 from {rows} rows"
+            if dtype == torch.float32
+            else (f"oneDNN's bf16 from {rows} rows")
+        )
     print(f"model {args.model}: {cfg.num_hidden_layers} layers x {len(layer_shapes(cfg))} "
           f"matrices, {threads} threads, bf16 activations; AVX512-BF16 "
           f"{torch.cpu._is_avx512_bf16_supported()}, AMX {torch.cpu._is_amx_tile_supported()}; "
           f"kvserve's bf16 kernel: {kernel or 'none'}; start-up choice: {choice}")  # fmt: skip
     print(table(rows_out, list(rows_out[0])))
-    emit({"benchmark": "gemm_dtypes", "model": args.model, "upcast_min_rows": probe,
+    emit({"benchmark": "gemm_dtypes", "model": args.model, "start_up_choice": choice,
           "rows": rows_out})  # fmt: skip
 
 

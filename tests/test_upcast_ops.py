@@ -7,15 +7,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvserve.kernels import amx
 from kvserve.model.linear_ops import (
+    UPCAST_MIN_ROWS,
     UPCAST_MIN_ROWS_AVX512,
     AMXOps,
     OneDNNOps,
     PackedOps,
     TorchOps,
     UpcastOps,
+    large_step_gemm,
     select_ops,
-    upcast_min_rows,
 )
 from tests.conftest import run_with_prompt_logits
 from tests.test_amx_linear import needs_avx512
@@ -79,6 +81,62 @@ def test_large_steps_compute_bf16_values_in_float32(checkpoint, monkeypatch, row
             assert torch.equal(o, b)
 
 
+@pytest.mark.parametrize("kernel", [None, pytest.param("avx512", marks=needs_avx512)])
+def test_large_steps_on_onednn_bf16_copies(checkpoint, monkeypatch, kernel):
+    """With bf16 copies (a CPU whose bf16 dot product outruns its FMAs), a step of
+    ``min_rows`` or more tokens computes each layer op as the formula in float32 over the bf16
+    values with oneDNN's roundings to bf16 (SwiGLU's gate and product, then the output), the
+    LM head included (it has a copy here); a smaller step is the packed bf16 backend's result
+    bit for bit. Reference: the formula over the dense bf16 weights (qwen2: a qkv bias), and
+    oneDNN's packed bf16 backend for which path ran."""
+    model, cfg = _load_bf16(checkpoint, monkeypatch, "qwen2")
+    layer = model.layers[0]
+    w = {n: p.detach().float() for n, p in layer.named_parameters()}
+    head = model.lm_head.weight.detach().float()
+    inter = cfg.intermediate_size
+    ops = UpcastOps(min_rows=32, kernel=kernel, dtype=torch.bfloat16)
+    model.set_ops(ops)
+    assert "weight32" in model.lm_head.__dict__
+    assert ops.large_step_rows == 32 and "bf16 GEMMs in steps of 32+" in ops.describe()
+    packed = OneDNNOps(prepack=True) if kernel is None else PackedOps(kernel)
+
+    def bf(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.bfloat16).float()
+
+    for rows in (8, 40):
+        g = torch.Generator().manual_seed(rows)
+        x = torch.randn(rows, cfg.hidden_size, generator=g).to(torch.bfloat16)
+        res = torch.randn(rows, cfg.hidden_size, generator=g).to(torch.bfloat16)
+        model.set_ops(ops)
+        got = [ops.linear(x, layer.qkv_proj), ops.linear_add(x, layer.o_proj, res),
+               ops.swiglu_add(x, layer.gate_up_proj, layer.down_proj, res),
+               ops.linear(x, model.lm_head)]  # fmt: skip
+        if rows < ops.min_rows:
+            model.set_ops(packed)
+            bf16 = [packed.linear(x, layer.qkv_proj), packed.linear_add(x, layer.o_proj, res),
+                    packed.swiglu_add(x, layer.gate_up_proj, layer.down_proj, res),
+                    packed.linear(x, model.lm_head)]  # fmt: skip
+            for o, b in zip(got, bf16, strict=True):
+                assert torch.equal(o, b)
+            continue
+        xf, rf = x.float(), res.float()
+        wg, wu = w["gate_up_proj.weight"][:inter], w["gate_up_proj.weight"][inter:]
+        h = bf(bf(F.silu(xf @ wg.t())) * (xf @ wu.t()))
+        want = [
+            xf @ w["qkv_proj.weight"].t() + w["qkv_proj.bias"],
+            rf + xf @ w["o_proj.weight"].t(),
+            rf + h @ w["down_proj.weight"].t(),
+            xf @ head.t(),
+        ]
+        for o, ref in zip(got, want, strict=True):
+            assert o.dtype == torch.bfloat16
+            torch.testing.assert_close(o.float(), ref, atol=1e-4, rtol=2**-7)
+        # and it is oneDNN's packed bf16 GEMM that ran (not the kernel, whatever its sums)
+        onednn = OneDNNOps(prepack=True)
+        model.set_ops(onednn)
+        assert torch.equal(got[2], onednn.swiglu_add(x, layer.gate_up_proj, layer.down_proj, res))
+
+
 def test_float32_copies_are_not_parameters_and_go_with_the_backend(checkpoint, monkeypatch):
     """The copies (of the layers' matrices) hold the bf16 weights' values exactly; the
     model's parameters (and so the weight bytes a decode step is charged) are those of the
@@ -109,27 +167,70 @@ def test_float32_copies_are_not_parameters_and_go_with_the_backend(checkpoint, m
 
 
 def test_min_rows_from_the_environment(monkeypatch):
-    """``KVSERVE_UPCAST_MIN_ROWS`` sets the threshold (0: never), with kvserve's AVX-512 kernel
-    too (which otherwise has a fixed one); AMX, where the CPU has it, comes first; a bad value
-    names the variable."""
+    """``KVSERVE_UPCAST_MIN_ROWS`` sets the threshold (0: never) for float32 copies, with
+    kvserve's AVX-512 kernel too; AMX, where the CPU has it, comes first; a bad value names
+    the variable."""
     monkeypatch.setenv("KVSERVE_UPCAST_MIN_ROWS", "64")
     ops = select_ops(torch.device("cpu"), torch.bfloat16)
     if AMX:
         assert isinstance(ops, AMXOps)
     else:
         assert isinstance(ops, UpcastOps) and ops.min_rows == 64 and ops.forced
+        assert ops.dtype == torch.float32
     assert type(select_ops(torch.device("cpu"), torch.float32)) is OneDNNOps
-    assert upcast_min_rows("avx512") == 64  # the user's setting wins over the kernel's
+    assert large_step_gemm("avx512") == (64, torch.float32)  # the user's setting wins
     monkeypatch.setenv("KVSERVE_UPCAST_MIN_ROWS", "0")
-    assert upcast_min_rows() is None and upcast_min_rows("avx512") is None
-    monkeypatch.delenv("KVSERVE_UPCAST_MIN_ROWS")
-    assert upcast_min_rows("avx512") == UPCAST_MIN_ROWS_AVX512  # fixed: no probe to run
-    monkeypatch.setenv("KVSERVE_UPCAST_MIN_ROWS", "0")
+    assert large_step_gemm() is None and large_step_gemm("avx512") is None
     assert not isinstance(select_ops(torch.device("cpu"), torch.bfloat16), UpcastOps)
     for bad in ("-1", "many"):
         monkeypatch.setenv("KVSERVE_UPCAST_MIN_ROWS", bad)
         with pytest.raises(ValueError, match="KVSERVE_UPCAST_MIN_ROWS: must be an integer >= 0"):
-            upcast_min_rows()
+            large_step_gemm()
+
+
+@pytest.mark.parametrize(
+    ("onednn_bf16_gain", "kernel_gain", "kernel", "want"),
+    [
+        # A Xeon without AMX: bf16's dot product at half the FMA rate.
+        pytest.param(
+            0.7, 1.0, "avx512", (UPCAST_MIN_ROWS_AVX512, torch.float32), marks=needs_avx512
+        ),
+        (0.7, 1.0, None, (UPCAST_MIN_ROWS, torch.float32)),
+        # bf16 about even with float32: no copies.
+        pytest.param(
+            1.1, 1.0, "avx512", (UPCAST_MIN_ROWS_AVX512, torch.float32), marks=needs_avx512
+        ),
+        (1.1, 1.0, None, None),
+        # A Zen 4 core: oneDNN's bf16 GEMM twice float32's; it overtakes the kernel from
+        # the first probed row count where it is as fast.
+        (2.0, 1.0, None, None),
+        pytest.param(2.0, 1.0, "avx512", (8, torch.bfloat16), marks=needs_avx512),
+        pytest.param(2.0, 2.0, "avx512", None, marks=needs_avx512),  # the kernel faster throughout
+    ],
+)
+def test_large_step_gemm_follows_the_timings(
+    monkeypatch, onednn_bf16_gain, kernel_gain, kernel, want
+):
+    """The decision rule over fake timings: oneDNN float32 takes 1 s at the probe; its bf16
+    GEMM ``1 / onednn_bf16_gain``; the kernel is faster than oneDNN's bf16 GEMM below 8 rows
+    and ``kernel_gain`` times its speed from 8 rows (1: as fast)."""
+    from kvserve.model import linear_ops
+
+    def fake_time(fn, x, w, *args, **kwargs):
+        rows = x.shape[0]
+        if fn is amx.linear:
+            onednn = 1.0 / onednn_bf16_gain
+            return onednn * 0.5 if rows < 8 else onednn / kernel_gain
+        return 1.0 if x.dtype == torch.float32 else 1.0 / onednn_bf16_gain
+
+    monkeypatch.delenv("KVSERVE_UPCAST_MIN_ROWS", raising=False)
+    monkeypatch.setattr(linear_ops, "_best_time", fake_time)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    linear_ops._measured_split.cache_clear()
+    try:
+        assert large_step_gemm(kernel) == want
+    finally:
+        linear_ops._measured_split.cache_clear()
 
 
 def test_engine_prompt_logits_match_transformers_on_the_bf16_weights(

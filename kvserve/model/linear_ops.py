@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +84,11 @@ class TorchOps:
         """Steps of at least this many tokens run their GEMMs on another path (0: none do);
         the simulator's cost model gives them their own efficiency."""
         return 0
+
+    @property
+    def large_step_dtype(self) -> torch.dtype:
+        """The dtype of those steps' GEMMs."""
+        return torch.float32
 
     def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
@@ -262,38 +268,62 @@ class AMXOps(PackedOps):
 
 
 class UpcastOps(PackedOps):
-    """A bfloat16 model whose large GEMMs run in float32, for CPUs where that is faster
-    (chosen by timing both, :func:`upcast_min_rows`). Without AMX, a Xeon's bf16 dot-product
-    instruction (``vdpbf16ps``) retires half the multiply-adds per cycle of its two float32
-    FMA ports, so oneDNN's bf16 GEMMs top out near half the float32 rate, and prefill, where
-    GEMMs are most of the time, runs at that rate. Each matrix is kept twice: the packed bf16
-    one, for steps of fewer than ``min_rows`` tokens (decode-sized GEMMs stream the weights
-    from memory, and bf16's are half the bytes; multiplied by ``kernel``, see
-    :class:`PackedOps`, or by oneDNN where it is None), and a packed float32 copy of the same
-    values for larger steps (not for the LM head, which in prefill sees only the sampled
-    rows). The arithmetic is the bf16 GEMM's: bf16 inputs (their products are exact in
+    """A bfloat16 model whose large GEMMs run on another path, for CPUs where that is faster
+    (chosen by timing, :func:`large_step_gemm`): steps of at least ``min_rows`` tokens
+    multiply packed oneDNN copies of the weights in ``dtype``, smaller steps the packed bf16
+    matrices (kvserve's ``kernel``, see :class:`PackedOps`, or oneDNN where it is None).
+    Decode-sized GEMMs stream the weights from memory, so bf16's half bytes and a kernel
+    without oneDNN's per-call set-up win there; prefill-sized ones are bound by the
+    multiply-adds, and which instruction does those fastest depends on the CPU:
+
+    - ``dtype`` float32: without AMX, a Xeon's bf16 dot-product instruction (``vdpbf16ps``)
+      retires half the multiply-adds per cycle of its two float32 FMA ports, so oneDNN's bf16
+      GEMMs top out near half the float32 rate. The copies are float32 (the activations
+      converted on the way in and out); not for the LM head, which in prefill sees only the
+      sampled rows, and each costs twice the bf16 bytes.
+    - ``dtype`` bfloat16: an AMD Zen 4 core splits each 512-bit FMA over two 256-bit halves
+      but retires a 512-bit ``vdpbf16ps`` (twice the multiply-adds) as fast, so oneDNN's bf16
+      GEMM runs at about twice the rate of any float32 FMA loop, kvserve's kernel included,
+      from a few rows up. The copies are oneDNN's packed bf16 layout (the bf16 bytes once
+      more), the LM head's too: a decode step's batch is above ``min_rows`` here.
+
+    The arithmetic is the bf16 GEMM's either way: bf16 inputs (their products are exact in
     float32), float32 sums and epilogue, the result rounded to bf16 once; only the order of
-    the sums differs, as between any two GEMM kernels. The copies cost twice the bf16 bytes
-    of the layers' weights in host memory; the KV cache and the activations stay bf16.
+    the sums differs, as between any two GEMM kernels. The KV cache and the activations stay
+    bf16.
 
-    That memory is what the KV pool and other processes would use, and for a large model it
-    is large (an 8 B model: 32 GB). Unless ``forced`` (the user set the threshold), the copies
-    are made only when they take at most ``UPCAST_MEMORY_SHARE`` of the memory available at
-    load time; otherwise every GEMM stays packed bf16 and :meth:`describe` says why."""
+    The copies' memory is what the KV pool and other processes would use, and for a large
+    model it is large (an 8 B model: 32 GB in float32). Unless ``forced`` (the user set the
+    threshold), the copies are made only when they take at most ``UPCAST_MEMORY_SHARE`` of
+    the memory available at load time; otherwise every GEMM stays packed bf16 and
+    :meth:`describe` says why."""
 
-    def __init__(self, min_rows: int, forced: bool = False, kernel: str | None = None) -> None:
+    def __init__(
+        self,
+        min_rows: int,
+        forced: bool = False,
+        kernel: str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__(kernel)
-        self.name += "-upcast"
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"UpcastOps dtype: float32 or bfloat16, got {dtype}")
+        self.dtype = dtype
+        self.name += "-upcast" if dtype == torch.float32 else "-onednn"
         self.min_rows = min_rows
         self.forced = forced
         self.skipped: tuple[int, int] | None = None  # (copy bytes, bytes available) if so
 
     def adopt(self, model: nn.Module) -> None:
         head = getattr(model, "lm_head", None)
-        # Only sampled rows reach the LM head in prefill: rarely min_rows of them.
-        layers = [(lin, gu) for lin, gu in linear_layers(model) if lin is not head]
+        # In float32, only sampled rows reach the LM head in prefill: rarely min_rows of them.
+        layers = [
+            (lin, gu)
+            for lin, gu in linear_layers(model)
+            if lin is not head or self.dtype == torch.bfloat16
+        ]
         # A packing backend keeps the up half of gate_up apart (see OneDNNOps.adopt).
-        need = 4 * sum(
+        need = self.dtype.itemsize * sum(
             lin.weight.numel() + (lin.up_weight.numel() if gu and hasattr(lin, "up_weight") else 0)
             for lin, gu in layers
         )
@@ -303,17 +333,17 @@ class UpcastOps(PackedOps):
             OneDNNOps.adopt(self, model)  # packed bf16 for every step
             return
         self.skipped = None
-        TorchOps.adopt(self, model)  # dense bf16 first: the float32 copies come from it
-        pack32 = torch.ops.mkldnn._reorder_linear_weight
+        TorchOps.adopt(self, model)  # dense bf16 first: the copies come from it
+        pack = torch.ops.mkldnn._reorder_linear_weight
         copies = []
         for lin, gate_up in layers:
-            w = lin.weight.detach().float()
-            c = {"bias32": None if lin.bias is None else lin.bias.detach().float()}
+            w = lin.weight.detach().to(self.dtype)
+            c = {"bias32": None if lin.bias is None else lin.bias.detach().to(self.dtype)}
             if gate_up:  # the gate rows and the up rows apart, as the bf16 packing keeps them
                 inter = w.shape[0] // 2
-                c["up_weight32"] = pack32(w[inter:].contiguous(), self.PACK_ROWS)
+                c["up_weight32"] = pack(w[inter:].contiguous(), self.PACK_ROWS)
                 w = w[:inter].contiguous()
-            c["weight32"] = pack32(w, self.PACK_ROWS)
+            c["weight32"] = pack(w.contiguous(), self.PACK_ROWS)
             copies.append((lin, c))
         super().adopt(model)  # packs the bf16 matrices
         for lin, c in copies:  # plain attributes, not parameters: decode steps read bf16
@@ -327,11 +357,21 @@ class UpcastOps(PackedOps):
         if self.skipped is not None:
             need, avail = (b / 2**30 for b in self.skipped)
             return (
-                f"{self.name} off: float32 copies of the weights would take {need:.1f} GiB, "
-                f"over {UPCAST_MEMORY_SHARE:.0%} of the {avail:.1f} GiB available "
-                "(KVSERVE_UPCAST_MIN_ROWS=N makes them anyway); bf16 GEMMs"
+                f"{self.name} off: {self.dtype_name} copies of the weights would take "
+                f"{need:.1f} GiB, over {UPCAST_MEMORY_SHARE:.0%} of the {avail:.1f} GiB "
+                "available (KVSERVE_UPCAST_MIN_ROWS=N makes them anyway); bf16 GEMMs"
             )
-        return f"{self.name} (float32 GEMMs in steps of {self.min_rows}+ tokens)"
+        if self.dtype == torch.float32:
+            return f"{self.name} (float32 GEMMs in steps of {self.min_rows}+ tokens)"
+        return f"{self.name} (oneDNN's bf16 GEMMs in steps of {self.min_rows}+ tokens)"
+
+    @property
+    def large_step_dtype(self) -> torch.dtype:
+        return self.dtype
+
+    @property
+    def dtype_name(self) -> str:
+        return "float32" if self.dtype == torch.float32 else "bf16"
 
     def _big(self, x: torch.Tensor, layer: nn.Linear) -> bool:
         return x.shape[0] >= self.min_rows and "weight32" in layer.__dict__
@@ -339,13 +379,14 @@ class UpcastOps(PackedOps):
     def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         if not self._big(x, layer):
             return super().linear(x, layer)
-        out = self._lp(x.float(), layer.weight32, layer.bias32, "none", [], "")
+        out = self._lp(x.to(self.dtype), layer.weight32, layer.bias32, "none", [], "")
         return out.to(x.dtype)
 
     def linear_add(self, x: torch.Tensor, layer: nn.Linear, residual: torch.Tensor) -> torch.Tensor:
         if not self._big(x, layer):
             return super().linear_add(x, layer, residual)
-        out = self._lp.binary(x.float(), residual.float(), layer.weight32, None, "add")
+        xd, rd = x.to(self.dtype), residual.to(self.dtype)
+        out = self._lp.binary(xd, rd, layer.weight32, None, "add")
         return out.to(x.dtype)
 
     def swiglu_add(
@@ -353,10 +394,10 @@ class UpcastOps(PackedOps):
     ) -> torch.Tensor:
         if not self._big(x, gate_up):
             return super().swiglu_add(x, gate_up, down, residual)
-        x32 = x.float()
-        gate = self._lp(x32, gate_up.weight32, None, "swish", [], "")
-        h = self._lp.binary(x32, gate, gate_up.up_weight32, None, "mul")
-        out = self._lp.binary(h, residual.float(), down.weight32, None, "add")
+        xd = x.to(self.dtype)
+        gate = self._lp(xd, gate_up.weight32, None, "swish", [], "")
+        h = self._lp.binary(xd, gate, gate_up.up_weight32, None, "mul")
+        out = self._lp.binary(h, residual.to(self.dtype), down.weight32, None, "add")
         return out.to(x.dtype)
 
 
@@ -385,11 +426,15 @@ UPCAST_GAIN = 1.25
 # conversions in and out weigh more. Every layer of the benchmark models, with conversions:
 # float32 about even at 32 rows, 1.16x faster at 64 (BENCHMARKS.md).
 UPCAST_MIN_ROWS = 64
-# With kvserve's AVX-512 kernel as the bf16 GEMM: both it and oneDNN's float32 GEMM run on the
-# float32 FMA units, and below this many rows the kernel is as fast or faster (it reads half
-# the weight bytes); from it, oneDNN's tuned float32 GEMM was ahead in the engine's prefill
-# (BENCHMARKS.md, session 40), so there is nothing for a probe to decide.
+# With kvserve's AVX-512 kernel as the bf16 GEMM on a CPU whose bf16 dot product is no faster
+# than its float32 FMAs (oneDNN's bf16 GEMM under UPCAST_GAIN times faster than its float32 one
+# at the probe), both the kernel and oneDNN's float32 GEMM run on the float32 FMA units, and
+# below this many rows the kernel is as fast or faster (it reads half the weight bytes); from
+# it, oneDNN's tuned float32 GEMM was ahead in the engine's prefill (BENCHMARKS.md, session 40).
 UPCAST_MIN_ROWS_AVX512 = 128
+# Where oneDNN's bf16 GEMM is the fast one, the kernel keeps the steps below the first of these
+# row counts at which oneDNN's is faster on the probe's matrix.
+SPLIT_PROBE_ROWS = (2, 4, 8, 16, 32, 64, 128, 256)
 # The share of the memory available at load time that the float32 copies may take.
 UPCAST_MEMORY_SHARE = 0.25
 
@@ -407,50 +452,72 @@ def available_memory() -> int | None:
     return None
 
 
-def upcast_min_rows(kernel: str | None = None) -> int | None:
-    """The token count from which a bf16 model's GEMMs run in float32, or None for never.
+def large_step_gemm(kernel: str | None = None) -> tuple[int, torch.dtype] | None:
+    """``(rows, dtype)``: steps of at least ``rows`` tokens run a bf16 model's GEMMs on
+    oneDNN in ``dtype`` (:class:`UpcastOps`), or None for never.
 
-    ``KVSERVE_UPCAST_MIN_ROWS`` decides when set (0 = never); otherwise both dtypes are timed
-    on this CPU, once per process (float32 against oneDNN's bf16 GEMM). With kvserve's AVX-512
-    kernel as the bf16 GEMM (``kernel`` "avx512") it is ``UPCAST_MIN_ROWS_AVX512``."""
+    ``KVSERVE_UPCAST_MIN_ROWS`` decides when set (0 = never; float32 copies); otherwise it is
+    measured on this CPU, once per process: oneDNN's bf16 GEMM against its float32 one at a
+    prefill-sized step, and, with kvserve's AVX-512 kernel as the small-step GEMM (``kernel``
+    "avx512") where oneDNN's bf16 one is the fast one, the step size from which it beats the
+    kernel."""
     env = os.environ.get("KVSERVE_UPCAST_MIN_ROWS")
-    if env is None and kernel == "avx512":
-        return UPCAST_MIN_ROWS_AVX512
     if env is None:
-        return _measured_upcast_rows()
+        return _measured_split(kernel)
     try:
         rows = int(env)
     except ValueError:
         rows = -1
     if rows < 0:
         raise ValueError(f"KVSERVE_UPCAST_MIN_ROWS: must be an integer >= 0, got {env!r}")
-    return rows or None
+    return (rows, torch.float32) if rows else None
+
+
+def _best_time(fn: Callable[..., object], *args: object, reps: int = 5, **kwargs: object) -> float:
+    fn(*args, **kwargs)  # the first call builds oneDNN's primitive
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn(*args, **kwargs)
+        times.append(time.perf_counter() - t0)
+    return min(times)
 
 
 @functools.cache
-def _measured_upcast_rows() -> int | None:
+def _measured_split(kernel: str | None) -> tuple[int, torch.dtype] | None:
     m, k, n = UPCAST_PROBE
     gen = torch.Generator().manual_seed(0)
-    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+    x, w = (
+        torch.randn(max(m, *SPLIT_PROBE_ROWS), k, generator=gen),
+        torch.randn(n, k, generator=gen),
+    )
     lp = torch.ops.mkldnn._linear_pointwise
-    best = {}
+    packed, best = {}, {}
     for dtype in (torch.float32, torch.bfloat16):
-        xd = x.to(dtype)
+        xd = x[:m].to(dtype)
         try:
-            wd = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), OneDNNOps.PACK_ROWS)
-            lp(xd, wd, None, "none", [], "")  # the first call builds oneDNN's primitive
+            packed[dtype] = torch.ops.mkldnn._reorder_linear_weight(
+                w.to(dtype), OneDNNOps.PACK_ROWS
+            )
+            best[dtype] = _best_time(lp, xd, packed[dtype], None, "none", [], "")
         except RuntimeError:  # a CPU oneDNN has no bf16 path for: the packed backend decides
             return None
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            lp(xd, wd, None, "none", [], "")
-            times.append(time.perf_counter() - t0)
-        best[dtype] = min(times)
+    if best[torch.bfloat16] * UPCAST_GAIN <= best[torch.float32]:  # bf16's dot product wins
+        if kernel != "avx512":
+            return None  # oneDNN's bf16 GEMM at every size
+        wk, wb = amx.pack(w.to(torch.bfloat16)), packed[torch.bfloat16]
+        for rows in SPLIT_PROBE_ROWS:
+            xb = x[:rows].to(torch.bfloat16)
+            t_onednn = _best_time(lp, xb, wb, None, "none", [], "")
+            if t_onednn <= _best_time(amx.linear, xb, wk, kernel=kernel):
+                return rows, torch.bfloat16
+        return None  # the kernel at every size
+    if kernel == "avx512":
+        return UPCAST_MIN_ROWS_AVX512, torch.float32
     if best[torch.bfloat16] < UPCAST_GAIN * best[torch.float32]:
         return None
     # Without a bf16 dot product (oneDNN converts), float32 wins at every size.
-    return UPCAST_MIN_ROWS if torch.cpu._is_avx512_bf16_supported() else 1
+    return (UPCAST_MIN_ROWS if torch.cpu._is_avx512_bf16_supported() else 1), torch.float32
 
 
 def select_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
@@ -466,7 +533,7 @@ def select_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
         # Packed weights measured faster at decode sizes in both dtypes, and for bf16 even at
         # prefill sizes on an AMX Xeon (BENCHMARKS.md); float32's greedy tokens still equal
         # transformers' (the exactness tests). KVSERVE_DISABLE_PREPACK=1 for A/B.
-        # Without AMX, bf16 GEMMs may be slower than float32 ones: see upcast_min_rows.
+        # Without AMX, which GEMM is fastest by step size depends on the CPU: large_step_gemm.
         bound_onednn_caches()
         prepack = os.environ.get("KVSERVE_DISABLE_PREPACK") != "1"
         bf16 = prepack and dtype == torch.bfloat16
@@ -476,9 +543,10 @@ def select_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
         # oneDNN's bf16 GEMMs at every size measured; KVSERVE_DISABLE_AVX512_GEMM=1 for A/B).
         use512 = bf16 and os.environ.get("KVSERVE_DISABLE_AVX512_GEMM") != "1"
         kernel = "avx512" if use512 and amx.avx512_available() else None
-        rows = upcast_min_rows(kernel) if bf16 else None
-        if rows is not None:
-            return UpcastOps(rows, forced="KVSERVE_UPCAST_MIN_ROWS" in os.environ, kernel=kernel)
+        split = large_step_gemm(kernel) if bf16 else None
+        if split is not None:
+            forced = "KVSERVE_UPCAST_MIN_ROWS" in os.environ
+            return UpcastOps(split[0], forced=forced, kernel=kernel, dtype=split[1])
         if kernel is not None:
             return PackedOps(kernel)
         return OneDNNOps(prepack=prepack)

@@ -181,11 +181,14 @@ def calibrate(
         "dtype; a streaming read); factors fitted to the real engine's step times",
         dtype=dtype,
     )
-    # A bf16 model whose large steps run float32 GEMMs (UpcastOps): their own efficiency,
-    # bounded by the float32 GEMM's own peak.
-    base.large_step_tokens = eng.model.ops.large_step_rows
+    # A bf16 model whose large steps run another GEMM (UpcastOps: oneDNN's, in float32 or
+    # bf16): their own efficiency, bounded by that GEMM's own peak.
+    ops = eng.model.ops
+    base.large_step_tokens = ops.large_step_rows
     large_peak = (
-        measure_gemm_peak(torch.float32, spec.hidden_size, dev) if base.large_step_tokens else None
+        measure_gemm_peak(ops.large_step_dtype, spec.hidden_size, dev)
+        if base.large_step_tokens
+        else None
     )
     steps: list[tuple[StepFeatures, float]] = []
     adds: list[tuple[int, float]] = []

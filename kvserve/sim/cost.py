@@ -8,9 +8,9 @@ batch over a device peak, divided by an efficiency factor:
   block hashes, its sampling state) (scheduling, batch building, sampling, Python);
 - the linear layers: ``max(FLOPs / (peak x e_gemm), weight bytes / (bandwidth x e_weights))``,
   the roofline of reading every weight once against computing every token through it; an
-  engine whose large steps take another GEMM path (a bf16 model's float32 GEMMs on a CPU
-  without AMX, :class:`~kvserve.model.linear_ops.UpcastOps`) has a second efficiency for
-  steps of at least ``large_step_tokens`` tokens, which are compute-bound;
+  engine whose large steps take another GEMM path (a bf16 model's oneDNN GEMMs in float32
+  or bf16 on a CPU without AMX, :class:`~kvserve.model.linear_ops.UpcastOps`) has a second
+  efficiency for steps of at least ``large_step_tokens`` tokens, which are compute-bound;
 - prefill attention: FLOPs of each new token against the cache entries it attends to (causal,
   windows honoured), over peak x ``e_prefill_attention``;
 - decode attention: the cache bytes the decode tokens read, over bandwidth x ``e_decode_kv``,
