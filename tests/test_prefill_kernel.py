@@ -18,6 +18,16 @@ from kvserve.model.linear_ops import OneDNNOps, TorchOps
 pytestmark = pytest.mark.skipif(
     not prefill.native_available(), reason="no C compiler: SDPA serves every prefill"
 )
+needs_bf16_dot = pytest.mark.skipif(
+    not prefill.bf16_dot_built(), reason="no AVX512-BF16: no dot-product path"
+)
+# float32; bf16 on float32 FMAs; bf16 on bf16 dot products (the probabilities rounded to bf16
+# for the value product: one more rounding, still within the output's bf16 rounding)
+DTYPES = [
+    pytest.param(torch.float32, "0", 2e-6, id="float32"),
+    pytest.param(torch.bfloat16, "0", 1.6e-2, id="bf16-fma"),
+    pytest.param(torch.bfloat16, "1", 1.6e-2, id="bf16-dot", marks=needs_bf16_dot),
+]
 
 
 def _qkv(tokens: int, heads: int, kv_heads: int, d: int, seed: int = 0, dtype=torch.bfloat16):
@@ -40,8 +50,11 @@ def _qkv(tokens: int, heads: int, kv_heads: int, d: int, seed: int = 0, dtype=to
         (50, 6, 3, 48, 7),  # head size 48, window inside a block
     ],
 )
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.bfloat16, 1.6e-2)])
-def test_prefill_kernel_matches_naive_attention(tokens, heads, kv_heads, d, window, dtype, tol):
+@pytest.mark.parametrize("dtype, dot, tol", DTYPES)
+def test_prefill_kernel_matches_naive_attention(
+    monkeypatch, tokens, heads, kv_heads, d, window, dtype, dot, tol
+):
+    monkeypatch.setenv("KVSERVE_PREFILL_BF16_DOT", dot)
     q, k, v = _qkv(tokens, heads, kv_heads, d, dtype=dtype)
     out = torch.full((tokens, heads, d), float("nan"), dtype=dtype)
     assert prefill.prefill_attention(q, k, v, out, window)
@@ -102,7 +115,7 @@ def test_paged_attention_routes_fresh_chunks_to_the_kernel_only():
 AMX = torch.cpu._is_amx_tile_supported()
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.bfloat16, 1.6e-2)])
+@pytest.mark.parametrize("dtype, dot, tol", DTYPES)
 @pytest.mark.parametrize(
     "ctx, tokens, heads, kv_heads, d, window",
     [
@@ -116,13 +129,14 @@ AMX = torch.cpu._is_amx_tile_supported()
         (5, 300, 4, 1, 32, 100),  # MQA, many tiles, a window shorter than the chunk
     ],
 )
-def test_context_kernel_matches_naive_attention(ctx, tokens, heads, kv_heads, d, window,
-                                                dtype, tol):  # fmt: skip
+def test_context_kernel_matches_naive_attention(monkeypatch, ctx, tokens, heads, kv_heads, d,
+                                                window, dtype, dot, tol):  # fmt: skip
     """A chunk continuing its sequence over the gathered context and its own keys, read as a
     strided view of the gathered [KVH, S, D] layout, against naive float32 attention: within
     bf16 rounding, or float32's summation order. The AMX tile kernel (bf16, where the CPU has
     it) takes every case; the FMA kernel takes chunks whose context is no longer than the
     chunk and declines the rest with nothing written (SDPA is faster there)."""
+    monkeypatch.setenv("KVSERVE_PREFILL_BF16_DOT", dot)
     g = torch.Generator().manual_seed(ctx + tokens)
     n = ctx + tokens
     kv = torch.randn(2, kv_heads, n + 5, d, generator=g).to(dtype)  # gathered, padded
@@ -136,6 +150,18 @@ def test_context_kernel_matches_naive_attention(ctx, tokens, heads, kv_heads, d,
         return
     want = reference_attention(q, keys, vals, torch.arange(ctx, n), window)
     torch.testing.assert_close(out.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_bf16_dot_setting_is_checked(monkeypatch):
+    """``KVSERVE_PREFILL_BF16_DOT`` takes 0 or 1 (1 only where the path was built); anything
+    else names the variable."""
+    monkeypatch.setenv("KVSERVE_PREFILL_BF16_DOT", "0")
+    assert not prefill.bf16_dot_products()
+    monkeypatch.setenv("KVSERVE_PREFILL_BF16_DOT", "1")
+    assert prefill.bf16_dot_products() == prefill.bf16_dot_built()
+    monkeypatch.setenv("KVSERVE_PREFILL_BF16_DOT", "yes")
+    with pytest.raises(ValueError, match="KVSERVE_PREFILL_BF16_DOT: must be 0 or 1"):
+        prefill.bf16_dot_products()
 
 
 def test_context_kernel_declines_what_it_does_not_handle():

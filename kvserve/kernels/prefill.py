@@ -12,6 +12,9 @@ head size or layout), and the caller runs SDPA.
 from __future__ import annotations
 
 import ctypes
+import functools
+import os
+import time
 from pathlib import Path
 
 import torch
@@ -46,6 +49,69 @@ _AMX = NativeLibrary(_SRC.with_name("prefill_attention_amx.c"), _FLAGS, "AMX pre
 
 def native_available() -> bool:
     return _LIB.get() is not None
+
+
+DT_BF16_DOT = 2  # the kernel's code for bf16 through bf16 dot products
+# How much faster the dot-product path must be at the probe to be chosen (timing noise).
+DOT_GAIN = 1.1
+
+
+def bf16_dot_products() -> bool:
+    """Whether the FMA kernel runs bf16 through the CPU's bf16 dot products (dt 2) rather than
+    float32 FMAs: where it has them and they measured faster here, once per process (an AMD
+    Zen 4 retires a 512-bit ``vdpbf16ps`` as fast as a 512-bit FMA, twice the multiply-adds;
+    a Xeon without AMX does not). ``KVSERVE_PREFILL_BF16_DOT`` = 1 / 0 decides instead (1:
+    where the kernel has the path)."""
+    env = os.environ.get("KVSERVE_PREFILL_BF16_DOT")
+    if env is not None:
+        if env not in ("0", "1"):
+            raise ValueError(f"KVSERVE_PREFILL_BF16_DOT: must be 0 or 1, got {env!r}")
+        return env == "1" and bf16_dot_built()
+    return _dot_measured_faster()
+
+
+@functools.cache
+def bf16_dot_built() -> bool:
+    """Whether the FMA kernel was built with its bf16 dot-product path (AVX512-BF16)."""
+    lib = _LIB.get()
+    if lib is None:
+        return False
+    x, out = (
+        torch.zeros(1, 1, 32, dtype=torch.bfloat16),
+        torch.empty(1, 1, 32, dtype=torch.bfloat16),
+    )
+    return lib.kvserve_prefill_attention(x.data_ptr(), 32, x.data_ptr(), x.data_ptr(), 32, 32,
+                                         out.data_ptr(), 1, 1, 1, 1, 32, 1.0, 0, DT_BF16_DOT,
+                                         1) == 0  # fmt: skip
+
+
+@functools.cache
+def _dot_measured_faster() -> bool:
+    lib = _LIB.get()
+    if lib is None or not bf16_dot_built():
+        return False
+    g = torch.Generator().manual_seed(0)
+    L, h, kvh, d = 256, 3, 1, 64  # a GQA group of SmolLM2's shape over a 256-token chunk
+    q = torch.randn(L, h, d, generator=g).bfloat16()
+    k, v = (torch.randn(L, kvh, d, generator=g).bfloat16() for _ in range(2))
+    out = torch.empty_like(q)
+
+    def run(dt: int) -> int:
+        return lib.kvserve_prefill_attention(q.data_ptr(), q.stride(0), k.data_ptr(),
+                                             v.data_ptr(), k.stride(0), k.stride(1),
+                                             out.data_ptr(), L, L, h, kvh, d, d**-0.5, 0, dt,
+                                             1)  # fmt: skip
+
+    best = {}
+    for dt in (1, DT_BF16_DOT):
+        run(dt)
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            run(dt)
+            times.append(time.perf_counter() - t0)
+        best[dt] = min(times)
+    return best[DT_BF16_DOT] * DOT_GAIN < best[1]
 
 
 def prefill_attention(
@@ -131,10 +197,13 @@ def _attention(
     lib = _LIB.get() if rc == 1 and fma else None
     if lib is not None:  # not for the tiles: the FMA kernel
         L, h, d = q.shape
+        dt = _DTYPES[q.dtype]
+        if dt == 1 and bf16_dot_products():
+            dt = DT_BF16_DOT
         rc = lib.kvserve_prefill_attention(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(),
                                             k.stride(0), k.stride(1), out.data_ptr(), L,
                                             k.shape[0], h, k.shape[1], d, d**-0.5, window or 0,
-                                            _DTYPES[q.dtype], torch.get_num_threads())  # fmt: skip
+                                            dt, torch.get_num_threads())  # fmt: skip
     if rc == 2:
         raise MemoryError("prefill attention: could not allocate the packed K/V")
     return rc == 0

@@ -4,22 +4,29 @@
  *
  * PyTorch's CPU flash kernel splits keys into 512-wide blocks below 768 queries, so a causal
  * mask saves it nothing at the usual prompt lengths: it computes the whole square. This kernel
- * works in 16-key blocks and skips every block above the diagonal; both matrix products are
- * float32 FMAs over values converted once (a CPU without AVX512-BF16 has no faster bf16 path).
+ * works in 32-key blocks and skips every block above the diagonal; both matrix products are
+ * float32 FMAs over values converted once, or, for bf16 on a CPU whose bf16 dot product
+ * (`vdpbf16ps`) outruns its float32 FMAs (dt 2; an AMD Zen 4 retires one 512-bit `vdpbf16ps`,
+ * 32 multiply-adds, as fast as one 512-bit FMA, 16), bf16 dot products over pairs: K and V
+ * repacked as bf16 pairs, the probabilities rounded to bf16 for the value product (as SDPA's
+ * and the AMX kernel's bf16 paths do), sums in float32.
  *
- * Layout: q [L, H, D] and k/v [Lk, KVH, D] (Lk >= L) in float32 or bfloat16 (dt 0 / 1), rows
+ * Layout: q [L, H, D] and k/v [Lk, KVH, D] (Lk >= L) in float32 or bfloat16 (dt 0 / 1 or 2), rows
  * (tokens) q_stride / kv_stride elements apart and KV heads kv_head_stride apart (views into
  * the fused QKV projection, or into the gathered [KVH, S, D] context); out [L, H, D] in the
  * same dtype, contiguous. Query i sits at position Lk - L + i. K and V of each KV head are
  * first converted to float32 and repacked, once per call:
- *   kt[block][d][j] = k[16 block + j][d]   (16 keys' values of one dim: one 512-bit load)
- *   vf[block][j][d] = v[16 block + j][d]
+ *   kt[block][d][j] = k[32 block + j][d]   (16 keys' values of one dim: one 512-bit load)
+ *   vf[block][j][d] = v[32 block + j][d]
+ * or, with dot products, as bf16 pairs (one 512-bit load: 16 keys x 2 dims, 16 dims x 2 keys):
+ *   kp[block][d / 2][j][d % 2] = k[32 block + j][d]
+ *   vp[block][j / 2][d][j % 2] = v[32 block + j][d]
  * A task is one KV head and a tile of TQ query positions for each of the G query heads that
  * share it (R = G * TQ rows), with an online softmax (running max and sum per row) in float32.
  *
  * Query at position i sees keys j with i - window < j <= i (window 0 = unbounded). Returns 1
- * (nothing written) where it does not apply: no AVX-512, head size not a multiple of 16 or
- * above 256, more than 64 rows per task; the caller then uses SDPA.
+ * (nothing written) where it does not apply: no AVX-512 (dt 2: no AVX512-BF16), head size not
+ * a multiple of 16 or above 256, more than 64 rows per task; the caller then uses SDPA.
  */
 #include <math.h>
 #include <stdint.h>
@@ -103,12 +110,70 @@ static void pv_rows(float *aa, float *ab, const float *pa, const float *pb, floa
         pv_rows_d(aa, ab, pa, pb, ca, cb, vb, D);
 }
 
+#if defined(__AVX512BF16__)
+#define HAVE_DP 1
+static void pack_block_pairs(const uint16_t *k, const uint16_t *v, int64_t kv_stride, int64_t Lk,
+                             int D, int64_t b, uint16_t *kp, uint16_t *vp) {
+    for (int j = 0; j < KB; j++) {
+        const int64_t t = b * KB + j;
+        for (int d = 0; d < D; d++) {
+            kp[((d >> 1) * KB + j) * 2 + (d & 1)] = t < Lk ? k[t * kv_stride + d] : 0;
+            vp[((j >> 1) * D + d) * 2 + (j & 1)] = t < Lk ? v[t * kv_stride + d] : 0;
+        }
+    }
+}
+
+/* pv_rows with bf16 dot products: pa/pb hold each row's 32 probabilities as 16 bf16 pairs. */
+static inline __attribute__((always_inline)) void pv_rows_dp_d(float *aa, float *ab,
+                                                               const uint32_t *pa,
+                                                               const uint32_t *pb, float ca,
+                                                               float cb, const uint16_t *vb,
+                                                               const int D) {
+    enum { MAXC = MAXD / 16 };
+    const int nc = D / 16;
+    __m512 a[MAXC], bb[MAXC];
+    const __m512 cav = _mm512_set1_ps(ca), cbv = _mm512_set1_ps(cb);
+    for (int c = 0; c < nc; c++) {
+        a[c] = _mm512_mul_ps(_mm512_loadu_ps(aa + 16 * c), cav);
+        bb[c] = _mm512_mul_ps(_mm512_loadu_ps(ab + 16 * c), cbv);
+    }
+    for (int jp = 0; jp < KB / 2; jp++) {
+        const __m512bh p0 = (__m512bh)_mm512_set1_epi32((int)pa[jp]);
+        const __m512bh p1 = (__m512bh)_mm512_set1_epi32((int)pb[jp]);
+        for (int c = 0; c < nc; c++) {
+            const __m512bh vv = (__m512bh)_mm512_load_si512(vb + ((int64_t)jp * D + 16 * c) * 2);
+            a[c] = _mm512_dpbf16_ps(a[c], p0, vv);
+            bb[c] = _mm512_dpbf16_ps(bb[c], p1, vv);
+        }
+    }
+    for (int c = 0; c < nc; c++) {
+        _mm512_storeu_ps(aa + 16 * c, a[c]);
+        _mm512_storeu_ps(ab + 16 * c, bb[c]);
+    }
+}
+
+static void pv_rows_dp(float *aa, float *ab, const uint32_t *pa, const uint32_t *pb, float ca,
+                       float cb, const uint16_t *vb, int D) {
+    if (D == 64)
+        pv_rows_dp_d(aa, ab, pa, pb, ca, cb, vb, 64);
+    else if (D == 128)
+        pv_rows_dp_d(aa, ab, pa, pb, ca, cb, vb, 128);
+    else
+        pv_rows_dp_d(aa, ab, pa, pb, ca, cb, vb, D);
+}
+#endif
+
 int kvserve_prefill_attention(const void *q, int64_t q_stride, const void *k, const void *v,
                               int64_t kv_stride, int64_t kv_head_stride, void *out, int64_t L,
                               int64_t Lk, int H, int KVH, int D, float scale, int window, int dt,
                               int num_threads) {
     const int G = H / KVH;
-    if (D % 16 || D > MAXD || H % KVH || L <= 0 || Lk < L || (dt != 0 && dt != 1)) return 1;
+    const int dp = dt == 2; /* bf16 dot products */
+#ifndef HAVE_DP
+    if (dp) return 1;
+#endif
+    if (dp) dt = 1;
+    if (D % 16 || D > MAXD || H % KVH || L <= 0 || Lk < L || (dt != 0 && dt != 1 && dt != 2)) return 1;
     const int64_t off = Lk - L; /* position of query 0 */
     const int esz = dt ? 2 : 4;
     int TQ = 16 / G;
@@ -131,12 +196,21 @@ int kvserve_prefill_attention(const void *q, int64_t q_stride, const void *k, co
             const int h = (int)(task / nb);
             const int64_t b = task % nb, boff = (h * nb + b) * block_elems;
             const int64_t hoff = (int64_t)h * kv_head_stride * esz;
+#ifdef HAVE_DP
+            if (dp) { /* pairs of bf16: a block takes half its float32 room */
+                pack_block_pairs((const uint16_t *)((const char *)k + hoff),
+                                 (const uint16_t *)((const char *)v + hoff), kv_stride, Lk, D, b,
+                                 (uint16_t *)(kt + boff), (uint16_t *)(vf + boff));
+                continue;
+            }
+#endif
             pack_block((const char *)k + hoff, (const char *)v + hoff, kv_stride, Lk, D, b,
                        kt + boff, vf + boff, dt);
         }
         float acc[MAXR * MAXD], m[MAXR], l[MAXR];
         float qf[QK_ROWS][MAXD];
         float pp[QK_ROWS + 1][KB], corr[QK_ROWS + 1], pair_scratch[MAXD];
+        uint32_t qw[QK_ROWS][MAXD / 2], pw[QK_ROWS + 1][KB / 2]; /* bf16 pairs (dp) */
         /* Largest tiles (most keys) first, for balance. */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < KVH * tiles; task++) {
@@ -154,18 +228,43 @@ int kvserve_prefill_attention(const void *q, int64_t q_stride, const void *k, co
             const int64_t b_hi = p_last / KB;
             for (int r0 = 0; r0 < R; r0 += QK_ROWS) {
                 const int nr = R - r0 < QK_ROWS ? R - r0 : QK_ROWS;
-                if (nr < QK_ROWS) memset(qf[nr], 0, sizeof(float) * MAXD * (QK_ROWS - nr));
+                if (nr < QK_ROWS) {
+                    memset(qf[nr], 0, sizeof(float) * MAXD * (QK_ROWS - nr));
+                    memset(qw[nr], 0, sizeof(uint32_t) * (MAXD / 2) * (QK_ROWS - nr));
+                }
                 for (int i = 0; i < nr; i++) { /* row r = g * tq + position offset */
                     const int r = r0 + i, g = r / tq;
                     const int64_t pos = p0 + r % tq;
                     const int64_t src = pos * q_stride + (int64_t)(h * G + g) * D;
-                    for (int d = 0; d < D; d++) qf[i][d] = load_dt(q, src + d, dt) * scale;
+                    if (dp) /* the bf16 values as they are; the scale goes on the scores */
+                        memcpy(qw[i], (const uint16_t *)q + src, sizeof(uint16_t) * D);
+                    else
+                        for (int d = 0; d < D; d++) qf[i][d] = load_dt(q, src + d, dt) * scale;
                 }
                 for (int64_t b = b_lo; b <= b_hi; b++) {
                     const float *kb = kt + (h * nb + b) * block_elems;
                     const float *vb = vf + (h * nb + b) * block_elems;
                     __m512 s0[QK_ROWS], s1[QK_ROWS];
                     for (int i = 0; i < QK_ROWS; i++) s0[i] = s1[i] = _mm512_setzero_ps();
+#ifdef HAVE_DP
+                    if (dp) { /* one load: 16 keys x 2 dims; a broadcast pair serves 32 keys */
+                        const uint16_t *kp = (const uint16_t *)kb;
+                        for (int d2 = 0; d2 < D / 2; d2++) {
+                            const __m512bh k0 = (__m512bh)_mm512_load_si512(kp + d2 * KB * 2);
+                            const __m512bh k1 = (__m512bh)_mm512_load_si512(kp + d2 * KB * 2 + 32);
+                            for (int i = 0; i < QK_ROWS; i++) {
+                                const __m512bh qd = (__m512bh)_mm512_set1_epi32((int)qw[i][d2]);
+                                s0[i] = _mm512_dpbf16_ps(s0[i], qd, k0);
+                                s1[i] = _mm512_dpbf16_ps(s1[i], qd, k1);
+                            }
+                        }
+                        const __m512 sc = _mm512_set1_ps(scale);
+                        for (int i = 0; i < QK_ROWS; i++) {
+                            s0[i] = _mm512_mul_ps(s0[i], sc);
+                            s1[i] = _mm512_mul_ps(s1[i], sc);
+                        }
+                    } else
+#endif
                     /* All QK_ROWS rows (the unused ones are zero): a constant trip count keeps
                      * the accumulators in registers; each query broadcast serves 32 keys. */
                     for (int d = 0; d < D; d++) {
@@ -187,6 +286,7 @@ int kvserve_prefill_attention(const void *q, int64_t q_stride, const void *k, co
                         hi = hi > KB ? KB : hi;
                         if (hi <= lo) { /* no visible key: a no-op update */
                             memset(pp[i], 0, sizeof(pp[i]));
+                            memset(pw[i], 0, sizeof(pw[i]));
                             corr[i] = 1.f;
                             continue;
                         }
@@ -198,8 +298,15 @@ int kvserve_prefill_attention(const void *q, int64_t q_stride, const void *k, co
                         const float mx = bmax > m[r] ? bmax : m[r];
                         corr[i] = expf(m[r] - mx);
                         const __m512 mxv = _mm512_set1_ps(mx);
-                        const __m512 pr0 = _mm512_maskz_mov_ps(v0, exp16(_mm512_sub_ps(s0[i], mxv)));
-                        const __m512 pr1 = _mm512_maskz_mov_ps(v1, exp16(_mm512_sub_ps(s1[i], mxv)));
+                        __m512 pr0 = _mm512_maskz_mov_ps(v0, exp16(_mm512_sub_ps(s0[i], mxv)));
+                        __m512 pr1 = _mm512_maskz_mov_ps(v1, exp16(_mm512_sub_ps(s1[i], mxv)));
+                        if (dp) { /* rounded to bf16 for the value product; l sums the same */
+                            const __m256i b0 = to_bf16(pr0), b1 = to_bf16(pr1);
+                            _mm256_storeu_si256((__m256i *)pw[i], b0);
+                            _mm256_storeu_si256((__m256i *)(pw[i] + 8), b1);
+                            pr0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b0), 16));
+                            pr1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b1), 16));
+                        }
                         l[r] = l[r] * corr[i] + _mm512_reduce_add_ps(_mm512_add_ps(pr0, pr1));
                         m[r] = mx;
                         _mm512_storeu_ps(pp[i], pr0);
@@ -209,12 +316,20 @@ int kvserve_prefill_attention(const void *q, int64_t q_stride, const void *k, co
                         const int j = i + 1 < nr ? i + 1 : i;
                         if (j == i) {
                             memset(pp[QK_ROWS], 0, sizeof(pp[0]));
+                            memset(pw[QK_ROWS], 0, sizeof(pw[0]));
                             corr[QK_ROWS] = 1.f;
                         }
                         float *aa = acc + (int64_t)(r0 + i) * D;
                         float *ab = j == i ? pair_scratch : acc + (int64_t)(r0 + j) * D;
-                        pv_rows(aa, ab, pp[i], pp[j == i ? QK_ROWS : j], corr[i],
-                                corr[j == i ? QK_ROWS : j], vb, D);
+                        const int jj = j == i ? QK_ROWS : j;
+#ifdef HAVE_DP
+                        if (dp) {
+                            pv_rows_dp(aa, ab, pw[i], pw[jj], corr[i], corr[jj],
+                                       (const uint16_t *)vb, D);
+                            continue;
+                        }
+#endif
+                        pv_rows(aa, ab, pp[i], pp[jj], corr[i], corr[jj], vb, D);
                     }
                 }
             }
