@@ -187,8 +187,12 @@ static inline __attribute__((always_inline)) void scores_bf16(
     int t = lo;
     for (; t + 16 <= hi; t += 16) {
         __m512 a[16];
-        if (pf) /* the next block's keys, a little at a time, while these are multiplied */
-            for (int b = 0; b < 16 * D * 2; b += 64) _mm_prefetch(pf + (int64_t)t * D * 2 + b, _MM_HINT_T0);
+        /* The next block's keys, a little at a time, while these are multiplied: into L2, as
+         * the float32 path does. Into L1, a whole block's lines at once filled the core's
+         * miss buffers and each prefetch waited (an EPYC's samples sat on them): the bf16
+         * kernel ran at ~15 GB/s on scattered blocks, ~23 into L2. */
+        if (pf)
+            for (int b = 0; b < 16 * D * 2; b += 64) _mm_prefetch(pf + (int64_t)t * D * 2 + b, _MM_HINT_T1);
         for (int i = 0; i < 16; i++) {
             const uint16_t *kr = kraw + (int64_t)(t + i) * D;
             a[i] = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], (__m512bh)_mm512_loadu_si512(kr));
@@ -222,7 +226,7 @@ static inline __attribute__((always_inline)) void values_bf16(
     for (int t = lo; t < hi; t++) {
         __m512 v[MAXV];
         if (pf)
-            for (int b = 0; b < D * 2; b += 64) _mm_prefetch(pf + (int64_t)t * D * 2 + b, _MM_HINT_T0);
+            for (int b = 0; b < D * 2; b += 64) _mm_prefetch(pf + (int64_t)t * D * 2 + b, _MM_HINT_T1);
         for (int j = 0; j < nv; j++) v[j] = load16(vraw, (int64_t)t * D + 16 * j, DT_BF16);
         for (int g = 0; g < NR; g++) {
             const __m512 p = _mm512_set1_ps(s[g * bs + t]);
