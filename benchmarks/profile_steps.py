@@ -10,9 +10,10 @@ rotary), paged attention (the KV write included; its prefill kernel separately),
 sampling, the runner's batch building and KV record, the scheduler, and the engine's output
 processing (detokenization). A step is "prefill" when it computes any prompt token. Bounds:
 GEMMs at this CPU's measured GEMM peak for the dtype (a 2,048 x hidden x 3 hidden matmul, best
-of several), float32's for prefill steps when a bf16 model runs its large GEMMs in float32
-(``UpcastOps``); decode attention at the measured read bandwidth (weights are counted in the GEMM
-row); host work (scheduling, batch building, sampling, output) at zero.
+of several), that of the large steps' dtype for prefill steps when a bf16 model runs its
+large GEMMs on another path (``UpcastOps``: oneDNN in float32 or bf16); decode attention at
+the measured read bandwidth (weights are counted in the GEMM row); host work (scheduling,
+batch building, sampling, output) at zero.
 """
 
 from __future__ import annotations
@@ -138,9 +139,11 @@ def main() -> None:
     cfg = e.model_config
     dt = getattr(torch, args.dtype)
     peak_flops = measure_gemm_peak(dt, cfg.hidden_size)
-    # a bf16 model on UpcastOps runs prefill-sized GEMMs in float32: their bound is float32's
-    upcast = isinstance(model.ops, UpcastOps)
-    prefill_peak = measure_gemm_peak(torch.float32, cfg.hidden_size) if upcast else peak_flops
+    # a bf16 model on UpcastOps runs prefill-sized GEMMs on oneDNN in float32 or bf16: their
+    # bound is that dtype's
+    upcast = isinstance(model.ops, UpcastOps) and model.ops.large_step_rows > 0
+    large = model.ops.large_step_dtype if upcast else dt
+    prefill_peak = measure_gemm_peak(large, cfg.hidden_size) if large != dt else peak_flops
     bw = measure_peak_bandwidth(torch.device("cpu"))
     # every matrix of the layers (a packing backend keeps the up projection apart)
     layer_params = sum(p.numel() for n, p in model.named_parameters()
@@ -204,7 +207,11 @@ def main() -> None:
         f"128-1024 tokens, {args.max_tokens} out; {n_out / total:.1f} out tok/s; steps: "
         f"prefill {steps['prefill']} ({tokens['prefill']} tokens), decode {steps['decode']}; "
         f"GEMM peak {peak_flops / 1e9:.0f} GFLOP/s"
-        + (f" (float32, prefill: {prefill_peak / 1e9:.0f})" if upcast else "")
+        + (
+            f" ({str(large).removeprefix('torch.')} in prefill: {prefill_peak / 1e9:.0f})"
+            if upcast
+            else ""
+        )
         + f", read bandwidth {bw / 1e9:.1f} GB/s; KV pool "
         + ("lazily mapped" if args.lazy_pool else "faulted in at start")
     )
