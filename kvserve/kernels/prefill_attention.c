@@ -176,9 +176,12 @@ int kvserve_prefill_attention(const void *q, int64_t q_stride, const void *k, co
     if (D % 16 || D > MAXD || H % KVH || L <= 0 || Lk < L || (dt != 0 && dt != 1 && dt != 2)) return 1;
     const int64_t off = Lk - L; /* position of query 0 */
     const int esz = dt ? 2 : 4;
-    int TQ = 16 / G;
-    TQ = TQ < 1 ? 1 : TQ;
-    if (G * TQ > MAXR) return 1;
+    /* At least 16 rows a task, and a multiple of QK_ROWS where that fits (G = 3: 8 positions,
+     * 24 rows, where 5 gave 15 rows computed as 16), so no row of a score pass is padding. */
+    int TQ = (16 + G - 1) / G;
+    while ((G * TQ) % QK_ROWS && G * (TQ + 1) <= MAXR) TQ++;
+    if (G * TQ > MAXR) TQ = MAXR / G;
+    if (TQ < 1) return 1;
     const int64_t nb = (Lk + KB - 1) / KB, block_elems = (int64_t)KB * D;
     float *kt = aligned_alloc(64, (size_t)(KVH * nb * block_elems) * 4);
     float *vf = aligned_alloc(64, (size_t)(KVH * nb * block_elems) * 4);
