@@ -100,14 +100,20 @@ static inline __attribute__((always_inline)) void pv_rows_d(float *aa, float *ab
     }
 }
 
+/* F(args..., D) with D a constant at the common head sizes, so the inlined loops unroll. */
+#define WITH_CONST_D(F, ...)                                                                    \
+    do {                                                                                        \
+        if (D == 64)                                                                            \
+            F(__VA_ARGS__, 64);                                                                 \
+        else if (D == 128)                                                                      \
+            F(__VA_ARGS__, 128);                                                                \
+        else                                                                                    \
+            F(__VA_ARGS__, D);                                                                  \
+    } while (0)
+
 static void pv_rows(float *aa, float *ab, const float *pa, const float *pb, float ca, float cb,
                     const float *vb, int D) {
-    if (D == 64)
-        pv_rows_d(aa, ab, pa, pb, ca, cb, vb, 64);
-    else if (D == 128)
-        pv_rows_d(aa, ab, pa, pb, ca, cb, vb, 128);
-    else
-        pv_rows_d(aa, ab, pa, pb, ca, cb, vb, D);
+    WITH_CONST_D(pv_rows_d, aa, ab, pa, pb, ca, cb, vb);
 }
 
 #if defined(__AVX512BF16__)
@@ -154,12 +160,7 @@ static inline __attribute__((always_inline)) void pv_rows_dp_d(float *aa, float 
 
 static void pv_rows_dp(float *aa, float *ab, const uint32_t *pa, const uint32_t *pb, float ca,
                        float cb, const uint16_t *vb, int D) {
-    if (D == 64)
-        pv_rows_dp_d(aa, ab, pa, pb, ca, cb, vb, 64);
-    else if (D == 128)
-        pv_rows_dp_d(aa, ab, pa, pb, ca, cb, vb, 128);
-    else
-        pv_rows_dp_d(aa, ab, pa, pb, ca, cb, vb, D);
+    WITH_CONST_D(pv_rows_dp_d, aa, ab, pa, pb, ca, cb, vb);
 }
 #endif
 
