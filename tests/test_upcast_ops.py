@@ -186,6 +186,8 @@ def test_min_rows_from_the_environment(monkeypatch):
         monkeypatch.setenv("KVSERVE_UPCAST_MIN_ROWS", bad)
         with pytest.raises(ValueError, match="KVSERVE_UPCAST_MIN_ROWS: must be an integer >= 0"):
             large_step_gemm()
+    with pytest.raises(ValueError, match="UpcastOps dtype: float32 or bfloat16, got torch.float16"):
+        UpcastOps(64, dtype=torch.float16)
 
 
 @pytest.mark.parametrize(
