@@ -109,11 +109,8 @@ def main(argv: list[str] | None = None) -> None:
         choice = "bf16 throughout"
     else:
         rows, dtype = probe
-        choice = (
-            f"float32 from {rows} rows"
-            if dtype == torch.float32
-            else (f"oneDNN's bf16 from {rows} rows")
-        )
+        path = "float32" if dtype == torch.float32 else "oneDNN's bf16"
+        choice = f"{path} from {rows} rows"
     print(f"model {args.model}: {cfg.num_hidden_layers} layers x {len(layer_shapes(cfg))} "
           f"matrices, {threads} threads, bf16 activations; AVX512-BF16 "
           f"{torch.cpu._is_avx512_bf16_supported()}, AMX {torch.cpu._is_amx_tile_supported()}; "

@@ -226,7 +226,7 @@ def test_large_step_gemm_follows_the_timings(
         return 1.0 if x.dtype == torch.float32 else 1.0 / onednn_bf16_gain
 
     monkeypatch.delenv("KVSERVE_UPCAST_MIN_ROWS", raising=False)
-    monkeypatch.setattr(linear_ops, "_best_time", fake_time)
+    monkeypatch.setattr(linear_ops, "best_time", fake_time)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
     linear_ops._measured_split.cache_clear()
     try:

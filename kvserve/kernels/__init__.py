@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,18 @@ class NativeLibrary:
                 self.declare(lib)
             self._lib = lib
         return self._lib
+
+
+def best_time(fn: Callable[..., object], *args: object, reps: int = 5, **kwargs: object) -> float:
+    """The fastest of ``reps`` calls of ``fn(*args, **kwargs)`` in seconds, after one untimed
+    call (which builds oneDNN's primitive, warms the caches): what a start-up probe compares."""
+    fn(*args, **kwargs)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn(*args, **kwargs)
+        times.append(time.perf_counter() - t0)
+    return min(times)
 
 
 def packed_rows(x: torch.Tensor, dtypes: Any) -> bool:

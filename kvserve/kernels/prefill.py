@@ -14,12 +14,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import time
 from pathlib import Path
 
 import torch
 
-from kvserve.kernels import NativeLibrary, packed_rows
+from kvserve.kernels import NativeLibrary, best_time, packed_rows
 
 _SRC = Path(__file__).with_name("prefill_attention.c")
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=c11"]
@@ -31,6 +30,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.kvserve_prefill_attention
     fn.restype = _i
     fn.argtypes = [_p, _i64, _p, _p, _i64, _i64, _p, _i64, _i64, _i, _i, _i, _f, _i, _i, _i]
+    lib.kvserve_prefill_has_bf16_dot.restype = _i
 
 
 _LIB = NativeLibrary(_SRC, _FLAGS, "prefill attention", _declare)
@@ -70,19 +70,10 @@ def bf16_dot_products() -> bool:
     return _dot_measured_faster()
 
 
-@functools.cache
 def bf16_dot_built() -> bool:
     """Whether the FMA kernel was built with its bf16 dot-product path (AVX512-BF16)."""
     lib = _LIB.get()
-    if lib is None:
-        return False
-    x, out = (
-        torch.zeros(1, 1, 32, dtype=torch.bfloat16),
-        torch.empty(1, 1, 32, dtype=torch.bfloat16),
-    )
-    return lib.kvserve_prefill_attention(x.data_ptr(), 32, x.data_ptr(), x.data_ptr(), 32, 32,
-                                         out.data_ptr(), 1, 1, 1, 1, 32, 1.0, 0, DT_BF16_DOT,
-                                         1) == 0  # fmt: skip
+    return lib is not None and lib.kvserve_prefill_has_bf16_dot() == 1
 
 
 @functools.cache
@@ -102,16 +93,7 @@ def _dot_measured_faster() -> bool:
                                              out.data_ptr(), L, L, h, kvh, d, d**-0.5, 0, dt,
                                              1)  # fmt: skip
 
-    best = {}
-    for dt in (1, DT_BF16_DOT):
-        run(dt)
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            run(dt)
-            times.append(time.perf_counter() - t0)
-        best[dt] = min(times)
-    return best[DT_BF16_DOT] * DOT_GAIN < best[1]
+    return best_time(run, DT_BF16_DOT) * DOT_GAIN < best_time(run, 1)
 
 
 def prefill_attention(

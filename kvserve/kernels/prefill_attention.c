@@ -164,6 +164,15 @@ static void pv_rows_dp(float *aa, float *ab, const uint32_t *pa, const uint32_t 
 }
 #endif
 
+/* 1 where this build has the bf16 dot-product path (dt 2). */
+int kvserve_prefill_has_bf16_dot(void) {
+#ifdef HAVE_DP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 int kvserve_prefill_attention(const void *q, int64_t q_stride, const void *k, const void *v,
                               int64_t kv_stride, int64_t kv_head_stride, void *out, int64_t L,
                               int64_t Lk, int H, int KVH, int D, float scale, int window, int dt,
@@ -232,10 +241,10 @@ int kvserve_prefill_attention(const void *q, int64_t q_stride, const void *k, co
             const int64_t b_hi = p_last / KB;
             for (int r0 = 0; r0 < R; r0 += QK_ROWS) {
                 const int nr = R - r0 < QK_ROWS ? R - r0 : QK_ROWS;
-                if (nr < QK_ROWS) {
-                    memset(qf[nr], 0, sizeof(float) * MAXD * (QK_ROWS - nr));
+                if (nr < QK_ROWS && dp)
                     memset(qw[nr], 0, sizeof(uint32_t) * (MAXD / 2) * (QK_ROWS - nr));
-                }
+                else if (nr < QK_ROWS)
+                    memset(qf[nr], 0, sizeof(float) * MAXD * (QK_ROWS - nr));
                 for (int i = 0; i < nr; i++) { /* row r = g * tq + position offset */
                     const int r = r0 + i, g = r / tq;
                     const int64_t pos = p0 + r % tq;
@@ -289,8 +298,10 @@ int kvserve_prefill_attention(const void *q, int64_t q_stride, const void *k, co
                         lo = lo < 0 ? 0 : lo;
                         hi = hi > KB ? KB : hi;
                         if (hi <= lo) { /* no visible key: a no-op update */
-                            memset(pp[i], 0, sizeof(pp[i]));
-                            memset(pw[i], 0, sizeof(pw[i]));
+                            if (dp)
+                                memset(pw[i], 0, sizeof(pw[i]));
+                            else
+                                memset(pp[i], 0, sizeof(pp[i]));
                             corr[i] = 1.f;
                             continue;
                         }
@@ -313,14 +324,18 @@ int kvserve_prefill_attention(const void *q, int64_t q_stride, const void *k, co
                         }
                         l[r] = l[r] * corr[i] + _mm512_reduce_add_ps(_mm512_add_ps(pr0, pr1));
                         m[r] = mx;
-                        _mm512_storeu_ps(pp[i], pr0);
-                        _mm512_storeu_ps(pp[i] + 16, pr1);
+                        if (!dp) { /* the dot-product path stored its bf16 pairs above */
+                            _mm512_storeu_ps(pp[i], pr0);
+                            _mm512_storeu_ps(pp[i] + 16, pr1);
+                        }
                     }
                     for (int i = 0; i < nr; i += 2) { /* an odd last row pairs with itself */
                         const int j = i + 1 < nr ? i + 1 : i;
                         if (j == i) {
-                            memset(pp[QK_ROWS], 0, sizeof(pp[0]));
-                            memset(pw[QK_ROWS], 0, sizeof(pw[0]));
+                            if (dp)
+                                memset(pw[QK_ROWS], 0, sizeof(pw[0]));
+                            else
+                                memset(pp[QK_ROWS], 0, sizeof(pp[0]));
                             corr[QK_ROWS] = 1.f;
                         }
                         float *aa = acc + (int64_t)(r0 + i) * D;

@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import functools
 import os
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.kernels import amx, pointwise, prefill
+from kvserve.kernels import amx, best_time, pointwise, prefill
 
 
 def linear_layers(model: nn.Module) -> list[tuple[nn.Linear, bool]]:
@@ -357,7 +355,8 @@ class UpcastOps(PackedOps):
         if self.skipped is not None:
             need, avail = (b / 2**30 for b in self.skipped)
             return (
-                f"{self.name} off: {self.dtype_name} copies of the weights would take "
+                f"{self.name} off: {str(self.dtype).removeprefix('torch.')} copies of the "
+                "weights would take "
                 f"{need:.1f} GiB, over {UPCAST_MEMORY_SHARE:.0%} of the {avail:.1f} GiB "
                 "available (KVSERVE_UPCAST_MIN_ROWS=N makes them anyway); bf16 GEMMs"
             )
@@ -368,10 +367,6 @@ class UpcastOps(PackedOps):
     @property
     def large_step_dtype(self) -> torch.dtype:
         return self.dtype
-
-    @property
-    def dtype_name(self) -> str:
-        return "float32" if self.dtype == torch.float32 else "bf16"
 
     def _big(self, x: torch.Tensor, layer: nn.Linear) -> bool:
         return x.shape[0] >= self.min_rows and "weight32" in layer.__dict__
@@ -473,16 +468,6 @@ def large_step_gemm(kernel: str | None = None) -> tuple[int, torch.dtype] | None
     return (rows, torch.float32) if rows else None
 
 
-def _best_time(fn: Callable[..., object], *args: object, reps: int = 5, **kwargs: object) -> float:
-    fn(*args, **kwargs)  # the first call builds oneDNN's primitive
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn(*args, **kwargs)
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
 @functools.cache
 def _measured_split(kernel: str | None) -> tuple[int, torch.dtype] | None:
     m, k, n = UPCAST_PROBE
@@ -499,7 +484,7 @@ def _measured_split(kernel: str | None) -> tuple[int, torch.dtype] | None:
             packed[dtype] = torch.ops.mkldnn._reorder_linear_weight(
                 w.to(dtype), OneDNNOps.PACK_ROWS
             )
-            best[dtype] = _best_time(lp, xd, packed[dtype], None, "none", [], "")
+            best[dtype] = best_time(lp, xd, packed[dtype], None, "none", [], "")
         except RuntimeError:  # a CPU oneDNN has no bf16 path for: the packed backend decides
             return None
     if best[torch.bfloat16] * UPCAST_GAIN <= best[torch.float32]:  # bf16's dot product wins
@@ -508,8 +493,8 @@ def _measured_split(kernel: str | None) -> tuple[int, torch.dtype] | None:
         wk, wb = amx.pack(w.to(torch.bfloat16)), packed[torch.bfloat16]
         for rows in SPLIT_PROBE_ROWS:
             xb = x[:rows].to(torch.bfloat16)
-            t_onednn = _best_time(lp, xb, wb, None, "none", [], "")
-            if t_onednn <= _best_time(amx.linear, xb, wk, kernel=kernel):
+            t_onednn = best_time(lp, xb, wb, None, "none", [], "")
+            if t_onednn <= best_time(amx.linear, xb, wk, kernel=kernel):
                 return rows, torch.bfloat16
         return None  # the kernel at every size
     if kernel == "avx512":
