@@ -181,18 +181,17 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in _FINISHED
+        return self in FINISHED_STATUSES
 
 
-# Asked for every running request at every step: one set, not a tuple built per call.
-_FINISHED = frozenset(
-    {
-        RequestStatus.FINISHED_STOPPED,
-        RequestStatus.FINISHED_LENGTH,
-        RequestStatus.FINISHED_ABORTED,
-        RequestStatus.FINISHED_ERROR,
-        RequestStatus.FINISHED_REFUSED,
-    }
+# Asked for every running request at every step. A tuple, not a set: membership by identity
+# skips Enum's Python-level __hash__.
+FINISHED_STATUSES = (
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
+    RequestStatus.FINISHED_REFUSED,
 )
 
 
@@ -372,7 +371,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status in _FINISHED
+        return self.status in FINISHED_STATUSES
 
     def __repr__(self) -> str:
         return (

@@ -167,10 +167,13 @@ class Scheduler(AdmissionSteps, RetentionSteps):
         # Without a retention policy or a model window (most requests) the retention steps
         # change nothing: skipped, since this loop runs per running request per step.
         native = self.native_window
+        running, allocate = self.running, self.kv.allocate_slots
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(len(req.all_token_ids) - req.num_computed_tokens, budget)
+        while i < len(running) and budget > 0:
+            req = running[i]
+            n = len(req.all_token_ids) - req.num_computed_tokens
+            if n > budget:
+                n = budget
             retains = req.retention is not None
             if retains:
                 n = self._chunk(req, n)
@@ -180,11 +183,11 @@ class Scheduler(AdmissionSteps, RetentionSteps):
             if retains or native:
                 self._retain(req)
             extra = self._compact_blocks(req, n) if retains else 0
-            while not self.kv.allocate_slots(req, n, compact_blocks=extra):
+            while not allocate(req, n, (), extra):
                 self.stats.allocation_failures += 1
                 if loads is not None and loads.release_one():
                     continue
-                victim = self.running.pop()
+                victim = running.pop()
                 self._preempt(victim, out)
                 picked = [(r, k) for r, k in picked if r is not victim]
                 if victim is req:
@@ -201,12 +204,14 @@ class Scheduler(AdmissionSteps, RetentionSteps):
             budget = self._admit(picked, budget)
         if not picked:
             return out  # the KV record and finished ids wait for a step that runs
+        describe, seqs = self._describe, out.seqs
+        decode = 0
         for req, n in picked:
-            out.seqs.append(self._describe(req, n, out))
-            if req.num_computed_tokens + n <= req.num_prompt_tokens or n > 1:
-                out.num_prefill_tokens += n
-            else:
-                out.num_decode_tokens += n
+            seqs.append(describe(req, n, out))
+            if n == 1 and req.num_computed_tokens >= len(req.prompt_token_ids):
+                decode += 1
+        out.num_decode_tokens = decode
+        out.num_prefill_tokens = sum(n for _, n in picked) - decode
         out.kv_ops = ops = self.kv.take_ops()
         if ops.offload:
             ops.offload = [(b, h) for b, h in ops.offload if self.offload.wants(h)]
@@ -222,6 +227,16 @@ class Scheduler(AdmissionSteps, RetentionSteps):
         """The plain-data view of ``req``'s share of the step (see :mod:`kvserve.step`)."""
         c = req.num_computed_tokens
         rid = req.request_id
+        if (
+            c + n == len(req.all_token_ids)
+            and not req.forks
+            and req.retention is None
+            and self._group_tables is None
+            and req.prompt_logits is None
+            and rid in self._in_runner
+        ):  # a decode step (or a last chunk) of a plain request the runner already has
+            ids, block_ids = req.all_token_ids[c:], self.kv.block_ids(req)[:]
+            return ScheduledSeq(rid, ids, c, c - req.cache_offset, block_ids, (rid,))
         sample_ids: tuple[str, ...] = ()
         if c + n == len(req.all_token_ids):  # the step reaches the newest token: it samples
             sample_ids = (rid, *(f.request_id for f in req.forks)) if req.forks else (rid,)
@@ -299,10 +314,14 @@ class Scheduler(AdmissionSteps, RetentionSteps):
         row = {rid: i for i, rid in enumerate(runner_output.req_ids)}
         tokens, lps, sampled_lps = (runner_output.token_ids, runner_output.logprobs,
                                     runner_output.sampled_logprobs)  # fmt: skip
+        requests, publish = self.requests, self.kv.cache_computed_blocks
+        max_len = self.max_model_len
+        generated = 0
         for seq in scheduler_output.seqs:
-            first = self.requests[seq.req_id]
+            first = requests[seq.req_id]
             n = len(seq.token_ids)
-            c, p = first.num_computed_tokens, len(first.prompt_token_ids)
+            c = first.num_computed_tokens
+            p = len(first.prompt_token_ids)
             if c < p:
                 st.prefill_tokens_computed_total += min(n, p - c)
             first.num_computed_tokens = c + n
@@ -310,7 +329,7 @@ class Scheduler(AdmissionSteps, RetentionSteps):
                 first.metrics.first_scheduled_time = scheduled_at
                 st.queue_time_sum += max(0.0, scheduled_at - first.arrival_time)
                 st.queue_time_count += 1
-            self.kv.cache_computed_blocks(first)
+            publish(first)
             if seq.compact:
                 self._compacted(first)
             if not seq.sample_ids:
@@ -321,11 +340,11 @@ class Scheduler(AdmissionSteps, RetentionSteps):
                     self._fork(first, f)
                 self.waiting.extendleft(reversed(forks))
             for rid in seq.sample_ids:
-                r = first if rid == first.request_id else self.requests[rid]
+                r = first if rid == first.request_id else requests[rid]
                 i = row[rid]
                 token = tokens[i]
                 r.all_token_ids.append(token)
-                st.generation_tokens_total += 1
+                generated += 1
                 if r.output_logprobs is not None and lps and lps[i] is not None:
                     r.output_logprobs.append(lps[i])
                 if sampled_lps is not None:
@@ -335,9 +354,10 @@ class Scheduler(AdmissionSteps, RetentionSteps):
                     m.first_token_time = now
                     st.prompt_tokens_total += r.num_prompt_tokens
                 m.token_times.append(now)
-                if check_stop(r, token, self.max_model_len):
+                if check_stop(r, token, max_len):
                     finished.append(r)
                 touched[rid] = r
+        st.generation_tokens_total += generated
         for r in finished:
             r.metrics.finished_time = now
             self._finish(r, r.status)

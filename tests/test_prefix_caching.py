@@ -152,3 +152,38 @@ def test_narrow_dense_cache_with_hits_and_reference_path(checkpoint, make_llm, m
     again = llm.generate(prompts, GREEDY)
     assert all(o.num_cached_tokens == 32 for o in again)
     assert _tokens(again) == first
+
+
+def test_block_hash_chain_matches_its_byte_definition():
+    """Tier keys outlive a process (disk, Redis): the chain is SHA-256 over the parent hash
+    and the block's ids as little-endian int64, the tenant salt after the first block's ids,
+    however the tokens arrive (whole, or extended as a request grows)."""
+    import hashlib
+    import random
+
+    from kvserve.kv.hashing import extend_block_hashes
+
+    def naive(tokens: list[int], bs: int, root: bytes, salt: str | None) -> list[bytes]:
+        out, parent = [], root
+        for i in range(len(tokens) // bs):
+            data = b"".join(t.to_bytes(8, "little", signed=True) for t in tokens[i * bs :][:bs])
+            if i == 0 and salt:
+                data += b"\0salt\0" + salt.encode()
+            parent = hashlib.sha256(parent + data).digest()
+            out.append(parent)
+        return out
+
+    rng = random.Random(5)
+    root = hashlib.sha256(b"root").digest()
+    for salt in (None, "tenant-a"):
+        tokens = [rng.randrange(-3, 150_000) for _ in range(203)]
+        grown: list = []
+        for end in (7, 16, 17, 90, 203):  # below one block, exact blocks, partial tails
+            extend_block_hashes(grown, tokens[:end], 16, root, salt)
+        whole: list = []
+        extend_block_hashes(whole, tokens, 16, root, salt)
+        assert whole == grown == naive(tokens, 16, root, salt)
+        assert len(whole) == 12
+    other: list = []
+    extend_block_hashes(other, tokens, 16, root, "tenant-b")
+    assert other[0] != whole[0]

@@ -20,7 +20,7 @@ from kvserve.config import SchedulerConfig
 from kvserve.engine.inputs import EngineCoreRequest
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.offload import OffloadTiers
-from kvserve.request import Request, RequestStatus
+from kvserve.request import FINISHED_STATUSES, Request, RequestStatus
 from kvserve.scheduler import Scheduler
 from kvserve.step import Runner, SchedulerOutput
 
@@ -130,7 +130,8 @@ class EngineCore:
         else:
             updated = self.scheduler.update_from_output(sched, out, started, now)
         for r in updated:
-            self._forget_if_done(r)
+            if r.status in FINISHED_STATUSES:
+                self._forget_if_done(r)
         for hook in self.step_hooks:
             hook(self)
         return refused + updated

@@ -97,12 +97,15 @@ class InputProcessor:
             if not ids:
                 raise InvalidRequestError("prompt: must not be empty", "prompt")
             v = self.vocab_size
-            for t in ids:
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < v:
-                    raise InvalidRequestError(
-                        f"prompt_token_ids: token id {t!r} is out of range [0, {v})",
-                        "prompt_token_ids",
-                    )
+            # Whole-list checks in C first (a long prompt is thousands of ids); the loop
+            # only runs to name the id that fails them.
+            if set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= v:
+                for t in ids:
+                    if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < v:
+                        raise InvalidRequestError(
+                            f"prompt_token_ids: token id {t!r} is out of range [0, {v})",
+                            "prompt_token_ids",
+                        )
             return None, ids, salt
         raise InvalidRequestError(
             f"prompt: must be a string, a list of token ids or a prompt dict, "

@@ -265,6 +265,20 @@ class KVCacheManager:
         to write into is first replaced by a private copy (copy-on-write); the copy itself is
         recorded for the runner to apply before the forward pass.
         """
+        if num_new_tokens == 1 and not computed and not compact_blocks:
+            # Most steps of a decode: one token into the private, partial last block leaves
+            # every count as it is (checked inline: this runs per request per step).
+            blocks = self.req_blocks.get(request.request_id)
+            done = request.num_computed_tokens - request.cache_offset
+            bs = self.block_size
+            if (
+                blocks
+                and done % bs
+                and (done + 1) % bs
+                and len(blocks) == done // bs + 1
+                and blocks[-1].ref_cnt == 1
+            ):
+                return True
         if not computed and not compact_blocks and self.fits_in_place(request, num_new_tokens):
             # The common decode step: the tokens fit the table's last, private block.
             self.grow_in_place(request, num_new_tokens)

@@ -168,16 +168,21 @@ def step_features(
     # Sums in locals, not on f: this loop runs per sequence per simulated step.
     seqs = solo = tokens = sampled = prefill_seqs = 0
     decode_entries = pairs = first_touch = compacted = 0.0
+    # No layer has a window of its own: a decode token without a retention window reads
+    # every cache entry in every layer.
+    all_layers = groups[0][1] if len(groups) == 1 and not groups[0][0] else 0
+    seqs = len(out.seqs)
     for s in out.seqs:
         n = len(s.token_ids)
         cached = s.num_cached
         end = cached + n
-        seqs += 1
         solo += s.per_sequence
         tokens += n
         sampled += len(s.sample_ids) + s.num_prompt_logit_rows
         own = s.window + s.sinks if s.window else None
-        if n == 1:
+        if n == 1 and all_layers and own is None:
+            decode_entries += all_layers * end
+        elif n == 1:
             for w, count in groups:
                 bound = (min(own, w) if own and w else own or w) or end
                 decode_entries += count * min(end, bound)
