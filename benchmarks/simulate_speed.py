@@ -13,12 +13,14 @@ baseline. The default case is the seed's: Llama-3-8B shapes on an H100, chat at 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from inspect import signature
 from pathlib import Path
 
 from benchmarks.common import emit, median, table
@@ -59,10 +61,16 @@ def one_run(model: str, workload: str, n: int, rate: float, out_dir: str) -> dic
     lap("workload")
     res, _ = simulate_load(target, reqs, LoadSpec(rate), 0)
     lap("replay")
+    gc.freeze()  # as the command does before its reports
     s = summarize(res.records, res.duration, {}, None, 1)
     lap("summary")
+    # As the command writes it: in forked encoders where this tree's write_json has them.
+    jobs = len(os.sched_getaffinity(0))
+    kw = {"jobs": jobs} if "jobs" in signature(write_json).parameters else {}
     write_json(
-        Path(out_dir) / "run.json", {"summary": s, "records": [r.to_dict() for r in res.records]}
+        Path(out_dir) / "run.json",
+        {"summary": s, "records": [r.to_dict() for r in res.records]},
+        **kw,
     )
     lap("json")
     plot_latency_cdf({"run": res.records}, Path(out_dir) / "run.png")

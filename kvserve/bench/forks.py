@@ -1,12 +1,13 @@
-"""Independent simulations side by side: ``fork_map`` runs a function over items in forked
-processes.
+"""Independent pure-Python work side by side: ``fork_map`` runs a function over items in
+forked processes.
 
-Simulations are pure Python and single-threaded, so a machine's other cores sit idle while
-one runs; ``kvserve tune``'s candidates and ``kvserve simulate --sweep``'s points are
-independent of each other. Forked children inherit the workload and the function's closure
-instead of receiving them pickled (a long trace is hundreds of MB of prompts); only the
-results come back, pickled. The simulator does no tensor work, so the children start no
-thread pools that a fork could leave in a bad state.
+Simulations and report writing are pure Python and single-threaded, so a machine's other
+cores sit idle while one runs; ``kvserve tune``'s candidates, ``kvserve simulate --sweep``'s
+points and the chunks of a long run's per-request records are independent of each other.
+Forked children inherit the data and the function's closure instead of receiving them
+pickled (a long trace is hundreds of MB of prompts); only the results come back, pickled.
+None of this does tensor work, so the children start no thread pools that a fork could leave
+in a bad state.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -76,12 +77,15 @@ class RequestRecord:
     def to_dict(self) -> dict[str, Any]:
         # Fields are flat (numbers, strings, lists of those): a shallow copy is asdict's
         # result without its per-value deep copy, which dominated writing 100k records.
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d = {name: getattr(self, name) for name in _RECORD_FIELDS}
         d["itl"] = list(self.itl)
         if self.output_token_ids is not None:
             d["output_token_ids"] = list(self.output_token_ids)
         d["tpot"] = self.tpot
         return d
+
+
+_RECORD_FIELDS = tuple(f.name for f in fields(RequestRecord))
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -107,10 +111,22 @@ def describe(values: list[float], scale: float = 1000.0) -> dict[str, float | in
         out.update({"mean": None, **{f"p{q}": None for q in PERCENTILES}})
         return out
     out["mean"] = sum(values) / len(values) * scale
-    xs = sorted(values)
+    xs = sorted_floats(values)
     for q in PERCENTILES:
-        out[f"p{q}"] = _ranked(xs, q) * scale
+        out[f"p{q}"] = float(_ranked(xs, q)) * scale
     return out
+
+
+def sorted_floats(values: Iterable[float]) -> Sequence[float]:
+    """``sorted(values)``; numpy's sort where there are many (a 100,000-request run's ~10 M
+    inter-token latencies sort several times faster there, to the same order)."""
+    if isinstance(values, list) and len(values) < 100_000:
+        return sorted(values)
+    import numpy as np
+
+    xs = np.fromiter(values, dtype=np.float64)
+    xs.sort()
+    return xs
 
 
 _UNITS = {"ms": 1e-3, "s": 1.0, "us": 1e-6, "": 1e-3}

@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvserve.bench.metrics import RequestRecord
+from kvserve.bench.forks import fork_map
+from kvserve.bench.metrics import RequestRecord, sorted_floats
 
 LATENCIES = (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms"))
 STATS = ("mean", "p50", "p90", "p95", "p99")
@@ -232,29 +236,69 @@ def load_summary(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
     return [(stem, data["summary"])]
 
 
-def write_json(path: Path, payload: dict[str, Any]) -> Path:
+def write_json(path: Path, payload: dict[str, Any], jobs: int = 1) -> Path:
     """``payload`` as JSON: indented, except that each of its ``records`` (per-request rows,
     or a sweep's lists of them) is one compact line. Indenting forces the json module's pure
-    Python encoder; a 100,000-request run has ~10 M inter-token latencies, a number per line."""
+    Python encoder; a 100,000-request run has ~10 M inter-token latencies, a number per line.
+    With ``jobs`` > 1 a long flat list of records is encoded in that many forked processes,
+    each writing its slice's lines to a file of its own that is then copied in (the same
+    text; returning it through a pipe would cost as much as encoding it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fields = []
-    for key, value in payload.items():
-        if key == "records" and isinstance(value, list):
-            text = _rows(value, " ")
-        else:
-            text = json.dumps(value, indent=1, default=str).replace("\n", "\n ")
-        fields.append(f" {json.dumps(key)}: {text}")
-    path.write_text("{\n" + ",\n".join(fields) + "\n}\n")
+    with path.open("w") as out:
+        out.write("{\n")
+        for k, (key, value) in enumerate(payload.items()):
+            out.write(",\n" * (k > 0) + f" {json.dumps(key)}: ")
+            if key != "records" or not isinstance(value, list):
+                out.write(json.dumps(value, indent=1, default=str).replace("\n", "\n "))
+            elif jobs > 1 and len(value) >= 2 * PARALLEL_MIN_ROWS and _flat(value):
+                out.write("[\n")
+                with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+                    out.flush()
+                    for part in _encode_in_parts(value, "  ", jobs, Path(tmp)):
+                        with part.open("rb") as f:  # ASCII (json escapes the rest): bytes
+                            shutil.copyfileobj(f, out.buffer, 1 << 20)
+                out.write("\n ]")
+            else:
+                out.write(_rows(value, " "))
+        out.write("\n}\n")
     return path
+
+
+# Rows per forked encoder at least: below this a fork costs more than it saves.
+PARALLEL_MIN_ROWS = 20_000
+
+
+def _flat(rows: list[Any]) -> bool:
+    return not any(isinstance(r, list) for r in rows)
+
+
+def _encode_in_parts(rows: list[Any], indent: str, jobs: int, where: Path) -> list[Path]:
+    """``rows``' lines (as :func:`_rows` joins them) in ``jobs`` files written side by side;
+    the last line of each part but the last ends with the separator."""
+    jobs = min(jobs, len(rows) // PARALLEL_MIN_ROWS)
+    step = -(-len(rows) // jobs)
+
+    def write_part(lo: int) -> Path:
+        part = where / f"{lo}.part"
+        with part.open("w") as f:
+            f.write(_lines(rows[lo : lo + step], indent))
+            if lo + step < len(rows):
+                f.write(",\n")
+        return part
+
+    return fork_map(write_part, range(0, len(rows), step), jobs)
 
 
 def _rows(rows: list[Any], indent: str) -> str:
     """A list of records, one compact record per line (lists of records nest)."""
     if not rows:
         return "[]"
-    inner = indent + " "
-    items = [_rows(r, inner) if isinstance(r, list) else json.dumps(r, default=str) for r in rows]
-    return "[\n" + ",\n".join(inner + t for t in items) + "\n" + indent + "]"
+    return "[\n" + _lines(rows, indent + " ") + "\n" + indent + "]"
+
+
+def _lines(rows: list[Any], indent: str) -> str:
+    items = [_rows(r, indent) if isinstance(r, list) else json.dumps(r, default=str) for r in rows]
+    return ",\n".join(indent + t for t in items)
 
 
 def _pyplot() -> Any:
@@ -284,9 +328,9 @@ def plot_latency_cdf(runs: dict[str, list[RequestRecord]], path: Path) -> Path |
         strict=True,
     ):
         for label, recs in runs.items():
-            xs = sorted(x * 1000 for r in recs if r.success for x in fn(r) if x is not None)
-            if xs:
-                ax.plot(*_cdf_points(xs), label=label)
+            xs = sorted_floats(x for r in recs if r.success for x in fn(r) if x is not None)
+            if len(xs):
+                ax.plot(*_cdf_points(xs, scale=1000.0), label=label)
         ax.set_title(title)
         ax.set_xlabel("ms")
         ax.set_ylabel("fraction of samples")
@@ -299,14 +343,17 @@ def plot_latency_cdf(runs: dict[str, list[RequestRecord]], path: Path) -> Path |
     return path
 
 
-def _cdf_points(xs: list[float], most: int = 2000) -> tuple[list[float], list[float]]:
-    """The empirical CDF of sorted ``xs`` at no more than ``most`` evenly spaced ranks (both
-    ends kept): a plot is no finer than that, and a long run has millions of samples."""
+def _cdf_points(
+    xs: Sequence[float], most: int = 2000, scale: float = 1.0
+) -> tuple[list[float], list[float]]:
+    """The empirical CDF of sorted ``xs`` (times ``scale``) at no more than ``most`` evenly
+    spaced ranks (both ends kept): a plot is no finer than that, and a long run has millions
+    of samples."""
     n = len(xs)
     ranks = (
         range(n) if n <= most else sorted({round(k * (n - 1) / (most - 1)) for k in range(most)})
     )
-    return [xs[i] for i in ranks], [(i + 1) / n for i in ranks]
+    return [float(xs[i]) * scale for i in ranks], [(i + 1) / n for i in ranks]
 
 
 def plot_sweep(points: list[dict[str, Any]], xlabel: str, path: Path) -> Path | None:

@@ -6,6 +6,7 @@ Importing this module is cheap (no torch): the CLI builds every parser at start-
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -21,8 +22,8 @@ from kvserve.bench.cli import (
     load_points,
     workload_spec,
 )
+from kvserve.bench.forks import fork_map, usable_cpus
 from kvserve.engine_args import add_engine_args, default_model, engine_kwargs
-from kvserve.sim.forks import fork_map, usable_cpus
 
 DEFAULT_SIM_DIR = Path("reports") / "sim"
 
@@ -241,6 +242,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     points = fork_map(point, list(enumerate(loads)), jobs)
     took = time.perf_counter() - started  # points side by side: not the sum of their walls
+    # What exists now lives until the command exits: keep the collector from rescanning it
+    # while the reports allocate (a long trace's records are millions of objects).
+    gc.freeze()
     notes = points[0][0]["simulation"]["notes"]
     out_dir = Path(args.output_dir)
     plots: list[str] = []
@@ -264,7 +268,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         final = {"label": label, "sweep_by": sweep_label, "sweep": sums}
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
-    json_path = write_json(out_dir / f"{label}.json", payload)
+    json_path = write_json(out_dir / f"{label}.json", payload, jobs)
     md_path = out_dir / f"{label}.md"
     md_path.write_text("\n\n".join(markdown(p[0], plots if i == 0 else None)
                                     for i, p in enumerate(points)))  # fmt: skip

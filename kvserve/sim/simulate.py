@@ -31,6 +31,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from kvserve.bench.forks import fork_map
 from kvserve.bench.metrics import RequestRecord
 from kvserve.bench.runner import LoadSpec, RunResult
 from kvserve.bench.workloads import BenchRequest, arrival_times
@@ -39,9 +40,8 @@ from kvserve.engine.offload import LOAD_TIMEOUTS
 from kvserve.llm import engine_config
 from kvserve.plan.capacity import PlanError, capacity, load_arch, load_config
 from kvserve.plan.gpus import GPU
-from kvserve.request import SamplingParams
+from kvserve.request import FINISHED_STATUSES, SamplingParams
 from kvserve.sim.cost import ModelShape, Profile, step_features
-from kvserve.sim.forks import fork_map
 from kvserve.sim.tiers import SERVER_TIERS, ModelledBlocks, SimOffload, modelled_tiers
 from kvserve.step import ModelRunnerOutput, SchedulerOutput
 
@@ -123,12 +123,15 @@ class HashTokenizer:
         # hundred words, each looked up once here (up to _MAX_WORDS remembered).
         words = text.split()
         ids = list(map(self._word_ids.get, words))
-        if None in ids:
-            for i, got in enumerate(ids):
-                if got is None:
-                    got = ids[i] = tuple(map(self._id, self._PIECES.findall(words[i])))
-                    if len(self._word_ids) < _MAX_WORDS:
-                        self._word_ids[words[i]] = got
+        try:
+            return list(chain.from_iterable(ids)) or [3]
+        except TypeError:  # a word not seen yet (None): no scan for it in the common case
+            pass
+        for i, got in enumerate(ids):
+            if got is None:
+                got = ids[i] = tuple(map(self._id, self._PIECES.findall(words[i])))
+                if len(self._word_ids) < _MAX_WORDS:
+                    self._word_ids[words[i]] = got
         return list(chain.from_iterable(ids)) or [3]
 
     def _id(self, piece: str) -> int:
@@ -295,22 +298,18 @@ class _Replica:
         self.sample_every = sample_every
         self.samples: list[dict[str, float]] = []
         self._next_sample = 0.0
-        self._tokens: dict[str, list[int]] = {}
+        self._params: dict[int, SamplingParams] = {}  # by max_tokens
         self._sent = 0
         self.records: list[RequestRecord] = []
 
-    def _tokens_of(self, req: BenchRequest) -> list[int]:
-        ids = self._tokens.get(req.prompt)
-        if ids is None:
-            ids = self._tokens[req.prompt] = self.sim.encode(req.prompt)
-        return ids
-
     def _add(self, rid: str, req: BenchRequest, rec: RequestRecord) -> bool:
         eng, clock = self.sim.engine, self.sim.clock
-        ids = self._tokens_of(req)
-        params = SamplingParams(
-            temperature=self.temperature, max_tokens=req.max_tokens, ignore_eos=True
-        )
+        ids = self.sim.encode(req.prompt)
+        params = self._params.get(req.max_tokens)
+        if params is None:  # requests share them (the engine never changes a request's)
+            params = self._params[req.max_tokens] = SamplingParams(
+                temperature=self.temperature, max_tokens=req.max_tokens, ignore_eos=True
+            )
         clock.advance(self.sim.runner.profile.request_time(len(ids)))
         try:
             eng.add_request(rid, {"prompt_token_ids": ids}, params, arrival_time=rec.send_time)
@@ -408,7 +407,7 @@ class _Replica:
                 continue
             idle_steps = 0
             for r in updated:
-                if not r.is_finished:
+                if r.status not in FINISHED_STATUSES:
                     continue
                 fam = r.parent_id
                 if fam not in inflight or core.families.get(fam):
@@ -484,7 +483,7 @@ def simulate_load(
     dealt round-robin, as a load balancer would) and collect one record each.
 
     Replicas that share nothing run one after another, or with ``jobs`` > 1 side by side in
-    forked processes (:mod:`kvserve.sim.forks`) with the same results; each then reports a
+    forked processes (:mod:`kvserve.bench.forks`) with the same results; each then reports a
     :class:`ReplicaInfo` instead of its engine, and ``progress`` hears of its requests when
     it ends. Replicas behind one Redis tier share it and run on one timeline
     (:func:`_run_fleet`)."""

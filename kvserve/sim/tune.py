@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvserve.bench.forks import fork_map
 from kvserve.bench.metrics import RequestRecord, meets_slo, summarize
 from kvserve.bench.runner import LoadSpec
 from kvserve.bench.workloads import BenchRequest
 from kvserve.config import ConfigError, parse_bytes
 from kvserve.kv.formats import KV_CACHE_DTYPES
 from kvserve.plan.capacity import PlanError
-from kvserve.sim.forks import fork_map
 from kvserve.sim.simulate import SimTarget, simulate_load
 
 DENSE = ("auto", "float32", "bfloat16", "float16")
