@@ -50,8 +50,9 @@ def add_sim_target_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="simulations run at once, each in its own process: tune's candidates, "
-        "simulate's --sweep points, or else its --replicas (default: the CPUs this process "
-        "may use); the results do not depend on it",
+        "simulate's --sweep points, or else its --replicas; also the processes that encode a "
+        "long run's JSON records (default: the CPUs this process may use); the results do "
+        "not depend on it",
     )
 
 
