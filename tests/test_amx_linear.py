@@ -40,16 +40,65 @@ def test_kernels_are_available_exactly_where_the_cpu_has_their_instructions(monk
 
 needs_amx = pytest.mark.skipif(not AMX, reason="no AMX on this CPU: oneDNN serves (tested above)")
 needs_avx512 = pytest.mark.skipif(not AVX512, reason="no AVX-512 on this CPU (tested above)")
-KERNELS = [pytest.param("amx", marks=needs_amx), pytest.param("avx512", marks=needs_avx512)]
+AVX512_BF16 = AVX512 and "avx512_bf16" in _cpu_flags()
+needs_avx512_bf16 = pytest.mark.skipif(
+    not AVX512_BF16, reason="no AVX512-BF16 on this CPU: the FMA tiles serve (tested above)"
+)
+# "avx512" in its float32-FMA mode, "avx512-dot" in its bf16 dot-product mode
+KERNELS = [
+    pytest.param("amx", marks=needs_amx),
+    pytest.param("avx512", marks=needs_avx512),
+    pytest.param("avx512-dot", marks=needs_avx512_bf16),
+]
+
+
+@pytest.fixture
+def kernel_mode(request):
+    """Maps a KERNELS name to amx.linear's kernel, with the AVX-512 kernel's mode set for the
+    test and the process's measured mode put back after it."""
+    lib = amx._LIB512.get()
+    chosen = amx.avx512_dot_products() if lib is not None else False
+
+    def mode(name: str) -> str:
+        if name.startswith("avx512"):
+            assert lib.kvserve_avx512_set_dot(name == "avx512-dot") == (name == "avx512-dot")
+            return "avx512"
+        return name
+
+    yield mode
+    if lib is not None:
+        lib.kvserve_avx512_set_dot(chosen)
+
+
+def test_avx512_dot_mode_is_chosen_by_measurement_or_the_environment(monkeypatch):
+    """KVSERVE_AVX512_BF16_DOT: 1 / 0 decides (1 only where the build has the dot products),
+    anything else is refused naming it; without it the probe decides, once."""
+    lib = amx._LIB512.get()
+    chosen = amx.avx512_dot_products()
+    try:
+        for value, want in (("0", False), ("1", AVX512_BF16)):
+            monkeypatch.setenv("KVSERVE_AVX512_BF16_DOT", value)
+            assert amx.avx512_dot_products() is want
+            if lib is not None:  # the kernel's mode follows
+                assert lib.kvserve_avx512_set_dot(want) == want
+        monkeypatch.setenv("KVSERVE_AVX512_BF16_DOT", "yes")
+        with pytest.raises(ValueError, match="KVSERVE_AVX512_BF16_DOT"):
+            amx.avx512_dot_products()
+    finally:
+        if lib is not None:
+            lib.kvserve_avx512_set_dot(chosen)
+    assert not chosen or AVX512_BF16
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 7, 12, 13, 31, 32, 33, 64, 100, 300])
 @pytest.mark.parametrize("k, n", [(64, 32), (576, 960), (512, 1536), (1536, 576)])
-def test_packed_linear_matches_float32_reference(kernel, m, k, n):
+def test_packed_linear_matches_float32_reference(kernel_mode, kernel, m, k, n):
     """Plain, with a bias, with a residual and SwiGLU's gate/up pair: each within one bf16
     rounding of the float32 result of the same bf16 inputs, any row count (tails padded; the
-    AVX-512 kernel's register tiles of 1-4 and 5-12 rows, its blocks of 96 rows)."""
+    AVX-512 kernel's register tiles of 1-4 and 5-12 rows, its blocks of 96 rows), in both of
+    the AVX-512 kernel's modes."""
+    kernel = kernel_mode(kernel)
     g = torch.Generator().manual_seed(m * 7 + k)
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
     w = (torch.randn(n, k, generator=g) * k**-0.5).to(torch.bfloat16)
@@ -71,8 +120,9 @@ def test_packed_linear_matches_float32_reference(kernel, m, k, n):
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("m", [3, 40])
-def test_packed_linear_reads_strided_rows(kernel, m):
+def test_packed_linear_reads_strided_rows(kernel_mode, kernel, m):
     """Rows of x some distance apart (a view into a wider activation)."""
+    kernel = kernel_mode(kernel)
     g = torch.Generator().manual_seed(1)
     wide = torch.randn(m, 160, generator=g).to(torch.bfloat16)
     x = wide[:, 32:96]
@@ -91,10 +141,13 @@ def test_pack_unpack_round_trip_and_shape():
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_packed_backend_adopts_a_model_and_gives_it_back(checkpoint, monkeypatch, kernel):
+def test_packed_backend_adopts_a_model_and_gives_it_back(
+    checkpoint, monkeypatch, kernel_mode, kernel
+):
     """The whole model through PackedOps: every matrix packed for the tiles (or for oneDNN where
     its dims are not multiples of 32), the layer ops within bf16 rounding of the plain oneDNN
     ops on the same weights, and TorchOps restoring the dense weights bit for bit."""
+    kernel = kernel_mode(kernel)
     from kvserve.config import ModelConfig
     from kvserve.model.loader import load_model
 

@@ -13,12 +13,14 @@ two); the caller then keeps oneDNN.
 from __future__ import annotations
 
 import ctypes
+import functools
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvserve.kernels import NativeLibrary
+from kvserve.kernels import NativeLibrary, best_time
 
 _p, _i, _i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 EPI_NONE, EPI_ADD, EPI_SWIGLU = 0, 1, 2
@@ -38,6 +40,8 @@ def _declare_linear(fn: Any) -> None:  # both kernels' entry points
 
 def _declare512(lib: ctypes.CDLL) -> None:
     lib.kvserve_avx512_available.restype = _i
+    lib.kvserve_avx512_set_dot.restype = _i
+    lib.kvserve_avx512_set_dot.argtypes = [_i]
     _declare_linear(lib.kvserve_avx512_linear)
 
 
@@ -59,6 +63,46 @@ def available() -> bool:
 def avx512_available() -> bool:
     lib = _LIB512.get()
     return lib is not None and lib.kvserve_avx512_available() == 1
+
+
+# How much faster the dot-product tiles must be at the probe to be chosen (timing noise).
+DOT_GAIN = 1.1
+# The probe's GEMM: a decode step's rows through a 1,024 x 1,024 matrix.
+DOT_PROBE = (16, 1024, 1024)
+
+
+def avx512_dot_products() -> bool:
+    """Whether the AVX-512 kernel runs on the CPU's bf16 dot products rather than float32
+    FMAs, decided once per process before its first use: where it has them and they measured
+    faster here (an AMD Zen 4 retires a 512-bit ``vdpbf16ps``, 32 multiply-adds, as fast as a
+    512-bit FMA; a Xeon without AMX at half that rate). ``KVSERVE_AVX512_BF16_DOT`` = 1 / 0
+    decides instead (1: where the build has them)."""
+    env = os.environ.get("KVSERVE_AVX512_BF16_DOT")
+    if env is not None and env not in ("0", "1"):
+        raise ValueError(f"KVSERVE_AVX512_BF16_DOT: must be 0 or 1, got {env!r}")
+    return _dot_mode(env)
+
+
+@functools.cache
+def _dot_mode(env: str | None) -> bool:
+    lib = _LIB512.get()
+    if lib is None or lib.kvserve_avx512_available() != 1 or lib.kvserve_avx512_set_dot(1) != 1:
+        return False  # no build, or none with the dot products
+    if env is not None:
+        return lib.kvserve_avx512_set_dot(env == "1") == 1
+    m, k, n = DOT_PROBE
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    wp = pack(torch.randn(n, k, generator=g).bfloat16())
+    y = torch.empty(m, n, dtype=torch.bfloat16)
+
+    def run(on: int) -> None:
+        lib.kvserve_avx512_set_dot(on)
+        lib.kvserve_avx512_linear(x.data_ptr(), k, m, k, wp.data_ptr(), None, n, None, EPI_NONE,
+                                  None, 0, y.data_ptr(), n, torch.get_num_threads())  # fmt: skip
+
+    faster = best_time(run, 1) * DOT_GAIN < best_time(run, 0)
+    return lib.kvserve_avx512_set_dot(faster) == 1
 
 
 def packable(w: torch.Tensor) -> bool:
@@ -106,6 +150,8 @@ def linear(
     native, entry = _ENTRY[kernel]
     lib = native.get()
     assert lib is not None
+    if kernel == "avx512":
+        avx512_dot_products()  # the kernel's mode, measured before its first GEMM
     fn = getattr(lib, entry)
     m, k = x.shape
     n = wp.shape[0] * 16

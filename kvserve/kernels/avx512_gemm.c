@@ -1,5 +1,6 @@
 #define _GNU_SOURCE
-/* bfloat16 linear layers with AVX-512 float32 FMAs, for CPUs without AMX, on weights in the
+/* bfloat16 linear layers with AVX-512 float32 FMAs (or bf16 dot products where those are
+ * faster: kvserve_avx512_set_dot, below), for CPUs without AMX, on weights in the
  * tile layout amx_gemm.c packs (VNNI pairs: wp[nb][kb][r][c][2] = W[16 nb + c][32 kb + 2 r +
  * {0,1}]), with the same fused epilogues (bias, residual add, SwiGLU's silu-and-product).
  *
@@ -11,12 +12,14 @@
  * accumulators in registers while the weights stream past once. A weight vector becomes two
  * float32 vectors with one shift and one mask (a bf16 value is the high half of a float32),
  * and the products run on the float32 FMA ports, which do twice the multiply-adds per cycle
- * of the bf16 dot-product instruction on the CPUs measured. Products of bf16 values are exact
+ * of the bf16 dot-product instruction on the Xeons measured (not on an AMD Zen 4: there the
+ * dot-product tiles below run). Products of bf16 values are exact
  * in float32, the sums float32, the result rounded to bf16 once: the arithmetic of a bf16
  * GEMM, in its own order.
  *
  * x is first converted to float32 in the order the tiles read it (per tile of MT rows,
- * [K / 2][MT][2]: one pointer walks it). With many rows (prefill), rows go in blocks of
+ * [K / 2][MT][2]: one pointer walks it; the dot-product tiles take its bf16 pairs as they
+ * are, [K / 2][MT] 32-bit words). With many rows (prefill), rows go in blocks of
  * MB_ROWS: each block's tiles reuse a column group's weights from cache before the next group
  * is read. Thread t owns a contiguous share of the output columns.
  *
@@ -79,6 +82,58 @@ static const tile_fn TILE_FNS[MT_MAX][4] = {ROW4(1), ROW4(2), ROW4(3), ROW4(4), 
                                             ROW2(6), ROW2(7), ROW2(8), ROW2(9), ROW2(10),
                                             ROW2(11), ROW2(12)};
 
+/* The same tiles on the bf16 dot product (`vdpbf16ps`): the weight vector is already the
+ * instruction's operand (16 columns x 2 k), and x's pair (two adjacent bf16 values of a row,
+ * one 32-bit word) is broadcast as it is: no conversion of either, and one instruction per
+ * 32 multiply-adds where the float32 path takes two FMAs and the conversions. Where a core
+ * retires it as fast as an FMA (AMD Zen 4) that is about twice the rate; where it retires
+ * it at half the FMA rate the float32 path stays (chosen by measurement, kernels/amx.py).
+ * xt here: [npairs][MT] 32-bit pairs. */
+#if defined(__AVX512BF16__)
+#define HAVE_DOT 1
+#define TILE_DOT(MT, NT)                                                                      \
+    static void tdot_##MT##_##NT(const float *xt_, const uint16_t *const *w, int64_t npairs, \
+                                 float *c) {                                                  \
+        const uint32_t *xt = (const uint32_t *)xt_;                                           \
+        __m512 acc[MT][NT];                                                                   \
+        for (int i = 0; i < MT; i++)                                                          \
+            for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();                     \
+        for (int64_t p = 0; p < npairs; p++) {                                                \
+            const uint32_t *xp = xt + p * MT;                                                 \
+            __m512bh wv[NT];                                                                  \
+            for (int j = 0; j < NT; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w[j] + p * 32); \
+            for (int i = 0; i < MT; i++) {                                                    \
+                const __m512bh a = (__m512bh)_mm512_set1_epi32((int)xp[i]);                   \
+                for (int j = 0; j < NT; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, wv[j]); \
+            }                                                                                 \
+        }                                                                                     \
+        for (int i = 0; i < MT; i++)                                                          \
+            for (int j = 0; j < NT; j++) _mm512_store_ps(c + i * 64 + j * 16, acc[i][j]);     \
+    }
+#define DOTS4(MT) TILE_DOT(MT, 1) TILE_DOT(MT, 2) TILE_DOT(MT, 3) TILE_DOT(MT, 4)
+#define DOTS2(MT) TILE_DOT(MT, 1) TILE_DOT(MT, 2)
+DOTS4(1) DOTS4(2) DOTS4(3) DOTS4(4)
+DOTS2(5) DOTS2(6) DOTS2(7) DOTS2(8) DOTS2(9) DOTS2(10) DOTS2(11) DOTS2(12)
+#define DROW4(MT) {tdot_##MT##_1, tdot_##MT##_2, tdot_##MT##_3, tdot_##MT##_4}
+#define DROW2(MT) {tdot_##MT##_1, tdot_##MT##_2, NULL, NULL}
+static const tile_fn DOT_FNS[MT_MAX][4] = {DROW4(1), DROW4(2), DROW4(3), DROW4(4), DROW2(5),
+                                           DROW2(6), DROW2(7), DROW2(8), DROW2(9), DROW2(10),
+                                           DROW2(11), DROW2(12)};
+#endif
+
+static int use_dot = 0; /* set once at start-up (kvserve_avx512_set_dot) */
+
+/* 1: the tiles run on bf16 dot products from now on, 0: on float32 FMAs; returns the mode
+ * in force (0 where this build has no bf16 dot product). */
+int kvserve_avx512_set_dot(int on) {
+#ifdef HAVE_DOT
+    use_dot = on != 0;
+#else
+    (void)on;
+#endif
+    return use_dot;
+}
+
 /* Rows go in blocks of MB_ROWS (the last one partial), each block in
  * near-equal tiles of at most MT_MAX rows (none much shorter than the others). */
 static int64_t tiles_in_block(int64_t rows) { return (rows + MT_MAX - 1) / MT_MAX; }
@@ -99,6 +154,7 @@ int kvserve_avx512_linear(const uint16_t *x, int64_t lda, int64_t M, int64_t K,
         const int64_t rows = b == nblocks - 1 ? M - b * MB_ROWS : MB_ROWS;
         ntiles += M <= 4 ? 1 : tiles_in_block(rows);
     }
+    const int dot = use_dot; /* x as 32-bit bf16 pairs (half the room it takes as float32) */
     const size_t xbytes = ((size_t)M * K * 4 + 63) / 64 * 64;
     float *xt = aligned_alloc(64, xbytes + (size_t)(ntiles + 1 + nblocks + 1) * 8);
     if (!xt) return 2;
@@ -124,6 +180,15 @@ int kvserve_avx512_linear(const uint16_t *x, int64_t lda, int64_t M, int64_t K,
         for (int64_t ti = 0; ti < ntiles; ti++) { /* x as float32 pairs, in the tiles' order */
             const int64_t m0 = start[ti], mt = start[ti + 1] - m0;
             float *dst = xt + m0 * K;
+            if (dot) {
+                uint32_t *d32 = (uint32_t *)dst;
+                for (int64_t i = 0; i < mt; i++) {
+                    const uint16_t *src = x + (m0 + i) * lda;
+                    for (int64_t p = 0; p < npairs; p++)
+                        memcpy(d32 + p * mt + i, src + 2 * p, sizeof(uint32_t));
+                }
+                continue;
+            }
             for (int64_t i = 0; i < mt; i++) {
                 const uint16_t *src = x + (m0 + i) * lda;
                 for (int64_t p = 0; p < npairs; p++) {
@@ -147,7 +212,12 @@ int kvserve_avx512_linear(const uint16_t *x, int64_t lda, int64_t M, int64_t K,
                 for (int64_t ti = first[b]; ti < first[b + 1]; ti++) {
                     const int64_t m0 = start[ti];
                     const int mt = (int)(start[ti + 1] - m0);
-                    TILE_FNS[mt - 1][nt - 1](xt + m0 * K, w, npairs, c);
+#ifdef HAVE_DOT
+                    if (dot)
+                        DOT_FNS[mt - 1][nt - 1](xt + m0 * K, w, npairs, c);
+                    else
+#endif
+                        TILE_FNS[mt - 1][nt - 1](xt + m0 * K, w, npairs, c);
                     for (int i = 0; i < mt; i++) /* SwiGLU: the up sums g blocks along */
                         for (int j = 0; j < g; j++)
                             store_epilogue16(_mm512_load_ps(c + i * 64 + j * 16),
@@ -163,6 +233,11 @@ int kvserve_avx512_linear(const uint16_t *x, int64_t lda, int64_t M, int64_t K,
 #else
 
 int kvserve_avx512_available(void) { return 0; }
+
+int kvserve_avx512_set_dot(int on) {
+    (void)on;
+    return 0;
+}
 
 int kvserve_avx512_linear(const uint16_t *x, int64_t lda, int64_t M, int64_t K,
                           const uint16_t *wp, const uint16_t *wp2, int64_t N, const float *bias,

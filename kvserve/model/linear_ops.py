@@ -223,14 +223,17 @@ class PackedOps(OneDNNOps):
     dense weight) and multiplied by the native kernel, with the bias, the residual add and
     SwiGLU's silu-and-product in its epilogue; other matrices stay with packed oneDNN.
     ``kernel`` "amx" runs on the CPU's AMX tiles; "avx512", for CPUs without them, on its
-    float32 FMA units. Measured in a whole forward pass, each beat oneDNN's packed bf16
-    matmuls at every batch size, most at decode sizes (BENCHMARKS.md), and neither keeps
-    per-shape state."""
+    float32 FMA units or, where they measured faster, its bf16 dot products ("avx512-dot" in
+    the start-up log; :func:`kvserve.kernels.amx.avx512_dot_products`). Measured in a whole
+    forward pass, each beat oneDNN's packed bf16 matmuls at every batch size, most at decode
+    sizes (BENCHMARKS.md), and neither keeps per-shape state."""
 
     def __init__(self, kernel: str | None = "amx") -> None:
         super().__init__(prepack=True)
         self.kernel = kernel  # None (a subclass's choice): every matrix packed for oneDNN
         self.name = kernel or "onednn"
+        if kernel == "avx512" and amx.avx512_dot_products():
+            self.name = "avx512-dot"
 
     def _pack(self, w: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None and amx.packable(w):
