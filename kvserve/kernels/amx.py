@@ -65,6 +65,7 @@ def avx512_available() -> bool:
     return lib is not None and lib.kvserve_avx512_available() == 1
 
 
+_mode_decided = False  # avx512_dot_products has set the kernel's mode (checked per GEMM)
 # How much faster the dot-product tiles must be at the probe to be chosen (timing noise).
 DOT_GAIN = 1.1
 # The probe's GEMM: a decode step's rows through a 1,024 x 1,024 matrix.
@@ -150,8 +151,10 @@ def linear(
     native, entry = _ENTRY[kernel]
     lib = native.get()
     assert lib is not None
-    if kernel == "avx512":
+    global _mode_decided
+    if kernel == "avx512" and not _mode_decided:
         avx512_dot_products()  # the kernel's mode, measured before its first GEMM
+        _mode_decided = True
     fn = getattr(lib, entry)
     m, k = x.shape
     n = wp.shape[0] * 16
