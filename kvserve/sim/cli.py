@@ -243,42 +243,45 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     points = fork_map(point, list(enumerate(loads)), jobs)
     took = time.perf_counter() - started  # points side by side: not the sum of their walls
-    # What exists now lives until the command exits: keep the collector from rescanning it
-    # while the reports allocate (a long trace's records are millions of objects).
+    # What exists now outlives the reports: keep the collector from rescanning it while they
+    # allocate (a long trace's records are millions of objects).
     gc.freeze()
-    notes = points[0][0]["simulation"]["notes"]
-    out_dir = Path(args.output_dir)
-    plots: list[str] = []
-    if sweep_label is None:
-        s, records, wall = points[0]
-        print(console_table(s))
-        payload: dict[str, Any] = {"summary": s, "records": [r.to_dict() for r in records]}
-        if not args.no_plots:
-            png = plot_latency_cdf({label: records}, out_dir / f"{label}-latency.png")
-            plots += [str(png)] if png else []
-        final: dict[str, Any] = s
-    else:
-        sums = [p[0] for p in points]
-        short = "rate" if sweep_label.startswith("request rate") else "concurrency"
-        print(compare_table([(f"{short}={x['sweep_value']:g}", x) for x in sums]))
-        payload = {"sweep": sums, "sweep_by": sweep_label,
-                   "records": [[r.to_dict() for r in p[1]] for p in points]}  # fmt: skip
-        if not args.no_plots:
-            png = plot_sweep(sums, sweep_label, out_dir / f"{label}-sweep.png")
-            plots += [str(png)] if png else []
-        final = {"label": label, "sweep_by": sweep_label, "sweep": sums}
-    for note in notes:
-        print(f"note: {note}", file=sys.stderr)
-    json_path = write_json(out_dir / f"{label}.json", payload, jobs)
-    md_path = out_dir / f"{label}.md"
-    md_path.write_text("\n\n".join(markdown(p[0], plots if i == 0 else None)
-                                    for i, p in enumerate(points)))  # fmt: skip
-    n = sum(len(p[1]) for p in points)
-    print(f"simulated {n} requests in {took:.1f}s; wrote {json_path}, {md_path}"
-          + "".join(f", {x}" for x in plots))  # fmt: skip
-    if args.json:
-        print(json.dumps(final, default=str))
-    return 0
+    try:
+        notes = points[0][0]["simulation"]["notes"]
+        out_dir = Path(args.output_dir)
+        plots: list[str] = []
+        if sweep_label is None:
+            s, records, wall = points[0]
+            print(console_table(s))
+            payload: dict[str, Any] = {"summary": s, "records": [r.to_dict() for r in records]}
+            if not args.no_plots:
+                png = plot_latency_cdf({label: records}, out_dir / f"{label}-latency.png")
+                plots += [str(png)] if png else []
+            final: dict[str, Any] = s
+        else:
+            sums = [p[0] for p in points]
+            short = "rate" if sweep_label.startswith("request rate") else "concurrency"
+            print(compare_table([(f"{short}={x['sweep_value']:g}", x) for x in sums]))
+            payload = {"sweep": sums, "sweep_by": sweep_label,
+                       "records": [[r.to_dict() for r in p[1]] for p in points]}  # fmt: skip
+            if not args.no_plots:
+                png = plot_sweep(sums, sweep_label, out_dir / f"{label}-sweep.png")
+                plots += [str(png)] if png else []
+            final = {"label": label, "sweep_by": sweep_label, "sweep": sums}
+        for note in notes:
+            print(f"note: {note}", file=sys.stderr)
+        json_path = write_json(out_dir / f"{label}.json", payload, jobs)
+        md_path = out_dir / f"{label}.md"
+        md_path.write_text("\n\n".join(markdown(p[0], plots if i == 0 else None)
+                                        for i, p in enumerate(points)))  # fmt: skip
+        n = sum(len(p[1]) for p in points)
+        print(f"simulated {n} requests in {took:.1f}s; wrote {json_path}, {md_path}"
+              + "".join(f", {x}" for x in plots))  # fmt: skip
+        if args.json:
+            print(json.dumps(final, default=str))
+        return 0
+    finally:
+        gc.unfreeze()
 
 
 def add_tune_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
