@@ -183,3 +183,37 @@ def test_filler_words_are_the_seeded_choice_and_period_draws():
     a, b = OwnRandom(5), OwnRandom(5)
     assert type(a)._randbelow is not random.Random._randbelow
     assert tm.words(a, 300) == plain(b, 300)
+
+
+@pytest.mark.parametrize(
+    "count",
+    [
+        lambda t: len(t.split()) + 3 * t.count("."),  # the probe (no periods) undercounts
+        lambda t: max(1, len(t.split()) - t.count(".")),  # ... overcounts
+        None,  # the default estimate
+    ],
+)
+def test_text_is_words_of_the_corrected_count_from_the_same_state(count):
+    """TextMaker.text keeps its first pass's words when it corrects the length: the result
+    and the generator's state must be those of the plain procedure (words of the estimate,
+    count, rewind, words of the corrected count), whichever way the correction goes."""
+    import random
+
+    from kvserve.bench.workloads import TextMaker
+
+    tm = TextMaker(count)
+
+    def plain(rng: random.Random, n_tokens: int) -> str:
+        n = max(1, round(n_tokens / tm.tokens_per_word))
+        state = rng.getstate()
+        text = tm.words(rng, n)
+        err = n_tokens - tm.count(text)
+        if abs(err) > max(2, 0.03 * n_tokens):
+            rng.setstate(state)
+            text = tm.words(rng, max(1, n + round(err / tm.tokens_per_word)))
+        return text
+
+    for seed, n_tokens in [(0, 1), (1, 5), (2, 40), (3, 160), (4, 1536), (5, 3000)]:
+        a, b = random.Random(seed), random.Random(seed)
+        assert tm.text(a, n_tokens) == plain(b, n_tokens)
+        assert a.random() == b.random()

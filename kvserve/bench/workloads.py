@@ -114,38 +114,55 @@ class TextMaker:
     def words(self, rng: random.Random, n_words: int) -> str:
         """``n_words`` seeded words in sentences. The draws are exactly ``rng.choice(words)``
         then ``rng.random()`` per word (what ``choice`` calls, without its per-call overhead:
-        a 100,000-request workload draws ~30 M words), so a seed's text never changes.
+        a 100,000-request workload draws ~30 M words), so a seed's text never changes."""
+        return " ".join(self._draw(rng, max(1, n_words)))
+
+    @staticmethod
+    def _draw(rng: random.Random, n: int, capital: bool = True, keep: bool = True) -> list[str]:
+        """The next ``n`` words (``capital``: the first starts a sentence), or with ``keep``
+        False only their draws (the generator left where making them would leave it).
         ``choice`` draws an index as ``Random._randbelow_with_getrandbits`` does, inlined
         here: ``getrandbits(k)`` for the bit length k of the word count until it is below
         it (a subclass with its own generator takes the method)."""
-        rnd, n = rng.random, len(_WORDS)
-        getrandbits, k = rng.getrandbits, n.bit_length()
+        rnd, n_all = rng.random, len(_WORDS)
+        getrandbits, k = rng.getrandbits, n_all.bit_length()
         below = None if type(rng)._randbelow is _STOCK_RANDBELOW else rng._randbelow
-        out = []
-        capital = True
-        for _ in range(max(1, n_words)):
+        out: list[str] = []
+        for _ in range(n):
             if below is None:
                 i = getrandbits(k)
-                while i >= n:
+                while i >= n_all:
                     i = getrandbits(k)
             else:
-                i = below(n)
-            w = _CAPITALIZED[i] if capital else _WORDS[i]
-            capital = rnd() < 0.08
-            out.append(w + "." if capital else w)
-        return " ".join(out)
+                i = below(n_all)
+            if keep:
+                w = _CAPITALIZED[i] if capital else _WORDS[i]
+                capital = rnd() < 0.08
+                out.append(w + "." if capital else w)
+            else:
+                rnd()
+        return out
 
     def text(self, rng: random.Random, n_tokens: int) -> str:
         """About ``n_tokens`` tokens; one correction pass after counting keeps it close
-        without re-tokenizing per word."""
+        without re-tokenizing per word. The corrected text is ``words`` of the corrected
+        count from the same state, made from the first pass: its first words are the same
+        draws (kept, the generator's draws replayed without the strings), or it continues
+        them."""
         n = max(1, round(n_tokens / self.tokens_per_word))
         state = rng.getstate()
-        text = self.words(rng, n)
+        out = self._draw(rng, n)
+        text = " ".join(out)
         err = n_tokens - self.count(text)
         if abs(err) > max(2, 0.03 * n_tokens):
-            n = max(1, n + round(err / self.tokens_per_word))
-            rng.setstate(state)
-            text = self.words(rng, n)
+            n2 = max(1, n + round(err / self.tokens_per_word))
+            if n2 <= n:
+                rng.setstate(state)
+                self._draw(rng, n2, keep=False)
+                out = out[:n2]
+            else:
+                out += self._draw(rng, n2 - n, capital=out[-1].endswith("."))
+            text = " ".join(out)
         return text
 
 
