@@ -41,33 +41,37 @@ enum { MT_MAX = 12, MB_ROWS = 96 };
 int kvserve_avx512_available(void) { return 1; }
 
 /* c[i][16 j + l] (rows 64 floats apart) = sum over k of x[i][k] W_j[l][k], for MT rows of x
- * (xt: [npairs][MT][2] float32) and NT column blocks w[j] (npairs vectors of 16 columns x 2). */
-#define TILE(MT, NT)                                                                          \
-    static void tile_##MT##_##NT(const float *xt, const uint16_t *const *w, int64_t npairs,  \
-                                 float *c) {                                                  \
+ * and NT column blocks w[j] (npairs vectors of 16 columns x 2): STEP adds pair p's products
+ * to acc. Float32 FMAs (FMA_STEP): xt is [npairs][MT][2] float32. */
+#define TILE_FN(NAME, MT, NT, STEP)                                                           \
+    static void NAME##_##MT##_##NT(const float *xt, const uint16_t *const *w, int64_t npairs, \
+                                   float *c) {                                                \
         __m512 acc[MT][NT];                                                                   \
-        const __m512i high = _mm512_set1_epi32((int)0xffff0000u);                             \
         for (int i = 0; i < MT; i++)                                                          \
             for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();                     \
-        for (int64_t p = 0; p < npairs; p++) {                                                \
-            const float *xp = xt + p * 2 * MT;                                                \
-            __m512 w0[NT], w1[NT];                                                            \
-            for (int j = 0; j < NT; j++) {                                                    \
-                const __m512i v = _mm512_loadu_si512(w[j] + p * 32);                          \
-                w0[j] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));                        \
-                w1[j] = _mm512_castsi512_ps(_mm512_and_si512(v, high));                       \
-            }                                                                                 \
-            for (int i = 0; i < MT; i++) {                                                    \
-                const __m512 a0 = _mm512_set1_ps(xp[2 * i]), a1 = _mm512_set1_ps(xp[2 * i + 1]); \
-                for (int j = 0; j < NT; j++) {                                                \
-                    acc[i][j] = _mm512_fmadd_ps(a0, w0[j], acc[i][j]);                        \
-                    acc[i][j] = _mm512_fmadd_ps(a1, w1[j], acc[i][j]);                        \
-                }                                                                             \
-            }                                                                                 \
-        }                                                                                     \
+        for (int64_t p = 0; p < npairs; p++) STEP(MT, NT)                                     \
         for (int i = 0; i < MT; i++)                                                          \
             for (int j = 0; j < NT; j++) _mm512_store_ps(c + i * 64 + j * 16, acc[i][j]);     \
     }
+#define FMA_STEP(MT, NT)                                                                      \
+    {                                                                                         \
+        const __m512i high = _mm512_set1_epi32((int)0xffff0000u);                             \
+        const float *xp = xt + p * 2 * MT;                                                    \
+        __m512 w0[NT], w1[NT];                                                                \
+        for (int j = 0; j < NT; j++) {                                                        \
+            const __m512i v = _mm512_loadu_si512(w[j] + p * 32);                              \
+            w0[j] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));                            \
+            w1[j] = _mm512_castsi512_ps(_mm512_and_si512(v, high));                           \
+        }                                                                                     \
+        for (int i = 0; i < MT; i++) {                                                        \
+            const __m512 a0 = _mm512_set1_ps(xp[2 * i]), a1 = _mm512_set1_ps(xp[2 * i + 1]);  \
+            for (int j = 0; j < NT; j++) {                                                    \
+                acc[i][j] = _mm512_fmadd_ps(a0, w0[j], acc[i][j]);                            \
+                acc[i][j] = _mm512_fmadd_ps(a1, w1[j], acc[i][j]);                            \
+            }                                                                                 \
+        }                                                                                     \
+    }
+#define TILE(MT, NT) TILE_FN(tile, MT, NT, FMA_STEP)
 
 /* Up to 4 rows: 4 blocks (4 x 4 + 8 weight registers); more rows: 2 blocks (12 x 2 + 4). */
 #define TILES4(MT) TILE(MT, 1) TILE(MT, 2) TILE(MT, 3) TILE(MT, 4)
@@ -91,25 +95,17 @@ static const tile_fn TILE_FNS[MT_MAX][4] = {ROW4(1), ROW4(2), ROW4(3), ROW4(4), 
  * xt here: [npairs][MT] 32-bit pairs. */
 #if defined(__AVX512BF16__)
 #define HAVE_DOT 1
-#define TILE_DOT(MT, NT)                                                                      \
-    static void tdot_##MT##_##NT(const float *xt_, const uint16_t *const *w, int64_t npairs, \
-                                 float *c) {                                                  \
-        const uint32_t *xt = (const uint32_t *)xt_;                                           \
-        __m512 acc[MT][NT];                                                                   \
-        for (int i = 0; i < MT; i++)                                                          \
-            for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();                     \
-        for (int64_t p = 0; p < npairs; p++) {                                                \
-            const uint32_t *xp = xt + p * MT;                                                 \
-            __m512bh wv[NT];                                                                  \
-            for (int j = 0; j < NT; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w[j] + p * 32); \
-            for (int i = 0; i < MT; i++) {                                                    \
-                const __m512bh a = (__m512bh)_mm512_set1_epi32((int)xp[i]);                   \
-                for (int j = 0; j < NT; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, wv[j]); \
-            }                                                                                 \
+#define DOT_STEP(MT, NT)                                                                      \
+    {                                                                                         \
+        const uint32_t *xp = (const uint32_t *)xt + p * MT;                                   \
+        __m512bh wv[NT];                                                                      \
+        for (int j = 0; j < NT; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w[j] + p * 32);     \
+        for (int i = 0; i < MT; i++) {                                                        \
+            const __m512bh a = (__m512bh)_mm512_set1_epi32((int)xp[i]);                       \
+            for (int j = 0; j < NT; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, wv[j]);   \
         }                                                                                     \
-        for (int i = 0; i < MT; i++)                                                          \
-            for (int j = 0; j < NT; j++) _mm512_store_ps(c + i * 64 + j * 16, acc[i][j]);     \
     }
+#define TILE_DOT(MT, NT) TILE_FN(tdot, MT, NT, DOT_STEP)
 #define DOTS4(MT) TILE_DOT(MT, 1) TILE_DOT(MT, 2) TILE_DOT(MT, 3) TILE_DOT(MT, 4)
 #define DOTS2(MT) TILE_DOT(MT, 1) TILE_DOT(MT, 2)
 DOTS4(1) DOTS4(2) DOTS4(3) DOTS4(4)
