@@ -200,18 +200,19 @@ class Scheduler(AdmissionSteps, RetentionSteps):
             break  # req itself was preempted: nothing newer remains
 
         # 2. Admit waiting requests, unless this step had to preempt (memory is tight).
-        if not out.preempted_req_ids:
+        if not out.preempted_req_ids and self.waiting:
             budget = self._admit(picked, budget)
         if not picked:
             return out  # the KV record and finished ids wait for a step that runs
         describe, seqs = self._describe, out.seqs
-        decode = 0
+        decode = tokens = 0
         for req, n in picked:
             seqs.append(describe(req, n, out))
+            tokens += n
             if n == 1 and req.num_computed_tokens >= len(req.prompt_token_ids):
                 decode += 1
         out.num_decode_tokens = decode
-        out.num_prefill_tokens = sum(n for _, n in picked) - decode
+        out.num_prefill_tokens = tokens - decode
         out.kv_ops = ops = self.kv.take_ops()
         if ops.offload:
             ops.offload = [(b, h) for b, h in ops.offload if self.offload.wants(h)]

@@ -205,7 +205,8 @@ def step_features(
     f.compact_bytes = 2 * compacted * shape.kv_bytes_per_token
     f.prefill_attention_flops = pairs * per_pair
     f.first_touch_bytes = first_touch
-    f.new_prompt_tokens = sum(len(r.prompt_token_ids) for r in out.new_requests)
+    if out.new_requests:
+        f.new_prompt_tokens = sum(len(r.prompt_token_ids) for r in out.new_requests)
     f.linear_flops = (
         2.0 * (shape.layer_params * f.tokens + shape.head_params * f.sampled_rows) / shape.tp
     )
