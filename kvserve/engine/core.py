@@ -111,8 +111,8 @@ class EngineCore:
         sched = self.scheduler.schedule(self.clock())
         self.last_step = sched
         refused = self.scheduler.take_refused()
-        for r in refused:
-            self._forget_if_done(r)
+        for r in refused:  # finished by their refusal
+            self._forget_family(r)
         if not sched.seqs:
             return refused
         self.num_steps += 1
@@ -131,14 +131,13 @@ class EngineCore:
             updated = self.scheduler.update_from_output(sched, out, started, now)
         for r in updated:
             if r.status in FINISHED_STATUSES:
-                self._forget_if_done(r)
+                self._forget_family(r)
         for hook in self.step_hooks:
             hook(self)
         return refused + updated
 
-    def _forget_if_done(self, r: Request) -> None:
-        if not r.is_finished:
-            return
+    def _forget_family(self, r: Request) -> None:
+        """``r`` finished: its family goes once every sample of it has."""
         children = self.families.get(r.parent_id)
         if children and all(c.is_finished for c in children):
             del self.families[r.parent_id]

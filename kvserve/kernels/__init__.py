@@ -116,6 +116,22 @@ class NativeLibrary:
         return self._lib
 
 
+# How much faster a kernel's bf16 dot-product path must be at its start-up probe to be chosen
+# over its float32 FMAs (timing noise).
+DOT_GAIN = 1.1
+
+
+def env_switch(name: str) -> bool | None:
+    """The environment variable ``name`` as an on/off override: None when unset, else "0" or
+    "1" (anything else is refused, naming the variable)."""
+    env = os.environ.get(name)
+    if env is None:
+        return None
+    if env not in ("0", "1"):
+        raise ValueError(f"{name}: must be 0 or 1, got {env!r}")
+    return env == "1"
+
+
 def best_time(fn: Callable[..., object], *args: object, reps: int = 5, **kwargs: object) -> float:
     """The fastest of ``reps`` calls of ``fn(*args, **kwargs)`` in seconds, after one untimed
     call (which builds oneDNN's primitive, warms the caches): what a start-up probe compares."""

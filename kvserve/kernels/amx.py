@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvserve.kernels import NativeLibrary, best_time
+from kvserve.kernels import DOT_GAIN, NativeLibrary, best_time, env_switch
 
 _p, _i, _i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 EPI_NONE, EPI_ADD, EPI_SWIGLU = 0, 1, 2
@@ -66,8 +65,6 @@ def avx512_available() -> bool:
 
 
 _mode_decided = False  # avx512_dot_products has set the kernel's mode (checked per GEMM)
-# How much faster the dot-product tiles must be at the probe to be chosen (timing noise).
-DOT_GAIN = 1.1
 # The probe's GEMM: a decode step's rows through a 1,024 x 1,024 matrix.
 DOT_PROBE = (16, 1024, 1024)
 
@@ -78,19 +75,16 @@ def avx512_dot_products() -> bool:
     faster here (an AMD Zen 4 retires a 512-bit ``vdpbf16ps``, 32 multiply-adds, as fast as a
     512-bit FMA; a Xeon without AMX at half that rate). ``KVSERVE_AVX512_BF16_DOT`` = 1 / 0
     decides instead (1: where the build has them)."""
-    env = os.environ.get("KVSERVE_AVX512_BF16_DOT")
-    if env is not None and env not in ("0", "1"):
-        raise ValueError(f"KVSERVE_AVX512_BF16_DOT: must be 0 or 1, got {env!r}")
-    return _dot_mode(env)
+    return _dot_mode(env_switch("KVSERVE_AVX512_BF16_DOT"))
 
 
 @functools.cache
-def _dot_mode(env: str | None) -> bool:
+def _dot_mode(forced: bool | None) -> bool:
     lib = _LIB512.get()
     if lib is None or lib.kvserve_avx512_available() != 1 or lib.kvserve_avx512_set_dot(1) != 1:
         return False  # no build, or none with the dot products
-    if env is not None:
-        return lib.kvserve_avx512_set_dot(env == "1") == 1
+    if forced is not None:
+        return lib.kvserve_avx512_set_dot(forced) == 1
     m, k, n = DOT_PROBE
     g = torch.Generator().manual_seed(0)
     x = torch.randn(m, k, generator=g).bfloat16()

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from pathlib import Path
 
 import torch
 
-from kvserve.kernels import NativeLibrary, best_time, packed_rows
+from kvserve.kernels import DOT_GAIN, NativeLibrary, best_time, env_switch, packed_rows
 
 _SRC = Path(__file__).with_name("prefill_attention.c")
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=c11"]
@@ -52,8 +51,6 @@ def native_available() -> bool:
 
 
 DT_BF16_DOT = 2  # the kernel's code for bf16 through bf16 dot products
-# How much faster the dot-product path must be at the probe to be chosen (timing noise).
-DOT_GAIN = 1.1
 
 
 def bf16_dot_products() -> bool:
@@ -62,11 +59,9 @@ def bf16_dot_products() -> bool:
     Zen 4 retires a 512-bit ``vdpbf16ps`` as fast as a 512-bit FMA, twice the multiply-adds;
     a Xeon without AMX does not). ``KVSERVE_PREFILL_BF16_DOT`` = 1 / 0 decides instead (1:
     where the kernel has the path)."""
-    env = os.environ.get("KVSERVE_PREFILL_BF16_DOT")
-    if env is not None:
-        if env not in ("0", "1"):
-            raise ValueError(f"KVSERVE_PREFILL_BF16_DOT: must be 0 or 1, got {env!r}")
-        return env == "1" and bf16_dot_built()
+    forced = env_switch("KVSERVE_PREFILL_BF16_DOT")
+    if forced is not None:
+        return forced and bf16_dot_built()
     return _dot_measured_faster()
 
 
