@@ -14,6 +14,7 @@ from kvserve.bench.workloads import (
     WORKLOADS,
     WorkloadSpec,
     arrival_times,
+    iter_workload,
     make_workload,
 )
 
@@ -217,3 +218,21 @@ def test_text_is_words_of_the_corrected_count_from_the_same_state(count):
         a, b = random.Random(seed), random.Random(seed)
         assert tm.text(a, n_tokens) == plain(b, n_tokens)
         assert a.random() == b.random()
+
+
+@pytest.mark.parametrize("name", ["chat", "multi-turn", "mixed"])
+def test_iter_workload_makes_each_request_when_taken(name):
+    """The lazy generator yields make_workload's requests, and its first request costs a
+    few token counts, not the whole trace's."""
+    calls = 0
+
+    def counting(text: str) -> int:
+        nonlocal calls
+        calls += 1
+        return byte_count(text)
+
+    spec = WorkloadSpec(name, num_prompts=2000, seed=9, length_scale=0.2)
+    it = iter_workload(spec, counting)
+    first = next(it)
+    assert calls < 40
+    assert [first, *it] == make_workload(spec, byte_count)

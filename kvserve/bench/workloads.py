@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -179,9 +179,9 @@ def _length(rng: random.Random, mean: float, ratio: float, scale: float) -> int:
 
 def _make_kind(
     kind: str, n: int, spec: WorkloadSpec, rng: random.Random, tm: TextMaker
-) -> list[BenchRequest]:
-    """``n`` requests of one kind. Shared prefixes are built first, so request i of a
-    workload does not depend on how many requests come after it."""
+) -> Iterator[BenchRequest]:
+    """``n`` requests of one kind, each made when it is taken. Shared prefixes are built
+    first, so request i of a workload does not depend on how many requests come after it."""
     sc = spec.length_scale
     ratio = _param(spec, kind, "range_ratio")
     in_len, out_len = _param(spec, kind, "input_len"), _param(spec, kind, "output_len")
@@ -189,31 +189,9 @@ def _make_kind(
     n_pref = int(_param(spec, kind, "num_prefixes"))
     share = _param(spec, kind, "prefix_share")
     prefixes = [tm.text(rng, p_len) for _ in range(n_pref)] if p_len and n_pref else []
-    out: list[BenchRequest] = []
     if kind == "multi-turn":
-        turns = max(1, int(_param(spec, kind, "turns")))
-        convs: list[list[BenchRequest]] = []
-        made = 0
-        while made < n:
-            history = prefixes[0] if prefixes else tm.text(rng, max(1, p_len))
-            conv = []
-            for t in range(min(turns, n - made)):
-                # Turn 0 shares the system prompt; later turns share their whole history.
-                group = (
-                    f"multi-turn/{len(convs)}" if t else ("multi-turn/system" if prefixes else None)
-                )
-                user = tm.text(rng, _length(rng, in_len, ratio, sc))
-                prompt = f"{history}\nUser: {user}\nAssistant:"
-                o = _length(rng, out_len, ratio, sc)
-                conv.append(
-                    BenchRequest(0, kind, prompt, o, tm.count(prompt), group,
-                                 tm.count(history) if group else 0)
-                )  # fmt: skip
-                # The next turn resends everything, with a synthetic reply of this turn's length.
-                history = f"{prompt} {tm.text(rng, o)}"
-            convs.append(conv)
-            made += len(conv)
-        return _interleave(convs, spec.max_active_conversations)
+        yield from _conversations(n, spec, rng, tm, prefixes, p_len)
+        return
     for i in range(n):
         pre, group = "", None
         if prefixes and rng.random() < share:
@@ -229,11 +207,48 @@ def _make_kind(
         else:
             prompt = f"{pre}\n{body}" if pre else body
         o = _length(rng, out_len, ratio, sc)
-        out.append(
-            BenchRequest(i, kind, prompt, o, tm.count(prompt), group,
-                         tm.count(pre) if group else 0)
-        )  # fmt: skip
-    return out
+        yield BenchRequest(i, kind, prompt, o, tm.count(prompt), group,
+                           tm.count(pre) if group else 0)  # fmt: skip
+
+
+def _conversations(
+    n: int,
+    spec: WorkloadSpec,
+    rng: random.Random,
+    tm: TextMaker,
+    prefixes: list[str],
+    p_len: int,
+) -> Iterator[BenchRequest]:
+    """The multi-turn kind's ``n`` requests: conversations made one after another, sent
+    in :func:`_interleave`'s order, one group of ``max_active_conversations`` at a time."""
+    kind, sc = "multi-turn", spec.length_scale
+    ratio = _param(spec, kind, "range_ratio")
+    in_len, out_len = _param(spec, kind, "input_len"), _param(spec, kind, "output_len")
+    turns = max(1, int(_param(spec, kind, "turns")))
+    made = num_convs = 0
+    while made < n:
+        convs: list[list[BenchRequest]] = []
+        while made < n and len(convs) < spec.max_active_conversations:
+            history = prefixes[0] if prefixes else tm.text(rng, max(1, p_len))
+            conv = []
+            for t in range(min(turns, n - made)):
+                # Turn 0 shares the system prompt; later turns share their whole history.
+                group = (
+                    f"multi-turn/{num_convs}" if t else ("multi-turn/system" if prefixes else None)
+                )
+                user = tm.text(rng, _length(rng, in_len, ratio, sc))
+                prompt = f"{history}\nUser: {user}\nAssistant:"
+                o = _length(rng, out_len, ratio, sc)
+                conv.append(
+                    BenchRequest(0, kind, prompt, o, tm.count(prompt), group,
+                                 tm.count(history) if group else 0)
+                )  # fmt: skip
+                # The next turn resends everything, with a synthetic reply of this turn's length.
+                history = f"{prompt} {tm.text(rng, o)}"
+            convs.append(conv)
+            num_convs += 1
+            made += len(conv)
+        yield from _interleave(convs, len(convs))
 
 
 def _interleave(convs: list[list[BenchRequest]], active: int) -> list[BenchRequest]:
@@ -250,12 +265,12 @@ def _interleave(convs: list[list[BenchRequest]], active: int) -> list[BenchReque
     return out
 
 
-def _fit(reqs: list[BenchRequest], max_model_len: int | None) -> list[BenchRequest]:
+def _fit(reqs: Iterable[BenchRequest], max_model_len: int | None) -> Iterator[BenchRequest]:
     """Cap output lengths so prompt + output fits the target's context (with 1 token of
     slack for the counter's error); prompts are never cut, since that would break prefixes."""
     if not max_model_len:
-        return reqs
-    fitted = []
+        yield from reqs
+        return
     for r in reqs:
         room = max_model_len - r.input_len - 1
         if room < 1:
@@ -263,43 +278,64 @@ def _fit(reqs: list[BenchRequest], max_model_len: int | None) -> list[BenchReque
                 f"max_model_len: a {r.kind} prompt of {r.input_len} tokens leaves no room for "
                 f"output in {max_model_len}; lower --length-scale or --input-len"
             )
-        fitted.append(replace(r, max_tokens=min(r.max_tokens, room)))
-    return fitted
+        yield replace(r, max_tokens=min(r.max_tokens, room))
 
 
 def make_workload(spec: WorkloadSpec, count_tokens: CountFn | None = None) -> list[BenchRequest]:
     """The requests of a named workload (or a JSONL file), in send order, indexed 0..n-1."""
+    return list(iter_workload(spec, count_tokens))
+
+
+def iter_workload(
+    spec: WorkloadSpec, count_tokens: CountFn | None = None
+) -> Iterator[BenchRequest]:
+    """:func:`make_workload`'s requests one at a time, each made when it is taken (a long
+    trace's consumer can start on the first while the rest are drawn). The spec is checked
+    here, before the first; a prompt too long for ``max_model_len`` raises when it is
+    reached."""
+    check_workload_spec(spec)
+    tm = TextMaker(count_tokens)
+    rng = random.Random(spec.seed)
+    name = spec.name
+    reqs: Iterable[BenchRequest]
+    if name.endswith(".jsonl") or Path(name).is_file():
+        reqs = load_jsonl(Path(name), spec, rng, tm)
+    elif name == "mixed":
+        mix = spec.mix or DEFAULT_MIX
+        kinds = rng.choices(list(mix), weights=list(mix.values()), k=spec.num_prompts)
+        # Each kind draws from its own generator, so taking them interleaved draws the same.
+        per_kind = {
+            k: _make_kind(k, kinds.count(k), spec, random.Random(rng.random()), tm)
+            for k in mix
+            if k in kinds
+        }
+        reqs = (next(per_kind[k]) for k in kinds)
+    else:
+        reqs = _make_kind(name, spec.num_prompts, spec, rng, tm)
+    return (replace(r, index=i) for i, r in enumerate(_fit(reqs, spec.max_model_len)))
+
+
+def check_workload_spec(spec: WorkloadSpec) -> None:
+    """Raise a ValueError (FileNotFoundError for a missing trace) naming the field of
+    ``spec`` that no workload can be made from."""
     if spec.num_prompts < 1:
         raise ValueError(f"num_prompts: must be >= 1, got {spec.num_prompts}")
     if spec.max_active_conversations < 1:
         raise ValueError(
             f"max_active_conversations: must be >= 1, got {spec.max_active_conversations}"
         )
-    tm = TextMaker(count_tokens)
-    rng = random.Random(spec.seed)
     name = spec.name
     if name.endswith(".jsonl") or Path(name).is_file():
-        reqs = load_jsonl(Path(name), spec, rng, tm)
+        if not Path(name).is_file():
+            raise FileNotFoundError(f"workload: file not found: {name}")
     elif name == "mixed":
-        mix = spec.mix or DEFAULT_MIX
-        bad = set(mix) - set(KINDS)
+        bad = set(spec.mix or DEFAULT_MIX) - set(KINDS)
         if bad:
             raise ValueError(f"mix: unknown kinds {sorted(bad)}; known: {', '.join(KINDS)}")
-        kinds = rng.choices(list(mix), weights=list(mix.values()), k=spec.num_prompts)
-        per_kind = {
-            k: iter(_make_kind(k, kinds.count(k), spec, random.Random(rng.random()), tm))
-            for k in mix
-            if k in kinds
-        }
-        reqs = [next(per_kind[k]) for k in kinds]
-    elif name in KINDS:
-        reqs = _make_kind(name, spec.num_prompts, spec, rng, tm)
-    else:
+    elif name not in KINDS:
         raise ValueError(
             f"workload: unknown {name!r}; choose one of {', '.join(WORKLOADS)} or a .jsonl file"
         )
-    reqs = _fit(reqs, spec.max_model_len)
-    return [replace(r, index=i) for i, r in enumerate(reqs)]
 
 
 def load_jsonl(
