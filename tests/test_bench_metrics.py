@@ -242,3 +242,50 @@ def test_latency_cdf_is_thinned_to_exact_points_of_the_full_cdf():
         assert y == bisect_right(xs, x) / len(xs)
     small = [1.0, 2.0, 3.0]
     assert _cdf_points(small) == (small, [1 / 3, 2 / 3, 1.0])
+
+
+def test_records_encoded_while_made_write_the_same_file(tmp_path):
+    """Records handed to the forked encoder out of order, each with the shift the run
+    subtracts from its send time at the end, make the file write_json makes from the
+    shifted records (the stdlib parser reads it back too); none and the encoder's own
+    file cleaned up on close."""
+    from copy import deepcopy
+
+    from kvserve.bench.report import EncodedRecords, RecordEncoder, write_json
+
+    recs = [_rec(i, 0.01 * i, 0.5, 3, itl=(0.1 * i, 0.25)) for i in range(600)]
+    for i, r in enumerate(recs):
+        r.send_time = 10.0 + i / 7  # the run's clock
+    shifted = deepcopy(recs)
+    for r in shifted:
+        r.send_time -= 10.0
+    ref = {"summary": {"n": 600}, "records": [r.to_dict() for r in shifted], "after": [1]}
+    with RecordEncoder(tmp_path / "out") as enc:
+        for i in [*range(1, 600, 2), *range(0, 600, 2)]:
+            enc.add(i, recs[i], 10.0)
+        rows = enc.finish()
+        assert isinstance(rows, EncodedRecords) and rows.count == 600
+        got = write_json(tmp_path / "got.json", {**ref, "records": rows})
+        assert got.read_text() == write_json(tmp_path / "ref.json", ref).read_text()
+        assert json.loads(got.read_text()) == ref
+    assert list((tmp_path / "out").iterdir()) == []
+    with RecordEncoder(tmp_path / "out") as enc:  # a gap at index 0: the rest in order
+        for i in (3, 1, 2):
+            enc.add(i, recs[i], 10.0)
+        some = json.loads(write_json(tmp_path / "g.json", {"records": enc.finish()}).read_text())
+        assert some == {"records": ref["records"][1:4]}
+    with RecordEncoder(tmp_path / "out") as enc:
+        empty = {"records": enc.finish()}
+        assert json.loads(write_json(tmp_path / "e.json", empty).read_text()) == {"records": []}
+
+
+def test_a_record_encoder_that_dies_is_reported(tmp_path):
+    from kvserve.bench.report import RecordEncoder
+
+    with RecordEncoder(tmp_path) as enc:
+        enc._proc.kill()
+        enc._proc.join()
+        with pytest.raises(RuntimeError, match="record encoder: its process ended early"):
+            for i in range(3 * RecordEncoder.BATCH):
+                enc.add(i, _rec(i, 0.0, 0.5, 3))
+            enc.finish()

@@ -657,3 +657,44 @@ def test_a_measured_first_touch_cost_is_kept_not_fitted():
     pred = np.array([fitted.step_time(f, shape) for f, _ in test])
     real = np.array([t for _, t in test])
     assert np.max(np.abs(pred / real - 1)) < 0.02
+
+
+def test_a_streamed_workload_replays_as_the_made_one(llama8b):
+    """A workload made and tokenized in a forked process while the replay runs gives the
+    records, counters and samples the in-process workload gives (a mixed workload with
+    prefixes and multi-turn histories), and hands each request's ids over once."""
+    from kvserve.bench.workloads import WorkloadSpec, make_workload
+    from kvserve.sim.simulate import EncodedWorkload, stream_workload, token_counter
+
+    gpu = get_gpu("h100-sxm")
+    target = SimTarget(dict(model=llama8b), gpu_profile(gpu), gpu)
+    count, max_len = token_counter(target)
+    spec = WorkloadSpec("mixed", 60, 4, length_scale=0.5, max_model_len=max_len)
+    made = make_workload(spec, count)
+    streamed = stream_workload(target, spec)
+    assert isinstance(streamed, EncodedWorkload) and len(streamed) == 60
+    ref, _ = simulate_load(target, made, LoadSpec(30.0), 4)
+    got, _ = simulate_load(target, streamed, LoadSpec(30.0), 4)
+    assert got.records == ref.records and got.duration == ref.duration
+    assert got.before == ref.before and got.after == ref.after and got.samples == ref.samples
+    assert [streamed[i] for i in range(60)] == made
+    assert any(r.cached_tokens for r in got.records)  # the ids carry the shared prefixes
+    with pytest.raises(RuntimeError, match="already taken"):
+        streamed.token_ids(0)
+
+
+def test_a_streamed_workload_raises_the_producers_errors(llama8b):
+    """A bad spec is refused before anything is forked; a prompt too long for the context,
+    found by the producer mid-trace, is raised in the replay with the generator's message."""
+    from kvserve.bench.workloads import WorkloadSpec
+    from kvserve.sim.simulate import stream_workload
+
+    gpu = get_gpu("h100-sxm")
+    target = SimTarget(dict(model=llama8b), gpu_profile(gpu), gpu)
+    with pytest.raises(ValueError, match="workload: unknown 'nope'"):
+        stream_workload(target, WorkloadSpec("nope", 4))
+    with pytest.raises(ValueError, match="num_prompts: must be >= 1"):
+        stream_workload(target, WorkloadSpec("chat", 0))
+    long = stream_workload(target, WorkloadSpec("long-doc", 3, max_model_len=600))
+    with pytest.raises(ValueError, match="max_model_len: a long-doc prompt of"):
+        simulate_load(target, long, LoadSpec(10.0), 0)

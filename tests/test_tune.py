@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -234,6 +235,29 @@ def test_cli_simulate_sweep_runs_one_point_per_rate(capsys, tmp_path, llama8b):
     assert low["duration_s"] > 10 * high["duration_s"]
     assert high["ttft_ms"]["p99"] >= low["ttft_ms"]["p99"]
     assert (tmp_path / "w-sweep.png").exists()
+
+
+def test_cli_simulate_streamed_equals_in_process(capsys, tmp_path, llama8b):
+    """With a spare core (--jobs 2) one run's workload is made in another process while it
+    replays, its records are encoded as they finish and its plot drawn beside the summary:
+    the JSON file is the one --jobs 1 writes (made in process, encoded at the end) but for
+    the wall time, text included; the Markdown too, and the plot is there."""
+    texts = []
+    out_dir = tmp_path / "out"
+    for jobs in ("1", "2"):
+        code, out, _ = cli(
+            capsys, "simulate", "--model", llama8b, "--gpu", "h100-sxm", "--workload", "mixed",
+            "--num-prompts", "80", "--request-rate", "30", "--no-progress",
+            "--output-dir", str(out_dir), "--label", "run", "--jobs", jobs,
+        )  # fmt: skip
+        assert code == 0 and "simulated 80 requests" in out
+        text = (out_dir / "run.json").read_text()
+        texts.append(re.sub(r'"wall_s": [0-9.e-]+', "", text))
+        texts.append((out_dir / "run.md").read_text())
+    assert texts[0] == texts[2] and texts[1] == texts[3]
+    data = json.loads((out_dir / "run.json").read_text())
+    assert [r["index"] for r in data["records"]] == list(range(80))
+    assert sorted(p.name for p in out_dir.iterdir()) == ["run-latency.png", "run.json", "run.md"]
 
 
 def test_cli_simulate_sweep_points_side_by_side_equal_one_at_a_time(capsys, tmp_path, llama8b):

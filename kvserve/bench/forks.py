@@ -1,5 +1,6 @@
 """Independent pure-Python work side by side: ``fork_map`` runs a function over items in
-forked processes.
+forked processes; ``fork_iter`` makes an iterator's items in a forked process while this one
+consumes them; ``fork_call`` runs one call in a forked process while this one goes on.
 
 Simulations and report writing are pure Python and single-threaded, so a machine's other
 cores sit idle while one runs; ``kvserve tune``'s candidates, ``kvserve simulate --sweep``'s
@@ -14,8 +15,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -32,6 +34,12 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def can_fork() -> bool:
+    """Whether this platform starts processes by forking (Linux; not Windows or macOS's
+    default), which every helper here needs to run anything side by side."""
+    return "fork" in mp.get_all_start_methods()
+
+
 def _call(i: int) -> Any:
     fn, items = _WORK  # type: ignore[misc]  # set by fork_map before the fork
     return fn(items[i])
@@ -41,7 +49,7 @@ def fork_map(fn: Callable[[T], R], items: Sequence[T], jobs: int) -> list[R]:
     """``[fn(x) for x in items]``, in up to ``jobs`` forked processes; in order here when
     ``jobs`` < 2, there is one item, or the platform cannot fork."""
     global _WORK
-    if jobs < 2 or len(items) < 2 or "fork" not in mp.get_all_start_methods():
+    if jobs < 2 or len(items) < 2 or not can_fork():
         return [fn(x) for x in items]
     _WORK = (fn, items)
     try:
@@ -49,3 +57,107 @@ def fork_map(fn: Callable[[T], R], items: Sequence[T], jobs: int) -> list[R]:
             return list(pool.map(_call, range(len(items))))
     finally:
         _WORK = None
+
+
+def fork_iter(make: Callable[[], Iterable[T]], chunk: int = 256) -> Iterator[T]:
+    """The items of ``make()``, made in a forked process and taken here in order, so that
+    making them overlaps with whatever this process does with them (in-process where the
+    platform cannot fork). The producer runs at most a chunk or two ahead (the pipe pushes
+    back); an exception it raises is raised here at the item it stopped at, and closing this
+    iterator early stops it."""
+    if not can_fork():
+        yield from make()
+        return
+    ctx = mp.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_produce, args=(make, send, chunk), daemon=True)
+    proc.start()
+    send.close()
+    try:
+        while True:
+            try:
+                kind, payload = recv.recv()
+            except EOFError:
+                proc.join()
+                raise RuntimeError(
+                    f"fork_iter: the producing process ended without its items "
+                    f"(exit code {proc.exitcode})"
+                ) from None
+            if kind == "error":
+                raise payload
+            if kind == "end":
+                return
+            yield from payload
+    finally:
+        recv.close()
+        if proc.is_alive():
+            proc.terminate()
+        proc.join()
+
+
+def _produce(make: Callable[[], Iterable[Any]], conn: Connection, chunk: int) -> None:
+    """``fork_iter``'s producer: the items in chunks, then an end mark or the exception."""
+    buf: list[Any] = []
+    try:
+        for x in make():
+            buf.append(x)
+            if len(buf) >= chunk:
+                conn.send(("items", buf))
+                buf = []
+        if buf:
+            conn.send(("items", buf))
+        conn.send(("end", None))
+    except BrokenPipeError:  # the consumer stopped early
+        pass
+    except Exception as e:  # noqa: BLE001 - handed to the consumer to raise
+        try:
+            if buf:  # the items made before it come first
+                conn.send(("items", buf))
+            conn.send(("error", e))
+        except Exception:  # noqa: BLE001 - an exception that does not pickle
+            conn.send(("error", RuntimeError(f"{type(e).__name__}: {e}")))
+    finally:
+        conn.close()
+
+
+def fork_call(fn: Callable[[], R]) -> Callable[[], R]:
+    """Start ``fn()`` in a forked process now; the function returned waits for its result
+    (or raises its exception). In-process at once where the platform cannot fork."""
+    if not can_fork():
+        result = fn()
+        return lambda: result
+    ctx = mp.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_call_into, args=(fn, send), daemon=True)
+    proc.start()
+    send.close()
+
+    def wait() -> R:
+        try:
+            ok, value = recv.recv()
+        except EOFError:
+            proc.join()
+            raise RuntimeError(
+                f"fork_call: the process ended without a result (exit code {proc.exitcode})"
+            ) from None
+        finally:
+            recv.close()
+        proc.join()
+        if not ok:
+            raise value
+        return value
+
+    return wait
+
+
+def _call_into(fn: Callable[[], Any], conn: Connection) -> None:
+    try:
+        result = (True, fn())
+    except Exception as e:  # noqa: BLE001 - handed to the waiter to raise
+        result = (False, e)
+    try:
+        conn.send(result)
+    except Exception as e:  # noqa: BLE001 - a result or exception that does not pickle
+        conn.send((False, RuntimeError(f"fork_call: {type(e).__name__}: {e}")))
+    finally:
+        conn.close()

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing as mp
+import pickle
 import shutil
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -242,19 +246,29 @@ def write_json(path: Path, payload: dict[str, Any], jobs: int = 1) -> Path:
     Python encoder; a 100,000-request run has ~10 M inter-token latencies, a number per line.
     With ``jobs`` > 1 a long flat list of records is encoded in that many forked processes,
     each writing its slice's lines to a file of its own that is then copied in (the same
-    text; returning it through a pipe would cost as much as encoding it)."""
+    text; returning it through a pipe would cost as much as encoding it). ``records`` may
+    also be :class:`EncodedRecords`, encoded while the run made them."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as out:
         out.write("{\n")
         for k, (key, value) in enumerate(payload.items()):
             out.write(",\n" * (k > 0) + f" {json.dumps(key)}: ")
-            if key != "records" or not isinstance(value, list):
+            if isinstance(value, EncodedRecords):
+                if not value.count:
+                    out.write("[]")
+                    continue
+                out.write("[\n")
+                out.flush()
+                with value.path.open("rb") as f:
+                    shutil.copyfileobj(f, out.buffer, 1 << 20)
+                out.write("\n ]")
+            elif key != "records" or not isinstance(value, list):
                 out.write(json.dumps(value, indent=1, default=str).replace("\n", "\n "))
             elif jobs > 1 and len(value) >= 2 * PARALLEL_MIN_ROWS and _flat(value):
                 out.write("[\n")
                 with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
                     out.flush()
-                    for part in _encode_in_parts(value, "  ", jobs, Path(tmp)):
+                    for part in _encode_in_parts(value, RECORD_INDENT, jobs, Path(tmp)):
                         with part.open("rb") as f:  # ASCII (json escapes the rest): bytes
                             shutil.copyfileobj(f, out.buffer, 1 << 20)
                 out.write("\n ]")
@@ -299,6 +313,129 @@ def _rows(rows: list[Any], indent: str) -> str:
 def _lines(rows: list[Any], indent: str) -> str:
     items = [_rows(r, indent) if isinstance(r, list) else json.dumps(r, default=str) for r in rows]
     return ",\n".join(indent + t for t in items)
+
+
+# The indent of a top-level list's records in write_json's layout.
+RECORD_INDENT = "  "
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedRecords:
+    """``count`` records already encoded as :func:`write_json` lays out a payload's
+    ``records`` (its lines, without the brackets), in a file it copies in."""
+
+    path: Path
+    count: int
+
+
+class RecordEncoder:
+    """Encodes records for :func:`write_json` as a run makes them, in a forked process.
+
+    A long simulated run makes its records over most of a minute while one core replays;
+    encoding them afterwards (millions of inter-token latencies) is the largest part of its
+    report. Here each finished record is handed over pickled (a small fraction of encoding
+    it) and the other process encodes it meanwhile; :meth:`finish` returns the lines, in
+    index order, as :class:`EncodedRecords`. ``add``'s ``shift`` is subtracted from the
+    record's ``send_time`` first, as the run will do to its own copy when it ends. Use as a
+    context manager (or :meth:`close`): it owns the process and its file."""
+
+    BATCH = 256
+
+    def __init__(self, where: Path) -> None:
+        where.mkdir(parents=True, exist_ok=True)
+        self._tmp = tempfile.TemporaryDirectory(dir=where, prefix=".records-")
+        self._buf: list[bytes] = []
+        self._result: EncodedRecords | None = None
+        ctx = mp.get_context("fork")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(
+            target=_encode_records, args=(child, Path(self._tmp.name)), daemon=True
+        )
+        self._proc.start()
+        child.close()
+
+    def add(self, index: int, record: RequestRecord, shift: float = 0.0) -> None:
+        """Record ``index`` is final (but for ``send_time - shift``): encode it as it is now
+        (pickled here: the caller may change its own copy after)."""
+        self._buf.append(pickle.dumps((index, record, shift), pickle.HIGHEST_PROTOCOL))
+        if len(self._buf) >= self.BATCH:
+            self._send(self._buf)
+            self._buf = []
+
+    def finish(self) -> EncodedRecords:
+        """Every record added, encoded in index order."""
+        if self._result is None:
+            self._send(self._buf)
+            self._buf = []
+            self._send(None)
+            try:
+                path, count = self._conn.recv()
+            except EOFError:
+                raise self._died() from None
+            if isinstance(path, BaseException):
+                raise path
+            self._result = EncodedRecords(Path(path), count)
+            self._proc.join()
+        return self._result
+
+    def close(self) -> None:
+        """Stop the process if it still runs and remove its file."""
+        self._conn.close()
+        if self._proc.is_alive():
+            self._proc.terminate()
+        self._proc.join()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> RecordEncoder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _send(self, msg: Any) -> None:
+        try:
+            self._conn.send(msg)
+        except (BrokenPipeError, ConnectionResetError):
+            raise self._died() from None
+
+    def _died(self) -> RuntimeError:
+        self._proc.join(5)
+        return RuntimeError(
+            f"record encoder: its process ended early (exit code {self._proc.exitcode})"
+        )
+
+
+def _encode_records(conn: Connection, where: Path) -> None:
+    """:class:`RecordEncoder`'s process: encode batches until the end mark, writing each
+    line as soon as every lower index is written (requests finish roughly in index order,
+    so little waits), the rest in index order at the end; answer with the file and the
+    count (or the exception)."""
+    try:
+        path = where / "records.part"
+        waiting: dict[int, str] = {}
+        nxt = count = 0
+        with path.open("w") as f:
+
+            def put(text: str) -> None:
+                nonlocal count
+                f.write(",\n" * (count > 0) + RECORD_INDENT + text)
+                count += 1
+
+            while (batch := conn.recv()) is not None:
+                for item in batch:
+                    index, rec, shift = pickle.loads(item)
+                    rec.send_time -= shift
+                    waiting[index] = json.dumps(rec.to_dict(), default=str)
+                while nxt in waiting:
+                    put(waiting.pop(nxt))
+                    nxt += 1
+            for index in sorted(waiting):
+                put(waiting[index])
+        conn.send((str(path), count))
+    except Exception as e:  # noqa: BLE001 - handed to the parent to raise
+        conn.send((RuntimeError(f"record encoder: {type(e).__name__}: {e}"), 0))
+    finally:
+        conn.close()
 
 
 def _pyplot() -> Any:

@@ -22,7 +22,7 @@ from kvserve.bench.cli import (
     load_points,
     workload_spec,
 )
-from kvserve.bench.forks import fork_map, usable_cpus
+from kvserve.bench.forks import can_fork, fork_call, fork_map, usable_cpus
 from kvserve.engine_args import add_engine_args, default_model, engine_kwargs
 
 DEFAULT_SIM_DIR = Path("reports") / "sim"
@@ -166,6 +166,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     bench); prints bench's table, writes JSON, Markdown and plots under --output-dir."""
     from kvserve.bench.metrics import parse_slo, server_summary, summarize
     from kvserve.bench.report import (
+        RecordEncoder,
         compare_table,
         console_table,
         markdown,
@@ -175,7 +176,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     )
     from kvserve.bench.runner import Progress
     from kvserve.bench.workloads import make_workload
-    from kvserve.sim.simulate import simulate_load, token_counter
+    from kvserve.sim.simulate import simulate_load, stream_workload, token_counter
 
     kw = sim_engine_kwargs(args)
     if args.calibrate:
@@ -195,11 +196,18 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     gpus = target.gpus if target.gpu is not None else args.gpus
     label = args.label or f"{Path(args.workload).stem}-sim-{time.strftime('%Y%m%d-%H%M%S')}"
     jobs = sim_jobs(args)
+    out_dir = Path(args.output_dir)
     side_by_side = jobs > 1 and len(loads) > 1  # progress bars would interleave
 
     def point(item: tuple[int, Any]) -> tuple[dict[str, Any], list[Any], float]:
         i, load = item
-        reqs = make_workload(workload_spec(args, args.seed + i, max_len), count)
+        spec = workload_spec(args, args.seed + i, max_len)
+        # A spare core makes (and tokenizes) a lone replica's requests while it replays,
+        # and encodes its records for the JSON file as they finish.
+        streamed = jobs > 1 and not side_by_side and target.replicas == 1 and can_fork()
+        reqs = stream_workload(target, spec) if streamed else make_workload(spec, count)
+        if streamed and sweep_label is None:
+            encoders.append(RecordEncoder(out_dir))
         bar = Progress(len(reqs), f"simulate {load.describe()}",
                        enabled=not args.no_progress and not side_by_side)  # fmt: skip
         t0 = time.perf_counter()
@@ -207,8 +215,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             target, reqs, load, args.seed + i, warm if i == 0 else None, args.temperature,
             0.5, progress=lambda ok, bar=bar: bar.update(ok),
             jobs=1 if side_by_side else jobs,  # replicas side by side unless points are
+            records_to=encoders[0] if encoders else None,
         )  # fmt: skip
         wall = time.perf_counter() - t0
+        if encoders and not args.no_plots:  # drawn beside the summary, on the spare core
+            plotting.append(fork_call(
+                lambda: plot_latency_cdf({label: res.records}, out_dir / f"{label}-latency.png")
+            ))  # fmt: skip
         s = summarize(res.records, res.duration, slo, args.gpu_hour_cost, gpus)
         s["server"] = server_summary(res.before, res.after, res.samples)
         sim = sims[0]
@@ -240,22 +253,33 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if side_by_side and not args.no_progress:
         print(f"simulating {len(loads)} sweep points, {min(jobs, len(loads))} at a time",
               file=sys.stderr)  # fmt: skip
+    encoders: list[RecordEncoder] = []  # a lone run's, streamed
+    plotting: list[Callable[[], Path | None]] = []  # its latency plot, being drawn
     started = time.perf_counter()
-    points = fork_map(point, list(enumerate(loads)), jobs)
+    try:
+        points = fork_map(point, list(enumerate(loads)), jobs)
+    except BaseException:
+        for enc in encoders:
+            enc.close()
+        raise
     took = time.perf_counter() - started  # points side by side: not the sum of their walls
     # What exists now outlives the reports: keep the collector from rescanning it while they
     # allocate (a long trace's records are millions of objects).
     gc.freeze()
     try:
         notes = points[0][0]["simulation"]["notes"]
-        out_dir = Path(args.output_dir)
         plots: list[str] = []
         if sweep_label is None:
             s, records, wall = points[0]
             print(console_table(s))
-            payload: dict[str, Any] = {"summary": s, "records": [r.to_dict() for r in records]}
+            rows = encoders[0].finish() if encoders else [r.to_dict() for r in records]
+            payload: dict[str, Any] = {"summary": s, "records": rows}
             if not args.no_plots:
-                png = plot_latency_cdf({label: records}, out_dir / f"{label}-latency.png")
+                png = (
+                    plotting[0]()
+                    if plotting
+                    else plot_latency_cdf({label: records}, out_dir / f"{label}-latency.png")
+                )
                 plots += [str(png)] if png else []
             final: dict[str, Any] = s
         else:
@@ -282,6 +306,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         return 0
     finally:
         gc.unfreeze()
+        for enc in encoders:
+            enc.close()
 
 
 def add_tune_parser(sub: Any) -> Callable[[argparse.Namespace], int]:

@@ -31,10 +31,17 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from kvserve.bench.forks import fork_map
+from kvserve.bench.forks import fork_iter, fork_map
 from kvserve.bench.metrics import RequestRecord
+from kvserve.bench.report import RecordEncoder
 from kvserve.bench.runner import LoadSpec, RunResult
-from kvserve.bench.workloads import BenchRequest, arrival_times
+from kvserve.bench.workloads import (
+    BenchRequest,
+    WorkloadSpec,
+    arrival_times,
+    check_workload_spec,
+    iter_workload,
+)
 from kvserve.engine import LLMEngine
 from kvserve.engine.offload import LOAD_TIMEOUTS
 from kvserve.llm import engine_config
@@ -274,12 +281,68 @@ def build_engine(target: SimTarget) -> SimEngine:
 def token_counter(target: SimTarget) -> tuple[Callable[[str], int], int]:
     """(token counter, max model length) the workload generator needs, from a simulated
     engine built for the purpose (its tokenizer, or the hashed one)."""
+    count, _, max_len = _text_tools(target)
+    return count, max_len
+
+
+def _text_tools(
+    target: SimTarget,
+) -> tuple[Callable[[str], int], Callable[[str], list[int]], int]:
+    """(token counter, encoder, max model length) of ``target``'s simulated engine."""
     sim = build_engine(target)
     encode = sim.encode
     tok = getattr(encode, "__self__", None)
-    if isinstance(tok, HashTokenizer):
-        return tok.count, sim.engine.max_model_len
-    return (lambda s: len(encode(s))), sim.engine.max_model_len
+    count = tok.count if isinstance(tok, HashTokenizer) else (lambda s: len(encode(s)))
+    return count, encode, sim.engine.max_model_len
+
+
+class EncodedWorkload(Sequence[BenchRequest]):
+    """A workload made and tokenized in another process while the replay consumes it
+    (:func:`stream_workload`): request ``i`` is taken from the producer when first asked
+    for, with its prompt's token ids, which the replay takes instead of encoding again."""
+
+    def __init__(self, items: Iterator[tuple[BenchRequest, list[int]]], n: int) -> None:
+        self._items = items
+        self._n = n
+        self._reqs: list[BenchRequest] = []
+        self._ids: list[list[int] | None] = []
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: int) -> BenchRequest:  # type: ignore[override]
+        if not 0 <= i < self._n:
+            raise IndexError(i)
+        while len(self._reqs) <= i:
+            req, ids = next(self._items)
+            self._reqs.append(req)
+            self._ids.append(ids)
+        return self._reqs[i]
+
+    def token_ids(self, i: int) -> list[int]:
+        """Request ``i``'s prompt ids, handed over once (the engine keeps its own)."""
+        self[i]
+        ids = self._ids[i]
+        if ids is None:
+            raise RuntimeError(f"request {i}'s token ids were already taken")
+        self._ids[i] = None
+        return ids
+
+
+def stream_workload(target: SimTarget, spec: WorkloadSpec) -> EncodedWorkload:
+    """``make_workload(spec, token_counter(target)[0])``, tokenized as ``target``'s engine
+    encodes prompts, made in a forked process while this one replays it: on a machine with
+    a core to spare, a long trace's text costs the replay little instead of running first.
+    A spec error is raised here; a prompt too long for ``spec.max_model_len`` when the
+    replay reaches it."""
+    check_workload_spec(spec)
+
+    def make() -> Iterator[tuple[BenchRequest, list[int]]]:
+        count, encode, _ = _text_tools(target)
+        for r in iter_workload(spec, count):
+            yield r, encode(r.prompt)
+
+    return EncodedWorkload(fork_iter(make), spec.num_prompts)
 
 
 class _Replica:
@@ -294,6 +357,8 @@ class _Replica:
     ) -> None:
         self.sim = sim
         self.on_done = on_done
+        self.sink: RecordEncoder | None = None  # hears each final record (with t0)
+        self._t0 = 0.0
         self.temperature = temperature
         self.sample_every = sample_every
         self.samples: list[dict[str, float]] = []
@@ -302,9 +367,13 @@ class _Replica:
         self._sent = 0
         self.records: list[RequestRecord] = []
 
-    def _add(self, rid: str, req: BenchRequest, rec: RequestRecord) -> bool:
+    def _add(
+        self, rid: str, req: BenchRequest, rec: RequestRecord, ids: list[int] | None = None
+    ) -> bool:
+        """Hand ``req`` to the engine (``ids``: its prompt already tokenized)."""
         eng, clock = self.sim.engine, self.sim.clock
-        ids = self.sim.encode(req.prompt)
+        if ids is None:
+            ids = self.sim.encode(req.prompt)
         params = self._params.get(req.max_tokens)
         if params is None:  # requests share them (the engine never changes a request's)
             params = self._params[req.max_tokens] = SamplingParams(
@@ -343,10 +412,10 @@ class _Replica:
         replica furthest behind in time. The records are in ``self.records``."""
         eng, clock, offload = self.sim.engine, self.sim.clock, self.sim.offload
         core = eng.core
-        self.records = records = [
-            RequestRecord(r.index, r.kind, r.prefix_group, r.input_len, r.max_tokens)
-            for r in requests
-        ]
+        self._t0 = t0
+        # Each record is made when its request is sent (a streamed workload's requests
+        # arrive while the replay runs); every request is sent before this ends.
+        self.records = records = [None] * len(requests)  # type: ignore[list-item]
         due: list[tuple[float, int]] = []  # (send time, index) not yet sent
         if sends is None:
             due = [(t0, i) for i in range(min(concurrency or 1, len(requests)))]
@@ -382,7 +451,7 @@ class _Replica:
                 for fam in list(inflight):
                     i = inflight.pop(fam)
                     records[i].fail("lost", "the engine dropped the request without a result")
-                    self._done(records[i])
+                    self._done(i, records[i])
                     if sends is None and queued:
                         heapq.heappush(due, (clock.now, queued.pop()))
                 if due:
@@ -414,11 +483,14 @@ class _Replica:
                     continue
                 i = inflight.pop(fam)
                 _fill(records[i], r)
-                self._done(records[i])
+                self._done(i, records[i])
                 if sends is None and queued:  # the user sends its next request now
                     heapq.heappush(due, (clock.now, queued.pop()))
 
-    def _done(self, rec: RequestRecord) -> None:
+    def _done(self, i: int, rec: RequestRecord) -> None:
+        """Record ``i`` is final (its send time still on the replay's clock)."""
+        if self.sink is not None:
+            self.sink.add(i, rec, self._t0)
         if self.on_done is not None:
             self.on_done(rec.success)
 
@@ -431,14 +503,17 @@ class _Replica:
         inflight: dict[str, int],
     ) -> bool:
         """Send request ``i``; False when the engine refused it at once (counted as done)."""
-        rec = records[i]
+        r = requests[i]
+        records[i] = rec = RequestRecord(r.index, r.kind, r.prefix_group, r.input_len,
+                                         r.max_tokens)  # fmt: skip
         rec.send_time = when
         self._sent += 1
         rid = f"sim-{self._sent}"
-        if self._add(rid, requests[i], rec):
+        ids = requests.token_ids(i) if isinstance(requests, EncodedWorkload) else None
+        if self._add(rid, r, rec, ids):
             inflight[rid] = i
             return True
-        self._done(rec)
+        self._done(i, rec)
         return False
 
     def _sample(self, eng: LLMEngine) -> None:
@@ -470,7 +545,7 @@ def _fill(rec: RequestRecord, r: Any) -> None:
 
 def simulate_load(
     target: SimTarget,
-    requests: list[BenchRequest],
+    requests: Sequence[BenchRequest],
     load: LoadSpec,
     seed: int = 0,
     warmup: list[BenchRequest] | None = None,
@@ -478,6 +553,7 @@ def simulate_load(
     sample_every: float = 0.5,
     progress: Callable[[bool], None] | None = None,
     jobs: int = 1,
+    records_to: RecordEncoder | None = None,
 ) -> tuple[RunResult, list[SimEngine] | list[ReplicaInfo]]:
     """Replay ``requests`` under ``load`` on ``target.replicas`` simulated engines (requests
     dealt round-robin, as a load balancer would) and collect one record each.
@@ -486,14 +562,21 @@ def simulate_load(
     forked processes (:mod:`kvserve.bench.forks`) with the same results; each then reports a
     :class:`ReplicaInfo` instead of its engine, and ``progress`` hears of its requests when
     it ends. Replicas behind one Redis tier share it and run on one timeline
-    (:func:`_run_fleet`)."""
+    (:func:`_run_fleet`). A lone replica takes ``requests`` as it sends them, so a
+    :class:`EncodedWorkload` is made while it runs, and hands each final record to
+    ``records_to`` (encoded for the JSON report while it runs)."""
+    if records_to is not None and target.replicas != 1:
+        raise ValueError(
+            f"records_to: only a lone replica's records are encoded as it runs, "
+            f"not {target.replicas} replicas'"
+        )
     offsets = (
         None
         if load.closed_loop
         else arrival_times(len(requests), load.request_rate, load.burstiness, seed)
     )
 
-    trace = _Trace(requests, load, offsets, warmup, temperature, sample_every)
+    trace = _Trace(requests, load, offsets, warmup, temperature, sample_every, records_to)
 
     def one(k: int, report: Callable[[bool], None] | None) -> _ReplicaRun:
         return _run_replica(target, trace, k, report)
@@ -556,12 +639,13 @@ class _Trace:
     """What every replica of a run replays: the requests, the load and its send offsets
     (None: closed loop), the warm-up requests and the sampling settings."""
 
-    requests: list[BenchRequest]
+    requests: Sequence[BenchRequest]
     load: LoadSpec
     offsets: list[float] | None
     warmup: list[BenchRequest] | None
     temperature: float
     sample_every: float
+    sink: RecordEncoder | None = None  # a lone replica's final records, as they are made
 
 
 @dataclass(slots=True)
@@ -592,12 +676,16 @@ def _prepare(
     for w in trace.warmup or []:  # one at a time, as the bench warms up
         rep.run([w], [0.0], None, sim.clock.now)
     rep.on_done = progress
+    rep.sink = trace.sink
     t0 = sim.clock.now
     rep._next_sample = t0
     before = engine_snapshot(sim.engine)
     mine = list(range(k, len(requests), target.replicas))
-    share = [requests[i] for i in mine]
-    sends = None if offsets is None else [offsets[i] for i in mine]
+    share: Sequence[BenchRequest] = requests  # a lone replica's: taken as it is (streamed)
+    sends = offsets
+    if target.replicas > 1:
+        share = [requests[i] for i in mine]
+        sends = None if offsets is None else [offsets[i] for i in mine]
     cap = load.concurrency
     if cap is not None and target.replicas > 1:
         cap = max(1, math.ceil(cap / target.replicas))
