@@ -18,6 +18,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -59,6 +60,28 @@ def fork_map(fn: Callable[[T], R], items: Sequence[T], jobs: int) -> list[R]:
         _WORK = None
 
 
+def start_forked(
+    target: Callable[..., None], *args: Any, duplex: bool = False
+) -> tuple[Connection, BaseProcess]:
+    """A daemon forked process running ``target(*args, conn)`` and this process's end of
+    the pipe to it (receive only unless ``duplex``)."""
+    ctx = mp.get_context("fork")
+    mine, theirs = ctx.Pipe(duplex=duplex)
+    proc = ctx.Process(target=target, args=(*args, theirs), daemon=True)
+    proc.start()
+    theirs.close()
+    return mine, proc
+
+
+def receive(conn: Connection, proc: BaseProcess, who: str) -> Any:
+    """The next message from ``proc``, or a RuntimeError naming ``who`` if it ended first."""
+    try:
+        return conn.recv()
+    except EOFError:
+        proc.join()
+        raise RuntimeError(f"{who}: its process ended early (exit code {proc.exitcode})") from None
+
+
 def fork_iter(make: Callable[[], Iterable[T]], chunk: int = 256) -> Iterator[T]:
     """The items of ``make()``, made in a forked process and taken here in order, so that
     making them overlaps with whatever this process does with them (in-process where the
@@ -68,21 +91,10 @@ def fork_iter(make: Callable[[], Iterable[T]], chunk: int = 256) -> Iterator[T]:
     if not can_fork():
         yield from make()
         return
-    ctx = mp.get_context("fork")
-    recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_produce, args=(make, send, chunk), daemon=True)
-    proc.start()
-    send.close()
+    recv, proc = start_forked(_produce, make, chunk)
     try:
         while True:
-            try:
-                kind, payload = recv.recv()
-            except EOFError:
-                proc.join()
-                raise RuntimeError(
-                    f"fork_iter: the producing process ended without its items "
-                    f"(exit code {proc.exitcode})"
-                ) from None
+            kind, payload = receive(recv, proc, "fork_iter")
             if kind == "error":
                 raise payload
             if kind == "end":
@@ -95,7 +107,7 @@ def fork_iter(make: Callable[[], Iterable[T]], chunk: int = 256) -> Iterator[T]:
         proc.join()
 
 
-def _produce(make: Callable[[], Iterable[Any]], conn: Connection, chunk: int) -> None:
+def _produce(make: Callable[[], Iterable[Any]], chunk: int, conn: Connection) -> None:
     """``fork_iter``'s producer: the items in chunks, then an end mark or the exception."""
     buf: list[Any] = []
     try:
@@ -126,20 +138,11 @@ def fork_call(fn: Callable[[], R]) -> Callable[[], R]:
     if not can_fork():
         result = fn()
         return lambda: result
-    ctx = mp.get_context("fork")
-    recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_call_into, args=(fn, send), daemon=True)
-    proc.start()
-    send.close()
+    recv, proc = start_forked(_call_into, fn)
 
     def wait() -> R:
         try:
-            ok, value = recv.recv()
-        except EOFError:
-            proc.join()
-            raise RuntimeError(
-                f"fork_call: the process ended without a result (exit code {proc.exitcode})"
-            ) from None
+            ok, value = receive(recv, proc, "fork_call")
         finally:
             recv.close()
         proc.join()

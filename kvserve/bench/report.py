@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import multiprocessing as mp
 import pickle
 import shutil
 import tempfile
@@ -20,7 +19,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from kvserve.bench.forks import fork_map
+from kvserve.bench.forks import fork_map, receive, start_forked
 from kvserve.bench.metrics import RequestRecord, sorted_floats
 
 LATENCIES = (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms"))
@@ -346,13 +345,7 @@ class RecordEncoder:
         self._tmp = tempfile.TemporaryDirectory(dir=where, prefix=".records-")
         self._buf: list[bytes] = []
         self._result: EncodedRecords | None = None
-        ctx = mp.get_context("fork")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(
-            target=_encode_records, args=(child, Path(self._tmp.name)), daemon=True
-        )
-        self._proc.start()
-        child.close()
+        self._conn, self._proc = start_forked(_encode_records, Path(self._tmp.name), duplex=True)
 
     def add(self, index: int, record: RequestRecord, shift: float = 0.0) -> None:
         """Record ``index`` is final (but for ``send_time - shift``): encode it as it is now
@@ -368,10 +361,7 @@ class RecordEncoder:
             self._send(self._buf)
             self._buf = []
             self._send(None)
-            try:
-                path, count = self._conn.recv()
-            except EOFError:
-                raise self._died() from None
+            path, count = receive(self._conn, self._proc, "record encoder")
             if isinstance(path, BaseException):
                 raise path
             self._result = EncodedRecords(Path(path), count)
@@ -396,16 +386,13 @@ class RecordEncoder:
         try:
             self._conn.send(msg)
         except (BrokenPipeError, ConnectionResetError):
-            raise self._died() from None
-
-    def _died(self) -> RuntimeError:
-        self._proc.join(5)
-        return RuntimeError(
-            f"record encoder: its process ended early (exit code {self._proc.exitcode})"
-        )
+            self._proc.join(5)
+            raise RuntimeError(
+                f"record encoder: its process ended early (exit code {self._proc.exitcode})"
+            ) from None
 
 
-def _encode_records(conn: Connection, where: Path) -> None:
+def _encode_records(where: Path, conn: Connection) -> None:
     """:class:`RecordEncoder`'s process: encode batches until the end mark, writing each
     line as soon as every lower index is written (requests finish roughly in index order,
     so little waits), the rest in index order at the end; answer with the file and the
