@@ -123,6 +123,9 @@ AMX = torch.cpu._is_amx_tile_supported()
         (100, 1, 8, 4, 64, None),  # one query after a long context (AMX only)
         (37, 70, 9, 3, 64, 25),  # SmolLM2's grouping, a window reaching into the context
         (200, 45, 8, 2, 128, None),  # head size 128, a context longer than the chunk
+        (1800, 180, 8, 4, 64, None),  # a turn after a cached conversation (50 M heads)
+        (300, 16, 9, 3, 64, 40),  # the fewest queries the dot products take, a window
+        (300, 15, 9, 3, 64, None),  # one fewer: SDPA's
         (45, 200, 8, 2, 128, None),  # head size 128
         (33, 64, 4, 4, 32, 50),  # MHA, head size 32
         (700, 700, 8, 8, 64, None),  # the 50 M benchmark model's heads, a long context
@@ -135,7 +138,8 @@ def test_context_kernel_matches_naive_attention(monkeypatch, ctx, tokens, heads,
     strided view of the gathered [KVH, S, D] layout, against naive float32 attention: within
     bf16 rounding, or float32's summation order. The AMX tile kernel (bf16, where the CPU has
     it) takes every case; the FMA kernel takes chunks whose context is no longer than the
-    chunk and declines the rest with nothing written (SDPA is faster there)."""
+    chunk, on bf16 dot products also chunks of 16 queries or more after a longer context,
+    and declines the rest with nothing written (SDPA is faster there)."""
     monkeypatch.setenv("KVSERVE_PREFILL_BF16_DOT", dot)
     g = torch.Generator().manual_seed(ctx + tokens)
     n = ctx + tokens
@@ -144,7 +148,8 @@ def test_context_kernel_matches_naive_attention(monkeypatch, ctx, tokens, heads,
     q = torch.randn(tokens, heads, d, generator=g).to(dtype)
     out = torch.full((tokens, heads, d), float("nan"), dtype=dtype)
     took = prefill.context_attention(q, keys, vals, out, window)
-    assert took == (ctx <= tokens or (AMX and dtype == torch.bfloat16))
+    dot_takes = dot == "1" and tokens >= prefill.DOT_CONTEXT_MIN_QUERIES
+    assert took == (ctx <= tokens or (dtype == torch.bfloat16 and (AMX or dot_takes)))
     if not took:
         assert torch.isnan(out).all()
         return

@@ -139,11 +139,14 @@ def context_attention(
     Lk - L + i. False, with nothing written, where no kernel takes it (the caller uses SDPA).
 
     The FMA kernel (CPUs without AMX) converts and repacks every key and value of the call
-    before it multiplies, and skips only the blocks above the diagonal: it is faster than
-    SDPA's matrix products when the chunk's own triangle is a large share of the work, and
-    several times slower for a short chunk after a long context (a question after a cached
-    document). It takes a chunk only when its context is no longer than the chunk
-    (``BENCHMARKS.md``, session 42)."""
+    before it multiplies, and skips only the blocks above the diagonal: on float32 FMAs it
+    is faster than SDPA's matrix products when the chunk's own triangle is a large share of
+    the work, and several times slower for a short chunk after a long context (a question
+    after a cached document), so it takes a chunk only when its context is no longer than
+    the chunk (``BENCHMARKS.md``, session 42). On bf16 dot products (a CPU where they beat
+    float32 FMAs) its products run twice as fast while the repacking costs the same, and it
+    beats SDPA from :data:`DOT_CONTEXT_MIN_QUERIES` queries after any context (session 45):
+    it takes those too."""
     if not (
         q.dim() == k.dim() == v.dim() == 3
         and packed_rows(q, _DTYPES)
@@ -157,7 +160,15 @@ def context_attention(
         and v.stride() == k.stride()
     ):
         return False
-    return _attention(q, k, v, out, window, fma=k.shape[0] - q.shape[0] <= q.shape[0])
+    n, ctx = q.shape[0], k.shape[0] - q.shape[0]
+    dot = q.dtype == torch.bfloat16 and n >= DOT_CONTEXT_MIN_QUERIES and bf16_dot_products()
+    return _attention(q, k, v, out, window, fma=ctx <= n or dot)
+
+
+# Queries from which the kernel on bf16 dot products beats SDPA after a context of any length
+# (on a Zen 4: 16 queries after 1,000 to 8,000 keys 0.7-0.85x SDPA's time; 8-12 queries
+# after 1,000 up to 3x, its repacking of every key then dominating).
+DOT_CONTEXT_MIN_QUERIES = 16
 
 
 def _attention(
