@@ -220,7 +220,8 @@ int kvserve_prefill_attention(const void *q, int64_t q_stride, const void *k, co
             pack_block((const char *)k + hoff, (const char *)v + hoff, kv_stride, Lk, D, b,
                        kt + boff, vf + boff, dt);
         }
-        float acc[MAXR * MAXD], m[MAXR], l[MAXR];
+        float acc[MAXR * MAXD], m[MAXR];
+        __m512 lv[MAXR]; /* each row's running sum of probabilities, 16 lanes */
         float qf[QK_ROWS][MAXD];
         float pp[QK_ROWS + 1][KB], corr[QK_ROWS + 1], pair_scratch[MAXD];
         uint32_t qw[QK_ROWS][MAXD / 2], pw[QK_ROWS + 1][KB / 2]; /* bf16 pairs (dp) */
@@ -233,7 +234,7 @@ int kvserve_prefill_attention(const void *q, int64_t q_stride, const void *k, co
             const int64_t p_last = off + p0 + tq - 1; /* the tile's last key position */
             for (int r = 0; r < R; r++) {
                 m[r] = -INFINITY;
-                l[r] = 0.f;
+                lv[r] = _mm512_setzero_ps();
             }
             memset(acc, 0, sizeof(float) * (size_t)R * D);
             int64_t b_lo = window > 0 ? (off + p0 - window + 1) / KB : 0;
@@ -307,22 +308,27 @@ int kvserve_prefill_attention(const void *q, int64_t q_stride, const void *k, co
                         }
                         const uint64_t vis = (((uint64_t)1 << hi) - 1) & ~(((uint64_t)1 << lo) - 1);
                         const __mmask16 v0 = (__mmask16)(vis & 0xffff), v1 = (__mmask16)(vis >> 16);
-                        const float a = _mm512_mask_reduce_max_ps(v0, s0[i]);
-                        const float bm = _mm512_mask_reduce_max_ps(v1, s1[i]);
-                        const float bmax = a > bm ? a : bm;
+                        /* one reduction for both halves: hidden lanes at -inf first */
+                        const __m512 ninf = _mm512_set1_ps(-INFINITY);
+                        const float bmax = _mm512_reduce_max_ps(_mm512_max_ps(
+                            _mm512_mask_mov_ps(ninf, v0, s0[i]), _mm512_mask_mov_ps(ninf, v1, s1[i])));
                         const float mx = bmax > m[r] ? bmax : m[r];
                         corr[i] = expf(m[r] - mx);
                         const __m512 mxv = _mm512_set1_ps(mx);
                         __m512 pr0 = _mm512_maskz_mov_ps(v0, exp16(_mm512_sub_ps(s0[i], mxv)));
                         __m512 pr1 = _mm512_maskz_mov_ps(v1, exp16(_mm512_sub_ps(s1[i], mxv)));
-                        if (dp) { /* rounded to bf16 for the value product; l sums the same */
-                            const __m256i b0 = to_bf16(pr0), b1 = to_bf16(pr1);
-                            _mm256_storeu_si256((__m256i *)pw[i], b0);
-                            _mm256_storeu_si256((__m256i *)(pw[i] + 8), b1);
-                            pr0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b0), 16));
-                            pr1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b1), 16));
+#ifdef HAVE_DP
+                        if (dp) { /* rounded to bf16 (nearest even, one instruction) for the
+                                   * value product; l sums the same */
+                            const __m256bh b0 = _mm512_cvtneps_pbh(pr0), b1 = _mm512_cvtneps_pbh(pr1);
+                            _mm256_storeu_si256((__m256i *)pw[i], (__m256i)b0);
+                            _mm256_storeu_si256((__m256i *)(pw[i] + 8), (__m256i)b1);
+                            pr0 = _mm512_cvtpbh_ps(b0);
+                            pr1 = _mm512_cvtpbh_ps(b1);
                         }
-                        l[r] = l[r] * corr[i] + _mm512_reduce_add_ps(_mm512_add_ps(pr0, pr1));
+#endif
+                        /* the row's sum stays a vector until the tile ends */
+                        lv[r] = _mm512_fmadd_ps(lv[r], _mm512_set1_ps(corr[i]), _mm512_add_ps(pr0, pr1));
                         m[r] = mx;
                         if (!dp) { /* the dot-product path stored its bf16 pairs above */
                             _mm512_storeu_ps(pp[i], pr0);
@@ -356,7 +362,8 @@ int kvserve_prefill_attention(const void *q, int64_t q_stride, const void *k, co
                 const int g = r / tq;
                 const int64_t pos = p0 + r % tq;
                 const int64_t dst = (pos * H + h * G + g) * (int64_t)D;
-                const __m512 inv = _mm512_set1_ps(l[r] > 0.f ? 1.f / l[r] : 0.f);
+                const float l = _mm512_reduce_add_ps(lv[r]);
+                const __m512 inv = _mm512_set1_ps(l > 0.f ? 1.f / l : 0.f);
                 for (int c = 0; c < chunks; c++) {
                     const __m512 o = _mm512_mul_ps(_mm512_loadu_ps(acc + (int64_t)r * D + 16 * c), inv);
                     if (dt)
