@@ -317,6 +317,9 @@ class EncodedWorkload(Sequence[BenchRequest]):
             req, ids = next(self._items)
             self._reqs.append(req)
             self._ids.append(ids)
+            if len(self._reqs) == self._n:  # the producer's end: it exits, and is reaped
+                for _ in self._items:
+                    raise RuntimeError(f"the workload made more than its {self._n} requests")
         return self._reqs[i]
 
     def token_ids(self, i: int) -> list[int]:
