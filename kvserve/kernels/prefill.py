@@ -165,9 +165,9 @@ def context_attention(
     return _attention(q, k, v, out, window, fma=ctx <= n or dot)
 
 
-# Queries from which the kernel on bf16 dot products beats SDPA after a context of any length
-# (on a Zen 4: 16 queries after 1,000 to 8,000 keys 0.7-0.85x SDPA's time; 8-12 queries
-# after 1,000 up to 3x, its repacking of every key then dominating).
+# Queries from which the kernel on bf16 dot products beats SDPA after a context of any length;
+# below it the kernel's repacking of every context key dominates (measured crossover in
+# BENCHMARKS.md, session 45).
 DOT_CONTEXT_MIN_QUERIES = 16
 
 
