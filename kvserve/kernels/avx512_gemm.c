@@ -73,18 +73,22 @@ int kvserve_avx512_available(void) { return 1; }
     }
 #define TILE(MT, NT) TILE_FN(tile, MT, NT, FMA_STEP)
 
-/* Up to 4 rows: 4 blocks (4 x 4 + 8 weight registers); more rows: 2 blocks (12 x 2 + 4). */
-#define TILES4(MT) TILE(MT, 1) TILE(MT, 2) TILE(MT, 3) TILE(MT, 4)
-#define TILES2(MT) TILE(MT, 1) TILE(MT, 2)
-TILES4(1) TILES4(2) TILES4(3) TILES4(4)
-TILES2(5) TILES2(6) TILES2(7) TILES2(8) TILES2(9) TILES2(10) TILES2(11) TILES2(12)
+/* Every tile a kind T defines, and the table of them by rows and blocks (prefix P): up to 4
+ * rows, 4 blocks (4 x 4 + 8 weight registers); more rows, 2 blocks (12 x 2 + 4). */
+#define TILES4(T, MT) T(MT, 1) T(MT, 2) T(MT, 3) T(MT, 4)
+#define TILES2(T, MT) T(MT, 1) T(MT, 2)
+#define ALL_TILES(T)                                                                          \
+    TILES4(T, 1) TILES4(T, 2) TILES4(T, 3) TILES4(T, 4) TILES2(T, 5) TILES2(T, 6)             \
+    TILES2(T, 7) TILES2(T, 8) TILES2(T, 9) TILES2(T, 10) TILES2(T, 11) TILES2(T, 12)
+#define ROW4(P, MT) {P##_##MT##_1, P##_##MT##_2, P##_##MT##_3, P##_##MT##_4}
+#define ROW2(P, MT) {P##_##MT##_1, P##_##MT##_2, NULL, NULL}
+#define TILE_TABLE(P)                                                                         \
+    {ROW4(P, 1), ROW4(P, 2), ROW4(P, 3), ROW4(P, 4), ROW2(P, 5), ROW2(P, 6),                  \
+     ROW2(P, 7), ROW2(P, 8), ROW2(P, 9), ROW2(P, 10), ROW2(P, 11), ROW2(P, 12)}
 
+ALL_TILES(TILE)
 typedef void (*tile_fn)(const float *, const uint16_t *const *, int64_t, float *);
-#define ROW4(MT) {tile_##MT##_1, tile_##MT##_2, tile_##MT##_3, tile_##MT##_4}
-#define ROW2(MT) {tile_##MT##_1, tile_##MT##_2, NULL, NULL}
-static const tile_fn TILE_FNS[MT_MAX][4] = {ROW4(1), ROW4(2), ROW4(3), ROW4(4), ROW2(5),
-                                            ROW2(6), ROW2(7), ROW2(8), ROW2(9), ROW2(10),
-                                            ROW2(11), ROW2(12)};
+static const tile_fn TILE_FNS[MT_MAX][4] = TILE_TABLE(tile);
 
 /* The same tiles on the bf16 dot product (`vdpbf16ps`): the weight vector is already the
  * instruction's operand (16 columns x 2 k), and x's pair (two adjacent bf16 values of a row,
@@ -106,15 +110,8 @@ static const tile_fn TILE_FNS[MT_MAX][4] = {ROW4(1), ROW4(2), ROW4(3), ROW4(4), 
         }                                                                                     \
     }
 #define TILE_DOT(MT, NT) TILE_FN(tdot, MT, NT, DOT_STEP)
-#define DOTS4(MT) TILE_DOT(MT, 1) TILE_DOT(MT, 2) TILE_DOT(MT, 3) TILE_DOT(MT, 4)
-#define DOTS2(MT) TILE_DOT(MT, 1) TILE_DOT(MT, 2)
-DOTS4(1) DOTS4(2) DOTS4(3) DOTS4(4)
-DOTS2(5) DOTS2(6) DOTS2(7) DOTS2(8) DOTS2(9) DOTS2(10) DOTS2(11) DOTS2(12)
-#define DROW4(MT) {tdot_##MT##_1, tdot_##MT##_2, tdot_##MT##_3, tdot_##MT##_4}
-#define DROW2(MT) {tdot_##MT##_1, tdot_##MT##_2, NULL, NULL}
-static const tile_fn DOT_FNS[MT_MAX][4] = {DROW4(1), DROW4(2), DROW4(3), DROW4(4), DROW2(5),
-                                           DROW2(6), DROW2(7), DROW2(8), DROW2(9), DROW2(10),
-                                           DROW2(11), DROW2(12)};
+ALL_TILES(TILE_DOT)
+static const tile_fn DOT_FNS[MT_MAX][4] = TILE_TABLE(tdot);
 #endif
 
 static int use_dot = 0; /* set once at start-up (kvserve_avx512_set_dot) */
