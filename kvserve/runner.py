@@ -119,7 +119,13 @@ class ModelRunner:
         if self.layer_groups is not None:
             meta.by_layer = self._group_metas(items, meta)
         self.storage.begin_step(meta.slot_mapping)
-        hidden = self.model(input_ids, positions, self.storage, meta)
+        rows, spans, sampling = self._output_rows(items)
+        # only the rows read below leave the last layer (``hidden[i]`` is token ``rows[i]``);
+        # a decode step reads every row in order and selects none
+        keep = None
+        if len(rows) != len(input_ids) or rows != list(range(len(rows))):
+            keep = torch.tensor(rows, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, positions, self.storage, meta, keep)
         if sched.kv_ops.offload_after:  # write-through: blocks this step filled
             self._export(sched.kv_ops.offload_after, out)
         for s in items:  # the forks of an H2O request start from its mass
@@ -127,29 +133,15 @@ class ModelRunner:
                 for rid in s.sample_ids[1:]:
                     self.mass[rid] = [m.clone() for m in self.mass[s.req_id]]
 
-        last, t = [], 0
-        for s in items:
-            t += s.num_tokens
-            last.append(t - 1)
-        sampling = [i for i, s in enumerate(items) if s.sample_ids]
-        rows = [last[i] for i in sampling for _ in items[i].sample_ids]
-        spans = []  # (req_id, first row in `rows`, number of prompt rows)
-        for i, s in enumerate(items):
-            n = s.num_prompt_logit_rows
-            if n:
-                spans.append((s.req_id, len(rows), n))
-                first = last[i] - s.num_tokens + 1
-                rows.extend(range(first, first + n))
         if not rows:
             return out
-        h = hidden[torch.tensor(rows, device=self.device)]
-        logits = self.model.logits(h)
+        logits = self.model.logits(hidden)
         for rid, start, n in spans:
             out.prompt_logits[rid] = torch.log_softmax(logits[start : start + n], dim=-1)
         ids = [rid for i in sampling for rid in items[i].sample_ids]
         if ids:
             states = [self.states[rid] for rid in ids]
-            sampled = self.sampler(logits[: len(ids)], states, self._rescore(h[: len(ids)]))
+            sampled = self.sampler(logits[: len(ids)], states, self._rescore(hidden[: len(ids)]))
             for st, tok in zip(states, sampled.token_ids, strict=True):
                 st.output_token_ids.append(tok)
             out.req_ids = ids
@@ -157,6 +149,28 @@ class ModelRunner:
             out.logprobs = sampled.logprobs
             out.sampled_logprobs = sampled.sampled_logprobs
         return out
+
+    @staticmethod
+    def _output_rows(
+        items: list[ScheduledSeq],
+    ) -> tuple[list[int], list[tuple[str, int, int]], list[int]]:
+        """The token rows whose logits the step reads: each sampling sequence's last row,
+        once per sample, then the prompt-logprob rows; the spans (request, first index in
+        ``rows``, number of prompt rows) and the indices of the sampling sequences."""
+        last, t = [], 0
+        for s in items:
+            t += s.num_tokens
+            last.append(t - 1)
+        sampling = [i for i, s in enumerate(items) if s.sample_ids]
+        rows = [last[i] for i in sampling for _ in items[i].sample_ids]
+        spans = []
+        for i, s in enumerate(items):
+            n = s.num_prompt_logit_rows
+            if n:
+                spans.append((s.req_id, len(rows), n))
+                first = last[i] - s.num_tokens + 1
+                rows.extend(range(first, first + n))
+        return rows, spans, sampling
 
     def _group_metas(
         self, items: list[ScheduledSeq], meta: AttentionMetadata

@@ -98,7 +98,11 @@ class DecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         storage: KVStorage,
         meta: AttentionMetadata,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The layer's output for every token, or with ``rows`` (the last layer) for those rows
+        only: every token's K/V is still written and attended, but the output projection and
+        the MLP run only where a later step reads the result."""
         t = x.shape[0]
         ops = self.ops
         qkv = ops.linear(ops.rms_norm(self.input_layernorm, x), self.qkv_proj)
@@ -109,7 +113,12 @@ class DecoderLayer(nn.Module):
         q, k = ops.rotary(rotary, positions, q, k)  # the fast path rotates q and k in place
         attn = paged_attention(q, k, v, self.layer_idx, storage, meta, self.window,
                                ops.causal_attention, ops.context_attention)  # fmt: skip
-        h = ops.linear_add(attn.reshape(t, self.q_size), self.o_proj, x)
+        attn = attn.reshape(t, self.q_size)
+        if rows is not None:
+            attn, x = attn[rows], x[rows]
+            if not x.shape[0]:
+                return x
+        h = ops.linear_add(attn, self.o_proj, x)
         return ops.swiglu_add(
             ops.rms_norm(self.post_attention_layernorm, h), self.gate_up_proj, self.down_proj, h
         )
@@ -135,19 +144,29 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         storage: KVStorage,
         meta: AttentionMetadata,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final hidden states ``[T, hidden]`` (normed); logits come from :meth:`logits`."""
+        """Final hidden states (normed) ``[T, hidden]``, or ``[len(rows), hidden]`` for the
+        token rows ``rows`` (int64, repeats allowed) in that order; logits come from
+        :meth:`logits`.
+
+        A step reads the final hidden state of few of its tokens (the last of each sequence
+        that samples, and rows asked for prompt logprobs), so with ``rows`` the last layer
+        runs its output projection and MLP on those rows only: a prefill chunk of thousands
+        of tokens skips nearly all of that layer's work after attention, a chunk that
+        finishes no prompt all of it. The result for a kept row is the same computation."""
         x = self.embed_tokens(input_ids)
         meta.rotary = self.rotary  # a sink retention policy re-rotates queries with it
         by_layer = meta.by_layer
         if by_layer is not None:  # a hybrid model: each layer group's own block tables
             for m in by_layer:
                 m.rotary = self.rotary
-            for layer, m in zip(self.layers, by_layer, strict=True):
-                x = layer(x, positions, self.rotary, storage, m)
-        else:
-            for layer in self.layers:
-                x = layer(x, positions, self.rotary, storage, meta)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            m = meta if by_layer is None else by_layer[i]
+            x = layer(x, positions, self.rotary, storage, m, rows if i == last else None)
+        if not x.shape[0]:
+            return x
         return self.ops.rms_norm(self.norm, x)
 
     def set_ops(self, ops: TorchOps) -> None:
