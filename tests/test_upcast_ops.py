@@ -307,3 +307,40 @@ def test_float32_copies_only_where_memory_allows(checkpoint, monkeypatch, forced
     monkeypatch.setattr(linear_ops, "available_memory", lambda: int(need * 4))
     model.set_ops(UpcastOps(min_rows=16))
     assert hasattr(layer.qkv_proj, "weight32")
+
+
+@needs_avx512
+@pytest.mark.parametrize(
+    ("onednn_ahead_from", "want"),
+    [(64, 64), (16, 16), (None, 1024)],  # None: the kernel ahead at every size timed
+)
+def test_split_measured_on_the_models_own_layers(checkpoint, monkeypatch, onednn_ahead_from, want):
+    """With ``measure_split`` the step size comes from timing the model's own layers both
+    ways (fake timings here: oneDNN 10 % slower than the kernel below ``onednn_ahead_from``
+    rows, 10 % faster from it): the first size timed where oneDNN is as fast, or twice the
+    largest size timed when it never is. Each timing runs the path the threshold selects
+    for that row count, over the layers' packed matrices."""
+    from kvserve.model import linear_ops
+
+    model, _ = _load_bf16(checkpoint, monkeypatch, "qwen2")
+    ops = UpcastOps(min_rows=8, kernel="avx512", dtype=torch.bfloat16, measure_split=True)
+    timed = []
+
+    def fake_time(fn, layers, x, xo, reps):
+        rows = x.shape[0]
+        onednn = rows >= ops.min_rows
+        timed.append((rows, onednn, len(layers)))
+        fn(layers, x, xo)  # the real calls run: shapes and paths must hold
+        slower = onednn_ahead_from is None or rows < onednn_ahead_from
+        return rows * (1.0 if not onednn else 1.1 if slower else 0.9)
+
+    monkeypatch.setattr(linear_ops, "best_time", fake_time)
+    model.set_ops(ops)
+    assert ops.min_rows == want and f"steps of {want}+" in ops.describe()
+    sizes = [r for r, _, _ in timed]
+    assert sizes == sorted(sizes) and sizes[0] == 16
+    assert all(n == len(model.layers) for _, _, n in timed)  # a small model: every layer
+    assert {(r, o) for r, o, _ in timed} == {(r, o) for r in set(sizes) for o in (False, True)}
+    # a model without decoder layers keeps the probe's answer
+    bare = UpcastOps(min_rows=8, kernel="avx512", dtype=torch.bfloat16, measure_split=True)
+    assert bare._split_on(torch.nn.Module()) == 8

@@ -305,6 +305,7 @@ class UpcastOps(PackedOps):
         forced: bool = False,
         kernel: str | None = None,
         dtype: torch.dtype = torch.float32,
+        measure_split: bool = False,
     ) -> None:
         super().__init__(kernel)
         if dtype not in (torch.float32, torch.bfloat16):
@@ -313,6 +314,7 @@ class UpcastOps(PackedOps):
         self.name += "-upcast" if dtype == torch.float32 else "-onednn"
         self.min_rows = min_rows
         self.forced = forced
+        self.measure_split = measure_split and kernel is not None and dtype == torch.bfloat16
         self.skipped: tuple[int, int] | None = None  # (copy bytes, bytes available) if so
 
     def adopt(self, model: nn.Module) -> None:
@@ -349,6 +351,56 @@ class UpcastOps(PackedOps):
         super().adopt(model)  # packs the bf16 matrices
         for lin, c in copies:  # plain attributes, not parameters: decode steps read bf16
             lin.__dict__.update(c)
+        if self.measure_split:
+            self.min_rows = self._split_on(model)
+
+    def _split_on(self, model: nn.Module) -> int:
+        """The step size from which oneDNN's bf16 GEMMs beat the kernel on this model's own
+        decoder layers (QKV, output and SwiGLU + down projections with their epilogues),
+        timed both ways at doubling row counts over the first layers whose weights exceed
+        ``SPLIT_WEIGHT_BYTES``, so that they stream from memory as in a real step.
+
+        The start-up probe (:func:`large_step_gemm`) times one 1,024 x 1,024 matrix held in
+        cache, and the crossover moves with the shapes and with where the weights come from:
+        on a Zen 4 the kernel still led oneDNN at 64 rows on SmolLM2's 576-wide layers where
+        the two tied on the probe's matrix (BENCHMARKS.md). A model without such layers keeps
+        the probe's answer; where the kernel still leads at the largest size timed, oneDNN
+        takes the steps twice that size and more (prefill chunks, where its bf16 GEMM
+        measured ahead). Below the first size timed the kernel leads on every CPU measured."""
+        names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+        chosen, size = [], 0
+        for layer in getattr(model, "layers", None) or []:
+            lins = [getattr(layer, n, None) for n in names]
+            if not all(lin is not None and "weight32" in lin.__dict__ for lin in lins):
+                return self.min_rows
+            chosen.append(lins)
+            size += sum(lin.weight.numel() * 2 for lin in lins)
+            if size >= SPLIT_WEIGHT_BYTES:
+                break
+        if not chosen:
+            return self.min_rows
+        gen = torch.Generator().manual_seed(0)
+        hidden, width = chosen[0][0].in_features, chosen[0][1].in_features
+        found = 2 * MODEL_SPLIT_ROWS[-1]
+        for rows in MODEL_SPLIT_ROWS:
+            x = torch.randn(rows, hidden, generator=gen).to(torch.bfloat16)
+            xo = torch.randn(rows, width, generator=gen).to(torch.bfloat16)
+            self.min_rows = rows + 1  # the kernel
+            t_kernel = best_time(self._layers_gemms, chosen, x, xo, reps=2)
+            self.min_rows = rows  # oneDNN
+            if best_time(self._layers_gemms, chosen, x, xo, reps=2) <= t_kernel:
+                found = rows
+                break
+        self.min_rows = found
+        return found
+
+    def _layers_gemms(
+        self, layers: list[list[nn.Linear]], x: torch.Tensor, xo: torch.Tensor
+    ) -> None:
+        for qkv, o, gate_up, down in layers:
+            self.linear(x, qkv)
+            self.linear_add(xo, o, x)
+            self.swiglu_add(x, gate_up, down, x)
 
     @property
     def large_step_rows(self) -> int:
@@ -433,6 +485,10 @@ UPCAST_MIN_ROWS_AVX512 = 128
 # Where oneDNN's bf16 GEMM is the fast one, the kernel keeps the steps below the first of these
 # row counts at which oneDNN's is faster on the probe's matrix.
 SPLIT_PROBE_ROWS = (2, 4, 8, 16, 32, 64, 128, 256)
+# The step sizes UpcastOps times on a model's own layers (measure_split), and how many bytes
+# of their weights it streams per step: twice the 32 MiB last-level cache of the CPUs seen.
+MODEL_SPLIT_ROWS = (16, 32, 64, 128, 256, 512)
+SPLIT_WEIGHT_BYTES = 64 << 20
 # The share of the memory available at load time that the float32 copies may take.
 UPCAST_MEMORY_SHARE = 0.25
 
@@ -534,7 +590,8 @@ def select_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
         split = large_step_gemm(kernel) if bf16 else None
         if split is not None:
             forced = "KVSERVE_UPCAST_MIN_ROWS" in os.environ
-            return UpcastOps(split[0], forced=forced, kernel=kernel, dtype=split[1])
+            return UpcastOps(split[0], forced=forced, kernel=kernel, dtype=split[1],
+                             measure_split=not forced)  # fmt: skip
         if kernel is not None:
             return PackedOps(kernel)
         return OneDNNOps(prepack=prepack)
