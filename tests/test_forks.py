@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from kvserve.bench.forks import fork_iter, fork_map
+from kvserve.bench.forks import fork_call, fork_iter, fork_map
 
 
 def test_fork_map_equals_the_loop_and_runs_elsewhere():
@@ -59,8 +59,6 @@ def test_closing_fork_iter_early_stops_the_producer():
 
 
 def test_fork_call_returns_the_result_or_raises_the_error_from_another_process():
-    from kvserve.bench.forks import fork_call
-
     wait = fork_call(lambda: (sum(range(100)), os.getpid()))
     total, pid = wait()
     assert total == 4950 and pid != os.getpid()
@@ -72,3 +70,21 @@ def test_fork_call_returns_the_result_or_raises_the_error_from_another_process()
         fork_call(bad)()
     with pytest.raises(RuntimeError, match="exit code 4"):
         fork_call(lambda: os._exit(4))()
+
+
+def test_children_freeze_what_they_inherit():
+    """Each forked child starts with the parent's objects frozen (out of the collector's
+    generations), so a collection there never walks them: its freeze count covers at least
+    the objects the collector tracked here when it was forked; and its collector is on."""
+    import gc
+
+    keep = [{"i": i} for i in range(50_000)]  # tracked objects the children inherit
+    tracked = len(gc.get_objects())
+    state = lambda *_: (gc.get_freeze_count(), gc.isenabled())  # noqa: E731
+    gc.disable()  # a parent mid-replay: the children still collect their own garbage
+    try:
+        got = [fork_call(state)(), *fork_map(state, [0, 1], 2), *fork_iter(lambda: iter([state()]))]
+    finally:
+        gc.enable()
+    assert all(frozen >= 0.9 * tracked and on for frozen, on in got), (tracked, got)
+    del keep

@@ -542,9 +542,9 @@ def test_replicas_split_the_load_and_tp_splits_the_step(llama8b):
 
 
 def test_replay_leaves_no_cyclic_garbage_and_restores_the_collector():
-    """The replay raises the collector's threshold on the premise that a step makes no
-    reference cycles: a preempting, prefix-sharing run leaves none to collect, and the
-    collector's settings are back as they were afterwards."""
+    """The replay turns the collector off on the premise that a step makes no reference
+    cycles: a preempting, prefix-sharing run leaves none to collect, and the collector's
+    settings are back as they were afterwards (off here, on after a run that began on)."""
     kw = dict(model=default_model(), num_gpu_blocks=24, max_model_len=256)
     words = "the cache block model server request queue latency ".split()
     reqs = [BenchRequest(i, "chat", " ".join(words * 4) + f" {i}", 40, 40) for i in range(12)]
@@ -553,9 +553,13 @@ def test_replay_leaves_no_cyclic_garbage_and_restores_the_collector():
     gc.disable()
     try:
         res, (sim,) = simulate_load(SimTarget(kw, cpu_profile()), reqs, LoadSpec(), 0)
+        still_off = not gc.isenabled()
         leaked = gc.collect()
     finally:
         gc.enable()
+    assert still_off
+    simulate_load(SimTarget(kw, cpu_profile()), reqs[:2], LoadSpec(), 0)
+    assert gc.isenabled()
     assert all(r.success for r in res.records)
     assert sim.engine.core.scheduler.stats.num_preemptions > 0  # the pool is too small
     assert leaked == 0

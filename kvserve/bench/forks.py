@@ -8,11 +8,15 @@ points and the chunks of a long run's per-request records are independent of eac
 Forked children inherit the data and the function's closure instead of receiving them
 pickled (a long trace is hundreds of MB of prompts); only the results come back, pickled.
 None of this does tensor work, so the children start no thread pools that a fork could leave
-in a bad state.
+in a bad state. Each child first freezes the objects it inherited (``gc.freeze``): a garbage
+collection there would otherwise walk all of them, a long run's records are millions, and
+copy every page it touched from the parent. Its own garbage is collected as usual, even where
+the parent had turned its collector off (a simulation's replay does).
 """
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -54,7 +58,9 @@ def fork_map(fn: Callable[[T], R], items: Sequence[T], jobs: int) -> list[R]:
         return [fn(x) for x in items]
     _WORK = (fn, items)
     try:
-        with ProcessPoolExecutor(min(jobs, len(items)), mp.get_context("fork")) as pool:
+        with ProcessPoolExecutor(
+            min(jobs, len(items)), mp.get_context("fork"), initializer=_child_gc
+        ) as pool:
             return list(pool.map(_call, range(len(items))))
     finally:
         _WORK = None
@@ -67,10 +73,20 @@ def start_forked(
     the pipe to it (receive only unless ``duplex``)."""
     ctx = mp.get_context("fork")
     mine, theirs = ctx.Pipe(duplex=duplex)
-    proc = ctx.Process(target=target, args=(*args, theirs), daemon=True)
+    proc = ctx.Process(target=_frozen, args=(target, *args, theirs), daemon=True)
     proc.start()
     theirs.close()
     return mine, proc
+
+
+def _child_gc() -> None:
+    gc.freeze()  # what the parent had: never collected here (see the module's docstring)
+    gc.enable()
+
+
+def _frozen(target: Callable[..., None], *args: Any) -> None:
+    _child_gc()
+    target(*args)
 
 
 def receive(conn: Connection, proc: BaseProcess, who: str) -> Any:

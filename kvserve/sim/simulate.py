@@ -711,7 +711,7 @@ def _run_replica(
 ) -> _ReplicaRun:
     """Replica ``k`` of a fleet that shares nothing: its engine, its share, what it measured."""
     sim = build_engine(target)
-    with _few_collections():
+    with _no_collections():
         sh = _prepare(sim, target, trace, k, progress)
         for _ in sh.steps:
             pass
@@ -741,7 +741,7 @@ def _run_fleet(
         for i, tier in enumerate(tiers):
             if tier.name in SHARED_TIERS:
                 tiers[i] = first.tiers[i]  # type: ignore[union-attr]
-    with _few_collections():
+    with _no_collections():
         shares = [_prepare(sim, target, trace, k, progress) for k, sim in enumerate(sims)]
         # The replay's timeline starts at each replica's end of warm-up (the warm-ups, one
         # request at a time and not measured, leave the server idle).
@@ -764,20 +764,23 @@ _DONE = object()
 
 
 @contextmanager
-def _few_collections() -> Iterator[None]:
+def _no_collections() -> Iterator[None]:
     """The replay allocates a few small objects per sequence per step, nearly all freed at
     once by reference counting, while the workload, the engine and the records stay alive:
-    CPython's collector would rescan those every few thousand allocations. They are frozen
-    out of collection and the youngest generation's threshold raised for the replay, then
-    both restored (the engine makes no reference cycles per step)."""
+    CPython's collector would rescan the survivors every few thousand allocations, seconds
+    over a long trace, and find nothing, since the engine makes no reference cycles per step
+    (tests/test_simulator.py checks a preempting, prefix-sharing replay leaves none). So the
+    collector is off for the replay, what exists before it frozen out of its generations,
+    and both restored after."""
     gc.collect()
     gc.freeze()
-    threshold = gc.get_threshold()
-    gc.set_threshold(max(threshold[0], 50_000), *threshold[1:])
+    was_enabled = gc.isenabled()
+    gc.disable()
     try:
         yield
     finally:
-        gc.set_threshold(*threshold)
+        if was_enabled:
+            gc.enable()
         gc.unfreeze()
 
 
