@@ -366,7 +366,7 @@ class UpcastOps(PackedOps):
         the two tied on the probe's matrix (BENCHMARKS.md). A model without such layers keeps
         the probe's answer; where the kernel still leads at the largest size timed, oneDNN
         takes the steps twice that size and more (prefill chunks, where its bf16 GEMM
-        measured ahead). Below the first size timed the kernel leads on every CPU measured."""
+        measured ahead). Below the first size timed the kernel led on every model measured."""
         names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
         chosen, size = [], 0
         for layer in getattr(model, "layers", None) or []:
