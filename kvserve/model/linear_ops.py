@@ -487,7 +487,7 @@ UPCAST_MIN_ROWS_AVX512 = 128
 SPLIT_PROBE_ROWS = (2, 4, 8, 16, 32, 64, 128, 256)
 # The step sizes UpcastOps times on a model's own layers (measure_split), and how many bytes
 # of their weights it streams per step: twice the 32 MiB last-level cache of the CPUs seen.
-MODEL_SPLIT_ROWS = (16, 32, 64, 128, 256, 512)
+MODEL_SPLIT_ROWS = (16, 32, 64, 128, 256)
 SPLIT_WEIGHT_BYTES = 64 << 20
 # The share of the memory available at load time that the float32 copies may take.
 UPCAST_MEMORY_SHARE = 0.25
