@@ -94,8 +94,14 @@ def receive(conn: Connection, proc: BaseProcess, who: str) -> Any:
     try:
         return conn.recv()
     except EOFError:
-        proc.join()
-        raise RuntimeError(f"{who}: its process ended early (exit code {proc.exitcode})") from None
+        raise ended_early(proc, who) from None
+
+
+def ended_early(proc: BaseProcess, who: str, wait: float | None = None) -> RuntimeError:
+    """The error for a helper process that ended before its work did (after joining it,
+    for at most ``wait`` seconds), with its exit code."""
+    proc.join(wait)
+    return RuntimeError(f"{who}: its process ended early (exit code {proc.exitcode})")
 
 
 def fork_iter(make: Callable[[], Iterable[T]], chunk: int = 256) -> Iterator[T]:

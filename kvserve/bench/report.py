@@ -19,7 +19,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from kvserve.bench.forks import fork_map, receive, start_forked
+from kvserve.bench.forks import ended_early, fork_map, receive, start_forked
 from kvserve.bench.metrics import RequestRecord, sorted_floats
 
 LATENCIES = (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms"))
@@ -386,10 +386,7 @@ class RecordEncoder:
         try:
             self._conn.send(msg)
         except (BrokenPipeError, ConnectionResetError):
-            self._proc.join(5)
-            raise RuntimeError(
-                f"record encoder: its process ended early (exit code {self._proc.exitcode})"
-            ) from None
+            raise ended_early(self._proc, "record encoder", wait=5) from None
 
 
 def _encode_records(where: Path, conn: Connection) -> None:
