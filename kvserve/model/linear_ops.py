@@ -391,8 +391,7 @@ class UpcastOps(PackedOps):
             if best_time(self._layers_gemms, chosen, x, xo, reps=2) <= t_kernel:
                 found = rows
                 break
-        self.min_rows = found
-        return found
+        return found  # adopt sets min_rows to it (the loop left the last size timed)
 
     def _layers_gemms(
         self, layers: list[list[nn.Linear]], x: torch.Tensor, xo: torch.Tensor
