@@ -262,3 +262,86 @@ def test_sink_keys_are_scored_with_each_rows_rotated_back_query(dtype, bs, d):
             bf16 = qdt == torch.bfloat16
             tol = {"atol": 2e-2, "rtol": 2e-2} if bf16 else {"atol": 2e-5, "rtol": 1e-4}
             torch.testing.assert_close(out[r].float(), ref, **tol)
+
+
+def test_the_environment_switches_every_kernel_off_at_start(tmp_path):
+    """``KVSERVE_DISABLE_KERNELS=1`` in a new process: every native library reports none (the
+    engine then runs the references); without it they load."""
+    import os
+    import subprocess
+    import sys
+
+    probe = (
+        "from kvserve import kernels\n"
+        "from kvserve.kernels import amx, pointwise, prefill, quant\n"
+        "libs = [kernels._LIB, amx._LIB512, pointwise._LIB, prefill._LIB, quant._LIB]\n"
+        "print(kernels.DISABLED, [lib.get() is not None for lib in libs])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "KVSERVE_DISABLE_KERNELS"}
+    outs = []
+    for extra in ({"KVSERVE_DISABLE_KERNELS": "1"}, {}):
+        run = subprocess.run([sys.executable, "-c", probe], env={**env, **extra},
+                             capture_output=True, text=True, check=True)  # fmt: skip
+        outs.append(run.stdout.strip())
+    from kvserve.kernels import amx, pointwise, prefill, quant
+
+    here = [lib.get() is not None for lib in (kernels._LIB, amx._LIB512, pointwise._LIB,
+                                               prefill._LIB, quant._LIB)]  # fmt: skip
+    assert here[0], "this file runs only where the kernels build"
+    assert outs == [f"True {[False] * 5}", f"False {here}"]
+
+
+def test_switching_kernels_off_in_process_falls_back_to_the_references(monkeypatch):
+    """``kernels.DISABLED`` set in a running process: the next call of each wrapper declines
+    (the caller runs the reference), and the reference it falls back to gives the result."""
+    from kvserve.kernels import pointwise
+
+    x = torch.randn(3, 64)
+    w = torch.randn(64)
+    assert pointwise.rms_norm(x, w, 1e-6) is not None
+    monkeypatch.setattr(kernels, "DISABLED", True)
+    assert not kernels.native_available()
+    assert pointwise.rms_norm(x, w, 1e-6) is None
+    q, k = torch.randn(2, 4, 16), torch.randn(2, 2, 16)
+    cos, sin = torch.ones(8, 16), torch.zeros(8, 16)
+    assert not pointwise.rotary_(torch.tensor([0, 1]), q, k, cos, sin)
+    monkeypatch.setattr(kernels, "DISABLED", False)
+    assert kernels.native_available()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(4, 8),
+        lambda: torch.randn(4, 8).t(),
+        lambda: torch.randn(8, 6)[:, :4],  # rows apart, values packed
+        lambda: torch.randn(1, 8)[:, ::2],
+        lambda: torch.randn(4, 3, 8),
+        lambda: torch.randn(4, 3, 8).transpose(0, 1),
+        lambda: torch.randn(4, 3, 8)[:, :, :4],
+        lambda: torch.randn(4, 3, 8)[::2],
+        lambda: torch.randn(4, 40)[:, 8:32].view(4, 3, 8),  # a fused QKV output's K
+        lambda: torch.randn(3, 1, 8).expand(3, 2, 8),
+        lambda: torch.randn(5),
+        lambda: torch.randn(2, 2, 2, 2),
+        lambda: torch.randn(4, 8).half(),
+    ],
+)
+def test_packed_rows_against_a_naive_definition(make):
+    """Rows of the flat batch may sit anywhere (not overlapping); inside a row, the values are
+    one run: checked here by the addresses themselves."""
+    x = make()
+    dtypes = {torch.float32: 0, torch.bfloat16: 1}
+    if x.dtype not in dtypes or x.dim() not in (2, 3):
+        expected = False
+    else:
+        inner = x[0].numel()
+        e = x.element_size()
+        offsets = sorted(
+            (x[(0, *idx)].data_ptr() - x.data_ptr()) // e
+            for idx in torch.cartesian_prod(*[torch.arange(n) for n in x.shape[1:]])
+            .view(-1, x.dim() - 1)
+            .tolist()
+        )
+        expected = offsets == list(range(inner)) and x.stride(0) >= inner
+    assert kernels.packed_rows(x, dtypes) == expected

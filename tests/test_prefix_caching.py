@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvserve import SamplingParams
+from kvserve import SamplingParams, kernels
 from tests.conftest import prompts_of_lengths
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -144,7 +144,7 @@ def test_parallel_sampling_shares_prompt_blocks(checkpoint, make_llm):
 def test_narrow_dense_cache_with_hits_and_reference_path(checkpoint, make_llm, monkeypatch):
     """A bfloat16 cache under a float32 model, through the plain-PyTorch path (no kernel):
     gathered blocks are cast to the compute dtype, and hits give the same tokens."""
-    monkeypatch.setenv("KVSERVE_DISABLE_KERNELS", "1")
+    monkeypatch.setattr(kernels, "DISABLED", True)
     (system,) = prompts_of_lengths([40], seed=31)
     prompts = [system + [1, 2, 3], system + [4, 5]]
     llm = make_llm(checkpoint("llama_gqa"), dtype="float32", kv_cache_dtype="bfloat16")

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM, SamplingParams, kernels
 from kvserve.config import ConfigError
 from kvserve.request import InvalidRequestError, RequestOutput
 from kvserve.retention import RetentionSpec, parse_retention
@@ -181,7 +181,7 @@ def test_sinks_equal_streaming_llm_with_in_cache_positions(llama, make_llm, stre
                                                            sinks, window, budget, path,
                                                            monkeypatch):  # fmt: skip
     if path == "reference":
-        monkeypatch.setenv("KVSERVE_DISABLE_KERNELS", "1")
+        monkeypatch.setattr(kernels, "DISABLED", True)
     prompts = prompts_of_lengths([5, 70], seed=12)
     key = (sinks, window)
     if key not in _STREAMING:  # the reference is slow (token by token): once per policy

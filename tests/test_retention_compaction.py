@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM, SamplingParams, kernels
 from kvserve.config import ConfigError
 from kvserve.request import InvalidRequestError
 from kvserve.retention import RetentionSpec, parse_retention
@@ -256,7 +256,7 @@ def test_percent_budget():
 @pytest.mark.parametrize("chunk, fused", [(2048, True), (36, True), (2048, False)])
 def test_h2o_equals_a_transformers_reference(llama, make_llm, chunk, fused, monkeypatch):
     if not fused:
-        monkeypatch.setenv("KVSERVE_DISABLE_KERNELS", "1")
+        monkeypatch.setattr(kernels, "DISABLED", True)
     prompts = prompts_of_lengths([20, 90, 128], seed=11)
     expected = [h2o_reference(llama, p, 40, chunk) for p in prompts]
     full = tokens(

@@ -92,10 +92,17 @@ def build_library(src: Path, flags: list[str], what: str) -> ctypes.CDLL | None:
     return ctypes.CDLL(str(out))
 
 
+# ``KVSERVE_DISABLE_KERNELS=1`` when the process started: every kernel gives way to its
+# PyTorch reference. Read once: ``NativeLibrary.get`` runs a dozen times per decoder layer
+# per step, and an ``os.environ`` lookup there was a few percent of a small decode step.
+# Assign to switch in a running process (tests do, with ``monkeypatch.setattr``).
+DISABLED = os.environ.get("KVSERVE_DISABLE_KERNELS") == "1"
+
+
 class NativeLibrary:
     """One kernel source, built (:func:`build_library`) and given its ctypes signatures by
     ``declare`` on the first :meth:`get`; None when there is no compiler, the build failed or
-    ``KVSERVE_DISABLE_KERNELS=1`` is set (read at each call, so tests can switch it)."""
+    the kernels are switched off (:data:`DISABLED`, read at each call)."""
 
     def __init__(
         self, src: Path, flags: list[str], what: str, declare: Callable[[ctypes.CDLL], None]
@@ -105,7 +112,7 @@ class NativeLibrary:
         self._tried = False
 
     def get(self) -> ctypes.CDLL | None:
-        if os.environ.get("KVSERVE_DISABLE_KERNELS") == "1":
+        if DISABLED:
             return None
         if not self._tried:
             self._tried = True
@@ -147,11 +154,16 @@ def best_time(fn: Callable[..., object], *args: object, reps: int = 5, **kwargs:
 def packed_rows(x: torch.Tensor, dtypes: Any) -> bool:
     """A 2-D or 3-D CPU tensor in one of ``dtypes`` whose last dims are packed: the rows of the
     flat batch may be strided (views into a fused QKV output), the values inside a row not."""
-    if x.device.type != "cpu" or x.dtype not in dtypes or x.dim() not in (2, 3):
+    # Checked for every norm, rotary and K/V write of every layer: the shape and strides are
+    # read once (each tensor accessor is a call into torch).
+    if x.dtype not in dtypes or not x.is_cpu:
         return False
-    inner = x.shape[-1] * (x.shape[-2] if x.dim() == 3 else 1)
-    packed = x.stride(-1) == 1 and (x.dim() == 2 or x.stride(-2) == x.shape[-1])
-    return packed and x.stride(0) >= inner
+    shape, strides = x.shape, x.stride()
+    if len(shape) == 2:
+        return strides[1] == 1 and strides[0] >= shape[1]
+    if len(shape) == 3:
+        return strides[2] == 1 and strides[1] == shape[2] and strides[0] >= shape[1] * shape[2]
+    return False
 
 
 def _declare(lib: ctypes.CDLL) -> None:

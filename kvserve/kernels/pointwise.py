@@ -45,15 +45,9 @@ def native_available() -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """``weight * round(x * rsqrt(mean(x^2) + eps))`` for x [T, dim]; None if not handled."""
-    if (
-        x.dim() != 2
-        or not packed_rows(x, _DTYPES)
-        or weight.dtype != x.dtype
-        or not native_available()
-    ):
-        return None
     lib = _LIB.get()
-    assert lib is not None
+    if lib is None or x.dim() != 2 or not packed_rows(x, _DTYPES) or weight.dtype != x.dtype:
+        return None
     w = weight.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype)
     rc = lib.kvserve_rms_norm(x.data_ptr(), x.stride(0), w.data_ptr(), out.data_ptr(),
@@ -88,11 +82,11 @@ def rotary_(
         and sin.is_contiguous()
         and rot % 2 == 0
         and rot <= min(q.shape[-1], _MAX_ROT)
-        and native_available()
     ):
         return False
     lib = _LIB.get()
-    assert lib is not None
+    if lib is None:
+        return False
     rc = lib.kvserve_rotary(q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0),
                              k.shape[1], q.shape[2], rot, cos.data_ptr(), sin.data_ptr(),
                              cos.shape[0], positions.data_ptr(), q.shape[0], _DTYPES[q.dtype],
