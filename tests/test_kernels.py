@@ -1,14 +1,18 @@
 """The native decode kernel against the plain-PyTorch reference (gather + SDPA) and a naive
-per-sequence attention."""
+per-sequence attention; the kernels' on/off switch and the layout check their wrappers share."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from kvserve import kernels
+from kvserve.kernels import amx, pointwise, prefill, quant
 from kvserve.kv.storage import DenseKVStorage
 from kvserve.model.attention import AttentionMetadata, paged_attention, reference_attention
 
@@ -264,13 +268,9 @@ def test_sink_keys_are_scored_with_each_rows_rotated_back_query(dtype, bs, d):
             torch.testing.assert_close(out[r].float(), ref, **tol)
 
 
-def test_the_environment_switches_every_kernel_off_at_start(tmp_path):
+def test_the_environment_switches_every_kernel_off_at_start():
     """``KVSERVE_DISABLE_KERNELS=1`` in a new process: every native library reports none (the
-    engine then runs the references); without it they load."""
-    import os
-    import subprocess
-    import sys
-
+    engine then runs the references); without it they load as they do here."""
     probe = (
         "from kvserve import kernels\n"
         "from kvserve.kernels import amx, pointwise, prefill, quant\n"
@@ -283,19 +283,15 @@ def test_the_environment_switches_every_kernel_off_at_start(tmp_path):
         run = subprocess.run([sys.executable, "-c", probe], env={**env, **extra},
                              capture_output=True, text=True, check=True)  # fmt: skip
         outs.append(run.stdout.strip())
-    from kvserve.kernels import amx, pointwise, prefill, quant
-
     here = [lib.get() is not None for lib in (kernels._LIB, amx._LIB512, pointwise._LIB,
                                                prefill._LIB, quant._LIB)]  # fmt: skip
     assert here[0], "this file runs only where the kernels build"
     assert outs == [f"True {[False] * 5}", f"False {here}"]
 
 
-def test_switching_kernels_off_in_process_falls_back_to_the_references(monkeypatch):
+def test_switching_kernels_off_in_process_makes_the_wrappers_decline(monkeypatch):
     """``kernels.DISABLED`` set in a running process: the next call of each wrapper declines
-    (the caller runs the reference), and the reference it falls back to gives the result."""
-    from kvserve.kernels import pointwise
-
+    (its caller then runs the reference), and setting it back restores the kernels."""
     x = torch.randn(3, 64)
     w = torch.randn(64)
     assert pointwise.rms_norm(x, w, 1e-6) is not None
