@@ -9,7 +9,15 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kernels import amx
-from kvserve.model.linear_ops import AMXOps, OneDNNOps, PackedOps, TorchOps, select_ops
+from kvserve.model.linear_ops import (
+    KERNEL_WEIGHTS,
+    AMXOps,
+    OneDNNOps,
+    PackedOps,
+    TorchOps,
+    linear_layers,
+    select_ops,
+)
 
 AMX = torch.cpu._is_amx_tile_supported()
 
@@ -179,7 +187,16 @@ def test_packed_backend_adopts_a_model_and_gives_it_back(
            ops.swiglu_add(x, layer.gate_up_proj, layer.down_proj, res)]  # fmt: skip
     for w, o in zip(want, got, strict=True):
         torch.testing.assert_close(o.float(), w.float(), atol=3e-2, rtol=2e-2)
+    # The record the decode path reads instead of the parameters is the packed matrices
+    # themselves, and only where the kernel takes them.
+    for lin, gate_up in linear_layers(model):
+        kw = lin.__dict__.get(KERNEL_WEIGHTS)
+        assert (kw is not None) == amx.is_packed(lin.weight)
+        if kw is not None:
+            assert kw[0] is lin.weight and kw[2] is lin.bias
+            assert kw[1] is (lin.up_weight if gate_up else None)
     model.set_ops(TorchOps())
+    assert not any(KERNEL_WEIGHTS in lin.__dict__ for lin, _ in linear_layers(model))
     back = dict(model.named_parameters())
     assert back.keys() == dense.keys()
     for n, p in dense.items():

@@ -50,6 +50,11 @@ def _dense(w: torch.Tensor) -> torch.Tensor:
 
 
 _FLOAT32_COPIES = ("weight32", "up_weight32", "bias32")
+# A packing backend's matrices for its own kernel, kept in the layer's ``__dict__`` as
+# (weight, up weight or None, bias or None): decode steps call a layer's GEMMs a few times per
+# layer, and reading them there skips the module's parameter lookup and the layout check.
+KERNEL_WEIGHTS = "kernel_weights"
+KernelWeights = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
 def _is_dense(w: torch.Tensor) -> bool:
@@ -63,7 +68,7 @@ class TorchOps:
         """Put the model's matrices in the layout this backend computes with: plain dense
         ``[out, in]`` tensors (undoing a packing backend, see :meth:`OneDNNOps.adopt`)."""
         for lin, gate_up in linear_layers(model):
-            for name in _FLOAT32_COPIES:  # an upcasting backend's (UpcastOps)
+            for name in (*_FLOAT32_COPIES, KERNEL_WEIGHTS):  # other backends' (UpcastOps...)
                 lin.__dict__.pop(name, None)
             if _is_dense(lin.weight):
                 continue
@@ -240,24 +245,43 @@ class PackedOps(OneDNNOps):
             return amx.pack(w)
         return super()._pack(w)
 
+    def adopt(self, model: nn.Module) -> None:
+        super().adopt(model)
+        for lin, gate_up in linear_layers(model):
+            if amx.is_packed(lin.weight):
+                up = lin.up_weight if gate_up else None
+                lin.__dict__[KERNEL_WEIGHTS] = (lin.weight, up, lin.bias)
+
+    @staticmethod
+    def _kernel_weights(layer: nn.Linear) -> KernelWeights | None:
+        """The layer's tile-packed matrices, or None where it stays with oneDNN."""
+        kw = layer.__dict__.get(KERNEL_WEIGHTS)
+        if kw is None and amx.is_packed(layer.weight):  # packed without adopt's record
+            kw = (layer.weight, getattr(layer, "up_weight", None), layer.bias)
+        return kw
+
     def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-        if amx.is_packed(layer.weight):
-            return amx.linear(x, layer.weight, bias=layer.bias, kernel=self.kernel)
+        kw = self._kernel_weights(layer)
+        if kw is not None:
+            return amx.linear(x, kw[0], bias=kw[2], kernel=self.kernel)
         return super().linear(x, layer)
 
     def linear_add(self, x: torch.Tensor, layer: nn.Linear, residual: torch.Tensor) -> torch.Tensor:
-        if amx.is_packed(layer.weight):
-            return amx.linear(x, layer.weight, residual=residual, kernel=self.kernel)
+        kw = self._kernel_weights(layer)
+        if kw is not None:
+            return amx.linear(x, kw[0], residual=residual, kernel=self.kernel)
         return super().linear_add(x, layer, residual)
 
     def swiglu_add(
         self, x: torch.Tensor, gate_up: nn.Linear, down: nn.Linear, residual: torch.Tensor
     ) -> torch.Tensor:
-        if not amx.is_packed(gate_up.weight):  # dims not multiples of 32: oneDNN's
+        gu = self._kernel_weights(gate_up)
+        if gu is None:  # dims not multiples of 32: oneDNN's
             return super().swiglu_add(x, gate_up, down, residual)
-        h = amx.linear(x, gate_up.weight, up=gate_up.up_weight, kernel=self.kernel)
-        if amx.is_packed(down.weight):
-            return amx.linear(h, down.weight, residual=residual, kernel=self.kernel)
+        h = amx.linear(x, gu[0], up=gu[1], kernel=self.kernel)
+        dw = self._kernel_weights(down)
+        if dw is not None:
+            return amx.linear(h, dw[0], residual=residual, kernel=self.kernel)
         return super().linear_add(h, down, residual)
 
 
