@@ -51,8 +51,8 @@ def _dense(w: torch.Tensor) -> torch.Tensor:
 
 _FLOAT32_COPIES = ("weight32", "up_weight32", "bias32")
 # A packing backend's matrices for its own kernel, kept in the layer's ``__dict__`` as
-# (weight, up weight or None, bias or None): decode steps call a layer's GEMMs a few times per
-# layer, and reading them there skips the module's parameter lookup and the layout check.
+# (weight, up weight or None, bias or None) when it adopts the model: a decode step's GEMM
+# calls read them there, skipping the module's parameter lookups and the layout check.
 KERNEL_WEIGHTS = "kernel_weights"
 KernelWeights = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
