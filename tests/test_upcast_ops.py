@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from kvserve.kernels import amx
 from kvserve.model.linear_ops import (
+    KERNEL_WEIGHTS,
     UPCAST_MIN_ROWS,
     UPCAST_MIN_ROWS_AVX512,
     AMXOps,
@@ -17,6 +18,7 @@ from kvserve.model.linear_ops import (
     TorchOps,
     UpcastOps,
     large_step_gemm,
+    linear_layers,
     select_ops,
 )
 from tests.conftest import run_with_prompt_logits
@@ -307,6 +309,31 @@ def test_float32_copies_only_where_memory_allows(checkpoint, monkeypatch, forced
     monkeypatch.setattr(linear_ops, "available_memory", lambda: int(need * 4))
     model.set_ops(UpcastOps(min_rows=16))
     assert hasattr(layer.qkv_proj, "weight32")
+
+
+@needs_avx512
+def test_without_room_for_copies_the_kernel_still_takes_every_packed_layer(checkpoint, monkeypatch):
+    """Memory too short for the float32 copies, kvserve's kernel beside oneDNN: the matrices are
+    packed for the kernel as the packed backend packs them, each with the record its GEMM calls
+    read, and a layer's result is the kernel's own on those matrices."""
+    from kvserve.model import linear_ops
+
+    model, cfg = _load_bf16(checkpoint, monkeypatch, "llama_gqa")
+    monkeypatch.setattr(linear_ops, "available_memory", lambda: 1)
+    ops = UpcastOps(min_rows=16, kernel="avx512")
+    model.set_ops(ops)
+    assert ops.skipped is not None
+    layer = model.layers[0]
+    for lin, gate_up in linear_layers(model):
+        kw = lin.__dict__.get(KERNEL_WEIGHTS)
+        assert (kw is not None) == amx.is_packed(lin.weight)
+        if kw is not None:
+            assert kw[0] is lin.weight and kw[1] is (lin.up_weight if gate_up else None)
+    assert amx.is_packed(layer.qkv_proj.weight)
+    x = torch.randn(3, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    x = x.to(torch.bfloat16)
+    want = amx.linear(x, layer.qkv_proj.weight, bias=layer.qkv_proj.bias, kernel="avx512")
+    assert torch.equal(ops.linear(x, layer.qkv_proj), want)
 
 
 @needs_avx512

@@ -254,11 +254,9 @@ class PackedOps(OneDNNOps):
 
     @staticmethod
     def _kernel_weights(layer: nn.Linear) -> KernelWeights | None:
-        """The layer's tile-packed matrices, or None where it stays with oneDNN."""
-        kw = layer.__dict__.get(KERNEL_WEIGHTS)
-        if kw is None and amx.is_packed(layer.weight):  # packed without adopt's record
-            kw = (layer.weight, getattr(layer, "up_weight", None), layer.bias)
-        return kw
+        """The layer's tile-packed matrices (:meth:`adopt`'s record), or None where it stays
+        with oneDNN."""
+        return layer.__dict__.get(KERNEL_WEIGHTS)
 
     def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         kw = self._kernel_weights(layer)
@@ -357,7 +355,7 @@ class UpcastOps(PackedOps):
         avail = available_memory()
         if not self.forced and avail is not None and need > UPCAST_MEMORY_SHARE * avail:
             self.skipped = (need, avail)
-            OneDNNOps.adopt(self, model)  # packed bf16 for every step
+            PackedOps.adopt(self, model)  # packed bf16 for every step
             return
         self.skipped = None
         TorchOps.adopt(self, model)  # dense bf16 first: the copies come from it
