@@ -28,6 +28,7 @@ from kvserve.sim.cost import (
     UNSEEN,
     ModelShape,
     Profile,
+    ShapeCache,
     StepFeatures,
     _attended,
     _nnls,
@@ -226,6 +227,9 @@ def test_profile_file_round_trip_and_errors(tmp_path):
         ({**data, "per_seq_s": -1}, "per_seq_s must be >= 0"),
         ({**data, "large_step_tokens": -1}, "large_step_tokens must be an integer >= 0"),
         ({**data, "large_step_tokens": 64.5}, "large_step_tokens must be an integer >= 0"),
+        ({**data, "shape_cache_rows": -2}, "shape_cache_rows must be an integer >= 0"),
+        ({**data, "new_shape_min_tokens": 1.5}, "new_shape_min_tokens must be an integer >= 0"),
+        ({**data, "new_shape_s": -1e-3}, "new_shape_s must be >= 0"),
         ({**data, "gemm_efficiency_large": 0}, "gemm_efficiency_large must be > 0"),
         ({**data, "version": 99}, "version 99"),
     ):
@@ -702,3 +706,84 @@ def test_a_streamed_workload_raises_the_producers_errors(llama8b):
     long = stream_workload(target, WorkloadSpec("long-doc", 3, max_model_len=600))
     with pytest.raises(ValueError, match="max_model_len: a long-doc prompt of"):
         simulate_load(target, long, LoadSpec(10.0), 0)
+
+
+# -- row counts a per-shape GEMM backend builds state for ------------------------------------
+def test_shape_cache_is_an_lru_of_row_counts():
+    """Against a naive list: a step is new when its row count is not among the last ``rows``
+    distinct row counts used (steps under ``min_tokens`` neither count nor change it)."""
+    rng = random.Random(3)
+    for rows, min_tokens in ((1, 1), (4, 1), (10, 1), (6, 64)):
+        cache, used, got, want = ShapeCache(rows, min_tokens), [], [], []
+        for _ in range(2000):
+            n = rng.choice([rng.randrange(1, 12), rng.randrange(1, 400)])
+            got.append(cache.mark(StepFeatures(tokens=n)).new_shape)
+            if n < min_tokens:
+                want.append(0)
+                continue
+            want.append(0 if n in used else 1)
+            if n in used:
+                used.remove(n)
+            used = ([*used, n])[-rows:]  # most recent last
+        assert got == want
+        assert sum(got) > 0 and sum(got) < len(got)
+
+
+def test_a_new_row_count_costs_the_profiles_seconds_in_the_simulator():
+    """The cost-model runner charges ``new_shape_s`` exactly on the steps whose row count the
+    modelled cache does not hold (a profile with a one-row-count cache: every change of row
+    count), and nothing without the term."""
+    from kvserve.sim.simulate import CostModelRunner, VirtualClock
+
+    cfg = json.loads((default_model_dir() / "config.json").read_text())
+    shape = shape_of(cfg, "float32", "float32")
+    counts = [5, 5, 6, 5, 5, 9, 9, 6]
+    new = sum(a != b for a, b in zip([None, *counts], counts, strict=False))  # 5 changes
+
+    def busy(profile):
+        runner = CostModelRunner(profile, VirtualClock(), token_id=0)
+        runner.shape = shape
+        for n in counts:
+            seqs = [ScheduledSeq(f"r{i}", [1], 40, 40, [0, 1, 2], ("x",)) for i in range(n)]
+            runner.execute_model(SchedulerOutput(seqs=seqs))
+        return runner.busy_s
+
+    plain = busy(cpu_profile())
+    charged = busy(cpu_profile(new_shape_s=1e-3, new_shape_min_tokens=1, shape_cache_rows=1))
+    assert charged - plain == pytest.approx(new * 1e-3, rel=1e-9)
+    # Steps under the backend's threshold never pay it.
+    above = busy(cpu_profile(new_shape_s=1e-3, new_shape_min_tokens=8, shape_cache_rows=1))
+    assert above - plain == pytest.approx(1e-3, rel=1e-9)  # only the 9s count: one new
+
+
+def test_fit_recovers_the_cost_of_a_new_row_count():
+    """Steps made by a profile that charges a new row count (marked by the calibration's
+    replay of the cache): the fit finds that cost beside the others, and predicts held-out
+    steps; without the mark the same steps fit worse."""
+    cfg = json.loads((default_model_dir() / "config.json").read_text())
+    shape = shape_of(cfg, "float32", "float32")
+    truth = cpu_profile(step_overhead_s=3e-3, per_seq_s=4e-5, prefill_step_s=5e-4,
+                        gemm_efficiency=0.6, decode_kv_efficiency=0.4,
+                        new_shape_s=2e-3)  # fmt: skip
+
+    def with_shapes(steps):
+        cache, out = ShapeCache(8, 1), []
+        for f, _ in steps:
+            cache.mark(f)
+            out.append((f, truth.step_time(f, shape)))
+        return out
+
+    train = with_shapes(synthetic_steps(truth, shape, 400, noise=0.0))
+    marked = [f.new_shape for f, _ in train]
+    assert 0 < sum(f.new_shape for f, _ in train if not f.prefill_seqs) < sum(marked)
+    fitted, report = fit_profile(train, shape, cpu_profile())
+    assert fitted.new_shape_s == pytest.approx(2e-3, rel=0.05)
+    assert fitted.step_overhead_s == pytest.approx(3e-3, rel=0.05)
+    test = with_shapes(synthetic_steps(truth, shape, 200, noise=0.0, seed=1))
+    pred = np.array([fitted.step_time(f, shape) for f, _ in test])
+    real = np.array([t for _, t in test])
+    assert np.max(np.abs(pred / real - 1)) < 0.02
+    for f, _ in train:
+        f.new_shape = 0
+    _, unmarked = fit_profile(train, shape, cpu_profile())
+    assert unmarked.median_abs_error > 5 * max(report.median_abs_error, 1e-4)

@@ -371,3 +371,41 @@ def test_split_measured_on_the_models_own_layers(checkpoint, monkeypatch, onednn
     # a model without decoder layers keeps the probe's answer
     bare = UpcastOps(min_rows=8, kernel="avx512", dtype=torch.bfloat16, measure_split=True)
     assert bare._split_on(torch.nn.Module()) == 8
+
+
+@pytest.mark.parametrize("kernel", [None, pytest.param("avx512", marks=needs_avx512)])
+def test_which_steps_build_onednn_state_per_row_count(checkpoint, monkeypatch, kernel):
+    """What the simulator's calibration reads (``shape_state_rows``): every step where some
+    matrix is oneDNN's at every size (the plain oneDNN backend; the upcasting one without
+    kvserve's kernel packs its small steps for oneDNN too), the large steps only where the
+    kernel takes every small step, and none on the packed kernel alone or the reference."""
+    from kvserve.model import linear_ops
+
+    model, _ = _load_bf16(checkpoint, monkeypatch, "llama_gqa")
+    assert TorchOps().shape_state_rows == 0
+    model.set_ops(OneDNNOps(prepack=True))
+    assert model.ops.shape_state_rows == 1
+    model.set_ops(UpcastOps(min_rows=16, kernel=kernel))
+    assert model.ops.shape_state_rows == (1 if kernel is None else 16)
+    if kernel is not None:
+        model.set_ops(PackedOps(kernel))
+        assert all(KERNEL_WEIGHTS in lin.__dict__ for lin, _ in linear_layers(model))
+        assert model.ops.shape_state_rows == 0
+        monkeypatch.setattr(linear_ops, "available_memory", lambda: 1)  # no room for copies
+        model.set_ops(UpcastOps(min_rows=16, kernel=kernel))
+        assert model.ops.skipped is not None and model.ops.shape_state_rows == 0
+
+
+def test_cached_row_counts_follow_the_smaller_cache(monkeypatch):
+    """Row counts oneDNN's two caches hold at once: the smaller capacity over the primitives
+    one row count needs; PyTorch's default where a variable is unset or not a number."""
+    from kvserve.model.linear_ops import GEMMS_PER_ROW_COUNT, onednn_cached_row_counts
+
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "600")
+    assert onednn_cached_row_counts() == 64 // GEMMS_PER_ROW_COUNT
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "lots")
+    assert onednn_cached_row_counts() == 1024 // GEMMS_PER_ROW_COUNT
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "2")
+    assert onednn_cached_row_counts() == 1  # never none

@@ -93,6 +93,14 @@ class TorchOps:
         """The dtype of those steps' GEMMs."""
         return torch.float32
 
+    @property
+    def shape_state_rows(self) -> int:
+        """Steps of at least this many tokens run GEMMs that build state per row count
+        (oneDNN's primitives, see :data:`ONEDNN_CACHE_CAPACITY`), 0 where none do: a step
+        whose row count the caches no longer hold rebuilds it, which the simulator's cost
+        model charges."""
+        return 0
+
     def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
 
@@ -171,6 +179,10 @@ class OneDNNOps(TorchOps):
     def _pack(self, w: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._reorder_linear_weight(w, self.PACK_ROWS)
 
+    @property
+    def shape_state_rows(self) -> int:
+        return 1  # every step's GEMMs are oneDNN's
+
     def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         return self._lp(x, layer.weight, layer.bias, "none", [], "")
 
@@ -239,6 +251,7 @@ class PackedOps(OneDNNOps):
         self.name = kernel or "onednn"
         if kernel == "avx512" and amx.avx512_dot_products():
             self.name = "avx512-dot"
+        self._onednn_layers = True  # some matrix stays with oneDNN (set by adopt)
 
     def _pack(self, w: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None and amx.packable(w):
@@ -247,10 +260,17 @@ class PackedOps(OneDNNOps):
 
     def adopt(self, model: nn.Module) -> None:
         super().adopt(model)
+        self._onednn_layers = False
         for lin, gate_up in linear_layers(model):
             if amx.is_packed(lin.weight):
                 up = lin.up_weight if gate_up else None
                 lin.__dict__[KERNEL_WEIGHTS] = (lin.weight, up, lin.bias)
+            else:
+                self._onednn_layers = True
+
+    @property
+    def shape_state_rows(self) -> int:
+        return 1 if self._onednn_layers else 0  # the kernel keeps no per-shape state
 
     @staticmethod
     def _kernel_weights(layer: nn.Linear) -> KernelWeights | None:
@@ -427,6 +447,11 @@ class UpcastOps(PackedOps):
     def large_step_rows(self) -> int:
         return 0 if self.skipped is not None else self.min_rows
 
+    @property
+    def shape_state_rows(self) -> int:
+        small = super().shape_state_rows  # matrices the kernel cannot take: every step
+        return small or self.large_step_rows
+
     def describe(self) -> str:
         if self.skipped is not None:
             need, avail = (b / 2**30 for b in self.skipped)
@@ -482,9 +507,28 @@ class UpcastOps(PackedOps):
 ONEDNN_CACHE_CAPACITY = 64
 
 
+_ONEDNN_CACHE_VARS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+# The primitives one step's row count needs: a decoder layer's QKV, output (with the residual
+# add), gate (SiLU), up (product) and down (add) projections, shared by every layer, and the
+# LM head's.
+GEMMS_PER_ROW_COUNT = 6
+
+
 def bound_onednn_caches() -> None:
-    for var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+    for var in _ONEDNN_CACHE_VARS:
         os.environ.setdefault(var, str(ONEDNN_CACHE_CAPACITY))
+
+
+def onednn_cached_row_counts() -> int:
+    """How many step row counts oneDNN's caches hold at once, as this process set them (the
+    smaller of the two; PyTorch's default where unset or unreadable)."""
+    caps = []
+    for var in _ONEDNN_CACHE_VARS:
+        try:
+            caps.append(int(os.environ.get(var, "1024")))
+        except ValueError:
+            caps.append(1024)
+    return max(min(caps) // GEMMS_PER_ROW_COUNT, 1)
 
 
 # The GEMM timed in both dtypes to decide whether a bf16 model's large GEMMs run in float32

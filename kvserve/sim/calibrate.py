@@ -35,9 +35,17 @@ from kvserve.engine.bandwidth import measure_peak_bandwidth
 from kvserve.kv.storage import BlockPayload, KVStorage
 from kvserve.kv.tier_entry import decode_entry, encode_entry
 from kvserve.kv.tiers import DiskTier, HostTier, Tier
+from kvserve.model.linear_ops import onednn_cached_row_counts
 from kvserve.plan.capacity import load_arch, load_config
 from kvserve.request import SamplingParams
-from kvserve.sim.cost import FitReport, ModelShape, Profile, StepFeatures, fit_profile
+from kvserve.sim.cost import (
+    FitReport,
+    ModelShape,
+    Profile,
+    ShapeCache,
+    StepFeatures,
+    fit_profile,
+)
 from kvserve.sim.cost import step_features as features_of
 
 
@@ -190,6 +198,12 @@ def calibrate(
         if base.large_step_tokens
         else None
     )
+    # A backend that builds state per row count (oneDNN): which steps build one (its caches'
+    # LRU, replayed over the steps); what that costs is fitted with the other terms.
+    base.new_shape_min_tokens = ops.shape_state_rows
+    if base.new_shape_min_tokens:
+        base.shape_cache_rows = onednn_cached_row_counts()
+    shapes = ShapeCache.of(base)
     steps: list[tuple[StepFeatures, float]] = []
     adds: list[tuple[int, float]] = []
     warm = len(warmup or [])
@@ -205,6 +219,8 @@ def calibrate(
         seconds = time.perf_counter() - a
         if eng.core.last_step.seqs:
             f = features_of(eng.core.last_step, shape, touched, eng.block_size)
+            if shapes is not None:
+                shapes.mark(f)
             if probing or len(adds) > warm:  # warm-up steps only touch blocks
                 steps.append((f, seconds))
         return out

@@ -28,6 +28,7 @@ the same fields.
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,7 @@ PHYSICAL = ("prefill_attention", "decode_kv")
 SECONDS_FIELDS = (
     "step_overhead_s", "per_seq_s", "per_prefill_seq_s", "prefill_step_s",
     "per_new_prompt_token_s", "per_solo_seq_s", "per_token_s",
-    "per_sampled_row_s", "first_touch_s_per_byte",
+    "per_sampled_row_s", "first_touch_s_per_byte", "new_shape_s",
 )  # fmt: skip
 TIER_NAMES = ("cpu", "disk", "redis")  # offload tiers, as kvserve.kv.tiers names them
 EFFICIENCY_FIELDS = (
@@ -132,6 +133,7 @@ class StepFeatures:
     first_touch_bytes: float = 0.0  # pool blocks written for the first time
     new_prompt_tokens: int = 0  # prompts scheduled for the first time (hashed, set up)
     solo_seqs: int = 0  # attended on their own (sinks, a compaction's scoring, H2O's mass)
+    new_shape: int = 0  # 1: the GEMM backend builds this row count's state (ShapeCache)
 
 
 def _attended(cached: int, n: int, window: int | None) -> float:
@@ -217,6 +219,43 @@ def step_features(
     return f
 
 
+class ShapeCache:
+    """The step row counts whose GEMM state a per-shape backend still holds, least recently
+    used first: oneDNN keeps a primitive per input shape in a bounded LRU cache
+    (:data:`kvserve.model.linear_ops.ONEDNN_CACHE_CAPACITY`), and a step of a row count it
+    no longer holds builds them again, once for all layers (they share their shapes). Under
+    serving traffic a prompt chunk's row count is new almost every time, and it evicts the
+    decode batches' row counts in turn. Only steps of at least ``min_tokens`` tokens run on
+    that backend (:attr:`Profile.new_shape_min_tokens`)."""
+
+    def __init__(self, rows: int, min_tokens: int) -> None:
+        self.rows = rows
+        self.min_tokens = min_tokens
+        self._held: OrderedDict[int, None] = OrderedDict()
+
+    @classmethod
+    def of(cls, profile: Profile) -> ShapeCache | None:
+        """The profile's cache, or None where its device keeps no per-shape state."""
+        if not (profile.shape_cache_rows and profile.new_shape_min_tokens):
+            return None
+        return cls(profile.shape_cache_rows, profile.new_shape_min_tokens)
+
+    def mark(self, f: StepFeatures) -> StepFeatures:
+        """Set ``f.new_shape`` (1 if the step's row count is not held) and hold it."""
+        n = f.tokens
+        if n < self.min_tokens:
+            return f
+        held = self._held
+        if n in held:
+            held.move_to_end(n)
+        else:
+            f.new_shape = 1
+            held[n] = None
+            if len(held) > self.rows:
+                held.popitem(last=False)
+        return f
+
+
 @dataclass(slots=True)
 class Profile:
     """A device's peaks and the efficiency factors of the cost model (JSON on disk)."""
@@ -247,6 +286,13 @@ class Profile:
     # A CPU pool is calloc'd: the first write to a block faults its pages in (0 on a GPU,
     # whose pool is allocated whole).
     first_touch_s_per_byte: float = 0.0
+    # A GEMM backend that builds state per row count (oneDNN's primitives, on a CPU) rebuilds
+    # it in a step whose row count its caches no longer hold: the seconds that costs, for
+    # steps of at least new_shape_min_tokens tokens, and how many row counts the caches hold
+    # (0: no such state; see ShapeCache).
+    new_shape_s: float = 0.0
+    new_shape_min_tokens: int = 0
+    shape_cache_rows: int = 0
     interconnect_bandwidth: float = 0.0  # bytes/s per GPU (NVLink), for tp > 1
     allreduce_latency_s: float = 0.0  # per all-reduce, for tp > 1
     request_overhead_s: float = 0.0  # per added request (validation, tokenization)
@@ -283,6 +329,7 @@ class Profile:
         kv_bytes = f.decode_kv_bytes + f.compact_bytes
         t += kv_bytes / (self.peak_bandwidth * self.decode_kv_efficiency)
         t += f.first_touch_bytes * self.first_touch_s_per_byte
+        t += f.new_shape * self.new_shape_s
         if shape.tp > 1 and f.tokens:
             if self.interconnect_bandwidth <= 0:
                 raise ValueError(
@@ -329,9 +376,10 @@ class Profile:
             v = getattr(p, name)
             if not (isinstance(v, int | float) and 0 < v):
                 raise ValueError(f"{where}: {name} must be > 0, got {v!r}")
-        n = p.large_step_tokens
-        if not (isinstance(n, int) and n >= 0):
-            raise ValueError(f"{where}: large_step_tokens must be an integer >= 0, got {n!r}")
+        for name in ("large_step_tokens", "new_shape_min_tokens", "shape_cache_rows"):
+            n = getattr(p, name)
+            if not (isinstance(n, int) and n >= 0):
+                raise ValueError(f"{where}: {name} must be an integer >= 0, got {n!r}")
         for name in (*SECONDS_FIELDS, "offload_export_s_per_byte"):
             v = getattr(p, name)
             if not (isinstance(v, int | float) and v >= 0):
@@ -470,7 +518,9 @@ def fit_profile(
     ``base.peak_flops``, at most ``large_peak_flops`` / ``base.peak_flops``: the other path's
     own measured peak, when given). ``first_touch_s_per_byte``, when given, is that term's
     measured cost and is not fitted: first writes into the pool grow with a prefill step's
-    tokens, as its GEMMs and host work do, and a fit cannot tell them apart."""
+    tokens, as its GEMMs and host work do, and a fit cannot tell them apart. A step marked
+    by :class:`ShapeCache` (``new_shape``) pays ``new_shape_s``, fitted: decode steps of an
+    evicted batch size pay it too, which sets it apart from the prefill steps' own terms."""
     if len(samples) < 8:
         raise ValueError(f"calibration: needs at least 8 measured steps, got {len(samples)}")
     feats = [f for f, _ in samples]
@@ -490,11 +540,11 @@ def fit_profile(
         "prefill_attention": np.array([f.prefill_attention_flops for f in feats]) / P,
         "decode_kv": np.array([f.decode_kv_bytes + f.compact_bytes for f in feats]) / B,
         "first_touch_s_per_byte": np.array([f.first_touch_bytes for f in feats]),
+        "new_shape_s": np.array([f.new_shape for f in feats], dtype=np.float64),
     }
     known = np.zeros(len(t))  # seconds of measured terms, not fitted
     if first_touch_s_per_byte is not None:
-        touch = cols.pop("first_touch_s_per_byte")
-        known = touch * first_touch_s_per_byte
+        known = known + cols.pop("first_touch_s_per_byte") * first_touch_s_per_byte
     lin = np.array([f.linear_flops for f in feats]) / P
     large = np.array([bool(base.large_step_tokens) and f.tokens >= base.large_step_tokens
                       for f in feats])  # fmt: skip
@@ -541,6 +591,7 @@ def fit_profile(
         if first_touch_s_per_byte is not None
         else float(coef.get("first_touch_s_per_byte", 0.0))
     )
+    p.new_shape_s = float(coef.get("new_shape_s", 0.0))
     # max(F / (P e_g), W / (B e_w)) is the hinge a max(F, knee): e_g = 1 / a, and the weight
     # read takes a x knee seconds.
     p.gemm_efficiency = 1.0 / gemm_inv if gemm_inv > 0 else UNSEEN

@@ -48,7 +48,7 @@ from kvserve.llm import engine_config
 from kvserve.plan.capacity import PlanError, capacity, load_arch, load_config
 from kvserve.plan.gpus import GPU
 from kvserve.request import FINISHED_STATUSES, SamplingParams
-from kvserve.sim.cost import ModelShape, Profile, step_features
+from kvserve.sim.cost import ModelShape, Profile, ShapeCache, step_features
 from kvserve.sim.tiers import SERVER_TIERS, ModelledBlocks, SimOffload, modelled_tiers
 from kvserve.step import ModelRunnerOutput, SchedulerOutput
 
@@ -79,10 +79,14 @@ class CostModelRunner:
         self.block_size = 16
         # Pool blocks written so far, for a profile that charges first writes (a CPU's)
         self.touched: set[int] | None = set() if profile.first_touch_s_per_byte else None
+        # Row counts whose GEMM state the backend holds, for a profile that charges a new one
+        self.shapes = ShapeCache.of(profile) if profile.new_shape_s else None
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.shape is not None, "the simulator sets the model shape before the first step"
         f = step_features(scheduler_output, self.shape, self.touched, self.block_size)
+        if self.shapes is not None:
+            self.shapes.mark(f)
         dt = self.profile.step_time(f, self.shape)
         ids = [rid for s in scheduler_output.seqs for rid in s.sample_ids]
         out = ModelRunnerOutput(ids, [self.token_id] * len(ids), [None] * len(ids))
