@@ -787,3 +787,20 @@ def test_fit_recovers_the_cost_of_a_new_row_count():
         f.new_shape = 0
     _, unmarked = fit_profile(train, shape, cpu_profile())
     assert unmarked.median_abs_error > 5 * max(report.median_abs_error, 1e-4)
+
+
+def test_a_profile_written_before_the_new_shape_fields_charges_nothing(tmp_path):
+    """A profile file without ``new_shape_s``, ``new_shape_min_tokens`` and
+    ``shape_cache_rows`` (written by an earlier kvserve) loads, and its steps cost what the
+    other terms say: no cache is replayed."""
+    data = cpu_profile(new_shape_s=1e-3, new_shape_min_tokens=1, shape_cache_rows=4).to_json()
+    assert ShapeCache.of(Profile.from_json(data)) is not None
+    for name in ("new_shape_s", "new_shape_min_tokens", "shape_cache_rows"):
+        del data[name]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    old = Profile.load(tmp_path / "old.json")
+    assert ShapeCache.of(old) is None and old.new_shape_s == 0.0
+    shape = shape_of(json.loads((default_model_dir() / "config.json").read_text()))
+    f = StepFeatures(seqs=1, tokens=1, sampled_rows=1, linear_flops=1e9, new_shape=1)
+    g = StepFeatures(seqs=1, tokens=1, sampled_rows=1, linear_flops=1e9)
+    assert old.step_time(f, shape) == old.step_time(g, shape)

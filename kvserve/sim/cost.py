@@ -15,7 +15,10 @@ batch over a device peak, divided by an efficiency factor:
   windows honoured), over peak x ``e_prefill_attention``;
 - decode attention: the cache bytes the decode tokens read, over bandwidth x ``e_decode_kv``,
   and at that rate a retention compaction's copies (each kept entry read and written once);
-- tensor parallelism: two all-reduces of the hidden state per layer over the interconnect.
+- tensor parallelism: two all-reduces of the hidden state per layer over the interconnect;
+- a CPU pool's first writes into its pages, and, where the GEMMs are oneDNN's, a step whose
+  row count oneDNN's bounded caches no longer hold (:class:`ShapeCache`): it builds that row
+  count's primitives again.
 
 The weight term reaching its floor is the only non-linear piece, and it is a hinge:
 ``max(a F, a F_knee)``. Calibration (:func:`fit_profile`) therefore searches the knee and
