@@ -804,3 +804,21 @@ def test_a_profile_written_before_the_new_shape_fields_charges_nothing(tmp_path)
     f = StepFeatures(seqs=1, tokens=1, sampled_rows=1, linear_flops=1e9, new_shape=1)
     g = StepFeatures(seqs=1, tokens=1, sampled_rows=1, linear_flops=1e9)
     assert old.step_time(f, shape) == old.step_time(g, shape)
+
+
+def test_validation_benchmark_compares_with_the_median_real_run(monkeypatch, capsys):
+    """``benchmarks.simulator`` takes each figure's median over its real runs (a figure one
+    run lacks has none) and shows their range; fewer than one real run is refused."""
+    from benchmarks import simulator
+
+    runs = [{"ttft_p50": 12.0, "tier_hit_rate": None}, {"ttft_p50": 30.0, "tier_hit_rate": 0.5},
+            {"ttft_p50": 10.0, "tier_hit_rate": 0.4}]  # fmt: skip
+    assert simulator.median_figures(runs) == {"ttft_p50": 12.0, "tier_hit_rate": None}
+    assert simulator.median_figures(runs[1:]) == {"ttft_p50": 20.0, "tier_hit_rate": 0.45}
+    assert simulator.spread(runs, "ttft_p50", "{:.1f}") == "10.0-30.0"
+    assert simulator.spread(runs, "tier_hit_rate", "{:.3f}") == "-"
+    assert simulator.spread(runs[:1], "ttft_p50", "{:.1f}") == "-"
+    monkeypatch.setattr("sys.argv", ["simulator", "--real-runs", "0"])
+    with pytest.raises(SystemExit):
+        simulator.main()
+    assert "--real-runs: must be >= 1, got 0" in capsys.readouterr().err
