@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
+import torch
 
 from kvserve.config import ConfigError
 from kvserve.engine_args import default_model
@@ -157,6 +159,9 @@ def test_tier_errors_name_the_field(tmp_path):
         ({"tier_bandwidth": {"cpu": 0}}, r"tier_bandwidth\['cpu'\] must be > 0"),
         ({"tier_latency_s": {"cpu": -1}}, r"tier_latency_s\['cpu'\] must be >= 0"),
         ({"offload_export_s_per_byte": -1}, "offload_export_s_per_byte must be >= 0"),
+        ({"offload_store_s_per_block": -1e-6}, "offload_store_s_per_block must be >= 0"),
+        ({"offload_load_s_per_block": "1us"}, "offload_load_s_per_block must be >= 0"),
+        ({"offload_worker_share": 1.5}, r"offload_worker_share must be in \[0, 1\]"),
     ):
         with pytest.raises(ValueError, match=msg):
             Profile.from_json({**good, **bad})
@@ -351,3 +356,50 @@ def test_a_load_that_would_land_after_its_deadline_is_not_started(monkeypatch):
     assert st_forced.kv_offload["cpu"]["failures"].get("load_timeout", 0) == 1
     assert st_forced.tier_hit_tokens == 96
     assert forced["b"] > timeout > first["b"]  # it waited out the deadline, then computed
+
+
+def test_a_step_loses_the_workers_time_beside_it_by_its_share():
+    """The cost-model runner adds, to a step that exports blocks for the tiers or imports
+    loaded ones, the worker's measured time for those blocks times its share of the cores:
+    exactly that over the same step without them, and nothing at share 0 (a GPU's worker)."""
+    from kvserve.plan.gpus import get_gpu
+    from kvserve.sim.cost import ModelShape
+    from kvserve.sim.simulate import CostModelRunner, VirtualClock
+    from kvserve.sim.tiers import ModelledBlocks
+    from kvserve.step import ScheduledSeq, SchedulerOutput
+    from tests.test_simulator import shape_of
+
+    shape: ModelShape = shape_of(json.loads((Path(default_model()) / "config.json").read_text()))
+
+    def step_time(profile, exported=0, loaded=0):
+        runner = CostModelRunner(profile, VirtualClock(), token_id=0)
+        runner.shape = shape
+        out = SchedulerOutput(seqs=[ScheduledSeq("r", [1] * 40, 0, 0, [0, 1, 2], ("r",))])
+        out.kv_ops.offload = [(i, bytes([i])) for i in range(exported)]
+        if loaded:
+            out.kv_ops.loads = {"x": (list(range(3, 3 + loaded)), [ModelledBlocks(loaded)])}
+        runner.execute_model(out)
+        return runner.busy_s
+
+    worker = dict(offload_store_s_per_block=3e-5, offload_load_s_per_block=2e-5)
+    p = cpu_profile(**TIER, **worker, offload_worker_share=1.0)
+    base = step_time(p)
+    export_bytes = 4 * shape.kv_bytes_per_token * 16 * p.offload_export_s_per_byte
+    assert step_time(p, exported=4) - base == pytest.approx(4 * 3e-5 + export_bytes, rel=1e-9)
+    assert step_time(p, loaded=5) - base == pytest.approx(5 * 2e-5, rel=1e-9)
+    idle = cpu_profile(**TIER, **worker, offload_worker_share=0.0)
+    assert step_time(idle, exported=4, loaded=5) == pytest.approx(step_time(idle) + export_bytes)
+    assert gpu_profile(get_gpu("h100-sxm")).offload_worker_share == 0.0
+
+
+def test_the_workers_time_per_block_is_measured_on_the_engines_own_pool(make_llm):
+    """The calibration times the worker's store and load paths on the engine's own KV
+    format: a positive time per block each, and the pool's blocks are left as they were."""
+    from kvserve.sim.calibrate import measure_worker_path
+
+    storage = make_llm(default_model(), num_gpu_blocks=16).engine.storage
+    before = storage.export_blocks(list(range(16)))
+    store, load = measure_worker_path(storage, blocks=8, rounds=2)
+    assert 0 < store < 1 and 0 < load < 1
+    after = storage.export_blocks(list(range(16)))
+    assert all(torch.equal(before.tensors[k], after.tensors[k]) for k in before.tensors)

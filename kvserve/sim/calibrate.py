@@ -19,6 +19,7 @@ large-step GEMM cost on its own.
 from __future__ import annotations
 
 import asyncio
+import os
 import platform
 import tempfile
 import time
@@ -83,6 +84,33 @@ def measure_first_touch(nbytes: int = 64 << 20, rounds: int = 3) -> float:
         extra.append((t1 - t0) - (t2 - t1))
         del buf
     return max(float(np.median(extra)), 0.0) / nbytes
+
+
+def measure_worker_path(storage: KVStorage, blocks: int = 16, rounds: int = 5
+                        ) -> tuple[float, float]:  # fmt: skip
+    """The offload worker's own seconds per block, as it spends them: storing (one entry
+    encoded per block, put in a host tier) and loading (each entry checked and decoded, the
+    blocks joined for the import); best of ``rounds`` over ``blocks`` blocks."""
+    n = min(blocks, storage.num_blocks)
+    payload = storage.export_blocks(list(range(n)))
+    keys = [i.to_bytes(8, "little") for i in range(n)]
+    tier = HostTier(1 << 40)
+    store = load = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        datas = [encode_entry(k, payload.select([i])) for i, k in enumerate(keys)]
+        for k, d in zip(keys, datas, strict=True):
+            tier.put(k, d)
+        t1 = time.perf_counter()
+        got = [decode_entry(k, d, copy=False) for k, d in
+               zip(keys, tier.get_many(keys), strict=True)]  # fmt: skip
+        BlockPayload.concat(got)
+        t2 = time.perf_counter()
+        store, load = min(store, t1 - t0), min(load, t2 - t1)
+        for k in keys:
+            tier.delete(k)
+    tier.close()
+    return store / n, load / n
 
 
 def measure_tier_path(
@@ -265,6 +293,14 @@ def calibrate(
         bw, lat, export = measure_tier_path(eng.storage, bpb)
         profile.tier_bandwidth, profile.tier_latency_s = bw, lat
         profile.offload_export_s_per_byte = export
+        store, load = measure_worker_path(eng.storage)
+        profile.offload_store_s_per_block, profile.offload_load_s_per_block = store, load
+        # The worker shares the cores with the engine's compute threads when those take
+        # every core (a CPU engine); on a GPU it has host cores of its own.
+        cores = os.cpu_count() or 1
+        profile.offload_worker_share = (
+            1.0 if dev == "cpu" and torch.get_num_threads() >= cores else 0.0
+        )
     profile.calibration = {
         "model": model,
         "kv_cache_dtype": eng.kv_cache_dtype,

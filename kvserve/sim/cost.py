@@ -53,6 +53,10 @@ SECONDS_FIELDS = (
     "per_new_prompt_token_s", "per_solo_seq_s", "per_token_s",
     "per_sampled_row_s", "first_touch_s_per_byte", "new_shape_s",
 )  # fmt: skip
+# Offload fields in seconds (measured, not fitted).
+OFFLOAD_SECONDS_FIELDS = (
+    "offload_export_s_per_byte", "offload_store_s_per_block", "offload_load_s_per_block",
+)  # fmt: skip
 TIER_NAMES = ("cpu", "disk", "redis")  # offload tiers, as kvserve.kv.tiers names them
 EFFICIENCY_FIELDS = (
     "gemm_efficiency", "weight_read_efficiency", "prefill_attention_efficiency",
@@ -306,6 +310,13 @@ class Profile:
     tier_bandwidth: dict[str, float] = field(default_factory=dict)
     tier_latency_s: dict[str, float] = field(default_factory=dict)
     offload_export_s_per_byte: float = 0.0
+    # The offload worker's own time per block it stores (encoding, the host tier's copy) and
+    # per block it loads (checking, decoding), and the share of that time the engine's steps
+    # lose to it: 1 on a CPU engine whose compute threads take every core (the worker runs
+    # beside them on the same cores), 0 on a GPU (the worker has host cores to itself).
+    offload_store_s_per_block: float = 0.0
+    offload_load_s_per_block: float = 0.0
+    offload_worker_share: float = 0.0
     calibration: dict[str, Any] = field(default_factory=dict)  # fit quality, what it ran
     version: int = PROFILE_VERSION
 
@@ -341,6 +352,12 @@ class Profile:
             t += f.allreduce_bytes / self.interconnect_bandwidth
             t += 2 * shape.num_layers * self.allreduce_latency_s
         return t
+
+    def worker_time(self, stored: int = 0, loaded: int = 0) -> float:
+        """Seconds a step loses to the offload worker storing ``stored`` blocks and loading
+        ``loaded`` blocks beside it."""
+        per = stored * self.offload_store_s_per_block + loaded * self.offload_load_s_per_block
+        return self.offload_worker_share * per
 
     def request_time(self, prompt_tokens: int) -> float:
         """Host seconds to accept one request (validation, tokenization) between steps."""
@@ -383,10 +400,13 @@ class Profile:
             n = getattr(p, name)
             if not (isinstance(n, int) and n >= 0):
                 raise ValueError(f"{where}: {name} must be an integer >= 0, got {n!r}")
-        for name in (*SECONDS_FIELDS, "offload_export_s_per_byte"):
+        for name in (*SECONDS_FIELDS, *OFFLOAD_SECONDS_FIELDS):
             v = getattr(p, name)
             if not (isinstance(v, int | float) and v >= 0):
                 raise ValueError(f"{where}: {name} must be >= 0 seconds, got {v!r}")
+        share = p.offload_worker_share
+        if not (isinstance(share, int | float) and 0 <= share <= 1):
+            raise ValueError(f"{where}: offload_worker_share must be in [0, 1], got {share!r}")
         for name, positive in (("tier_bandwidth", True), ("tier_latency_s", False)):
             table = getattr(p, name)
             if not isinstance(table, dict):
