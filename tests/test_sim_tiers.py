@@ -395,11 +395,12 @@ def test_a_step_loses_the_workers_time_beside_it_by_its_share():
 def test_the_workers_time_per_block_is_measured_on_the_engines_own_pool(make_llm):
     """The calibration times the worker's store and load paths on the engine's own KV
     format: a positive time per block each, and the pool's blocks are left as they were."""
-    from kvserve.sim.calibrate import measure_worker_path
+    from kvserve.sim.calibrate import measure_tier_path
 
     storage = make_llm(default_model(), num_gpu_blocks=16).engine.storage
     before = storage.export_blocks(list(range(16)))
-    store, load = measure_worker_path(storage, blocks=8, rounds=2)
+    path = measure_tier_path(storage, 1.0, blocks=8, rounds=2)
+    store, load = path.store_s_per_block, path.load_s_per_block
     assert 0 < store < 1 and 0 < load < 1
     after = storage.export_blocks(list(range(16)))
     assert all(torch.equal(before.tensors[k], after.tensors[k]) for k in before.tensors)

@@ -24,7 +24,7 @@ import platform
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -86,41 +86,27 @@ def measure_first_touch(nbytes: int = 64 << 20, rounds: int = 3) -> float:
     return max(float(np.median(extra)), 0.0) / nbytes
 
 
-def measure_worker_path(storage: KVStorage, blocks: int = 16, rounds: int = 5
-                        ) -> tuple[float, float]:  # fmt: skip
-    """The offload worker's own seconds per block, as it spends them: storing (one entry
-    encoded per block, put in a host tier) and loading (each entry checked and decoded, the
-    blocks joined for the import); best of ``rounds`` over ``blocks`` blocks."""
-    n = min(blocks, storage.num_blocks)
-    payload = storage.export_blocks(list(range(n)))
-    keys = [i.to_bytes(8, "little") for i in range(n)]
-    tier = HostTier(1 << 40)
-    store = load = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        datas = [encode_entry(k, payload.select([i])) for i, k in enumerate(keys)]
-        for k, d in zip(keys, datas, strict=True):
-            tier.put(k, d)
-        t1 = time.perf_counter()
-        got = [decode_entry(k, d, copy=False) for k, d in
-               zip(keys, tier.get_many(keys), strict=True)]  # fmt: skip
-        BlockPayload.concat(got)
-        t2 = time.perf_counter()
-        store, load = min(store, t1 - t0), min(load, t2 - t1)
-        for k in keys:
-            tier.delete(k)
-    tier.close()
-    return store / n, load / n
+class TierPath(NamedTuple):
+    """The tier path as :func:`measure_tier_path` timed it."""
+
+    bandwidth: dict[str, float]  # tier name -> bytes/s of a load into the pool
+    latency: dict[str, float]  # tier name -> seconds per load
+    export_s_per_byte: float  # the step's copy of evicted blocks out of the pool
+    # The offload worker's own seconds per block: encoding one and putting it in host memory,
+    # and checking and decoding one and joining it for the import
+    store_s_per_block: float
+    load_s_per_block: float
 
 
 def measure_tier_path(
     storage: KVStorage, bytes_per_block: float, blocks: int = 16, rounds: int = 5
-) -> tuple[dict[str, float], dict[str, float], float]:
+) -> TierPath:
     """The tier path on this machine, in the engine's own KV format, as the offload worker and
     the runner take it: per tier (a host tier; a disk tier in a temporary directory, so the
     page cache's speed, not the drive's), fetch ``n`` entries, check and decode them, import
     them into the pool; timed for one block and for ``blocks``, best of ``rounds``, for a
-    latency per load and a bandwidth. Also the step's export (seconds per byte). Writes the
+    latency per load and a bandwidth. Also the step's export (seconds per byte), and the
+    worker's own share of a store and of a load per block (the host tier's). Writes the
     pool's first blocks back with their own bytes: nothing changes in the pool."""
     n = min(blocks, storage.num_blocks)
     ids = list(range(n))
@@ -130,23 +116,37 @@ def measure_tier_path(
         payload = storage.export_blocks(ids)
         exports.append(time.perf_counter() - t0)
     keys = [i.to_bytes(8, "little") for i in ids]
-    datas = [encode_entry(k, payload.select([i])) for i, k in enumerate(keys)]
     bandwidth, latency = {}, {}
+    store = decode = float("inf")
     with tempfile.TemporaryDirectory(prefix="kvserve-calibrate-") as tmp:
-        size = 4 * sum(len(d) for d in datas)
-        for tier in (HostTier(size), DiskTier(tmp, size)):
+        host = HostTier(1 << 40)
+        for _ in range(rounds):  # as the worker stores: one entry per block
+            for k in keys:
+                host.delete(k)
+            t0 = time.perf_counter()
+            datas = [encode_entry(k, payload.select([i])) for i, k in enumerate(keys)]
             for k, d in zip(keys, datas, strict=True):
-                tier.put(k, d)
+                host.put(k, d)
+            store = min(store, time.perf_counter() - t0)
+        disk = DiskTier(tmp, 4 * sum(len(d) for d in datas))
+        for k, d in zip(keys, datas, strict=True):
+            disk.put(k, d)
+        for tier in (host, disk):
 
             def load(m: int, tier: Tier = tier) -> float:
+                nonlocal decode
                 best = float("inf")
                 for _ in range(rounds):
                     t0 = time.perf_counter()
                     got = [decode_entry(k, d, copy=False) for k, d in
                            zip(keys[:m], tier.get_many(keys[:m]), strict=True)]  # fmt: skip
-                    for p in BlockPayload.concat(got):
+                    joined = BlockPayload.concat(got)
+                    t1 = time.perf_counter()
+                    for p in joined:
                         storage.import_blocks(ids[:m], p)
                     best = min(best, time.perf_counter() - t0)
+                    if tier is host and m == n:
+                        decode = min(decode, t1 - t0)
                 return best
 
             one, many = load(1), load(n)
@@ -154,7 +154,8 @@ def measure_tier_path(
             bandwidth[tier.name] = bytes_per_block / per_block
             latency[tier.name] = max(one - per_block, 0.0)
             tier.close()
-    return bandwidth, latency, min(exports) / (n * bytes_per_block)
+    return TierPath(bandwidth, latency, min(exports) / (n * bytes_per_block), store / n,
+                    decode / n)  # fmt: skip
 
 
 # Solo prefills before the workload, as shares of the largest prompt the probe may use.
@@ -290,11 +291,11 @@ def calibrate(
         profile.request_overhead_per_token_s = max(0.0, float(coef[1]))
     if eng.storage is not None:
         bpb = shape.kv_bytes_per_token * eng.block_size
-        bw, lat, export = measure_tier_path(eng.storage, bpb)
-        profile.tier_bandwidth, profile.tier_latency_s = bw, lat
-        profile.offload_export_s_per_byte = export
-        store, load = measure_worker_path(eng.storage)
-        profile.offload_store_s_per_block, profile.offload_load_s_per_block = store, load
+        path = measure_tier_path(eng.storage, bpb)
+        profile.tier_bandwidth, profile.tier_latency_s = path.bandwidth, path.latency
+        profile.offload_export_s_per_byte = path.export_s_per_byte
+        profile.offload_store_s_per_block = path.store_s_per_block
+        profile.offload_load_s_per_block = path.load_s_per_block
         # The worker shares the cores with the engine's compute threads when those take
         # every core (a CPU engine); on a GPU it has host cores of its own.
         cores = os.cpu_count() or 1

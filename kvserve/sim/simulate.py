@@ -100,7 +100,7 @@ class CostModelRunner:
             exported = len(ops.offload) + len(ops.offload_after)
             block_bytes = self.shape.kv_bytes_per_token * self.block_size
             dt += exported * block_bytes * self.profile.offload_export_s_per_byte
-            dt += exported * self.profile.worker_time(stored=1)
+            dt += self.profile.worker_time(stored=exported)
         if ops.loads:
             dt += self.profile.worker_time(loaded=sum(len(ids) for ids, _ in ops.loads.values()))
         self.clock.advance(dt)
