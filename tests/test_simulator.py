@@ -19,6 +19,7 @@ from benchmarks.simulate_speed import LLAMA_8B
 from kvserve.bench.runner import LoadSpec
 from kvserve.bench.workloads import BenchRequest
 from kvserve.engine_args import default_model
+from kvserve.model.linear_ops import GEMM_NAMES
 from kvserve.plan.capacity import PlanError, arch_from_config, bytes_per_token, capacity
 from kvserve.plan.cost import decode_roofline
 from kvserve.plan.gpus import get_gpu
@@ -227,8 +228,10 @@ def test_profile_file_round_trip_and_errors(tmp_path):
         ({**data, "per_seq_s": -1}, "per_seq_s must be >= 0"),
         ({**data, "large_step_tokens": -1}, "large_step_tokens must be an integer >= 0"),
         ({**data, "large_step_tokens": 64.5}, "large_step_tokens must be an integer >= 0"),
-        ({**data, "shape_cache_rows": -2}, "shape_cache_rows must be an integer >= 0"),
-        ({**data, "new_shape_min_tokens": 1.5}, "new_shape_min_tokens must be an integer >= 0"),
+        ({**data, "shape_cache_entries": -2}, "shape_cache_entries must be an integer >= 0"),
+        ({**data, "shape_state_rows": {"qkv": 0}}, "shape_state_rows must map GEMM names"),
+        ({**data, "shape_state_rows": {"attn": 1}}, "shape_state_rows must map GEMM names"),
+        ({**data, "shape_state_rows": [1]}, "shape_state_rows must map GEMM names"),
         ({**data, "new_shape_s": -1e-3}, "new_shape_s must be >= 0"),
         ({**data, "gemm_efficiency_large": 0}, "gemm_efficiency_large must be > 0"),
         ({**data, "version": 99}, "version 99"),
@@ -708,37 +711,115 @@ def test_a_streamed_workload_raises_the_producers_errors(llama8b):
         simulate_load(target, long, LoadSpec(10.0), 0)
 
 
-# -- row counts a per-shape GEMM backend builds state for ------------------------------------
-def test_shape_cache_is_an_lru_of_row_counts():
-    """Against a naive list: a step is new when its row count is not among the last ``rows``
-    distinct row counts used (steps under ``min_tokens`` neither count nor change it)."""
+# -- GEMM shapes a per-shape backend builds state for ---------------------------------------
+ALL_GEMMS = dict.fromkeys(GEMM_NAMES, 1)
+
+
+def test_shape_cache_names_the_gemms_the_real_model_calls():
+    """Against the real engine on the bundled model (float32: every GEMM is oneDNN's), each
+    step's distinct (GEMM, rows) calls, recorded at the backend's oneDNN entry point, are
+    what :meth:`ShapeCache.calls` says for that step's features: decode steps, whole and
+    chunked prompts, a chunk that finishes no prompt, and prompts beside decodes."""
+    from kvserve.llm import LLM
+    from kvserve.model.linear_ops import OneDNNOps
+
+    llm = LLM(model=str(default_model_dir()), dtype="float32", num_gpu_blocks=64,
+              max_num_batched_tokens=48)  # fmt: skip
+    eng = llm.engine
+    model = eng.model
+    assert isinstance(model.ops, OneDNNOps)
+    cfg = model.config
+    q = cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    assert cfg.intermediate_size != q  # the output and down projections differ in shape
+    seen: set[tuple[str, int]] = set()
+
+    def name_of(attr: str, w) -> str:
+        out, inp = w.shape
+        if attr == "none":
+            return "head" if out == cfg.vocab_size else "qkv"
+        if attr == "swish":
+            return "gate"
+        if attr == "mul":
+            return "up"
+        return "down" if inp == cfg.intermediate_size else "o"
+
+    class Spy:
+        def __init__(self, lp):
+            self.lp = lp
+
+        def __call__(self, x, w, b, attr, *rest):
+            seen.add((name_of(attr, w), x.shape[0]))
+            return self.lp(x, w, b, attr, *rest)
+
+        def binary(self, x, other, w, b, attr):
+            seen.add((name_of(attr, w), x.shape[0]))
+            return self.lp.binary(x, other, w, b, attr)
+
+    model.ops._lp = Spy(model.ops._lp)
+    shape = shape_of(json.loads((default_model_dir() / "config.json").read_text()),
+                     "float32", "float32")  # fmt: skip
+    rng = random.Random(0)
+    kinds: set[str] = set()
+    arrivals = {0: [120], 3: [5, 30], 6: [9], 9: [70, 3], 14: [40], 18: [100]}
+    for k in range(40):
+        for n in arrivals.get(k, []):
+            ids = [rng.randrange(10, 200) for _ in range(n)]
+            eng.add_request(None, ids, SamplingParams(temperature=0.0, max_tokens=12))
+        seen.clear()
+        eng.step()
+        out = eng.core.last_step
+        if not out.seqs:
+            continue
+        f = step_features(out, shape)
+        assert seen == set(ShapeCache.calls(f)), (k, f.tokens, f.sampled_rows)
+        kinds.add("decode" if not f.prefill_seqs else
+                  "no sample" if not f.sampled_rows else
+                  "mixed" if f.seqs > f.prefill_seqs else "prompt")  # fmt: skip
+    assert kinds == {"decode", "no sample", "mixed", "prompt"}
+
+
+def test_shape_cache_is_an_lru_of_gemm_shapes():
+    """Against a naive list over each step's calls: a call builds state when its (GEMM,
+    rows) is not among the last ``entries`` distinct ones used; calls under their GEMM's
+    fewest rows, or of a GEMM that keeps no state, neither count nor change the list."""
     rng = random.Random(3)
-    for rows, min_tokens in ((1, 1), (4, 1), (10, 1), (6, 64)):
-        cache, used, got, want = ShapeCache(rows, min_tokens), [], [], []
-        for _ in range(2000):
-            n = rng.choice([rng.randrange(1, 12), rng.randrange(1, 400)])
-            got.append(cache.mark(StepFeatures(tokens=n)).new_shape)
-            if n < min_tokens:
-                want.append(0)
-                continue
-            want.append(0 if n in used else 1)
-            if n in used:
-                used.remove(n)
-            used = ([*used, n])[-rows:]  # most recent last
+    for entries, rows in ((1, ALL_GEMMS), (6, ALL_GEMMS), (64, ALL_GEMMS),
+                          (12, {"qkv": 64, "o": 64, "gate": 64, "up": 64, "down": 64}),
+                          (20, {"head": 1})):  # fmt: skip
+        cache, used, got, want = ShapeCache(entries, rows), [], [], []
+        for _ in range(1500):
+            t = rng.choice([rng.randrange(1, 12), rng.randrange(1, 400)])
+            prefill = rng.random() < 0.4
+            s = rng.randrange(0, min(t, 8) + 1) if prefill else t
+            f = StepFeatures(tokens=t, sampled_rows=s, prefill_seqs=int(prefill))
+            got.append(cache.mark(f).new_shape)
+            new = 0
+            for key in ShapeCache.calls(f):
+                if key[0] not in rows or key[1] < rows[key[0]]:
+                    continue
+                if key in used:
+                    used.remove(key)
+                else:
+                    new += 1
+                used = [*used, key][-entries:]  # most recent last
+            want.append(new)
         assert got == want
-        assert sum(got) > 0 and sum(got) < len(got)
+        assert sum(got) > 0
+        assert got.count(0) > 0 or entries == 1  # one entry holds no step's shapes
 
 
-def test_a_new_row_count_costs_the_profiles_seconds_in_the_simulator():
-    """The cost-model runner charges ``new_shape_s`` exactly on the steps whose row count the
-    modelled cache does not hold (a profile with a one-row-count cache: every change of row
-    count), and nothing without the term."""
+def test_new_gemm_shapes_cost_the_profiles_seconds_in_the_simulator():
+    """The cost-model runner charges ``new_shape_s`` per GEMM shape the modelled cache does
+    not hold: decode steps of batch 5, 5, 6, 5, 5, 9, 9, 6 build six shapes (five layer
+    GEMMs and the head) at each batch size first seen, and again at each change when the
+    cache holds one batch size's six; nothing without the term or under a GEMM's fewest
+    rows."""
     from kvserve.sim.simulate import CostModelRunner, VirtualClock
 
     cfg = json.loads((default_model_dir() / "config.json").read_text())
     shape = shape_of(cfg, "float32", "float32")
     counts = [5, 5, 6, 5, 5, 9, 9, 6]
-    new = sum(a != b for a, b in zip([None, *counts], counts, strict=False))  # 5 changes
+    changes = sum(a != b for a, b in zip([None, *counts], counts, strict=False))  # 5
 
     def busy(profile):
         runner = CostModelRunner(profile, VirtualClock(), token_id=0)
@@ -749,25 +830,29 @@ def test_a_new_row_count_costs_the_profiles_seconds_in_the_simulator():
         return runner.busy_s
 
     plain = busy(cpu_profile())
-    charged = busy(cpu_profile(new_shape_s=1e-3, new_shape_min_tokens=1, shape_cache_rows=1))
-    assert charged - plain == pytest.approx(new * 1e-3, rel=1e-9)
-    # Steps under the backend's threshold never pay it.
-    above = busy(cpu_profile(new_shape_s=1e-3, new_shape_min_tokens=8, shape_cache_rows=1))
-    assert above - plain == pytest.approx(1e-3, rel=1e-9)  # only the 9s count: one new
+
+    def charged(rows, entries):
+        p = cpu_profile(new_shape_s=1e-3, shape_state_rows=rows, shape_cache_entries=entries)
+        return busy(p) - plain
+
+    assert charged(ALL_GEMMS, 64) == pytest.approx(3 * 6 * 1e-3, rel=1e-9)  # 5, 6, 9
+    assert charged(ALL_GEMMS, 6) == pytest.approx(changes * 6 * 1e-3, rel=1e-9)
+    assert charged(dict.fromkeys(GEMM_NAMES, 8), 64) == pytest.approx(6e-3, rel=1e-9)  # 9
+    assert charged({"head": 1}, 64) == pytest.approx(3e-3, rel=1e-9)
 
 
-def test_fit_recovers_the_cost_of_a_new_row_count():
-    """Steps made by a profile that charges a new row count (marked by the calibration's
+def test_fit_recovers_the_cost_of_a_new_gemm_shape():
+    """Steps made by a profile that charges each new GEMM shape (counted by the calibration's
     replay of the cache): the fit finds that cost beside the others, and predicts held-out
-    steps; without the mark the same steps fit worse."""
+    steps; without the count the same steps fit worse."""
     cfg = json.loads((default_model_dir() / "config.json").read_text())
     shape = shape_of(cfg, "float32", "float32")
     truth = cpu_profile(step_overhead_s=3e-3, per_seq_s=4e-5, prefill_step_s=5e-4,
                         gemm_efficiency=0.6, decode_kv_efficiency=0.4,
-                        new_shape_s=2e-3)  # fmt: skip
+                        new_shape_s=4e-4)  # fmt: skip
 
     def with_shapes(steps):
-        cache, out = ShapeCache(8, 1), []
+        cache, out = ShapeCache(48, ALL_GEMMS), []
         for f, _ in steps:
             cache.mark(f)
             out.append((f, truth.step_time(f, shape)))
@@ -776,8 +861,9 @@ def test_fit_recovers_the_cost_of_a_new_row_count():
     train = with_shapes(synthetic_steps(truth, shape, 400, noise=0.0))
     marked = [f.new_shape for f, _ in train]
     assert 0 < sum(f.new_shape for f, _ in train if not f.prefill_seqs) < sum(marked)
+    assert len(set(marked)) > 2  # steps build different numbers of shapes
     fitted, report = fit_profile(train, shape, cpu_profile())
-    assert fitted.new_shape_s == pytest.approx(2e-3, rel=0.05)
+    assert fitted.new_shape_s == pytest.approx(4e-4, rel=0.05)
     assert fitted.step_overhead_s == pytest.approx(3e-3, rel=0.05)
     test = with_shapes(synthetic_steps(truth, shape, 200, noise=0.0, seed=1))
     pred = np.array([fitted.step_time(f, shape) for f, _ in test])
@@ -789,21 +875,25 @@ def test_fit_recovers_the_cost_of_a_new_row_count():
     assert unmarked.median_abs_error > 5 * max(report.median_abs_error, 1e-4)
 
 
-def test_a_profile_written_before_the_new_shape_fields_charges_nothing(tmp_path):
-    """A profile file without ``new_shape_s``, ``new_shape_min_tokens`` and
-    ``shape_cache_rows`` (written by an earlier kvserve) loads, and its steps cost what the
-    other terms say: no cache is replayed."""
-    data = cpu_profile(new_shape_s=1e-3, new_shape_min_tokens=1, shape_cache_rows=4).to_json()
+def test_a_profile_written_before_gemm_shapes_were_counted_charges_nothing(tmp_path):
+    """Profile files from earlier kvserves load with the term off, and their steps cost what
+    the other terms say: one without the fields, and one whose ``new_shape_s`` was charged
+    per step row count (with ``new_shape_min_tokens`` and ``shape_cache_rows``), a unit
+    this kvserve does not use."""
+    data = cpu_profile(new_shape_s=1e-3, shape_state_rows=ALL_GEMMS,
+                       shape_cache_entries=64).to_json()  # fmt: skip
     assert ShapeCache.of(Profile.from_json(data)) is not None
-    for name in ("new_shape_s", "new_shape_min_tokens", "shape_cache_rows"):
-        del data[name]
-    (tmp_path / "old.json").write_text(json.dumps(data))
-    old = Profile.load(tmp_path / "old.json")
-    assert ShapeCache.of(old) is None and old.new_shape_s == 0.0
+    base = {k: v for k, v in data.items()
+            if k not in ("new_shape_s", "shape_state_rows", "shape_cache_entries")}  # fmt: skip
+    rows_era = {**base, "new_shape_s": 2e-3, "new_shape_min_tokens": 1, "shape_cache_rows": 10}
     shape = shape_of(json.loads((default_model_dir() / "config.json").read_text()))
-    f = StepFeatures(seqs=1, tokens=1, sampled_rows=1, linear_flops=1e9, new_shape=1)
+    f = StepFeatures(seqs=1, tokens=1, sampled_rows=1, linear_flops=1e9, new_shape=6)
     g = StepFeatures(seqs=1, tokens=1, sampled_rows=1, linear_flops=1e9)
-    assert old.step_time(f, shape) == old.step_time(g, shape)
+    for i, old_data in enumerate((base, rows_era)):
+        (tmp_path / f"old{i}.json").write_text(json.dumps(old_data))
+        old = Profile.load(tmp_path / f"old{i}.json")
+        assert ShapeCache.of(old) is None and old.new_shape_s == 0.0
+        assert old.step_time(f, shape) == old.step_time(g, shape)
 
 
 def test_validation_benchmark_compares_with_the_median_real_run(monkeypatch, capsys):

@@ -374,38 +374,54 @@ def test_split_measured_on_the_models_own_layers(checkpoint, monkeypatch, onednn
 
 
 @pytest.mark.parametrize("kernel", [None, pytest.param("avx512", marks=needs_avx512)])
-def test_which_steps_build_onednn_state_per_row_count(checkpoint, monkeypatch, kernel):
-    """What the simulator's calibration reads (``shape_state_rows``): every step where some
-    matrix is oneDNN's at every size (the plain oneDNN backend; the upcasting one without
-    kvserve's kernel packs its small steps for oneDNN too), the large steps only where the
-    kernel takes every small step, and none on the packed kernel alone or the reference."""
+def test_which_gemms_build_onednn_state_per_row_count(checkpoint, monkeypatch, kernel):
+    """What the simulator's calibration reads (``shape_state_rows``): every GEMM from one row
+    where it is oneDNN's at every size (the plain oneDNN backend; the upcasting one without
+    kvserve's kernel packs its small steps for oneDNN too), the GEMMs with copies from the
+    split where the kernel takes the small calls (the LM head among them only with bf16
+    copies), a matrix the kernel cannot take at every size, and none on the packed kernel
+    alone or the reference."""
     from kvserve.model import linear_ops
 
     model, _ = _load_bf16(checkpoint, monkeypatch, "llama_gqa")
-    assert TorchOps().shape_state_rows == 0
+    layers = ("qkv", "o", "gate", "up", "down")
+    everything = dict.fromkeys((*layers, "head"), 1)
+    assert TorchOps().shape_state_rows == {}
     model.set_ops(OneDNNOps(prepack=True))
-    assert model.ops.shape_state_rows == 1
+    assert model.ops.shape_state_rows == everything
     model.set_ops(UpcastOps(min_rows=16, kernel=kernel))
-    assert model.ops.shape_state_rows == (1 if kernel is None else 16)
-    if kernel is not None:
-        model.set_ops(PackedOps(kernel))
-        assert all(KERNEL_WEIGHTS in lin.__dict__ for lin, _ in linear_layers(model))
-        assert model.ops.shape_state_rows == 0
-        monkeypatch.setattr(linear_ops, "available_memory", lambda: 1)  # no room for copies
-        model.set_ops(UpcastOps(min_rows=16, kernel=kernel))
-        assert model.ops.skipped is not None and model.ops.shape_state_rows == 0
+    assert model.ops.shape_state_rows == (everything if kernel is None
+                                          else dict.fromkeys(layers, 16))  # fmt: skip
+    if kernel is None:
+        return
+    model.set_ops(UpcastOps(min_rows=16, kernel=kernel, dtype=torch.bfloat16))
+    assert model.ops.shape_state_rows == dict.fromkeys((*layers, "head"), 16)
+    model.set_ops(PackedOps(kernel))
+    assert all(KERNEL_WEIGHTS in lin.__dict__ for lin, _ in linear_layers(model))
+    assert model.ops.shape_state_rows == {}
+    vocab = model.config.vocab_size
+    packable = linear_ops.amx.packable
+    monkeypatch.setattr(linear_ops.amx, "packable", lambda w: w.shape[0] != vocab and packable(w))
+    model.set_ops(PackedOps(kernel))  # the head stays with oneDNN
+    assert model.ops.shape_state_rows == {"head": 1}
+    model.set_ops(UpcastOps(min_rows=16, kernel=kernel))
+    assert model.ops.shape_state_rows == {**dict.fromkeys(layers, 16), "head": 1}
+    monkeypatch.setattr(linear_ops.amx, "packable", packable)
+    monkeypatch.setattr(linear_ops, "available_memory", lambda: 1)  # no room for copies
+    model.set_ops(UpcastOps(min_rows=16, kernel=kernel))
+    assert model.ops.skipped is not None and model.ops.shape_state_rows == {}
 
 
-def test_cached_row_counts_follow_the_smaller_cache(monkeypatch):
-    """Row counts oneDNN's two caches hold at once: the smaller capacity over the primitives
-    one row count needs; PyTorch's default where a variable is unset or not a number."""
-    from kvserve.model.linear_ops import GEMMS_PER_ROW_COUNT, onednn_cached_row_counts
+def test_cache_entries_follow_the_smaller_cache(monkeypatch):
+    """GEMM shapes oneDNN's two caches hold at once: the smaller capacity; PyTorch's default
+    where a variable is unset or not a number; never none."""
+    from kvserve.model.linear_ops import onednn_cache_entries
 
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
     monkeypatch.setenv("LRU_CACHE_CAPACITY", "600")
-    assert onednn_cached_row_counts() == 64 // GEMMS_PER_ROW_COUNT
+    assert onednn_cache_entries() == 64
     monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
     monkeypatch.setenv("LRU_CACHE_CAPACITY", "lots")
-    assert onednn_cached_row_counts() == 1024 // GEMMS_PER_ROW_COUNT
-    monkeypatch.setenv("LRU_CACHE_CAPACITY", "2")
-    assert onednn_cached_row_counts() == 1  # never none
+    assert onednn_cache_entries() == 1024
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "0")
+    assert onednn_cache_entries() == 1

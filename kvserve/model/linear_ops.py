@@ -28,19 +28,31 @@ from torch import nn
 
 from kvserve.kernels import amx, best_time, pointwise, prefill
 
+# The GEMMs of a step by name: a decoder layer's QKV, output (with the residual add), gate
+# (SiLU), up (product) and down (add) projections, and the LM head's. The simulator's cost
+# model counts the per-shape state a backend builds by these names (``shape_state_rows``).
+GEMM_NAMES = ("qkv", "o", "gate", "up", "down", "head")
+
+
+def gemm_layers(model: nn.Module) -> list[tuple[tuple[str, ...], nn.Linear]]:
+    """The model's matrices a backend may keep in its own layout, each with the names of
+    the GEMMs it takes part in (:data:`GEMM_NAMES`; the fused gate/up projection two):
+    every decoder layer's four and the LM head."""
+    out: list[tuple[tuple[str, ...], nn.Linear]] = []
+    for layer in getattr(model, "layers", []):
+        out += [(("qkv",), layer.qkv_proj), (("o",), layer.o_proj),
+                (("gate", "up"), layer.gate_up_proj), (("down",), layer.down_proj)]  # fmt: skip
+    if hasattr(model, "lm_head"):
+        out.append((("head",), model.lm_head))
+    return out
+
 
 def linear_layers(model: nn.Module) -> list[tuple[nn.Linear, bool]]:
-    """The model's matrices a backend may keep in its own layout, each with whether it is the
-    fused gate/up projection: every decoder layer's four and the LM head. A head tied to the
-    embedding table becomes a copy when a backend packs it (the lookup gathers rows of the
-    dense table): the vocabulary-wide GEMM of every step is worth that memory."""
-    out: list[tuple[nn.Linear, bool]] = []
-    for layer in getattr(model, "layers", []):
-        out += [(layer.qkv_proj, False), (layer.o_proj, False), (layer.gate_up_proj, True),
-                (layer.down_proj, False)]  # fmt: skip
-    if hasattr(model, "lm_head"):
-        out.append((model.lm_head, False))
-    return out
+    """:func:`gemm_layers`' matrices, each with whether it is the fused gate/up projection.
+    A head tied to the embedding table becomes a copy when a backend packs it (the lookup
+    gathers rows of the dense table): the vocabulary-wide GEMM of every step is worth that
+    memory."""
+    return [(lin, len(names) == 2) for names, lin in gemm_layers(model)]
 
 
 def _dense(w: torch.Tensor) -> torch.Tensor:
@@ -94,12 +106,12 @@ class TorchOps:
         return torch.float32
 
     @property
-    def shape_state_rows(self) -> int:
-        """Steps of at least this many tokens run GEMMs that build state per row count
-        (oneDNN's primitives, see :data:`ONEDNN_CACHE_CAPACITY`), 0 where none do: a step
-        whose row count the caches no longer hold rebuilds it, which the simulator's cost
-        model charges."""
-        return 0
+    def shape_state_rows(self) -> dict[str, int]:
+        """The GEMMs (by :data:`GEMM_NAMES`) whose calls build state per input row count
+        (oneDNN's primitives, see :data:`ONEDNN_CACHE_CAPACITY`), each with the fewest rows
+        of a call that does; empty where none do. A call whose shape the caches no longer
+        hold builds it again, which the simulator's cost model charges."""
+        return {}
 
     def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
@@ -180,8 +192,8 @@ class OneDNNOps(TorchOps):
         return torch.ops.mkldnn._reorder_linear_weight(w, self.PACK_ROWS)
 
     @property
-    def shape_state_rows(self) -> int:
-        return 1  # every step's GEMMs are oneDNN's
+    def shape_state_rows(self) -> dict[str, int]:
+        return dict.fromkeys(GEMM_NAMES, 1)  # every GEMM is oneDNN's
 
     def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         return self._lp(x, layer.weight, layer.bias, "none", [], "")
@@ -251,7 +263,7 @@ class PackedOps(OneDNNOps):
         self.name = kernel or "onednn"
         if kernel == "avx512" and amx.avx512_dot_products():
             self.name = "avx512-dot"
-        self._onednn_layers = True  # some matrix stays with oneDNN (set by adopt)
+        self._onednn_gemms = frozenset(GEMM_NAMES)  # the GEMMs left with oneDNN (adopt)
 
     def _pack(self, w: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None and amx.packable(w):
@@ -260,17 +272,18 @@ class PackedOps(OneDNNOps):
 
     def adopt(self, model: nn.Module) -> None:
         super().adopt(model)
-        self._onednn_layers = False
-        for lin, gate_up in linear_layers(model):
+        left: set[str] = set()
+        for names, lin in gemm_layers(model):
             if amx.is_packed(lin.weight):
-                up = lin.up_weight if gate_up else None
+                up = lin.up_weight if len(names) == 2 else None
                 lin.__dict__[KERNEL_WEIGHTS] = (lin.weight, up, lin.bias)
             else:
-                self._onednn_layers = True
+                left.update(names)
+        self._onednn_gemms = frozenset(left)
 
     @property
-    def shape_state_rows(self) -> int:
-        return 1 if self._onednn_layers else 0  # the kernel keeps no per-shape state
+    def shape_state_rows(self) -> dict[str, int]:
+        return dict.fromkeys(self._onednn_gemms, 1)  # the kernel keeps no per-shape state
 
     @staticmethod
     def _kernel_weights(layer: nn.Linear) -> KernelWeights | None:
@@ -358,15 +371,17 @@ class UpcastOps(PackedOps):
         self.forced = forced
         self.measure_split = measure_split and kernel is not None and dtype == torch.bfloat16
         self.skipped: tuple[int, int] | None = None  # (copy bytes, bytes available) if so
+        self._copied: frozenset[str] = frozenset()  # the GEMMs with copies (adopt)
 
     def adopt(self, model: nn.Module) -> None:
         head = getattr(model, "lm_head", None)
         # In float32, only sampled rows reach the LM head in prefill: rarely min_rows of them.
-        layers = [
-            (lin, gu)
-            for lin, gu in linear_layers(model)
+        named = [
+            (names, lin)
+            for names, lin in gemm_layers(model)
             if lin is not head or self.dtype == torch.bfloat16
         ]
+        layers = [(lin, len(names) == 2) for names, lin in named]
         # A packing backend keeps the up half of gate_up apart (see OneDNNOps.adopt).
         need = self.dtype.itemsize * sum(
             lin.weight.numel() + (lin.up_weight.numel() if gu and hasattr(lin, "up_weight") else 0)
@@ -375,9 +390,11 @@ class UpcastOps(PackedOps):
         avail = available_memory()
         if not self.forced and avail is not None and need > UPCAST_MEMORY_SHARE * avail:
             self.skipped = (need, avail)
+            self._copied = frozenset()
             PackedOps.adopt(self, model)  # packed bf16 for every step
             return
         self.skipped = None
+        self._copied = frozenset(n for names, _ in named for n in names)
         TorchOps.adopt(self, model)  # dense bf16 first: the copies come from it
         pack = torch.ops.mkldnn._reorder_linear_weight
         copies = []
@@ -448,9 +465,10 @@ class UpcastOps(PackedOps):
         return 0 if self.skipped is not None else self.min_rows
 
     @property
-    def shape_state_rows(self) -> int:
-        small = super().shape_state_rows  # matrices the kernel cannot take: every step
-        return small or self.large_step_rows
+    def shape_state_rows(self) -> dict[str, int]:
+        # The copies' GEMMs from min_rows; matrices the kernel cannot take at every size.
+        large = dict.fromkeys(self._copied, self.large_step_rows) if self.large_step_rows else {}
+        return {**large, **super().shape_state_rows}
 
     def describe(self) -> str:
         if self.skipped is not None:
@@ -508,10 +526,6 @@ ONEDNN_CACHE_CAPACITY = 64
 
 
 _ONEDNN_CACHE_VARS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
-# The primitives one step's row count needs: a decoder layer's QKV, output (with the residual
-# add), gate (SiLU), up (product) and down (add) projections, shared by every layer, and the
-# LM head's.
-GEMMS_PER_ROW_COUNT = 6
 
 
 def bound_onednn_caches() -> None:
@@ -519,16 +533,16 @@ def bound_onednn_caches() -> None:
         os.environ.setdefault(var, str(ONEDNN_CACHE_CAPACITY))
 
 
-def onednn_cached_row_counts() -> int:
-    """How many step row counts oneDNN's caches hold at once, as this process set them (the
-    smaller of the two; PyTorch's default where unset or unreadable)."""
+def onednn_cache_entries() -> int:
+    """How many GEMM shapes (one primitive each) oneDNN's caches hold at once, as this
+    process set them: the smaller of the two, PyTorch's default where unset or unreadable."""
     caps = []
     for var in _ONEDNN_CACHE_VARS:
         try:
             caps.append(int(os.environ.get(var, "1024")))
         except ValueError:
             caps.append(1024)
-    return max(min(caps) // GEMMS_PER_ROW_COUNT, 1)
+    return max(min(caps), 1)
 
 
 # The GEMM timed in both dtypes to decide whether a bf16 model's large GEMMs run in float32

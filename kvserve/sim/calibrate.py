@@ -36,7 +36,7 @@ from kvserve.engine.bandwidth import measure_peak_bandwidth
 from kvserve.kv.storage import BlockPayload, KVStorage
 from kvserve.kv.tier_entry import decode_entry, encode_entry
 from kvserve.kv.tiers import DiskTier, HostTier, Tier
-from kvserve.model.linear_ops import onednn_cached_row_counts
+from kvserve.model.linear_ops import onednn_cache_entries
 from kvserve.plan.capacity import load_arch, load_config
 from kvserve.request import SamplingParams
 from kvserve.sim.cost import (
@@ -227,11 +227,11 @@ def calibrate(
         if base.large_step_tokens
         else None
     )
-    # A backend that builds state per row count (oneDNN): which steps build one (its caches'
+    # A backend that builds state per GEMM shape (oneDNN): which GEMMs build one (its caches'
     # LRU, replayed over the steps); what that costs is fitted with the other terms.
-    base.new_shape_min_tokens = ops.shape_state_rows
-    if base.new_shape_min_tokens:
-        base.shape_cache_rows = onednn_cached_row_counts()
+    base.shape_state_rows = ops.shape_state_rows
+    if base.shape_state_rows:
+        base.shape_cache_entries = onednn_cache_entries()
     shapes = ShapeCache.of(base)
     steps: list[tuple[StepFeatures, float]] = []
     adds: list[tuple[int, float]] = []

@@ -16,9 +16,9 @@ batch over a device peak, divided by an efficiency factor:
 - decode attention: the cache bytes the decode tokens read, over bandwidth x ``e_decode_kv``,
   and at that rate a retention compaction's copies (each kept entry read and written once);
 - tensor parallelism: two all-reduces of the hidden state per layer over the interconnect;
-- a CPU pool's first writes into its pages, and, where the GEMMs are oneDNN's, a step whose
-  row count oneDNN's bounded caches no longer hold (:class:`ShapeCache`): it builds that row
-  count's primitives again.
+- a CPU pool's first writes into its pages, and, where the GEMMs are oneDNN's, each GEMM
+  shape of the step that oneDNN's bounded caches no longer hold (:class:`ShapeCache`): it
+  builds that shape's primitive again.
 
 The weight term reaching its floor is the only non-linear piece, and it is a hinge:
 ``max(a F, a F_knee)``. Calibration (:func:`fit_profile`) therefore searches the knee and
@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from kvserve.model.linear_ops import GEMM_NAMES
 from kvserve.plan.capacity import ArchSpec, bytes_per_token
 from kvserve.plan.gpus import GPU
 from kvserve.step import SchedulerOutput
@@ -57,6 +58,9 @@ SECONDS_FIELDS = (
 OFFLOAD_SECONDS_FIELDS = (
     "offload_export_s_per_byte", "offload_store_s_per_block", "offload_load_s_per_block",
 )  # fmt: skip
+# Fields of profiles written before the new-shape term counted GEMM shapes (it counted step
+# row counts): read, and the term left off.
+RETIRED_SHAPE_FIELDS = ("new_shape_min_tokens", "shape_cache_rows")
 TIER_NAMES = ("cpu", "disk", "redis")  # offload tiers, as kvserve.kv.tiers names them
 EFFICIENCY_FIELDS = (
     "gemm_efficiency", "weight_read_efficiency", "prefill_attention_efficiency",
@@ -140,7 +144,7 @@ class StepFeatures:
     first_touch_bytes: float = 0.0  # pool blocks written for the first time
     new_prompt_tokens: int = 0  # prompts scheduled for the first time (hashed, set up)
     solo_seqs: int = 0  # attended on their own (sinks, a compaction's scoring, H2O's mass)
-    new_shape: int = 0  # 1: the GEMM backend builds this row count's state (ShapeCache)
+    new_shape: int = 0  # GEMM shapes the backend builds state for in this step (ShapeCache)
 
 
 def _attended(cached: int, n: int, window: int | None) -> float:
@@ -227,39 +231,61 @@ def step_features(
 
 
 class ShapeCache:
-    """The step row counts whose GEMM state a per-shape backend still holds, least recently
-    used first: oneDNN keeps a primitive per input shape in a bounded LRU cache
-    (:data:`kvserve.model.linear_ops.ONEDNN_CACHE_CAPACITY`), and a step of a row count it
-    no longer holds builds them again, once for all layers (they share their shapes). Under
-    serving traffic a prompt chunk's row count is new almost every time, and it evicts the
-    decode batches' row counts in turn. Only steps of at least ``min_tokens`` tokens run on
-    that backend (:attr:`Profile.new_shape_min_tokens`)."""
+    """The GEMM shapes whose state a per-shape backend still holds, least recently used
+    first: oneDNN builds a primitive per input shape and keeps it in a bounded LRU cache
+    (:data:`kvserve.model.linear_ops.ONEDNN_CACHE_CAPACITY` entries), and a call of a shape
+    it no longer holds builds it again, once for all layers (they share their shapes).
 
-    def __init__(self, rows: int, min_tokens: int) -> None:
+    A step's GEMMs and their row counts (a model of two or more layers): every layer's five
+    (:data:`~kvserve.model.linear_ops.GEMM_NAMES`) at the step's tokens, except that in a
+    step that reads fewer rows than it computes (a prompt chunk: only its last row samples)
+    the last layer's output, gate, up and down projections take only the sampled rows, as
+    does the LM head. Under serving traffic the token count of a step with a prompt chunk is
+    new almost every time, and the sampled rows of one are the next decode step's batch
+    size: such a decode step finds most of its shapes built. Each GEMM builds state only
+    from its own fewest rows (:attr:`Profile.shape_state_rows`; the others run on a kernel
+    that keeps none)."""
+
+    LAYER = ("qkv", "o", "gate", "up", "down")
+
+    def __init__(self, entries: int, rows: dict[str, int]) -> None:
+        self.entries = entries
         self.rows = rows
-        self.min_tokens = min_tokens
-        self._held: OrderedDict[int, None] = OrderedDict()
+        self._held: OrderedDict[tuple[str, int], None] = OrderedDict()
 
     @classmethod
     def of(cls, profile: Profile) -> ShapeCache | None:
         """The profile's cache, or None where its device keeps no per-shape state."""
-        if not (profile.shape_cache_rows and profile.new_shape_min_tokens):
+        if not (profile.shape_cache_entries and profile.shape_state_rows):
             return None
-        return cls(profile.shape_cache_rows, profile.new_shape_min_tokens)
+        return cls(profile.shape_cache_entries, profile.shape_state_rows)
+
+    @classmethod
+    def calls(cls, f: StepFeatures) -> list[tuple[str, int]]:
+        """The step's GEMMs as (name, rows), in the order the model calls them."""
+        t, s = f.tokens, f.sampled_rows
+        out = [(name, t) for name in cls.LAYER]
+        if s and (f.prefill_seqs or s != t):  # the last layer keeps the sampled rows
+            out += [(name, s) for name in cls.LAYER[1:]]
+        if s:
+            out.append(("head", s))
+        return out
 
     def mark(self, f: StepFeatures) -> StepFeatures:
-        """Set ``f.new_shape`` (1 if the step's row count is not held) and hold it."""
-        n = f.tokens
-        if n < self.min_tokens:
-            return f
-        held = self._held
-        if n in held:
-            held.move_to_end(n)
-        else:
-            f.new_shape = 1
-            held[n] = None
-            if len(held) > self.rows:
+        """Set ``f.new_shape`` to the number of GEMM shapes the step builds, and hold them."""
+        held, least, new = self._held, self.rows, 0
+        for key in self.calls(f):
+            fewest = least.get(key[0])
+            if fewest is None or key[1] < fewest:
+                continue
+            if key in held:
+                held.move_to_end(key)
+                continue
+            new += 1
+            held[key] = None
+            if len(held) > self.entries:
                 held.popitem(last=False)
+        f.new_shape = new
         return f
 
 
@@ -293,13 +319,14 @@ class Profile:
     # A CPU pool is calloc'd: the first write to a block faults its pages in (0 on a GPU,
     # whose pool is allocated whole).
     first_touch_s_per_byte: float = 0.0
-    # A GEMM backend that builds state per row count (oneDNN's primitives, on a CPU) rebuilds
-    # it in a step whose row count its caches no longer hold: the seconds that costs, for
-    # steps of at least new_shape_min_tokens tokens, and how many row counts the caches hold
-    # (0: no such state; see ShapeCache).
+    # A GEMM backend that builds state per input shape (oneDNN's primitives, on a CPU) keeps
+    # it in a bounded LRU cache and builds it again for a shape the cache no longer holds
+    # (ShapeCache): the seconds one such build costs, the GEMMs that build state (by
+    # linear_ops.GEMM_NAMES) each with the fewest rows of a call that does, and how many
+    # shapes the cache holds (0 / empty: no such state).
     new_shape_s: float = 0.0
-    new_shape_min_tokens: int = 0
-    shape_cache_rows: int = 0
+    shape_state_rows: dict[str, int] = field(default_factory=dict)
+    shape_cache_entries: int = 0
     interconnect_bandwidth: float = 0.0  # bytes/s per GPU (NVLink), for tp > 1
     allreduce_latency_s: float = 0.0  # per all-reduce, for tp > 1
     request_overhead_s: float = 0.0  # per added request (validation, tokenization)
@@ -377,6 +404,11 @@ class Profile:
     def from_json(cls, data: dict[str, Any], where: str = "profile") -> Profile:
         if not isinstance(data, dict):
             raise ValueError(f"{where}: expected a JSON object")
+        if any(name in data for name in RETIRED_SHAPE_FIELDS):
+            # An earlier calibration charged its new_shape_s per step row count, not per
+            # GEMM shape: that profile's term stays off rather than charge 5-10x.
+            data = {k: v for k, v in data.items()
+                    if k not in RETIRED_SHAPE_FIELDS and k != "new_shape_s"}  # fmt: skip
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -396,7 +428,16 @@ class Profile:
             v = getattr(p, name)
             if not (isinstance(v, int | float) and 0 < v):
                 raise ValueError(f"{where}: {name} must be > 0, got {v!r}")
-        for name in ("large_step_tokens", "new_shape_min_tokens", "shape_cache_rows"):
+        rows = p.shape_state_rows
+        if not isinstance(rows, dict) or any(
+            name not in GEMM_NAMES or not (isinstance(n, int) and n >= 1)
+            for name, n in rows.items()
+        ):
+            raise ValueError(
+                f"{where}: shape_state_rows must map GEMM names {GEMM_NAMES} to integers >= 1,"
+                f" got {rows!r}"
+            )
+        for name in ("large_step_tokens", "shape_cache_entries"):
             n = getattr(p, name)
             if not (isinstance(n, int) and n >= 0):
                 raise ValueError(f"{where}: {name} must be an integer >= 0, got {n!r}")
@@ -542,8 +583,9 @@ def fit_profile(
     own measured peak, when given). ``first_touch_s_per_byte``, when given, is that term's
     measured cost and is not fitted: first writes into the pool grow with a prefill step's
     tokens, as its GEMMs and host work do, and a fit cannot tell them apart. A step marked
-    by :class:`ShapeCache` (``new_shape``) pays ``new_shape_s``, fitted: decode steps of an
-    evicted batch size pay it too, which sets it apart from the prefill steps' own terms."""
+    by :class:`ShapeCache` pays ``new_shape_s`` per GEMM shape it builds (``new_shape``),
+    fitted: decode steps build some too, which sets it apart from the prefill steps' own
+    terms."""
     if len(samples) < 8:
         raise ValueError(f"calibration: needs at least 8 measured steps, got {len(samples)}")
     feats = [f for f, _ in samples]
