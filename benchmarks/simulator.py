@@ -3,10 +3,13 @@
     python -m benchmarks.simulator --model kvserve-ref
     python -m benchmarks.simulator --model 50m --dtype bfloat16
 
-The cost model is calibrated once, on the ``mixed`` workload (the real engine under the bench's
+The cost model is calibrated on the ``mixed`` workload (the real engine under the bench's
 in-process target, all at once and then at an open-loop rate it sustains), and then predicts
 other workloads it never saw: chat, RAG with prefix hits, long documents, decode-heavy, an
-overload trace into a small pool that preempts, and RAG through a host offload tier. Each is run
+overload trace into a small pool that preempts, and RAG through a host offload tier. The
+calibration is made again right before each case (same workload, same loads), unless
+``--calibrate-once``: these VMs' speed moves by more than the limits within minutes, both ways,
+and one calibration minutes before a case measures that drift as much as the model. Each is run
 for real (``kvserve bench``'s in-process target, a fresh engine) and simulated (the same
 workload, seed and arrivals; a fresh simulated engine) in this process, back to back. Rates are
 set per machine: each workload's open-loop rate is ``--load`` (0.6) times the request rate the
@@ -39,6 +42,7 @@ from kvserve.bench.metrics import server_summary, summarize
 from kvserve.bench.runner import LoadSpec, benchmark
 from kvserve.bench.workloads import WorkloadSpec, make_workload
 from kvserve.sim.calibrate import calibrate
+from kvserve.sim.cost import Profile
 from kvserve.sim.simulate import SimTarget, simulate_load
 
 
@@ -141,6 +145,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cases", default=",".join(c.name for c in CASES))
     ap.add_argument(
+        "--calibrate-once",
+        action="store_true",
+        help="one calibration for every case, instead of one right before each",
+    )
+    ap.add_argument(
         "--real-runs",
         type=int,
         default=3,
@@ -170,17 +179,22 @@ def main() -> None:
     first, _ = calibrate(first_target, [(cal_reqs, LoadSpec())], args.seed, warm)
     sat = sim_run(SimTarget(base_kw, first), cal_reqs, LoadSpec(), args.seed, warm)
     cal_rate = args.load * sat["request_throughput"]
-    runs = [(cal_reqs, LoadSpec()), (cal_reqs, LoadSpec(cal_rate))]
-    second = EngineTarget.from_kwargs(base_kw, temperature=0.0, ignore_eos=True)
-    profile, report = calibrate(second, runs, args.seed, warm)
-    print(
-        f"calibrated on mixed, all at once and at {cal_rate:.1f} req/s ({report.steps} "
-        f"steps): step error median "
-        f"{report.median_abs_error:.1%}, p90 {report.p90_abs_error:.1%}, summed "
-        f"{report.total_time_error:+.1%}; GEMM peak {profile.peak_flops / 1e9:.0f} GFLOP/s, "
-        f"read {profile.peak_bandwidth / 1e9:.1f} GB/s ({args.dtype})",
-        flush=True,
-    )
+    cal_runs = [(cal_reqs, LoadSpec()), (cal_reqs, LoadSpec(cal_rate))]
+
+    def calibrated(where: str) -> Profile:
+        target = EngineTarget.from_kwargs(base_kw, temperature=0.0, ignore_eos=True)
+        profile, report = calibrate(target, cal_runs, args.seed, warm)
+        print(
+            f"calibrated {where} on mixed, all at once and at {cal_rate:.1f} req/s "
+            f"({report.steps} steps): step error median {report.median_abs_error:.1%}, p90 "
+            f"{report.p90_abs_error:.1%}, summed {report.total_time_error:+.1%}; GEMM peak "
+            f"{profile.peak_flops / 1e9:.0f} GFLOP/s, read "
+            f"{profile.peak_bandwidth / 1e9:.1f} GB/s ({args.dtype})",
+            flush=True,
+        )
+        return profile
+
+    profile = calibrated("once" if args.calibrate_once else "for the rates")
     rows, results = [], []
     misses = total = 0
     wanted = set(args.cases.split(","))
@@ -190,6 +204,8 @@ def main() -> None:
         kw = {**base_kw, **case.engine}
         if case.engine.get("num_gpu_blocks"):
             kw.pop("kv_cache_memory")
+        if not args.calibrate_once:  # this machine's speed now, not minutes ago
+            profile = calibrated(f"before {case.name}")
         target = SimTarget(kw, profile)
         seed = args.seed + 1
         reqs = workload(case.workload, case.num_prompts, seed, case.length_scale)
@@ -203,7 +219,7 @@ def main() -> None:
         runs += [figures(real_run(kw, reqs, load, seed, warm)) for _ in range(args.real_runs - 1)]
         real = median_figures(runs)
         out = {"case": case.name, "rate": rate, "real": real, "sim": sim, "errors": {},
-               "real_runs": runs}  # fmt: skip
+               "real_runs": runs, "profile": profile.to_json()}  # fmt: skip
         for name in LIMITS:
             err, ok = within(name, real[name], sim[name])
             out["errors"][name] = err

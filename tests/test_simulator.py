@@ -875,6 +875,38 @@ def test_fit_recovers_the_cost_of_a_new_gemm_shape():
     assert unmarked.median_abs_error > 5 * max(report.median_abs_error, 1e-4)
 
 
+def test_calibration_chooses_the_cache_size_that_made_the_steps():
+    """Steps timed by a profile whose cache holds 24 GEMM shapes, handed to the calibration's
+    fit as a backend with a nominal 64: it replays the cache at each candidate size over
+    every step (warm-up steps included, not fitted) and keeps the size that explains the
+    steps, with its cost per shape."""
+    from kvserve.sim.calibrate import fit_shape_cache
+
+    cfg = json.loads((default_model_dir() / "config.json").read_text())
+    shape = shape_of(cfg, "float32", "float32")
+    truth = cpu_profile(step_overhead_s=3e-3, per_seq_s=4e-5, prefill_step_s=5e-4,
+                        gemm_efficiency=0.6, decode_kv_efficiency=0.4,
+                        new_shape_s=4e-4)  # fmt: skip
+    rng = random.Random(5)
+    steps = [f for f, _ in synthetic_steps(truth, shape, 500, noise=0.0)]
+    # Fewer distinct batch sizes, so that a larger cache would hold them.
+    for f in steps:
+        if not f.prefill_seqs:
+            f.tokens = f.sampled_rows = rng.choice(range(1, 65, 3))
+    cache, trace = ShapeCache(24, ALL_GEMMS), []
+    for i, f in enumerate(steps):
+        cache.mark(f)
+        trace.append((f, truth.step_time(f, shape), i >= 20))  # the first 20: warm-up
+    base = cpu_profile(shape_state_rows=ALL_GEMMS, shape_cache_entries=64)
+    fitted, report = fit_shape_cache(trace, shape, base, None, 0.0)
+    assert fitted.shape_cache_entries == 24
+    assert fitted.new_shape_s == pytest.approx(4e-4, rel=0.05)
+    assert report.steps == 480 and report.median_abs_error < 0.01
+    # A backend without per-shape state: one fit, the term off.
+    plain, _ = fit_shape_cache(trace, shape, cpu_profile(), None, 0.0)
+    assert plain.shape_cache_entries == 0 and ShapeCache.of(plain) is None
+
+
 def test_a_profile_written_before_gemm_shapes_were_counted_charges_nothing(tmp_path):
     """Profile files from earlier kvserves load with the term off, and their steps cost what
     the other terms say: one without the fields, and one whose ``new_shape_s`` was charged

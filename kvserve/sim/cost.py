@@ -567,6 +567,7 @@ class FitReport:
     p90_abs_error: float
     total_time_error: float  # relative error of the summed step time
     knee_flops: float
+    squared_error: float = 0.0  # sum of the steps' squared relative errors
 
 
 def fit_profile(
@@ -688,5 +689,6 @@ def fit_profile(
         p90_abs_error=float(np.quantile(rel, 0.9)),
         total_time_error=float(pred.sum() / t.sum() - 1.0),
         knee_flops=knee * P,
+        squared_error=float(np.sum(rel**2)),
     )
     return p, report
