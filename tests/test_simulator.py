@@ -107,6 +107,62 @@ def test_step_features_hand_computed():
     assert extra == pytest.approx(copy_s + prof.per_solo_seq_s)
 
 
+def test_context_attention_is_the_naive_sum_over_cached_entries():
+    """The part of a chunk's attention over entries cached before it, against a naive sum
+    per token (windows honoured): token i of a chunk after ``c`` cached entries attends
+    min(c + i + 1, w) entries, min(i + 1, w) of them its chunk's own."""
+    cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+           "vocab_size": 100, "intermediate_size": 128, "torch_dtype": "float32"}  # fmt: skip
+    shape = shape_of(cfg, "float32", "float32")
+    per_entry = 2 * 4 * 4 * 16  # layers x 4 FLOPs x heads x dim
+    rng = random.Random(1)
+    for _ in range(100):
+        c, n = rng.randrange(0, 90), rng.randrange(2, 40)
+        w = rng.choice([None, 4, 16, 64])
+        seq = ScheduledSeq("a", [1] * n, c, c, list(range((c + n) // 16 + 1)), ("a",),
+                           window=w or 0)  # fmt: skip
+        f = step_features(SchedulerOutput(seqs=[seq]), shape)
+        cap = w or 10**9
+        every = sum(min(c + i + 1, cap) for i in range(n))
+        own = sum(min(i + 1, cap) for i in range(n))
+        assert f.prefill_attention_flops == pytest.approx(every * per_entry)
+        assert f.context_attention_flops == pytest.approx((every - own) * per_entry)
+
+
+def test_fit_gives_attention_over_cached_context_its_own_efficiency():
+    """Steps whose prompt chunks follow cached context (prefix hits, earlier chunks), made by
+    a profile whose attention over that context runs at a third of the rate of attention
+    within a chunk: the fit recovers both; a profile file written before the term reads
+    the within-chunk rate for both; without context in the steps the two are the same."""
+    cfg = json.loads((default_model_dir() / "config.json").read_text())
+    shape = shape_of(cfg, "float32", "float32")
+    truth = cpu_profile(step_overhead_s=3e-3, per_seq_s=4e-5, prefill_step_s=5e-4,
+                        gemm_efficiency=0.6, prefill_attention_efficiency=0.6,
+                        context_attention_efficiency=0.2, decode_kv_efficiency=0.4)  # fmt: skip
+    rng = random.Random(2)
+    steps = []
+    for _ in range(500):
+        seqs = [ScheduledSeq(f"d{i}", [1], 300, 300, list(range(20)), ("x",))
+                for i in range(rng.randrange(1, 16))]  # fmt: skip
+        if rng.random() < 0.6:
+            c, n = rng.choice([0, 0, 16, 512, 2048]), rng.randrange(16, 512)
+            seqs.append(ScheduledSeq("p", [1] * n, c, c, list(range((c + n) // 16 + 1)), ("p",)))
+        f = step_features(SchedulerOutput(seqs=seqs), shape)
+        steps.append((f, truth.step_time(f, shape)))
+    assert sum(f.context_attention_flops > 0 for f, _ in steps) > 50
+    fitted, _ = fit_profile(steps, shape, cpu_profile())
+    assert fitted.prefill_attention_efficiency == pytest.approx(0.6, rel=0.05)
+    assert fitted.context_attention_efficiency == pytest.approx(0.2, rel=0.05)
+    data = fitted.to_json()
+    del data["context_attention_efficiency"]
+    old = Profile.from_json(data)
+    assert old.context_attention_efficiency == old.prefill_attention_efficiency
+    no_context = [(f, t) for f, t in steps if not f.context_attention_flops]
+    alone, _ = fit_profile(no_context, shape, cpu_profile())
+    assert alone.context_attention_efficiency == alone.prefill_attention_efficiency
+
+
 def test_tensor_parallel_splits_work_and_adds_allreduce():
     one, two = shape_of(SEED_8B), shape_of(SEED_8B, tp=2)
     out = SchedulerOutput(seqs=[ScheduledSeq("a", [1] * 64, 0, 0, list(range(4)))])

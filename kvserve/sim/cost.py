@@ -12,7 +12,9 @@ batch over a device peak, divided by an efficiency factor:
   or bf16 on a CPU without AMX, :class:`~kvserve.model.linear_ops.UpcastOps`) has a second
   efficiency for steps of at least ``large_step_tokens`` tokens, which are compute-bound;
 - prefill attention: FLOPs of each new token against the cache entries it attends to (causal,
-  windows honoured), over peak x ``e_prefill_attention``;
+  windows honoured), over peak x ``e_prefill_attention`` for the entries of its own chunk and
+  peak x ``e_context_attention`` for those cached before it (a prefix hit, an earlier chunk:
+  read from the paged cache on another path);
 - decode attention: the cache bytes the decode tokens read, over bandwidth x ``e_decode_kv``,
   and at that rate a retention compaction's copies (each kept entry read and written once);
 - tensor parallelism: two all-reduces of the hidden state per layer over the interconnect;
@@ -48,7 +50,7 @@ PROFILE_VERSION = 1
 UNSEEN = 1e6
 # Profile fields in seconds (scaled together) and efficiencies (device terms, at most 1 when
 # fitted); the fit's device terms by column name.
-PHYSICAL = ("prefill_attention", "decode_kv")
+PHYSICAL = ("prefill_attention", "context_attention", "decode_kv")
 SECONDS_FIELDS = (
     "step_overhead_s", "per_seq_s", "per_prefill_seq_s", "prefill_step_s",
     "per_new_prompt_token_s", "per_solo_seq_s", "per_token_s",
@@ -64,6 +66,7 @@ RETIRED_SHAPE_FIELDS = ("new_shape_min_tokens", "shape_cache_rows")
 TIER_NAMES = ("cpu", "disk", "redis")  # offload tiers, as kvserve.kv.tiers names them
 EFFICIENCY_FIELDS = (
     "gemm_efficiency", "weight_read_efficiency", "prefill_attention_efficiency",
+    "context_attention_efficiency",
     "decode_kv_efficiency", "gemm_efficiency_large",
 )  # fmt: skip
 
@@ -138,6 +141,7 @@ class StepFeatures:
     sampled_rows: int = 0
     linear_flops: float = 0.0
     prefill_attention_flops: float = 0.0
+    context_attention_flops: float = 0.0  # the part over cache entries from before the chunk
     decode_kv_bytes: float = 0.0
     compact_bytes: float = 0.0  # a retention compaction's copies: kept entries read and written
     allreduce_bytes: float = 0.0
@@ -180,7 +184,7 @@ def step_features(
     block_bytes = shape.kv_bytes_per_token * block_size
     # Sums in locals, not on f: this loop runs per sequence per simulated step.
     seqs = solo = tokens = sampled = prefill_seqs = 0
-    decode_entries = pairs = first_touch = compacted = 0.0
+    decode_entries = pairs = context = first_touch = compacted = 0.0
     # No layer has a window of its own: a decode token without a retention window reads
     # every cache entry in every layer.
     all_layers = groups[0][1] if len(groups) == 1 and not groups[0][0] else 0
@@ -202,7 +206,10 @@ def step_features(
         else:
             for w, count in groups:
                 bound = min(own, w) if own and w else own or w
-                pairs += count * _attended(cached, n, bound)
+                every = _attended(cached, n, bound)
+                pairs += count * every
+                if cached:  # the entries before the chunk: the cache's, not its own
+                    context += count * (every - _attended(0, n, bound))
             prefill_seqs += 1
         if s.compact:  # every layer copies its kept entries into fresh blocks
             compacted += s.compact[1]
@@ -217,6 +224,7 @@ def step_features(
     f.decode_kv_bytes = decode_entries * kv_per_entry
     f.compact_bytes = 2 * compacted * shape.kv_bytes_per_token
     f.prefill_attention_flops = pairs * per_pair
+    f.context_attention_flops = context * per_pair
     f.first_touch_bytes = first_touch
     if out.new_requests:
         f.new_prompt_tokens = sum(len(r.prompt_token_ids) for r in out.new_requests)
@@ -315,6 +323,9 @@ class Profile:
     gemm_efficiency_large: float = 0.5
     weight_read_efficiency: float = 0.7
     prefill_attention_efficiency: float = 0.4
+    # A prompt chunk's attention to the cache entries before it (a prefix hit, an earlier
+    # chunk) runs on another path than attention within the chunk (read from the paged cache).
+    context_attention_efficiency: float = 0.4
     decode_kv_efficiency: float = 0.6
     # A CPU pool is calloc'd: the first write to a block faults its pages in (0 on a GPU,
     # whose pool is allocated whole).
@@ -365,7 +376,9 @@ class Profile:
             compute = f.linear_flops / (self.peak_flops * self.gemm_efficiency)
             weights = shape.weight_bytes / (self.peak_bandwidth * self.weight_read_efficiency)
             t += max(compute, weights)
-        t += f.prefill_attention_flops / (self.peak_flops * self.prefill_attention_efficiency)
+        own = f.prefill_attention_flops - f.context_attention_flops
+        t += own / (self.peak_flops * self.prefill_attention_efficiency)
+        t += f.context_attention_flops / (self.peak_flops * self.context_attention_efficiency)
         # KV memory traffic: the decode tokens' reads, and a compaction's copies
         kv_bytes = f.decode_kv_bytes + f.compact_bytes
         t += kv_bytes / (self.peak_bandwidth * self.decode_kv_efficiency)
@@ -409,6 +422,9 @@ class Profile:
             # GEMM shape: that profile's term stays off rather than charge 5-10x.
             data = {k: v for k, v in data.items()
                     if k not in RETIRED_SHAPE_FIELDS and k != "new_shape_s"}  # fmt: skip
+        if "context_attention_efficiency" not in data and "prefill_attention_efficiency" in data:
+            # Written before the context term: every prompt chunk's attention at one rate.
+            data = {**data, "context_attention_efficiency": data["prefill_attention_efficiency"]}
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -487,6 +503,7 @@ GPU_FACTORS = dict(
     gemm_efficiency=0.65,
     weight_read_efficiency=0.8,
     prefill_attention_efficiency=0.45,
+    context_attention_efficiency=0.45,
     decode_kv_efficiency=0.65,
     allreduce_latency_s=1e-5,
 )
@@ -603,7 +620,11 @@ def fit_profile(
         "per_solo_seq_s": np.array([f.solo_seqs for f in feats], dtype=float),
         "per_token_s": np.array([f.tokens for f in feats], dtype=np.float64),
         "per_sampled_row_s": np.array([f.sampled_rows for f in feats], dtype=np.float64),
-        "prefill_attention": np.array([f.prefill_attention_flops for f in feats]) / P,
+        "prefill_attention": np.array(
+            [f.prefill_attention_flops - f.context_attention_flops for f in feats]
+        )
+        / P,
+        "context_attention": np.array([f.context_attention_flops for f in feats]) / P,
         "decode_kv": np.array([f.decode_kv_bytes + f.compact_bytes for f in feats]) / B,
         "first_touch_s_per_byte": np.array([f.first_touch_bytes for f in feats]),
         "new_shape_s": np.array([f.new_shape for f in feats], dtype=np.float64),
@@ -665,12 +686,15 @@ def fit_profile(
     p.weight_read_efficiency = shape.weight_bytes / (B * floor) if floor > 0 else UNSEEN
     for name, attr in (
         ("prefill_attention", "prefill_attention_efficiency"),
+        ("context_attention", "context_attention_efficiency"),
         ("decode_kv", "decode_kv_efficiency"),
         ("gemm_large", "gemm_efficiency_large"),
     ):
         c = coef.get(name, 0.0)
         if name in used:  # exercised: a zero coefficient means too cheap to see
             setattr(p, attr, 1.0 / c if c > 0 else UNSEEN)
+    if "context_attention" not in used and "prefill_attention" in used:
+        p.context_attention_efficiency = p.prefill_attention_efficiency  # no chunk had any
     # A relative-error fit under-predicts the mean of right-skewed step times (a noisy step
     # is slower, never faster); the simulated clock is a sum of steps, so scale every term
     # to make the summed time exact.
