@@ -177,12 +177,15 @@ def test_redis_killed_and_restarted(checkpoint, make_llm, workload, reference, r
     assert cached == HIT_TOKENS, "the tier must work again once Redis is back"
 
 
-def test_a_slow_tier_times_out_and_recomputes(checkpoint, make_llm, workload, reference):
+def test_a_slow_tier_times_out_and_recomputes(checkpoint, make_llm, workload, reference, tmp_path):
+    """A disk tier slower than the timeout (the worker fetches from it; host-tier hits on
+    this CPU engine are memory copies on the engine thread, see the inline-load test)."""
     prompt, flood = workload
-    llm = make_llm(checkpoint("llama_gqa"), kv_offload_cpu="4MiB", kv_offload_timeout=0.02,
-                   **POOL)  # fmt: skip
+    llm = make_llm(checkpoint("llama_gqa"), kv_offload_disk=str(tmp_path),
+                   kv_offload_timeout=0.02, **POOL)  # fmt: skip
     push_out(llm, prompt, flood)
     tier = llm.engine.offload.tiers[0]
+    assert tier.name == "disk"
     real_get = tier.get
 
     def slow_get(key):  # noqa: ANN001
@@ -196,13 +199,14 @@ def test_a_slow_tier_times_out_and_recomputes(checkpoint, make_llm, workload, re
     tier.get = real_get
     assert out.outputs[0].token_ids == reference
     assert out.num_cached_tokens == 0
-    assert llm.stats().kv_offload["cpu"]["failures"].get("load_timeout") == 1
+    assert llm.stats().kv_offload["disk"]["failures"].get("load_timeout") == 1
 
 
 def test_abort_while_loading_frees_everything(checkpoint, make_llm, workload):
     prompt, flood = workload
     llm = make_llm(checkpoint("llama_gqa"), kv_offload_cpu="4MiB", **POOL)
     push_out(llm, prompt, flood)
+    llm.engine.offload.inline_host_loads = False  # the worker's load, landing after the abort
     tier = llm.engine.offload.tiers[0]
     real_get = tier.get
     tier.get = lambda key: (time.sleep(0.05), real_get(key))[1]
@@ -260,6 +264,7 @@ def test_a_request_that_does_not_fit_waits_for_loads_in_flight(checkpoint, make_
     for tier in (False, True):
         llm = _small_pool_pushed_out(checkpoint, make_llm, params, tier)
         if tier:
+            llm.engine.offload.inline_host_loads = False  # the worker's loads, in flight
             host = llm.engine.offload.tiers[0]
             real_get = host.get
             host.get = lambda key, get=real_get: (time.sleep(0.002), get(key))[1]  # in flight
@@ -595,6 +600,78 @@ def test_a_load_asked_again_gets_its_own_blocks_not_the_cancelled_ones():
         assert payload.tensors["k"].eq(2.0).all()  # b's block, not a's two
     finally:
         off.close()
+
+
+def test_host_tier_hits_load_on_the_engine_thread_from_that_tier_alone(tmp_path):
+    """With ``inline_host_loads`` (a CPU engine whose compute threads take every core), a
+    load the host tier was probed to hold is fetched by the caller's thread inside
+    ``start_load`` and is ready at the next poll without waiting; a block gone from the host
+    tier since the probe ends the load there, and the disk tier behind it is not asked. A
+    load the disk tier answers still goes to the worker."""
+    import threading
+
+    import torch
+
+    from kvserve.kv.offload import KVOffload
+    from kvserve.kv.storage import BlockPayload
+    from kvserve.kv.tiers import HostTier
+
+    ident = {"format": "x"}
+    off = KVOffload([HostTier(1 << 20), DiskTier(str(tmp_path), 1 << 20)], b"n" * 16, ident,
+                    inline_host_loads=True)  # fmt: skip
+    host, disk = off.tiers
+    try:
+        hashes = [bytes([i]) * 32 for i in range(4)]
+        for i, h in enumerate(hashes):
+            off.store([h], BlockPayload(ident, 1, {"k": torch.full((1, 4), float(i))}))
+        assert off.flush()
+        threads = []
+        real_many = host.get_many
+        host.get_many = lambda keys: (threads.append(threading.get_ident()), real_many(keys))[1]
+        assert off.probe(hashes) == 4
+        off.start_load("r", hashes)
+        assert threads == [threading.get_ident()]  # fetched here, not on the worker
+        (payload,) = off.poll_loads(wait=False)["r"].payloads
+        assert payload.num_blocks == 4
+        assert payload.tensors["k"][0, ::4].tolist() == [0.0, 1.0, 2.0, 3.0]  # blocks on dim 1
+        # Gone from the host tier after the probe: the load stops there; disk is not asked.
+        assert off.probe(hashes) == 4
+        host.delete(off.key(hashes[2]))
+        disk_queries = off.counters["disk"].queries
+        off.start_load("s", hashes)
+        (payload,) = off.poll_loads(wait=False)["s"].payloads
+        assert payload.num_blocks == 2
+        assert off.counters["disk"].queries == disk_queries
+        # Only the disk tier holds the chain: the worker loads it.
+        for h in hashes:
+            host.delete(off.key(h))
+        assert off.probe(hashes) == 4 and off._probe_tier is disk
+        off.start_load("t", hashes)
+        deadline, got = time.monotonic() + 5, {}
+        while "t" not in got and time.monotonic() < deadline:
+            got = off.poll_loads(wait=True)
+        assert got["t"].payloads[0].num_blocks == 4
+        me = threading.get_ident()
+        assert threads[:2] == [me, me] and threads[2] != me  # the worker asked for "t"
+    finally:
+        off.close()
+
+
+def test_a_cpu_engine_that_takes_every_core_loads_host_hits_inline(monkeypatch):
+    """The engine's rule (``compute_takes_every_core``): on a CPU whose every core the
+    compute threads take, and not where cores are left over for the worker, nor on a GPU."""
+    import os
+
+    import torch
+
+    from kvserve.engine import offload
+
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(threads)))
+    assert offload.compute_takes_every_core("cpu")
+    assert not offload.compute_takes_every_core("cuda")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(threads + 2)))
+    assert not offload.compute_takes_every_core("cpu")
 
 
 def test_a_tier_slower_than_the_prefill_is_not_loaded(checkpoint, make_llm):

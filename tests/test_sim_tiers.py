@@ -404,3 +404,26 @@ def test_the_workers_time_per_block_is_measured_on_the_engines_own_pool(make_llm
     assert 0 < store < 1 and 0 < load < 1
     after = storage.export_blocks(list(range(16)))
     assert all(torch.equal(before.tensors[k], after.tensors[k]) for k in before.tensors)
+
+
+def test_host_tier_loads_inline_cost_the_step_that_asks_not_the_worker(tmp_path):
+    """A profile whose CPU engine loads host-tier hits on the engine thread (as the real one
+    does when its compute threads take every core): the same hits, the load's time on the
+    engine's clock at once, and no worker time charged for those blocks when they are
+    imported, so the last prompt's TTFT is shorter by exactly the worker's time for them.
+    A disk tier's loads stay on the worker either way."""
+    kw = dict(model=default_model(), num_gpu_blocks=16, kv_offload_cpu="64MiB")
+    worker = dict(offload_load_s_per_block=2e-3, offload_worker_share=1.0)
+    queued, hit_q, sim_q = ttft_of_last(kw, cpu_profile(**TIER, **worker))
+    inline, hit_i, sim = ttft_of_last(kw, cpu_profile(**TIER, **worker, inline_host_loads=True))
+    assert hit_q == hit_i > 0
+    assert sim.offload is not None and sim.offload.inline_host_loads
+    assert not sim_q.offload.inline_host_loads
+    assert queued - inline == pytest.approx(hit_i // 16 * 2e-3, rel=1e-6)
+    stats_q, stats_i = (s.engine.stats().kv_offload["cpu"] for s in (sim_q, sim))
+    assert stats_i["hits"] == stats_q["hits"] > 0
+    assert stats_i["seconds_up"] == pytest.approx(stats_q["seconds_up"], rel=1e-9)
+    disk = {**kw, "kv_offload_cpu": None, "kv_offload_disk": str(tmp_path),
+            "kv_offload_disk_size": "64MiB"}  # fmt: skip
+    profile = cpu_profile(**TIER, **worker, inline_host_loads=True)
+    assert not build_engine(SimTarget(disk, profile)).offload.inline_host_loads

@@ -288,6 +288,7 @@ def test_profile_file_round_trip_and_errors(tmp_path):
         ({**data, "shape_state_rows": {"qkv": 0}}, "shape_state_rows must map GEMM names"),
         ({**data, "shape_state_rows": {"attn": 1}}, "shape_state_rows must map GEMM names"),
         ({**data, "shape_state_rows": [1]}, "shape_state_rows must map GEMM names"),
+        ({**data, "inline_host_loads": "yes"}, "inline_host_loads must be true or false"),
         ({**data, "new_shape_s": -1e-3}, "new_shape_s must be >= 0"),
         ({**data, "gemm_efficiency_large": 0}, "gemm_efficiency_large must be > 0"),
         ({**data, "version": 99}, "version 99"),

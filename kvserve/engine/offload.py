@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
+import torch
+
 from kvserve.config import CacheConfig, ConfigError
 from kvserve.kv.hashing import BlockHash
 from kvserve.kv.offload import KVOffload, OffloadTiers, tier_namespace
@@ -10,6 +14,18 @@ from kvserve.kv.storage import KVStorage
 from kvserve.kv.tiers import DiskTier, HostTier, Tier
 
 LOAD_TIMEOUTS = 10  # a load gives up after this many tier-operation timeouts
+
+
+def compute_takes_every_core(device: str) -> bool:
+    """Whether an engine on ``device`` computes with every core this process may run on (a
+    CPU engine at its default threads): its offload worker then has no core of its own."""
+    if torch.device(device).type != "cpu":
+        return False
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return torch.get_num_threads() >= cores
 
 
 def build_offload(
@@ -43,6 +59,7 @@ def build_offload(
     offload = KVOffload(
         tiers, namespace, storage.identity(), load_timeout_s=LOAD_TIMEOUTS * cc.kv_offload_timeout,
         pin_memory=storage.host_copies.pins,
+        inline_host_loads=compute_takes_every_core(str(storage.device)),
     )  # fmt: skip
     apply_policies(offload, cc)
     return offload

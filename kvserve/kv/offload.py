@@ -9,7 +9,9 @@ the scheduler gives the request fresh blocks for the tier hits and :meth:`KVOffl
 fetches them on the worker thread; the request waits (it is not running) until
 :meth:`KVOffload.poll_loads` hands over the verified payloads, which the runner imports before
 the request's first forward pass. Nothing on the engine's step path waits for a tier, except
-the probe, which is bounded by the tier's timeout.
+the probe, which is bounded by the tier's timeout, and, on a CPU engine whose compute threads
+take every core, a load from host memory, which the engine thread does itself (see
+:meth:`KVOffload.start_load`).
 
 Keys cannot collide: a tier key is a namespace (the prefix-cache root, which commits to the
 model's weight content and the KV format with its block size, plus the storage's identity and
@@ -39,7 +41,7 @@ from kvserve.kernels.openmp import serial_thread
 from kvserve.kv.hashing import BlockHash
 from kvserve.kv.storage import BlockPayload
 from kvserve.kv.tier_entry import EntryError, decode_entry, encode_entry
-from kvserve.kv.tiers import Tier, TierError
+from kvserve.kv.tiers import HostTier, Tier, TierError
 
 log = logging.getLogger("kvserve.offload")
 
@@ -166,6 +168,7 @@ class KVOffload:
         max_pending_bytes: int = 1 << 30,
         clock: Callable[[], float] = time.monotonic,
         pin_memory: bool = False,
+        inline_host_loads: bool = False,
     ) -> None:
         if not tiers:
             raise ValueError("KVOffload: at least one tier")
@@ -179,6 +182,9 @@ class KVOffload:
         # A GPU pool: loaded payloads are copied into pinned memory here, on the worker, so
         # that importing them is an asynchronous copy, not a host copy on the step's path.
         self.pin_memory = pin_memory
+        # A CPU engine whose compute threads take every core: a load that the host tier (the
+        # first) holds is done on the engine thread when asked (see start_load).
+        self.inline_host_loads = inline_host_loads and isinstance(self.tiers[0], HostTier)
         self.counters = {t.name: TierCounters() for t in self.tiers}
         self.write_through_hits: int | None = None  # see OffloadTiers
         self.swap_preempted = True
@@ -262,8 +268,26 @@ class KVOffload:
         return blocks * per_block
 
     def start_load(self, req_id: str, hashes: Sequence[BlockHash]) -> None:
+        """Fetch the blocks of ``hashes`` for ``req_id`` on the worker thread (the result
+        comes through :meth:`poll_loads`). With ``inline_host_loads``, a load the host tier
+        was probed to hold is done here and now, from that tier alone (a block gone from it
+        since the probe ends the load there): on a CPU engine whose compute threads take
+        every core, the worker, which runs below them, gets the cores only while the engine
+        waits, and its loads held their fresh pool blocks for many steps (BENCHMARKS.md);
+        a memory copy, a checksum and a decode are cheaper on the engine thread."""
+        load = _Load([self.key(h) for h in hashes], self.clock() + self.load_timeout_s)
+        if self.inline_host_loads and self._probe_tier is self.tiers[0]:
+            try:
+                load.result = LoadResult(
+                    BlockPayload.concat(self._load(load.keys, [self.tiers[0]]))
+                )
+            except Exception as e:  # noqa: BLE001 - a bad entry is a miss, never a crash
+                self.counters[self.tiers[0].name].fail(f"internal:{type(e).__name__}")
+                load.result = LoadResult([])
+            with self._lock:
+                self._loads[req_id] = load
+            return
         with self._lock:
-            load = _Load([self.key(h) for h in hashes], self.clock() + self.load_timeout_s)
             self._loads[req_id] = load
             self._load_queue.append((req_id, load))
             self._lock.notify_all()
@@ -445,17 +469,18 @@ class KVOffload:
                     c.bytes_down += len(data)
                     c.seconds_down += time.perf_counter() - t0
 
-    def _load(self, keys: list[bytes]) -> list[BlockPayload]:
+    def _load(self, keys: list[bytes], tiers: list[Tier] | None = None) -> list[BlockPayload]:
         """Fetch ``keys`` in chain order from the fastest tier that has each one intact; stop
         at the first block no tier can give. A tier is asked for the rest of a batch at once
         (one Redis round trip), and only from the first block the faster tiers lacked. A
-        block from a slower tier is also put in the faster ones (it is likely asked again)."""
+        block from a slower tier is also put in the faster ones (it is likely asked again).
+        ``tiers``: only those (an inline load's host tier), when they are not backed off."""
         out: list[BlockPayload] = []
         for start in range(0, len(keys), LOAD_BATCH):
             batch = keys[start : start + LOAD_BATCH]
             fetched: dict[str, tuple[int, list[bytes | None]]] = {}
             for j, key in enumerate(batch):
-                payload = self._load_one(key, j, batch, fetched)
+                payload = self._load_one(key, j, batch, fetched, tiers)
                 if payload is None:
                     return out
                 self._remember(key)
@@ -468,9 +493,12 @@ class KVOffload:
         j: int,
         batch: list[bytes],
         fetched: dict[str, tuple[int, list[bytes | None]]],
+        tiers: list[Tier] | None = None,
     ) -> BlockPayload | None:
         missed_in: list[Tier] = []
         for tier in self._enabled():
+            if tiers is not None and tier not in tiers:
+                continue
             c = self.counters[tier.name]
             c.queries += 1
             t0 = time.perf_counter()

@@ -19,7 +19,6 @@ large-step GEMM cost on its own.
 from __future__ import annotations
 
 import asyncio
-import os
 import platform
 import tempfile
 import time
@@ -34,6 +33,7 @@ from kvserve.bench.engine_target import EngineTarget
 from kvserve.bench.runner import LoadSpec, benchmark
 from kvserve.bench.workloads import BenchRequest
 from kvserve.engine.bandwidth import measure_peak_bandwidth
+from kvserve.engine.offload import compute_takes_every_core
 from kvserve.kv.storage import BlockPayload, KVStorage
 from kvserve.kv.tier_entry import decode_entry, encode_entry
 from kvserve.kv.tiers import DiskTier, HostTier, Tier
@@ -326,11 +326,11 @@ def calibrate(
         profile.offload_store_s_per_block = path.store_s_per_block
         profile.offload_load_s_per_block = path.load_s_per_block
         # The worker shares the cores with the engine's compute threads when those take
-        # every core (a CPU engine); on a GPU it has host cores of its own.
-        cores = os.cpu_count() or 1
-        profile.offload_worker_share = (
-            1.0 if dev == "cpu" and torch.get_num_threads() >= cores else 0.0
-        )
+        # every core (a CPU engine); on a GPU it has host cores of its own. Such an engine
+        # also loads from its host tier on the engine thread (KVOffload.start_load).
+        every_core = compute_takes_every_core(dev)
+        profile.offload_worker_share = 1.0 if every_core else 0.0
+        profile.inline_host_loads = every_core
     profile.calibration = {
         "model": model,
         "kv_cache_dtype": eng.kv_cache_dtype,

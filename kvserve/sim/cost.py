@@ -355,6 +355,10 @@ class Profile:
     offload_store_s_per_block: float = 0.0
     offload_load_s_per_block: float = 0.0
     offload_worker_share: float = 0.0
+    # A CPU engine whose compute threads take every core loads what its host tier holds on
+    # the engine thread, when asked (kvserve.kv.offload.KVOffload.start_load), not on the
+    # worker: the step that starts such a load pays its time.
+    inline_host_loads: bool = False
     calibration: dict[str, Any] = field(default_factory=dict)  # fit quality, what it ran
     version: int = PROFILE_VERSION
 
@@ -461,6 +465,10 @@ class Profile:
             v = getattr(p, name)
             if not (isinstance(v, int | float) and v >= 0):
                 raise ValueError(f"{where}: {name} must be >= 0 seconds, got {v!r}")
+        if not isinstance(p.inline_host_loads, bool):
+            raise ValueError(
+                f"{where}: inline_host_loads must be true or false, got {p.inline_host_loads!r}"
+            )
         share = p.offload_worker_share
         if not (isinstance(share, int | float) and 0 <= share <= 1):
             raise ValueError(f"{where}: offload_worker_share must be in [0, 1], got {share!r}")

@@ -79,8 +79,10 @@ class CostModelRunner:
         self.block_size = 16
         # Pool blocks written so far, for a profile that charges first writes (a CPU's)
         self.touched: set[int] | None = set() if profile.first_touch_s_per_byte else None
-        # Row counts whose GEMM state the backend holds, for a profile that charges a new one
+        # GEMM shapes whose state the backend holds, for a profile that charges a new one
         self.shapes = ShapeCache.of(profile) if profile.new_shape_s else None
+        # Requests whose tier load the engine thread did (SimOffload's, with tiers)
+        self.inline_loaded: set[str] = set()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.shape is not None, "the simulator sets the model shape before the first step"
@@ -102,7 +104,12 @@ class CostModelRunner:
             dt += exported * block_bytes * self.profile.offload_export_s_per_byte
             dt += self.profile.worker_time(stored=exported)
         if ops.loads:
-            dt += self.profile.worker_time(loaded=sum(len(ids) for ids, _ in ops.loads.values()))
+            # Blocks the worker loaded; those loaded inline were paid for by the step that
+            # asked (SimOffload).
+            inline = self.inline_loaded
+            worked = sum(len(ids) for rid, (ids, _) in ops.loads.items() if rid not in inline)
+            inline.difference_update(ops.loads)
+            dt += self.profile.worker_time(loaded=worked)
         self.clock.advance(dt)
         self.busy_s += dt
         self.steps += 1
@@ -259,7 +266,9 @@ def build_engine(target: SimTarget) -> SimEngine:
     offload = None
     if config.cache.kv_offload:
         tiers = modelled_tiers(config.cache, target.profile)
-        offload = SimOffload(tiers, clock, LOAD_TIMEOUTS * config.cache.kv_offload_timeout)
+        offload = SimOffload(tiers, clock, LOAD_TIMEOUTS * config.cache.kv_offload_timeout,
+                             target.profile.inline_host_loads)  # fmt: skip
+        runner.inline_loaded = offload.inline_loaded
     engine = LLMEngine(config, runner=runner, clock=clock, offload=offload)
     # The placeholder token: any id that is not an end of sequence.
     runner.token_id = next(i for i in range(3, spec.vocab_size) if i not in engine.eos_token_ids)

@@ -118,12 +118,22 @@ class _Load:
 class SimOffload:
     """Modelled tiers behind a simulated engine's pool (see the module's docstring)."""
 
-    def __init__(self, tiers: list[ModelledTier], clock: Any, load_timeout_s: float) -> None:
+    def __init__(
+        self,
+        tiers: list[ModelledTier],
+        clock: Any,
+        load_timeout_s: float,
+        inline_host_loads: bool = False,
+    ) -> None:
         if not tiers:
             raise ValueError("SimOffload: at least one tier")
         self.tiers = tiers
         self.clock = clock  # a VirtualClock: now() and advance(seconds)
         self.load_timeout_s = load_timeout_s
+        # As the real KVOffload on a CPU engine that takes every core: a load the host tier
+        # was probed to hold is done by the engine thread at once, from that tier alone.
+        self.inline_host_loads = inline_host_loads and tiers[0].name == "cpu"
+        self.inline_loaded: set[str] = set()  # such loads not yet imported (the runner's)
         self.counters = {t.name: TierCounters() for t in tiers}
         self.write_through_hits: int | None = None  # set by the engine from its config
         self.swap_preempted = True
@@ -193,6 +203,9 @@ class SimOffload:
         )
 
     def start_load(self, req_id: str, hashes: Sequence[BlockHash]) -> None:
+        if self.inline_host_loads and self._probe_tier is self.tiers[0]:
+            self._load_inline(req_id, hashes)
+            return
         now = self.clock()
         per_tier = dict.fromkeys((t.name for t in self.tiers), 0)
         got = 0
@@ -240,7 +253,29 @@ class SimOffload:
             self.counters[self.tiers[0].name].fail("load_timeout")
         self._loads[req_id] = _Load(start, end, ready, got, servers)
 
+    def _load_inline(self, req_id: str, hashes: Sequence[BlockHash]) -> None:
+        """The host tier's blocks of ``hashes`` (up to the first it lacks), on the engine's
+        clock: the step that asked waits for them."""
+        tier, c = self.tiers[0], self.counters[self.tiers[0].name]
+        got = 0
+        for key in hashes:
+            c.queries += 1
+            if key not in tier.entries:
+                c.fail("missing")
+                break
+            tier.entries.move_to_end(key)
+            got += 1
+        took = self._transfer_s(tier, got) if got else 0.0
+        self.clock.advance(took)
+        c.hits += got
+        c.bytes_up += int(got * tier.block_bytes)
+        c.seconds_up += took
+        now = self.clock()
+        self._loads[req_id] = _Load(now, now, now, got, [])
+        self.inline_loaded.add(req_id)
+
     def cancel(self, req_id: str) -> None:
+        self.inline_loaded.discard(req_id)
         load = self._loads.pop(req_id, None)
         # Not started and last in the queue: the worker would skip it, its time is free, and
         # so is the servers' time it had booked, where nothing was booked after it.
