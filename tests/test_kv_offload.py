@@ -602,12 +602,12 @@ def test_a_load_asked_again_gets_its_own_blocks_not_the_cancelled_ones():
         off.close()
 
 
-def test_host_tier_hits_load_on_the_engine_thread_from_that_tier_alone(tmp_path):
+def test_host_tier_hits_load_on_the_engine_thread(tmp_path):
     """With ``inline_host_loads`` (a CPU engine whose compute threads take every core), a
-    load the host tier was probed to hold is fetched by the caller's thread inside
-    ``start_load`` and is ready at the next poll without waiting; a block gone from the host
-    tier since the probe ends the load there, and the disk tier behind it is not asked. A
-    load the disk tier answers still goes to the worker."""
+    load the host tier holds whole is fetched by the caller's thread inside ``start_load``
+    and is ready at the next poll without waiting. A load the host tier holds only part of
+    (a block evicted from it since the probe) goes to the worker, which takes the rest from
+    the disk tier behind it."""
     import threading
 
     import torch
@@ -628,31 +628,25 @@ def test_host_tier_hits_load_on_the_engine_thread_from_that_tier_alone(tmp_path)
         threads = []
         real_many = host.get_many
         host.get_many = lambda keys: (threads.append(threading.get_ident()), real_many(keys))[1]
+        me = threading.get_ident()
         assert off.probe(hashes) == 4
         off.start_load("r", hashes)
-        assert threads == [threading.get_ident()]  # fetched here, not on the worker
+        assert threads == [me]  # fetched here, not on the worker
         (payload,) = off.poll_loads(wait=False)["r"].payloads
         assert payload.num_blocks == 4
         assert payload.tensors["k"][0, ::4].tolist() == [0.0, 1.0, 2.0, 3.0]  # blocks on dim 1
-        # Gone from the host tier after the probe: the load stops there; disk is not asked.
+        assert off.counters["disk"].queries == 0
+        # One block gone from host memory since the probe: the worker loads the chain.
         assert off.probe(hashes) == 4
         host.delete(off.key(hashes[2]))
-        disk_queries = off.counters["disk"].queries
         off.start_load("s", hashes)
-        (payload,) = off.poll_loads(wait=False)["s"].payloads
-        assert payload.num_blocks == 2
-        assert off.counters["disk"].queries == disk_queries
-        # Only the disk tier holds the chain: the worker loads it.
-        for h in hashes:
-            host.delete(off.key(h))
-        assert off.probe(hashes) == 4 and off._probe_tier is disk
-        off.start_load("t", hashes)
         deadline, got = time.monotonic() + 5, {}
-        while "t" not in got and time.monotonic() < deadline:
+        while "s" not in got and time.monotonic() < deadline:
             got = off.poll_loads(wait=True)
-        assert got["t"].payloads[0].num_blocks == 4
-        me = threading.get_ident()
-        assert threads[:2] == [me, me] and threads[2] != me  # the worker asked for "t"
+        (payload,) = got["s"].payloads
+        assert payload.tensors["k"][0, ::4].tolist() == [0.0, 1.0, 2.0, 3.0]
+        assert len(threads) == 2 and threads[1] != me  # the worker asked the host tier
+        assert off.counters["disk"].hits == 1  # the evicted block, from disk
     finally:
         off.close()
 

@@ -270,13 +270,14 @@ class KVOffload:
     def start_load(self, req_id: str, hashes: Sequence[BlockHash]) -> None:
         """Fetch the blocks of ``hashes`` for ``req_id`` on the worker thread (the result
         comes through :meth:`poll_loads`). With ``inline_host_loads``, a load the host tier
-        was probed to hold is done here and now, from that tier alone (a block gone from it
-        since the probe ends the load there): on a CPU engine whose compute threads take
-        every core, the worker, which runs below them, gets the cores only while the engine
-        waits, and its loads held their fresh pool blocks for many steps (BENCHMARKS.md);
-        a memory copy, a checksum and a decode are cheaper on the engine thread."""
+        holds whole is done here and now, from that tier alone: on a CPU engine whose compute
+        threads take every core, the worker, which runs below them, gets the cores only while
+        the engine waits, and its loads held their fresh pool blocks for many steps
+        (BENCHMARKS.md); a memory copy, a checksum and a decode are cheaper on the engine
+        thread. (A request may start its load steps after its probe, when the pool has room:
+        the host tier is asked again here.)"""
         load = _Load([self.key(h) for h in hashes], self.clock() + self.load_timeout_s)
-        if self.inline_host_loads and self._probe_tier is self.tiers[0]:
+        if self.inline_host_loads and self._host_holds(load.keys):
             try:
                 load.result = LoadResult(
                     BlockPayload.concat(self._load(load.keys, [self.tiers[0]]))
@@ -291,6 +292,15 @@ class KVOffload:
             self._loads[req_id] = load
             self._load_queue.append((req_id, load))
             self._lock.notify_all()
+
+    def _host_holds(self, keys: list[bytes]) -> bool:
+        host = self.tiers[0]
+        if self.clock() < self._down_until[host.name]:
+            return False
+        try:
+            return host.count_present(keys) == len(keys)
+        except TierError:  # not a host tier's failure mode; the worker path handles it
+            return False
 
     def cancel(self, req_id: str) -> None:
         with self._lock:

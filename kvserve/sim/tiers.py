@@ -131,7 +131,7 @@ class SimOffload:
         self.clock = clock  # a VirtualClock: now() and advance(seconds)
         self.load_timeout_s = load_timeout_s
         # As the real KVOffload on a CPU engine that takes every core: a load the host tier
-        # was probed to hold is done by the engine thread at once, from that tier alone.
+        # holds whole is done by the engine thread at once, from that tier alone.
         self.inline_host_loads = inline_host_loads and tiers[0].name == "cpu"
         self.inline_loaded: set[str] = set()  # such loads not yet imported (the runner's)
         self.counters = {t.name: TierCounters() for t in tiers}
@@ -203,7 +203,7 @@ class SimOffload:
         )
 
     def start_load(self, req_id: str, hashes: Sequence[BlockHash]) -> None:
-        if self.inline_host_loads and self._probe_tier is self.tiers[0]:
+        if self.inline_host_loads and self.tiers[0].count_present(hashes) == len(hashes):
             self._load_inline(req_id, hashes)
             return
         now = self.clock()
@@ -254,8 +254,8 @@ class SimOffload:
         self._loads[req_id] = _Load(start, end, ready, got, servers)
 
     def _load_inline(self, req_id: str, hashes: Sequence[BlockHash]) -> None:
-        """The host tier's blocks of ``hashes`` (up to the first it lacks), on the engine's
-        clock: the step that asked waits for them."""
+        """The host tier's blocks of ``hashes`` (it holds them all), on the engine's clock:
+        the step that asked waits for them."""
         tier, c = self.tiers[0], self.counters[self.tiers[0].name]
         got = 0
         for key in hashes:
