@@ -505,6 +505,11 @@ def test_cli_calibrate_then_simulate_the_same_workload(tmp_path, capsys):
     assert p.calibration["steps"] >= 8 and p.peak_flops > 0 and p.peak_bandwidth > 0
     solo = p.calibration["solo_prefills"]  # prefilled alone before the workload
     assert len(solo) == 3 and solo == sorted(solo) and solo[-1] <= 2048  # the default budget
+    # Each solo prompt continued by 64 and 256 new tokens after its cached blocks, where the
+    # context allows (the bundled model's 4,096 positions take all six).
+    assert [tuple(c) for c in p.calibration["context_chunks"]] == [
+        (n, extra) for n in solo for extra in (64, 256)
+    ]
     # A term the runs never exercised keeps the marker itself (not the marker rescaled by
     # the summed-time fit), and the CLI names it.
     for f in EFFICIENCY_FIELDS:

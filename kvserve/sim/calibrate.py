@@ -13,7 +13,9 @@ all of the step's token budget, one step each). A workload's large steps mix man
 chunks with decodes, so their GEMM cost and their per-sequence costs grow together and the
 fit cannot tell them apart; it put the difference on the GEMMs and over-predicted a long
 prompt prefilled alone by about half (``BENCHMARKS.md``, simulator). The solo steps pin the
-large-step GEMM cost on its own.
+large-step GEMM cost on its own. Each is followed by two chunks that continue it after its
+cached blocks (prefix caching on): attention over cached context, which runs at a rate of
+its own and which the workload's steps mix with everything else.
 """
 
 from __future__ import annotations
@@ -159,6 +161,8 @@ def measure_tier_path(
                     decode / n)  # fmt: skip
 
 
+# New tokens of the chunks that continue each solo prompt after its cached blocks.
+CONTEXT_CHUNK_TOKENS = (64, 256)
 # Solo prefills before the workload, as shares of the largest prompt the probe may use.
 SOLO_PREFILL_SHARES = (0.25, 0.5, 1.0)
 SOLO_PREFILL_MIN_TOKENS = 16
@@ -294,12 +298,25 @@ def calibrate(
     solo = solo_prefill_lengths(eng.config.scheduler.max_num_batched_tokens, eng.max_model_len,
                                 eng.num_blocks, eng.block_size)  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
-    probing = True
-    for n in solo:  # on this thread, before the target's engine thread starts
-        ids = torch.randint(0, eng.model_config.vocab_size, (n,), generator=gen).tolist()
+    vocab = eng.model_config.vocab_size
+
+    def alone(ids: list[int]) -> None:
         add(None, ids, SamplingParams(temperature=0.0, max_tokens=1))
         while eng.has_unfinished_requests():
             timed_step()
+
+    # Each solo prompt, then (prefix caching on) chunks that continue it after its cached
+    # blocks: attention over cached context, which the workload's steps mix with the rest.
+    longest = min(eng.max_model_len - 1, (eng.num_blocks - 1) * eng.block_size)
+    continued: list[tuple[int, int]] = []
+    probing = True
+    for n in solo:  # on this thread, before the target's engine thread starts
+        ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
+        alone(ids)
+        for extra in CONTEXT_CHUNK_TOKENS if eng.config.cache.enable_prefix_caching else ():
+            if n + extra <= longest:
+                alone(ids + torch.randint(0, vocab, (extra,), generator=gen).tolist())
+                continued.append((n, extra))
     probing = False
     t0 = time.perf_counter()  # the workload's wall time, without the solo prefills
     workloads, loads = [r for r, _ in runs], [ld for _, ld in runs]
@@ -337,6 +354,7 @@ def calibrate(
         "num_requests": sum(len(r) for r in workloads),
         "loads": [ld.describe() for ld in loads],
         "solo_prefills": solo,
+        "context_chunks": continued,
         "seed": seed,
         "wall_s": wall,
         "steps": report.steps,
