@@ -962,6 +962,8 @@ def test_calibration_chooses_the_cache_size_that_made_the_steps():
     base = cpu_profile(shape_state_rows=ALL_GEMMS, shape_cache_entries=64)
     fitted, report = fit_shape_cache(trace, shape, base, None, 0.0)
     assert fitted.shape_cache_entries == 24
+    replayed = ShapeCache(24, ALL_GEMMS)  # the trace's counts are the chosen size's
+    assert all(f.new_shape == replayed.mark(replace(f)).new_shape for f, _, _ in trace)
     assert fitted.new_shape_s == pytest.approx(4e-4, rel=0.05)
     assert report.steps == 480 and report.median_abs_error < 0.01
     # A backend without per-shape state: one fit, the term off.

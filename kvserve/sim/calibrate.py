@@ -206,19 +206,25 @@ def fit_shape_cache(
     shapes would (BENCHMARKS.md), and a wrong size charges the wrong steps."""
     full = base.shape_cache_entries
     sizes = sorted({max(len(GEMM_NAMES), full * k // 8) for k in range(2, 9)}) if full else [0]
-    best: tuple[Profile, FitReport] | None = None
-    for size in sizes:
+
+    def replay(size: int) -> Profile:
         trial = replace(base, shape_cache_entries=size)
         cache = ShapeCache.of(trial)
         for f, _, _ in trace:
             f.new_shape = 0
             if cache is not None:
                 cache.mark(f)
+        return trial
+
+    best: tuple[Profile, FitReport] | None = None
+    for size in sizes:
+        trial = replay(size)
         steps = [(f, seconds) for f, seconds, fitted in trace if fitted]
         fit = fit_profile(steps, shape, trial, large_peak, first_touch)
         if best is None or fit[1].squared_error < best[1].squared_error:
             best = fit
     assert best is not None
+    replay(best[0].shape_cache_entries)  # the steps' counts as the chosen cache made them
     return best
 
 
