@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import gc
 import multiprocessing as mp
-import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing.connection import Connection
@@ -29,14 +28,6 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 _WORK: tuple[Callable[[Any], Any], Sequence[Any]] | None = None
-
-
-def usable_cpus() -> int:
-    """CPUs this process may run on (its affinity mask where the OS has one)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def can_fork() -> bool:

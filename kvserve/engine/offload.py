@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from kvserve.config import CacheConfig, ConfigError
+from kvserve.kernels.openmp import usable_cpus
 from kvserve.kv.hashing import BlockHash
 from kvserve.kv.offload import KVOffload, OffloadTiers, tier_namespace
 from kvserve.kv.redis_tier import RedisTier
@@ -19,13 +18,7 @@ LOAD_TIMEOUTS = 10  # a load gives up after this many tier-operation timeouts
 def compute_takes_every_core(device: str) -> bool:
     """Whether an engine on ``device`` computes with every core this process may run on (a
     CPU engine at its default threads): its offload worker then has no core of its own."""
-    if torch.device(device).type != "cpu":
-        return False
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return torch.get_num_threads() >= cores
+    return torch.device(device).type == "cpu" and torch.get_num_threads() >= usable_cpus()
 
 
 def build_offload(

@@ -32,6 +32,14 @@ import torch
 OMP_PAUSE_SOFT = 1  # OpenMP 5.0's omp_pause_soft: free the calling thread's pool
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
 def _libgomp_fn(name: str, restype: type | None) -> Callable[[int], Any] | None:
     """``name`` (taking one int) from the libgomp already loaded in this process (torch's),
     never a new one; None where there is none (another OS, no libgomp, an older OpenMP)."""

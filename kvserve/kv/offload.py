@@ -484,7 +484,8 @@ class KVOffload:
         at the first block no tier can give. A tier is asked for the rest of a batch at once
         (one Redis round trip), and only from the first block the faster tiers lacked. A
         block from a slower tier is also put in the faster ones (it is likely asked again).
-        ``tiers``: only those (an inline load's host tier), when they are not backed off."""
+        ``tiers``: only those (an inline load's host tier, checked not backed off), instead
+        of every tier not backed off."""
         out: list[BlockPayload] = []
         for start in range(0, len(keys), LOAD_BATCH):
             batch = keys[start : start + LOAD_BATCH]
@@ -506,9 +507,7 @@ class KVOffload:
         tiers: list[Tier] | None = None,
     ) -> BlockPayload | None:
         missed_in: list[Tier] = []
-        for tier in self._enabled():
-            if tiers is not None and tier not in tiers:
-                continue
+        for tier in self._enabled() if tiers is None else tiers:
             c = self.counters[tier.name]
             c.queries += 1
             t0 = time.perf_counter()

@@ -22,8 +22,9 @@ from kvserve.bench.cli import (
     load_points,
     workload_spec,
 )
-from kvserve.bench.forks import can_fork, fork_call, fork_map, usable_cpus
+from kvserve.bench.forks import can_fork, fork_call, fork_map
 from kvserve.engine_args import add_engine_args, default_model, engine_kwargs
+from kvserve.kernels.openmp import usable_cpus
 
 DEFAULT_SIM_DIR = Path("reports") / "sim"
 
