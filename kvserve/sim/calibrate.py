@@ -21,6 +21,7 @@ its own and which the workload's steps mix with everything else.
 from __future__ import annotations
 
 import asyncio
+import math
 import platform
 import tempfile
 import time
@@ -36,8 +37,9 @@ from kvserve.bench.runner import LoadSpec, benchmark
 from kvserve.bench.workloads import BenchRequest
 from kvserve.engine.bandwidth import measure_peak_bandwidth
 from kvserve.engine.offload import compute_takes_every_core
-from kvserve.kv.storage import BlockPayload, KVStorage
-from kvserve.kv.tier_entry import decode_entry, encode_entry
+from kvserve.kv.offload import KVOffload
+from kvserve.kv.storage import KVStorage
+from kvserve.kv.tier_entry import encode_entry
 from kvserve.kv.tiers import DiskTier, HostTier, Tier
 from kvserve.model.linear_ops import GEMM_NAMES, onednn_cache_entries
 from kvserve.plan.capacity import load_arch, load_config
@@ -102,15 +104,25 @@ class TierPath(NamedTuple):
 
 
 def measure_tier_path(
-    storage: KVStorage, bytes_per_block: float, blocks: int = 16, rounds: int = 5
+    storage: KVStorage,
+    bytes_per_block: float,
+    blocks: int = 16,
+    rounds: int = 9,
+    spread_bytes: int = 64 << 20,
 ) -> TierPath:
-    """The tier path on this machine, in the engine's own KV format, as the offload worker and
-    the runner take it: per tier (a host tier; a disk tier in a temporary directory, so the
-    page cache's speed, not the drive's), fetch ``n`` entries, check and decode them, import
-    them into the pool; timed for one block and for ``blocks``, best of ``rounds``, for a
-    latency per load and a bandwidth. Also the step's export (seconds per byte), and the
+    """The tier path on this machine, in the engine's own KV format, as the engine takes it:
+    per tier (a host tier; a disk tier in a temporary directory, so the page cache's speed, not
+    the drive's), ``KVOffload.start_load`` until its result is polled, then the runner's
+    import into the pool; timed for one block and for ``blocks``, the median of ``rounds``,
+    for a latency per load and a bandwidth. Also the step's export (seconds per byte), and the
     worker's own share of a store and of a load per block (the host tier's). Writes the
-    pool's first blocks back with their own bytes: nothing changes in the pool."""
+    pool's first blocks back with their own bytes: nothing changes in the pool.
+
+    A load in a run reads entries stored long before, right after a step left the compute
+    threads spinning; a best-of-n of the same blocks, hot in cache from their store, ran about
+    half the real loads' time (BENCHMARKS.md, simulator). So the entries are spread over
+    ``spread_bytes`` (more than a last-level cache), each load reads blocks stored long before
+    it, and a small parallel GEMM precedes it."""
     n = min(blocks, storage.num_blocks)
     ids = list(range(n))
     exports = []
@@ -119,44 +131,64 @@ def measure_tier_path(
         payload = storage.export_blocks(ids)
         exports.append(time.perf_counter() - t0)
     keys = [i.to_bytes(8, "little") for i in ids]
-    bandwidth, latency = {}, {}
-    store = decode = float("inf")
-    with tempfile.TemporaryDirectory(prefix="kvserve-calibrate-") as tmp:
-        host = HostTier(1 << 40)
-        for _ in range(rounds):  # as the worker stores: one entry per block
-            for k in keys:
-                host.delete(k)
-            t0 = time.perf_counter()
-            datas = [encode_entry(k, payload.select([i])) for i, k in enumerate(keys)]
-            for k, d in zip(keys, datas, strict=True):
-                host.put(k, d)
-            store = min(store, time.perf_counter() - t0)
-        disk = DiskTier(tmp, 4 * sum(len(d) for d in datas))
+    store = float("inf")
+    host = HostTier(1 << 40)
+    for _ in range(rounds):  # as the worker stores: one entry per block
+        for k in keys:
+            host.delete(k)
+        t0 = time.perf_counter()
+        datas = [encode_entry(k, payload.select([i])) for i, k in enumerate(keys)]
         for k, d in zip(keys, datas, strict=True):
-            disk.put(k, d)
-        for tier in (host, disk):
-
-            def load(m: int, tier: Tier = tier) -> float:
-                nonlocal decode
-                best = float("inf")
-                for _ in range(rounds):
-                    t0 = time.perf_counter()
-                    got = [decode_entry(k, d, copy=False) for k, d in
-                           zip(keys[:m], tier.get_many(keys[:m]), strict=True)]  # fmt: skip
-                    joined = BlockPayload.concat(got)
-                    t1 = time.perf_counter()
-                    for p in joined:
-                        storage.import_blocks(ids[:m], p)
-                    best = min(best, time.perf_counter() - t0)
-                    if tier is host and m == n:
-                        decode = min(decode, t1 - t0)
-                return best
-
-            one, many = load(1), load(n)
+            host.put(k, d)
+        store = min(store, time.perf_counter() - t0)
+    host.close()
+    # Groups of n entries, each load reading a group no load read before, the first ones
+    # stored before the rest of the spread
+    real_bytes = sum(t.nbytes for t in payload.tensors.values())
+    groups = max(2 * rounds, math.ceil(spread_bytes / max(real_bytes, 1)))
+    hashes = [[(g * n + i).to_bytes(16, "little") for i in ids] for g in range(groups)]
+    a = torch.randn(256, 256)
+    bandwidth, latency = {}, {}
+    decode = float("inf")
+    inline = compute_takes_every_core(str(storage.device))
+    with tempfile.TemporaryDirectory(prefix="kvserve-calibrate-") as tmp:
+        tiers: list[Tier] = [HostTier(1 << 40), DiskTier(tmp, 2 * groups * len(datas[0]) * n)]
+        for tier in tiers:
+            offload = KVOffload([tier], b"calibrate", storage.identity(),
+                                inline_host_loads=inline)  # fmt: skip
+            try:
+                for hs in hashes:  # one group at a time: no store backlog to drop
+                    offload.store(hs, payload)
+                    if not offload.flush(60.0):
+                        raise RuntimeError(f"calibration: the {tier.name} tier stores stalled")
+                times: dict[int, list[float]] = {1: [], n: []}
+                fetched: list[float] = []
+                for r in range(rounds):
+                    for m, hs in ((1, hashes[2 * r]), (n, hashes[2 * r + 1])):
+                        torch.mm(a, a)  # the compute threads as a step leaves them
+                        t0 = time.perf_counter()
+                        offload.start_load("calibrate", hs[:m])
+                        got = offload.poll_loads(wait=True).get("calibrate")
+                        while got is None:
+                            got = offload.poll_loads(wait=True).get("calibrate")
+                        t1 = time.perf_counter()
+                        at = 0
+                        for p in got.payloads:
+                            storage.import_blocks(ids[at : at + p.num_blocks], p)
+                            at += p.num_blocks
+                        times[m].append(time.perf_counter() - t0)
+                        if at != m:
+                            raise RuntimeError(f"calibration: the {tier.name} tier lost blocks")
+                        if m == n:
+                            fetched.append(t1 - t0)
+            finally:
+                offload.close()
+            one, many = float(np.median(times[1])), float(np.median(times[n]))
             per_block = max((many - one) / max(n - 1, 1), 1e-12)
             bandwidth[tier.name] = bytes_per_block / per_block
             latency[tier.name] = max(one - per_block, 0.0)
-            tier.close()
+            if tier.name == "cpu":
+                decode = float(np.median(fetched))
     return TierPath(bandwidth, latency, min(exports) / (n * bytes_per_block), store / n,
                     decode / n)  # fmt: skip
 
