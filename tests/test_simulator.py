@@ -1008,3 +1008,38 @@ def test_validation_benchmark_compares_with_the_median_real_run(monkeypatch, cap
     with pytest.raises(SystemExit):
         simulator.main()
     assert "--real-runs: must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_calibration_charges_the_serving_loops_time_between_steps(monkeypatch):
+    """The serving loop's own work between two steps of a busy engine (publishing its state;
+    here made 4 ms longer per step) belongs to the steps: the simulated engine starts its
+    next step at once. The same run simulated on that calibration's profile lasts longer by
+    about the added time, not by nothing (the steps alone did not change)."""
+    import time
+
+    from kvserve.bench.engine_target import EngineTarget
+    from kvserve.sim.calibrate import calibrate
+
+    kw = dict(model=default_model(), kv_cache_memory="16MiB")
+    words = "the cache block model server request queue latency ".split()
+    reqs = [BenchRequest(i, "chat", " ".join(words[i % 5 :] * 3), 24, 20) for i in range(12)]
+    extra = 4e-3
+    publish = EngineTarget._publish
+
+    def calibrated() -> tuple[float, int]:
+        target = EngineTarget.from_kwargs(kw, temperature=0.0, ignore_eos=True)
+        profile, _ = calibrate(target, [(reqs, LoadSpec())], 0)
+        res, sims = simulate_load(SimTarget(kw, profile), reqs, LoadSpec(), 0)
+        return res.duration, sims[0].engine.core.num_steps
+
+    base, steps = calibrated()
+
+    def slow_publish(self, engine, sample):  # type: ignore[no-untyped-def]
+        if sample and engine.has_unfinished_requests():
+            time.sleep(extra)
+        publish(self, engine, sample)
+
+    monkeypatch.setattr(EngineTarget, "_publish", slow_publish)
+    slow, _ = calibrated()
+    # every simulated step but the last few (the engine goes idle after them) pays it
+    assert 0.5 * steps * extra < slow - base < 1.5 * steps * extra

@@ -316,20 +316,32 @@ def calibrate(
     touched: set[int] | None = None if eng.config.cache.kv_cache_prefault else set()
     probing = False  # the solo prefills: recorded, though no request was added through add
 
+    # The serving loop's own time between two steps of a busy engine (publishing its state,
+    # handing finished requests back), less the requests it added meanwhile (their own
+    # term): the simulated engine starts its next step at once, so the step before pays it.
+    loop = {"since": None, "added": 0.0}
+
     def timed_step() -> Any:
         a = time.perf_counter()
+        if loop["since"] is not None and trace:
+            f0, s0, fit0 = trace[-1]
+            trace[-1] = (f0, s0 + max(a - loop["since"] - loop["added"], 0.0), fit0)
         out = step()
-        seconds = time.perf_counter() - a
+        b = time.perf_counter()
         if eng.core.last_step.seqs:
             f = features_of(eng.core.last_step, shape, touched, eng.block_size)
-            trace.append((f, seconds, probing or len(adds) > warm))  # warm-up: touches only
+            trace.append((f, b - a, probing or len(adds) > warm))  # warm-up: touches only
+        loop["since"] = b if eng.core.last_step.seqs and eng.has_unfinished_requests() else None
+        loop["added"] = 0.0
         return out
 
     def timed_add(*args: Any, **kwargs: Any) -> Any:
         a = time.perf_counter()
         rid = add(*args, **kwargs)
         req = eng.requests.get(rid)
-        adds.append((req.num_prompt_tokens if req else 0, time.perf_counter() - a))
+        took = time.perf_counter() - a
+        adds.append((req.num_prompt_tokens if req else 0, took))
+        loop["added"] += took
         return rid
 
     eng.step, eng.add_request = timed_step, timed_add  # type: ignore[method-assign]
