@@ -510,6 +510,10 @@ def test_cli_calibrate_then_simulate_the_same_workload(tmp_path, capsys):
     assert [tuple(c) for c in p.calibration["context_chunks"]] == [
         (n, extra) for n in solo for extra in (64, 256)
     ]
+    # Then decodes of four sequences over a long context and over 64 tokens, one over the
+    # long one (16 MiB of the bundled model's 64 KiB blocks: 255 of 16 tokens and the null
+    # block; half is 2,040 tokens, 510 a sequence, 494 to prompt, 480 block-aligned).
+    assert [tuple(c) for c in p.calibration["decode_probes"]] == [(4, 480), (4, 64), (1, 480)]
     # A term the runs never exercised keeps the marker itself (not the marker rescaled by
     # the summed-time fit), and the CLI names it.
     for f in EFFICIENCY_FIELDS:
@@ -531,6 +535,18 @@ def test_cli_calibrate_then_simulate_the_same_workload(tmp_path, capsys):
     assert main([*args, "--kv-offload-cpu", "64MiB", "--label", "t"]) == 0
     assert "offload tier hits" in capsys.readouterr().out
     assert json.loads((out / "t.json").read_text())["summary"]["completed"] == 16
+
+
+def test_decode_probes():
+    """Four sequences over the longest block-aligned context that four fit in half the pool
+    (16 tokens each left to decode) and over 64 tokens, and one over the long context; none
+    where the long context would be under twice the short one."""
+    from kvserve.sim.calibrate import decode_probes
+
+    # 1,000 blocks of 16: half the pool 8,000 tokens, 2,000 a sequence, 1,984 to prompt
+    assert decode_probes(4096, 1000, 16) == [(4, 1984), (4, 64), (1, 1984)]
+    assert decode_probes(1000, 1000, 16) == [(4, 976), (4, 64), (1, 976)]  # the context
+    assert decode_probes(4096, 40, 16) == []  # 80 tokens a sequence: 64, not over 128
 
 
 def test_solo_prefill_lengths():

@@ -15,7 +15,8 @@ fit cannot tell them apart; it put the difference on the GEMMs and over-predicte
 prompt prefilled alone by about half (``BENCHMARKS.md``, simulator). The solo steps pin the
 large-step GEMM cost on its own. Each is followed by two chunks that continue it after its
 cached blocks (prefix caching on): attention over cached context, which runs at a rate of
-its own and which the workload's steps mix with everything else.
+its own and which the workload's steps mix with everything else. Then a few decode probes
+(:func:`decode_probes`) set the KV reads apart from the per-sequence costs.
 """
 
 from __future__ import annotations
@@ -198,6 +199,27 @@ CONTEXT_CHUNK_TOKENS = (64, 256)
 # Solo prefills before the workload, as shares of the largest prompt the probe may use.
 SOLO_PREFILL_SHARES = (0.25, 0.5, 1.0)
 SOLO_PREFILL_MIN_TOKENS = 16
+# Decode probes after them: (sequences, context) pairs, "long" the longest context that
+# DECODE_PROBE_BATCH sequences fit in half the pool; each decodes DECODE_PROBE_TOKENS.
+DECODE_PROBE_BATCH = 4
+DECODE_PROBE_SHORT = 64
+DECODE_PROBE_TOKENS = 16
+
+
+def decode_probes(max_model_len: int, num_blocks: int, block_size: int
+                  ) -> list[tuple[int, int]]:  # fmt: skip
+    """(sequences, prompt tokens) of the decode probes: DECODE_PROBE_BATCH sequences over a
+    long context and over DECODE_PROBE_SHORT tokens, and one over the long context alone. In
+    a workload's decode steps the sequences and their cached tokens grow together, so a fit
+    over them alone cannot tell the KV reads from the per-sequence costs (the fitted KV
+    read efficiency moved 2x between calibrations of one machine); these steps differ in one
+    of the two at a time. None where the long context would not be longer than the short."""
+    b, t = DECODE_PROBE_BATCH, DECODE_PROBE_TOKENS
+    room = min(max_model_len - t, (num_blocks * block_size) // (2 * b) - t)
+    long = room // block_size * block_size
+    if long <= 2 * DECODE_PROBE_SHORT:
+        return []
+    return [(b, long), (b, DECODE_PROBE_SHORT), (1, long)]
 
 
 def solo_prefill_lengths(budget: int, max_model_len: int, num_blocks: int, block_size: int
@@ -367,8 +389,16 @@ def calibrate(
             if n + extra <= longest:
                 alone(ids + torch.randint(0, vocab, (extra,), generator=gen).tolist())
                 continued.append((n, extra))
+    # Decodes that tell KV reads from per-sequence costs (see decode_probes).
+    probed = decode_probes(eng.max_model_len, eng.num_blocks, eng.block_size)
+    decode = SamplingParams(temperature=0.0, max_tokens=DECODE_PROBE_TOKENS, ignore_eos=True)
+    for batch, context in probed:
+        for _ in range(batch):
+            add(None, torch.randint(0, vocab, (context,), generator=gen).tolist(), decode)
+        while eng.has_unfinished_requests():
+            timed_step()
     probing = False
-    t0 = time.perf_counter()  # the workload's wall time, without the solo prefills
+    t0 = time.perf_counter()  # the workload's wall time, without the probes
     workloads, loads = [r for r, _ in runs], [ld for _, ld in runs]
     asyncio.run(benchmark(target, workloads, loads, seed, warmup, progress=False))
     wall = time.perf_counter() - t0
@@ -405,6 +435,7 @@ def calibrate(
         "loads": [ld.describe() for ld in loads],
         "solo_prefills": solo,
         "context_chunks": continued,
+        "decode_probes": probed,
         "seed": seed,
         "wall_s": wall,
         "steps": report.steps,
