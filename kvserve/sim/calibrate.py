@@ -3,8 +3,9 @@
 The real engine (weights, kernels, tokenizer: what ``kvserve serve`` runs) runs a workload
 under ``kvserve bench``'s in-process target, exactly as a measured run does (its thread, the
 load generator beside it); every ``LLMEngine.step()`` is timed whole (scheduling, the forward
-pass, sampling, output processing) beside the features of the batch it ran, and every
-``add_request`` beside its prompt length. The device's peaks are
+pass, sampling, output processing, and the serving loop's own time before the next step of a
+busy engine) beside the features of the batch it ran, and every ``add_request`` beside its
+prompt length. The device's peaks are
 measured first (a representative GEMM in the compute dtype; a streaming read), so the fitted
 factors are efficiencies against this machine's own ceilings, the same fields a CUDA run fills.
 
@@ -156,6 +157,7 @@ def measure_tier_path(
         tiers: list[Tier] = [HostTier(1 << 40), DiskTier(tmp, 2 * groups * len(datas[0]) * n)]
         for tier in tiers:
             offload = KVOffload([tier], b"calibrate", storage.identity(),
+                                pin_memory=storage.host_copies.pins,
                                 inline_host_loads=inline)  # fmt: skip
             try:
                 for hs in hashes:  # one group at a time: no store backlog to drop
