@@ -171,7 +171,7 @@ def measure_tier_path(
                         torch.mm(a, a)  # the compute threads as a step leaves them
                         t0 = time.perf_counter()
                         offload.start_load("calibrate", hs[:m])
-                        got = offload.poll_loads(wait=True).get("calibrate")
+                        got = None
                         while got is None:
                             got = offload.poll_loads(wait=True).get("calibrate")
                         t1 = time.perf_counter()
@@ -343,29 +343,32 @@ def calibrate(
     # The serving loop's own time between two steps of a busy engine (publishing its state,
     # handing finished requests back), less the requests it added meanwhile (their own
     # term): the simulated engine starts its next step at once, so the step before pays it.
-    loop = {"since": None, "added": 0.0}
+    busy_since: float | None = None  # the last step's end, when it left the engine busy
+    added = 0.0  # seconds of adds since then
 
     def timed_step() -> Any:
+        nonlocal busy_since, added
         a = time.perf_counter()
-        if loop["since"] is not None and trace:
+        if busy_since is not None and trace:
             f0, s0, fit0 = trace[-1]
-            trace[-1] = (f0, s0 + max(a - loop["since"] - loop["added"], 0.0), fit0)
+            trace[-1] = (f0, s0 + max(a - busy_since - added, 0.0), fit0)
         out = step()
         b = time.perf_counter()
         if eng.core.last_step.seqs:
             f = features_of(eng.core.last_step, shape, touched, eng.block_size)
             trace.append((f, b - a, probing or len(adds) > warm))  # warm-up: touches only
-        loop["since"] = b if eng.core.last_step.seqs and eng.has_unfinished_requests() else None
-        loop["added"] = 0.0
+        busy_since = b if eng.core.last_step.seqs and eng.has_unfinished_requests() else None
+        added = 0.0
         return out
 
     def timed_add(*args: Any, **kwargs: Any) -> Any:
+        nonlocal added
         a = time.perf_counter()
         rid = add(*args, **kwargs)
         req = eng.requests.get(rid)
         took = time.perf_counter() - a
         adds.append((req.num_prompt_tokens if req else 0, took))
-        loop["added"] += took
+        added += took
         return rid
 
     eng.step, eng.add_request = timed_step, timed_add  # type: ignore[method-assign]
@@ -374,10 +377,14 @@ def calibrate(
     gen = torch.Generator().manual_seed(seed)
     vocab = eng.model_config.vocab_size
 
-    def alone(ids: list[int]) -> None:
-        add(None, ids, SamplingParams(temperature=0.0, max_tokens=1))
+    def alone(prompts: list[list[int]], params: SamplingParams) -> None:
+        """``prompts`` together, with nothing else running, until they finish."""
+        for ids in prompts:
+            add(None, ids, params)
         while eng.has_unfinished_requests():
             timed_step()
+
+    prefill = SamplingParams(temperature=0.0, max_tokens=1)
 
     # Each solo prompt, then (prefix caching on) chunks that continue it after its cached
     # blocks: attention over cached context, which the workload's steps mix with the rest.
@@ -386,19 +393,17 @@ def calibrate(
     probing = True
     for n in solo:  # on this thread, before the target's engine thread starts
         ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
-        alone(ids)
+        alone([ids], prefill)
         for extra in CONTEXT_CHUNK_TOKENS if eng.config.cache.enable_prefix_caching else ():
             if n + extra <= longest:
-                alone(ids + torch.randint(0, vocab, (extra,), generator=gen).tolist())
+                alone([ids + torch.randint(0, vocab, (extra,), generator=gen).tolist()], prefill)
                 continued.append((n, extra))
     # Decodes that tell KV reads from per-sequence costs (see decode_probes).
     probed = decode_probes(eng.max_model_len, eng.num_blocks, eng.block_size)
     decode = SamplingParams(temperature=0.0, max_tokens=DECODE_PROBE_TOKENS, ignore_eos=True)
     for batch, context in probed:
-        for _ in range(batch):
-            add(None, torch.randint(0, vocab, (context,), generator=gen).tolist(), decode)
-        while eng.has_unfinished_requests():
-            timed_step()
+        alone([torch.randint(0, vocab, (context,), generator=gen).tolist() for _ in range(batch)],
+              decode)  # fmt: skip
     probing = False
     t0 = time.perf_counter()  # the workload's wall time, without the probes
     workloads, loads = [r for r, _ in runs], [ld for _, ld in runs]
