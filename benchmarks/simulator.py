@@ -19,7 +19,9 @@ Each real case runs ``--real-runs`` times (3), fresh engines on the same seeds, 
 figure is compared with their median: one run of the real engine moves by about as much as the
 limits from one run to the next on these 2-core VMs, so a single run is a noisy reference. The
 table shows the runs' range beside the median: the real engine's own spread on this machine,
-the floor under any simulator's error here.
+the floor under any simulator's error here. Below the count, each real run is scored the same
+way against the median of the others (``repeatability``): how often one run of the real engine
+itself lands within the limits here.
 
 Limits (the issue's): output throughput and p50 TTFT / TPOT within 10 %, p99 within 20 %,
 prefix hit rate, tier hit rate and preemptions within 10 % (hit rates in points; preemptions:
@@ -122,6 +124,24 @@ def spread(runs: list[dict[str, float | None]], name: str, fmt: str) -> str:
     return f"{fmt.format(min(values))}-{fmt.format(max(values))}"
 
 
+def repeatability(case_runs: list[list[dict[str, float | None]]]) -> list[int]:
+    """The real engine against itself: for each real run k, how many of its figures (every
+    case's k-th run) are within the limits of the median of the same case's other runs. The
+    simulator is compared with a median of real runs; a count near these is as close as one
+    run of the real engine comes to the others on this machine. Empty under two runs."""
+    count = min((len(runs) for runs in case_runs), default=0)
+    if count < 2:
+        return []
+    out = []
+    for k in range(count):
+        ok = 0
+        for runs in case_runs:
+            others = median_figures(runs[:k] + runs[k + 1 :])
+            ok += sum(within(name, others[name], runs[k][name])[1] for name in LIMITS)
+        out.append(ok)
+    return out
+
+
 def real_run(kw: dict[str, Any], reqs: list[Any], load: LoadSpec, seed: int, warm: list[Any]):
     target = EngineTarget.from_kwargs(kw, temperature=0.0, ignore_eos=True)
     (point,) = asyncio.run(benchmark(target, [reqs], [load], seed, warm, progress=False))
@@ -196,7 +216,7 @@ def main() -> None:
 
     # Calibrated once here, or right before each case below.
     profile = calibrated("once") if args.calibrate_once else first
-    rows, results = [], []
+    rows, results, case_runs = [], [], []
     misses = total = 0
     wanted = set(args.cases.split(","))
     for case in CASES:
@@ -219,6 +239,7 @@ def main() -> None:
         sim = figures(sim_run(target, reqs, load, seed, warm))
         runs += [figures(real_run(kw, reqs, load, seed, warm)) for _ in range(args.real_runs - 1)]
         real = median_figures(runs)
+        case_runs.append(runs)
         out = {"case": case.name, "rate": rate, "real": real, "sim": sim, "errors": {},
                "real_runs": runs, "profile": profile.to_json()}  # fmt: skip
         for name in LIMITS:
@@ -241,10 +262,16 @@ def main() -> None:
     cols = ["case", "req/s", "figure", "real", "real runs", "simulated", "error", "limit", ""]
     print(table(rows, cols))
     print(f"{total - misses} of {total} figures within their limits ({args.model}, {args.dtype})")
+    own = repeatability(case_runs)
+    if own:
+        print(
+            f"each real run against the median of the others: "
+            f"{', '.join(map(str, own))} of {total} (the real engine's own repeatability)"
+        )
     emit(
         {"bench": "simulator", "model": args.model, "dtype": args.dtype,
          "calibration": profile.calibration, "profile": profile.to_json(), "cases": results,
-         "within": total - misses, "figures": total},
+         "within": total - misses, "figures": total, "real_within": own},
     )  # fmt: skip
 
 

@@ -1026,6 +1026,27 @@ def test_validation_benchmark_compares_with_the_median_real_run(monkeypatch, cap
     assert "--real-runs: must be >= 1, got 0" in capsys.readouterr().err
 
 
+def test_validation_benchmark_scores_each_real_run_against_the_others():
+    """The real engine's own repeatability: each real run's figures against the median of the
+    same case's other runs, under the same limits, counted by hand here."""
+    from benchmarks import simulator
+
+    def run(**changed: float | None) -> dict[str, float | None]:
+        figures: dict[str, float | None] = dict.fromkeys(simulator.LIMITS, 100.0)
+        figures["tier_hit_rate"] = None  # no tier: equal on every run
+        figures["preemptions"] = 0.0
+        return {**figures, **changed}
+
+    # Case A, TTFT p50 10, 10.5, 12: run 0 against 11.25 (-11 %, out of 10 %), run 1 against
+    # 11 (-5 %), run 2 against 10.25 (+17 %, out). Case B, TPOT p99 10, 10, 13: runs 0 and 1
+    # against 11.5 (-13 %, within 20 %), run 2 against 10 (+30 %, out); run 1's preemption is
+    # within two counts of none. (With each run in its own median: 16, 16, 14.)
+    case_a = [run(ttft_p50=10.0), run(ttft_p50=10.5), run(ttft_p50=12.0)]
+    case_b = [run(tpot_p99=10.0), run(tpot_p99=10.0, preemptions=1.0), run(tpot_p99=13.0)]
+    assert simulator.repeatability([case_a, case_b]) == [15, 16, 14]
+    assert simulator.repeatability([case_a[:1], case_b[:1]]) == []  # one run: no others
+
+
 def test_calibration_charges_the_serving_loops_time_between_steps(monkeypatch):
     """The serving loop's own work between two steps of a busy engine (publishing its state;
     here made 4 ms longer per step) belongs to the steps: the simulated engine starts its
