@@ -105,6 +105,72 @@ static inline __attribute__((always_inline)) void attend_block(
 
 #if defined(__AVX512F__)
 
+/* acc[g] = acc[g] * corr[g] + sum_t p[g][t] v[t] for NR rows (a constant), keys [lo, hi);
+ * each row's weights outside its own range are zero. Each cached value row is read and
+ * converted once for the NR rows (the G query heads of a GQA group share every row): a pass
+ * per row read it G times, and on a float32 cache that pass was most of the kernel's work
+ * (BENCHMARKS.md, session 51). */
+static inline __attribute__((always_inline)) void values_rows(
+    const void *restrict vraw, const int dt, const float *restrict s, float *restrict acc,
+    const float *restrict corr, const int NR, const int D, const int bs, const int lo,
+    const int hi, const char *pf) {
+    enum { MAXV = 8 };
+    const int nv = D / 16;
+    const int rb = D * (dt == DT_F32 ? 4 : 2); /* bytes of one cached row */
+    __m512 o[4][MAXV];
+    for (int g = 0; g < NR; g++) {
+        const __m512 c = _mm512_set1_ps(corr[g]);
+        for (int j = 0; j < nv; j++) o[g][j] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + 16 * j), c);
+    }
+    for (int t = lo; t < hi; t++) {
+        __m512 v[MAXV];
+        if (pf)
+            for (int b = 0; b < rb; b += 64) _mm_prefetch(pf + (int64_t)t * rb + b, _MM_HINT_T1);
+        for (int j = 0; j < nv; j++) v[j] = load16(vraw, (int64_t)t * D + 16 * j, dt);
+        for (int g = 0; g < NR; g++) {
+            const __m512 p = _mm512_set1_ps(s[g * bs + t]);
+            for (int j = 0; j < nv; j++) o[g][j] = _mm512_fmadd_ps(p, v[j], o[g][j]);
+        }
+    }
+    for (int g = 0; g < NR; g++)
+        for (int j = 0; j < nv; j++) _mm512_storeu_ps(acc + g * D + 16 * j, o[g][j]);
+}
+
+/* The online-softmax update of a block for the R rows of a task (their scores in s), then
+ * the values pass, RG rows at a time. */
+static inline __attribute__((always_inline)) void softmax_values(
+    const void *vraw, const int dt, float *restrict s, float *restrict acc, float *restrict m,
+    float *restrict l, const int64_t *restrict qpos, const int R, const int D, const int bs,
+    const int lo, const int hi, const int64_t t0, const int window, const char *vpf) {
+    const int RG = D <= 64 ? 4 : 2; /* rows whose accumulators fit in registers together */
+    for (int r0 = 0; r0 < R; r0 += RG) {
+        const int nr = R - r0 < RG ? R - r0 : RG;
+        float corr[4];
+        int ulo = hi, uhi = lo;
+        for (int g = 0; g < nr; g++) {
+            const int r = r0 + g;
+            float *restrict sr = s + r * bs;
+            int vlo, vhi;
+            corr[g] = softmax_update(sr, lo, hi, qpos[r], t0, window, &m[r], &l[r], &vlo, &vhi);
+            if (vhi <= vlo) vlo = vhi = lo;
+            for (int t = lo; t < vlo; t++) sr[t] = 0.f; /* the union range reads them */
+            for (int t = vhi; t < hi; t++) sr[t] = 0.f;
+            ulo = vlo < ulo && vhi > vlo ? vlo : ulo;
+            uhi = vhi > uhi ? vhi : uhi;
+        }
+        if (uhi <= ulo) { /* nothing visible: only the rescale */
+            for (int g = 0; g < nr; g++)
+                for (int d = 0; d < D; d++) acc[(r0 + g) * D + d] *= corr[g];
+            continue;
+        }
+        float *a0 = acc + r0 * D;
+        const float *s0 = s + r0 * bs;
+#define VB(NR) values_rows(vraw, dt, s0, a0, corr, NR, D, bs, ulo, uhi, r0 == 0 ? vpf : NULL)
+        if (nr == 4) VB(4); else if (nr == 3) VB(3); else if (nr == 2) VB(2); else VB(1);
+#undef VB
+    }
+}
+
 /* attend_block with explicit AVX-512 for head sizes that are multiples of 16: the query row
  * and the output accumulator stay in registers, and cached rows are converted in registers
  * instead of through a scratch buffer. D and dt are constants at each call site.
@@ -146,24 +212,7 @@ static inline __attribute__((always_inline)) void attend_block_avx512(
             sr[t] = _mm512_reduce_add_ps(a);
         }
     }
-    for (int r = 0; r < R; r++) {
-        float *restrict sr = s + r * bs;
-        int vlo, vhi;
-        const float corr = softmax_update(sr, lo, hi, qpos[r], t0, window, &m[r], &l[r], &vlo, &vhi);
-        if (vhi <= vlo) continue;
-        __m512 o[MAXV];
-        const __m512 c = _mm512_set1_ps(corr);
-        for (int j = 0; j < nv; j++) o[j] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 16 * j), c);
-        if (r == 0 && vpf)
-            for (int t = lo; t < hi; t++)
-                for (int b = 0; b < rb; b += 64) _mm_prefetch(vpf + (int64_t)t * rb + b, _MM_HINT_T1);
-        for (int t = vlo; t < vhi; t++) {
-            const __m512 p = _mm512_set1_ps(sr[t]);
-            for (int j = 0; j < nv; j++)
-                o[j] = _mm512_fmadd_ps(p, load16(vraw, (int64_t)t * D + 16 * j, dt), o[j]);
-        }
-        for (int j = 0; j < nv; j++) _mm512_storeu_ps(acc + r * D + 16 * j, o[j]);
-    }
+    softmax_values(vraw, dt, s, acc, m, l, qpos, R, D, bs, lo, hi, t0, window, vpf);
 }
 #define HAVE_AVX512_PATH 1
 #endif
@@ -210,33 +259,6 @@ static inline __attribute__((always_inline)) void scores_bf16(
     }
 }
 
-/* acc[g] = acc[g] * corr[g] + sum_t p[g][t] v[t] for NR rows (a constant), keys [lo, hi);
- * each row's weights outside its own range are zero. */
-static inline __attribute__((always_inline)) void values_bf16(
-    const uint16_t *restrict vraw, const float *restrict s, float *restrict acc,
-    const float *restrict corr, const int NR, const int D, const int bs, const int lo,
-    const int hi, const char *pf) {
-    enum { MAXV = 8 };
-    const int nv = D / 16;
-    __m512 o[4][MAXV];
-    for (int g = 0; g < NR; g++) {
-        const __m512 c = _mm512_set1_ps(corr[g]);
-        for (int j = 0; j < nv; j++) o[g][j] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + 16 * j), c);
-    }
-    for (int t = lo; t < hi; t++) {
-        __m512 v[MAXV];
-        if (pf)
-            for (int b = 0; b < D * 2; b += 64) _mm_prefetch(pf + (int64_t)t * D * 2 + b, _MM_HINT_T1);
-        for (int j = 0; j < nv; j++) v[j] = load16(vraw, (int64_t)t * D + 16 * j, DT_BF16);
-        for (int g = 0; g < NR; g++) {
-            const __m512 p = _mm512_set1_ps(s[g * bs + t]);
-            for (int j = 0; j < nv; j++) o[g][j] = _mm512_fmadd_ps(p, v[j], o[g][j]);
-        }
-    }
-    for (int g = 0; g < NR; g++)
-        for (int j = 0; j < nv; j++) _mm512_storeu_ps(acc + g * D + 16 * j, o[g][j]);
-}
-
 static inline __attribute__((always_inline)) void attend_block_bf16(
     const uint16_t *restrict qb, const uint16_t *kraw, const uint16_t *vraw, float *restrict s,
     float *restrict acc, float *restrict m, float *restrict l, const int64_t *restrict qpos,
@@ -244,33 +266,7 @@ static inline __attribute__((always_inline)) void attend_block_bf16(
     const int window, const float scale, const char *kpf, const char *vpf) {
     for (int r = 0; r < R; r++)
         scores_bf16(qb + r * D, kraw, s + r * bs, D, lo, hi, scale, r == 0 ? kpf : NULL);
-    const int RG = D <= 64 ? 4 : 2; /* rows whose accumulators fit in registers together */
-    for (int r0 = 0; r0 < R; r0 += RG) {
-        const int nr = R - r0 < RG ? R - r0 : RG;
-        float corr[4];
-        int ulo = hi, uhi = lo;
-        for (int g = 0; g < nr; g++) {
-            const int r = r0 + g;
-            float *restrict sr = s + r * bs;
-            int vlo, vhi;
-            corr[g] = softmax_update(sr, lo, hi, qpos[r], t0, window, &m[r], &l[r], &vlo, &vhi);
-            if (vhi <= vlo) vlo = vhi = lo;
-            for (int t = lo; t < vlo; t++) sr[t] = 0.f; /* the union range reads them */
-            for (int t = vhi; t < hi; t++) sr[t] = 0.f;
-            ulo = vlo < ulo && vhi > vlo ? vlo : ulo;
-            uhi = vhi > uhi ? vhi : uhi;
-        }
-        if (uhi <= ulo) { /* nothing visible: only the rescale */
-            for (int g = 0; g < nr; g++)
-                for (int d = 0; d < D; d++) acc[(r0 + g) * D + d] *= corr[g];
-            continue;
-        }
-        float *a0 = acc + r0 * D;
-        const float *s0 = s + r0 * bs;
-#define VB(NR) values_bf16(vraw, s0, a0, corr, NR, D, bs, ulo, uhi, r0 == 0 ? vpf : NULL)
-        if (nr == 4) VB(4); else if (nr == 3) VB(3); else if (nr == 2) VB(2); else VB(1);
-#undef VB
-    }
+    softmax_values(vraw, DT_BF16, s, acc, m, l, qpos, R, D, bs, lo, hi, t0, window, vpf);
 }
 #define HAVE_BF16_PATH 1
 #endif
