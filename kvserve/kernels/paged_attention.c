@@ -189,7 +189,46 @@ static inline __attribute__((always_inline)) void attend_block_avx512(
     enum { MAXV = 16 }; /* up to D = 256 */
     const int nv = D / 16;
     const int rb = D * (dt == DT_F32 ? 4 : 2); /* bytes of one cached row */
-    for (int r = 0; r < R; r++) {
+    int r0 = 0;
+    if (D == 64) /* rows in pairs: each key row is loaded (and converted) once for both */
+        for (; r0 + 2 <= R; r0 += 2) {
+            __m512 q0[4], q1[4];
+            for (int j = 0; j < 4; j++) {
+                q0[j] = _mm512_loadu_ps(qs + r0 * D + 16 * j);
+                q1[j] = _mm512_loadu_ps(qs + (r0 + 1) * D + 16 * j);
+            }
+            float *restrict s0 = s + r0 * bs, *restrict s1 = s0 + bs;
+            int t = lo;
+            for (; t + 8 <= hi; t += 8) { /* 8 keys x 2 rows, reduced together */
+                __m512 a[16];
+                for (int i = 0; i < 8; i++) {
+                    if (r0 == 0 && kpf)
+                        for (int b = 0; b < rb; b += 64) _mm_prefetch(kpf + (int64_t)(t + i) * rb + b, _MM_HINT_T1);
+                    const __m512 k0 = load16(kraw, (int64_t)(t + i) * D, dt);
+                    a[i] = _mm512_mul_ps(q0[0], k0);
+                    a[8 + i] = _mm512_mul_ps(q1[0], k0);
+                    for (int j = 1; j < 4; j++) {
+                        const __m512 kj = load16(kraw, (int64_t)(t + i) * D + 16 * j, dt);
+                        a[i] = _mm512_fmadd_ps(q0[j], kj, a[i]);
+                        a[8 + i] = _mm512_fmadd_ps(q1[j], kj, a[8 + i]);
+                    }
+                }
+                const __m512 h = hsum16(a); /* lanes 0-7: row r0, 8-15: row r0 + 1 */
+                _mm256_storeu_ps(s0 + t, _mm512_castps512_ps256(h));
+                _mm256_storeu_ps(s1 + t, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(h), 1)));
+            }
+            for (; t < hi; t++) {
+                __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+                for (int j = 0; j < 4; j++) {
+                    const __m512 kj = load16(kraw, (int64_t)t * D + 16 * j, dt);
+                    a0 = _mm512_fmadd_ps(q0[j], kj, a0);
+                    a1 = _mm512_fmadd_ps(q1[j], kj, a1);
+                }
+                s0[t] = _mm512_reduce_add_ps(a0);
+                s1[t] = _mm512_reduce_add_ps(a1);
+            }
+        }
+    for (int r = r0; r < R; r++) {
         __m512 q[MAXV];
         for (int j = 0; j < nv; j++) q[j] = _mm512_loadu_ps(qs + r * D + 16 * j);
         float *restrict sr = s + r * bs;
