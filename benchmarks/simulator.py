@@ -216,7 +216,7 @@ def main() -> None:
 
     # Calibrated once here, or right before each case below.
     profile = calibrated("once") if args.calibrate_once else first
-    rows, results, case_runs = [], [], []
+    rows, results = [], []
     misses = total = 0
     wanted = set(args.cases.split(","))
     for case in CASES:
@@ -239,7 +239,6 @@ def main() -> None:
         sim = figures(sim_run(target, reqs, load, seed, warm))
         runs += [figures(real_run(kw, reqs, load, seed, warm)) for _ in range(args.real_runs - 1)]
         real = median_figures(runs)
-        case_runs.append(runs)
         out = {"case": case.name, "rate": rate, "real": real, "sim": sim, "errors": {},
                "real_runs": runs, "profile": profile.to_json()}  # fmt: skip
         for name in LIMITS:
@@ -262,7 +261,7 @@ def main() -> None:
     cols = ["case", "req/s", "figure", "real", "real runs", "simulated", "error", "limit", ""]
     print(table(rows, cols))
     print(f"{total - misses} of {total} figures within their limits ({args.model}, {args.dtype})")
-    own = repeatability(case_runs)
+    own = repeatability([r["real_runs"] for r in results])
     if own:
         print(
             f"each real run against the median of the others: "
