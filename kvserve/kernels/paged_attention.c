@@ -171,9 +171,10 @@ static inline __attribute__((always_inline)) void softmax_values(
     }
 }
 
-/* attend_block with explicit AVX-512 for head sizes that are multiples of 16: the query row
- * and the output accumulator stay in registers, and cached rows are converted in registers
- * instead of through a scratch buffer. D and dt are constants at each call site.
+/* attend_block with explicit AVX-512 for head sizes that are multiples of 16: the queries
+ * and the output accumulators stay in registers (softmax_values), and cached rows are
+ * converted in registers instead of through a scratch buffer. D and dt are constants at each
+ * call site.
  *
  * kpf/vpf: the same head's rows in the task's next block (NULL: none), fetched into L2 a row
  * at a time as this block's rows are used. Blocks are scattered over the pool, so the
@@ -190,7 +191,10 @@ static inline __attribute__((always_inline)) void attend_block_avx512(
     const int nv = D / 16;
     const int rb = D * (dt == DT_F32 ? 4 : 2); /* bytes of one cached row */
     int r0 = 0;
-    if (D == 64) /* rows in pairs: each key row is loaded (and converted) once for both */
+    /* Rows in pairs: each key row is loaded (and converted) once for both. Head size 64 only:
+     * two rows' queries and 16 accumulators take 24 of the 32 vector registers; at 128 the
+     * queries alone would take 16. */
+    if (D == 64)
         for (; r0 + 2 <= R; r0 += 2) {
             __m512 q0[4], q1[4];
             for (int j = 0; j < 4; j++) {
