@@ -45,8 +45,9 @@ def scattered_group(nblocks: int, bs: int, seqs: list[tuple], **extra: object) -
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kv_heads, heads", [(2, 4), (1, 4), (4, 4)])
 @pytest.mark.parametrize("window", [None, 7])
-# (16, 64) and (32, 128): the AVX-512 path with 16-row score reductions; (4, 16): portable.
-@pytest.mark.parametrize("bs, d", [(4, 16), (16, 64), (32, 128)])
+# (16, 64) and (32, 128): the AVX-512 path with 16-row score reductions, (8, 64): with blocks
+# shorter than its 16-lane softmax; (4, 16): portable.
+@pytest.mark.parametrize("bs, d", [(4, 16), (8, 64), (16, 64), (32, 128)])
 def test_decode_kernel_matches_reference(dtype, kv_heads, heads, window, bs, d):
     torch.manual_seed(0)
     nblocks = 128
