@@ -55,14 +55,50 @@ static inline float load_dt(const void *base, int64_t i, int dt) {
     return dt ? bf16f(((const uint16_t *)base)[i]) : ((const float *)base)[i];
 }
 
+/* r[i] (16 rows of 16 floats) transposed in registers: r[c] becomes column c. Four rounds of
+ * shuffles, 64 in all, where the scalar transposing copy took two moves per value (about a
+ * sixth of the kernel's time on a 576-token float32 chunk). */
+static inline __attribute__((always_inline)) void transpose16(__m512 *r) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 16; i += 2) { /* per 128-bit lane: rows i, i + 1 of columns c, c + 1 */
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) { /* per 128-bit lane: rows i .. i + 3 of one column */
+        u[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xee);
+        u[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int c = 0; c < 4; c++) { /* u[4g + c]: rows 4g .. 4g + 3 of columns c, c + 4, c + 8, c + 12 */
+        const __m512 a0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88);  /* columns c, c + 8 */
+        const __m512 a1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xdd);  /* c + 4, c + 12 */
+        const __m512 b0 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
+        const __m512 b1 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xdd);
+        r[c] = _mm512_shuffle_f32x4(a0, b0, 0x88);
+        r[c + 8] = _mm512_shuffle_f32x4(a0, b0, 0xdd);
+        r[c + 4] = _mm512_shuffle_f32x4(a1, b1, 0x88);
+        r[c + 12] = _mm512_shuffle_f32x4(a1, b1, 0xdd);
+    }
+}
+
+/* K and V of one block as float32 (the layouts in the header); keys past Lk are zero. */
 static void pack_block(const void *k, const void *v, int64_t kv_stride, int64_t Lk, int D,
                        int64_t b, float *kt, float *vf, int dt) {
+    for (int j0 = 0; j0 < KB; j0 += 16)
+        for (int d0 = 0; d0 < D; d0 += 16) {
+            __m512 r[16];
+            for (int i = 0; i < 16; i++) {
+                const int64_t t = b * KB + j0 + i;
+                r[i] = t < Lk ? load16(k, t * kv_stride + d0, dt) : _mm512_setzero_ps();
+            }
+            transpose16(r);
+            for (int c = 0; c < 16; c++) _mm512_store_ps(kt + (d0 + c) * KB + j0, r[c]);
+        }
     for (int j = 0; j < KB; j++) {
         const int64_t t = b * KB + j;
-        for (int d = 0; d < D; d++) {
-            kt[d * KB + j] = t < Lk ? load_dt(k, t * kv_stride + d, dt) : 0.f;
-            vf[j * D + d] = t < Lk ? load_dt(v, t * kv_stride + d, dt) : 0.f;
-        }
+        for (int d0 = 0; d0 < D; d0 += 16)
+            _mm512_store_ps(vf + j * D + d0, t < Lk ? load16(v, t * kv_stride + d0, dt) : _mm512_setzero_ps());
     }
 }
 
