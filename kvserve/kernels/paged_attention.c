@@ -136,13 +136,66 @@ static inline __attribute__((always_inline)) void values_rows(
         for (int j = 0; j < nv; j++) _mm512_storeu_ps(acc + g * D + 16 * j, o[g][j]);
 }
 
+#if defined(__AVX512BF16__)
+/* values_rows for a bf16 cache on bf16 dot products: the weights (already rounded to bf16 by
+ * softmax_update16) go in pairs of keys, and each two cached value rows are interleaved in
+ * registers (one permute per 16 dims) into the [dim][key pair] layout `vdpbf16ps` takes, so a
+ * row's 64 dims cost 2 dot products per key where the float32 pass took 4 conversions and 4
+ * FMAs; the rounding of the weights is the one SDPA's bf16 path and the prefill kernel's
+ * dot-product path make. */
+static inline __attribute__((always_inline)) void values_rows_dp(
+    const uint16_t *restrict vraw, const float *restrict s, float *restrict acc,
+    const float *restrict corr, const int NR, const int D, const int bs, const int lo,
+    const int hi, const char *pf) {
+    enum { MAXV = 8, MAXB = 256 };
+    const int nv = D / 16;
+    __m512 o[4][MAXV];
+    uint16_t pw[4][MAXB + 2]; /* each row's weights from lo, and a zero after the last */
+    for (int g = 0; g < NR; g++) {
+        const __m512 c = _mm512_set1_ps(corr[g]);
+        for (int j = 0; j < nv; j++) o[g][j] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + 16 * j), c);
+        for (int t = lo; t < hi; t += 16) {
+            const __mmask16 k = hi - t >= 16 ? 0xffff : (__mmask16)((1u << (hi - t)) - 1);
+            const __m256bh b = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(k, s + g * bs + t));
+            _mm256_mask_storeu_epi16(pw[g] + (t - lo), k, (__m256i)b);
+        }
+        pw[g][hi - lo] = 0;
+    }
+    /* output lanes 2i and 2i + 1 take dim i of rows t and t + 1 (as the prefill kernel's vp) */
+    const __m512i ilo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                         39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i ihi = _mm512_add_epi16(ilo, _mm512_set1_epi16(16));
+    for (int t = lo; t < hi; t += 2) {
+        __m512bh v[MAXV];
+        if (pf)
+            for (int b = 0; b < 2 * D * 2; b += 64) _mm_prefetch(pf + (int64_t)t * D * 2 + b, _MM_HINT_T1);
+        const uint16_t *r = vraw + (int64_t)t * D;
+        for (int j = 0; j < D / 32; j++) {
+            const __m512i a = _mm512_loadu_si512(r + 32 * j);
+            const __m512i c = t + 1 < hi ? _mm512_loadu_si512(r + D + 32 * j) : _mm512_setzero_si512();
+            v[2 * j] = (__m512bh)_mm512_permutex2var_epi16(a, ilo, c);
+            v[2 * j + 1] = (__m512bh)_mm512_permutex2var_epi16(a, ihi, c);
+        }
+        for (int g = 0; g < NR; g++) {
+            uint32_t pr;
+            memcpy(&pr, pw[g] + (t - lo), 4);
+            const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pr);
+            for (int j = 0; j < nv; j++) o[g][j] = _mm512_dpbf16_ps(o[g][j], pp, v[j]);
+        }
+    }
+    for (int g = 0; g < NR; g++)
+        for (int j = 0; j < nv; j++) _mm512_storeu_ps(acc + g * D + 16 * j, o[g][j]);
+}
+#endif
+
 /* softmax_update on 16 lanes at a time, with exp16 in place of glibc's expf: every score of
  * [lo, hi) is written, the hidden ones as 0, so the values pass can read the whole range.
  * (The scalar loops, a libm call per 16 scores and the remainder one by one, took about as
  * long as a row's dot products and value products for the block.) */
 static inline __attribute__((always_inline)) float softmax_update16(
     float *restrict sr, const int lo, const int hi, const int64_t qpos, const int64_t t0,
-    const int window, float *m, float *l, int *vlo_out, int *vhi_out) {
+    const int window, float *m, float *l, int *vlo_out, int *vhi_out, const int round_bf16) {
+    (void)round_bf16;
     int64_t a = window > 0 ? qpos - window + 1 - t0 : lo;
     a = a < lo ? lo : (a > hi ? hi : a);
     int64_t z = qpos - t0 + 1;
@@ -168,7 +221,10 @@ static inline __attribute__((always_inline)) float softmax_update16(
     __m512 sum = _mm512_setzero_ps();
     for (int t = lo; t < hi; t += 16) {
         const __mmask16 w = LANES(lo, hi, t);
-        const __m512 p = _mm512_maskz_mov_ps(LANES(vlo, vhi, t), exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(w, sr + t), mv)));
+        __m512 p = _mm512_maskz_mov_ps(LANES(vlo, vhi, t), exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(w, sr + t), mv)));
+#if defined(__AVX512BF16__)
+        if (round_bf16) p = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(p)); /* l sums what the values get */
+#endif
         _mm512_mask_storeu_ps(sr + t, w, p);
         sum = _mm512_add_ps(sum, p);
     }
@@ -183,7 +239,8 @@ static inline __attribute__((always_inline)) float softmax_update16(
 static inline __attribute__((always_inline)) void softmax_values(
     const void *vraw, const int dt, float *restrict s, float *restrict acc, float *restrict m,
     float *restrict l, const int64_t *restrict qpos, const int R, const int D, const int bs,
-    const int lo, const int hi, const int64_t t0, const int window, const char *vpf) {
+    const int lo, const int hi, const int64_t t0, const int window, const char *vpf,
+    const int dp) {
     const int RG = D <= 64 ? 4 : 2; /* rows whose accumulators fit in registers together */
     for (int r0 = 0; r0 < R; r0 += RG) {
         const int nr = R - r0 < RG ? R - r0 : RG;
@@ -193,7 +250,7 @@ static inline __attribute__((always_inline)) void softmax_values(
             const int r = r0 + g;
             float *restrict sr = s + r * bs;
             int vlo, vhi;
-            corr[g] = softmax_update16(sr, lo, hi, qpos[r], t0, window, &m[r], &l[r], &vlo, &vhi);
+            corr[g] = softmax_update16(sr, lo, hi, qpos[r], t0, window, &m[r], &l[r], &vlo, &vhi, dp);
             if (vhi <= vlo) vlo = vhi = lo;
             ulo = vlo < ulo && vhi > vlo ? vlo : ulo;
             uhi = vhi > uhi ? vhi : uhi;
@@ -205,7 +262,12 @@ static inline __attribute__((always_inline)) void softmax_values(
         }
         float *a0 = acc + r0 * D;
         const float *s0 = s + r0 * bs;
+#if defined(__AVX512BF16__)
+#define VB(NR) dp ? values_rows_dp((const uint16_t *)vraw, s0, a0, corr, NR, D, bs, ulo, uhi, r0 == 0 ? vpf : NULL) \
+                  : values_rows(vraw, dt, s0, a0, corr, NR, D, bs, ulo, uhi, r0 == 0 ? vpf : NULL)
+#else
 #define VB(NR) values_rows(vraw, dt, s0, a0, corr, NR, D, bs, ulo, uhi, r0 == 0 ? vpf : NULL)
+#endif
         if (nr == 4) VB(4); else if (nr == 3) VB(3); else if (nr == 2) VB(2); else VB(1);
 #undef VB
     }
@@ -295,7 +357,7 @@ static inline __attribute__((always_inline)) void attend_block_avx512(
             sr[t] = _mm512_reduce_add_ps(a);
         }
     }
-    softmax_values(vraw, dt, s, acc, m, l, qpos, R, D, bs, lo, hi, t0, window, vpf);
+    softmax_values(vraw, dt, s, acc, m, l, qpos, R, D, bs, lo, hi, t0, window, vpf, 0);
 }
 #define HAVE_AVX512_PATH 1
 #endif
@@ -349,7 +411,7 @@ static inline __attribute__((always_inline)) void attend_block_bf16(
     const int window, const float scale, const char *kpf, const char *vpf) {
     for (int r = 0; r < R; r++)
         scores_bf16(qb + r * D, kraw, s + r * bs, D, lo, hi, scale, r == 0 ? kpf : NULL);
-    softmax_values(vraw, DT_BF16, s, acc, m, l, qpos, R, D, bs, lo, hi, t0, window, vpf);
+    softmax_values(vraw, DT_BF16, s, acc, m, l, qpos, R, D, bs, lo, hi, t0, window, vpf, 1);
 }
 #define HAVE_BF16_PATH 1
 #endif
@@ -479,7 +541,7 @@ int kvserve_paged_attention(const void *q, const void *k_cache, const void *v_ca
     int use_bf16 = 0;
 #ifdef HAVE_BF16_PATH
     /* bf16 dot products need the queries exactly in bf16: only a bf16 model's queries are. */
-    use_bf16 = dtype == DT_BF16 && q_dtype == DT_BF16 && (D == 64 || D == 128);
+    use_bf16 = dtype == DT_BF16 && q_dtype == DT_BF16 && (D == 64 || D == 128) && bs <= 256;
 #endif
     /* Task list: (sequence, tile of queries, group of HG KV heads). A task walks its blocks
      * once for all its heads, so it reads one contiguous run of HG * block_size rows per block
