@@ -140,9 +140,9 @@ static inline __attribute__((always_inline)) void values_rows(
 /* values_rows for a bf16 cache on bf16 dot products: the weights (already rounded to bf16 by
  * softmax_update16) go in pairs of keys, and each two cached value rows are interleaved in
  * registers (one permute per 16 dims) into the [dim][key pair] layout `vdpbf16ps` takes, so a
- * row's 64 dims cost 2 dot products per key where the float32 pass took 4 conversions and 4
- * FMAs; the rounding of the weights is the one SDPA's bf16 path and the prefill kernel's
- * dot-product path make. */
+ * row's 64 dims cost 2 dot products per key where the float32 pass took 4 FMAs (and 4
+ * conversions per key, shared by the rows); the rounding of the weights is the one SDPA's
+ * bf16 path and the prefill kernel's dot-product path make. */
 static inline __attribute__((always_inline)) void values_rows_dp(
     const uint16_t *restrict vraw, const float *restrict s, float *restrict acc,
     const float *restrict corr, const int NR, const int D, const int bs, const int lo,
@@ -190,8 +190,8 @@ static inline __attribute__((always_inline)) void values_rows_dp(
 
 /* softmax_update on 16 lanes at a time, with exp16 in place of glibc's expf: every score of
  * [lo, hi) is written, the hidden ones as 0, so the values pass can read the whole range.
- * (The scalar loops, a libm call per 16 scores and the remainder one by one, took about as
- * long as a row's dot products and value products for the block.) */
+ * (The scalar loops, a libm call per 16 scores and the remainder one by one, were a
+ * measurable part of the bf16 path, whose dot products take a few instructions per key.) */
 static inline __attribute__((always_inline)) float softmax_update16(
     float *restrict sr, const int lo, const int hi, const int64_t qpos, const int64_t t0,
     const int window, float *m, float *l, int *vlo_out, int *vhi_out, const int round_bf16) {
