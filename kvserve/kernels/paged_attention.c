@@ -42,6 +42,21 @@ static inline const float *load_rows(const void *base, int64_t idx, int n, int D
     return tmp;
 }
 
+/* The keys [*vlo, *vhi) of a block's [lo, hi) that a query at cache index qpos sees (causal,
+ * and inside the sliding window; window 0 = unbounded); t0 is the block's first index. */
+static inline __attribute__((always_inline)) void visible_keys(const int lo, const int hi,
+                                                               const int64_t qpos,
+                                                               const int64_t t0,
+                                                               const int window, int *vlo,
+                                                               int *vhi) {
+    int64_t a = window > 0 ? qpos - window + 1 - t0 : lo;
+    a = a < lo ? lo : (a > hi ? hi : a);
+    int64_t z = qpos - t0 + 1;
+    z = z > hi ? hi : (z < a ? a : z);
+    *vlo = (int)a;
+    *vhi = (int)z;
+}
+
 /* Online-softmax step for one query row over one block: the keys it may see are
  * [vlo, vhi) (causal, and inside the sliding window); their scores in sr become exp weights
  * relative to the new running max *m; *l is rescaled and accumulated. Returns the factor the
@@ -49,13 +64,8 @@ static inline const float *load_rows(const void *base, int64_t idx, int n, int D
 static inline __attribute__((always_inline)) float softmax_update(
     float *restrict sr, const int lo, const int hi, const int64_t qpos, const int64_t t0,
     const int window, float *m, float *l, int *vlo_out, int *vhi_out) {
-    int64_t a = window > 0 ? qpos - window + 1 - t0 : lo;
-    a = a < lo ? lo : (a > hi ? hi : a);
-    int64_t z = qpos - t0 + 1;
-    z = z > hi ? hi : (z < a ? a : z);
-    const int vlo = (int)a, vhi = (int)z;
-    *vlo_out = vlo;
-    *vhi_out = vhi;
+    visible_keys(lo, hi, qpos, t0, window, vlo_out, vhi_out);
+    const int vlo = *vlo_out, vhi = *vhi_out;
     if (vhi <= vlo) return 1.f;
     float mx = *m;
     for (int t = vlo; t < vhi; t++) mx = sr[t] > mx ? sr[t] : mx;
@@ -196,13 +206,8 @@ static inline __attribute__((always_inline)) float softmax_update16(
     float *restrict sr, const int lo, const int hi, const int64_t qpos, const int64_t t0,
     const int window, float *m, float *l, int *vlo_out, int *vhi_out, const int round_bf16) {
     (void)round_bf16;
-    int64_t a = window > 0 ? qpos - window + 1 - t0 : lo;
-    a = a < lo ? lo : (a > hi ? hi : a);
-    int64_t z = qpos - t0 + 1;
-    z = z > hi ? hi : (z < a ? a : z);
-    const int vlo = (int)a, vhi = (int)z;
-    *vlo_out = vlo;
-    *vhi_out = vhi;
+    visible_keys(lo, hi, qpos, t0, window, vlo_out, vhi_out);
+    const int vlo = *vlo_out, vhi = *vhi_out;
     /* lanes of the chunk at t: those in [lo, hi) (written) and those in [vlo, vhi) (seen) */
 #define LANES(from, to, t) ((__mmask16)(((to) <= (t) ? 0u : (to) >= (t) + 16 ? 0xffffu : (1u << ((to) - (t))) - 1u) \
                                       & ~((from) <= (t) ? 0u : (from) >= (t) + 16 ? 0xffffu : (1u << ((from) - (t))) - 1u)))
@@ -505,13 +510,11 @@ static void add_votes(float *vote, int64_t vs, const void *k_cache, const int64_
                         sr[t] = dot;
                     }
                 }
-                int64_t a = window > 0 ? qpos[r] - window + 1 - t0 : lo;
-                a = a < lo ? lo : (a > hi ? hi : a);
-                int64_t z = qpos[r] - t0 + 1;
-                z = z > hi ? hi : (z < a ? a : z);
+                int a, z;
+                visible_keys(lo, hi, qpos[r], t0, window, &a, &z);
                 if (l[r] <= 0.f) continue;
                 const float inv = 1.f / l[r], mr = m[r];
-                for (int64_t t = a; t < z; t++) sums[t] += expf(sr[t] - mr) * inv;
+                for (int t = a; t < z; t++) sums[t] += expf(sr[t] - mr) * inv;
             }
             if (shared) { /* other tasks (query tiles of the sequence) add to these keys too */
                 for (int t = lo; t < hi; t++) {
