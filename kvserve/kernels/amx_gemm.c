@@ -12,8 +12,10 @@
  * gate/up pair of SwiGLU, taking silu(gate) * up, so an MLP's intermediate is written once.
  * Thread t owns a contiguous share of the columns; with few rows (decode) each column block's
  * weights serve every row block before the next is read, with many (prefill) a row block
- * serves every column block of the thread. The epilogue of one micro-step runs after the
- * next one's tile products (tile stores land before the vector loads that read them).
+ * serves every column block of the thread, its A tiles held in L1: the weights, by then in L2,
+ * load with the streaming hint so as not to evict them, and a K longer than L1 holds is taken
+ * in chunks (rows_in_k_chunks). The epilogue of one micro-step runs after the next one's tile
+ * products (tile stores land before the vector loads that read them).
  *
  * Why not oneDNN: in a whole forward pass (cold weights, one layer after another) oneDNN's
  * bf16 matmuls with prepacked weights ran 1.3-2.3x slower than these on a 2-core AMX Xeon, the
@@ -68,24 +70,46 @@ void kvserve_amx_unpack(const uint16_t *wp, int64_t N, int64_t K, uint16_t *w) {
 
 int kvserve_amx_available(void) { return amx_permitted(); }
 
-/* 32 rows (a0: rows 0-15, a1: rows 16-31, lda apart) x two 16-column B panels b0, b1 over
- * nkb K blocks, into cb[32][32] float32. */
+/* How block32 reads: FROM_L2, the weights are already in L2 (prefill: a row block serves every
+ * column block of the thread): B tiles load with the streaming hint, so that they do not evict
+ * the row block's A tiles from L1 (where they are read again for the next column block), and
+ * need no prefetch. ACCUMULATE: add onto the partial sums in cb instead of starting from zero. */
+enum { FROM_L2 = 1, ACCUMULATE = 2 };
+
+/* A K chunk of at most this many 32-wide blocks keeps a row block's A tiles (32 rows x 32 x
+ * KCHUNK bf16, 36 KiB) inside a 48 KiB L1 beside the B tiles passing through it. */
+#define KCHUNK 18
+
+/* 32 rows (a0: rows 0-15, a1: rows 16-31, as tiles) x two 16-column B panels b0, b1 over
+ * nkb K blocks, into cb[32][32] float32 (see FROM_L2, ACCUMULATE for mode). */
 static inline __attribute__((always_inline)) void block32(const uint16_t *a0, const uint16_t *a1,
                                                           const uint16_t *b0, const uint16_t *b1,
-                                                          int64_t nkb, float *cb) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+                                                          int64_t nkb, float *cb, int mode) {
+    if (mode & ACCUMULATE) {
+        _tile_loadd(0, cb, 128);
+        _tile_loadd(1, cb + 16, 128);
+        _tile_loadd(2, cb + 512, 128);
+        _tile_loadd(3, cb + 528, 128);
+    } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    }
     for (int64_t kb = 0; kb < nkb; kb++) {
-        for (int l = 0; l < 1024; l += 64) { /* the weights stream from memory: ahead */
-            _mm_prefetch((const char *)(b0 + (kb + 2) * 512) + l, _MM_HINT_T0);
-            _mm_prefetch((const char *)(b1 + (kb + 2) * 512) + l, _MM_HINT_T0);
-        }
         _tile_loadd(4, a0 + kb * 512, 64);
         _tile_loadd(5, a1 + kb * 512, 64);
-        _tile_loadd(6, b0 + kb * 512, 64);
-        _tile_loadd(7, b1 + kb * 512, 64);
+        if (mode & FROM_L2) {
+            _tile_stream_loadd(6, b0 + kb * 512, 64);
+            _tile_stream_loadd(7, b1 + kb * 512, 64);
+        } else {
+            for (int l = 0; l < 1024; l += 64) { /* the weights stream from memory: ahead */
+                _mm_prefetch((const char *)(b0 + (kb + 2) * 512) + l, _MM_HINT_T0);
+                _mm_prefetch((const char *)(b1 + (kb + 2) * 512) + l, _MM_HINT_T0);
+            }
+            _tile_loadd(6, b0 + kb * 512, 64);
+            _tile_loadd(7, b1 + kb * 512, 64);
+        }
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         _tile_dpbf16ps(2, 5, 6);
@@ -95,6 +119,83 @@ static inline __attribute__((always_inline)) void block32(const uint16_t *a0, co
     _tile_stored(1, cb + 16, 128);
     _tile_stored(2, cb + 512, 128);
     _tile_stored(3, cb + 528, 128);
+}
+
+/* Row block mb's 32 x 32 outputs of column block nb, from the float32 sums c (and u, the up
+ * projection's, for EPI_SWIGLU). */
+static inline __attribute__((always_inline)) void epilogue32(
+    const float *c, const float *u, int rows, int epilogue, const uint16_t *aux, int64_t ldaux,
+    const float *bias, uint16_t *y, int64_t ldy, int64_t mb, int64_t nb) {
+    for (int i = 0; i < rows; i++)
+        for (int h = 0; h < 2; h++)
+            store_epilogue16(_mm512_load_ps(c + i * 32 + 16 * h), u + i * 32 + 16 * h, epilogue,
+                             aux, ldaux, bias, y, ldy, mb * 32 + i, nb * 32 + 16 * h);
+}
+
+/* Every (row block, column block) item of the thread over all of K, in a software pipeline:
+ * the tiles of item i run before the epilogue of item i - 1 reads its stored accumulators, so a
+ * vector load never waits on a tile store that has only just been issued. cols_outer (few row
+ * blocks, decode): each column block's weights are read once from memory and serve every row
+ * block from L1; else (prefill) a row block stays in L1 while the thread's columns pass from
+ * its L2. */
+static void pipeline(const uint16_t *ap, int64_t nmb, int64_t mtail, int64_t nkb,
+                     const uint16_t *wp, const uint16_t *wp2, int64_t nb_lo, int64_t nb_hi,
+                     int cols_outer, int epilogue, const float *bias, const uint16_t *aux,
+                     int64_t ldaux, uint16_t *y, int64_t ldy) {
+    float cb[2][32 * 32] __attribute__((aligned(64)));
+    float cu[2][32 * 32] __attribute__((aligned(64)));
+    const int64_t n_outer = cols_outer ? nb_hi - nb_lo : nmb;
+    const int64_t n_inner = cols_outer ? nmb : nb_hi - nb_lo;
+    const int64_t items = n_outer * n_inner;
+    const int mode = cols_outer ? 0 : FROM_L2;
+    for (int64_t it = 0; it <= items; it++) {
+        if (it < items) {
+            const int64_t o = it / n_inner, in = it % n_inner;
+            const int64_t mb = cols_outer ? in : o, nb = nb_lo + (cols_outer ? o : in);
+            const uint16_t *a0 = ap + mb * 2 * nkb * 512, *a1 = a0 + nkb * 512;
+            const uint16_t *b0 = wp + (2 * nb) * nkb * 512, *b1 = b0 + nkb * 512;
+            block32(a0, a1, b0, b1, nkb, cb[it & 1], mode);
+            if (epilogue == EPI_SWIGLU) {
+                const uint16_t *u0 = wp2 + (2 * nb) * nkb * 512, *u1 = u0 + nkb * 512;
+                block32(a0, a1, u0, u1, nkb, cu[it & 1], mode);
+            }
+        }
+        if (it == 0) continue;
+        const int64_t p = it - 1, o = p / n_inner, in = p % n_inner;
+        const int64_t mb = cols_outer ? in : o, nb = nb_lo + (cols_outer ? o : in);
+        const int rows = mtail && mb == nmb - 1 ? (int)mtail : 32;
+        epilogue32(cb[p & 1], cu[p & 1], rows, epilogue, aux, ldaux, bias, y, ldy, mb, nb);
+    }
+}
+
+/* Prefill with K over KCHUNK blocks (SwiGLU's down projection): for each row block, K in chunks
+ * whose A tiles stay in L1 while the thread's columns pass, the partial sums of every column
+ * block kept in part (float32 [2][nnb][32][32]: the second half for EPI_SWIGLU's up
+ * projection), the epilogue once the last chunk is in. */
+static void rows_in_k_chunks(const uint16_t *ap, int64_t nmb, int64_t mtail, int64_t nkb,
+                             const uint16_t *wp, const uint16_t *wp2, int64_t nnb, int64_t nb_lo,
+                             int64_t nb_hi, float *part, int epilogue, const float *bias,
+                             const uint16_t *aux, int64_t ldaux, uint16_t *y, int64_t ldy) {
+    const int64_t chunks = (nkb + KCHUNK - 1) / KCHUNK, step = (nkb + chunks - 1) / chunks;
+    for (int64_t mb = 0; mb < nmb; mb++) {
+        const uint16_t *a0 = ap + mb * 2 * nkb * 512, *a1 = a0 + nkb * 512;
+        for (int64_t kc = 0; kc < nkb; kc += step) {
+            const int64_t kn = nkb - kc < step ? nkb - kc : step, off = kc * 512;
+            const int mode = FROM_L2 | (kc ? ACCUMULATE : 0);
+            for (int64_t nb = nb_lo; nb < nb_hi; nb++) {
+                const uint16_t *b0 = wp + 2 * nb * nkb * 512 + off, *b1 = b0 + nkb * 512;
+                block32(a0 + off, a1 + off, b0, b1, kn, part + nb * 1024, mode);
+                if (epilogue == EPI_SWIGLU) {
+                    const uint16_t *u0 = wp2 + 2 * nb * nkb * 512 + off, *u1 = u0 + nkb * 512;
+                    block32(a0 + off, a1 + off, u0, u1, kn, part + (nnb + nb) * 1024, mode);
+                }
+            }
+        }
+        const int rows = mtail && mb == nmb - 1 ? (int)mtail : 32;
+        for (int64_t nb = nb_lo; nb < nb_hi; nb++)
+            epilogue32(part + nb * 1024, part + (nnb + nb) * 1024, rows, epilogue, aux, ldaux,
+                       bias, y, ldy, mb, nb);
+    }
 }
 
 /* y[M, N] (rows ldy apart) = epilogue(x W^T): EPI_NONE (+ bias, float32 [N], or NULL),
@@ -110,7 +211,13 @@ int kvserve_amx_linear(const uint16_t *x, int64_t lda, int64_t M, int64_t K, con
     /* x as contiguous 16 x 32 tiles, [row block][half][kb][16][32] (a partial last block padded
      * with zeros): a tile load then reads one 1 KiB run instead of 16 rows far apart */
     uint16_t *ap = aligned_alloc(64, (size_t)nmb * 32 * K * 2);
-    if (!ap) return 2;
+    const int chunked = nmb > 4 && nkb > KCHUNK; /* see rows_in_k_chunks */
+    float *part = chunked ? aligned_alloc(64, (size_t)nnb * 2 * 1024 * sizeof(float)) : NULL;
+    if (!ap || (chunked && !part)) {
+        free(ap);
+        free(part);
+        return 2;
+    }
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t r = 0; r < nmb * 32; r++) {
         const int64_t mb = r / 32, half = (r % 32) / 16, i = r % 16;
@@ -134,47 +241,17 @@ int kvserve_amx_linear(const uint16_t *x, int64_t lda, int64_t M, int64_t K, con
             cfg.colsb[t] = 64;
         }
         _tile_loadconfig(&cfg);
-        float cb[2][32 * 32] __attribute__((aligned(64)));
-        float cu[2][32 * 32] __attribute__((aligned(64)));
-
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
         const int64_t nb_lo = nnb * t / T, nb_hi = nnb * (t + 1) / T;
-        /* Few row blocks (decode): each column block's weights are read once and serve every
-         * row block from L1. Many (prefill): a row block stays in L1 while the thread's
-         * columns stream from its L2. */
-        const int cols_outer = nmb <= 4;
-        const int64_t n_outer = cols_outer ? nb_hi - nb_lo : nmb;
-        const int64_t n_inner = cols_outer ? nmb : nb_hi - nb_lo;
-        const int64_t items = n_outer * n_inner;
-        /* A software pipeline over (row block, column block) items: the tiles of item i run
-         * before the epilogue of item i - 1 reads its stored accumulators, so a vector load
-         * never waits on a tile store that has only just been issued. */
-        for (int64_t it = 0; it <= items; it++) {
-            if (it < items) {
-                const int64_t o = it / n_inner, in = it % n_inner;
-                const int64_t mb = cols_outer ? in : o, nb = nb_lo + (cols_outer ? o : in);
-                const uint16_t *a0 = ap + mb * 2 * nkb * 512, *a1 = a0 + nkb * 512;
-                const uint16_t *b0 = wp + (2 * nb) * nkb * 512, *b1 = b0 + nkb * 512;
-                block32(a0, a1, b0, b1, nkb, cb[it & 1]);
-                if (epilogue == EPI_SWIGLU) {
-                    const uint16_t *u0 = wp2 + (2 * nb) * nkb * 512, *u1 = u0 + nkb * 512;
-                    block32(a0, a1, u0, u1, nkb, cu[it & 1]);
-                }
-            }
-            if (it == 0) continue;
-            const int64_t p = it - 1, o = p / n_inner, in = p % n_inner;
-            const int64_t mb = cols_outer ? in : o, nb = nb_lo + (cols_outer ? o : in);
-            const int rows = mtail && mb == nmb - 1 ? (int)mtail : 32;
-            const float *c = cb[p & 1], *u = cu[p & 1];
-            for (int i = 0; i < rows; i++)
-                for (int h = 0; h < 2; h++)
-                    store_epilogue16(_mm512_load_ps(c + i * 32 + 16 * h), u + i * 32 + 16 * h,
-                                     epilogue, aux, ldaux, bias, y, ldy, mb * 32 + i,
-                                     nb * 32 + 16 * h);
-        }
+        if (chunked)
+            rows_in_k_chunks(ap, nmb, mtail, nkb, wp, wp2, nnb, nb_lo, nb_hi, part, epilogue,
+                             bias, aux, ldaux, y, ldy);
+        else
+            pipeline(ap, nmb, mtail, nkb, wp, wp2, nb_lo, nb_hi, nmb <= 4, epilogue, bias, aux,
+                     ldaux, y, ldy);
         _tile_release();
-
     }
+    free(part);
     free(ap);
     return 0;
 }
