@@ -7,8 +7,7 @@
  *   wp[nb][kb][r][c][2] = W[16 nb + c][32 kb + 2 r + {0,1}]   (one 1 KiB B tile per 16 x 32)
  * x is first copied into contiguous 16 x 32 tiles (a partial last block of rows padded with
  * zeros). A micro-step is 32 rows x 32 columns: four float32 accumulator tiles, two A and two
- * B tiles, with the weights prefetched two K steps ahead (they stream from memory at decode
- * sizes). Its epilogue rounds to bf16 once, after adding a bias, adding a residual, or, for the
+ * B tiles (the weights stream from memory at decode sizes; see PREFETCH). Its epilogue rounds to bf16 once, after adding a bias, adding a residual, or, for the
  * gate/up pair of SwiGLU, taking silu(gate) * up, so an MLP's intermediate is written once.
  * Thread t owns a contiguous share of the columns; with few rows (decode) each column block's
  * weights serve every row block before the next is read, with many (prefill) a row block
@@ -70,11 +69,14 @@ void kvserve_amx_unpack(const uint16_t *wp, int64_t N, int64_t K, uint16_t *w) {
 
 int kvserve_amx_available(void) { return amx_permitted(); }
 
-/* How block32 reads: FROM_L2, the weights are already in L2 (prefill: a row block serves every
+/* How block32 reads. FROM_L2: the weights are already in L2 (prefill: a row block serves every
  * column block of the thread): B tiles load with the streaming hint, so that they do not evict
- * the row block's A tiles from L1 (where they are read again for the next column block), and
- * need no prefetch. ACCUMULATE: add onto the partial sums in cb instead of starting from zero. */
-enum { FROM_L2 = 1, ACCUMULATE = 2 };
+ * the row block's A tiles from L1 (where they are read again for the next column block).
+ * PREFETCH: the weights stream from memory for a single row block, fetched two K steps ahead
+ * (with two or more row blocks the hardware prefetcher alone kept up better: the second block's
+ * pass re-reads the weights from L1, and prefetching the next ones evicted them). ACCUMULATE:
+ * add onto the partial sums in cb instead of starting from zero. */
+enum { FROM_L2 = 1, ACCUMULATE = 2, PREFETCH = 4 };
 
 /* A K chunk of at most this many 32-wide blocks keeps a row block's A tiles (32 rows x 32 x
  * KCHUNK bf16, 36 KiB) inside a 48 KiB L1 beside the B tiles passing through it. */
@@ -103,10 +105,11 @@ static inline __attribute__((always_inline)) void block32(const uint16_t *a0, co
             _tile_stream_loadd(6, b0 + kb * 512, 64);
             _tile_stream_loadd(7, b1 + kb * 512, 64);
         } else {
-            for (int l = 0; l < 1024; l += 64) { /* the weights stream from memory: ahead */
-                _mm_prefetch((const char *)(b0 + (kb + 2) * 512) + l, _MM_HINT_T0);
-                _mm_prefetch((const char *)(b1 + (kb + 2) * 512) + l, _MM_HINT_T0);
-            }
+            if (mode & PREFETCH)
+                for (int l = 0; l < 1024; l += 64) {
+                    _mm_prefetch((const char *)(b0 + (kb + 2) * 512) + l, _MM_HINT_T0);
+                    _mm_prefetch((const char *)(b1 + (kb + 2) * 512) + l, _MM_HINT_T0);
+                }
             _tile_loadd(6, b0 + kb * 512, 64);
             _tile_loadd(7, b1 + kb * 512, 64);
         }
@@ -147,7 +150,7 @@ static void pipeline(const uint16_t *ap, int64_t nmb, int64_t mtail, int64_t nkb
     const int64_t n_outer = cols_outer ? nb_hi - nb_lo : nmb;
     const int64_t n_inner = cols_outer ? nmb : nb_hi - nb_lo;
     const int64_t items = n_outer * n_inner;
-    const int mode = cols_outer ? 0 : FROM_L2;
+    const int mode = !cols_outer ? FROM_L2 : nmb == 1 ? PREFETCH : 0;
     for (int64_t it = 0; it <= items; it++) {
         if (it < items) {
             const int64_t o = it / n_inner, in = it % n_inner;
