@@ -7,8 +7,9 @@
  *   wp[nb][kb][r][c][2] = W[16 nb + c][32 kb + 2 r + {0,1}]   (one 1 KiB B tile per 16 x 32)
  * x is first copied into contiguous 16 x 32 tiles (a partial last block of rows padded with
  * zeros). A micro-step is 32 rows x 32 columns: four float32 accumulator tiles, two A and two
- * B tiles (the weights stream from memory at decode sizes; see PREFETCH). Its epilogue rounds to bf16 once, after adding a bias, adding a residual, or, for the
- * gate/up pair of SwiGLU, taking silu(gate) * up, so an MLP's intermediate is written once.
+ * B tiles (the weights stream from memory at decode sizes; see PREFETCH). Its epilogue rounds
+ * to bf16 once, after adding a bias, adding a residual, or, for the gate/up pair of SwiGLU,
+ * taking silu(gate) * up, so an MLP's intermediate is written once.
  * Thread t owns a contiguous share of the columns; with few rows (decode) each column block's
  * weights serve every row block before the next is read, with many (prefill) a row block
  * serves every column block of the thread, its A tiles held in L1: the weights, by then in L2,
@@ -75,9 +76,9 @@ int kvserve_amx_available(void) { return amx_permitted(); }
  * column block of the thread): B tiles load with the streaming hint, so that they do not evict
  * the row block's A tiles from L1 (where they are read again for the next column block).
  * PREFETCH: the weights stream from memory for a single row block, fetched two K steps ahead
- * (with two or more row blocks the hardware prefetcher alone kept up better: the second block's
- * pass re-reads the weights from L1, and prefetching the next ones evicted them). ACCUMULATE:
- * add onto the partial sums in cb instead of starting from zero. */
+ * (with two to four row blocks the hardware prefetcher alone measured faster; the second
+ * block's pass re-reads the weights from L1, which T0 prefetches of the next ones may evict).
+ * ACCUMULATE: add onto the partial sums in cb instead of starting from zero. */
 enum { FROM_L2 = 1, ACCUMULATE = 2, PREFETCH = 4 };
 
 /* A K chunk of at most this many 32-wide blocks keeps a row block's A tiles (32 rows x 32 x
@@ -85,7 +86,7 @@ enum { FROM_L2 = 1, ACCUMULATE = 2, PREFETCH = 4 };
 #define KCHUNK 18
 
 /* 32 rows (a0: rows 0-15, a1: rows 16-31, as tiles) x two 16-column B panels b0, b1 over
- * nkb K blocks, into cb[32][32] float32 (see FROM_L2, ACCUMULATE for mode). */
+ * nkb K blocks, into cb[32][32] float32; mode: FROM_L2, PREFETCH, ACCUMULATE (above). */
 static inline __attribute__((always_inline)) void block32(const uint16_t *a0, const uint16_t *a1,
                                                           const uint16_t *b0, const uint16_t *b1,
                                                           int64_t nkb, float *cb, int mode) {
