@@ -217,7 +217,8 @@ int kvserve_amx_linear(const uint16_t *x, int64_t lda, int64_t M, int64_t K, con
     /* x as contiguous 16 x 32 tiles, [row block][half][kb][16][32] (a partial last block padded
      * with zeros): a tile load then reads one 1 KiB run instead of 16 rows far apart */
     uint16_t *ap = aligned_alloc(64, (size_t)nmb * 32 * K * 2);
-    const int chunked = nmb > 4 && nkb > KCHUNK; /* see rows_in_k_chunks */
+    const int prefill = nmb > 4; /* else few row blocks: each column block's weights serve all */
+    const int chunked = prefill && nkb > KCHUNK; /* see rows_in_k_chunks */
     float *part = chunked ? aligned_alloc(64, (size_t)nnb * 2 * 1024 * sizeof(float)) : NULL;
     if (!ap || (chunked && !part)) {
         free(ap);
@@ -253,7 +254,7 @@ int kvserve_amx_linear(const uint16_t *x, int64_t lda, int64_t M, int64_t K, con
             rows_in_k_chunks(ap, nmb, mtail, nkb, wp, wp2, nnb, nb_lo, nb_hi, part, epilogue,
                              bias, aux, ldaux, y, ldy);
         else
-            pipeline(ap, nmb, mtail, nkb, wp, wp2, nb_lo, nb_hi, nmb <= 4, epilogue, bias, aux,
+            pipeline(ap, nmb, mtail, nkb, wp, wp2, nb_lo, nb_hi, !prefill, epilogue, bias, aux,
                      ldaux, y, ldy);
         _tile_release();
     }

@@ -56,12 +56,21 @@ static inline __attribute__((always_inline)) __m512 load16(const void *base, int
     return _mm512_cvtph_ps(h);
 }
 
-/* float32 -> bf16, round to nearest even (NaN-free inputs), 16 lanes. */
-static inline __m256i to_bf16(__m512 x) {
+/* 16 float32 lanes rounded to bf16 as f32_to_bf16 does (nearest even, NaN kept and quieted:
+ * the rounding add alone could carry a NaN into an infinity or a zero); the bf16 is each
+ * lane's upper half, the lower half is left over from the rounding. */
+static inline __m512i bf16_rounded_bits(__m512 x) {
     const __m512i u = _mm512_castps_si512(x);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    return _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));
+}
+
+/* float32 -> bf16, 16 lanes, bit for bit f32_to_bf16. */
+static inline __m256i to_bf16(__m512 x) {
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rounded_bits(x), 16));
 }
 
 /* exp(x) on 16 lanes, relative error ~2e-7; clamped to [-87, 88] (lanes below -87 give ~0,

@@ -45,27 +45,11 @@ static int threads_for(int64_t elements, int num_threads) {
 }
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
-/* bf16 rows on 16 lanes (the compiler's own loops over the scalar helpers ran on 8): values
- * widened to float32, and round_dt(x, DT_BF16) bit for bit, NaN quieted as f32_to_bf16 does. */
-INLINE __m512 bf16x16_load(const uint16_t *p) {
+/* round_dt(x, DT_BF16) on 16 lanes, kept as float32 (the compiler's own loops over the scalar
+ * helpers ran on 8). */
+INLINE __m512 round_bf16x16(__m512 x) {
     return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
-INLINE __m512 bf16x16_round(__m512 x) {
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));
-    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
-}
-
-INLINE void bf16x16_store(uint16_t *p, __m512 rounded) {
-    _mm256_storeu_si256((__m256i *)p,
-                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16)));
+        _mm512_and_si512(bf16_rounded_bits(x), _mm512_set1_epi32((int)0xffff0000u)));
 }
 
 /* rms_row for bf16 with dim % 16 == 0; the same products, sums in another order. */
@@ -73,14 +57,14 @@ INLINE void rms_row_bf16x16(const uint16_t *x, const uint16_t *w, uint16_t *out,
                             float eps) {
     __m512 acc = _mm512_setzero_ps();
     for (int j = 0; j < dim; j += 16) {
-        const __m512 v = bf16x16_load(x + j);
+        const __m512 v = load16(x, j, DT_BF16);
         acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
     }
     const float ss = _mm512_reduce_add_ps(acc);
     const __m512 inv = _mm512_set1_ps(1.f / sqrtf(ss / (float)dim + eps));
     for (int j = 0; j < dim; j += 16) {
-        const __m512 y = bf16x16_round(_mm512_mul_ps(bf16x16_load(x + j), inv));
-        bf16x16_store(out + j, bf16x16_round(_mm512_mul_ps(bf16x16_load(w + j), y)));
+        const __m512 y = round_bf16x16(_mm512_mul_ps(load16(x, j, DT_BF16), inv));
+        _mm256_storeu_si256((__m256i *)(out + j), to_bf16(_mm512_mul_ps(load16(w, j, DT_BF16), y)));
     }
 }
 #endif
@@ -131,15 +115,15 @@ INLINE void rotate_head(void *base, int64_t row, const float *c, const float *s,
     if (dt == DT_BF16 && half % 16 == 0) {
         uint16_t *x = (uint16_t *)base + row;
         for (int j = 0; j < half; j += 16) {
-            const __m512 a = bf16x16_load(x + j), b = bf16x16_load(x + j + half);
+            const __m512 a = load16(x, j, DT_BF16), b = load16(x, j + half, DT_BF16);
             const __m512 nb = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(b),
                                                                    _mm512_set1_epi32((int)0x80000000u)));
-            const __m512 lo = _mm512_add_ps(bf16x16_round(_mm512_mul_ps(a, _mm512_loadu_ps(c + j))),
-                                            bf16x16_round(_mm512_mul_ps(nb, _mm512_loadu_ps(s + j))));
-            const __m512 hi = _mm512_add_ps(bf16x16_round(_mm512_mul_ps(b, _mm512_loadu_ps(c + j + half))),
-                                            bf16x16_round(_mm512_mul_ps(a, _mm512_loadu_ps(s + j + half))));
-            bf16x16_store(x + j, bf16x16_round(lo));
-            bf16x16_store(x + j + half, bf16x16_round(hi));
+            const __m512 lo = _mm512_add_ps(round_bf16x16(_mm512_mul_ps(a, _mm512_loadu_ps(c + j))),
+                                            round_bf16x16(_mm512_mul_ps(nb, _mm512_loadu_ps(s + j))));
+            const __m512 hi = _mm512_add_ps(round_bf16x16(_mm512_mul_ps(b, _mm512_loadu_ps(c + j + half))),
+                                            round_bf16x16(_mm512_mul_ps(a, _mm512_loadu_ps(s + j + half))));
+            _mm256_storeu_si256((__m256i *)(x + j), to_bf16(lo));
+            _mm256_storeu_si256((__m256i *)(x + j + half), to_bf16(hi));
         }
         return;
     }
