@@ -152,11 +152,12 @@ static inline __attribute__((always_inline)) void values_rows(
  * registers (one permute per 16 dims) into the [dim][key pair] layout `vdpbf16ps` takes, so a
  * row's 64 dims cost 2 dot products per key where the float32 pass took 4 FMAs (and 4
  * conversions per key, shared by the rows); the rounding of the weights is the one SDPA's
- * bf16 path and the prefill kernel's dot-product path make. */
+ * bf16 path and the prefill kernel's dot-product path make. pf: a run of pfn lines to fetch
+ * into L2, two per key pair (see attend_block_bf16). */
 static inline __attribute__((always_inline)) void values_rows_dp(
     const uint16_t *restrict vraw, const float *restrict s, float *restrict acc,
     const float *restrict corr, const int NR, const int D, const int bs, const int lo,
-    const int hi, const char *pf) {
+    const int hi, const char *pf, const int pfn) {
     enum { MAXV = 8, MAXB = 256 };
     const int nv = D / 16;
     __m512 o[4][MAXV];
@@ -177,8 +178,8 @@ static inline __attribute__((always_inline)) void values_rows_dp(
     const __m512i ihi = _mm512_add_epi16(ilo, _mm512_set1_epi16(16));
     for (int t = lo; t < hi; t += 2) {
         __m512bh v[MAXV];
-        if (pf)
-            for (int b = 0; b < 2 * D * 2; b += 64) _mm_prefetch(pf + (int64_t)t * D * 2 + b, _MM_HINT_T1);
+        if (t - lo < pfn) _mm_prefetch(pf + (int64_t)(t - lo) * 64, _MM_HINT_T1);
+        if (t - lo + 1 < pfn) _mm_prefetch(pf + (int64_t)(t - lo + 1) * 64, _MM_HINT_T1);
         const uint16_t *r = vraw + (int64_t)t * D;
         for (int j = 0; j < D / 32; j++) {
             const __m512i a = _mm512_loadu_si512(r + 32 * j);
@@ -193,6 +194,7 @@ static inline __attribute__((always_inline)) void values_rows_dp(
             for (int j = 0; j < nv; j++) o[g][j] = _mm512_dpbf16_ps(o[g][j], pp, v[j]);
         }
     }
+    for (int k = hi - lo + ((hi - lo) & 1); k < pfn; k++) _mm_prefetch(pf + (int64_t)k * 64, _MM_HINT_T1);
     for (int g = 0; g < NR; g++)
         for (int j = 0; j < nv; j++) _mm512_storeu_ps(acc + g * D + 16 * j, o[g][j]);
 }
@@ -240,12 +242,13 @@ static inline __attribute__((always_inline)) float softmax_update16(
 }
 
 /* The online-softmax update of a block for the R rows of a task (their scores in s), then
- * the values pass, RG rows at a time. */
+ * the values pass, RG rows at a time. vpf: for the float32 pass, the next block's value rows;
+ * for the dot-product pass (dp), a run of pfn lines (see attend_block_bf16). */
 static inline __attribute__((always_inline)) void softmax_values(
     const void *vraw, const int dt, float *restrict s, float *restrict acc, float *restrict m,
     float *restrict l, const int64_t *restrict qpos, const int R, const int D, const int bs,
     const int lo, const int hi, const int64_t t0, const int window, const char *vpf,
-    const int dp) {
+    const int dp, const int pfn) {
     const int RG = D <= 64 ? 4 : 2; /* rows whose accumulators fit in registers together */
     for (int r0 = 0; r0 < R; r0 += RG) {
         const int nr = R - r0 < RG ? R - r0 : RG;
@@ -268,7 +271,7 @@ static inline __attribute__((always_inline)) void softmax_values(
         float *a0 = acc + r0 * D;
         const float *s0 = s + r0 * bs;
 #if defined(__AVX512BF16__)
-#define VB(NR) dp ? values_rows_dp((const uint16_t *)vraw, s0, a0, corr, NR, D, bs, ulo, uhi, r0 == 0 ? vpf : NULL) \
+#define VB(NR) dp ? values_rows_dp((const uint16_t *)vraw, s0, a0, corr, NR, D, bs, ulo, uhi, vpf, r0 == 0 ? pfn : 0) \
                   : values_rows(vraw, dt, s0, a0, corr, NR, D, bs, ulo, uhi, r0 == 0 ? vpf : NULL)
 #else
 #define VB(NR) values_rows(vraw, dt, s0, a0, corr, NR, D, bs, ulo, uhi, r0 == 0 ? vpf : NULL)
@@ -362,7 +365,7 @@ static inline __attribute__((always_inline)) void attend_block_avx512(
             sr[t] = _mm512_reduce_add_ps(a);
         }
     }
-    softmax_values(vraw, dt, s, acc, m, l, qpos, R, D, bs, lo, hi, t0, window, vpf, 0);
+    softmax_values(vraw, dt, s, acc, m, l, qpos, R, D, bs, lo, hi, t0, window, vpf, 0, 0);
 }
 #define HAVE_AVX512_PATH 1
 #endif
@@ -374,10 +377,11 @@ static inline __attribute__((always_inline)) void attend_block_avx512(
  * path); the value pass converts each cached row once and reuses it for RG query rows held in
  * registers (the G heads of a GQA group share every row). Profiling the float32 path on a
  * 2-core AMX Xeon showed it compute-bound at well under half the read bandwidth: the bf16 ->
- * float32 conversions of K and V, repeated for every query row, were most of its work. */
+ * float32 conversions of K and V, repeated for every query row, were most of its work.
+ * scores_bf16: one row's scores; pf, a run of pfn lines to fetch into L2, one per key. */
 static inline __attribute__((always_inline)) void scores_bf16(
     const uint16_t *restrict qb, const uint16_t *restrict kraw, float *restrict sr, const int D,
-    const int lo, const int hi, const float scale, const char *pf) {
+    const int lo, const int hi, const float scale, const char *pf, const int pfn) {
     enum { MAXQ = 4 }; /* up to D = 128 */
     const int nq = D / 32;
     __m512bh q[MAXQ];
@@ -386,13 +390,8 @@ static inline __attribute__((always_inline)) void scores_bf16(
     int t = lo;
     for (; t + 16 <= hi; t += 16) {
         __m512 a[16];
-        /* The next block's keys, a little at a time, while these are multiplied: into L2, as
-         * the float32 path does. Into L1, a whole block's lines at once filled the core's
-         * miss buffers and each prefetch waited (an EPYC's samples sat on them): the bf16
-         * kernel ran at ~15 GB/s on scattered blocks, ~23 into L2. */
-        if (pf)
-            for (int b = 0; b < 16 * D * 2; b += 64) _mm_prefetch(pf + (int64_t)t * D * 2 + b, _MM_HINT_T1);
         for (int i = 0; i < 16; i++) {
+            if (t - lo + i < pfn) _mm_prefetch(pf + (int64_t)(t - lo + i) * 64, _MM_HINT_T1);
             const uint16_t *kr = kraw + (int64_t)(t + i) * D;
             a[i] = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], (__m512bh)_mm512_loadu_si512(kr));
             for (int j = 1; j < nq; j++)
@@ -401,6 +400,7 @@ static inline __attribute__((always_inline)) void scores_bf16(
         _mm512_storeu_ps(sr + t, _mm512_mul_ps(hsum16(a), sc));
     }
     for (; t < hi; t++) {
+        if (t - lo < pfn) _mm_prefetch(pf + (int64_t)(t - lo) * 64, _MM_HINT_T1);
         const uint16_t *kr = kraw + (int64_t)t * D;
         __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], (__m512bh)_mm512_loadu_si512(kr));
         for (int j = 1; j < nq; j++)
@@ -409,14 +409,45 @@ static inline __attribute__((always_inline)) void scores_bf16(
     }
 }
 
+/* The next block's lines to prefetch while this one is worked on: n of its keys, then n of its
+ * values, handed out in runs (*i: the first not yet handed out); a run stays inside one of the
+ * two. Returns the run's first line and sets *cnt to its length (0 when none are left). */
+static inline __attribute__((always_inline)) const char *next_lines(const char *kpf,
+                                                                    const char *vpf, const int n,
+                                                                    int *i, const int len,
+                                                                    int *cnt) {
+    if (*i >= 2 * n) {
+        *cnt = 0;
+        return NULL;
+    }
+    const int in_k = *i < n;
+    const char *p = in_k ? kpf + (int64_t)*i * 64 : vpf + (int64_t)(*i - n) * 64;
+    const int room = (in_k ? n : 2 * n) - *i;
+    *cnt = len < room ? len : room;
+    *i += *cnt;
+    return p;
+}
+
 static inline __attribute__((always_inline)) void attend_block_bf16(
     const uint16_t *restrict qb, const uint16_t *kraw, const uint16_t *vraw, float *restrict s,
     float *restrict acc, float *restrict m, float *restrict l, const int64_t *restrict qpos,
     const int R, const int D, const int bs, const int lo, const int hi, const int64_t t0,
     const int window, const float scale, const char *kpf, const char *vpf) {
-    for (int r = 0; r < R; r++)
-        scores_bf16(qb + r * D, kraw, s + r * bs, D, lo, hi, scale, r == 0 ? kpf : NULL);
-    softmax_values(vraw, DT_BF16, s, acc, m, l, qpos, R, D, bs, lo, hi, t0, window, vpf, 1);
+    /* The next block (kpf/vpf; NULL: none) goes into L2 a line per key step of each row's
+     * scores and two per key pair of the values pass, the rest at the end: spread over the
+     * block's work. Issued a block's keys at a time, the prefetches filled the core's miss
+     * buffers and the loads of this block's rows, from L2, waited behind them: on a 2-core
+     * AMX Xeon the kernel's work and its memory traffic added up (BENCHMARKS.md, session 54).
+     * Into L1, a whole block at once stalled the same way on an EPYC. */
+    const int n = kpf ? bs * D * 2 / 64 : 0, w = hi - lo;
+    int i = 0, cnt;
+    for (int r = 0; r < R; r++) {
+        const char *p = next_lines(kpf, vpf, n, &i, w, &cnt);
+        scores_bf16(qb + r * D, kraw, s + r * bs, D, lo, hi, scale, p, cnt);
+    }
+    const char *p = next_lines(kpf, vpf, n, &i, w + (w & 1), &cnt);
+    softmax_values(vraw, DT_BF16, s, acc, m, l, qpos, R, D, bs, lo, hi, t0, window, p, 1, cnt);
+    while ((p = next_lines(kpf, vpf, n, &i, 1, &cnt)) != NULL) _mm_prefetch(p, _MM_HINT_T1);
 }
 #define HAVE_BF16_PATH 1
 #endif
@@ -498,7 +529,7 @@ static void add_votes(float *vote, int64_t vs, const void *k_cache, const int64_
 #ifdef HAVE_BF16_PATH
                 if (use_bf16) {
                     scores_bf16(qb + (int64_t)r * D, (const uint16_t *)k_cache + row0 * D, sr, D,
-                                lo, hi, scale, NULL);
+                                lo, hi, scale, NULL, 0);
                 } else
 #endif
                 {
