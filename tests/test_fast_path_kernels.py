@@ -1,5 +1,6 @@
 """The native RMSNorm and rotary kernels against the PyTorch reference modules in llama.py, the
-KV cache write against indexed assignment, and the fast-path benchmark's option checks."""
+KV cache write against indexed assignment, the rows' top-k against a stable sort, and the
+fast-path benchmark's option checks."""
 
 from __future__ import annotations
 
@@ -138,6 +139,47 @@ def test_fast_ops_norm_and_rotary_equal_reference_ops():
     norm = RMSNorm(256, 1e-6)
     x = torch.randn(40, 256)
     torch.testing.assert_close(fast.rms_norm(norm, x), ref.rms_norm(norm, x), rtol=1e-6, atol=1e-6)
+
+
+def _stable_top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The naive reference: a stable descending sort (equal values keep index order)."""
+    v, i = torch.sort(x, dim=-1, descending=True, stable=True)
+    return v[:, :k], i[:, :k]
+
+
+@pytest.mark.parametrize("cols", [1, 5, 16, 17, 100, 49152])
+def test_topk_rows_matches_a_stable_sort(cols):
+    g = torch.Generator().manual_seed(cols)
+    for x in (
+        torch.randn(9, cols, generator=g),
+        # many ties: the lower index must come first, as argmax picks
+        torch.randint(0, 4, (9, cols), generator=g).float(),
+        # a masked vocabulary: -inf everywhere but a few, and a row of nothing but -inf
+        torch.full((3, cols), float("-inf")).index_fill_(1, torch.arange(0, cols, 7), 2.0),
+        torch.full((2, cols), float("-inf")),
+    ):
+        for k in sorted({1, min(4, cols), min(16, cols)}):
+            got = pointwise.topk_rows(x, k)
+            assert got is not None
+            want = _stable_top(x, k)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (cols, k)
+
+
+def test_topk_rows_strided_rows_and_what_it_declines():
+    x = torch.randn(6, 80)
+    view = x[::2, 3:70]  # rows 160 apart, 67 wide
+    got = pointwise.topk_rows(view, 4)
+    assert got is not None
+    want = _stable_top(view, 4)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert pointwise.topk_rows(x, 0) is None
+    assert pointwise.topk_rows(x, pointwise.TOPK_MAX + 1) is None
+    assert pointwise.topk_rows(x[:, :3], 4) is None  # k > cols
+    assert pointwise.topk_rows(x.to(torch.bfloat16), 4) is None
+    assert pointwise.topk_rows(x.t(), 4) is None
+    nan = x.clone()
+    nan[4, 50] = float("nan")
+    assert pointwise.topk_rows(nan, 4) is None  # torch.topk decides where NaN goes
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
-/* Fused element-wise ops of a decoder layer: RMSNorm and rotary embedding (and the copy of a
- * step's K/V rows into the paged cache, at the end).
+/* Fused element-wise ops of a decoder layer: RMSNorm and rotary embedding (and, at the end,
+ * the copy of a step's K/V rows into the paged cache and the greedy sampler's top-k).
  *
  * In PyTorch each is a chain of separate ops (RMSNorm: to float, square, mean, rsqrt, scale,
  * round, weight; rotary: two gathers of cos/sin, their casts, a negated concatenation, two
@@ -196,4 +196,59 @@ int kvserve_kv_write(void *k_pool, void *v_pool, int64_t rows, int kv_heads, int
         }
     }
     return 0;
+}
+
+/* The k largest values of each row of x [rows, cols] (rows x_stride apart), largest first, and
+ * their column indices; among equal values the lower index first, as an argmax picks. The
+ * greedy sampler re-scores these candidates (RESCORE_TOPK): torch.topk took a few
+ * milliseconds per decode step over a 49,152-token vocabulary, for what is one read of the
+ * logits. Most of a row is only compared, 16 lanes at a time, with the k-th value so far.
+ * Returns 0; 1 (nothing to trust) if k is out of [1, min(cols, 16)] or a row holds a NaN
+ * (torch.topk's ordering of NaN is left to it). */
+int kvserve_topk_rows(const float *x, int64_t x_stride, int64_t rows, int64_t cols, int k,
+                      float *vals, int64_t *idx, int num_threads) {
+    enum { KMAX = 16 };
+    if (k < 1 || k > KMAX || k > cols) return 1;
+    int nan_seen = 0;
+#pragma omp parallel for num_threads(threads_for(rows * cols, num_threads)) schedule(static) reduction(| : nan_seen)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * x_stride;
+        float v[KMAX];
+        int64_t ix[KMAX];
+        int n = 0; /* entries so far, v descending, ties by index */
+        int nan_row = 0;
+/* Insert column j (all entries so far have lower indices: a tie stays behind them). */
+#define TOPK_INSERT(j)                                                  \
+    do {                                                                \
+        const float xv = row[j];                                        \
+        if (xv != xv) { nan_row = 1; break; }                           \
+        if (n == k && !(xv > v[k - 1])) break;                          \
+        int p = n < k ? n++ : k - 1;                                    \
+        while (p > 0 && xv > v[p - 1]) { v[p] = v[p - 1]; ix[p] = ix[p - 1]; p--; } \
+        v[p] = xv;                                                      \
+        ix[p] = (j);                                                    \
+    } while (0)
+        int64_t j = 0;
+        for (; j < k; j++) TOPK_INSERT(j);
+#if defined(__AVX512F__)
+        for (; j + 16 <= cols && !nan_row; j += 16) {
+            const __m512 c = _mm512_loadu_ps(row + j);
+            /* lanes above the k-th value, and NaN lanes (unordered), go to the scalar insert */
+            __mmask16 m = _mm512_cmp_ps_mask(c, _mm512_set1_ps(v[k - 1]), _CMP_NLE_UQ);
+            while (m) {
+                const int l = __builtin_ctz(m);
+                m &= m - 1;
+                TOPK_INSERT(j + l);
+            }
+        }
+#endif
+        for (; j < cols && !nan_row; j++) TOPK_INSERT(j);
+#undef TOPK_INSERT
+        nan_seen |= nan_row;
+        for (int i = 0; i < k; i++) {
+            vals[r * k + i] = v[i];
+            idx[r * k + i] = ix[i];
+        }
+    }
+    return nan_seen ? 1 : 0;
 }

@@ -1,10 +1,10 @@
-"""Fused RMSNorm, in-place rotary embedding and the KV cache write (``pointwise.c``), built on
-first use with the system C compiler and loaded with ctypes, like the attention kernels beside
-it.
+"""Fused RMSNorm, in-place rotary embedding, the KV cache write and the rows' top-k of the
+greedy sampler (``pointwise.c``), built on first use with the system C compiler and loaded
+with ctypes, like the attention kernels beside it.
 
-``RMSNorm.forward``, ``RotaryEmbedding.forward`` (kvserve/model/llama.py) and the dense
-storage's indexed assignment (kvserve/kv/storage.py) stay the references; tests compare. Each
-function returns None / False when it cannot take the input (no compiler,
+``RMSNorm.forward``, ``RotaryEmbedding.forward`` (kvserve/model/llama.py), the dense
+storage's indexed assignment (kvserve/kv/storage.py) and ``torch.topk`` stay the references;
+tests compare. Each function returns None / False when it cannot take the input (no compiler,
 ``KVSERVE_DISABLE_KERNELS=1``, a dtype or layout it does not handle), and the caller then runs
 the reference.
 """
@@ -34,6 +34,8 @@ def _declare(lib: ctypes.CDLL) -> None:
                                    _i, _i]  # fmt: skip
     lib.kvserve_kv_write.restype = _i
     lib.kvserve_kv_write.argtypes = [_p, _p, _i64, _i, _i, _i, _p, _i64, _p, _i64, _p, _i64, _i]
+    lib.kvserve_topk_rows.restype = _i
+    lib.kvserve_topk_rows.argtypes = [_p, _i64, _i64, _i64, _i, _p, _p, _i]
 
 
 _LIB = NativeLibrary(_SRC, _FLAGS, "fused RMSNorm / rotary / KV write", _declare)
@@ -130,3 +132,28 @@ def kv_write(
     if rc == 2:
         raise IndexError(f"KV write: a slot is outside [{-rows * bs}, {rows * bs})")
     return rc == 0
+
+
+TOPK_MAX = 16  # the kernel's per-row list
+
+
+def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The ``k`` largest values of each row of x [rows, cols] (float32), largest first, and
+    their indices (int64), the lower index first among equal values (as ``argmax``); None if
+    not handled (then ``torch.topk``): k outside [1, min(cols, TOPK_MAX)], another dtype or
+    layout, or a NaN in x."""
+    if (
+        x.dim() != 2
+        or not packed_rows(x, (torch.float32,))
+        or not 1 <= k <= min(x.shape[1], TOPK_MAX)
+    ):
+        return None
+    lib = _LIB.get()
+    if lib is None:
+        return None
+    rows, cols = x.shape
+    vals = torch.empty(rows, k, dtype=torch.float32)
+    idx = torch.empty(rows, k, dtype=torch.int64)
+    rc = lib.kvserve_topk_rows(x.data_ptr(), x.stride(0), rows, cols, k, vals.data_ptr(),
+                               idx.data_ptr(), torch.get_num_threads())  # fmt: skip
+    return (vals, idx) if rc == 0 else None
