@@ -177,6 +177,12 @@ int kvserve_rotary(void *q, int64_t q_stride, int q_heads, void *k, int64_t k_st
  * counting from the end as a PyTorch index does. PyTorch's indexed assignment of the same
  * rows costs tens of microseconds per call in index bookkeeping, per layer and step; this is
  * a few copies of head_dim values. Returns 2 (nothing written) if a slot is out of range. */
+/* Element offset, in a pool, of slot s's row for KV head h (n slots; s < 0 counts from n). */
+INLINE int64_t kv_row(int64_t s, int64_t n, int kv_heads, int block_size, int head_dim, int h) {
+    if (s < 0) s += n;
+    return ((s / block_size * kv_heads + h) * block_size + s % block_size) * head_dim;
+}
+
 int kvserve_kv_write(void *k_pool, void *v_pool, int64_t rows, int kv_heads, int block_size,
                      int head_dim, const int64_t *slots, int64_t tokens, const void *k,
                      int64_t k_stride, const void *v, int64_t v_stride, int elem_size) {
@@ -184,15 +190,26 @@ int kvserve_kv_write(void *k_pool, void *v_pool, int64_t rows, int kv_heads, int
     for (int64_t t = 0; t < tokens; t++)
         if (slots[t] < -n || slots[t] >= n) return 2;
     const size_t bytes = (size_t)head_dim * elem_size;
-    for (int64_t t = 0; t < tokens; t++) {
-        const int64_t s = slots[t] < 0 ? slots[t] + n : slots[t];
-        const int64_t blk = s / block_size, off = s % block_size;
+    /* A decode step's rows go to as many scattered blocks as it has sequences, and each copy
+     * waited on its own cache (and TLB) miss: the lines are requested for writing AHEAD
+     * tokens before their copy, so that the misses overlap. */
+    enum { AHEAD = 32 };
+    char *kp = k_pool, *vp = v_pool;
+    for (int64_t t = 0; t < tokens + AHEAD; t++) {
+        if (t < tokens)
+            for (int h = 0; h < kv_heads; h++) {
+                const int64_t dst = kv_row(slots[t], n, kv_heads, block_size, head_dim, h) * elem_size;
+                for (size_t b = 0; b < bytes; b += 64) {
+                    __builtin_prefetch(kp + dst + b, 1, 3);
+                    __builtin_prefetch(vp + dst + b, 1, 3);
+                }
+            }
+        const int64_t c = t - AHEAD; /* the token copied now */
+        if (c < 0) continue;
         for (int h = 0; h < kv_heads; h++) {
-            const int64_t dst = ((blk * kv_heads + h) * block_size + off) * head_dim;
-            const int64_t src_k = t * k_stride + (int64_t)h * head_dim;
-            const int64_t src_v = t * v_stride + (int64_t)h * head_dim;
-            memcpy((char *)k_pool + dst * elem_size, (const char *)k + src_k * elem_size, bytes);
-            memcpy((char *)v_pool + dst * elem_size, (const char *)v + src_v * elem_size, bytes);
+            const int64_t dst = kv_row(slots[c], n, kv_heads, block_size, head_dim, h) * elem_size;
+            memcpy(kp + dst, (const char *)k + (c * k_stride + (int64_t)h * head_dim) * elem_size, bytes);
+            memcpy(vp + dst, (const char *)v + (c * v_stride + (int64_t)h * head_dim) * elem_size, bytes);
         }
     }
     return 0;
