@@ -1,5 +1,6 @@
 """``--kv-cache-prefault``: every page of the KV pool is resident after start, nothing in it
-changes, and the engine's outputs are those of a lazily mapped pool.
+changes, and the engine's outputs are those of a lazily mapped pool. And pool tensors of a huge
+page or more sit on huge-page boundaries with the kernel's huge-page advice.
 
 Residency is read from the kernel (``mincore``), not from the engine: a pool that was only
 allocated has almost no resident pages (calloc maps zero pages on demand), a prefaulted one
@@ -16,7 +17,7 @@ import torch
 
 from kvserve.config import CacheConfig, ConfigError
 from kvserve.kv.formats import make_kv_storage
-from kvserve.kv.storage import PAGE_BYTES
+from kvserve.kv.storage import HUGE_PAGE_BYTES, PAGE_BYTES, zeros
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 _libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -48,6 +49,33 @@ def unmap(t: torch.Tensor) -> None:
 
 def pool_tensors(storage):  # noqa: ANN001, ANN201 - a KVStorage
     return [t for ts in storage.distinct_block_tensors().values() for t in ts]
+
+
+def vm_flags(address: int) -> list[str]:
+    """The kernel's VmFlags of the mapping holding ``address`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise LookupError(f"no mapping holds {address:#x}")
+
+
+def test_large_pool_tensors_are_huge_page_aligned_advised_and_lazy():
+    shape = (600, 4, 16, 64)  # 4.7 MiB of bf16
+    t = zeros(shape, torch.bfloat16, torch.device("cpu"))
+    assert t.shape == shape and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert t.data_ptr() % HUGE_PAGE_BYTES == 0
+    assert "hg" in vm_flags(t.data_ptr())  # MADV_HUGEPAGE, as the kernel records it
+    assert resident_fraction(t) < 0.01  # nothing taken before the first write
+    t[300] = 1.5
+    assert t.sum().item() == 1.5 * 4 * 16 * 64 and not t[:300].any() and not t[301:].any()
+    small = zeros((3, 4, 16, 64), torch.bfloat16, torch.device("cpu"))
+    assert small.shape == (3, 4, 16, 64) and not small.any()
 
 
 def test_page_stride_is_the_system_page_or_a_divisor_of_it():

@@ -17,6 +17,8 @@ is zero, so a masked read of it stays finite. Its bytes count as the format's fi
 
 from __future__ import annotations
 
+import math
+import mmap
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,16 +103,33 @@ class BlockPayload:
 
 
 PAGE_BYTES = 4096  # a stride that reaches every page: no kernel kvserve runs on has smaller ones
+HUGE_PAGE_BYTES = 2 << 20  # x86-64's transparent huge pages
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero tensor. On the CPU its memory comes from calloc (through NumPy), so the
     operating system hands out zero pages as they are first written instead of the engine
     writing every byte of a pool at start: a 1.5 GB pool costs milliseconds, not seconds, and
-    blocks that are never used never take memory."""
+    blocks that are never used never take memory.
+
+    On Linux, a tensor of a huge page or more is instead mapped at a huge-page boundary and
+    marked for transparent huge pages (``MADV_HUGEPAGE``; the kernel's default mode honours
+    only marked memory): decode attention and the KV write read and write every sequence's
+    blocks, scattered over the pool, each step, and with 4 KiB pages each block costs its own
+    TLB miss, a two-level page walk in a virtual machine. Memory is still taken as it is
+    first written, a huge page at a time."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = itemsize * math.prod(shape)
+    if nbytes >= HUGE_PAGE_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
+        # anonymous mappings are zero-filled; one huge page of slack for the alignment
+        m = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        base = np.frombuffer(m, np.uint8)
+        start = -base.ctypes.data % HUGE_PAGE_BYTES
+        m.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
+        raw = base[start : start + nbytes]  # keeps the mapping alive
+        return torch.from_numpy(raw).view(dtype).reshape(shape)
     raw = np.zeros((*shape[:-1], shape[-1] * itemsize) if shape else (itemsize,), np.uint8)
     return torch.from_numpy(raw).view(dtype).reshape(shape)
 
