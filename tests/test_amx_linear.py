@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve.kernels import amx
+from kvserve.kernels import amx, pointwise
 from kvserve.model.linear_ops import (
     KERNEL_WEIGHTS,
     AMXOps,
@@ -18,6 +18,7 @@ from kvserve.model.linear_ops import (
     linear_layers,
     select_ops,
 )
+from kvserve.model.llama import RMSNorm
 
 AMX = torch.cpu._is_amx_tile_supported()
 
@@ -128,6 +129,33 @@ def test_packed_linear_matches_float32_reference(kernel_mode, kernel, m, k, n):
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("m", [1, 7, 64, 300])
+@pytest.mark.parametrize("k, n", [(576, 960), (1216, 96)])
+def test_fused_rms_norm_is_the_norm_then_the_linear(kernel_mode, kernel, m, k, n):
+    """With ``norm`` the kernel normalises each row as it copies it in: bit for bit the native
+    RMSNorm followed by the plain kernel (a decode-sized, a prefill-sized and, at K 1,216, a
+    K-chunked step; strided rows), plain and SwiGLU; and within bf16 rounding of
+    RMSNorm.forward followed by the float32 product."""
+    kernel = kernel_mode(kernel)
+    g = torch.Generator().manual_seed(m + k)
+    x = (torch.randn(m, k + 32, generator=g) * 3).to(torch.bfloat16)[:, 16 : 16 + k]
+    nw = (1 + 0.2 * torch.randn(k, generator=g)).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=g) * k**-0.5).to(torch.bfloat16)
+    wu = (torch.randn(n, k, generator=g) * k**-0.5).to(torch.bfloat16)
+    wp, wup = amx.pack(w), amx.pack(wu)
+    normed = pointwise.rms_norm(x, nw, 1e-5)
+    for up in (None, wup):
+        fused = amx.linear(x, wp, up=up, kernel=kernel, norm=(nw, 1e-5))
+        assert torch.equal(fused, amx.linear(normed, wp, up=up, kernel=kernel))
+    norm = RMSNorm(k, 1e-5)
+    norm.weight.data = nw
+    xn = norm(x).float()
+    want = xn @ w.float().t()
+    got = amx.linear(x, wp, kernel=kernel, norm=(nw, 1e-5))
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1.6e-2)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("m", [3, 40])
 def test_packed_linear_reads_strided_rows(kernel_mode, kernel, m):
     """Rows of x some distance apart (a view into a wider activation)."""
@@ -188,6 +216,17 @@ def test_packed_backend_adopts_a_model_and_gives_it_back(
            ops.swiglu_add(x, layer.gate_up_proj, layer.down_proj, res)]  # fmt: skip
     for w, o in zip(want, got, strict=True):
         torch.testing.assert_close(o.float(), w.float(), atol=3e-2, rtol=2e-2)
+    # The norms before the projections: fused into the packed QKV GEMM, and left on their
+    # own before the gate/up one this checkpoint keeps with oneDNN; the same bits either way.
+    ln, post = RMSNorm(cfg.hidden_size, 1e-5), RMSNorm(cfg.hidden_size, 1e-6)
+    for n in (ln, post):
+        n.weight.data = (1 + 0.1 * torch.randn(cfg.hidden_size, generator=g)).to(torch.bfloat16)
+    assert torch.equal(ops.norm_linear(ln, x, layer.qkv_proj),
+                       ops.linear(ops.rms_norm(ln, x), layer.qkv_proj))  # fmt: skip
+    assert torch.equal(
+        ops.norm_swiglu_add(post, x, layer.gate_up_proj, layer.down_proj, res),
+        ops.swiglu_add(ops.rms_norm(post, x), layer.gate_up_proj, layer.down_proj, res),
+    )
     # The record the decode path reads instead of the parameters is the packed matrices
     # themselves, and only where the kernel takes them.
     for lin, gate_up in linear_layers(model):

@@ -34,7 +34,8 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 def _declare_linear(fn: Any) -> None:  # both kernels' entry points
     fn.restype = _i
-    fn.argtypes = [_p, _i64, _i64, _i64, _p, _p, _i64, _p, _i, _p, _i64, _p, _i64, _i]
+    fn.argtypes = [_p, _i64, _i64, _i64, _p, _p, _i64, _p, _i, _p, _i64, _p, _i64, _i, _p,
+                   ctypes.c_float]  # fmt: skip
 
 
 def _declare512(lib: ctypes.CDLL) -> None:
@@ -94,7 +95,8 @@ def _dot_mode(forced: bool | None) -> bool:
     def run(on: int) -> None:
         lib.kvserve_avx512_set_dot(on)
         lib.kvserve_avx512_linear(x.data_ptr(), k, m, k, wp.data_ptr(), None, n, None, EPI_NONE,
-                                  None, 0, y.data_ptr(), n, torch.get_num_threads())  # fmt: skip
+                                  None, 0, y.data_ptr(), n, torch.get_num_threads(), None,
+                                  0.0)  # fmt: skip
 
     faster = best_time(run, 1) * DOT_GAIN < best_time(run, 0)
     return lib.kvserve_avx512_set_dot(faster) == 1
@@ -138,10 +140,13 @@ def linear(
     residual: torch.Tensor | None = None,
     up: torch.Tensor | None = None,
     kernel: str = "amx",
+    norm: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """``x [M, K] @ W^T`` (bf16), plus ``bias`` or plus ``residual [M, N]``, or with ``up``
     (the up projection, packed): ``silu(x Wg^T) * (x Wu^T)``. Rounded to bf16 once.
-    ``kernel``: one of :data:`KERNELS`."""
+    ``kernel``: one of :data:`KERNELS`. ``norm`` (a bf16 weight [K], contiguous, and an
+    epsilon): x goes through that RMSNorm first, inside the kernel, with the roundings of
+    :func:`kvserve.kernels.pointwise.rms_norm` (the same bits)."""
     native, entry = _ENTRY[kernel]
     lib = native.get()
     assert lib is not None
@@ -164,9 +169,13 @@ def linear(
         residual = residual if residual.stride(1) == 1 else residual.contiguous()
         epi, aux, ldaux = EPI_ADD, residual.data_ptr(), residual.stride(0)
     b = None if bias is None else bias.float().contiguous()
+    nw, eps = (None, 0.0) if norm is None else (norm[0].data_ptr(), norm[1])
+    if norm is not None:
+        assert norm[0].shape == (k,) and norm[0].dtype == torch.bfloat16
+        assert norm[0].is_contiguous()
     rc = fn(x.data_ptr(), x.stride(0), m, k, wp.data_ptr(), None if up is None else up.data_ptr(),
             n, None if b is None else b.data_ptr(), epi, aux, ldaux, y.data_ptr(), n,
-            torch.get_num_threads())  # fmt: skip
+            torch.get_num_threads(), nw, eps)  # fmt: skip
     if rc == 2:
         raise MemoryError(f"{kernel} linear: could not allocate the packed activations")
     if rc != 0:

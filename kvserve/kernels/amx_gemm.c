@@ -206,11 +206,13 @@ static void rows_in_k_chunks(const uint16_t *ap, int64_t nmb, int64_t mtail, int
 
 /* y[M, N] (rows ldy apart) = epilogue(x W^T): EPI_NONE (+ bias, float32 [N], or NULL),
  * EPI_ADD (+ aux [M, N] bf16, rows ldaux apart), EPI_SWIGLU (wp2 holds the up projection:
- * y = silu(x Wg^T) * (x Wu^T), both packed as wp). */
+ * y = silu(x Wg^T) * (x Wu^T), both packed as wp). norm_w (bf16 [K], or NULL): x is taken
+ * through RMSNorm first (weight norm_w, epsilon norm_eps), each row as it is copied into
+ * tiles, so the decoder's norm before a projection costs no pass, call or buffer of its own. */
 int kvserve_amx_linear(const uint16_t *x, int64_t lda, int64_t M, int64_t K, const uint16_t *wp,
                        const uint16_t *wp2, int64_t N, const float *bias, int epilogue,
                        const uint16_t *aux, int64_t ldaux, uint16_t *y, int64_t ldy,
-                       int num_threads) {
+                       int num_threads, const uint16_t *norm_w, float norm_eps) {
     if (K % 32 || N % 32 || M <= 0 || !amx_permitted()) return 1;
     const int64_t nkb = K / 32, nnb = N / 32, nmb = (M + 31) / 32;
     const int64_t mtail = M % 32;
@@ -231,6 +233,11 @@ int kvserve_amx_linear(const uint16_t *x, int64_t lda, int64_t M, int64_t K, con
         uint16_t *dst = ap + ((mb * 2 + half) * nkb * 16 + i) * 32;
         if (r < M) {
             const uint16_t *src = x + r * lda;
+            uint16_t normed[norm_w ? K : 1];
+            if (norm_w) {
+                rms_norm_row_bf16(src, norm_w, normed, (int)K, norm_eps);
+                src = normed;
+            }
             for (int64_t kb = 0; kb < nkb; kb++) memcpy(dst + kb * 512, src + kb * 32, 64);
         } else {
             for (int64_t kb = 0; kb < nkb; kb++) memset(dst + kb * 512, 0, 64);
@@ -270,9 +277,10 @@ int kvserve_amx_available(void) { return 0; }
 int kvserve_amx_linear(const uint16_t *x, int64_t lda, int64_t M, int64_t K, const uint16_t *wp,
                        const uint16_t *wp2, int64_t N, const float *bias, int epilogue,
                        const uint16_t *aux, int64_t ldaux, uint16_t *y, int64_t ldy,
-                       int num_threads) {
+                       int num_threads, const uint16_t *norm_w, float norm_eps) {
     (void)x, (void)lda, (void)M, (void)K, (void)wp, (void)wp2, (void)N, (void)bias;
     (void)epilogue, (void)aux, (void)ldaux, (void)y, (void)ldy, (void)num_threads;
+    (void)norm_w, (void)norm_eps;
     return 1; /* no AMX on the build machine: oneDNN serves */
 }
 

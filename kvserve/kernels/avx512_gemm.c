@@ -131,13 +131,23 @@ int kvserve_avx512_set_dot(int on) {
  * near-equal tiles of at most MT_MAX rows (none much shorter than the others). */
 static int64_t tiles_in_block(int64_t rows) { return (rows + MT_MAX - 1) / MT_MAX; }
 
+/* Row r of x, or (norm_w not NULL) its RMSNorm written into buf. */
+static inline const uint16_t *input_row(const uint16_t *x, int64_t lda, int64_t r, int64_t K,
+                                        const uint16_t *norm_w, float norm_eps, uint16_t *buf) {
+    if (!norm_w) return x + r * lda;
+    rms_norm_row_bf16(x + r * lda, norm_w, buf, (int)K, norm_eps);
+    return buf;
+}
+
 /* y[M, N] (rows ldy apart) = epilogue(x W^T) for x [M, K] bf16 (rows lda apart):
  * EPI_NONE (+ bias, float32 [N], or NULL), EPI_ADD (+ aux [M, N] bf16, rows ldaux apart),
- * EPI_SWIGLU (wp2 holds the up projection: y = silu(x Wg^T) * (x Wu^T), both packed). */
+ * EPI_SWIGLU (wp2 holds the up projection: y = silu(x Wg^T) * (x Wu^T), both packed).
+ * norm_w (bf16 [K], or NULL): x goes through RMSNorm first, as in amx_gemm.c. */
 int kvserve_avx512_linear(const uint16_t *x, int64_t lda, int64_t M, int64_t K,
                           const uint16_t *wp, const uint16_t *wp2, int64_t N, const float *bias,
                           int epilogue, const uint16_t *aux, int64_t ldaux, uint16_t *y,
-                          int64_t ldy, int num_threads) {
+                          int64_t ldy, int num_threads, const uint16_t *norm_w,
+                          float norm_eps) {
     if (K % 32 || N % 32 || M <= 0) return 1;
     const int64_t npairs = K / 2, nnb = N / 16, blk = K * 16;
     /* tile bounds: start[t] .. start[t + 1], tiles of row block b from first[b] */
@@ -173,17 +183,18 @@ int kvserve_avx512_linear(const uint16_t *x, int64_t lda, int64_t M, int64_t K,
         for (int64_t ti = 0; ti < ntiles; ti++) { /* x as float32 pairs, in the tiles' order */
             const int64_t m0 = start[ti], mt = start[ti + 1] - m0;
             float *dst = xt + m0 * K;
+            uint16_t normed[norm_w ? K : 1];
             if (dot) {
                 uint32_t *d32 = (uint32_t *)dst;
                 for (int64_t i = 0; i < mt; i++) {
-                    const uint16_t *src = x + (m0 + i) * lda;
+                    const uint16_t *src = input_row(x, lda, m0 + i, K, norm_w, norm_eps, normed);
                     for (int64_t p = 0; p < npairs; p++)
                         memcpy(d32 + p * mt + i, src + 2 * p, sizeof(uint32_t));
                 }
                 continue;
             }
             for (int64_t i = 0; i < mt; i++) {
-                const uint16_t *src = x + (m0 + i) * lda;
+                const uint16_t *src = input_row(x, lda, m0 + i, K, norm_w, norm_eps, normed);
                 for (int64_t p = 0; p < npairs; p++) {
                     dst[(p * mt + i) * 2] = bf16_to_f32(src[2 * p]);
                     dst[(p * mt + i) * 2 + 1] = bf16_to_f32(src[2 * p + 1]);
@@ -235,9 +246,11 @@ int kvserve_avx512_set_dot(int on) {
 int kvserve_avx512_linear(const uint16_t *x, int64_t lda, int64_t M, int64_t K,
                           const uint16_t *wp, const uint16_t *wp2, int64_t N, const float *bias,
                           int epilogue, const uint16_t *aux, int64_t ldaux, uint16_t *y,
-                          int64_t ldy, int num_threads) {
+                          int64_t ldy, int num_threads, const uint16_t *norm_w,
+                          float norm_eps) {
     (void)x, (void)lda, (void)M, (void)K, (void)wp, (void)wp2, (void)N, (void)bias;
     (void)epilogue, (void)aux, (void)ldaux, (void)y, (void)ldy, (void)num_threads;
+    (void)norm_w, (void)norm_eps;
     return 1; /* no AVX-512 on the build machine: oneDNN serves */
 }
 

@@ -2,6 +2,7 @@
  * 16-bit floats (used where the AVX-512 paths do not apply) and the AVX-512 row load. */
 #ifndef KVSERVE_KERNELS_H
 #define KVSERVE_KERNELS_H
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -115,6 +116,33 @@ static inline __attribute__((always_inline)) void store_epilogue16(
     else if (bias)
         v = _mm512_add_ps(v, _mm512_loadu_ps(bias + col));
     _mm256_storeu_si256((__m256i *)(y + row * ldy + col), to_bf16(v));
+}
+
+/* x rounded to bf16, kept as float32, on 16 lanes. */
+static inline __attribute__((always_inline)) __m512 round_bf16x16(__m512 x) {
+    return _mm512_castsi512_ps(
+        _mm512_and_si512(bf16_rounded_bits(x), _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* One bf16 row of RMSNorm, out = w * round(x * rsqrt(mean(x^2) + eps)) (RMSNorm.forward's
+ * roundings), for dim % 16 == 0: the fused RMSNorm (pointwise.c) and the linear kernels that
+ * normalise their input rows as they copy them (amx_gemm.c, avx512_gemm.c) share it, so that
+ * the fused and unfused paths give the same bits. Build without FMA contraction. */
+static inline __attribute__((always_inline)) void rms_norm_row_bf16(const uint16_t *x,
+                                                                    const uint16_t *w,
+                                                                    uint16_t *out, int dim,
+                                                                    float eps) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int j = 0; j < dim; j += 16) {
+        const __m512 v = load16(x, j, DT_BF16);
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+    }
+    const float ss = _mm512_reduce_add_ps(acc);
+    const __m512 inv = _mm512_set1_ps(1.f / sqrtf(ss / (float)dim + eps));
+    for (int j = 0; j < dim; j += 16) {
+        const __m512 y = round_bf16x16(_mm512_mul_ps(load16(x, j, DT_BF16), inv));
+        _mm256_storeu_si256((__m256i *)(out + j), to_bf16(_mm512_mul_ps(load16(w, j, DT_BF16), y)));
+    }
 }
 
 /* The 16 horizontal sums of a[0..15], lane i = sum of a[i]'s lanes: a transposing add tree

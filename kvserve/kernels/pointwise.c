@@ -44,38 +44,14 @@ static int threads_for(int64_t elements, int num_threads) {
     return elements < (1 << 16) ? 1 : num_threads;
 }
 
-#if defined(__AVX512F__)
-/* round_dt(x, DT_BF16) on 16 lanes, kept as float32 (the compiler's own loops over the scalar
- * helpers ran on 8). */
-INLINE __m512 round_bf16x16(__m512 x) {
-    return _mm512_castsi512_ps(
-        _mm512_and_si512(bf16_rounded_bits(x), _mm512_set1_epi32((int)0xffff0000u)));
-}
-
-/* rms_row for bf16 with dim % 16 == 0; the same products, sums in another order. */
-INLINE void rms_row_bf16x16(const uint16_t *x, const uint16_t *w, uint16_t *out, int dim,
-                            float eps) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int j = 0; j < dim; j += 16) {
-        const __m512 v = load16(x, j, DT_BF16);
-        acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
-    }
-    const float ss = _mm512_reduce_add_ps(acc);
-    const __m512 inv = _mm512_set1_ps(1.f / sqrtf(ss / (float)dim + eps));
-    for (int j = 0; j < dim; j += 16) {
-        const __m512 y = round_bf16x16(_mm512_mul_ps(load16(x, j, DT_BF16), inv));
-        _mm256_storeu_si256((__m256i *)(out + j), to_bf16(_mm512_mul_ps(load16(w, j, DT_BF16), y)));
-    }
-}
-#endif
 
 /* One row of RMSNorm; inlined with a constant dt so each dtype gets its own vector loop. */
 INLINE void rms_row(const void *x, int64_t xi, const void *w, void *out, int64_t oi, int dim,
                     float eps, const int dt) {
 #if defined(__AVX512F__)
     if (dt == DT_BF16 && dim % 16 == 0) {
-        rms_row_bf16x16((const uint16_t *)x + xi, (const uint16_t *)w, (uint16_t *)out + oi, dim,
-                        eps);
+        rms_norm_row_bf16((const uint16_t *)x + xi, (const uint16_t *)w, (uint16_t *)out + oi,
+                          dim, eps);
         return;
     }
 #endif

@@ -130,6 +130,21 @@ class TorchOps:
     def rms_norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return norm(x)
 
+    def norm_linear(self, norm: nn.Module, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+        """``linear(rms_norm(x))``: a backend may fuse the two (:class:`PackedOps`)."""
+        return self.linear(self.rms_norm(norm, x), layer)
+
+    def norm_swiglu_add(
+        self,
+        norm: nn.Module,
+        x: torch.Tensor,
+        gate_up: nn.Linear,
+        down: nn.Linear,
+        residual: torch.Tensor,
+    ) -> torch.Tensor:
+        """``swiglu_add(rms_norm(x), ...)``: a backend may fuse the norm into the gate/up GEMM."""
+        return self.swiglu_add(self.rms_norm(norm, x), gate_up, down, residual)
+
     def rotary(
         self, rotary: nn.Module, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -306,14 +321,62 @@ class PackedOps(OneDNNOps):
     def swiglu_add(
         self, x: torch.Tensor, gate_up: nn.Linear, down: nn.Linear, residual: torch.Tensor
     ) -> torch.Tensor:
+        return self._swiglu_add(x, gate_up, down, residual, None)
+
+    def _swiglu_add(
+        self,
+        x: torch.Tensor,
+        gate_up: nn.Linear,
+        down: nn.Linear,
+        residual: torch.Tensor,
+        norm: nn.Module | None,
+    ) -> torch.Tensor:
         gu = self._kernel_weights(gate_up)
         if gu is None:  # dims not multiples of 32: oneDNN's
+            x = x if norm is None else self.rms_norm(norm, x)
             return super().swiglu_add(x, gate_up, down, residual)
-        h = amx.linear(x, gu[0], up=gu[1], kernel=self.kernel)
+        h = amx.linear(x, gu[0], up=gu[1], kernel=self.kernel, norm=_fused_norm(norm, x))
         dw = self._kernel_weights(down)
         if dw is not None:
             return amx.linear(h, dw[0], residual=residual, kernel=self.kernel)
         return super().linear_add(h, down, residual)
+
+    # The norm before a projection runs inside the kernel, as it copies the rows in: a
+    # decode step saves a call, a pass and a buffer per norm (two per layer).
+    def norm_linear(self, norm: nn.Module, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+        kw = self._kernel_weights(layer)
+        fused = _fused_norm(norm, x)
+        if kw is None or fused is None:
+            return super().norm_linear(norm, x, layer)
+        return amx.linear(x, kw[0], bias=kw[2], kernel=self.kernel, norm=fused)
+
+    def norm_swiglu_add(
+        self,
+        norm: nn.Module,
+        x: torch.Tensor,
+        gate_up: nn.Linear,
+        down: nn.Linear,
+        residual: torch.Tensor,
+    ) -> torch.Tensor:
+        if _fused_norm(norm, x) is None:
+            return super().norm_swiglu_add(norm, x, gate_up, down, residual)
+        return self._swiglu_add(x, gate_up, down, residual, norm)
+
+
+def _fused_norm(norm: nn.Module | None, x: torch.Tensor) -> tuple[torch.Tensor, float] | None:
+    """(weight, eps) of an RMSNorm the linear kernels can apply to ``x`` themselves (bf16
+    weight and input: the kernels' rows are bf16), else None."""
+    if norm is None or x.dtype != torch.bfloat16:
+        return None
+    w = norm.weight
+    if (
+        w.dtype != torch.bfloat16
+        or w.dim() != 1
+        or not w.is_contiguous()
+        or not isinstance(norm.eps, float)
+    ):
+        return None
+    return w, norm.eps
 
 
 class AMXOps(PackedOps):
@@ -502,6 +565,23 @@ class UpcastOps(PackedOps):
         xd, rd = x.to(self.dtype), residual.to(self.dtype)
         out = self._lp.binary(xd, rd, layer.weight32, None, "add")
         return out.to(x.dtype)
+
+    def norm_linear(self, norm: nn.Module, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+        if self._big(x, layer):  # the copies' GEMM: the norm on its own
+            return self.linear(self.rms_norm(norm, x), layer)
+        return super().norm_linear(norm, x, layer)
+
+    def norm_swiglu_add(
+        self,
+        norm: nn.Module,
+        x: torch.Tensor,
+        gate_up: nn.Linear,
+        down: nn.Linear,
+        residual: torch.Tensor,
+    ) -> torch.Tensor:
+        if self._big(x, gate_up):
+            return self.swiglu_add(self.rms_norm(norm, x), gate_up, down, residual)
+        return super().norm_swiglu_add(norm, x, gate_up, down, residual)
 
     def swiglu_add(
         self, x: torch.Tensor, gate_up: nn.Linear, down: nn.Linear, residual: torch.Tensor

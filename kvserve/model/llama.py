@@ -105,7 +105,7 @@ class DecoderLayer(nn.Module):
         the MLP run only where a later step reads the result."""
         t = x.shape[0]
         ops = self.ops
-        qkv = ops.linear(ops.rms_norm(self.input_layernorm, x), self.qkv_proj)
+        qkv = ops.norm_linear(self.input_layernorm, x, self.qkv_proj)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
@@ -119,8 +119,8 @@ class DecoderLayer(nn.Module):
             if not x.shape[0]:
                 return x
         h = ops.linear_add(attn, self.o_proj, x)
-        return ops.swiglu_add(
-            ops.rms_norm(self.post_attention_layernorm, h), self.gate_up_proj, self.down_proj, h
+        return ops.norm_swiglu_add(
+            self.post_attention_layernorm, h, self.gate_up_proj, self.down_proj, h
         )
 
 
