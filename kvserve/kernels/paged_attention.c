@@ -435,10 +435,10 @@ static inline __attribute__((always_inline)) void attend_block_bf16(
     const int window, const float scale, const char *kpf, const char *vpf) {
     /* The next block (kpf/vpf; NULL: none) goes into L2 a line per key step of each row's
      * scores and two per key pair of the values pass, the rest at the end: spread over the
-     * block's work. Issued a block's keys at a time, the prefetches filled the core's miss
-     * buffers and the loads of this block's rows, from L2, waited behind them: on a 2-core
-     * AMX Xeon the kernel's work and its memory traffic added up (BENCHMARKS.md, session 54).
-     * Into L1, a whole block at once stalled the same way on an EPYC. */
+     * block's work. Issued a block's keys at a time, in a burst, they left the kernel's work
+     * and its memory traffic adding up instead of overlapping on a 2-core AMX Xeon (a loop
+     * with the same access pattern lost 14 % to such bursts; BENCHMARKS.md, session 54).
+     * Into L1, a whole block at once stalled on the core's miss buffers on an EPYC. */
     const int n = kpf ? bs * D * 2 / 64 : 0, w = hi - lo;
     int i = 0, cnt;
     for (int r = 0; r < R; r++) {
