@@ -127,7 +127,10 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
         m = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         base = np.frombuffer(m, np.uint8)
         start = -base.ctypes.data % HUGE_PAGE_BYTES
-        m.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
+        except OSError:  # a kernel built without transparent huge pages: 4 KiB pages then
+            pass
         raw = base[start : start + nbytes]  # keeps the mapping alive
         return torch.from_numpy(raw).view(dtype).reshape(shape)
     raw = np.zeros((*shape[:-1], shape[-1] * itemsize) if shape else (itemsize,), np.uint8)
