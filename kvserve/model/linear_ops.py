@@ -329,13 +329,13 @@ class PackedOps(OneDNNOps):
         gate_up: nn.Linear,
         down: nn.Linear,
         residual: torch.Tensor,
-        norm: nn.Module | None,
+        norm: tuple[torch.Tensor, float] | None,
     ) -> torch.Tensor:
+        """``swiglu_add``, with ``norm`` (:meth:`_norm_in_kernel`'s) applied by the kernel."""
         gu = self._kernel_weights(gate_up)
-        if gu is None:  # dims not multiples of 32: oneDNN's
-            x = x if norm is None else self.rms_norm(norm, x)
+        if gu is None:  # dims not multiples of 32: oneDNN's (never with a norm to apply)
             return super().swiglu_add(x, gate_up, down, residual)
-        h = amx.linear(x, gu[0], up=gu[1], kernel=self.kernel, norm=_fused_norm(norm, x))
+        h = amx.linear(x, gu[0], up=gu[1], kernel=self.kernel, norm=norm)
         dw = self._kernel_weights(down)
         if dw is not None:
             return amx.linear(h, dw[0], residual=residual, kernel=self.kernel)
@@ -344,10 +344,10 @@ class PackedOps(OneDNNOps):
     # The norm before a projection runs inside the kernel, as it copies the rows in: a
     # decode step saves a call, a pass and a buffer per norm (two per layer).
     def norm_linear(self, norm: nn.Module, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-        kw = self._kernel_weights(layer)
-        fused = _fused_norm(norm, x)
-        if kw is None or fused is None:
+        fused = self._norm_in_kernel(norm, x, layer)
+        if fused is None:
             return super().norm_linear(norm, x, layer)
+        kw = self._kernel_weights(layer)
         return amx.linear(x, kw[0], bias=kw[2], kernel=self.kernel, norm=fused)
 
     def norm_swiglu_add(
@@ -358,15 +358,25 @@ class PackedOps(OneDNNOps):
         down: nn.Linear,
         residual: torch.Tensor,
     ) -> torch.Tensor:
-        if _fused_norm(norm, x) is None:
+        fused = self._norm_in_kernel(norm, x, gate_up)
+        if fused is None:
             return super().norm_swiglu_add(norm, x, gate_up, down, residual)
-        return self._swiglu_add(x, gate_up, down, residual, norm)
+        return self._swiglu_add(x, gate_up, down, residual, fused)
+
+    def _norm_in_kernel(
+        self, norm: nn.Module, x: torch.Tensor, layer: nn.Linear
+    ) -> tuple[torch.Tensor, float] | None:
+        """(weight, eps) of the RMSNorm before ``layer`` where the kernel can apply it to
+        ``x`` itself (the layer packed for it, bf16 weight and input), else None."""
+        if self._kernel_weights(layer) is None:
+            return None
+        return _bf16_norm(norm, x)
 
 
-def _fused_norm(norm: nn.Module | None, x: torch.Tensor) -> tuple[torch.Tensor, float] | None:
-    """(weight, eps) of an RMSNorm the linear kernels can apply to ``x`` themselves (bf16
-    weight and input: the kernels' rows are bf16), else None."""
-    if norm is None or x.dtype != torch.bfloat16:
+def _bf16_norm(norm: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, float] | None:
+    """(weight, eps) of an RMSNorm whose weight and input are bf16 (the linear kernels' rows
+    are), else None."""
+    if x.dtype != torch.bfloat16:
         return None
     w = norm.weight
     if (
@@ -566,22 +576,12 @@ class UpcastOps(PackedOps):
         out = self._lp.binary(xd, rd, layer.weight32, None, "add")
         return out.to(x.dtype)
 
-    def norm_linear(self, norm: nn.Module, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-        if self._big(x, layer):  # the copies' GEMM: the norm on its own
-            return self.linear(self.rms_norm(norm, x), layer)
-        return super().norm_linear(norm, x, layer)
-
-    def norm_swiglu_add(
-        self,
-        norm: nn.Module,
-        x: torch.Tensor,
-        gate_up: nn.Linear,
-        down: nn.Linear,
-        residual: torch.Tensor,
-    ) -> torch.Tensor:
-        if self._big(x, gate_up):
-            return self.swiglu_add(self.rms_norm(norm, x), gate_up, down, residual)
-        return super().norm_swiglu_add(norm, x, gate_up, down, residual)
+    def _norm_in_kernel(
+        self, norm: nn.Module, x: torch.Tensor, layer: nn.Linear
+    ) -> tuple[torch.Tensor, float] | None:
+        if self._big(x, layer):  # the copies' GEMM: the norm runs on its own
+            return None
+        return super()._norm_in_kernel(norm, x, layer)
 
     def swiglu_add(
         self, x: torch.Tensor, gate_up: nn.Linear, down: nn.Linear, residual: torch.Tensor
