@@ -14,8 +14,9 @@
  * weights serve every row block before the next is read, with many (prefill) a row block
  * serves every column block of the thread, its A tiles held in L1: the weights, by then in L2,
  * load with the streaming hint so as not to evict them, and a K longer than L1 holds is taken
- * in chunks (rows_in_k_chunks). The epilogue of one micro-step runs after the next one's tile
- * products (tile stores land before the vector loads that read them).
+ * in chunks (rows_in_k_chunks), and a thread's columns in groups whose weights stay in L2 while
+ * every row block passes (L2_BUDGET). The epilogue of one micro-step runs in pieces between the
+ * next one's tile products (pending), so that its vector work overlaps the tile unit's.
  *
  * Why not oneDNN: in a whole forward pass (cold weights, one layer after another) oneDNN's
  * bf16 matmuls with prepacked weights ran 1.3-2.3x slower than these on a 2-core AMX Xeon, the
@@ -84,12 +85,58 @@ enum { FROM_L2 = 1, ACCUMULATE = 2, PREFETCH = 4 };
 /* A K chunk of at most this many 32-wide blocks keeps a row block's A tiles (32 rows x 32 x
  * KCHUNK bf16, 36 KiB) inside a 48 KiB L1 beside the B tiles passing through it. */
 #define KCHUNK 18
+/* Prefill: a thread's column blocks are taken in groups of at most this many bytes of weights,
+ * which stay in the 2 MiB L2 of every AMX core so far while all row blocks pass (the gate and
+ * up projections of a SwiGLU MLP together outgrow it: their weights came from L3 for every row
+ * block). */
+#define L2_BUDGET (768 << 10)
+
+/* The epilogue of a finished micro-step, done a few 16-wide pieces at a time between the tile
+ * products of the next one: run after them, its vector work waited behind the tile products in
+ * the reorder buffer instead of overlapping them. */
+typedef struct {
+    const float *c, *u; /* the stored float32 sums (and the up projection's) */
+    int units;          /* 16-wide pieces: 2 per row; 0: none pending */
+    int done;
+    int64_t mb, nb;
+    int epilogue;
+    const uint16_t *aux;
+    int64_t ldaux;
+    const float *bias;
+    uint16_t *y;
+    int64_t ldy;
+} pending;
+
+/* The outputs of row block mb, column block nb (rows of them) from the float32 sums c (and u,
+ * the up projection's, for EPI_SWIGLU), pending from now on. */
+static inline void pending_set(pending *p, const float *c, const float *u, int rows, int64_t mb,
+                               int64_t nb) {
+    p->c = c;
+    p->u = u;
+    p->units = 2 * rows;
+    p->done = 0;
+    p->mb = mb;
+    p->nb = nb;
+}
+
+/* Its pieces (two per row) done up to the upto-th. */
+static inline __attribute__((always_inline)) void pending_run(pending *p, int upto) {
+    if (upto > p->units) upto = p->units;
+    for (; p->done < upto; p->done++) {
+        const int i = p->done >> 1, h = p->done & 1;
+        store_epilogue16(_mm512_load_ps(p->c + i * 32 + 16 * h), p->u + i * 32 + 16 * h,
+                         p->epilogue, p->aux, p->ldaux, p->bias, p->y, p->ldy, p->mb * 32 + i,
+                         p->nb * 32 + 16 * h);
+    }
+}
 
 /* 32 rows (a0: rows 0-15, a1: rows 16-31, as tiles) x two 16-column B panels b0, b1 over
- * nkb K blocks, into cb[32][32] float32; mode: FROM_L2, PREFETCH, ACCUMULATE (above). */
+ * nkb K blocks, into cb[32][32] float32; mode: FROM_L2, PREFETCH, ACCUMULATE (above). pe (or
+ * NULL): pending outputs, done between the K steps and all of them before cb is written. */
 static inline __attribute__((always_inline)) void block32(const uint16_t *a0, const uint16_t *a1,
                                                           const uint16_t *b0, const uint16_t *b1,
-                                                          int64_t nkb, float *cb, int mode) {
+                                                          int64_t nkb, float *cb, int mode,
+                                                          pending *pe) {
     if (mode & ACCUMULATE) {
         _tile_loadd(0, cb, 128);
         _tile_loadd(1, cb + 16, 128);
@@ -120,27 +167,17 @@ static inline __attribute__((always_inline)) void block32(const uint16_t *a0, co
         _tile_dpbf16ps(1, 4, 7);
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
+        if (pe) pending_run(pe, (int)((kb + 1) * pe->units / nkb) + 1);
     }
+    if (pe) pending_run(pe, pe->units);
     _tile_stored(0, cb, 128);
     _tile_stored(1, cb + 16, 128);
     _tile_stored(2, cb + 512, 128);
     _tile_stored(3, cb + 528, 128);
 }
 
-/* Row block mb's 32 x 32 outputs of column block nb, from the float32 sums c (and u, the up
- * projection's, for EPI_SWIGLU). */
-static inline __attribute__((always_inline)) void epilogue32(
-    const float *c, const float *u, int rows, int epilogue, const uint16_t *aux, int64_t ldaux,
-    const float *bias, uint16_t *y, int64_t ldy, int64_t mb, int64_t nb) {
-    for (int i = 0; i < rows; i++)
-        for (int h = 0; h < 2; h++)
-            store_epilogue16(_mm512_load_ps(c + i * 32 + 16 * h), u + i * 32 + 16 * h, epilogue,
-                             aux, ldaux, bias, y, ldy, mb * 32 + i, nb * 32 + 16 * h);
-}
-
 /* Every (row block, column block) item of the thread over all of K, in a software pipeline:
- * the tiles of item i run before the epilogue of item i - 1 reads its stored accumulators, so a
- * vector load never waits on a tile store that has only just been issued. cols_outer (few row
+ * the epilogue of item i - 1 runs between the tile products of item i. cols_outer (few row
  * blocks, decode): each column block's weights are read once from memory and serve every row
  * block from L1; else (prefill) a row block stays in L1 while the thread's columns pass from
  * its L2. */
@@ -154,35 +191,35 @@ static void pipeline(const uint16_t *ap, int64_t nmb, int64_t mtail, int64_t nkb
     const int64_t n_inner = cols_outer ? nmb : nb_hi - nb_lo;
     const int64_t items = n_outer * n_inner;
     const int mode = !cols_outer ? FROM_L2 : nmb == 1 ? PREFETCH : 0;
-    for (int64_t it = 0; it <= items; it++) {
-        if (it < items) {
-            const int64_t o = it / n_inner, in = it % n_inner;
-            const int64_t mb = cols_outer ? in : o, nb = nb_lo + (cols_outer ? o : in);
-            const uint16_t *a0 = ap + mb * 2 * nkb * 512, *a1 = a0 + nkb * 512;
-            const uint16_t *b0 = wp + (2 * nb) * nkb * 512, *b1 = b0 + nkb * 512;
-            block32(a0, a1, b0, b1, nkb, cb[it & 1], mode);
-            if (epilogue == EPI_SWIGLU) {
-                const uint16_t *u0 = wp2 + (2 * nb) * nkb * 512, *u1 = u0 + nkb * 512;
-                block32(a0, a1, u0, u1, nkb, cu[it & 1], mode);
-            }
-        }
-        if (it == 0) continue;
-        const int64_t p = it - 1, o = p / n_inner, in = p % n_inner;
+    pending pe = {.units = 0, .epilogue = epilogue, .aux = aux, .ldaux = ldaux, .bias = bias,
+                  .y = y, .ldy = ldy};
+    for (int64_t it = 0; it < items; it++) {
+        const int64_t o = it / n_inner, in = it % n_inner;
         const int64_t mb = cols_outer ? in : o, nb = nb_lo + (cols_outer ? o : in);
+        const uint16_t *a0 = ap + mb * 2 * nkb * 512, *a1 = a0 + nkb * 512;
+        const uint16_t *b0 = wp + (2 * nb) * nkb * 512, *b1 = b0 + nkb * 512;
+        block32(a0, a1, b0, b1, nkb, cb[it & 1], mode, &pe);
+        if (epilogue == EPI_SWIGLU) {
+            const uint16_t *u0 = wp2 + (2 * nb) * nkb * 512, *u1 = u0 + nkb * 512;
+            block32(a0, a1, u0, u1, nkb, cu[it & 1], mode, NULL);
+        }
         const int rows = mtail && mb == nmb - 1 ? (int)mtail : 32;
-        epilogue32(cb[p & 1], cu[p & 1], rows, epilogue, aux, ldaux, bias, y, ldy, mb, nb);
+        pending_set(&pe, cb[it & 1], cu[it & 1], rows, mb, nb);
     }
+    pending_run(&pe, pe.units);
 }
 
 /* Prefill with K over KCHUNK blocks (SwiGLU's down projection): for each row block, K in chunks
  * whose A tiles stay in L1 while the thread's columns pass, the partial sums of every column
  * block kept in part (float32 [2][nnb][32][32]: the second half for EPI_SWIGLU's up
- * projection), the epilogue once the last chunk is in. */
+ * projection); a row block's epilogue runs during the next row block's first chunk. */
 static void rows_in_k_chunks(const uint16_t *ap, int64_t nmb, int64_t mtail, int64_t nkb,
                              const uint16_t *wp, const uint16_t *wp2, int64_t nnb, int64_t nb_lo,
                              int64_t nb_hi, float *part, int epilogue, const float *bias,
                              const uint16_t *aux, int64_t ldaux, uint16_t *y, int64_t ldy) {
     const int64_t chunks = (nkb + KCHUNK - 1) / KCHUNK, step = (nkb + chunks - 1) / chunks;
+    pending pe = {.units = 0, .epilogue = epilogue, .aux = aux, .ldaux = ldaux, .bias = bias,
+                  .y = y, .ldy = ldy};
     for (int64_t mb = 0; mb < nmb; mb++) {
         const uint16_t *a0 = ap + mb * 2 * nkb * 512, *a1 = a0 + nkb * 512;
         for (int64_t kc = 0; kc < nkb; kc += step) {
@@ -190,17 +227,24 @@ static void rows_in_k_chunks(const uint16_t *ap, int64_t nmb, int64_t mtail, int
             const int mode = FROM_L2 | (kc ? ACCUMULATE : 0);
             for (int64_t nb = nb_lo; nb < nb_hi; nb++) {
                 const uint16_t *b0 = wp + 2 * nb * nkb * 512 + off, *b1 = b0 + nkb * 512;
-                block32(a0 + off, a1 + off, b0, b1, kn, part + nb * 1024, mode);
+                /* the previous row block's outputs of this column block, from the sums that
+                 * this call overwrites once they are done */
+                const int prev = kc == 0 && mb > 0;
+                if (prev)
+                    pending_set(&pe, part + nb * 1024, part + (nnb + nb) * 1024, 32, mb - 1, nb);
+                block32(a0 + off, a1 + off, b0, b1, kn, part + nb * 1024, mode,
+                        prev ? &pe : NULL);
                 if (epilogue == EPI_SWIGLU) {
                     const uint16_t *u0 = wp2 + 2 * nb * nkb * 512 + off, *u1 = u0 + nkb * 512;
-                    block32(a0 + off, a1 + off, u0, u1, kn, part + (nnb + nb) * 1024, mode);
+                    block32(a0 + off, a1 + off, u0, u1, kn, part + (nnb + nb) * 1024, mode, NULL);
                 }
             }
         }
-        const int rows = mtail && mb == nmb - 1 ? (int)mtail : 32;
-        for (int64_t nb = nb_lo; nb < nb_hi; nb++)
-            epilogue32(part + nb * 1024, part + (nnb + nb) * 1024, rows, epilogue, aux, ldaux,
-                       bias, y, ldy, mb, nb);
+    }
+    for (int64_t nb = nb_lo; nb < nb_hi; nb++) {
+        pending_set(&pe, part + nb * 1024, part + (nnb + nb) * 1024, mtail ? (int)mtail : 32,
+                    nmb - 1, nb);
+        pending_run(&pe, pe.units);
     }
 }
 
@@ -260,9 +304,17 @@ int kvserve_amx_linear(const uint16_t *x, int64_t lda, int64_t M, int64_t K, con
         if (chunked)
             rows_in_k_chunks(ap, nmb, mtail, nkb, wp, wp2, nnb, nb_lo, nb_hi, part, epilogue,
                              bias, aux, ldaux, y, ldy);
-        else
-            pipeline(ap, nmb, mtail, nkb, wp, wp2, nb_lo, nb_hi, !prefill, epilogue, bias, aux,
-                     ldaux, y, ldy);
+        else if (!prefill)
+            pipeline(ap, nmb, mtail, nkb, wp, wp2, nb_lo, nb_hi, 1, epilogue, bias, aux, ldaux,
+                     y, ldy);
+        else { /* column groups of at most L2_BUDGET bytes of weights */
+            const int64_t per_nb = 2 * nkb * 1024 * (epilogue == EPI_SWIGLU ? 2 : 1);
+            const int64_t groups = ((nb_hi - nb_lo) * per_nb + L2_BUDGET - 1) / L2_BUDGET;
+            const int64_t g = groups > 1 ? (nb_hi - nb_lo + groups - 1) / groups : nb_hi - nb_lo;
+            for (int64_t lo = nb_lo; lo < nb_hi; lo += g)
+                pipeline(ap, nmb, mtail, nkb, wp, wp2, lo, lo + g < nb_hi ? lo + g : nb_hi, 0,
+                         epilogue, bias, aux, ldaux, y, ldy);
+        }
         _tile_release();
     }
     free(part);
