@@ -198,12 +198,15 @@ static void pipeline(const uint16_t *ap, int64_t nmb, int64_t mtail, int64_t nkb
         const int64_t mb = cols_outer ? in : o, nb = nb_lo + (cols_outer ? o : in);
         const uint16_t *a0 = ap + mb * 2 * nkb * 512, *a1 = a0 + nkb * 512;
         const uint16_t *b0 = wp + (2 * nb) * nkb * 512, *b1 = b0 + nkb * 512;
+        const int rows = mtail && mb == nmb - 1 ? (int)mtail : 32;
+        if (epilogue == EPI_ADD) /* the residual this block's epilogue adds, by then in L1 */
+            for (int i = 0; i < rows; i++)
+                _mm_prefetch((const char *)(aux + (mb * 32 + i) * ldaux + nb * 32), _MM_HINT_T0);
         block32(a0, a1, b0, b1, nkb, cb[it & 1], mode, &pe);
         if (epilogue == EPI_SWIGLU) {
             const uint16_t *u0 = wp2 + (2 * nb) * nkb * 512, *u1 = u0 + nkb * 512;
             block32(a0, a1, u0, u1, nkb, cu[it & 1], mode, NULL);
         }
-        const int rows = mtail && mb == nmb - 1 ? (int)mtail : 32;
         pending_set(&pe, cb[it & 1], cu[it & 1], rows, mb, nb);
     }
     pending_run(&pe, pe.units);
