@@ -100,7 +100,7 @@ def test_avx512_dot_mode_is_chosen_by_measurement_or_the_environment(monkeypatch
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("m", [1, 3, 4, 5, 7, 12, 13, 31, 32, 33, 64, 100, 300])
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 7, 12, 13, 31, 32, 33, 64, 100, 160, 300])
 @pytest.mark.parametrize(
     "k, n", [(64, 32), (576, 960), (512, 1536), (1536, 576), (1216, 96), (576, 2496)]
 )
@@ -108,9 +108,10 @@ def test_packed_linear_matches_float32_reference(kernel_mode, kernel, m, k, n):
     """Plain, with a bias, with a residual and SwiGLU's gate/up pair: each within one bf16
     rounding of the float32 result of the same bf16 inputs, any row count (tails padded; the
     AVX-512 kernel's register tiles of 1-4 and 5-12 rows, its blocks of 96 rows; the AMX
-    kernel's K in chunks for prefill-sized steps, even and uneven, and its column groups that
-    fit L2, even (512 x 1536 SwiGLU) and uneven (576 x 2496 SwiGLU)), in both of the AVX-512
-    kernel's modes."""
+    kernel's K in chunks for prefill-sized steps, even and uneven, its column groups that fit
+    L2, even (512 x 1536 SwiGLU) and uneven (576 x 2496 SwiGLU), and its prefill-sized reads
+    of x in place, whole row blocks (160) and with a partial last one (300)), in both of the
+    AVX-512 kernel's modes."""
     kernel = kernel_mode(kernel)
     g = torch.Generator().manual_seed(m * 7 + k)
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
@@ -159,9 +160,10 @@ def test_fused_rms_norm_is_the_norm_then_the_linear(kernel_mode, kernel, m, k, n
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("m", [3, 40])
+@pytest.mark.parametrize("m", [3, 40, 200, 224])
 def test_packed_linear_reads_strided_rows(kernel_mode, kernel, m):
-    """Rows of x some distance apart (a view into a wider activation)."""
+    """Rows of x some distance apart (a view into a wider activation); at prefill sizes (200,
+    224) the AMX kernel reads them in place."""
     kernel = kernel_mode(kernel)
     g = torch.Generator().manual_seed(1)
     wide = torch.randn(m, 160, generator=g).to(torch.bfloat16)

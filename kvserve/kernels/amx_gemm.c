@@ -130,11 +130,41 @@ static inline __attribute__((always_inline)) void pending_run(pending *p, int up
     }
 }
 
-/* 32 rows (a0: rows 0-15, a1: rows 16-31, as tiles) x two 16-column B panels b0, b1 over
+/* A row block's two 16-row A tiles at K block kb: a0 + kb * kstep and a1 + kb * kstep, their
+ * rows ld bytes apart. */
+typedef struct {
+    const uint16_t *a0, *a1;
+    int64_t kstep, ld;
+} a_block;
+
+/* Where the kernel reads x: the tile copy ap ([row block][half][kb][16][32], a partial last
+ * block padded with zeros: a tile load reads one 1 KiB run), or, at prefill sizes with no norm
+ * to apply, x itself (rows lda apart; a partial last row block from a padded copy of its own,
+ * tail), which saves writing and reading back a copy as large as x. */
+typedef struct {
+    const uint16_t *ap, *x, *tail;
+    int64_t lda, nkb, nmb, mtail;
+} a_rows;
+
+static inline a_block row_block(const a_rows *A, int64_t mb) {
+    if (A->x && !(A->mtail && mb == A->nmb - 1)) {
+        const uint16_t *r = A->x + mb * 32 * A->lda;
+        return (a_block){r, r + 16 * A->lda, 32, 2 * A->lda};
+    }
+    const uint16_t *t = A->x ? A->tail : A->ap + mb * 2 * A->nkb * 512;
+    return (a_block){t, t + A->nkb * 512, 512, 64};
+}
+
+/* The same rows from K block kc on. */
+static inline a_block from_k(a_block a, int64_t kc) {
+    return (a_block){a.a0 + kc * a.kstep, a.a1 + kc * a.kstep, a.kstep, a.ld};
+}
+
+/* 32 rows (a: rows 0-15 and 16-31 as tiles) x two 16-column B panels b0, b1 over
  * nkb K blocks, into cb[32][32] float32; mode: FROM_L2, PREFETCH, ACCUMULATE (above). pe (or
  * NULL): pending outputs, done between the K steps and all of them before cb is written. */
-static inline __attribute__((always_inline)) void block32(const uint16_t *a0, const uint16_t *a1,
-                                                          const uint16_t *b0, const uint16_t *b1,
+static inline __attribute__((always_inline)) void block32(a_block a, const uint16_t *b0,
+                                                          const uint16_t *b1,
                                                           int64_t nkb, float *cb, int mode,
                                                           pending *pe) {
     if (mode & ACCUMULATE) {
@@ -149,8 +179,8 @@ static inline __attribute__((always_inline)) void block32(const uint16_t *a0, co
         _tile_zero(3);
     }
     for (int64_t kb = 0; kb < nkb; kb++) {
-        _tile_loadd(4, a0 + kb * 512, 64);
-        _tile_loadd(5, a1 + kb * 512, 64);
+        _tile_loadd(4, a.a0 + kb * a.kstep, a.ld);
+        _tile_loadd(5, a.a1 + kb * a.kstep, a.ld);
         if (mode & FROM_L2) {
             _tile_stream_loadd(6, b0 + kb * 512, 64);
             _tile_stream_loadd(7, b1 + kb * 512, 64);
@@ -181,7 +211,7 @@ static inline __attribute__((always_inline)) void block32(const uint16_t *a0, co
  * blocks, decode): each column block's weights are read once from memory and serve every row
  * block from L1; else (prefill) a row block stays in L1 while the thread's columns pass from
  * its L2. */
-static void pipeline(const uint16_t *ap, int64_t nmb, int64_t mtail, int64_t nkb,
+static void pipeline(const a_rows *A, int64_t nmb, int64_t mtail, int64_t nkb,
                      const uint16_t *wp, const uint16_t *wp2, int64_t nb_lo, int64_t nb_hi,
                      int cols_outer, int epilogue, const float *bias, const uint16_t *aux,
                      int64_t ldaux, uint16_t *y, int64_t ldy) {
@@ -196,16 +226,16 @@ static void pipeline(const uint16_t *ap, int64_t nmb, int64_t mtail, int64_t nkb
     for (int64_t it = 0; it < items; it++) {
         const int64_t o = it / n_inner, in = it % n_inner;
         const int64_t mb = cols_outer ? in : o, nb = nb_lo + (cols_outer ? o : in);
-        const uint16_t *a0 = ap + mb * 2 * nkb * 512, *a1 = a0 + nkb * 512;
+        const a_block a = row_block(A, mb);
         const uint16_t *b0 = wp + (2 * nb) * nkb * 512, *b1 = b0 + nkb * 512;
         const int rows = mtail && mb == nmb - 1 ? (int)mtail : 32;
         if (epilogue == EPI_ADD) /* the residual this block's epilogue adds, by then in L1 */
             for (int i = 0; i < rows; i++)
                 _mm_prefetch((const char *)(aux + (mb * 32 + i) * ldaux + nb * 32), _MM_HINT_T0);
-        block32(a0, a1, b0, b1, nkb, cb[it & 1], mode, &pe);
+        block32(a, b0, b1, nkb, cb[it & 1], mode, &pe);
         if (epilogue == EPI_SWIGLU) {
             const uint16_t *u0 = wp2 + (2 * nb) * nkb * 512, *u1 = u0 + nkb * 512;
-            block32(a0, a1, u0, u1, nkb, cu[it & 1], mode, NULL);
+            block32(a, u0, u1, nkb, cu[it & 1], mode, NULL);
         }
         pending_set(&pe, cb[it & 1], cu[it & 1], rows, mb, nb);
     }
@@ -216,7 +246,7 @@ static void pipeline(const uint16_t *ap, int64_t nmb, int64_t mtail, int64_t nkb
  * whose A tiles stay in L1 while the thread's columns pass, the partial sums of every column
  * block kept in part (float32 [2][nnb][32][32]: the second half for EPI_SWIGLU's up
  * projection); a row block's epilogue runs during the next row block's first chunk. */
-static void rows_in_k_chunks(const uint16_t *ap, int64_t nmb, int64_t mtail, int64_t nkb,
+static void rows_in_k_chunks(const a_rows *A, int64_t nmb, int64_t mtail, int64_t nkb,
                              const uint16_t *wp, const uint16_t *wp2, int64_t nnb, int64_t nb_lo,
                              int64_t nb_hi, float *part, int epilogue, const float *bias,
                              const uint16_t *aux, int64_t ldaux, uint16_t *y, int64_t ldy) {
@@ -224,7 +254,7 @@ static void rows_in_k_chunks(const uint16_t *ap, int64_t nmb, int64_t mtail, int
     pending pe = {.units = 0, .epilogue = epilogue, .aux = aux, .ldaux = ldaux, .bias = bias,
                   .y = y, .ldy = ldy};
     for (int64_t mb = 0; mb < nmb; mb++) {
-        const uint16_t *a0 = ap + mb * 2 * nkb * 512, *a1 = a0 + nkb * 512;
+        const a_block a = row_block(A, mb);
         for (int64_t kc = 0; kc < nkb; kc += step) {
             const int64_t kn = nkb - kc < step ? nkb - kc : step, off = kc * 512;
             const int mode = FROM_L2 | (kc ? ACCUMULATE : 0);
@@ -235,11 +265,11 @@ static void rows_in_k_chunks(const uint16_t *ap, int64_t nmb, int64_t mtail, int
                 const int prev = kc == 0 && mb > 0;
                 if (prev)
                     pending_set(&pe, part + nb * 1024, part + (nnb + nb) * 1024, 32, mb - 1, nb);
-                block32(a0 + off, a1 + off, b0, b1, kn, part + nb * 1024, mode,
+                block32(from_k(a, kc), b0, b1, kn, part + nb * 1024, mode,
                         prev ? &pe : NULL);
                 if (epilogue == EPI_SWIGLU) {
                     const uint16_t *u0 = wp2 + 2 * nb * nkb * 512 + off, *u1 = u0 + nkb * 512;
-                    block32(a0 + off, a1 + off, u0, u1, kn, part + (nnb + nb) * 1024, mode, NULL);
+                    block32(from_k(a, kc), u0, u1, kn, part + (nnb + nb) * 1024, mode, NULL);
                 }
             }
         }
@@ -263,10 +293,11 @@ int kvserve_amx_linear(const uint16_t *x, int64_t lda, int64_t M, int64_t K, con
     if (K % 32 || N % 32 || M <= 0 || !amx_permitted()) return 1;
     const int64_t nkb = K / 32, nnb = N / 32, nmb = (M + 31) / 32;
     const int64_t mtail = M % 32;
-    /* x as contiguous 16 x 32 tiles, [row block][half][kb][16][32] (a partial last block padded
-     * with zeros): a tile load then reads one 1 KiB run instead of 16 rows far apart */
-    uint16_t *ap = aligned_alloc(64, (size_t)nmb * 32 * K * 2);
     const int prefill = nmb > 4; /* else few row blocks: each column block's weights serve all */
+    const int direct = prefill && !norm_w; /* see a_rows */
+    /* the tile copy: all of x, or (direct) its partial last row block */
+    const int64_t copied = direct ? (mtail ? 1 : 0) : nmb, first = nmb - copied;
+    uint16_t *ap = aligned_alloc(64, (size_t)(copied ? copied : 1) * 32 * K * 2);
     const int chunked = prefill && nkb > KCHUNK; /* see rows_in_k_chunks */
     float *part = chunked ? aligned_alloc(64, (size_t)nnb * 2 * 1024 * sizeof(float)) : NULL;
     if (!ap || (chunked && !part)) {
@@ -275,8 +306,8 @@ int kvserve_amx_linear(const uint16_t *x, int64_t lda, int64_t M, int64_t K, con
         return 2;
     }
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t r = 0; r < nmb * 32; r++) {
-        const int64_t mb = r / 32, half = (r % 32) / 16, i = r % 16;
+    for (int64_t r = first * 32; r < nmb * 32; r++) {
+        const int64_t mb = r / 32 - first, half = (r % 32) / 16, i = r % 16;
         uint16_t *dst = ap + ((mb * 2 + half) * nkb * 16 + i) * 32;
         if (r < M) {
             const uint16_t *src = x + r * lda;
@@ -290,6 +321,8 @@ int kvserve_amx_linear(const uint16_t *x, int64_t lda, int64_t M, int64_t K, con
             for (int64_t kb = 0; kb < nkb; kb++) memset(dst + kb * 512, 0, 64);
         }
     }
+    const a_rows A = {.ap = direct ? NULL : ap, .x = direct ? x : NULL, .tail = ap, .lda = lda,
+                      .nkb = nkb, .nmb = nmb, .mtail = mtail};
     /* few rows: little work per column, so fewer threads than columns to share */
     int threads = num_threads;
     if ((int64_t)threads > nnb) threads = (int)nnb;
@@ -305,17 +338,17 @@ int kvserve_amx_linear(const uint16_t *x, int64_t lda, int64_t M, int64_t K, con
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
         const int64_t nb_lo = nnb * t / T, nb_hi = nnb * (t + 1) / T;
         if (chunked)
-            rows_in_k_chunks(ap, nmb, mtail, nkb, wp, wp2, nnb, nb_lo, nb_hi, part, epilogue,
+            rows_in_k_chunks(&A, nmb, mtail, nkb, wp, wp2, nnb, nb_lo, nb_hi, part, epilogue,
                              bias, aux, ldaux, y, ldy);
         else if (!prefill)
-            pipeline(ap, nmb, mtail, nkb, wp, wp2, nb_lo, nb_hi, 1, epilogue, bias, aux, ldaux,
+            pipeline(&A, nmb, mtail, nkb, wp, wp2, nb_lo, nb_hi, 1, epilogue, bias, aux, ldaux,
                      y, ldy);
         else { /* column groups of at most L2_BUDGET bytes of weights */
             const int64_t per_nb = 2 * nkb * 1024 * (epilogue == EPI_SWIGLU ? 2 : 1);
             const int64_t groups = ((nb_hi - nb_lo) * per_nb + L2_BUDGET - 1) / L2_BUDGET;
             const int64_t g = groups > 1 ? (nb_hi - nb_lo + groups - 1) / groups : nb_hi - nb_lo;
             for (int64_t lo = nb_lo; lo < nb_hi; lo += g)
-                pipeline(ap, nmb, mtail, nkb, wp, wp2, lo, lo + g < nb_hi ? lo + g : nb_hi, 0,
+                pipeline(&A, nmb, mtail, nkb, wp, wp2, lo, lo + g < nb_hi ? lo + g : nb_hi, 0,
                          epilogue, bias, aux, ldaux, y, ldy);
         }
         _tile_release();
