@@ -160,6 +160,27 @@ def test_fused_rms_norm_is_the_norm_then_the_linear(kernel_mode, kernel, m, k, n
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("m", [1, 64, 300])
+def test_float32_output_holds_the_bf16_values(kernel_mode, kernel, m):
+    """``out_dtype=float32`` (the LM head's logits): each value the bf16 rounding of the
+    float32 product (bias included), stored as float32; the bf16 output's values exactly."""
+    kernel = kernel_mode(kernel)
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 576, generator=g).to(torch.bfloat16)
+    w = (torch.randn(1024, 576, generator=g) * 576**-0.5).to(torch.bfloat16)
+    bias = torch.randn(1024, generator=g).to(torch.bfloat16)
+    wp = amx.pack(w)
+    got = amx.linear(x, wp, bias=bias, kernel=kernel, out_dtype=torch.float32)
+    assert got.dtype == torch.float32 and got.shape == (m, 1024)
+    assert torch.equal(got, got.bfloat16().float())  # bf16 values
+    want = x.float() @ w.float().t() + bias.float()
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=8e-3)
+    assert torch.equal(got, amx.linear(x, wp, bias=bias, kernel=kernel).float())
+    with pytest.raises(AssertionError):
+        amx.linear(x, wp, up=wp, kernel=kernel, out_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("m", [3, 40, 200, 224])
 def test_packed_linear_reads_strided_rows(kernel_mode, kernel, m):
     """Rows of x some distance apart (a view into a wider activation); at prefill sizes (200,
@@ -205,6 +226,7 @@ def test_packed_backend_adopts_a_model_and_gives_it_back(
     ref = OneDNNOps(prepack=False)
     want = [ref.linear(x, layer.qkv_proj), ref.linear_add(x, layer.o_proj, res),
             ref.swiglu_add(x, layer.gate_up_proj, layer.down_proj, res)]  # fmt: skip
+    want_logits = ref.logits(x, model.lm_head)
     ops = PackedOps(kernel)
     model.set_ops(ops)
     kinds = {n: ("amx" if amx.is_packed(p) else "onednn" if p.layout == torch._mkldnn else "dense")
@@ -221,6 +243,10 @@ def test_packed_backend_adopts_a_model_and_gives_it_back(
            ops.swiglu_add(x, layer.gate_up_proj, layer.down_proj, res)]  # fmt: skip
     for w, o in zip(want, got, strict=True):
         torch.testing.assert_close(o.float(), w.float(), atol=3e-2, rtol=2e-2)
+    # The LM head's logits, written as float32 by the kernel: still the bf16 values.
+    logits = ops.logits(x, model.lm_head)
+    assert logits.dtype == torch.float32 and torch.equal(logits, logits.bfloat16().float())
+    torch.testing.assert_close(logits, want_logits, atol=3e-2, rtol=2e-2)
     # The norms before the projections: fused into the packed QKV GEMM, and left on their
     # own before the gate/up one this checkpoint keeps with oneDNN; the same bits either way.
     ln, post = RMSNorm(cfg.hidden_size, 1e-5), RMSNorm(cfg.hidden_size, 1e-6)

@@ -22,7 +22,7 @@ import torch
 from kvserve.kernels import DOT_GAIN, NativeLibrary, best_time, env_switch
 
 _p, _i, _i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-EPI_NONE, EPI_ADD, EPI_SWIGLU = 0, 1, 2
+EPI_NONE, EPI_ADD, EPI_SWIGLU, EPI_F32 = 0, 1, 2, 4
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -141,12 +141,15 @@ def linear(
     up: torch.Tensor | None = None,
     kernel: str = "amx",
     norm: tuple[torch.Tensor, float] | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """``x [M, K] @ W^T`` (bf16), plus ``bias`` or plus ``residual [M, N]``, or with ``up``
     (the up projection, packed): ``silu(x Wg^T) * (x Wu^T)``. Rounded to bf16 once.
     ``kernel``: one of :data:`KERNELS`. ``norm`` (a bf16 weight [K], contiguous, and an
     epsilon): x goes through that RMSNorm first, inside the kernel, with the roundings of
-    :func:`kvserve.kernels.pointwise.rms_norm` (the same bits)."""
+    :func:`kvserve.kernels.pointwise.rms_norm` (the same bits). ``out_dtype`` float32 (not
+    with ``residual`` or ``up``): the same bf16 values, stored as float32 (an LM head's
+    logits, without a pass converting them)."""
     native, entry = _ENTRY[kernel]
     lib = native.get()
     assert lib is not None
@@ -160,8 +163,13 @@ def linear(
     assert wp.shape[1] * 32 == k and x.dtype == torch.bfloat16
     if x.stride(1) != 1:
         x = x.contiguous()
-    y = torch.empty(m, n, dtype=torch.bfloat16)
+    y = torch.empty(m, n, dtype=out_dtype)
     epi, aux, ldaux = EPI_NONE, None, 0
+    if out_dtype == torch.float32:
+        assert residual is None and up is None
+        epi = EPI_F32
+    else:
+        assert out_dtype == torch.bfloat16
     if up is not None:
         epi = EPI_SWIGLU
     elif residual is not None:

@@ -283,7 +283,7 @@ static void rows_in_k_chunks(const a_rows *A, int64_t nmb, int64_t mtail, int64_
 
 /* y[M, N] (rows ldy apart) = epilogue(x W^T): EPI_NONE (+ bias, float32 [N], or NULL),
  * EPI_ADD (+ aux [M, N] bf16, rows ldaux apart), EPI_SWIGLU (wp2 holds the up projection:
- * y = silu(x Wg^T) * (x Wu^T), both packed as wp). norm_w (bf16 [K], or NULL): x is taken
+ * y = silu(x Wg^T) * (x Wu^T), both packed as wp); EPI_NONE | EPI_F32: y is float32. norm_w (bf16 [K], or NULL): x is taken
  * through RMSNorm first (weight norm_w, epsilon norm_eps), each row as it is copied into
  * tiles, so the decoder's norm before a projection costs no pass, call or buffer of its own. */
 int kvserve_amx_linear(const uint16_t *x, int64_t lda, int64_t M, int64_t K, const uint16_t *wp,

@@ -100,8 +100,16 @@ static inline __m512 silu_mul(__m512 g, __m512 u) {
     return _mm512_mul_ps(s, u);
 }
 
-/* The bf16 linear kernels' fused epilogues (amx_gemm.c, avx512_gemm.c). */
-enum { EPI_NONE = 0, EPI_ADD = 1, EPI_SWIGLU = 2 };
+/* The bf16 linear kernels' fused epilogues (amx_gemm.c, avx512_gemm.c). EPI_F32, a flag
+ * beside EPI_NONE: y is float32, each value the bf16 it would have been (an LM head's logits,
+ * which the sampler reads in float32, without a pass converting them). */
+enum { EPI_NONE = 0, EPI_ADD = 1, EPI_SWIGLU = 2, EPI_F32 = 4 };
+
+/* x rounded to bf16, kept as float32, on 16 lanes. */
+static inline __attribute__((always_inline)) __m512 round_bf16x16(__m512 x) {
+    return _mm512_castsi512_ps(
+        _mm512_and_si512(bf16_rounded_bits(x), _mm512_set1_epi32((int)0xffff0000u)));
+}
 
 /* 16 outputs y[row][col .. col + 15] from their float32 sums v: EPI_SWIGLU silu(v) * u[0..15]
  * (the up projection's sums), EPI_ADD v + aux[row][col ..] (bf16, rows ldaux apart), else
@@ -115,13 +123,10 @@ static inline __attribute__((always_inline)) void store_epilogue16(
         v = _mm512_add_ps(v, load16(aux, row * ldaux + col, DT_BF16));
     else if (bias)
         v = _mm512_add_ps(v, _mm512_loadu_ps(bias + col));
-    _mm256_storeu_si256((__m256i *)(y + row * ldy + col), to_bf16(v));
-}
-
-/* x rounded to bf16, kept as float32, on 16 lanes. */
-static inline __attribute__((always_inline)) __m512 round_bf16x16(__m512 x) {
-    return _mm512_castsi512_ps(
-        _mm512_and_si512(bf16_rounded_bits(x), _mm512_set1_epi32((int)0xffff0000u)));
+    if (epilogue & EPI_F32)
+        _mm512_storeu_ps((float *)(void *)y + row * ldy + col, round_bf16x16(v));
+    else
+        _mm256_storeu_si256((__m256i *)(y + row * ldy + col), to_bf16(v));
 }
 
 /* One bf16 row of RMSNorm, out = w * round(x * rsqrt(mean(x^2) + eps)) (RMSNorm.forward's

@@ -130,6 +130,11 @@ class TorchOps:
     def rms_norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return norm(x)
 
+    def logits(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+        """The LM head's logits in float32: ``linear(x)`` converted (a backend may write them
+        in float32 directly, :class:`PackedOps`)."""
+        return self.linear(x, layer).float()
+
     def norm_linear(self, norm: nn.Module, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         """``linear(rms_norm(x))``: a backend may fuse the two (:class:`PackedOps`)."""
         return self.linear(self.rms_norm(norm, x), layer)
@@ -372,6 +377,18 @@ class PackedOps(OneDNNOps):
             return None
         return _bf16_norm(norm, x)
 
+    def logits(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+        kw = self._head_weights(x, layer)
+        if kw is None:
+            return super().logits(x, layer)
+        # the bf16 logits, stored as float32 by the kernel: no pass converting them
+        return amx.linear(x, kw[0], bias=kw[2], kernel=self.kernel, out_dtype=torch.float32)
+
+    def _head_weights(self, x: torch.Tensor, layer: nn.Linear) -> KernelWeights | None:
+        """The LM head's packed matrices where this backend's kernel computes ``x``'s
+        logits, else None."""
+        return self._kernel_weights(layer)
+
 
 def _bf16_norm(norm: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, float] | None:
     """(weight, eps) of an RMSNorm whose weight and input are bf16 (the linear kernels' rows
@@ -582,6 +599,9 @@ class UpcastOps(PackedOps):
         if self._big(x, layer):  # the copies' GEMM: the norm runs on its own
             return None
         return super()._norm_in_kernel(norm, x, layer)
+
+    def _head_weights(self, x: torch.Tensor, layer: nn.Linear) -> KernelWeights | None:
+        return None if self._big(x, layer) else super()._head_weights(x, layer)
 
     def swiglu_add(
         self, x: torch.Tensor, gate_up: nn.Linear, down: nn.Linear, residual: torch.Tensor

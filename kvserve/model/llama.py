@@ -177,7 +177,7 @@ class LlamaForCausalLM(nn.Module):
             layer.ops = ops
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(hidden, self.lm_head).float()
+        return self.ops.logits(hidden, self.lm_head)
 
     def exact_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """Float32 logits of ``token_ids`` ([n, k]) for hidden rows [n, hidden], from the
