@@ -160,6 +160,39 @@ def test_fused_rms_norm_is_the_norm_then_the_linear(kernel_mode, kernel, m, k, n
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("m", [5, 200])
+def test_outputs_round_to_bf16_as_torch_does(kernel_mode, kernel, m):
+    """The epilogue's rounding to bf16 against torch's, bit for bit: ties to even (sums
+    1 + c 2^-8 exact in float32, half an ulp of bf16 for odd c), and through the bias and the
+    residual the values a fast conversion instruction would get wrong or lose: float32
+    denormals (flushed to zero by AVX512-BF16's conversion), infinities, NaN, signed zeros."""
+    kernel = kernel_mode(kernel)
+    n = 64
+    x = torch.zeros(m, 64, dtype=torch.bfloat16)
+    x[:, :2] = 1
+    w = torch.zeros(n, 64)
+    w[:, 0] = 1
+    w[:, 1] = torch.arange(n) * 2.0**-8  # bf16-exact
+    w = w.to(torch.bfloat16)
+    want = (x.float() @ w.float().t()).bfloat16()
+    assert torch.equal(amx.linear(x, amx.pack(w), kernel=kernel), want)
+    special = [2.0**-130, -(2.0**-128), 3 * 2.0**-133, float("inf"), float("-inf"), -0.0, 0.0]
+    edge = torch.tensor(special * (n // len(special)) + special[: n % len(special)])
+    edge = edge.to(torch.bfloat16)
+    zero_w = amx.pack(torch.zeros(n, 64, dtype=torch.bfloat16))
+    zero_x = torch.zeros(m, 64, dtype=torch.bfloat16)
+    want = (torch.zeros(m, n) + edge.float()).bfloat16()  # 0 + -0 is +0
+    res = edge.expand(m, n).contiguous()
+    for got in (amx.linear(zero_x, zero_w, bias=edge, kernel=kernel),
+                amx.linear(zero_x, zero_w, residual=res, kernel=kernel)):  # fmt: skip
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    nan = edge.clone()
+    nan[3] = float("nan")
+    got = amx.linear(zero_x, zero_w, bias=nan, kernel=kernel)
+    assert got[:, 3].isnan().all() and torch.equal(got[:, 4:], nan[4:].expand(m, n - 4))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("m", [1, 64, 300])
 def test_float32_output_holds_the_bf16_values(kernel_mode, kernel, m):
     """``out_dtype=float32`` (the LM head's logits): each value the bf16 rounding of the

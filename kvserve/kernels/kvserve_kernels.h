@@ -69,8 +69,17 @@ static inline __m512i bf16_rounded_bits(__m512 x) {
     return _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));
 }
 
-/* float32 -> bf16, 16 lanes, bit for bit f32_to_bf16. */
+/* float32 -> bf16, 16 lanes, bit for bit f32_to_bf16. With AVX512-BF16, one instruction
+ * (nearest even, NaN quieted as here) where no lane is a float32 denormal, which it would
+ * flush to zero; such vectors (rare) take the integer rounding. */
 static inline __m256i to_bf16(__m512 x) {
+#if defined(__AVX512BF16__)
+    const __m512i u = _mm512_castps_si512(x);
+    const __mmask16 nonzero = _mm512_test_epi32_mask(u, _mm512_set1_epi32(0x7fffffff));
+    const __mmask16 denormal =
+        _mm512_mask_testn_epi32_mask(nonzero, u, _mm512_set1_epi32(0x7f800000));
+    if (__builtin_expect(!denormal, 1)) return (__m256i)_mm512_cvtneps_pbh(x);
+#endif
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rounded_bits(x), 16));
 }
 
