@@ -11,9 +11,10 @@ sampling, the runner's batch building and KV record, the scheduler, and the engi
 processing (detokenization). A step is "prefill" when it computes any prompt token. Bounds:
 GEMMs at this CPU's measured GEMM peak for the dtype (a 2,048 x hidden x 3 hidden matmul, best
 of several), that of the large steps' dtype for prefill steps when a bf16 model runs its
-large GEMMs on another path (``UpcastOps``: oneDNN in float32 or bf16); decode attention at
-the measured read bandwidth (weights are counted in the GEMM row); host work (scheduling,
-batch building, sampling, output) at zero.
+large GEMMs on another path (``UpcastOps``: oneDNN in float32 or bf16), and never below the
+time to read every weight matrix once per step at the measured read bandwidth (what bounds a
+decode step's GEMMs); decode attention at the measured read bandwidth; host work
+(scheduling, batch building, sampling, output) at zero.
 """
 
 from __future__ import annotations
@@ -152,6 +153,7 @@ def main() -> None:
     layer_params = sum(p.numel() for n, p in model.named_parameters()
                        if n.startswith("layers.") and "proj" in n)  # fmt: skip
     head_params = model.lm_head.weight.numel()
+    weight_bytes = (layer_params + head_params) * dt.itemsize  # read by every step's GEMMs
     rows = []
     for phase in ("prefill", "decode"):
         a = {k: v for (ph, k), v in t.acc.items() if ph == phase}
@@ -166,7 +168,8 @@ def main() -> None:
         sched = a.get("schedule", 0.0) + a.get("update", 0.0)
         output = wall[phase] - runner_t - sched
         gemm_flops = 2 * (tokens[phase] * layer_params + head_rows[phase] * head_params)
-        gemm_bound = gemm_flops / (prefill_peak if phase == "prefill" else peak_flops)
+        gemm_bound = max(gemm_flops / (prefill_peak if phase == "prefill" else peak_flops),
+                         steps[phase] * weight_bytes / bw)  # fmt: skip
         kv_bound = kv_entries * e.bytes_per_token / bw if phase == "decode" else None
         parts = [
             ("GEMMs (linear, SwiGLU, LM head, fused norms)", gemm, gemm_bound),
