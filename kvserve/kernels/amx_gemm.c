@@ -6,7 +6,8 @@
  * together are adjacent):
  *   wp[nb][kb][r][c][2] = W[16 nb + c][32 kb + 2 r + {0,1}]   (one 1 KiB B tile per 16 x 32)
  * x is first copied into contiguous 16 x 32 tiles (a partial last block of rows padded with
- * zeros). A micro-step is 32 rows x 32 columns: four float32 accumulator tiles, two A and two
+ * zeros), except at prefill sizes with no norm to apply, where it is read in place (a_rows).
+ * A micro-step is 32 rows x 32 columns: four float32 accumulator tiles, two A and two
  * B tiles (the weights stream from memory at decode sizes; see PREFETCH). Its epilogue rounds
  * to bf16 once, after adding a bias, adding a residual, or, for the gate/up pair of SwiGLU,
  * taking silu(gate) * up, so an MLP's intermediate is written once.
@@ -283,9 +284,10 @@ static void rows_in_k_chunks(const a_rows *A, int64_t nmb, int64_t mtail, int64_
 
 /* y[M, N] (rows ldy apart) = epilogue(x W^T): EPI_NONE (+ bias, float32 [N], or NULL),
  * EPI_ADD (+ aux [M, N] bf16, rows ldaux apart), EPI_SWIGLU (wp2 holds the up projection:
- * y = silu(x Wg^T) * (x Wu^T), both packed as wp); EPI_NONE | EPI_F32: y is float32. norm_w (bf16 [K], or NULL): x is taken
- * through RMSNorm first (weight norm_w, epsilon norm_eps), each row as it is copied into
- * tiles, so the decoder's norm before a projection costs no pass, call or buffer of its own. */
+ * y = silu(x Wg^T) * (x Wu^T), both packed as wp); EPI_NONE | EPI_F32: y is float32.
+ * norm_w (bf16 [K], or NULL): x is taken through RMSNorm first (weight norm_w, epsilon
+ * norm_eps), each row as it is copied into tiles, so the decoder's norm before a projection
+ * costs no pass, call or buffer of its own. */
 int kvserve_amx_linear(const uint16_t *x, int64_t lda, int64_t M, int64_t K, const uint16_t *wp,
                        const uint16_t *wp2, int64_t N, const float *bias, int epilogue,
                        const uint16_t *aux, int64_t ldaux, uint16_t *y, int64_t ldy,

@@ -142,7 +142,8 @@ static inline const uint16_t *input_row(const uint16_t *x, int64_t lda, int64_t 
 /* y[M, N] (rows ldy apart) = epilogue(x W^T) for x [M, K] bf16 (rows lda apart):
  * EPI_NONE (+ bias, float32 [N], or NULL), EPI_ADD (+ aux [M, N] bf16, rows ldaux apart),
  * EPI_SWIGLU (wp2 holds the up projection: y = silu(x Wg^T) * (x Wu^T), both packed);
- * EPI_NONE | EPI_F32: y is float32. norm_w (bf16 [K], or NULL): x goes through RMSNorm first, as in amx_gemm.c. */
+ * EPI_NONE | EPI_F32: y is float32. norm_w (bf16 [K], or NULL): x goes through RMSNorm
+ * first, as in amx_gemm.c. */
 int kvserve_avx512_linear(const uint16_t *x, int64_t lda, int64_t M, int64_t K,
                           const uint16_t *wp, const uint16_t *wp2, int64_t N, const float *bias,
                           int epilogue, const uint16_t *aux, int64_t ldaux, uint16_t *y,
