@@ -212,10 +212,10 @@ static inline __attribute__((always_inline)) void block32(a_block a, const uint1
  * blocks, decode): each column block's weights are read once from memory and serve every row
  * block from L1; else (prefill) a row block stays in L1 while the thread's columns pass from
  * its L2. */
-static void pipeline(const a_rows *A, int64_t nmb, int64_t mtail, int64_t nkb,
-                     const uint16_t *wp, const uint16_t *wp2, int64_t nb_lo, int64_t nb_hi,
-                     int cols_outer, int epilogue, const float *bias, const uint16_t *aux,
-                     int64_t ldaux, uint16_t *y, int64_t ldy) {
+static void pipeline(const a_rows *A, const uint16_t *wp, const uint16_t *wp2, int64_t nb_lo,
+                     int64_t nb_hi, int cols_outer, int epilogue, const float *bias,
+                     const uint16_t *aux, int64_t ldaux, uint16_t *y, int64_t ldy) {
+    const int64_t nmb = A->nmb, mtail = A->mtail, nkb = A->nkb;
     float cb[2][32 * 32] __attribute__((aligned(64)));
     float cu[2][32 * 32] __attribute__((aligned(64)));
     const int64_t n_outer = cols_outer ? nb_hi - nb_lo : nmb;
@@ -247,10 +247,11 @@ static void pipeline(const a_rows *A, int64_t nmb, int64_t mtail, int64_t nkb,
  * whose A tiles stay in L1 while the thread's columns pass, the partial sums of every column
  * block kept in part (float32 [2][nnb][32][32]: the second half for EPI_SWIGLU's up
  * projection); a row block's epilogue runs during the next row block's first chunk. */
-static void rows_in_k_chunks(const a_rows *A, int64_t nmb, int64_t mtail, int64_t nkb,
-                             const uint16_t *wp, const uint16_t *wp2, int64_t nnb, int64_t nb_lo,
-                             int64_t nb_hi, float *part, int epilogue, const float *bias,
-                             const uint16_t *aux, int64_t ldaux, uint16_t *y, int64_t ldy) {
+static void rows_in_k_chunks(const a_rows *A, const uint16_t *wp, const uint16_t *wp2,
+                             int64_t nnb, int64_t nb_lo, int64_t nb_hi, float *part,
+                             int epilogue, const float *bias, const uint16_t *aux,
+                             int64_t ldaux, uint16_t *y, int64_t ldy) {
+    const int64_t nmb = A->nmb, mtail = A->mtail, nkb = A->nkb;
     const int64_t chunks = (nkb + KCHUNK - 1) / KCHUNK, step = (nkb + chunks - 1) / chunks;
     pending pe = {.units = 0, .epilogue = epilogue, .aux = aux, .ldaux = ldaux, .bias = bias,
                   .y = y, .ldy = ldy};
@@ -340,18 +341,17 @@ int kvserve_amx_linear(const uint16_t *x, int64_t lda, int64_t M, int64_t K, con
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
         const int64_t nb_lo = nnb * t / T, nb_hi = nnb * (t + 1) / T;
         if (chunked)
-            rows_in_k_chunks(&A, nmb, mtail, nkb, wp, wp2, nnb, nb_lo, nb_hi, part, epilogue,
-                             bias, aux, ldaux, y, ldy);
+            rows_in_k_chunks(&A, wp, wp2, nnb, nb_lo, nb_hi, part, epilogue, bias, aux, ldaux,
+                             y, ldy);
         else if (!prefill)
-            pipeline(&A, nmb, mtail, nkb, wp, wp2, nb_lo, nb_hi, 1, epilogue, bias, aux, ldaux,
-                     y, ldy);
+            pipeline(&A, wp, wp2, nb_lo, nb_hi, 1, epilogue, bias, aux, ldaux, y, ldy);
         else { /* column groups of at most L2_BUDGET bytes of weights */
             const int64_t per_nb = 2 * nkb * 1024 * (epilogue == EPI_SWIGLU ? 2 : 1);
             const int64_t groups = ((nb_hi - nb_lo) * per_nb + L2_BUDGET - 1) / L2_BUDGET;
             const int64_t g = groups > 1 ? (nb_hi - nb_lo + groups - 1) / groups : nb_hi - nb_lo;
             for (int64_t lo = nb_lo; lo < nb_hi; lo += g)
-                pipeline(&A, nmb, mtail, nkb, wp, wp2, lo, lo + g < nb_hi ? lo + g : nb_hi, 0,
-                         epilogue, bias, aux, ldaux, y, ldy);
+                pipeline(&A, wp, wp2, lo, lo + g < nb_hi ? lo + g : nb_hi, 0, epilogue, bias,
+                         aux, ldaux, y, ldy);
         }
         _tile_release();
     }
