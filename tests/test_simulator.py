@@ -1049,9 +1049,11 @@ def test_validation_benchmark_scores_each_real_run_against_the_others():
 
 def test_calibration_charges_the_serving_loops_time_between_steps(monkeypatch):
     """The serving loop's own work between two steps of a busy engine (publishing its state;
-    here made 4 ms longer per step) belongs to the steps: the simulated engine starts its
-    next step at once. The same run simulated on that calibration's profile lasts longer by
-    about the added time, not by nothing (the steps alone did not change)."""
+    here made 20 ms longer per step) is measured as the profile's loop time, and the
+    simulated engine waits that long before each next step: the same run simulated with that
+    loop time lasts longer by about the added time, not by nothing (the steps alone did not
+    change). The two simulations share one calibration's step costs, which a busy host moves
+    between calibrations by more than the added time."""
     import time
 
     from kvserve.bench.engine_target import EngineTarget
@@ -1060,23 +1062,33 @@ def test_calibration_charges_the_serving_loops_time_between_steps(monkeypatch):
     kw = dict(model=default_model(), kv_cache_memory="16MiB")
     words = "the cache block model server request queue latency ".split()
     reqs = [BenchRequest(i, "chat", " ".join(words[i % 5 :] * 3), 24, 20) for i in range(12)]
-    extra = 4e-3
+    extra = 20e-3
+    slept: list[float] = []
     publish = EngineTarget._publish
 
-    def calibrated() -> tuple[float, int]:
+    def calibrated() -> Profile:
         target = EngineTarget.from_kwargs(kw, temperature=0.0, ignore_eos=True)
-        profile, _ = calibrate(target, [(reqs, LoadSpec())], 0)
+        return calibrate(target, [(reqs, LoadSpec())], 0)[0]
+
+    def simulated(profile: Profile) -> tuple[float, int]:
         res, sims = simulate_load(SimTarget(kw, profile), reqs, LoadSpec(), 0)
         return res.duration, sims[0].engine.core.num_steps
 
-    base, steps = calibrated()
+    base = calibrated()
 
     def slow_publish(self, engine, sample):  # type: ignore[no-untyped-def]
         if sample and engine.has_unfinished_requests():
+            t0 = time.perf_counter()
             time.sleep(extra)
+            slept.append(time.perf_counter() - t0)
         publish(self, engine, sample)
 
     monkeypatch.setattr(EngineTarget, "_publish", slow_publish)
-    slow, _ = calibrated()
+    slow_gap = calibrated().loop_gap_s
+    # what the sleep really took (on a busy host it can return a few ms late)
+    added = sum(slept) / len(slept)
+    assert 0.8 * added < slow_gap - base.loop_gap_s < 1.2 * added
+    before, steps = simulated(base)
+    after, _ = simulated(replace(base, loop_gap_s=slow_gap))
     # every simulated step but the last few (the engine goes idle after them) pays it
-    assert 0.5 * steps * extra < slow - base < 1.5 * steps * extra
+    assert 0.8 * steps * added < after - before < 1.05 * steps * added

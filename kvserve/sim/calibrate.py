@@ -340,24 +340,27 @@ def calibrate(
     touched: set[int] | None = None if eng.config.cache.kv_cache_prefault else set()
     probing = False  # the solo prefills: recorded, though no request was added through add
 
-    # The serving loop's own time between two steps of a busy engine (publishing its state,
-    # handing finished requests back), less the requests it added meanwhile (their own
-    # term): the simulated engine starts its next step at once, so the step before pays it.
-    busy_since: float | None = None  # the last step's end, when it left the engine busy
+    # The serving loop's own time between two steps of a busy engine in the workload
+    # (publishing its state, handing finished requests back), less the requests it added
+    # meanwhile (their own term): a term of its own, not folded into the step before, since
+    # the probes' steps follow each other with no serving loop between them and a fit over
+    # both would charge only part of it.
+    busy_since: float | None = None  # the last workload step's end, when it left work
     added = 0.0  # seconds of adds since then
+    gaps: list[float] = []
 
     def timed_step() -> Any:
         nonlocal busy_since, added
         a = time.perf_counter()
-        if busy_since is not None and trace:
-            f0, s0, fit0 = trace[-1]
-            trace[-1] = (f0, s0 + max(a - busy_since - added, 0.0), fit0)
+        if busy_since is not None:
+            gaps.append(max(a - busy_since - added, 0.0))
         out = step()
         b = time.perf_counter()
         if eng.core.last_step.seqs:
             f = features_of(eng.core.last_step, shape, touched, eng.block_size)
             trace.append((f, b - a, probing or len(adds) > warm))  # warm-up: touches only
-        busy_since = b if eng.core.last_step.seqs and eng.has_unfinished_requests() else None
+        busy = bool(eng.core.last_step.seqs) and eng.has_unfinished_requests()
+        busy_since = b if busy and not probing and len(adds) > warm else None
         added = 0.0
         return out
 
@@ -422,6 +425,9 @@ def calibrate(
             coef = np.array([float(y.mean()), 0.0])
         profile.request_overhead_s = max(0.0, float(coef[0]))
         profile.request_overhead_per_token_s = max(0.0, float(coef[1]))
+    # The mean, not the median: the simulated clock sums the gaps, and the loop's occasional
+    # long one (a collection, a burst of finished requests) is part of the run's time.
+    profile.loop_gap_s = float(np.mean(gaps)) if gaps else 0.0
     if eng.storage is not None:
         bpb = shape.kv_bytes_per_token * eng.block_size
         path = measure_tier_path(eng.storage, bpb)

@@ -60,6 +60,8 @@ SECONDS_FIELDS = (
 OFFLOAD_SECONDS_FIELDS = (
     "offload_export_s_per_byte", "offload_store_s_per_block", "offload_load_s_per_block",
 )  # fmt: skip
+# The serving loop's own host time, outside the steps (measured, not fitted).
+HOST_SECONDS_FIELDS = ("request_overhead_s", "request_overhead_per_token_s", "loop_gap_s")
 # Fields of profiles written before the new-shape term counted GEMM shapes (it counted step
 # row counts): read, and the term left off.
 RETIRED_SHAPE_FIELDS = ("new_shape_min_tokens", "shape_cache_rows")
@@ -342,6 +344,10 @@ class Profile:
     allreduce_latency_s: float = 0.0  # per all-reduce, for tp > 1
     request_overhead_s: float = 0.0  # per added request (validation, tokenization)
     request_overhead_per_token_s: float = 0.0
+    # The serving loop's own time between two steps of a busy engine (publishing its state,
+    # handing finished requests back), past the requests it added meanwhile: the step after
+    # waits for it.
+    loop_gap_s: float = 0.0
     # Offload tiers (kvserve.sim.tiers), by tier name (cpu, disk, redis): the bytes/s a load
     # moves from the tier into one GPU's pool, and the fixed seconds of each batch of blocks
     # asked of it; and the step's seconds per byte of blocks exported to the tiers.
@@ -461,7 +467,7 @@ class Profile:
             n = getattr(p, name)
             if not (isinstance(n, int) and n >= 0):
                 raise ValueError(f"{where}: {name} must be an integer >= 0, got {n!r}")
-        for name in (*SECONDS_FIELDS, *OFFLOAD_SECONDS_FIELDS):
+        for name in (*SECONDS_FIELDS, *OFFLOAD_SECONDS_FIELDS, *HOST_SECONDS_FIELDS):
             v = getattr(p, name)
             if not (isinstance(v, int | float) and v >= 0):
                 raise ValueError(f"{where}: {name} must be >= 0 seconds, got {v!r}")

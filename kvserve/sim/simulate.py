@@ -494,6 +494,9 @@ class _Replica:
                     clock.now = max(clock.now, due[0][0])
                 continue
             idle_steps = 0
+            if core.has_unfinished_requests():
+                # The serving loop's own time before the next step of a busy engine
+                clock.advance(self.sim.runner.profile.loop_gap_s)
             for r in updated:
                 if r.status not in FINISHED_STATUSES:
                     continue
