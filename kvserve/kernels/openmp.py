@@ -17,6 +17,14 @@ A helper thread that lives beside the engine (the KV offload worker) must not st
 its own at all: one parallel torch op there (a ``torch.cat`` of loaded blocks) would leave its
 pool idle beside the engine's for the rest of the run, with the same throttling.
 :func:`serial_thread` makes the calling thread's parallel regions run on that thread alone.
+
+A parallel region ends when its last thread does, and an idle worker spins for a while before
+it sleeps. With every core in the team and a third busy thread beside it (another process, the
+server's event loop, a benchmark client), the OS may run two of the team's threads on one core:
+one spins while the other waits for that core, and every region (hundreds per step) waits for
+a time slice. :class:`ThreadBinding` gives each team thread a core of its own, as vLLM's CPU
+backend does (``VLLM_CPU_OMP_THREADS_BIND``): the busy thread then takes its share of one core
+instead of stalling every region (``BENCHMARKS.md``, session 57).
 """
 
 from __future__ import annotations
@@ -24,7 +32,9 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -69,6 +79,7 @@ def release_thread_pool() -> bool:
     engine, before another thread steps it. False where there is nothing to call (no libgomp
     loaded, an OpenMP without OpenMP 5.0's pause, another OS) or the runtime refused."""
     pause = _libgomp_fn("omp_pause_resource_all", ctypes.c_int)
+    _bound.team = None  # the next pool is new: its workers are pinned again
     return pause is not None and pause(OMP_PAUSE_SOFT) == 0
 
 
@@ -85,3 +96,126 @@ def serial_thread() -> bool:
     torch.get_num_threads()
     set_threads(1)
     return True
+
+
+BIND_ENV = "KVSERVE_CPU_OMP_THREADS_BIND"
+_bound = threading.local()  # per thread: its home CPUs, and the CPUs its pool is pinned to
+
+
+def _parse_cpus(text: str) -> list[int]:
+    """A CPU list as Linux writes it ("0-3,8,10-11")."""
+    cpus: list[int] = []
+    for part in text.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()):
+            raise ValueError(f"{BIND_ENV}: {text!r} is not auto, nobind or a CPU list like 0-3,8")
+        cpus.extend(range(int(lo), int(hi) + 1) if dash else [int(lo)])
+    return cpus
+
+
+def _one_per_core(cpus: set[int]) -> list[int]:
+    """``cpus`` with one logical CPU per physical core first (the lowest of each core's
+    siblings, by package and core), then the other siblings; sorted where the topology is
+    not readable."""
+    top = Path("/sys/devices/system/cpu")
+    keyed = []
+    try:
+        for c in sorted(cpus):
+            t = top / f"cpu{c}" / "topology"
+            pkg = int((t / "physical_package_id").read_text())
+            keyed.append(((pkg, int((t / "core_id").read_text())), c))
+    except (OSError, ValueError):
+        return sorted(cpus)
+    first: dict[tuple[int, int], int] = {}
+    rest = []
+    for core, c in keyed:
+        if core in first:
+            rest.append(c)
+        else:
+            first[core] = c
+    return sorted(first.values()) + rest
+
+
+class ThreadBinding:
+    """Each thread of the compute team on a CPU of its own while a step runs.
+
+    The workers of the stepping thread's pool are pinned once (:func:`pin_team`, again after
+    :func:`release_thread_pool`); the stepping thread itself only from :meth:`enter` to
+    :meth:`exit`, so that what it starts between steps (threads, subprocesses, which inherit
+    its CPUs) keeps the CPUs it had.
+    """
+
+    def __init__(self, cpus: list[int]) -> None:
+        self.cpus = cpus
+
+    @classmethod
+    def from_env(cls, device: Any, threads: int | None = None) -> ThreadBinding | None:
+        """The binding ``KVSERVE_CPU_OMP_THREADS_BIND`` asks for (``auto``, the default: one
+        CPU per physical core of those this thread may use; ``nobind``; or a CPU list such as
+        ``0-3``) for a team of ``threads`` (torch's), or None where there is nothing to bind:
+        not a CPU device, one thread, more threads than CPUs, not Linux. Raises ValueError,
+        naming the variable, for a list it cannot use."""
+        mode = os.environ.get(BIND_ENV, "auto").strip()
+        n = torch.get_num_threads() if threads is None else threads
+        linux = sys.platform.startswith("linux")
+        if mode == "nobind" or str(device) != "cpu" or n < 2 or not linux:
+            if mode not in ("auto", "nobind"):
+                _parse_cpus(mode)  # still refuse a malformed value
+            return None
+        home = os.sched_getaffinity(0)
+        if mode == "auto":
+            cpus = _one_per_core(home)
+            return cls(cpus[:n]) if len(cpus) >= n else None
+        cpus = _parse_cpus(mode)
+        outside = sorted(set(cpus) - home)
+        if outside:
+            raise ValueError(f"{BIND_ENV}: CPUs {outside} are not among those this process may "
+                             f"use ({','.join(map(str, sorted(home)))})")  # fmt: skip
+        if len(set(cpus)) < n:
+            raise ValueError(
+                f"{BIND_ENV}: {len(set(cpus))} CPU(s) for {n} compute threads; list at least "
+                f"{n}, or set OMP_NUM_THREADS={len(set(cpus))}"
+            )
+        return cls(list(dict.fromkeys(cpus))[:n])
+
+    def enter(self) -> bool:
+        """Pin the calling thread for a step (and, the first time, its pool's workers); False,
+        pinning nothing, where the workers could not be pinned: the calling thread pinned
+        beside floating workers could end up sharing its core with one."""
+        b = _bound
+        if getattr(b, "team", None) != self.cpus:
+            b.home = os.sched_getaffinity(0)
+            b.pinned = pin_team(self.cpus)
+            b.team = self.cpus
+        if b.pinned:
+            os.sched_setaffinity(0, (self.cpus[0],))
+        return b.pinned
+
+    def exit(self) -> None:
+        """Give the calling thread back the CPUs it had before :meth:`enter` pinned it."""
+        os.sched_setaffinity(0, _bound.home)
+
+
+def _declare_pin(lib: ctypes.CDLL) -> None:
+    lib.kvserve_pin_team.restype = ctypes.c_int
+    lib.kvserve_pin_team.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+
+
+_PIN_LIB: Any = None
+
+
+def pin_team(cpus: list[int]) -> bool:
+    """Pin workers 1..n-1 of the calling thread's pool to ``cpus[1:]`` (n = len(cpus));
+    False where that could not be done (no compiler, a smaller team, the OS refused)."""
+    global _PIN_LIB
+    if _PIN_LIB is None:
+        from kvserve.kernels import NativeLibrary
+
+        src = Path(__file__).with_name("affinity.c")
+        _PIN_LIB = NativeLibrary(src, ["-O2", "-fopenmp", "-std=gnu11"], "OpenMP thread binding",
+                                 _declare_pin)  # fmt: skip
+    lib = _PIN_LIB.get()
+    if lib is None:
+        return False
+    arr = (ctypes.c_int * len(cpus))(*cpus)
+    return lib.kvserve_pin_team(arr, len(cpus)) == len(cpus) - 1
