@@ -110,13 +110,16 @@ from kvserve.kernels.openmp import release_thread_pool
 torch.set_num_threads(2)
 
 def masks():
-    # every thread's CPUs as the kernel reports them
+    # every thread's CPUs as the kernel reports them (a thread that just ended is skipped)
     out = {}
     for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/status") as f:
-            for line in f:
-                if line.startswith("Cpus_allowed_list"):
-                    out[int(tid)] = line.split(":")[1].strip()
+        try:
+            with open(f"/proc/self/task/{tid}/status") as f:
+                for line in f:
+                    if line.startswith("Cpus_allowed_list"):
+                        out[int(tid)] = line.split(":")[1].strip()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
     return out
 
 llm = LLM(default_model(), kv_cache_memory="8MiB")
