@@ -291,11 +291,17 @@ def test_profile_file_round_trip_and_errors(tmp_path):
         ({**data, "inline_host_loads": "yes"}, "inline_host_loads must be true or false"),
         ({**data, "new_shape_s": -1e-3}, "new_shape_s must be >= 0"),
         ({**data, "gemm_efficiency_large": 0}, "gemm_efficiency_large must be > 0"),
+        ({**data, "loop_gap_s": -1e-4}, "loop_gap_s must be >= 0 seconds"),
+        ({**data, "request_overhead_s": "fast"}, "request_overhead_s must be >= 0 seconds"),
         ({**data, "version": 99}, "version 99"),
     ):
         (tmp_path / "bad.json").write_text(json.dumps(bad))
         with pytest.raises(ValueError, match=match):
             Profile.load(tmp_path / "bad.json")
+    # a profile written before the loop term: read, the loop charged nothing
+    older = {k: v for k, v in data.items() if k != "loop_gap_s"}
+    assert Profile.from_json({**older, "loop_gap_s": 2e-4}).loop_gap_s == 2e-4
+    assert Profile.from_json(older).loop_gap_s == 0.0
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ValueError, match="invalid JSON"):
         Profile.load(tmp_path / "bad.json")
