@@ -33,24 +33,25 @@ def main() -> None:
     sp = SamplingParams(temperature=0, max_tokens=int(max_tokens), ignore_eos=True,
                         detokenize=False)  # fmt: skip
     llm.generate([{"prompt_token_ids": prompts[0][:16]}], sp)  # warm-up
-    t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
-    wall = time.perf_counter() - t0
-    n = sum(len(o.outputs[0].token_ids) for o in outs)
+
+    def timed() -> tuple[float, int]:
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+        return time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs)
+
+    wall, n = timed()
     res = {"vllm_tok_s": n / wall, "wall": wall, "tokens": n}
     if beside_busy:
         import subprocess
 
         busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
         try:
-            t0 = time.perf_counter()
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
-            busy_wall = time.perf_counter() - t0
+            busy_wall, busy_n = timed()
         finally:
             busy.kill()
             busy.wait()
         res["alone_tok_s"] = res["vllm_tok_s"]
-        res["busy_tok_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / busy_wall
+        res["busy_tok_s"] = busy_n / busy_wall
     print(json.dumps(res))
 
 

@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from kvserve.kernels import NativeLibrary
+
 OMP_PAUSE_SOFT = 1  # OpenMP 5.0's omp_pause_soft: free the calling thread's pool
 
 
@@ -166,17 +168,17 @@ class ThreadBinding:
         if mode == "auto":
             cpus = _one_per_core(home)
             return cls(cpus[:n]) if len(cpus) >= n else None
-        cpus = _parse_cpus(mode)
+        cpus = list(dict.fromkeys(_parse_cpus(mode)))  # in the list's order, once each
         outside = sorted(set(cpus) - home)
         if outside:
             raise ValueError(f"{BIND_ENV}: CPUs {outside} are not among those this process may "
                              f"use ({','.join(map(str, sorted(home)))})")  # fmt: skip
-        if len(set(cpus)) < n:
+        if len(cpus) < n:
             raise ValueError(
-                f"{BIND_ENV}: {len(set(cpus))} CPU(s) for {n} compute threads; list at least "
-                f"{n}, or set OMP_NUM_THREADS={len(set(cpus))}"
+                f"{BIND_ENV}: {len(cpus)} CPU(s) for {n} compute threads; list at least "
+                f"{n}, or set OMP_NUM_THREADS={len(cpus)}"
             )
-        return cls(list(dict.fromkeys(cpus))[:n])
+        return cls(cpus[:n])
 
     def enter(self) -> bool:
         """Pin the calling thread for a step (and, the first time, its pool's workers); False,
@@ -201,19 +203,13 @@ def _declare_pin(lib: ctypes.CDLL) -> None:
     lib.kvserve_pin_team.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
 
 
-_PIN_LIB: Any = None
+_PIN_LIB = NativeLibrary(Path(__file__).with_name("affinity.c"), ["-O2", "-fopenmp", "-std=gnu11"],
+                         "OpenMP thread binding", _declare_pin)  # fmt: skip
 
 
 def pin_team(cpus: list[int]) -> bool:
     """Pin workers 1..n-1 of the calling thread's pool to ``cpus[1:]`` (n = len(cpus));
     False where that could not be done (no compiler, a smaller team, the OS refused)."""
-    global _PIN_LIB
-    if _PIN_LIB is None:
-        from kvserve.kernels import NativeLibrary
-
-        src = Path(__file__).with_name("affinity.c")
-        _PIN_LIB = NativeLibrary(src, ["-O2", "-fopenmp", "-std=gnu11"], "OpenMP thread binding",
-                                 _declare_pin)  # fmt: skip
     lib = _PIN_LIB.get()
     if lib is None:
         return False

@@ -431,6 +431,7 @@ class _Replica:
         replica furthest behind in time. The records are in ``self.records``."""
         eng, clock, offload = self.sim.engine, self.sim.clock, self.sim.offload
         core = eng.core
+        loop_gap = self.sim.runner.profile.loop_gap_s  # the serving loop's time between steps
         self._t0 = t0
         # Each record is made when its request is sent (a streamed workload's requests
         # arrive while the replay runs); every request is sent before this ends.
@@ -494,9 +495,8 @@ class _Replica:
                     clock.now = max(clock.now, due[0][0])
                 continue
             idle_steps = 0
-            if core.has_unfinished_requests():
-                # The serving loop's own time before the next step of a busy engine
-                clock.advance(self.sim.runner.profile.loop_gap_s)
+            if loop_gap and core.has_unfinished_requests():
+                clock.advance(loop_gap)  # before the next step of a busy engine
             for r in updated:
                 if r.status not in FINISHED_STATUSES:
                     continue
