@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 
 import httpx
@@ -258,6 +259,22 @@ def test_engine_loop_answers_every_add_even_when_stopping(checkpoint):
     assert len(bad) == 1 and isinstance(bad[0], InvalidRequestError)
     assert len(full) == 1 and isinstance(full[0], QueueFullError)
     assert llm.engine.kv.num_used_blocks == 0 and not llm.engine.has_unfinished_requests()
+
+
+def test_engine_loop_shortens_the_gil_switch_interval(checkpoint):
+    """The engine thread shares the GIL with the event loop: starting the loop brings
+    CPython's 5 ms default down to half a millisecond, and keeps a shorter one as it is."""
+    llm = LLM(checkpoint("llama_gqa"), max_model_len=64, dtype="float32")
+    before = sys.getswitchinterval()
+    try:
+        for configured, expected in [(0.005, 0.0005), (0.0001, 0.0001)]:
+            sys.setswitchinterval(configured)
+            loop = EngineLoop(llm.engine)
+            loop.start()
+            loop.shutdown()
+            assert sys.getswitchinterval() == pytest.approx(expected, rel=0.02)  # whole us
+    finally:
+        sys.setswitchinterval(before)
 
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server):

@@ -393,22 +393,33 @@ async def _first_output(handle: RequestHandle, raw: Request) -> bool:
         watch.cancel()
 
 
+# One encoder for every event: ``json.dumps`` with a keyword builds a new encoder per call, and
+# this runs once per token per stream on the event loop, beside the engine's compute threads.
+_JSON = json.JSONEncoder(ensure_ascii=False)
+
+
 def _sse_event(payload: dict[str, Any] | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    data = payload if isinstance(payload, str) else _JSON.encode(payload)
     return f"data: {data}\n\n"
 
 
-async def _sse(state: ServerState, job: _Job, handle: RequestHandle) -> AsyncIterator[str]:
+async def _sse(state: ServerState, job: _Job, handle: RequestHandle) -> AsyncIterator[bytes]:
+    """The stream's events, those already here written together: a request with several
+    prompts or ``n`` > 1 gets one output per sequence per step, a loop that fell behind finds
+    several steps queued, and the last tokens, the usage and ``[DONE]`` are ready at once. One
+    socket write each instead of one per event, on the event loop that shares the engine's
+    cores."""
     n = job.params.n
     usage_field = {"usage": None} if job.include_usage else {}
     completion, cached = 0, [0] * len(job.prompt_ids)
     finals: list[RequestOutput | None] = [None] * len(job.prompt_ids)
+    events: list[str] = []
     try:
         if job.kind == "chat":
             first = [{"index": k, "delta": {"role": "assistant", "content": ""},
                       "logprobs": None, "finish_reason": None}
                      for k in range(n * len(job.prompt_ids))]  # fmt: skip
-            yield _sse_event(job.envelope(first, **usage_field))
+            yield _sse_event(job.envelope(first, **usage_field)).encode()
         async for sub in handle.outputs():
             o = sub.output
             cached[sub.index] = o.num_cached_tokens
@@ -420,15 +431,21 @@ async def _sse(state: ServerState, job: _Job, handle: RequestHandle) -> AsyncIte
                 if c.text or c.token_ids or c.finish_reason is not None:
                     choices.append(job.choice(sub.index * n + c.index, c, delta=True))
             if choices:
-                yield _sse_event(job.envelope(choices, **usage_field))
+                events.append(_sse_event(job.envelope(choices, **usage_field)))
+            if events and not handle.ready() and None in finals:  # (the last goes with [DONE])
+                yield "".join(events).encode()
+                events.clear()
         if job.include_usage:
             prompt = sum(len(p) for p in job.prompt_ids)
             usage = _usage(prompt, completion, sum(cached), finals)  # type: ignore[arg-type]
-            yield _sse_event(job.envelope([], usage=usage))
+            events.append(_sse_event(job.envelope([], usage=usage)))
     except EngineUnavailableError as e:
-        yield _sse_event(APIError(503, str(e)).body())
+        events.append(_sse_event(APIError(503, str(e)).body()))
     except EngineStepError as e:
-        yield _sse_event(APIError(500, f"engine step failed: {e}", code="engine_error").body())
+        events.append(
+            _sse_event(APIError(500, f"engine step failed: {e}", code="engine_error").body())
+        )
     finally:
         state.loop.abort(handle)  # a no-op when finished; otherwise the client left
-    yield _sse_event("[DONE]")
+    events.append(_sse_event("[DONE]"))
+    yield "".join(events).encode()
