@@ -20,12 +20,11 @@
  * next one's tile products (pending), so that its vector work overlaps the tile unit's.
  *
  * Why not oneDNN: in a whole forward pass (cold weights, one layer after another) oneDNN's
- * bf16 matmuls with prepacked weights ran 1.3-2.3x slower than these on a 2-core AMX Xeon, the
- * most at decode sizes (on a later, faster AMX Xeon oneDNN stayed ahead at prefill-sized
- * steps, BENCHMARKS.md session 53: using it there would cost a second copy of the weights);
- * and oneDNN keeps a primitive per distinct row count, memory that grows with traffic
- * (BENCHMARKS.md). K and N must be multiples of 32 (the caller uses oneDNN for
- * other shapes).
+ * bf16 matmuls with prepacked weights ran slower than these on an AMX Xeon, the most at decode
+ * sizes (on a later, faster AMX Xeon oneDNN stayed ahead at prefill-sized steps: using it
+ * there would cost a second copy of the weights); and oneDNN keeps a primitive per distinct
+ * row count, memory that grows with traffic. K and N must be multiples of 32 (the caller uses
+ * oneDNN for other shapes).
  *
  * Returns 0, 1 (nothing written) where it does not apply (no AMX on the build machine or the
  * OS refuses the tile state), 2 out of memory.

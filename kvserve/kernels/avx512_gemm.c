@@ -5,10 +5,10 @@
  * {0,1}]), with the same fused epilogues (bias, residual add, SwiGLU's silu-and-product).
  *
  * Why: at decode sizes (a few rows) a linear layer is a stream of its weights from memory,
- * and oneDNN's bf16 GEMM read them at about half the bandwidth its float32 GEMV reaches, so a
- * bf16 decode step, with half the bytes, ran slower than a float32 one (BENCHMARKS.md). In the
- * tile layout each 16-column block of W is one sequential run of K / 2 vectors of 16 columns
- * x 2 k; a register tile of up to 12 rows x 2 blocks (or 4 rows x 4 blocks) keeps float32
+ * and oneDNN's bf16 GEMM read them so far below the bandwidth its float32 GEMV reaches that a
+ * bf16 decode step, with half the bytes, ran slower than a float32 one. In the tile layout
+ * each 16-column block of W is one sequential run of K / 2 vectors of 16 columns x 2 k; a
+ * register tile of up to 12 rows x 2 blocks (or 4 rows x 4 blocks) keeps float32
  * accumulators in registers while the weights stream past once. A weight vector becomes two
  * float32 vectors with one shift and one mask (a bf16 value is the high half of a float32),
  * and the products run on the float32 FMA ports, which do twice the multiply-adds per cycle

@@ -8,10 +8,9 @@ server's engine loop, ``kvserve bench``'s in-process target) leaves the first po
 the second. libgomp then counts more threads than CPUs and switches every pool to "throttled"
 waiting: after each parallel region the workers sleep almost at once, and the next region
 pays a futex wake-up per worker. A decode step runs hundreds of regions, so the same step
-runs much slower on the engine thread than on the thread that built the engine
-(``BENCHMARKS.md``, session 41). Freeing the builder's pool (``omp_pause_resource_all``,
-OpenMP 5.0) restores the fast path; the pool is recreated by the next parallel region on that
-thread, if there ever is one.
+runs much slower on the engine thread than on the thread that built the engine. Freeing the
+builder's pool (``omp_pause_resource_all``, OpenMP 5.0) restores the fast path; the pool is
+recreated by the next parallel region on that thread, if there ever is one.
 
 A helper thread that lives beside the engine (the KV offload worker) must not start a pool of
 its own at all: one parallel torch op there (a ``torch.cat`` of loaded blocks) would leave its
@@ -24,7 +23,7 @@ server's event loop, a benchmark client), the OS may run two of the team's threa
 one spins while the other waits for that core, and every region (hundreds per step) waits for
 a time slice. :class:`ThreadBinding` gives each team thread a core of its own, as vLLM's CPU
 backend does (``VLLM_CPU_OMP_THREADS_BIND``): the busy thread then takes its share of one core
-instead of stalling every region (``BENCHMARKS.md``, session 57).
+instead of stalling every region (``benchmarks/contention.py`` times both).
 """
 
 from __future__ import annotations

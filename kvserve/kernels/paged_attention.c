@@ -118,8 +118,7 @@ static inline __attribute__((always_inline)) void attend_block(
 /* acc[g] = acc[g] * corr[g] + sum_t p[g][t] v[t] for NR rows (a constant), keys [lo, hi);
  * each row's weights outside its own range are zero. Each cached value row is read and
  * converted once for the NR rows (the G query heads of a GQA group share every row): a pass
- * per row read it G times, and on a float32 cache that pass was most of the kernel's work
- * (BENCHMARKS.md, session 51). */
+ * per row read it G times, and on a float32 cache that pass was most of the kernel's work. */
 static inline __attribute__((always_inline)) void values_rows(
     const void *restrict vraw, const int dt, const float *restrict s, float *restrict acc,
     const float *restrict corr, const int NR, const int D, const int bs, const int lo,
@@ -290,8 +289,8 @@ static inline __attribute__((always_inline)) void softmax_values(
  * at a time as this block's rows are used. Blocks are scattered over the pool, so the
  * hardware prefetchers stop at each block's end. Fetching the whole next block into L1 at
  * once stalled on the core's few outstanding L1 misses; into L2, a row at a time, decode
- * attention over a scattered float32 cache went from ~13 to ~17 GB/s on a 2-core Xeon
- * without AMX (BENCHMARKS.md, session 39). */
+ * attention over a scattered float32 cache read faster on a Xeon without AMX
+ * (benchmarks/attention_kernels.py times contiguous and scattered blocks). */
 static inline __attribute__((always_inline)) void attend_block_avx512(
     const float *restrict qs, const void *kraw, const void *vraw, float *restrict s,
     float *restrict acc, float *restrict m, float *restrict l, const int64_t *restrict qpos,
@@ -436,8 +435,8 @@ static inline __attribute__((always_inline)) void attend_block_bf16(
     /* The next block (kpf/vpf; NULL: none) goes into L2 a line per key step of each row's
      * scores and two per key pair of the values pass, the rest at the end: spread over the
      * block's work. Issued a block's keys at a time, in a burst, they left the kernel's work
-     * and its memory traffic adding up instead of overlapping on a 2-core AMX Xeon (a loop
-     * with the same access pattern lost 14 % to such bursts; BENCHMARKS.md, session 54).
+     * and its memory traffic adding up instead of overlapping on an AMX Xeon (a loop with
+     * the same access pattern also slowed down with such bursts).
      * Into L1, a whole block at once stalled on the core's miss buffers on an EPYC. */
     const int n = kpf ? bs * D * 2 / 64 : 0, w = hi - lo;
     int i = 0, cnt;

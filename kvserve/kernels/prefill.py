@@ -143,10 +143,9 @@ def context_attention(
     is faster than SDPA's matrix products when the chunk's own triangle is a large share of
     the work, and several times slower for a short chunk after a long context (a question
     after a cached document), so it takes a chunk only when its context is no longer than
-    the chunk (``BENCHMARKS.md``, session 42). On bf16 dot products (a CPU where they beat
-    float32 FMAs) its products run twice as fast while the repacking costs the same, and it
-    beats SDPA from :data:`DOT_CONTEXT_MIN_QUERIES` queries after any context (session 45):
-    it takes those too."""
+    the chunk. On bf16 dot products (a CPU where they beat float32 FMAs) its products run
+    twice as fast while the repacking costs the same, and it beats SDPA from
+    :data:`DOT_CONTEXT_MIN_QUERIES` queries after any context: it takes those too."""
     if not (
         q.dim() == k.dim() == v.dim() == 3
         and packed_rows(q, _DTYPES)
@@ -165,9 +164,8 @@ def context_attention(
     return _attention(q, k, v, out, window, fma=ctx <= n or dot)
 
 
-# Queries from which the kernel on bf16 dot products beats SDPA after a context of any length;
-# below it the kernel's repacking of every context key dominates (measured crossover in
-# BENCHMARKS.md, session 45).
+# Queries from which the kernel on bf16 dot products beats SDPA after a context of any length
+# (the measured crossover); below it the kernel's repacking of every context key dominates.
 DOT_CONTEXT_MIN_QUERIES = 16
 
 

@@ -7,7 +7,7 @@
  * tensor cores: S = Q K^T for 16 queries x 32 keys per step, then P V with P rounded to bf16
  * (as PyTorch's own CPU flash kernel rounds it). The online softmax between them runs in
  * float32 on AVX-512. The FMA kernel of prefill_attention.c reaches a fraction of this on
- * such a CPU (BENCHMARKS.md).
+ * such a CPU.
  *
  * Layout: q [L, H, D] (rows q_stride elements apart), out [L, H, D] contiguous; k/v hold Lk
  * >= L keys, element (t, h, d) at t * kv_stride + h * kv_hstride + d; query i is at position

@@ -183,7 +183,7 @@ static void decode_tile(const Cache *c, int64_t blk, int hk, int lo, int hi, int
 }
 
 /* Scores q.k for rows [lo, hi) of a block, from its decoded tile. (Folding KIVI's
- * per-channel scale and zero into the query instead measured 3x slower here: the per-block
+ * per-channel scale and zero into the query instead measured slower here: the per-block
  * fold costs more than the 16 rows it saves.) */
 static void key_scores(const Cache *c, int64_t blk, int hk, int lo, int hi, int G,
                        float qs[][MAX_D], float sc[][MAX_BS], float *kt) {

@@ -15,8 +15,8 @@ key row is multiplied by an orthonormal Hadamard matrix ``R`` before its block i
 the decode kernel multiplies the query by the same ``R`` (q . k = qR . kR), so no un-rotation
 happens per token. The rotation spreads a few large channels over all of them, which 2-bit
 per-channel ranges quantize much better: on the bundled model it lifted kivi2's needle recall
-from 86 % to 97 % of the exact cache (teacher-forced, 72 needles, 512-2,048 tokens).
-The residual (full precision) stays unrotated; ``gather`` returns keys unrotated.
+close to the exact cache's (``benchmarks/kivi_tradeoffs.py``, ``rotate``). The residual (full
+precision) stays unrotated; ``gather`` returns keys unrotated.
 
 A block is quantized exactly once: at once when a single write covers it (prefill), else its
 tokens collect in a residual slot and, once its last slot (offset ``block_size - 1``) is
@@ -48,8 +48,8 @@ from kvserve.kv.storage import BlockPayload, KVStorage
 
 DEFAULT_VALUE_GROUP = 64
 # The value group each engine format uses. 2-bit values lose too much over 64 channels on a
-# real model (SmolLM2: see BENCHMARKS.md's KIVI trade-off table); 32 halves the error for
-# 0.016x of bf16's bytes, the cheapest knob that helps. 4-bit holds at 64.
+# real model (SmolLM2, benchmarks/kivi_tradeoffs.py); 32 cuts the error for 0.016x of bf16's
+# bytes, the cheapest knob that helps. 4-bit holds at 64.
 FORMAT_VALUE_GROUP = {"kivi4": 64, "kivi2": 32}
 # Full blocks wait in the residual until this many can be quantized in one vectorized call:
 # quantizing one block costs ~40 small tensor ops per layer, the same as quantizing 16.

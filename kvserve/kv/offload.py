@@ -272,10 +272,10 @@ class KVOffload:
         comes through :meth:`poll_loads`). With ``inline_host_loads``, a load the host tier
         holds whole is done here and now, from that tier alone: on a CPU engine whose compute
         threads take every core, the worker, which runs below them, gets the cores only while
-        the engine waits, and its loads held their fresh pool blocks for many steps
-        (BENCHMARKS.md); a memory copy, a checksum and a decode are cheaper on the engine
-        thread. (A request may start its load steps after its probe, when the pool has room:
-        the host tier is asked again here.)"""
+        the engine waits, and its loads held their fresh pool blocks for many steps; a memory
+        copy, a checksum and a decode are cheaper on the engine thread. (A request may start
+        its load steps after its probe, when the pool has room: the host tier is asked again
+        here.)"""
         load = _Load([self.key(h) for h in hashes], self.clock() + self.load_timeout_s)
         if self.inline_host_loads and self._host_holds(load.keys):
             try:

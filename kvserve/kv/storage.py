@@ -266,9 +266,9 @@ class KVStorage(ABC):
         :func:`zeros` leaves a CPU pool's pages unmapped until a block is first written, so
         the first pass through the pool pays a page fault per 4 KiB inside engine steps; in a
         virtual machine whose host backs guest memory on demand, such a fault costs many
-        times the write itself (BENCHMARKS.md has figures). vLLM zero-fills its KV space at
-        start; this moves the same cost to the same place, for the whole pool rather than the
-        part a run uses, so that the first requests run at the steady rate."""
+        times the write itself. vLLM zero-fills its KV space at start; this moves the same
+        cost to the same place, for the whole pool rather than the part a run uses, so that
+        the first requests run at the steady rate."""
         if self.device.type != "cpu":
             return 0  # device memory is backed when it is allocated
         tensors = [t for ts in self.distinct_block_tensors().values() for t in ts]

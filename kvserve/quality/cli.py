@@ -92,8 +92,8 @@ def add_quality_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
     g.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for JSON and PNG")
     g.add_argument("--label", default=None, help="name of the candidate in tables and files")
     g.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads (default 1: on a shared 2-core machine, 2 threads "
-                        "oversubscribed measured up to 10x slower)")  # fmt: skip
+                   help="torch CPU threads (default 1: on a small machine shared with "
+                        "other work, more threads oversubscribe the cores)")  # fmt: skip
     return cmd_quality
 
 
@@ -129,7 +129,7 @@ def cmd_quality(args: argparse.Namespace) -> int:
             raise ConfigError(f"formats: {', '.join(bad) or 'none given'}; choose from {allowed}")
         candidates = [{"kv_cache_dtype": f} for f in names]
     if args.retentions:
-        from kvserve.retention import parse_retention
+        from kvserve.sched.retention import parse_retention
 
         specs = [x.strip() for x in args.retentions.split(";") if x.strip()]
         if not specs:

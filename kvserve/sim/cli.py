@@ -220,7 +220,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         )  # fmt: skip
         wall = time.perf_counter() - t0
         # The replay's records and engine outlive the summary: the collector, back on, would
-        # walk their millions of objects while the summary allocates (BENCHMARKS.md).
+        # walk their millions of objects while the summary allocates.
         gc.freeze()
         if encoders and not args.no_plots:  # drawn beside the summary, on the spare core
             plotting.append(fork_call(
