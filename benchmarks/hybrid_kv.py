@@ -28,7 +28,7 @@ from kvserve import LLM
 from kvserve.kv.formats import kv_bytes_per_token
 from kvserve.model.synthetic import make_random_checkpoint
 from kvserve.plan.validate import validate_windows
-from kvserve.request import SamplingParams
+from kvserve.sched.request import SamplingParams
 
 
 def hybrid_model(window: int, window_layers: int) -> str:

@@ -43,7 +43,7 @@ from benchmarks.common import emit, set_threads, table
 from kvserve.kv import codecs
 from kvserve.kv.kivi_storage import hadamard
 from kvserve.kv.storage import KVStorage, KVStorageWrapper
-from kvserve.step import SchedulerOutput
+from kvserve.sched.output import SchedulerOutput
 
 
 @dataclass(frozen=True, slots=True)

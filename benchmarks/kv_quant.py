@@ -77,7 +77,7 @@ def capacity_section(
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Sequences the pool admits, and the same count if KIVI's residual (one full-precision
     block per running sequence, kept outside ``kv_cache_memory``) had to fit inside it."""
-    from kvserve.request import Request, SamplingParams
+    from kvserve.sched.request import Request, SamplingParams
 
     rows, held, strict = [], {}, {}
     for f in FORMATS:
@@ -116,7 +116,7 @@ def capacity_section(
 
 
 def step_time_section(model: str, batch: int, context: int, steps: int) -> dict[str, float]:
-    from kvserve.request import SamplingParams
+    from kvserve.sched.request import SamplingParams
 
     engines = {}
     prompts = random_prompts(batch, context, context, 4096, seed=1)
@@ -162,7 +162,7 @@ def throughput_section(
     that many at a time while the quantized formats run more (up to all ``n``)."""
     from kvserve.config import ModelConfig
     from kvserve.kv.formats import kv_bytes_per_token
-    from kvserve.request import SamplingParams
+    from kvserve.sched.request import SamplingParams
 
     mc = ModelConfig.from_pretrained(model)
     bpt = kv_bytes_per_token("bfloat16", mc.num_hidden_layers, mc.num_key_value_heads,

@@ -128,7 +128,7 @@ def alloc_cost(num_blocks: int, rounds: int = 2000) -> float:
     """Seconds per block for allocate + cache + free + hit-lookup cycles in a pool of
     ``num_blocks``, with the pool mostly full of cached-free blocks (the worst case)."""
     from kvserve.kv.manager import KVCacheManager
-    from kvserve.request import Request, SamplingParams
+    from kvserve.sched.request import Request, SamplingParams
 
     bs = 16
     kv = KVCacheManager(num_blocks, bs)

@@ -21,8 +21,8 @@ import random
 from benchmarks.common import bench_model, emit, table, vocab_size
 from kvserve.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.request import SamplingParams
-from kvserve.step import ModelRunnerOutput, SchedulerOutput
+from kvserve.sched.output import ModelRunnerOutput, SchedulerOutput
+from kvserve.sched.request import SamplingParams
 
 
 class ConstantRunner:

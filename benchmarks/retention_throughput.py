@@ -19,7 +19,7 @@ from benchmarks.common import bench_model, drain, emit, random_prompts, set_thre
 from kvserve import LLM
 from kvserve.config import ConfigError, ModelConfig
 from kvserve.kv.formats import kv_bytes_per_token
-from kvserve.request import SamplingParams
+from kvserve.sched.request import SamplingParams
 
 
 def main() -> None:

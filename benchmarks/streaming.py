@@ -24,8 +24,8 @@ from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConf
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.quality.tasks import heldout_passages
-from kvserve.request import SamplingParams
-from kvserve.step import ModelRunnerOutput, SchedulerOutput
+from kvserve.sched.output import ModelRunnerOutput, SchedulerOutput
+from kvserve.sched.request import SamplingParams
 
 
 class TargetLogprobs:

@@ -15,13 +15,13 @@ __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "__version__"]
 if TYPE_CHECKING:
     from kvserve.engine import LLMEngine
     from kvserve.llm import LLM
-    from kvserve.request import RequestOutput, SamplingParams
+    from kvserve.sched.request import RequestOutput, SamplingParams
 
 _LAZY = {
     "LLM": "kvserve.llm",
     "LLMEngine": "kvserve.engine",
-    "SamplingParams": "kvserve.request",
-    "RequestOutput": "kvserve.request",
+    "SamplingParams": "kvserve.sched.request",
+    "RequestOutput": "kvserve.sched.request",
 }
 
 

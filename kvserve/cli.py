@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     parser, handlers = build_parser()
     args = parser.parse_args(argv)
     from kvserve.config import ConfigError
-    from kvserve.request import InvalidRequestError
+    from kvserve.sched.request import InvalidRequestError
 
     try:
         return handlers[args.command](args)

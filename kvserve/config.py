@@ -245,7 +245,7 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     calculate_kv_scales: bool = False
-    # Default KV retention policy ("window:512"; kvserve.retention), None = keep everything.
+    # Default KV retention policy ("window:512"; kvserve.sched.retention), None = keep everything.
     kv_retention: str | None = None
     # Offload tiers behind the pool (kvserve.kv.offload), each off unless given: host memory,
     # a local directory, a Redis server; each bounded and LRU. The timeout bounds one tier
@@ -362,7 +362,7 @@ class SchedulerConfig:
     # A follower whose next prefix block another request computes in this step waits one
     # step and hits it, instead of computing it again beside it.
     hold_prefix_followers: bool = True
-    # A workload-class file (kvserve.workload_classes), "default" for the built-in classes.
+    # A workload-class file (kvserve.sched.workload_classes), "default" for the built-in classes.
     workload_classes: str | None = None
 
     def __post_init__(self) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvserve.engine import EngineStats, LLMEngine, PromptType
 from kvserve.model.tokenizer import Tokenizer
-from kvserve.request import InvalidRequestError, RequestOutput, SamplingParams
+from kvserve.sched.request import InvalidRequestError, RequestOutput, SamplingParams
 
 
 def engine_config(

@@ -15,8 +15,8 @@ from kvserve import SamplingParams
 from kvserve.config import ConfigError, SchedulerConfig
 from kvserve.engine import EngineCore, EngineCoreRequest
 from kvserve.kv.manager import KVCacheManager, cdiv
-from kvserve.request import InvalidRequestError, RequestStatus, RequestTags
-from kvserve.workload_classes import WorkloadClass
+from kvserve.sched.request import InvalidRequestError, RequestStatus, RequestTags
+from kvserve.sched.workload_classes import WorkloadClass
 from tests.conftest import check_blocks
 from tests.test_engine_core import VOCAB, FakeRunner, VirtualClock, expected_tokens
 
@@ -330,7 +330,7 @@ def test_no_request_is_lost_under_any_policy(admission, policy):
 def test_learned_estimate_covers_nine_in_ten(tmp_path):
     """The learned output estimate is at least 90 % of the class's recent outputs (and never
     above max_tokens); before enough have finished it is max_tokens."""
-    from kvserve.admission import LEARN_MIN, OutputEstimator
+    from kvserve.sched.admission import LEARN_MIN, OutputEstimator
 
     est = OutputEstimator()
     rng = random.Random(5)

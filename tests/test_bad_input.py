@@ -11,7 +11,7 @@ import pytest
 from kvserve import LLM, SamplingParams
 from kvserve.config import ConfigError
 from kvserve.model.loader import ModelLoadError
-from kvserve.request import InvalidRequestError
+from kvserve.sched.request import InvalidRequestError
 
 GOOD = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.manager import KVCacheManager
-from kvserve.request import Request, SamplingParams
+from kvserve.sched.request import Request, SamplingParams
 
 BS = 4
 

@@ -17,8 +17,8 @@ from kvserve.engine import EngineCore, EngineCoreRequest
 from kvserve.kv.grouped import GroupedKVCacheManager
 from kvserve.kv.layer_groups import LayerGroups
 from kvserve.kv.manager import KVCacheManager
-from kvserve.request import RequestStatus
-from kvserve.step import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from kvserve.sched.output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from kvserve.sched.request import RequestStatus
 from tests.conftest import check_blocks, prompts_of_lengths
 
 VOCAB = 50
@@ -200,7 +200,7 @@ ENGINE_KW = dict(dtype="float32", block_size=4, num_gpu_blocks=64, max_num_batch
 def _remote_steps(config, num_blocks: int, max_model_len: int, blobs: list[bytes]) -> list:  # noqa: ANN001
     """In a fresh process: build a runner from the engine config and execute the pickled
     steps, in order; return the sampled tokens of each."""
-    from kvserve.runner import build_runner
+    from kvserve.worker.model_runner import build_runner
 
     torch.set_num_threads(1)
     runner = build_runner(config, num_blocks, max_model_len)

@@ -13,8 +13,8 @@ import pytest
 
 from kvserve import SamplingParams
 from kvserve.config import ConfigError
-from kvserve.kv.tier_loads import TierLoads
 from kvserve.kv.tiers import DiskTier, TierError
+from kvserve.sched.tier_loads import TierLoads
 from tests.conftest import prompts_of_lengths
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0)

@@ -21,7 +21,7 @@ from kvserve.model.attention import (
     reference_attention,
 )
 from kvserve.model.loader import load_model
-from kvserve.request import SamplingParams
+from kvserve.sched.request import SamplingParams
 from tests.conftest import prompts_of_lengths
 
 QUANT = ["fp8_e4m3", "fp8_e5m2", "int8", "kivi4", "kivi2"]
@@ -233,7 +233,7 @@ def test_manager_refuses_more_partial_blocks_than_the_residual_holds(make_llm, c
     """KIVI's residual holds max_num_seqs + a flush batch of partial blocks; the manager
     counts partial blocks and says no beyond that, as it does when blocks run out."""
     from kvserve.kv.manager import KVCacheManager
-    from kvserve.request import Request
+    from kvserve.sched.request import Request
 
     kv = KVCacheManager(32, 4, max_partial_blocks=2)
     reqs = [Request(str(i), [1, 2, 3], SamplingParams(), 8) for i in range(3)]

@@ -318,7 +318,7 @@ def test_validate_windows_fails_with_one_table(checkpoint, tmp_path, monkeypatch
     """With one block table for every layer the full layers pin the window layers' blocks:
     the engine holds more than the window-aware figure allows, and the check says so."""
     import kvserve.engine.llm_engine as le
-    import kvserve.runner as rn
+    import kvserve.worker.model_runner as rn
 
     path = _hybrid_checkpoint(checkpoint, tmp_path)
     monkeypatch.setattr(le, "engine_layer_groups", lambda *a: None)

@@ -14,7 +14,7 @@ import torch
 from kvserve import SamplingParams
 from kvserve.kv.formats import KV_FORMATS, make_kv_storage
 from kvserve.kv.storage import KVFormatMismatch
-from kvserve.step import NewRequestData, ScheduledSeq, SchedulerOutput
+from kvserve.sched.output import NewRequestData, ScheduledSeq, SchedulerOutput
 from tests.conftest import prompts_of_lengths
 
 FORMATS = list(KV_FORMATS)

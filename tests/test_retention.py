@@ -13,8 +13,8 @@ import torch
 
 from kvserve import LLM, SamplingParams, kernels
 from kvserve.config import ConfigError
-from kvserve.request import InvalidRequestError, RequestOutput
-from kvserve.retention import RetentionSpec, parse_retention
+from kvserve.sched.request import InvalidRequestError, RequestOutput
+from kvserve.sched.retention import RetentionSpec, parse_retention
 from kvserve.server.app import BackgroundServer, build_state
 from tests.conftest import prompts_of_lengths
 from tests.test_exactness import hf_greedy

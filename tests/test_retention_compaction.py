@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from kvserve import LLM, SamplingParams, kernels
 from kvserve.config import ConfigError
-from kvserve.request import InvalidRequestError
-from kvserve.retention import RetentionSpec, parse_retention
+from kvserve.sched.request import InvalidRequestError
+from kvserve.sched.retention import RetentionSpec, parse_retention
 from kvserve.server.app import BackgroundServer, build_state
 from tests.conftest import prompts_of_lengths
 from tests.test_retention import decode_and_watch

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvserve import SamplingParams
-from kvserve.model.sampler import Sampler, _top_k_top_p
-from kvserve.request import Request
+from kvserve.sample.sampler import Sampler, _top_k_top_p
+from kvserve.sched.request import Request
 from tests.conftest import run_with_prompt_logits
 
 
@@ -177,7 +177,7 @@ def test_greedy_rescoring_picks_the_exact_best_of_the_top_candidates(penalised_r
     """With a rescore function (the float32 LM head beside a bf16 one), each greedy row takes,
     among its RESCORE_TOPK highest logits, the token whose exact logit is highest; a row with
     penalties keeps its plain argmax. Reference: a per-row loop."""
-    from kvserve.model.sampler import RESCORE_TOPK
+    from kvserve.sample.sampler import RESCORE_TOPK
 
     g = torch.Generator().manual_seed(3)
     n, v = 6, 50

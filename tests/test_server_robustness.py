@@ -18,7 +18,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from kvserve import LLM, SamplingParams
-from kvserve.request import InvalidRequestError
+from kvserve.sched.request import InvalidRequestError
 from kvserve.server.app import BackgroundServer, build_state
 from kvserve.server.engine_loop import (
     ADMITTED,

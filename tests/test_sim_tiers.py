@@ -12,8 +12,8 @@ import torch
 
 from kvserve.config import ConfigError
 from kvserve.engine_args import default_model
-from kvserve.kv.tier_loads import TierLoads
-from kvserve.request import SamplingParams
+from kvserve.sched.request import SamplingParams
+from kvserve.sched.tier_loads import TierLoads
 from kvserve.sim.cost import Profile, gpu_profile
 from kvserve.sim.simulate import SimTarget, build_engine
 from kvserve.sim.tiers import ModelledTier
@@ -363,10 +363,10 @@ def test_a_step_loses_the_workers_time_beside_it_by_its_share():
     loaded ones, the worker's measured time for those blocks times its share of the cores:
     exactly that over the same step without them, and nothing at share 0 (a GPU's worker)."""
     from kvserve.plan.gpus import get_gpu
+    from kvserve.sched.output import ScheduledSeq, SchedulerOutput
     from kvserve.sim.cost import ModelShape
     from kvserve.sim.simulate import CostModelRunner, VirtualClock
     from kvserve.sim.tiers import ModelledBlocks
-    from kvserve.step import ScheduledSeq, SchedulerOutput
     from tests.test_simulator import shape_of
 
     shape: ModelShape = shape_of(json.loads((Path(default_model()) / "config.json").read_text()))

@@ -23,7 +23,8 @@ from kvserve.model.linear_ops import GEMM_NAMES
 from kvserve.plan.capacity import PlanError, arch_from_config, bytes_per_token, capacity
 from kvserve.plan.cost import decode_roofline
 from kvserve.plan.gpus import get_gpu
-from kvserve.request import SamplingParams
+from kvserve.sched.output import ScheduledSeq, SchedulerOutput
+from kvserve.sched.request import SamplingParams
 from kvserve.sim.cost import (
     EFFICIENCY_FIELDS,
     UNSEEN,
@@ -38,7 +39,6 @@ from kvserve.sim.cost import (
     step_features,
 )
 from kvserve.sim.simulate import HashTokenizer, SimTarget, build_engine, simulate_load
-from kvserve.step import ScheduledSeq, SchedulerOutput
 
 SEED_8B = LLAMA_8B  # the seed's example shapes, as the speed benchmark simulates them
 
@@ -372,7 +372,7 @@ def test_simulator_makes_the_real_engines_decisions_and_follows_a_scheduling_cha
     assert any(pre for _, pre in real), "the trace should preempt"
     assert sim == real
     # Serve the waiting queue newest first: the real engine changes, and the simulator with it.
-    from kvserve.waiting import WaitingQueue
+    from kvserve.sched.waiting import WaitingQueue
 
     order = WaitingQueue.order
     monkeypatch.setattr(WaitingQueue, "order", lambda self, kv: order(self, kv)[::-1])

@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.config import ConfigError
-from kvserve.retention import parse_retention
-from kvserve.workload_class_file import load_workload_classes, parse_workload_classes
-from kvserve.workload_classes import (
+from kvserve.sched.retention import parse_retention
+from kvserve.sched.workload_class_file import load_workload_classes, parse_workload_classes
+from kvserve.sched.workload_classes import (
     DEFAULT_CLASS,
     ClassMatch,
     UnknownClassError,
@@ -414,7 +414,8 @@ def test_direct_construction_is_validated_too():
 
 
 def test_importing_needs_neither_yaml_nor_torch():
-    code = ("import sys, kvserve.workload_class_file as w; w.load_workload_classes('default'); "
+    code = ("import sys, kvserve.sched.workload_class_file as w; "
+            "w.load_workload_classes('default'); "
             "print(sorted({'yaml', 'torch'} & set(sys.modules)))")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -128,7 +128,7 @@ class EngineTarget:
         self._loop.call_soon_threadsafe(set_done)
 
     def _run(self) -> None:
-        from kvserve.request import SamplingParams
+        from kvserve.sched.request import SamplingParams
 
         engine = self.engine
         pending: dict[str, tuple[RequestRecord, asyncio.Future[None]]] = {}

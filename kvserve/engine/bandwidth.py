@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from kvserve.step import SchedulerOutput
+from kvserve.sched.output import SchedulerOutput
 
 PROBE_BYTES = 256 * 2**20
 PROBE_REPEATS = 3

@@ -20,9 +20,9 @@ from kvserve.config import SchedulerConfig
 from kvserve.engine.inputs import EngineCoreRequest
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.offload import OffloadTiers
-from kvserve.request import FINISHED_STATUSES, Request, RequestStatus
-from kvserve.scheduler import Scheduler
-from kvserve.step import Runner, SchedulerOutput
+from kvserve.sched.output import Runner, SchedulerOutput
+from kvserve.sched.request import FINISHED_STATUSES, Request, RequestStatus
+from kvserve.sched.scheduler import Scheduler
 
 Clock = Callable[[], float]
 

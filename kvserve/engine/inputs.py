@@ -1,7 +1,7 @@
 """From what a caller sends to what the engine core queues: tokenization and validation.
 
 Every check that can refuse a request happens here, before anything is queued, and raises
-:class:`~kvserve.request.InvalidRequestError` naming the field and its allowed range.
+:class:`~kvserve.sched.request.InvalidRequestError` naming the field and its allowed range.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any
 from kvserve.config import ConfigError
 from kvserve.kv.manager import cdiv
 from kvserve.model.tokenizer import Tokenizer
-from kvserve.request import InvalidRequestError, RequestTags, SamplingParams
-from kvserve.retention import RetentionSpec, parse_retention
-from kvserve.workload_classes import UnknownClassError, WorkloadClass, WorkloadClasses
+from kvserve.sched.request import InvalidRequestError, RequestTags, SamplingParams
+from kvserve.sched.retention import RetentionSpec, parse_retention
+from kvserve.sched.workload_classes import UnknownClassError, WorkloadClass, WorkloadClasses
 
 PromptType = str | list[int] | dict[str, Any]
 

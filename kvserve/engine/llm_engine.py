@@ -42,17 +42,17 @@ from kvserve.kv.storage import KVStorage
 from kvserve.model.loader import resolve_dtype
 from kvserve.model.resolve import resolve_model
 from kvserve.model.tokenizer import Tokenizer
-from kvserve.request import (
+from kvserve.sched.output import Runner
+from kvserve.sched.request import (
     InvalidRequestError,
     Request,
     RequestOutput,
     RequestTags,
     SamplingParams,
 )
-from kvserve.retention import parse_retention
-from kvserve.runner import ModelRunner, build_runner
-from kvserve.step import Runner
-from kvserve.workload_class_file import load_workload_classes
+from kvserve.sched.retention import parse_retention
+from kvserve.sched.workload_class_file import load_workload_classes
+from kvserve.worker.model_runner import ModelRunner, build_runner
 
 log = logging.getLogger("kvserve.engine")
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from kvserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from kvserve.request import (
+from kvserve.sched.request import (
     CompletionOutput,
     Request,
     RequestOutput,

@@ -45,7 +45,7 @@ class EngineStats:
     allocation_failures: int = 0
     queue_time_sum: float = 0.0  # arrival to first scheduled, over every request that ran
     queue_time_count: int = 0
-    # Projected admission's counters (kvserve.admission.AdmissionStats; None: greedy).
+    # Projected admission's counters (kvserve.sched.admission.AdmissionStats; None: greedy).
     admission: Any = None
     # Achieved memory bandwidth (kvserve.engine.bandwidth): bytes of weights and KV the
     # steps read, the seconds they took, and the device's peak measured at start (bytes/s;

@@ -33,7 +33,7 @@ from kvserve.kv.hashing import BlockHash
 from kvserve.kv.layer_groups import LayerGroups
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.ops import KVOps
-from kvserve.request import Request
+from kvserve.kv.request_view import KVRequest
 
 
 class _GroupPool:
@@ -124,14 +124,14 @@ class GroupedKVCacheManager:
     def num_allocated_slots(self) -> int:
         return self.num_used_blocks * self.block_size
 
-    def num_held_slots(self, request: Request) -> int:
+    def num_held_slots(self, request: KVRequest) -> int:
         return max(sub.num_held_slots(request) for sub in self.subs)
 
     # -- prefix lookups ---------------------------------------------------------------------------
-    def block_hashes(self, request: Request) -> list[BlockHash]:
+    def block_hashes(self, request: KVRequest) -> list[BlockHash]:
         return self.subs[0].block_hashes(request)
 
-    def get_computed_blocks(self, request: Request, count: bool = True) -> tuple[GroupHits, int]:
+    def get_computed_blocks(self, request: KVRequest, count: bool = True) -> tuple[GroupHits, int]:
         """The longest prefix every group can serve: a full-attention group needs each of its
         blocks cached, a window group only those the first query after the hit reaches
         (its older entries become null, as if dropped); see ``KVCacheManager``."""
@@ -177,10 +177,10 @@ class GroupedKVCacheManager:
             return 0
         return max(0, k * self.block_size - window + 1) // self.block_size
 
-    def count_hits(self, request: Request, hit: Sequence[KVCacheBlock]) -> None:
+    def count_hits(self, request: KVRequest, hit: Sequence[KVCacheBlock]) -> None:
         self.subs[0].count_hits(request, hit)
 
-    def num_cached_prefix_blocks(self, request: Request) -> int:
+    def num_cached_prefix_blocks(self, request: KVRequest) -> int:
         return len(self.get_computed_blocks(request, count=False)[0])
 
     def cached_share(self, token_ids: Sequence[int], cache_salt: str | None = None) -> float:
@@ -202,7 +202,7 @@ class GroupedKVCacheManager:
 
     def can_allocate(
         self,
-        request: Request,
+        request: KVRequest,
         num_new_tokens: int,
         computed: Sequence[KVCacheBlock] = (),
         compact_blocks: int = 0,
@@ -217,7 +217,7 @@ class GroupedKVCacheManager:
 
     def allocate_slots(
         self,
-        request: Request,
+        request: KVRequest,
         num_new_tokens: int,
         computed: Sequence[KVCacheBlock] = (),
         compact_blocks: int = 0,
@@ -239,44 +239,44 @@ class GroupedKVCacheManager:
             assert ok, f"group {g} could not allocate after the pool said it could"
         return True
 
-    def _drop_behind_windows(self, request: Request) -> None:
+    def _drop_behind_windows(self, request: KVRequest) -> None:
         c = request.num_computed_tokens
         for sub, w in zip(self.subs, self.groups.windows, strict=True):
             if w and c >= w:
                 self.window_freed_blocks += sub.drop_leading_blocks(request, c - w + 1)
 
-    def compact_block_ids(self, request: Request) -> list[int]:
+    def compact_block_ids(self, request: KVRequest) -> list[int]:
         return self.subs[0].compact_block_ids(request)
 
-    def apply_compaction(self, request: Request) -> int:
+    def apply_compaction(self, request: KVRequest) -> int:
         raise RuntimeError("kv_retention: compaction is refused on models with sliding layers")
 
-    def fork(self, parent: Request, child: Request) -> None:
+    def fork(self, parent: KVRequest, child: KVRequest) -> None:
         for sub in self.subs:
             sub.fork(parent, child)
 
-    def cache_computed_blocks(self, request: Request) -> None:
+    def cache_computed_blocks(self, request: KVRequest) -> None:
         for sub in self.subs:
             sub.cache_computed_blocks(request)
 
-    def free(self, request: Request) -> None:
+    def free(self, request: KVRequest) -> None:
         for sub in self.subs:
             sub.free(request)
 
-    def drop_leading_blocks(self, request: Request, first_kept: int, head: int = 0) -> int:
+    def drop_leading_blocks(self, request: KVRequest, first_kept: int, head: int = 0) -> int:
         """A retention window over every layer (each group drops what it still holds);
         returns group 0's count, the request's view."""
         dropped = [sub.drop_leading_blocks(request, first_kept, head) for sub in self.subs]
         return dropped[0]
 
-    def num_dropped_blocks(self, request: Request) -> int:
+    def num_dropped_blocks(self, request: KVRequest) -> int:
         return self.subs[0].num_dropped_blocks(request)
 
-    def block_ids(self, request: Request) -> list[int]:
+    def block_ids(self, request: KVRequest) -> list[int]:
         """Group 0's table (the manager's own list: read it, do not change it)."""
         return self.subs[0].block_ids(request)
 
-    def group_block_ids(self, request: Request) -> tuple[list[int], ...]:
+    def group_block_ids(self, request: KVRequest) -> tuple[list[int], ...]:
         """Copies of the tables of groups 1 and on."""
         return tuple(sub.block_ids(request)[:] for sub in self.subs[1:])
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from kvserve.kv.block_pool import BlockPool, KVCacheBlock
 from kvserve.kv.hashing import BlockHash, extend_block_hashes, root_hash
 from kvserve.kv.ops import KVOps
-from kvserve.request import Request
+from kvserve.kv.request_view import KVRequest
 
 
 def cdiv(a: int, b: int) -> int:
@@ -133,7 +133,7 @@ class KVCacheManager:
         return len(self._partial) + len(self._filling)
 
     # -- prefix lookups ----------------------------------------------------------------------
-    def block_hashes(self, request: Request) -> list[BlockHash]:
+    def block_hashes(self, request: KVRequest) -> list[BlockHash]:
         salt = request.cache_salt
         policy = request.retention.salt if request.retention is not None else None
         if policy is not None:  # its K/V depend on the policy: a chain of its own
@@ -148,7 +148,7 @@ class KVCacheManager:
         return request.block_hashes
 
     def get_computed_blocks(
-        self, request: Request, count: bool = True
+        self, request: KVRequest, count: bool = True
     ) -> tuple[list[KVCacheBlock], int]:
         """The longest chain of cached full blocks that prefixes the request (opaque handles
         to pass back to :meth:`allocate_slots`), and its length in tokens. ``count=False``
@@ -170,7 +170,7 @@ class KVCacheManager:
             self.count_hits(request, hit)
         return hit, len(hit) * self.block_size
 
-    def max_hit_blocks(self, request: Request) -> int:
+    def max_hit_blocks(self, request: KVRequest) -> int:
         """The most leading blocks a prefix hit may cover: one token is always left to
         compute, and SnapKV computes its observation window itself."""
         limit = request.num_tokens - 1
@@ -178,7 +178,7 @@ class KVCacheManager:
             limit = min(limit, request.num_prompt_tokens - request.retention.obs)
         return limit // self.block_size
 
-    def count_hits(self, request: Request, hit: Sequence[KVCacheBlock]) -> None:
+    def count_hits(self, request: KVRequest, hit: Sequence[KVCacheBlock]) -> None:
         """Count one admission's prefix lookup (and the hits write-through-selective counts)."""
         if self.write_through_hits:
             for block in hit:
@@ -189,7 +189,7 @@ class KVCacheManager:
         self.stats.queries += request.num_tokens
         self.stats.hits += len(hit) * self.block_size
 
-    def num_cached_prefix_blocks(self, request: Request) -> int:
+    def num_cached_prefix_blocks(self, request: KVRequest) -> int:
         """How many leading full blocks of the request are cached now (no stats counted)."""
         return len(self.cached_prefix(self.block_hashes(request)))
 
@@ -214,7 +214,7 @@ class KVCacheManager:
 
     # -- allocation --------------------------------------------------------------------------
     def _plan(
-        self, request: Request, num_new_tokens: int, computed: Sequence[KVCacheBlock]
+        self, request: KVRequest, num_new_tokens: int, computed: Sequence[KVCacheBlock]
     ) -> tuple[int, int, int, int]:
         """(first block index written, new blocks needed, shared blocks to copy, growth of
         the partial-block count)."""
@@ -232,7 +232,7 @@ class KVCacheManager:
 
     def can_allocate(
         self,
-        request: Request,
+        request: KVRequest,
         num_new_tokens: int,
         computed: Sequence[KVCacheBlock] = (),
         compact_blocks: int = 0,
@@ -251,7 +251,7 @@ class KVCacheManager:
 
     def allocate_slots(
         self,
-        request: Request,
+        request: KVRequest,
         num_new_tokens: int,
         computed: Sequence[KVCacheBlock] = (),
         compact_blocks: int = 0,
@@ -326,7 +326,7 @@ class KVCacheManager:
             new.extend(b.block_id for b in staged)
         return True
 
-    def fits_in_place(self, request: Request, num_new_tokens: int) -> bool:
+    def fits_in_place(self, request: KVRequest, num_new_tokens: int) -> bool:
         """Whether the tokens fit the blocks the request already holds, none of them shared
         (no new block, no copy): then an allocation only counts partial blocks."""
         blocks = self.req_blocks.get(request.request_id)
@@ -338,16 +338,16 @@ class KVCacheManager:
             first == last or all(b.ref_cnt == 1 for b in blocks[first:last])
         )
 
-    def grow_in_place(self, request: Request, num_new_tokens: int) -> None:
+    def grow_in_place(self, request: KVRequest, num_new_tokens: int) -> None:
         """Allocate tokens that :meth:`fits_in_place` said fit: only partial blocks change."""
         ids = self._block_ids[request.request_id]
         self._track_partial(ids, request.num_cache_entries, num_new_tokens, ())
 
-    def compact_block_ids(self, request: Request) -> list[int]:
+    def compact_block_ids(self, request: KVRequest) -> list[int]:
         """The fresh blocks set aside for the request's compaction this step ([] if none)."""
         return [b.block_id for b in self._compact.get(request.request_id, ())]
 
-    def apply_compaction(self, request: Request) -> int:
+    def apply_compaction(self, request: KVRequest) -> int:
         """After the step that filled them: the set-aside blocks become the request's table
         and its old blocks are released (cached-free where they hold a published prefix);
         nothing of the request is published after this. Returns the blocks released net."""
@@ -378,7 +378,7 @@ class KVCacheManager:
                 self._partial.discard(b)
                 self._filling.add(b)
 
-    def fork(self, parent: Request, child: Request) -> None:
+    def fork(self, parent: KVRequest, child: KVRequest) -> None:
         """Share all of the parent's blocks with a child (parallel sampling); shared blocks
         that are still being written are copied on the child's or parent's next write."""
         blocks = self.req_blocks[parent.request_id]
@@ -389,7 +389,7 @@ class KVCacheManager:
         self._block_ids[child.request_id] = list(self._block_ids[parent.request_id])
         self.num_cached_blocks[child.request_id] = self.num_cached_blocks.get(parent.request_id, 0)
 
-    def cache_computed_blocks(self, request: Request) -> None:
+    def cache_computed_blocks(self, request: KVRequest) -> None:
         """Publish the request's full blocks whose K/V have been computed."""
         full = request.num_computed_tokens // self.block_size
         if full <= self.num_cached_blocks.get(request.request_id, 0):
@@ -401,7 +401,7 @@ class KVCacheManager:
             self.num_cached_blocks[request.request_id] = n_full
 
     def _unpublished(
-        self, request: Request, num_tokens: int
+        self, request: KVRequest, num_tokens: int
     ) -> tuple[int, list[tuple[KVCacheBlock, BlockHash]]]:
         """The full blocks the request's first ``num_tokens`` tokens fill and that it has not
         published yet (block, hash), and how many full blocks that is in all. A compacted
@@ -417,7 +417,7 @@ class KVCacheManager:
         return n_full, [(blocks[i], hashes[i]) for i in range(start, n_full)
                         if blocks[i] is not self._null]  # fmt: skip
 
-    def free(self, request: Request) -> None:
+    def free(self, request: KVRequest) -> None:
         """Release the request's blocks, tail first so its tail is evicted first."""
         rid = request.request_id
         blocks = self.req_blocks.pop(rid, None)
@@ -436,7 +436,7 @@ class KVCacheManager:
                 self._partial.discard(b.block_id)
                 self._filling.discard(b.block_id)
 
-    def drop_leading_blocks(self, request: Request, first_kept: int, head: int = 0) -> int:
+    def drop_leading_blocks(self, request: KVRequest, first_kept: int, head: int = 0) -> int:
         """Release the request's blocks that hold only cache entries in ``[head, first_kept)``
         (a retention window that no future query reaches back past, after ``head`` sink
         entries that stay); their table entries become the null block. Returns how many
@@ -460,15 +460,15 @@ class KVCacheManager:
         self._release(gone)
         return end - start
 
-    def num_dropped_blocks(self, request: Request) -> int:
+    def num_dropped_blocks(self, request: KVRequest) -> int:
         lo, hi = self._dropped.get(request.request_id, (0, 0))
         return hi - lo
 
-    def block_ids(self, request: Request) -> list[int]:
+    def block_ids(self, request: KVRequest) -> list[int]:
         """The request's block table (the manager's own list: read it, do not change it)."""
         return self._block_ids.get(request.request_id, [])
 
-    def num_held_slots(self, request: Request) -> int:
+    def num_held_slots(self, request: KVRequest) -> int:
         held = len(self.req_blocks.get(request.request_id, ())) - self.num_dropped_blocks(request)
         return held * self.block_size
 
@@ -507,13 +507,13 @@ class KVCacheManager:
                 self._ops.loads.setdefault(rid, load)
 
     # -- tier loads --------------------------------------------------------------------------
-    def tier_candidates(self, request: Request, num_hit_blocks: int) -> list[BlockHash]:
+    def tier_candidates(self, request: KVRequest, num_hit_blocks: int) -> list[BlockHash]:
         """The request's block hashes after its ``num_hit_blocks`` device hits, up to the same
         limit as a device hit (one token always left to compute): what a tier may hold."""
         return self.block_hashes(request)[num_hit_blocks : self.max_hit_blocks(request)]
 
     def blocks_completed_by(
-        self, request: Request, num_new_tokens: int
+        self, request: KVRequest, num_new_tokens: int
     ) -> list[tuple[int, BlockHash]]:
         """The blocks (id, hash) that the step computing ``num_new_tokens`` more of the
         request fills and that it will publish (write-through stores them after the step's
@@ -521,7 +521,7 @@ class KVCacheManager:
         _, blocks = self._unpublished(request, request.num_computed_tokens + num_new_tokens)
         return [(b.block_id, h) for b, h in blocks]
 
-    def record_load(self, request: Request, block_ids: list[int], payloads: list) -> None:
+    def record_load(self, request: KVRequest, block_ids: list[int], payloads: list) -> None:
         """Payloads a tier load gave the request's fresh ``block_ids``: the runner imports
         them with the next step's record, before any forward pass reads them."""
         if block_ids:

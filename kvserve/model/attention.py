@@ -62,7 +62,7 @@ def combine_windows(layer: int | None, request: int) -> int | None:
 
 @dataclass(slots=True)
 class Compaction:
-    """A compaction after the chunk attended (see :mod:`kvserve.retention`): SnapKV in the
+    """A compaction after the chunk attended (see :mod:`kvserve.sched.retention`): SnapKV in the
     chunk that ends a prompt, or H2O."""
 
     kind: str  # "snapkv" or "h2o"
@@ -447,7 +447,7 @@ def retained_attention(
     Query at cache entry ``c`` sees entries ``(c - w, c]`` and, with sinks, ``[0, S)``. Cache
     entry = position, so window keys are at their true distance; a sink's in-cache distance
     (StreamingLLM) is ``min(c, S + w - 1) - s``, which the query rotated back by ``max(0, c -
-    S - w + 1)`` gives against the stored (rotated at ``s``) sink key (see kvserve.retention).
+    S - w + 1)`` gives against the stored (rotated at ``s``) sink key (see kvserve.sched.retention).
     """
     c0, n = p.ctx_len, p.q_len
     w = combine_windows(layer_window, p.window) or p.window

@@ -4,17 +4,16 @@
 ``RMSNorm`` / ``RotaryEmbedding`` modules' own forward. ``OneDNNOps`` is the CPU fast path:
 oneDNN matmuls with fused epilogues (SiLU on the gate projection, the product with the up
 projection, the residual add after ``o_proj`` and ``down_proj``), so the MLP's intermediate
-activations are written once instead of four times (~1.6x faster at 2,048 tokens on a 2-core
-AVX-512 CPU), the native RMSNorm and in-place rotary kernels (kvserve/kernels/pointwise.c),
-which replace chains of full-size temporaries, and the causal attention of prefill chunks,
-those that start a sequence and those that continue one (kvserve/kernels/prefill_attention.c),
-which skips the key blocks above the diagonal that SDPA's CPU kernel computes below 768
-queries. The kernels round where the
-references round (rotary is bit-identical); RMSNorm's sum of squares and the attention's sums
-run in their own order, so float32 results match the reference to rounding, as oneDNN's GEMMs
-do. ``AMXOps`` and ``UpcastOps`` are bf16 variants of it for CPUs with and without AMX
-tiles. The model code calls these methods and never knows which backend runs; tests compare the
-two, and the float32 exactness tests against transformers run through the fast path.
+activations are written once instead of four times, the native RMSNorm and in-place rotary
+kernels (kvserve/kernels/pointwise.c), which replace chains of full-size temporaries, and the
+causal attention of prefill chunks, those that start a sequence and those that continue one
+(kvserve/kernels/prefill_attention.c), which skips the key blocks above the diagonal that
+SDPA's CPU kernel computes below 768 queries. The kernels round where the references round
+(rotary is bit-identical); RMSNorm's sum of squares and the attention's sums run in their own
+order, so float32 results match the reference to rounding, as oneDNN's GEMMs do. ``AMXOps``
+and ``UpcastOps`` are bf16 variants of it for CPUs with and without AMX tiles. The model code
+calls these methods and never knows which backend runs; tests compare the two, and the float32
+exactness tests against transformers run through the fast path.
 """
 
 from __future__ import annotations
@@ -275,7 +274,7 @@ class PackedOps(OneDNNOps):
     float32 FMA units or, where they measured faster, its bf16 dot products ("avx512-dot" in
     the start-up log; :func:`kvserve.kernels.amx.avx512_dot_products`). Measured in a whole
     forward pass, each beat oneDNN's packed bf16 matmuls at every batch size, most at decode
-    sizes (BENCHMARKS.md), and neither keeps per-shape state."""
+    sizes (``benchmarks/gemm_dtypes.py``), and neither keeps per-shape state."""
 
     def __init__(self, kernel: str | None = "amx") -> None:
         super().__init__(prepack=True)
@@ -512,10 +511,10 @@ class UpcastOps(PackedOps):
         The start-up probe (:func:`large_step_gemm`) times one 1,024 x 1,024 matrix held in
         cache, and the crossover moves with the shapes and with where the weights come from:
         on a Zen 4 the kernel still led oneDNN at 64 rows on SmolLM2's 576-wide layers where
-        the two tied on the probe's matrix (BENCHMARKS.md). A model without such layers keeps
-        the probe's answer; where the kernel still leads at the largest size timed, oneDNN
-        takes the steps twice that size and more (prefill chunks, where its bf16 GEMM
-        measured ahead). Below the first size timed the kernel led on every model measured."""
+        the two tied on the probe's matrix. A model without such layers keeps the probe's
+        answer; where the kernel still leads at the largest size timed, oneDNN takes the steps
+        twice that size and more (prefill chunks, where its bf16 GEMM measured ahead). Below
+        the first size timed the kernel led on every model measured."""
         names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
         chosen, size = [], 0
         for layer in getattr(model, "layers", None) or []:
@@ -618,10 +617,9 @@ class UpcastOps(PackedOps):
 # oneDNN keeps a compiled primitive, and PyTorch's ideep layer a cache entry holding it, for
 # every input shape it has seen: 1,024 of each by default. An engine step's row count is its
 # token count, which changes almost every step under serving traffic, so a server's memory
-# grew for hours towards a thousand primitives per matrix shape (BENCHMARKS.md, "Resident
-# memory"). Rebuilding a primitive costs far less than a step; 64 bounds both caches. Each
-# variable is read once, at the process's first oneDNN call: set before it, and the user's
-# own settings win.
+# grew for hours towards a thousand primitives per matrix shape. Rebuilding a primitive costs
+# far less than a step; 64 bounds both caches. Each variable is read once, at the process's
+# first oneDNN call: set before it, and the user's own settings win.
 ONEDNN_CACHE_CAPACITY = 64
 
 
@@ -652,14 +650,14 @@ UPCAST_PROBE = (256, 1024, 1024)  # rows, in, out
 UPCAST_GAIN = 1.25
 # Steps with fewer tokens keep bf16 where the CPU has a bf16 dot product: at small decode
 # batches the GEMMs stream the weights from memory, bf16's are half the bytes, and the
-# conversions in and out weigh more. Every layer of the benchmark models, with conversions:
-# float32 about even at 32 rows, 1.16x faster at 64 (BENCHMARKS.md).
+# conversions in and out weigh more. Timed over every layer of the benchmark models with the
+# conversions (benchmarks/gemm_dtypes.py), float32 first pulls ahead at this many rows.
 UPCAST_MIN_ROWS = 64
 # With kvserve's AVX-512 kernel as the bf16 GEMM on a CPU whose bf16 dot product is no faster
 # than its float32 FMAs (oneDNN's bf16 GEMM under UPCAST_GAIN times faster than its float32 one
 # at the probe), both the kernel and oneDNN's float32 GEMM run on the float32 FMA units, and
 # below this many rows the kernel is as fast or faster (it reads half the weight bytes); from
-# it, oneDNN's tuned float32 GEMM was ahead in the engine's prefill (BENCHMARKS.md, session 40).
+# it, oneDNN's tuned float32 GEMM was ahead in the engine's prefill.
 UPCAST_MIN_ROWS_AVX512 = 128
 # Where oneDNN's bf16 GEMM is the fast one, the kernel keeps the steps below the first of these
 # row counts at which oneDNN's is faster on the probe's matrix.
@@ -754,8 +752,8 @@ def select_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
         and os.environ.get("KVSERVE_DISABLE_ONEDNN") != "1"
     ):
         # Packed weights measured faster at decode sizes in both dtypes, and for bf16 even at
-        # prefill sizes on an AMX Xeon (BENCHMARKS.md); float32's greedy tokens still equal
-        # transformers' (the exactness tests). KVSERVE_DISABLE_PREPACK=1 for A/B.
+        # prefill sizes on an AMX Xeon; float32's greedy tokens still equal transformers' (the
+        # exactness tests). KVSERVE_DISABLE_PREPACK=1 for A/B.
         # Without AMX, which GEMM is fastest by step size depends on the CPU: large_step_gemm.
         bound_onednn_caches()
         prepack = os.environ.get("KVSERVE_DISABLE_PREPACK") != "1"

@@ -205,7 +205,7 @@ def validate_windows(
     from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
     from kvserve.engine import LLMEngine
     from kvserve.plan.capacity import capacity
-    from kvserve.request import SamplingParams
+    from kvserve.sched.request import SamplingParams
 
     spec = load_arch(model_dir)
     windows = [w for w in spec.layer_windows if w]

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from kvserve.kernels.pointwise import topk_rows
-from kvserve.request import SamplingParams
+from kvserve.sched.request import SamplingParams
 
 
 class SamplingState:

@@ -30,8 +30,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvserve.kv.manager import KVCacheManager, cdiv
-from kvserve.request import Request
-from kvserve.workload_classes import DEFAULT_CLASS
+from kvserve.sched.request import Request
+from kvserve.sched.workload_classes import DEFAULT_CLASS
 
 # A projected wait longer than this is an overload, not a momentary queue: 503, not 429.
 OVERLOAD_S = 30.0

@@ -1,11 +1,11 @@
 """Admission, step by step: which waiting requests start running this step, and which are
 refused.
 
-A mixin of :class:`~kvserve.scheduler.Scheduler` (which owns request state): ``_admit`` runs
+A mixin of :class:`~kvserve.sched.scheduler.Scheduler` (which owns request state): ``_admit`` runs
 inside its ``schedule`` after the running requests have their blocks. The order comes from the
-waiting queue (:mod:`kvserve.waiting`), the arithmetic of projected demand from
-:mod:`kvserve.admission`; tier loads (:mod:`kvserve.kv.tier_loads`) start here too, because a
-request whose prefix continues in a tier waits for it instead of running.
+waiting queue (:mod:`kvserve.sched.waiting`), the arithmetic of projected demand from
+:mod:`kvserve.sched.admission`; tier loads (:mod:`kvserve.sched.tier_loads`) start here too,
+because a request whose prefix continues in a tier waits for it instead of running.
 
 Same-step prefix sharing: a request admitted in the step that first computes a prefix would
 compute it again beside the first (a block is published only after its step), so a waiting
@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvserve.admission import Admission, Refusal
 from kvserve.config import SchedulerConfig
 from kvserve.kv.manager import KVCacheManager
-from kvserve.request import Request, RequestStatus
-from kvserve.waiting import WaitingQueue
+from kvserve.sched.admission import Admission, Refusal
+from kvserve.sched.request import Request, RequestStatus
+from kvserve.sched.waiting import WaitingQueue
 
 
 class AdmissionSteps:
@@ -30,8 +30,8 @@ class AdmissionSteps:
     waiting: WaitingQueue
     running: list[Request]
     requests: dict[str, Request]
-    tier_loads: Any  # kvserve.kv.tier_loads.TierLoads | None
-    stats: Any  # kvserve.scheduler.SchedulerStats
+    tier_loads: Any  # kvserve.sched.tier_loads.TierLoads | None
+    stats: Any  # kvserve.sched.scheduler.SchedulerStats
     _refused: list[Request]
 
     def _projected_wait(self, req: Request, now: float) -> float | None:

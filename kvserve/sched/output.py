@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from kvserve.kv.ops import KVOps
-from kvserve.request import SamplingParams
+from kvserve.sched.request import SamplingParams
 
 
 @dataclass(slots=True)

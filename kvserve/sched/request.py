@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.config import ConfigError
-from kvserve.retention import RetentionSpec, parse_retention
-from kvserve.workload_classes import WorkloadClass
+from kvserve.sched.retention import RetentionSpec, parse_retention
+from kvserve.sched.workload_classes import WorkloadClass
 
 
 class InvalidRequestError(ValueError):
@@ -47,7 +47,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # A KV retention policy for this request ("window:512"), over the engine's default
-    # (--kv-retention); "none" turns the default off. Lossy: see kvserve.retention.
+    # (--kv-retention); "none" turns the default off. Lossy: see kvserve.sched.retention.
     kv_retention: str | None = None
 
     MAX_LOGPROBS = 20
@@ -306,14 +306,14 @@ class Request:
         self.cumulative_logprob = 0.0
         self.stop_reason: int | str | None = None
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
-        # Times a later request was admitted ahead of this one (bounded: kvserve.waiting).
+        # Times a later request was admitted ahead of this one (bounded: kvserve.sched.waiting).
         self.skips = 0
         self.priority = priority  # vLLM's meaning: lower is served first
         self.seq_no = 0  # arrival order in the scheduler (ties of priority)
         self.workload_class = workload_class
         # Projected admission: output tokens reserved for it, fixed when first projected.
         self.expected_output_tokens: int | None = None
-        self.refusal: Any = None  # kvserve.admission.Refusal when admission refused it
+        self.refusal: Any = None  # kvserve.sched.admission.Refusal when admission refused it
         # Per-chunk [n, vocab] log-softmax rows for prompt positions, when asked for.
         self.prompt_logits: list[Any] | None = None
         self.parent_id = request_id if parent_id is None else parent_id
@@ -420,7 +420,7 @@ class RequestOutput:
     num_retained_tokens: int | None = None
     num_seen_tokens: int | None = None
     # Admission control refused it before it ran (finish_reason "refused"): why, and when to
-    # retry (kvserve.admission.Refusal).
+    # retry (kvserve.sched.admission.Refusal).
     refusal: Any = None
     # The workload class it was matched to (None: the engine has no class file).
     workload_class: str | None = None

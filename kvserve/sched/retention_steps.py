@@ -1,7 +1,7 @@
 """What a retention policy asks of each step: chunk boundaries, blocks set aside for a
 compaction, blocks released behind a window, and the counters of what was evicted.
 
-A mixin of :class:`~kvserve.scheduler.Scheduler` (which owns request state): these run inside
+A mixin of :class:`~kvserve.sched.scheduler.Scheduler` (which owns request state): these run inside
 its ``schedule`` and ``update_from_output`` and use its KV manager, the model's own window
 and its stats. They are apart because they are one concept, retention, that the rest of
 scheduling never needs to read.
@@ -12,13 +12,13 @@ from __future__ import annotations
 from typing import Any
 
 from kvserve.kv.manager import KVCacheManager, cdiv
-from kvserve.request import Request
+from kvserve.sched.request import Request
 
 
 class RetentionSteps:
     kv: KVCacheManager
     native_window: int
-    stats: Any  # kvserve.scheduler.SchedulerStats
+    stats: Any  # kvserve.sched.scheduler.SchedulerStats
 
     def _chunk(self, req: Request, n: int, hit: int = 0) -> int:
         """The tokens ``req`` computes this step out of ``n`` offered: a prompt that SnapKV

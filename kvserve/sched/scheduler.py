@@ -9,7 +9,7 @@ budget, ``max_num_seqs`` and the KV pool allow. When a running request cannot ge
 most recently admitted request is preempted (its blocks freed, to be recomputed later) and put
 back at the front of the queue; the oldest request always progresses, so nothing deadlocks.
 A waiting request whose prefix continues in an offload tier waits, not running, while its
-blocks load (:mod:`kvserve.kv.tier_loads`); others are admitted meanwhile.
+blocks load (:mod:`kvserve.sched.tier_loads`); others are admitted meanwhile.
 
 :meth:`Scheduler.schedule` describes the step as plain data (:class:`SchedulerOutput`);
 :meth:`Scheduler.update_from_output` owns what happens after the forward pass: computed-token
@@ -23,16 +23,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvserve.admission import Admission
-from kvserve.admission_steps import AdmissionSteps
 from kvserve.config import SchedulerConfig
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.offload import OffloadTiers
-from kvserve.kv.tier_loads import TierLoads
-from kvserve.request import Request, RequestStatus
-from kvserve.retention_steps import RetentionSteps
-from kvserve.step import ModelRunnerOutput, NewRequestData, ScheduledSeq, SchedulerOutput
-from kvserve.waiting import WaitingQueue
+from kvserve.sched.admission import Admission
+from kvserve.sched.admission_steps import AdmissionSteps
+from kvserve.sched.output import ModelRunnerOutput, NewRequestData, ScheduledSeq, SchedulerOutput
+from kvserve.sched.request import Request, RequestStatus
+from kvserve.sched.retention_steps import RetentionSteps
+from kvserve.sched.tier_loads import TierLoads
+from kvserve.sched.waiting import WaitingQueue
 
 # A step computing at least this many prompt tokens times the engine's prefill (seconds per
 # token), which a tier load is weighed against.
@@ -225,7 +225,7 @@ class Scheduler(AdmissionSteps, RetentionSteps):
         return out
 
     def _describe(self, req: Request, n: int, out: SchedulerOutput) -> ScheduledSeq:
-        """The plain-data view of ``req``'s share of the step (see :mod:`kvserve.step`)."""
+        """The plain-data view of ``req``'s share of the step (see :mod:`kvserve.sched.output`)."""
         c = req.num_computed_tokens
         rid = req.request_id
         if (

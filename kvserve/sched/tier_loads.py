@@ -26,7 +26,7 @@ from __future__ import annotations
 from kvserve.kv.block_pool import KVCacheBlock
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.offload import OffloadTiers
-from kvserve.request import Request
+from kvserve.sched.request import Request
 
 
 class TierLoads:

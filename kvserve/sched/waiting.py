@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator
 
 from kvserve.config import SchedulerConfig
 from kvserve.kv.manager import KVCacheManager
-from kvserve.request import Request
+from kvserve.sched.request import Request
 
 
 class WaitingQueue:

@@ -1,5 +1,5 @@
 """Reading a workload-class file: JSON or YAML (repeated keys refused), every entry validated
-into :mod:`kvserve.workload_classes`, errors naming the entry and the field; and the built-in
+into :mod:`kvserve.sched.workload_classes`, errors naming the entry and the field; and the built-in
 classes (``--workload-classes default``; why each looks as it does is in that module's
 docstring).
 
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.config import ConfigError
-from kvserve.workload_classes import (
+from kvserve.sched.workload_classes import (
     ENTRY_KEYS,
     FILE_KEYS,
     KV_KEYS,

@@ -49,8 +49,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.config import ConfigError
-from kvserve.retention import FIELD as RETENTION_FIELD
-from kvserve.retention import parse_retention
+from kvserve.sched.retention import FIELD as RETENTION_FIELD
+from kvserve.sched.retention import parse_retention
 
 DEFAULT_CLASS = "default"
 OUTPUT_ESTIMATES = ("max_tokens", "learned")

@@ -26,7 +26,7 @@ from typing import Any
 
 from kvserve.engine import EngineStats, LLMEngine
 from kvserve.kernels.openmp import release_thread_pool
-from kvserve.request import InvalidRequestError, RequestOutput, RequestTags, SamplingParams
+from kvserve.sched.request import InvalidRequestError, RequestOutput, RequestTags, SamplingParams
 
 log = logging.getLogger("kvserve.server")
 

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from kvserve.request import InvalidRequestError, SamplingParams
+from kvserve.sched.request import InvalidRequestError, SamplingParams
 
 ERROR_TYPES = {
     400: "invalid_request_error",

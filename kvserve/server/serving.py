@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 
 from kvserve.model.tokenizer import ChatTemplateError, Tokenizer
-from kvserve.request import (
+from kvserve.sched.request import (
     CompletionOutput,
     InvalidRequestError,
     RequestOutput,

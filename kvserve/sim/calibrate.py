@@ -13,7 +13,7 @@ Before the workload, a few prompts of random tokens are prefilled alone (a quart
 all of the step's token budget, one step each). A workload's large steps mix many sequences'
 chunks with decodes, so their GEMM cost and their per-sequence costs grow together and the
 fit cannot tell them apart; it put the difference on the GEMMs and over-predicted a long
-prompt prefilled alone by about half (``BENCHMARKS.md``, simulator). The solo steps pin the
+prompt prefilled alone (``benchmarks/simulator.py`` compares the two). The solo steps pin the
 large-step GEMM cost on its own. Each is followed by two chunks that continue it after its
 cached blocks (prefix caching on): attention over cached context, which runs at a rate of
 its own and which the workload's steps mix with everything else. Then a few decode probes
@@ -45,7 +45,7 @@ from kvserve.kv.tier_entry import encode_entry
 from kvserve.kv.tiers import DiskTier, HostTier, Tier
 from kvserve.model.linear_ops import GEMM_NAMES, onednn_cache_entries
 from kvserve.plan.capacity import load_arch, load_config
-from kvserve.request import SamplingParams
+from kvserve.sched.request import SamplingParams
 from kvserve.sim.cost import (
     FitReport,
     ModelShape,
@@ -121,10 +121,10 @@ def measure_tier_path(
     pool's first blocks back with their own bytes: nothing changes in the pool.
 
     A load in a run reads entries stored long before, right after a step left the compute
-    threads spinning; a best-of-n of the same blocks, hot in cache from their store, ran about
-    half the real loads' time (BENCHMARKS.md, simulator). So the entries are spread over
-    ``spread_bytes`` (more than a last-level cache), each load reads blocks stored long before
-    it, and a small parallel GEMM precedes it."""
+    threads spinning; a best-of-n of the same blocks, hot in cache from their store, ran well
+    under the real loads' time. So the entries are spread over ``spread_bytes`` (more than a
+    last-level cache), each load reads blocks stored long before it, and a small parallel GEMM
+    precedes it."""
     n = min(blocks, storage.num_blocks)
     ids = list(range(n))
     exports = []
@@ -214,7 +214,7 @@ def decode_probes(max_model_len: int, num_blocks: int, block_size: int
     long context and over DECODE_PROBE_SHORT tokens, and one over the long context alone. In
     a workload's decode steps the sequences and their cached tokens grow together, so a fit
     over them alone cannot tell the KV reads from the per-sequence costs (the fitted KV
-    read efficiency moved 2x between calibrations of one machine); these steps differ in one
+    read efficiency moved widely between calibrations of one machine); these steps differ in one
     of the two at a time. None where the long context would not be longer than the short."""
     b, t = DECODE_PROBE_BATCH, DECODE_PROBE_TOKENS
     room = min(max_model_len - t, (num_blocks * block_size) // (2 * b) - t)
@@ -259,7 +259,7 @@ def fit_shape_cache(
     cache holds is chosen here too, the size (an eighth of ``base.shape_cache_entries`` at a
     time, down to a quarter) whose fit explains the steps best: oneDNN's cache is a capacity
     of entries, but replayed with a real run's GEMM calls it missed as a smaller LRU of
-    shapes would (BENCHMARKS.md), and a wrong size charges the wrong steps."""
+    shapes would, and a wrong size charges the wrong steps."""
     full = base.shape_cache_entries
     sizes = sorted({max(len(GEMM_NAMES), full * k // 8) for k in range(2, 9)}) if full else [0]
 

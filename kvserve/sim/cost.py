@@ -43,7 +43,7 @@ import numpy as np
 from kvserve.model.linear_ops import GEMM_NAMES
 from kvserve.plan.capacity import ArchSpec, bytes_per_token
 from kvserve.plan.gpus import GPU
-from kvserve.step import SchedulerOutput
+from kvserve.sched.output import SchedulerOutput
 
 PROFILE_VERSION = 1
 # The efficiency of a term the calibration found no time for: its time is then negligible.

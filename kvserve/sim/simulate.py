@@ -1,7 +1,7 @@
 """The engine with a cost model for a forward pass and a virtual clock for time.
 
 Nothing here schedules: :class:`~kvserve.engine.LLMEngine` is built exactly as ``kvserve
-serve`` builds it (same flags, same :class:`~kvserve.scheduler.Scheduler`, same
+serve`` builds it (same flags, same :class:`~kvserve.sched.scheduler.Scheduler`, same
 :class:`~kvserve.kv.manager.KVCacheManager`, admission, retention and workload classes), with
 a :class:`CostModelRunner` in place of the model. The runner advances the clock by the step's
 modelled time and returns one placeholder token per sampled row, so the scheduler's decisions
@@ -47,10 +47,10 @@ from kvserve.engine.offload import LOAD_TIMEOUTS
 from kvserve.llm import engine_config
 from kvserve.plan.capacity import PlanError, capacity, load_arch, load_config
 from kvserve.plan.gpus import GPU
-from kvserve.request import FINISHED_STATUSES, SamplingParams
+from kvserve.sched.output import ModelRunnerOutput, SchedulerOutput
+from kvserve.sched.request import FINISHED_STATUSES, SamplingParams
 from kvserve.sim.cost import ModelShape, Profile, ShapeCache, step_features
 from kvserve.sim.tiers import SERVER_TIERS, ModelledBlocks, SimOffload, modelled_tiers
-from kvserve.step import ModelRunnerOutput, SchedulerOutput
 
 
 class VirtualClock:

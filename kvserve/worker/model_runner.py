@@ -1,9 +1,9 @@
 """Executes one step from its plain-data description: batch tensors, the model, sampling.
 
-The runner sees only the :class:`~kvserve.step.SchedulerOutput` (no requests, no KV manager),
-so it can live in another process. It keeps what it needs between steps itself: the sampling
-state of each request (parameters, tokens drawn so far, a seeded generator), created from the
-step's ``new_requests`` and dropped on ``finished_req_ids``.
+The runner sees only the :class:`~kvserve.sched.output.SchedulerOutput` (no requests, no KV
+manager), so it can live in another process. It keeps what it needs between steps itself:
+the sampling state of each request (parameters, tokens drawn so far, a seeded generator),
+created from the step's ``new_requests`` and dropped on ``finished_req_ids``.
 
 Per step the runner does O(requests) Python work and a fixed number of tensor ops; nothing
 inside the layers loops over requests or tokens. The batch is ordered decode tokens first
@@ -38,8 +38,8 @@ from kvserve.model.attention import (
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import load_kv_scales, load_model, resolve_dtype
 from kvserve.model.resolve import resolve_model
-from kvserve.model.sampler import Sampler, SamplingState
-from kvserve.step import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from kvserve.sample.sampler import Sampler, SamplingState
+from kvserve.sched.output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 
 
 class ModelRunner:
