@@ -90,7 +90,7 @@ def model_step(dtype: torch.dtype, batch: int, context: int, rounds: int) -> flo
 
 
 def bandwidth(batch: int, context: int, rounds: int) -> None:
-    from kvserve.engine.bandwidth import measure_peak_bandwidth
+    from kvserve.worker.bandwidth import measure_peak_bandwidth
 
     threads = set_threads()
     peak = measure_peak_bandwidth(torch.device("cpu"))

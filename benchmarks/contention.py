@@ -40,7 +40,9 @@ def child(model: str, prompt_file: str, max_tokens: int, dtype: str) -> None:
     llm = LLM(model, dtype=dtype, max_num_seqs=len(prompts), enable_prefix_caching=False)
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4))  # warm-up
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    out: dict[str, Any] = {"binding": getattr(llm.engine.runner.binding, "cpus", None)}
+    out: dict[str, Any] = {
+        "binding": getattr(llm.engine.executor.driver_worker.runner.binding, "cpus", None)
+    }
     for phase in ("alone", "busy"):
         busy = subprocess.Popen(BUSY) if phase == "busy" else None
         try:

@@ -122,7 +122,7 @@ def end_to_end(size: str, n: int, max_tokens: int, passes: int, dtype: str) -> d
     tok_s: dict[str, list[float]] = {name: [] for name in VARIANTS}
     for _ in range(passes):
         for name, ops in VARIANTS.items():
-            llm.engine.model.set_ops(ops())
+            llm.engine.executor.driver_worker.model.set_ops(ops())
             t0 = time.perf_counter()
             outs = llm.generate(prompts, sp)
             dt = time.perf_counter() - t0

@@ -173,13 +173,16 @@ def install(cfg: KiviConfig):  # noqa: ANN201 - a candidate_setup for run_gates
     def setup(llm: Any) -> None:
         engine = llm.engine
         engine.replace_storage(lambda st: KiviEmulation(st, cfg))
-        emu, run = engine.storage, engine.runner.execute_model
+        emu, run = (
+            engine.executor.driver_worker.storage,
+            engine.executor.driver_worker.runner.execute_model,
+        )
 
         def execute(so: SchedulerOutput):  # noqa: ANN202
             emu.note_step(so)
             return run(so)
 
-        engine.runner.execute_model = execute
+        engine.executor.driver_worker.runner.execute_model = execute
 
     return setup
 

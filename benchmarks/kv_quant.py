@@ -91,7 +91,7 @@ def capacity_section(
         for r in reqs:
             e.kv.free(r)
         held[f] = len(reqs)
-        st = e.storage
+        st = e.executor.driver_worker.storage
         res_block = st.fixed_nbytes() / st.res_k[0].shape[0] if hasattr(st, "res_k") else 0.0
         per_seq = -(-seq_len // e.block_size) * e.block_size * e.bytes_per_token + res_block
         strict[f] = int(memory // per_seq)

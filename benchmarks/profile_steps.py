@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from benchmarks.common import bench_model, emit, random_prompts, set_threads, table, vocab_size
-from kvserve.engine.bandwidth import measure_peak_bandwidth
 from kvserve.model.linear_ops import UpcastOps
 from kvserve.sim.calibrate import measure_gemm_peak
+from kvserve.worker.bandwidth import measure_peak_bandwidth
 
 # norm_linear / norm_swiglu_add: a projection with the RMSNorm before it, which the packed
 # kernels apply as they read the rows; counted with the GEMMs, the norm included.
@@ -96,14 +96,14 @@ def main() -> None:
     )
     e = llm.engine
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4))  # warm-up
-    model, runner, core = e.model, e.runner, e.core
+    model, runner, core = e.executor.driver_worker.model, e.executor.driver_worker.runner, e.core
     t = Timers()
     for name in PARTS:  # every layer shares one ops object
         t.wrap(model.ops, name, name, exclusive=True)
     t.wrap(model.ops, "causal_attention", "prefill attention kernel")
     t.wrap(model.ops, "context_attention", "context attention kernel")
     t.wrap(llama_mod, "paged_attention", "attention (+KV write)")
-    storage = e.storage
+    storage = e.executor.driver_worker.storage
     for name in ("write", "decode_attention", "fused_attention", "gather"):
         if hasattr(storage, name):
             t.wrap(storage, name, f"storage.{name}")

@@ -38,7 +38,7 @@ from benchmarks.common import (
     table,
     vocab_size,
 )
-from kvserve.engine.bandwidth import weight_bytes_read
+from kvserve.worker.bandwidth import weight_bytes_read
 
 
 def run_kvserve(
@@ -81,7 +81,7 @@ def run_kvserve(
                 tokens[int(o.request_id)] = list(o.outputs[0].token_ids)
     wall = time.perf_counter() - t0
     return {"tok_s": n_out / wall, "wall": wall, "decode_steps": decode_steps,
-            "bytes_per_token": engine.bytes_per_token, "model": engine.model,
+            "bytes_per_token": engine.bytes_per_token, "model": engine.executor.driver_worker.model,
             "tokens": tokens, "start_s": start}  # fmt: skip
 
 

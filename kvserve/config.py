@@ -390,6 +390,25 @@ class SchedulerConfig:
             raise ConfigError(f"admission_watermark: must be in [0, 1), got {w!r}")
 
 
+# uni: the model runs in the engine's process; mp: in worker processes the engine drives.
+EXECUTOR_BACKENDS = ("uni", "mp")
+
+
+@dataclass(slots=True)
+class ParallelConfig:
+    """Where the model runs: in the engine's process or in worker processes (vLLM's
+    ``distributed_executor_backend``)."""
+
+    distributed_executor_backend: str = "uni"
+
+    def __post_init__(self) -> None:
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ConfigError(
+                f"distributed_executor_backend: must be one of {', '.join(EXECUTOR_BACKENDS)}, "
+                f"got {self.distributed_executor_backend!r}"
+            )
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Everything the engine needs; built by :class:`kvserve.llm.LLM` from keyword args."""
@@ -401,6 +420,7 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -14,6 +14,7 @@ from typing import Any
 from kvserve.config import (
     ADMISSION_POLICIES,
     DTYPES,
+    EXECUTOR_BACKENDS,
     OFFLOAD_WRITE_POLICIES,
     PREEMPTION_MODES,
     SCHEDULING_POLICIES,
@@ -164,6 +165,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "agent): per-class SLO, priority, output estimate and KV policy",
     )
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--distributed-executor-backend",
+        default="uni",
+        choices=EXECUTOR_BACKENDS,
+        help="uni: the model runs in the engine's process; mp: in a worker process the engine "
+        "sends each step to (vLLM's flag)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -200,6 +208,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         admission_watermark=args.admission_watermark,
         workload_classes=args.workload_classes,
         seed=args.seed,
+        distributed_executor_backend=args.distributed_executor_backend,
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from kvserve.engine import EngineStats, LLMEngine, PromptType
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.sched.request import InvalidRequestError, RequestOutput, SamplingParams
@@ -43,6 +43,7 @@ def engine_config(
     preemption_mode: str | None = None,
     disable_hybrid_kv_cache_manager: bool = False,
     kv_cache_prefault: bool = False,
+    distributed_executor_backend: str = "uni",
 ) -> EngineConfig:
     """The :class:`EngineConfig` of the keyword arguments ``LLM`` takes (the simulator
     builds an engine from the same arguments)."""
@@ -82,6 +83,7 @@ def engine_config(
             admission_watermark=admission_watermark,
             workload_classes=workload_classes,
         ),
+        parallel=ParallelConfig(distributed_executor_backend=distributed_executor_backend),
     )
 
 
@@ -91,6 +93,10 @@ class LLM:
     def __init__(self, model: str, **kwargs: Any) -> None:
         """``model`` and the keyword arguments of :func:`engine_config` (vLLM's names)."""
         self.engine = LLMEngine(engine_config(model, **kwargs))
+
+    def shutdown(self) -> None:
+        """Stop the engine's workers and offload threads (also done at exit)."""
+        self.engine.shutdown()
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 
 import pytest
 import torch
@@ -98,6 +99,50 @@ def conserve_blocks_every_step(monkeypatch):
         self.step_hooks.append(check_every)
 
     monkeypatch.setattr(EngineCore, "__init__", patched)
+
+
+# Processes a test may leave running on purpose: the session's Redis server and the helper
+# that Python's ``spawn`` start method keeps for the whole session.
+LONG_LIVED = ("redis-server", "multiprocessing.resource_tracker")
+LEAK_GRACE_S = 5.0
+
+
+def child_processes() -> dict[int, str]:
+    """This process's live children (zombies, exited but not yet reaped, excluded): pid ->
+    command line."""
+    me, out = os.getpid(), {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if int(fields[1]) == me and fields[0] != "Z":
+            out[int(entry)] = cmd
+    return out
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind():
+    """Every process a test starts (workers, servers, proxies) is gone when it ends, within a
+    short grace period for ones already told to stop."""
+    if not os.path.isdir("/proc"):
+        yield
+        return
+    before = set(child_processes())
+    yield
+    deadline = time.monotonic() + LEAK_GRACE_S
+    while True:
+        left = {pid: cmd for pid, cmd in child_processes().items()
+                if pid not in before and not any(k in cmd for k in LONG_LIVED)}  # fmt: skip
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not left, f"processes left behind: {left}"
 
 
 @pytest.fixture

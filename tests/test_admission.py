@@ -270,7 +270,7 @@ def test_memory_bytes_read_follow_the_formula(checkpoint, make_llm):
     llm.generate([list(range(1, P + 1))], SamplingParams(max_tokens=T, ignore_eos=True))
     s = llm.stats()
     # Every matrix once, except the embedding table (a step reads only its tokens' rows).
-    params = dict(e.model.named_parameters())
+    params = dict(e.executor.driver_worker.model.named_parameters())
     assert "lm_head.weight" in params  # untied here: the head is a matrix of its own
     weights = sum(p.numel() * p.element_size() for n, p in params.items()
                   if n != "embed_tokens.weight")  # fmt: skip

@@ -224,7 +224,7 @@ def test_step_input_pickles_and_runs_in_another_process(make_llm, checkpoint):
         blob = pickle.dumps(so)
         assert pickle.loads(blob) == so
         blobs.append(blob)
-        out = engine.runner.execute_model(so)
+        out = engine.executor.driver_worker.runner.execute_model(so)
         local.append((out.req_ids, out.token_ids))
         sched.update_from_output(so, out, 0.0, 0.0)
     assert any(len(ids) > 1 for ids, _ in local)
@@ -302,7 +302,7 @@ def test_a_failing_step_fails_its_requests_only(what):
 def test_runner_failure_reaches_the_caller_as_an_error_output(make_llm, checkpoint):
     llm = make_llm(checkpoint("llama_gqa"), **ENGINE_KW)
     engine = llm.engine
-    real = engine.runner.execute_model
+    real = engine.executor.driver_worker.runner.execute_model
     calls = []
 
     def flaky(so):  # noqa: ANN001
@@ -311,7 +311,7 @@ def test_runner_failure_reaches_the_caller_as_an_error_output(make_llm, checkpoi
             raise RuntimeError("injected")
         return real(so)
 
-    engine.runner.execute_model = flaky
+    engine.executor.driver_worker.runner.execute_model = flaky
     sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     out = llm.generate([{"prompt_token_ids": p} for p in prompts_of_lengths([6])], sp)[0]
     assert out.outputs[0].finish_reason == "error" and "injected" in out.error
@@ -326,7 +326,7 @@ def test_null_block_is_never_handed_out_or_written(make_llm, checkpoint, fmt):
     llm = make_llm(checkpoint("llama_gqa"), kv_cache_dtype=fmt, dtype="float32", block_size=4,
                    num_gpu_blocks=20, max_num_batched_tokens=16)  # fmt: skip
     engine = llm.engine
-    null = engine.storage.null_block
+    null = engine.executor.driver_worker.storage.null_block
     assert null == engine.kv.null_block == engine.num_blocks
     seen: list[int] = []
     engine.core.step_hooks.append(
@@ -336,6 +336,6 @@ def test_null_block_is_never_handed_out_or_written(make_llm, checkpoint, fmt):
     llm.generate([{"prompt_token_ids": p} for p in prompts_of_lengths([9, 23, 14])], sp)
     assert engine.stats().num_preemptions > 0
     assert seen and max(seen) < null
-    for ts in engine.storage.block_tensors().values():
+    for ts in engine.executor.driver_worker.storage.block_tensors().values():
         for t in ts:
             assert not t[null].any()

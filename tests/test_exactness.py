@@ -1,4 +1,5 @@
-"""Greedy output equals Hugging Face transformers token for token (float32)."""
+"""Greedy output equals Hugging Face transformers token for token (float32), with the model in
+the engine's process (``uni``) and in a worker process (``mp``)."""
 
 from __future__ import annotations
 
@@ -41,38 +42,48 @@ def reference(checkpoint, name: str) -> tuple[str, list[list[int]], list[list[in
     return path, prompts, _hf_cache[name]
 
 
+# Every test below runs under both executors: the worker process must change nothing.
+EXECUTORS = pytest.mark.parametrize("executor", ["uni", "mp"])
+
+
 def generate(llm, prompts):
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
+@EXECUTORS
 @pytest.mark.parametrize(
     "name",
     ["llama_gqa", "llama_mha", "llama_mqa", "llama3_rope", "llama_linear_rope", "qwen2",
      "mistral_swa"],
 )  # fmt: skip
-def test_greedy_matches_transformers(checkpoint, make_llm, name):
+def test_greedy_matches_transformers(checkpoint, make_llm, name, executor):
     path, prompts, expected = reference(checkpoint, name)
     assert len({tuple(e[:8]) for e in expected}) > 4, "reference outputs are not diverse"
     assert all(len(set(e)) > 8 for e in expected), "a reference output repeats one token"
-    llm = make_llm(path, dtype="float32", enable_prefix_caching=False)
+    llm = make_llm(path, dtype="float32", enable_prefix_caching=False,
+                   distributed_executor_backend=executor)  # fmt: skip
     assert generate(llm, prompts) == expected
 
 
+@EXECUTORS
 @pytest.mark.parametrize("name", ["llama_gqa", "mistral_swa", "qwen2"])
-def test_chunked_prefill_small_budget(checkpoint, make_llm, name):
+def test_chunked_prefill_small_budget(checkpoint, make_llm, name, executor):
     path, prompts, expected = reference(checkpoint, name)
-    llm = make_llm(path, dtype="float32", max_num_batched_tokens=32, block_size=8)
+    llm = make_llm(path, dtype="float32", max_num_batched_tokens=32, block_size=8,
+                   distributed_executor_backend=executor)  # fmt: skip
     assert generate(llm, prompts) == expected
     assert llm.stats().num_steps > 0
 
 
 # 8 sequences need ~ (sum(prompt) + 8*64)/16 ~ 55 blocks; 24 forces preemption. Mistral's
 # 24-token window frees blocks behind it, so each sequence holds at most ~7: 8 forces it.
+@EXECUTORS
 @pytest.mark.parametrize("name, blocks", [("llama_gqa", 24), ("mistral_swa", 8)])
-def test_preemption_keeps_outputs_exact(checkpoint, make_llm, name, blocks):
+def test_preemption_keeps_outputs_exact(checkpoint, make_llm, name, blocks, executor):
     path, prompts, expected = reference(checkpoint, name)
-    llm = make_llm(path, dtype="float32", num_gpu_blocks=blocks, max_num_batched_tokens=64)
+    llm = make_llm(path, dtype="float32", num_gpu_blocks=blocks, max_num_batched_tokens=64,
+                   distributed_executor_backend=executor)  # fmt: skip
     assert generate(llm, prompts) == expected
     assert llm.stats().num_preemptions > 0
 

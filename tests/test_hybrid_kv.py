@@ -189,7 +189,10 @@ def test_same_bytes_as_one_table(hybrid, make_llm):
     kw = dict(dtype="float32", block_size=8, num_gpu_blocks=64)
     grouped, single = make_llm(path, **kw), make_llm(path, disable_hybrid_kv_cache_manager=True,
                                                      **kw)  # fmt: skip
-    g, s = grouped.engine.storage, single.engine.storage
+    g, s = (
+        grouped.engine.executor.driver_worker.storage,
+        single.engine.executor.driver_worker.storage,
+    )
     layer_bytes = 2 * 2 * 8 * 16 * 4  # K and V, 2 KV heads, 8 entries, head dim 16, float32
     assert owned_tensor_bytes(s) == 4 * layer_bytes * (64 + 1)
     # Two groups of two layers: 128 blocks of two layers, plus the null block.

@@ -123,7 +123,11 @@ def test_engine_with_prefault_answers_as_one_without(make_llm, checkpoint):
     sp = SamplingParams(temperature=0.0, max_tokens=12)
     lazy = make_llm(path, kv_cache_memory="64MiB")
     eager = make_llm(path, kv_cache_memory="64MiB", kv_cache_prefault=True)
-    big = [t for t in pool_tensors(eager.engine.storage) if t.numel() * t.element_size() >= PAGE]
+    big = [
+        t
+        for t in pool_tensors(eager.engine.executor.driver_worker.storage)
+        if t.numel() * t.element_size() >= PAGE
+    ]
     assert min(resident_fraction(t) for t in big) == 1.0
     ref = [o.outputs[0].token_ids for o in lazy.generate(prompts, sp)]
     got = [o.outputs[0].token_ids for o in eager.generate(prompts, sp)]

@@ -300,14 +300,16 @@ def test_fp8_scales_from_checkpoint_or_calculated(make_llm, fp8_scaled_checkpoin
     sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     llm = make_llm(fp8_scaled_checkpoint, kv_cache_dtype="fp8", num_gpu_blocks=32)
     llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5]}], sp)
-    st = llm.engine.storage
+    st = llm.engine.executor.driver_worker.storage
     assert st.k_scale[1].tolist() == pytest.approx([0.02, 0.02])
     assert st.v_scale[0].tolist() == pytest.approx([0.03, 0.03])
     llm2 = make_llm(fp8_scaled_checkpoint, kv_cache_dtype="fp8", num_gpu_blocks=32,
                     calculate_kv_scales=True)  # fmt: skip
     llm2.generate([{"prompt_token_ids": [1, 2, 3, 4, 5]}], sp)
-    assert all(llm2.engine.storage.calibrated)
-    assert llm2.engine.storage.k_scale[1].tolist() != pytest.approx([0.02, 0.02])
+    assert all(llm2.engine.executor.driver_worker.storage.calibrated)
+    assert llm2.engine.executor.driver_worker.storage.k_scale[1].tolist() != pytest.approx(
+        [0.02, 0.02]
+    )
 
 
 # -- engine ---------------------------------------------------------------------------------------
@@ -323,7 +325,7 @@ def test_engine_runs_every_format(make_llm, checkpoint, fmt):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
     assert all(len(c.token_ids) == 9 for o in outs for c in o.outputs)
     assert llm.engine.stats().prefix_cache_hits > 0
-    st = llm.engine.storage
+    st = llm.engine.executor.driver_worker.storage
     if isinstance(st, KiviKVStorage):  # every full block quantized once, no more
         assert st.blocks_quantized * 4 <= st.tokens_written
 
@@ -333,7 +335,7 @@ def test_kivi_quantizes_each_token_once_in_the_engine(make_llm, checkpoint):
                    enable_prefix_caching=False, num_gpu_blocks=64)  # fmt: skip
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts_of_lengths([7, 22], seed=1)], sp)
-    st = llm.engine.storage
+    st = llm.engine.executor.driver_worker.storage
     written = 7 + 22 + 2 * 39  # the last sampled token is never written
     assert st.tokens_written == written
     full_blocks = (7 + 39) // 4 + (22 + 39) // 4
@@ -353,8 +355,9 @@ def test_same_memory_holds_proportionally_more_blocks(make_llm, checkpoint):
         ratio = base.bytes_per_token / e.bytes_per_token
         # Fixed bytes (KIVI's residual for max_num_seqs partial blocks, fp8 scales) come out
         # of the same budget: every byte the storage holds fits in kv_cache_memory.
-        fixed = e.storage.fixed_nbytes() if hasattr(e.storage, "fixed_nbytes") else 0
-        assert e.storage.nbytes() + fixed <= mem, fmt
+        st = e.executor.driver_worker.storage
+        fixed = st.fixed_nbytes() if hasattr(st, "fixed_nbytes") else 0
+        assert st.nbytes() + fixed <= mem, fmt
         assert e.num_blocks == int((mem - fixed) // (e.bytes_per_token * e.block_size)), fmt
         assert e.num_blocks >= int(base.num_blocks * ratio * (1 - fixed / mem)) - 1, fmt
         assert e.kv.root != base.kv.root  # prefix-cache keys carry the format

@@ -48,10 +48,10 @@ def test_engine_outputs_same_with_either_backend(checkpoint, make_llm, monkeypat
     path = checkpoint("qwen2")
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     fast = make_llm(path, dtype="float32")
-    assert isinstance(fast.engine.model.layers[0].ops, OneDNNOps)
+    assert isinstance(fast.engine.executor.driver_worker.model.layers[0].ops, OneDNNOps)
     monkeypatch.setenv("KVSERVE_DISABLE_ONEDNN", "1")
     ref = make_llm(path, dtype="float32")
-    assert type(ref.engine.model.layers[0].ops) is TorchOps
+    assert type(ref.engine.executor.driver_worker.model.layers[0].ops) is TorchOps
     prompts = [[5, 6, 7, 8, 9], list(range(20, 60))]
     assert [o.outputs[0].token_ids for o in fast.generate(prompts, params)] == [
         o.outputs[0].token_ids for o in ref.generate(prompts, params)
@@ -64,8 +64,8 @@ def test_prepacked_weights_give_the_plain_results_and_unpack_exactly(checkpoint,
     plain weights, weight bytes are counted as before, and switching back to the reference
     backend restores the dense matrices bit for bit."""
     from kvserve.config import ModelConfig
-    from kvserve.engine.bandwidth import weight_bytes_read
     from kvserve.model.loader import load_model
+    from kvserve.worker.bandwidth import weight_bytes_read
 
     path = checkpoint("llama_gqa")
     cfg = ModelConfig.from_pretrained(path)
@@ -103,16 +103,20 @@ def test_prepacked_weights_give_the_plain_results_and_unpack_exactly(checkpoint,
 
 def test_engines_pack_their_weights(checkpoint, make_llm, monkeypatch):
     llm = make_llm(checkpoint("llama_gqa"), dtype="bfloat16")
-    model = llm.engine.model
+    model = llm.engine.executor.driver_worker.model
     assert isinstance(model.ops, OneDNNOps) and model.ops.prepack
     w = model.layers[0].qkv_proj.weight  # in the tile layout where a kernel of ours reads it
     ours = amx.available() or amx.avx512_available()
     assert amx.is_packed(w) if ours else w.layout == torch._mkldnn
     fp32 = make_llm(checkpoint("llama_gqa"), dtype="float32")
-    assert fp32.engine.model.layers[0].qkv_proj.weight.layout == torch._mkldnn
+    assert (
+        fp32.engine.executor.driver_worker.model.layers[0].qkv_proj.weight.layout == torch._mkldnn
+    )
     monkeypatch.setenv("KVSERVE_DISABLE_PREPACK", "1")  # the A/B switch: plain weights
     plain = make_llm(checkpoint("llama_gqa"), dtype="float32")
-    assert plain.engine.model.layers[0].qkv_proj.weight.layout == torch.strided
+    assert (
+        plain.engine.executor.driver_worker.model.layers[0].qkv_proj.weight.layout == torch.strided
+    )
 
 
 _GROWTH = """

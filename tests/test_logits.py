@@ -21,7 +21,7 @@ def test_prefill_logits_match(checkpoint, make_llm, name):
         expected = hf(torch.tensor([ids])).logits[0]
 
     engine = make_llm(path, dtype="float32").engine
-    model = engine.model
+    model = engine.executor.driver_worker.model
     bs = 16
     storage = DenseKVStorage(len(model.layers), 8, bs, engine.model_config.num_key_value_heads,
                         engine.model_config.head_dim, torch.float32)  # fmt: skip
@@ -47,7 +47,7 @@ def test_selected_rows_match_transformers_and_every_kv_row_is_written(checkpoint
         out = hf(torch.tensor([ids]), use_cache=True)
     expected = out.logits[0]
     engine = make_llm(path, dtype="float32").engine
-    model, cfg = engine.model, engine.model_config
+    model, cfg = engine.executor.driver_worker.model, engine.model_config
     bs, n = 16, len(ids)
 
     def run(rows: torch.Tensor | None) -> tuple[torch.Tensor, DenseKVStorage]:

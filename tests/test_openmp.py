@@ -123,7 +123,7 @@ def masks():
     return out
 
 llm = LLM(default_model(), kv_cache_memory="8MiB")
-runner = llm.engine.runner
+runner = llm.engine.executor.driver_worker.runner
 seen = []
 execute = runner._execute
 

@@ -255,8 +255,13 @@ def test_validate_fails_when_the_storage_owns_fewer_bytes_than_predicted(
 
     def build_with_claiming_storage(*args):
         engine = real_build(*args)
+        worker = SimpleNamespace(
+            storage=ClaimingStorage(engine.executor.driver_worker.storage, tensors)
+        )
         return SimpleNamespace(
-            num_blocks=engine.num_blocks, storage=ClaimingStorage(engine.storage, tensors)
+            num_blocks=engine.num_blocks,
+            executor=SimpleNamespace(collective_rpc=lambda fn: [fn(worker)]),
+            shutdown=engine.shutdown,
         )
 
     monkeypatch.setattr(pv, "build_engine", build_with_claiming_storage)

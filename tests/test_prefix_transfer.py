@@ -144,7 +144,11 @@ def test_fp8_payload_carries_its_scales(make_llm, checkpoint):
     payload = a.engine.export_prefix(prefix)
     b = make_llm(ckpt, **kw)
     b.engine.import_prefix(payload)
-    scales = zip(a.engine.storage.k_scale, b.engine.storage.k_scale, strict=True)
+    scales = zip(
+        a.engine.executor.driver_worker.storage.k_scale,
+        b.engine.executor.driver_worker.storage.k_scale,
+        strict=True,
+    )
     assert all(torch.equal(x, y) for x, y in scales)
     c = make_llm(ckpt, **kw)
     c.generate([{"prompt_token_ids": [x + 1 for x in prefix]}], SamplingParams(max_tokens=1))
@@ -160,7 +164,7 @@ def test_runner_uses_positions_for_rope_and_cache_indices_for_the_cache(make_llm
     transformers = pytest.importorskip("transformers")
     ckpt = checkpoint("llama_gqa")
     llm = make_llm(ckpt, **KW)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.driver_worker.runner
     (ids,) = prompts_of_lengths([10], seed=1)
     hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     with torch.no_grad():

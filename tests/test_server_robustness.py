@@ -211,7 +211,7 @@ def test_runner_failure_is_a_500_for_its_request_only(server):
     """A forward pass that raises fails the requests of that step with a 500 naming the
     error; the engine keeps its pool and serves the next request."""
     engine = server.state.loop.engine
-    real = engine.runner.execute_model
+    real = engine.executor.driver_worker.runner.execute_model
     calls = []
 
     def flaky(so):  # noqa: ANN001
@@ -220,7 +220,7 @@ def test_runner_failure_is_a_500_for_its_request_only(server):
             raise RuntimeError("injected runner fault")
         return real(so)
 
-    engine.runner.execute_model = flaky
+    engine.executor.driver_worker.runner.execute_model = flaky
     try:
         r = httpx.post(server.url + C, json=comp(max_tokens=5, ignore_eos=True), headers=AUTH)
         assert r.status_code == 500, r.text
@@ -231,7 +231,7 @@ def test_runner_failure_is_a_500_for_its_request_only(server):
         r = httpx.post(server.url + C, json=comp(max_tokens=5, ignore_eos=True), headers=AUTH)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
     finally:
-        engine.runner.execute_model = real
+        engine.executor.driver_worker.runner.execute_model = real
 
 
 def test_engine_loop_answers_every_add_even_when_stopping(checkpoint):

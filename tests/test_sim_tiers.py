@@ -397,7 +397,7 @@ def test_the_workers_time_per_block_is_measured_on_the_engines_own_pool(make_llm
     format: a positive time per block each, and the pool's blocks are left as they were."""
     from kvserve.sim.calibrate import measure_tier_path
 
-    storage = make_llm(default_model(), num_gpu_blocks=16).engine.storage
+    storage = make_llm(default_model(), num_gpu_blocks=16).engine.executor.driver_worker.storage
     before = storage.export_blocks(list(range(16)))
     path = measure_tier_path(storage, 1.0, blocks=8, rounds=2)
     store, load = path.store_s_per_block, path.load_s_per_block

@@ -810,7 +810,7 @@ def test_shape_cache_names_the_gemms_the_real_model_calls():
     llm = LLM(model=str(default_model_dir()), dtype="float32", num_gpu_blocks=64,
               max_num_batched_tokens=48)  # fmt: skip
     eng = llm.engine
-    model = eng.model
+    model = eng.executor.driver_worker.model
     assert isinstance(model.ops, OneDNNOps)
     cfg = model.config
     q = cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads)

@@ -144,7 +144,7 @@ def test_float32_copies_are_not_parameters_and_go_with_the_backend(checkpoint, m
     model's parameters (and so the weight bytes a decode step is charged) are those of the
     packed bf16 backend; switching to the reference backend drops the copies and restores
     the dense weights bit for bit."""
-    from kvserve.engine.bandwidth import weight_bytes_read
+    from kvserve.worker.bandwidth import weight_bytes_read
 
     model, _ = _load_bf16(checkpoint, monkeypatch, "llama_gqa")
     dense = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -252,7 +252,7 @@ def test_engine_prompt_logits_match_transformers_on_the_bf16_weights(
     monkeypatch.setenv("KVSERVE_UPCAST_MIN_ROWS", "8")
     path = checkpoint("llama_gqa")
     llm = make_llm(path, dtype="bfloat16", max_num_batched_tokens=16)
-    assert isinstance(llm.engine.model.ops, UpcastOps)
+    assert isinstance(llm.engine.executor.driver_worker.model.ops, UpcastOps)
     prompt = list(range(40, 90))
     out = run_with_prompt_logits(llm.engine, prompt, SamplingParams(temperature=0, max_tokens=2))
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)

@@ -6,48 +6,13 @@ fraction of peak bandwidth an engine reaches says how much a faster kernel could
 independently of how big the batch is. The step's bytes are counted from its description (the
 weights, plus every scheduled sequence's cache entries after the step times the format's bytes
 per token); the peak is measured once at start by streaming a buffer much larger than the last
-level cache (a sum reads every byte once), on the engine's own device.
+level cache (a sum reads every byte once), on the engine's own device, by the worker that
+computes there (:mod:`kvserve.worker.bandwidth`).
 """
 
 from __future__ import annotations
 
-import time
-
-import torch
-
 from kvserve.sched.output import SchedulerOutput
-
-PROBE_BYTES = 256 * 2**20
-PROBE_REPEATS = 3
-
-
-def measure_peak_bandwidth(device: torch.device, nbytes: int = PROBE_BYTES) -> float:
-    """Bytes per second the device reads, best of a few passes over ``nbytes``."""
-    buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    buf.sum()  # first touch: page faults, not bandwidth
-    best = float("inf")
-    for _ in range(PROBE_REPEATS):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        buf.sum()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best
-
-
-def weight_bytes_read(model: torch.nn.Module) -> int:
-    """Bytes of weights one step reads: every matrix except the embedding table (a step
-    gathers only its tokens' rows), counting a tied lm_head once."""
-    seen, total = set(), 0
-    for name, p in model.named_parameters(remove_duplicate=False):
-        # id, not data_ptr: a backend's packed matrices have no plain storage to point at
-        if name == "embed_tokens.weight" or id(p) in seen:
-            continue
-        seen.add(id(p))
-        total += p.numel() * p.element_size()
-    return total
 
 
 def step_bytes_read(out: SchedulerOutput, weight_bytes: int, kv_bytes_per_token: float) -> int:

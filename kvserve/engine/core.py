@@ -7,8 +7,10 @@ tokens from any source, a cost model, a worker in another process), and the cloc
 schedule -> execute -> update; nothing else changes request state.
 
 A runner or clock that raises fails only the requests of that step: they finish with status
-``error`` and free their blocks, and every other request carries on. ``step_hooks`` run after
-every step (the tests check block conservation there).
+``error`` and free their blocks, and every other request carries on. A worker that died
+(:class:`~kvserve.executor.WorkerDiedError`) fails every request instead, with the executor's
+message naming the worker, and the core refuses new ones (:attr:`EngineCore.dead`): no step can
+run any more. ``step_hooks`` run after every step (the tests check block conservation there).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Callable, Iterable
 
 from kvserve.config import SchedulerConfig
 from kvserve.engine.inputs import EngineCoreRequest
+from kvserve.executor import WorkerDiedError
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.offload import OffloadTiers
 from kvserve.sched.output import Runner, SchedulerOutput
@@ -25,6 +28,10 @@ from kvserve.sched.request import FINISHED_STATUSES, Request, RequestStatus
 from kvserve.sched.scheduler import Scheduler
 
 Clock = Callable[[], float]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine can run no more steps (a worker died); the message says why."""
 
 
 class EngineCore:
@@ -49,10 +56,13 @@ class EngineCore:
         self.last_step = SchedulerOutput()
         self.last_step_seconds = 0.0
         self.step_hooks: list[Callable[[EngineCore], None]] = []
+        self.dead: str | None = None  # why no step can run any more (a worker died)
 
     def add_request(self, req: EngineCoreRequest) -> list[Request]:
         """Queue a request as its ``n`` samples; sample ``i`` of a seeded request uses seed
         ``seed + i`` (as vLLM), so samples differ. Returns the samples."""
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
         if req.request_id in self.families:
             raise ValueError(f"request_id: {req.request_id!r} is already running")
         p = req.sampling_params
@@ -126,7 +136,11 @@ class EngineCore:
                 now = self.clock()
             except Exception:
                 now = float("nan")
-            updated = self.scheduler.fail_step(sched, f"{type(e).__name__}: {e}", now)
+            if isinstance(e, WorkerDiedError):  # ... unless no step can run any more
+                self.dead = str(e)
+                updated = self.scheduler.fail_all(sched, self.dead, now)
+            else:
+                updated = self.scheduler.fail_step(sched, f"{type(e).__name__}: {e}", now)
         else:
             updated = self.scheduler.update_from_output(sched, out, started, now)
         for r in updated:

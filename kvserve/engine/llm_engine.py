@@ -1,10 +1,12 @@
 """LLMEngine (add_request / step / abort), vLLM-shaped: the engine core plus text.
 
-The engine builds the pieces from an :class:`~kvserve.config.EngineConfig` (model, KV
-storage, runner, KV manager) and composes three stages per request: the
-:class:`~kvserve.engine.inputs.InputProcessor` validates and tokenizes, the
+The engine builds the pieces from an :class:`~kvserve.config.EngineConfig`: an executor
+(:mod:`kvserve.executor`) whose workers hold the model and the KV pool, in this process or in
+worker processes, and the KV manager that accounts for the pool. It composes three stages per
+request: the :class:`~kvserve.engine.inputs.InputProcessor` validates and tokenizes, the
 :class:`~kvserve.engine.core.EngineCore` schedules, runs and updates, and the
-:class:`~kvserve.engine.outputs.OutputProcessor` turns tokens into text and outputs. A custom
+:class:`~kvserve.engine.outputs.OutputProcessor` turns tokens into text and outputs. The engine
+holds no model or storage object: what it needs of them is an executor call. A custom
 ``runner`` (and ``clock``) replaces the model: then no weights are loaded.
 """
 
@@ -21,24 +23,21 @@ from typing import Any
 import torch
 
 from kvserve.config import ConfigError, EngineConfig, ModelConfig
-from kvserve.engine.bandwidth import (
-    BandwidthMeter,
-    measure_peak_bandwidth,
-    weight_bytes_read,
-)
-from kvserve.engine.core import Clock, EngineCore
+from kvserve.engine.bandwidth import BandwidthMeter
+from kvserve.engine.core import Clock, EngineCore, EngineDeadError
 from kvserve.engine.inputs import InputProcessor, PromptType
 from kvserve.engine.offload import apply_policies, build_offload
 from kvserve.engine.outputs import OutputProcessor, RequestFamily
 from kvserve.engine.prefix_transfer import PrefixPayload, export_prefix, import_prefix
 from kvserve.engine.sizing import model_fingerprint, num_kv_blocks
 from kvserve.engine.stats import EngineStats
+from kvserve.executor import Executor, RunnerExecutor, make_executor
 from kvserve.kv.formats import canonical_kv_format, kv_bytes_per_token, storage_class
 from kvserve.kv.grouped import GroupedKVCacheManager
 from kvserve.kv.layer_groups import engine_layer_groups
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.offload import OffloadTiers
-from kvserve.kv.storage import KVStorage
+from kvserve.kv.storage import BlockPayload, KVStorage
 from kvserve.model.loader import resolve_dtype
 from kvserve.model.resolve import resolve_model
 from kvserve.model.tokenizer import Tokenizer
@@ -52,7 +51,6 @@ from kvserve.sched.request import (
 )
 from kvserve.sched.retention import parse_retention
 from kvserve.sched.workload_class_file import load_workload_classes
-from kvserve.worker.model_runner import ModelRunner, build_runner
 
 log = logging.getLogger("kvserve.engine")
 
@@ -107,17 +105,18 @@ class LLMEngine:
         self.num_blocks = num_kv_blocks(cc, sc, mc, kv_name, self.dtype, self.max_model_len,
                                         self.bytes_per_token)  # fmt: skip
 
-        self.model: Any = None
-        self.storage: KVStorage | None = None
-        layout, partial_cap = kv_name, None
+        self.executor: Executor
         if runner is None:
-            runner = build_runner(config, self.num_blocks, self.max_model_len)
-            self.model, self.storage = runner.model, runner.storage
-            layout = self.storage.format_name
-            partial_cap = getattr(self.storage, "partial_block_capacity", None)
+            self.executor = make_executor(config, self.num_blocks, self.max_model_len)
+        else:
+            self.executor = RunnerExecutor(runner)
+        info = self.worker_info = self.executor.info
+        layout, partial_cap = kv_name, None
+        if info is not None:
+            layout, partial_cap = info.kv_layout, info.partial_block_capacity
             if cc.kv_cache_prefault:
                 t0 = time.perf_counter()
-                touched = self.storage.prefault()
+                touched = self.executor.collective_rpc("prefault")[0]
                 log.info("KV pool: %.2f GiB faulted in at start in %.2f s (--kv-cache-prefault)",
                          touched / 2**30, time.perf_counter() - t0)  # fmt: skip
         self.model_id = model_fingerprint(model_dir)
@@ -141,7 +140,6 @@ class LLMEngine:
                 kv_format=f"{layout}/bs{self.block_size}",
                 max_partial_blocks=partial_cap,
             )
-        self.runner = runner
         # A model whose every layer slides over the same window never reads behind it: its
         # blocks go back to the pool, exactly.
         windows = set(mc.layer_windows)
@@ -154,8 +152,8 @@ class LLMEngine:
             apply_policies(offload, cc)
             self.offload = offload
         else:
-            self.offload = build_offload(cc, self.storage, self.kv.root, self.bytes_per_token)
-        self.core = EngineCore(sc, self.kv, runner, self.max_model_len, self.eos_token_ids,
+            self.offload = build_offload(cc, info, self.kv.root, self.bytes_per_token)
+        self.core = EngineCore(sc, self.kv, self.executor, self.max_model_len, self.eos_token_ids,
                                clock or time.monotonic, self.native_window,
                                self.offload)  # fmt: skip
         self.workload_classes = None
@@ -177,9 +175,9 @@ class LLMEngine:
                 raise ConfigError(f"workload class {c.name!r}: {e}") from None
         # Achieved memory bandwidth (kvserve.engine.bandwidth), against a peak measured now.
         self.bandwidth: BandwidthMeter | None = None
-        if self.model is not None:
-            peak = measure_peak_bandwidth(self.device)
-            self.bandwidth = BandwidthMeter(weight_bytes_read(self.model), self.bytes_per_token,
+        if info is not None:
+            peak = self.executor.collective_rpc("measure_peak_bandwidth")[0]
+            self.bandwidth = BandwidthMeter(info.weight_bytes, self.bytes_per_token,
                                             peak)  # fmt: skip
             meter = self.bandwidth
             self.core.step_hooks.append(
@@ -227,6 +225,8 @@ class LLMEngine:
             raise InvalidRequestError(
                 "sampling_params: must be a SamplingParams", "sampling_params"
             )
+        if self.core.dead is not None:
+            raise EngineDeadError(self.core.dead)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.outputs.families or request_id in self.core.families:
             raise InvalidRequestError(
@@ -273,30 +273,49 @@ class LLMEngine:
         """The longest cached full-block prefix of ``token_ids`` as a picklable payload
         (hashes, model and format identity, the blocks' stored bytes)."""
         self._one_table("export_prefix")
-        return export_prefix(self.kv, self._own_storage("export_prefix"), self.model_id,
-                             token_ids, cache_salt)  # fmt: skip
+        return export_prefix(self.kv, self._export_blocks, self._layout("export_prefix"),
+                             self.model_id, token_ids, cache_salt)  # fmt: skip
 
     def import_prefix(self, payload: PrefixPayload) -> int:
         """Place a payload's blocks in this engine's prefix cache (between steps); returns how
         many blocks were imported. Raises :class:`ValueError` for another model, format or
         block size, and places nothing then."""
         self._one_table("import_prefix")
-        storage = self._own_storage("import_prefix")
+        layout = self._layout("import_prefix")
         store = None
         if self.offload is not None:
             offload = self.offload
 
             def store(evicted: list[tuple[int, bytes]]) -> None:
                 hashes = [h for _, h in evicted]
-                offload.store(hashes, storage.export_blocks([b for b, _ in evicted]))
+                offload.store(hashes, self._export_blocks([b for b, _ in evicted]))
 
-        return import_prefix(self.kv, storage, self.model_id, payload, store)
+        def place(block_ids: list[int], blocks: BlockPayload) -> None:
+            self.executor.collective_rpc("import_blocks", (block_ids, blocks))
+
+        return import_prefix(self.kv, place, layout, self.model_id, payload, store)
+
+    def _export_blocks(self, block_ids: list[int]) -> BlockPayload:
+        return self.executor.collective_rpc("export_blocks", (block_ids,))[0]
+
+    def check_health(self) -> None:
+        """Raise :class:`~kvserve.executor.WorkerDiedError` if a worker is gone."""
+        self.executor.check_health()
+
+    @property
+    def dead(self) -> str | None:
+        """Why the engine cannot run another step (a worker died), or None."""
+        return self.core.dead
 
     def shutdown(self) -> None:
-        """Stop the offload worker (queued stores are written first, for a bounded time)."""
-        if self.offload is not None:
-            self.offload.flush(timeout_s=10.0)
-            self.offload.close()
+        """Stop the offload worker (queued stores are written first, for a bounded time) and
+        the executor's workers."""
+        try:
+            if self.offload is not None:
+                self.offload.flush(timeout_s=10.0)
+                self.offload.close()
+        finally:
+            self.executor.shutdown()
 
     def _one_table(self, what: str) -> None:
         if self.layer_groups is not None:
@@ -305,10 +324,10 @@ class LLMEngine:
                 "start the engine with disable_hybrid_kv_cache_manager"
             )
 
-    def _own_storage(self, what: str) -> KVStorage:
-        if self.storage is None:
+    def _layout(self, what: str) -> str:
+        if self.worker_info is None:
             raise RuntimeError(f"{what}: this engine's KV lives in a custom runner")
-        return self.storage
+        return self.worker_info.kv_layout
 
     # -- observability -------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -364,6 +383,4 @@ class LLMEngine:
         storages); only between steps, while no request holds blocks."""
         if self.kv.num_used_blocks:
             raise RuntimeError("replace_storage: requests still hold KV blocks")
-        if not isinstance(self.runner, ModelRunner):
-            raise RuntimeError("replace_storage: this engine runs a custom runner")
-        self.storage = self.runner.storage = wrap(self.runner.storage)
+        self.executor.collective_rpc("wrap_storage", (wrap,))

@@ -9,8 +9,8 @@ from kvserve.kernels.openmp import usable_cpus
 from kvserve.kv.hashing import BlockHash
 from kvserve.kv.offload import KVOffload, OffloadTiers, tier_namespace
 from kvserve.kv.redis_tier import RedisTier
-from kvserve.kv.storage import KVStorage
 from kvserve.kv.tiers import DiskTier, HostTier, Tier
+from kvserve.worker.worker import WorkerInfo
 
 LOAD_TIMEOUTS = 10  # a load gives up after this many tier-operation timeouts
 
@@ -22,14 +22,14 @@ def compute_takes_every_core(device: str) -> bool:
 
 
 def build_offload(
-    cc: CacheConfig, storage: KVStorage | None, root: BlockHash, bytes_per_token: float
+    cc: CacheConfig, worker: WorkerInfo | None, root: BlockHash, bytes_per_token: float
 ) -> KVOffload | None:
     """Host, disk and Redis tiers (fastest first) for ``cc``, or None when none is set.
     Raises :class:`ConfigError` naming the field: a bad URL or directory, a size below one
     block, an engine whose KV lives in a custom runner."""
     if not cc.kv_offload:
         return None
-    if storage is None:
+    if worker is None:
         raise ConfigError("kv_offload_*: tiers need the engine's own model runner and storage")
     block_bytes = int(bytes_per_token * cc.block_size)
     tiers: list[Tier] = []
@@ -48,11 +48,11 @@ def build_offload(
         if isinstance(e, ConfigError):
             raise
         raise ConfigError(str(e)) from e
-    namespace = tier_namespace(root, storage.identity(), storage.pool_state())
+    namespace = tier_namespace(root, worker.storage_identity, worker.pool_state)
     offload = KVOffload(
-        tiers, namespace, storage.identity(), load_timeout_s=LOAD_TIMEOUTS * cc.kv_offload_timeout,
-        pin_memory=storage.host_copies.pins,
-        inline_host_loads=compute_takes_every_core(str(storage.device)),
+        tiers, namespace, worker.storage_identity,
+        load_timeout_s=LOAD_TIMEOUTS * cc.kv_offload_timeout, pin_memory=worker.pins_host_memory,
+        inline_host_loads=compute_takes_every_core(worker.device),
     )  # fmt: skip
     apply_policies(offload, cc)
     return offload

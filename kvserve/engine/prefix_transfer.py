@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from kvserve.kv.hashing import BlockHash, extend_block_hashes
 from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.storage import BlockPayload, KVFormatMismatch, KVStorage
+from kvserve.kv.storage import BlockPayload, KVFormatMismatch
 
 PAYLOAD_VERSION = 1
 
@@ -38,7 +38,8 @@ class PrefixPayload:
 
 def export_prefix(
     kv: KVCacheManager,
-    storage: KVStorage,
+    export_blocks: Callable[[list[int]], BlockPayload],
+    kv_layout: str,
     model_id: str,
     token_ids: list[int],
     cache_salt: str | None = None,
@@ -50,17 +51,18 @@ def export_prefix(
     return PrefixPayload(
         version=PAYLOAD_VERSION,
         model_id=model_id,
-        kv_format=storage.format_name,
+        kv_format=kv_layout,
         block_size=kv.block_size,
         root=kv.root,
         hashes=hashes[: len(ids)],
-        blocks=storage.export_blocks(ids).wait(),  # a value the caller may send anywhere
+        blocks=export_blocks(ids),  # complete: a value the caller may send anywhere
     )
 
 
 def import_prefix(
     kv: KVCacheManager,
-    storage: KVStorage,
+    import_blocks: Callable[[list[int], BlockPayload], None],
+    kv_layout: str,
     model_id: str,
     payload: PrefixPayload,
     store_evicted: Callable[[list[tuple[int, BlockHash]]], None] | None = None,
@@ -72,7 +74,7 @@ def import_prefix(
         raise ValueError("import_prefix: not a kvserve prefix payload of this version")
     for field, theirs, ours in (
         ("model", payload.model_id, model_id),
-        ("kv_format", payload.kv_format, storage.format_name),
+        ("kv_format", payload.kv_format, kv_layout),
         ("block_size", payload.block_size, kv.block_size),
     ):
         if theirs != ours:
@@ -88,7 +90,7 @@ def import_prefix(
             store_evicted(evicted)
     try:
         if imp.new:
-            storage.import_blocks(imp.block_ids, payload.blocks.select(imp.indices))
+            import_blocks(imp.block_ids, payload.blocks.select(imp.indices))
     except Exception:
         kv.cancel_import(imp)
         raise

@@ -143,8 +143,7 @@ def validate(
             rows.append(row)
             continue
         row.engine_blocks = engine.num_blocks
-        storage = getattr(engine, "storage", None)
-        row.engine_bytes = owned_tensor_bytes(storage) if storage is not None else 0
+        row.engine_bytes = engine.executor.collective_rpc(_pool_bytes)[0]
         if name in TORCH_DTYPES and not spec.is_mla:
             itemsize = torch.empty((), dtype=TORCH_DTYPES[name]).element_size()
             row.closed_form_bytes = dense_closed_form_bytes(
@@ -153,7 +152,8 @@ def validate(
         row.reason = _mismatch(row, block_size * bpt)
         row.ok = not row.reason
         rows.append(row)
-        del engine, storage
+        engine.shutdown()
+        del engine
     return rows
 
 
@@ -196,6 +196,17 @@ class WindowCheck:
     ok: bool
 
 
+def _pool_bytes(worker: Any) -> int:
+    """The bytes a worker's KV storage tensors occupy."""
+    return owned_tensor_bytes(worker.storage)
+
+
+def _pool_bytes_per_row(worker: Any) -> float:
+    """A worker's KV bytes per block row (the usable blocks and the null block alike)."""
+    storage = worker.storage
+    return owned_tensor_bytes(storage) / (storage.num_blocks + 1)
+
+
 def validate_windows(
     model_dir: str, block_size: int = 16, dtype: str = "auto", device: str = "cpu"
 ) -> WindowCheck | None:
@@ -226,8 +237,7 @@ def validate_windows(
     engine.add_request("w", prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     while engine.requests["w"].num_computed_tokens < context:  # the prompt, then one token
         engine.step()
-    storage = engine.storage
-    per_row = owned_tensor_bytes(storage) / (storage.num_blocks + 1)
+    per_row = engine.executor.collective_rpc(_pool_bytes_per_row)[0]
     held = engine.kv.pool.num_used_blocks * per_row
     while engine.has_unfinished_requests():
         engine.step()

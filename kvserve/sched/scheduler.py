@@ -393,6 +393,17 @@ class Scheduler(AdmissionSteps, RetentionSteps):
         self.finish_requests(failed, RequestStatus.FINISHED_ERROR)
         return failed
 
+    def fail_all(self, scheduler_output: SchedulerOutput, error: str, now: float) -> list[Request]:
+        """No step can run any more (a worker died): fail the step's requests as
+        :meth:`fail_step` does, then every other unfinished request, waiting ones included."""
+        failed = self.fail_step(scheduler_output, error, now)
+        rest = list(self.requests.values())
+        for r in rest:
+            r.error = error
+            r.metrics.finished_time = now
+        self.finish_requests(rest, RequestStatus.FINISHED_ERROR)
+        return failed + rest
+
     # -- finishing ------------------------------------------------------------------------------
     def finish_requests(
         self,

@@ -298,7 +298,8 @@ def run_server(args: argparse.Namespace) -> int:
              engine.num_blocks, engine.block_size, engine.kv_cache_dtype,
              engine.max_model_len)  # fmt: skip
     dtype = str(engine.dtype).removeprefix("torch.")
-    log.info("compute: %s, %s", engine.model.ops.describe(), dtype)
+    executor = engine.config.parallel.distributed_executor_backend
+    log.info("compute: %s, %s; executor %s", engine.worker_info.compute, dtype, executor)
     if engine.layer_groups is not None:
         g = engine.layer_groups
         log.info("hybrid model: %d layer groups of %d layers, windows %s; each group its own "

@@ -225,12 +225,16 @@ class EngineLoop:
                     except Exception as e:  # an engine bug: fail the batch, serve on if we can
                         log.exception("engine step failed")
                         self._fail_all(out, f"engine step failed: {type(e).__name__}: {e}")
+                    if self.engine.dead is not None:  # a worker died: no step can run
+                        self.error = f"engine stopped: {self.engine.dead}"
+                        break
                 self.stats = s = self.engine.stats()
                 if not busy and not self._stopping:
                     self._deliver(out)
                     out = []
                     self._wake.wait(0.5)
                     self._wake.clear()
+                    self.engine.check_health()  # a worker that died while idle: stop now
                 elif s.step_prefill_tokens + s.step_decode_tokens == 0:
                     time.sleep(0.001)  # nothing schedulable this step: do not spin
         except Exception as e:

@@ -37,7 +37,6 @@ import torch
 from kvserve.bench.engine_target import EngineTarget
 from kvserve.bench.runner import LoadSpec, benchmark
 from kvserve.bench.workloads import BenchRequest
-from kvserve.engine.bandwidth import measure_peak_bandwidth
 from kvserve.engine.offload import compute_takes_every_core
 from kvserve.kv.offload import KVOffload
 from kvserve.kv.storage import KVStorage
@@ -55,6 +54,7 @@ from kvserve.sim.cost import (
     fit_profile,
 )
 from kvserve.sim.cost import step_features as features_of
+from kvserve.worker.bandwidth import measure_peak_bandwidth
 
 
 def measure_gemm_peak(dtype: torch.dtype, hidden: int, device: str = "cpu") -> float:
@@ -103,6 +103,18 @@ class TierPath(NamedTuple):
     # and checking and decoding one and joining it for the import
     store_s_per_block: float
     load_s_per_block: float
+
+
+def _ops_facts(worker: Any) -> tuple[int, torch.dtype, dict[str, int]]:
+    """Of the worker's linear backend: the rows from which it runs its large-step GEMM, that
+    GEMM's dtype, and the GEMMs it builds per-shape state for."""
+    ops = worker.model.ops
+    return ops.large_step_rows, ops.large_step_dtype, ops.shape_state_rows
+
+
+def _tier_path(worker: Any, bytes_per_block: float) -> TierPath:
+    """:func:`measure_tier_path` on a worker's own pool."""
+    return measure_tier_path(worker.storage, bytes_per_block)
 
 
 def measure_tier_path(
@@ -318,16 +330,13 @@ def calibrate(
     )
     # A bf16 model whose large steps run another GEMM (UpcastOps: oneDNN's, in float32 or
     # bf16): their own efficiency, bounded by that GEMM's own peak.
-    ops = eng.model.ops
-    base.large_step_tokens = ops.large_step_rows
+    base.large_step_tokens, large_dtype, shape_rows = eng.executor.collective_rpc(_ops_facts)[0]
     large_peak = (
-        measure_gemm_peak(ops.large_step_dtype, spec.hidden_size, dev)
-        if base.large_step_tokens
-        else None
+        measure_gemm_peak(large_dtype, spec.hidden_size, dev) if base.large_step_tokens else None
     )
     # A backend that builds state per GEMM shape (oneDNN): which GEMMs build one (its caches'
     # LRU, replayed over the steps); what that costs is fitted with the other terms.
-    base.shape_state_rows = ops.shape_state_rows
+    base.shape_state_rows = shape_rows
     if base.shape_state_rows:
         base.shape_cache_entries = onednn_cache_entries()
     # Every step in order (the warm-up's too: they fill the cache), with whether it is fitted.
@@ -428,9 +437,9 @@ def calibrate(
     # The mean, not the median: the simulated clock sums the gaps, and the loop's occasional
     # long one (a collection, a burst of finished requests) is part of the run's time.
     profile.loop_gap_s = float(np.mean(gaps)) if gaps else 0.0
-    if eng.storage is not None:
+    if eng.worker_info is not None:
         bpb = shape.kv_bytes_per_token * eng.block_size
-        path = measure_tier_path(eng.storage, bpb)
+        path = eng.executor.collective_rpc(_tier_path, (bpb,))[0]
         profile.tier_bandwidth, profile.tier_latency_s = path.bandwidth, path.latency
         profile.offload_export_s_per_byte = path.export_s_per_byte
         profile.offload_store_s_per_block = path.store_s_per_block

@@ -1,0 +1,61 @@
+"""The executor: how the engine reaches the workers that hold the model and the KV pool.
+
+The engine core asks for two things. ``execute_model(SchedulerOutput) -> ModelRunnerOutput``
+runs a step on every worker (the step is plain data, so it can be sent anywhere) and returns
+the first worker's output. ``collective_rpc(method, *args)`` calls a
+:class:`~kvserve.worker.worker.Worker` method on every worker and returns their results in
+rank order: everything else the engine needs of a worker goes through it (prefault, block
+export and import, the bandwidth probe). ``method`` is a method name, or a picklable function
+that takes the worker first.
+
+An executor whose worker process dies raises :class:`WorkerDiedError` from the call it was in
+(or from :meth:`Executor.check_health` between steps), naming the worker, within the time the
+operating system takes to report a dead process: never a hang. A worker that raises stays
+alive: its error comes back as :class:`WorkerError` and only that call fails.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+from kvserve.sched.output import ModelRunnerOutput, SchedulerOutput
+from kvserve.worker.worker import WorkerInfo
+
+Method = str | Callable[..., Any]
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process is gone; the engine cannot run another step."""
+
+
+class WorkerError(RuntimeError):
+    """A worker raised while serving a call; the worker itself carries on."""
+
+
+class Executor(ABC):
+    # The workers' model and pool facts, or None for an executor with no worker (a custom
+    # runner: the simulator's cost model, a test's fake).
+    info: WorkerInfo | None = None
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    @abstractmethod
+    def collective_rpc(
+        self, method: Method, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]: ...
+
+    def check_health(self) -> None:  # noqa: B027 - no worker process by default
+        """Raise :class:`WorkerDiedError` if a worker is gone."""
+
+    def shutdown(self) -> None:  # noqa: B027 - nothing to release by default
+        """Stop the workers (idempotent)."""
+
+
+def call_worker(worker: Any, method: Method, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """One worker's share of a ``collective_rpc``."""
+    if isinstance(method, str):
+        return getattr(worker, method)(*args, **kwargs)
+    return method(worker, *args, **kwargs)

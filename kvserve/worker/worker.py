@@ -1,0 +1,88 @@
+"""A worker: the model, its KV storage and the runner that executes steps on them.
+
+An executor (:mod:`kvserve.executor`) builds one worker per device, in the engine's process or
+in a process of its own, from the same :class:`~kvserve.config.EngineConfig` the engine has.
+Everything the engine asks of a worker is a method here, called by name through the
+executor's ``collective_rpc`` (or ``execute_model`` for a step); arguments and results are
+plain picklable data, so the same calls work across a process boundary. The engine never holds
+the model or the storage itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.config import EngineConfig
+from kvserve.kv.storage import BlockPayload, KVStorage
+from kvserve.sched.output import ModelRunnerOutput, SchedulerOutput
+from kvserve.worker.bandwidth import measure_peak_bandwidth, weight_bytes_read
+from kvserve.worker.model_runner import ModelRunner, build_runner
+
+
+@dataclass(slots=True)
+class WorkerInfo:
+    """What the engine needs to know of a worker's model and KV pool, once, at start."""
+
+    kv_layout: str  # the storage's format name: part of every prefix-cache key
+    partial_block_capacity: int | None  # blocks that may be partially filled at once (KIVI)
+    weight_bytes: int  # weights one step reads (the bandwidth meter's share per step)
+    compute: str  # the linear backend, for the start-up log
+    device: str
+    pins_host_memory: bool  # exports to the host land in pinned memory (a GPU pool)
+    # The storage's identity and pool-wide state (fp8 scales): what an offload tier's keys
+    # commit to, so another pool's entries are never read as this one's.
+    storage_identity: dict[str, Any] = field(default_factory=dict)
+    pool_state: dict[str, Any] = field(default_factory=dict)
+
+
+class Worker:
+    def __init__(
+        self, config: EngineConfig, num_blocks: int, max_model_len: int, rank: int = 0
+    ) -> None:
+        self.rank = rank
+        self.runner: ModelRunner = build_runner(config, num_blocks, max_model_len)
+
+    @property
+    def model(self) -> Any:
+        return self.runner.model
+
+    @property
+    def storage(self) -> KVStorage:
+        return self.runner.storage
+
+    def info(self) -> WorkerInfo:
+        st = self.storage
+        return WorkerInfo(
+            kv_layout=st.format_name,
+            partial_block_capacity=getattr(st, "partial_block_capacity", None),
+            weight_bytes=weight_bytes_read(self.model),
+            compute=self.model.ops.describe(),
+            device=str(st.device),
+            pins_host_memory=st.host_copies.pins,
+            storage_identity=st.identity(),
+            pool_state=st.pool_state(),
+        )
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output)
+
+    def prefault(self) -> int:
+        """Fault the pool's pages in now; the bytes touched."""
+        return self.storage.prefault()
+
+    def measure_peak_bandwidth(self) -> float:
+        return measure_peak_bandwidth(self.storage.device)
+
+    def export_blocks(self, block_ids: list[int]) -> BlockPayload:
+        """The blocks' stored bytes, complete (a value the caller may send anywhere)."""
+        return self.storage.export_blocks(block_ids).wait()
+
+    def import_blocks(self, block_ids: list[int], payload: BlockPayload) -> None:
+        self.storage.import_blocks(block_ids, payload)
+
+    def wrap_storage(self, wrap: Callable[[KVStorage], KVStorage]) -> None:
+        """Swap the storage for ``wrap(storage)`` (instrumented or corrupted storages in
+        tests and the quality gate); only while no request holds blocks."""
+        self.runner.storage = wrap(self.runner.storage)
