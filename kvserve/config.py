@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -390,6 +390,57 @@ class SchedulerConfig:
             raise ConfigError(f"admission_watermark: must be in [0, 1), got {w!r}")
 
 
+LOAD_FAILURE_POLICIES = ("recompute", "fail")
+
+
+@dataclass(slots=True)
+class KVTransferConfig:
+    """A KV connector of the user's (vLLM's ``kv_transfer_config`` fields): a class named in
+    ``kv_connector``, imported from ``kv_connector_module_path``, built on each side of the
+    engine with ``(role, engine_config)``; and what a failed load does (``recompute`` the
+    blocks, or ``fail`` the request), for every connector, the offload tiers included."""
+
+    kv_connector: str | None = None
+    kv_connector_module_path: str | None = None
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    kv_load_failure_policy: str = "recompute"
+
+    def __post_init__(self) -> None:
+        if self.kv_load_failure_policy not in LOAD_FAILURE_POLICIES:
+            raise ConfigError(
+                f"kv_load_failure_policy: must be one of {', '.join(LOAD_FAILURE_POLICIES)}, "
+                f"got {self.kv_load_failure_policy!r}"
+            )
+        if self.kv_connector_module_path is not None and not self.kv_connector:
+            raise ConfigError("kv_connector: give the class name with kv_connector_module_path")
+        if self.kv_connector is not None and not self.kv_connector_module_path:
+            raise ConfigError(
+                f"kv_connector_module_path: the module to import {self.kv_connector!r} from "
+                "(no connector is built in under that name)"
+            )
+        if not isinstance(self.kv_connector_extra_config, dict):
+            raise ConfigError("kv_connector_extra_config: must be a JSON object")
+
+    @classmethod
+    def from_any(cls, value: Any) -> KVTransferConfig:
+        """From a KVTransferConfig, a dict, or a JSON object text (the CLI's form)."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ConfigError(f"kv_transfer_config: not JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"kv_transfer_config: expected a JSON object, got {value!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"kv_transfer_config: unknown field(s) {', '.join(unknown)}; "
+                              f"known: {', '.join(sorted(known))}")  # fmt: skip
+        return cls(**value)
+
+
 # uni: the model runs in the engine's process; mp: in worker processes the engine drives.
 EXECUTOR_BACKENDS = ("uni", "mp")
 
@@ -421,6 +472,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

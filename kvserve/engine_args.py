@@ -172,6 +172,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="uni: the model runs in the engine's process; mp: in a worker process the engine "
         "sends each step to (vLLM's flag)",
     )
+    g.add_argument(
+        "--kv-transfer-config",
+        default=None,
+        metavar="JSON",
+        help='a KV connector of your own, as vLLM\'s: \'{"kv_connector": "Class", '
+        '"kv_connector_module_path": "module", "kv_connector_extra_config": {...}}\', '
+        'and "kv_load_failure_policy": "recompute" (default) or "fail" for a load '
+        "that fails, the offload tiers' included",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -209,6 +218,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         workload_classes=args.workload_classes,
         seed=args.seed,
         distributed_executor_backend=args.distributed_executor_backend,
+        kv_transfer_config=args.kv_transfer_config,
     )
 
 

@@ -5,7 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from kvserve.config import (
+    CacheConfig,
+    EngineConfig,
+    KVTransferConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from kvserve.engine import EngineStats, LLMEngine, PromptType
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.sched.request import InvalidRequestError, RequestOutput, SamplingParams
@@ -44,6 +50,7 @@ def engine_config(
     disable_hybrid_kv_cache_manager: bool = False,
     kv_cache_prefault: bool = False,
     distributed_executor_backend: str = "uni",
+    kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None,
 ) -> EngineConfig:
     """The :class:`EngineConfig` of the keyword arguments ``LLM`` takes (the simulator
     builds an engine from the same arguments)."""
@@ -84,6 +91,7 @@ def engine_config(
             workload_classes=workload_classes,
         ),
         parallel=ParallelConfig(distributed_executor_backend=distributed_executor_backend),
+        kv_transfer=KVTransferConfig.from_any(kv_transfer_config or {}),
     )
 
 

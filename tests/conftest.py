@@ -86,7 +86,7 @@ def conserve_blocks_every_step(monkeypatch):
 
     def patched(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
         init(self, *args, **kwargs)
-        if isinstance(self.runner, CostModelRunner):
+        if isinstance(getattr(self.executor, "runner", None), CostModelRunner):
             every = SPARSE_EVERY
         else:
             every = -(-self.kv.pool.num_blocks // DENSE_BLOCKS)

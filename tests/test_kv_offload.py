@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from kvserve import SamplingParams
 from kvserve.config import ConfigError
+from kvserve.connectors.offload import OffloadConnector
 from kvserve.kv.tiers import DiskTier, TierError
-from kvserve.sched.tier_loads import TierLoads
 from tests.conftest import prompts_of_lengths
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
@@ -257,7 +258,7 @@ def test_a_request_that_does_not_fit_waits_for_loads_in_flight(checkpoint, make_
     one of the two prompts from scratch."""
     # The tier is slowed only to keep loads in flight: load its hits even so (the rule that
     # computes hits whose load would be slower is tested on its own).
-    monkeypatch.setattr(TierLoads, "_pays", lambda self, n: True)
+    monkeypatch.setattr(OffloadConnector, "_pays", lambda self, n: True)
     prompts = SMALL_POOL_PROMPTS
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     got = []
@@ -514,18 +515,22 @@ def test_two_servers_share_a_prefix_through_redis_over_http(checkpoint, redis_ur
 def test_a_failed_steps_evictions_are_never_stored():
     """A step that failed may have written the blocks it evicted: the record gives them back
     for freeing, never for a tier, also when an import takes evictions out in between."""
+    from kvserve.connectors.base import Role, StepBlocks
+    from kvserve.connectors.offload import OffloadConnector
     from kvserve.kv.manager import KVCacheManager
     from kvserve.kv.ops import KVOps
 
     kv = KVCacheManager(num_blocks=8, block_size=2)
-    kv.offload_evictions = True
     h = [bytes([i]) * 32 for i in range(4)]
     kv.restore_ops(KVOps(evicted=[(1, h[1]), (2, h[2])]))
     kv.pool.evicted.append((3, h[3]))  # evicted after the failure: its bytes are intact
     assert kv.take_evictions([1]) == []  # an import reuses block 1: nothing to store
     ops = kv.take_ops()
-    assert ops.offload == [(3, h[3])]
     assert sorted(ops.evicted) == [(2, h[2]), (3, h[3])]
+    tiers = SimpleNamespace(wants=lambda h: True, write_through_hits=None)
+    connector = OffloadConnector(Role.SCHEDULER, kv, tiers)
+    connector.on_blocks(StepBlocks(ops.evicted, ops.num_restored_evictions, ops.hot))
+    assert connector.build_connector_meta().saves_before == [(3, h[3])]
 
 
 def test_a_store_backlog_drops_blocks_instead_of_blocking():

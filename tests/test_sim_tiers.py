@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from kvserve.config import ConfigError
+from kvserve.connectors.offload import OffloadConnector
 from kvserve.engine_args import default_model
 from kvserve.sched.request import SamplingParams
-from kvserve.sched.tier_loads import TierLoads
 from kvserve.sim.cost import Profile, gpu_profile
 from kvserve.sim.simulate import SimTarget, build_engine
 from kvserve.sim.tiers import ModelledTier
@@ -108,7 +108,7 @@ def test_a_load_takes_the_tiers_latency_and_bytes_over_its_bandwidth():
 
 def test_a_load_past_its_timeout_is_a_miss_and_the_prompt_is_computed(monkeypatch):
     # A load this slow is not started (computing is faster); forced, it times out.
-    monkeypatch.setattr(TierLoads, "_pays", lambda self, n: True)
+    monkeypatch.setattr(OffloadConnector, "_pays", lambda self, n: True)
     kw = dict(model=default_model(), num_gpu_blocks=16, kv_offload_cpu="64MiB",
               kv_offload_timeout=0.001)  # fmt: skip
     glacial = {**TIER, "tier_bandwidth": {"cpu": 1e3}}
@@ -206,7 +206,7 @@ def test_a_load_slower_than_recomputing_is_skipped(monkeypatch):
         chosen, hit, sim = ttft_of_last(kw, cpu_profile(**prof), flood)
         skipped = sim.engine.stats().tier_loads_skipped
         with monkeypatch.context() as m:
-            m.setattr(TierLoads, "_pays", lambda self, n: True)
+            m.setattr(OffloadConnector, "_pays", lambda self, n: True)
             loaded, hit_forced, _ = ttft_of_last(kw, cpu_profile(**prof), flood)
         plain, _, _ = ttft_of_last({**kw, "kv_offload_cpu": None}, cpu_profile(), flood)
         ttft[name] = (chosen, loaded, plain, hit, hit_forced, skipped)
@@ -351,7 +351,7 @@ def test_a_load_that_would_land_after_its_deadline_is_not_started(monkeypatch):
     def without_deadline_check(self, n):
         return True
 
-    monkeypatch.setattr(TierLoads, "_pays", without_deadline_check)
+    monkeypatch.setattr(OffloadConnector, "_pays", without_deadline_check)
     forced, st_forced, _ = run()
     assert st_forced.kv_offload["cpu"]["failures"].get("load_timeout", 0) == 1
     assert st_forced.tier_hit_tokens == 96
@@ -362,11 +362,11 @@ def test_a_step_loses_the_workers_time_beside_it_by_its_share():
     """The cost-model runner adds, to a step that exports blocks for the tiers or imports
     loaded ones, the worker's measured time for those blocks times its share of the cores:
     exactly that over the same step without them, and nothing at share 0 (a GPU's worker)."""
+    from kvserve.connectors.offload import OffloadMeta
     from kvserve.plan.gpus import get_gpu
     from kvserve.sched.output import ScheduledSeq, SchedulerOutput
     from kvserve.sim.cost import ModelShape
     from kvserve.sim.simulate import CostModelRunner, VirtualClock
-    from kvserve.sim.tiers import ModelledBlocks
     from tests.test_simulator import shape_of
 
     shape: ModelShape = shape_of(json.loads((Path(default_model()) / "config.json").read_text()))
@@ -375,9 +375,10 @@ def test_a_step_loses_the_workers_time_beside_it_by_its_share():
         runner = CostModelRunner(profile, VirtualClock(), token_id=0)
         runner.shape = shape
         out = SchedulerOutput(seqs=[ScheduledSeq("r", [1] * 40, 0, 0, [0, 1, 2], ("r",))])
-        out.kv_ops.offload = [(i, bytes([i])) for i in range(exported)]
+        meta = OffloadMeta(saves_before=[(i, bytes([i])) for i in range(exported)])
         if loaded:
-            out.kv_ops.loads = {"x": (list(range(3, 3 + loaded)), [ModelledBlocks(loaded)])}
+            meta.loads = {"x": list(range(3, 3 + loaded))}
+        out.kv_connector_metadata = meta
         runner.execute_model(out)
         return runner.busy_s
 

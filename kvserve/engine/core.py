@@ -1,10 +1,12 @@
-"""The engine core: the scheduler and KV manager driven by an injected runner and clock.
+"""The engine core: the scheduler and KV manager driven by an injected executor and clock.
 
-It knows tokens, not text, and needs no model: the runner is anything with
-``execute_model(SchedulerOutput) -> ModelRunnerOutput`` (the model runner, a fake that returns
-tokens from any source, a cost model, a worker in another process), and the clock is any
-``() -> float`` (``time.monotonic`` by default; a virtual clock for a simulator). One step is
-schedule -> execute -> update; nothing else changes request state.
+It knows tokens, not text, and needs no model: the executor reaches the workers
+(:mod:`kvserve.executor`), and any object with ``execute_model(SchedulerOutput) ->
+ModelRunnerOutput`` may stand in for one (a fake that returns tokens from any source, a cost
+model); the clock is any ``() -> float`` (``time.monotonic`` by default; a virtual clock for a
+simulator). One step is schedule -> execute -> update; nothing else changes request state.
+KV bytes a connector moves between its two sides ride the executor's ``collective_rpc``
+around the step, never the step's own messages.
 
 A runner or clock that raises fails only the requests of that step: they finish with status
 ``error`` and free their blocks, and every other request carries on. A worker that died
@@ -19,11 +21,11 @@ import time
 from collections.abc import Callable, Iterable
 
 from kvserve.config import SchedulerConfig
+from kvserve.connectors.base import KVConnector
 from kvserve.engine.inputs import EngineCoreRequest
-from kvserve.executor import WorkerDiedError
-from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.offload import OffloadTiers
-from kvserve.sched.output import Runner, SchedulerOutput
+from kvserve.executor import Executor, RunnerExecutor, WorkerDiedError
+from kvserve.kv.interface import KVManager
+from kvserve.sched.output import ModelRunnerOutput, Runner, SchedulerOutput
 from kvserve.sched.request import FINISHED_STATUSES, Request, RequestStatus
 from kvserve.sched.scheduler import Scheduler
 
@@ -38,17 +40,20 @@ class EngineCore:
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
-        kv: KVCacheManager,
-        runner: Runner,
+        kv: KVManager,
+        runner: Executor | Runner,
         max_model_len: int,
         eos_token_ids: tuple[int, ...] = (),
         clock: Clock = time.monotonic,
         native_window: int = 0,
-        offload: OffloadTiers | None = None,
+        connector: KVConnector | None = None,
+        load_failure_policy: str = "recompute",
     ) -> None:
         self.kv = kv
-        self.scheduler = Scheduler(scheduler_config, kv, max_model_len, native_window, offload)
-        self.runner = runner
+        self.scheduler = Scheduler(scheduler_config, kv, max_model_len, native_window, connector,
+                                   load_failure_policy)  # fmt: skip
+        self.executor = runner if isinstance(runner, Executor) else RunnerExecutor(runner)
+        self.connector = connector
         self.clock = clock
         self.eos_token_ids = eos_token_ids
         self.families: dict[str, list[Request]] = {}  # request id -> its n samples
@@ -114,7 +119,9 @@ class EngineCore:
             del self.families[request.parent_id]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.families)
+        """Requests still running or waiting, or finished ones whose blocks a connector holds
+        (steps go on until the workers report them sent)."""
+        return bool(self.families) or self.scheduler.has_held_blocks
 
     def step(self) -> list[Request]:
         """One step; returns the samples that got a token or finished (failed ones too)."""
@@ -123,12 +130,13 @@ class EngineCore:
         refused = self.scheduler.take_refused()
         for r in refused:  # finished by their refusal
             self._forget_family(r)
-        if not sched.seqs:
-            return refused
+        if not sched.seqs and sched.kv_connector_metadata is None:
+            if not self.scheduler.awaits_workers:
+                return refused
         self.num_steps += 1
         try:
             started = self.clock()
-            out = self.runner.execute_model(sched)
+            out = self._execute(sched)
             now = self.clock()
             self.last_step_seconds = now - started
         except Exception as e:  # the runner's or the clock's failure fails this step only
@@ -149,6 +157,22 @@ class EngineCore:
         for hook in self.step_hooks:
             hook(self)
         return refused + updated
+
+    def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """The step on the workers, with the bytes the connector's two sides exchange around
+        it: loaded blocks to the workers first, exported ones back after."""
+        connector, executor = self.connector, self.executor
+        if connector is not None:
+            payloads = connector.take_worker_payloads()
+            if payloads is not None:
+                executor.collective_rpc("receive_kv_connector_payloads", (payloads,))
+        out = executor.execute_model(sched)
+        report = out.kv_connector_output
+        if report is not None and report.num_payloads:
+            complete = executor.remote  # bytes that cross a process boundary must be final
+            saved = executor.collective_rpc("take_kv_connector_payloads", (complete,))[0]
+            connector.receive_scheduler_payloads(saved)
+        return out
 
     def _forget_family(self, r: Request) -> None:
         """``r`` finished: its family goes once every sample of it has."""

@@ -23,17 +23,19 @@ from typing import Any
 import torch
 
 from kvserve.config import ConfigError, EngineConfig, ModelConfig
+from kvserve.connectors.factory import scheduler_connector
+from kvserve.connectors.prefix import PrefixPayload, PrefixTransferConnector
 from kvserve.engine.bandwidth import BandwidthMeter
 from kvserve.engine.core import Clock, EngineCore, EngineDeadError
 from kvserve.engine.inputs import InputProcessor, PromptType
 from kvserve.engine.offload import apply_policies, build_offload
 from kvserve.engine.outputs import OutputProcessor, RequestFamily
-from kvserve.engine.prefix_transfer import PrefixPayload, export_prefix, import_prefix
 from kvserve.engine.sizing import model_fingerprint, num_kv_blocks
 from kvserve.engine.stats import EngineStats
 from kvserve.executor import Executor, RunnerExecutor, make_executor
 from kvserve.kv.formats import canonical_kv_format, kv_bytes_per_token, storage_class
 from kvserve.kv.grouped import GroupedKVCacheManager
+from kvserve.kv.hashing import BlockHash
 from kvserve.kv.layer_groups import engine_layer_groups
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.offload import OffloadTiers
@@ -153,9 +155,20 @@ class LLMEngine:
             self.offload = offload
         else:
             self.offload = build_offload(cc, info, self.kv.root, self.bytes_per_token)
+        if self.offload is not None:
+            self.kv.write_through_hits = self.offload.write_through_hits
+        # The connectors that move KV bytes each step (the offload tiers, the user's), and
+        # the one that moves cached prefixes between engines, between steps.
+        self.connector = scheduler_connector(config, self.kv, self.offload)
+        self.prefix_transfer: PrefixTransferConnector | None = None
+        if info is not None and self.layer_groups is None:
+            self.prefix_transfer = PrefixTransferConnector(
+                self.kv, self.model_id, info.kv_layout, self._export_blocks, self._import_blocks,
+                self._store_evicted if self.offload is not None else None,
+            )  # fmt: skip
         self.core = EngineCore(sc, self.kv, self.executor, self.max_model_len, self.eos_token_ids,
-                               clock or time.monotonic, self.native_window,
-                               self.offload)  # fmt: skip
+                               clock or time.monotonic, self.native_window, self.connector,
+                               config.kv_transfer.kv_load_failure_policy)  # fmt: skip
         self.workload_classes = None
         if sc.workload_classes is not None:
             self.workload_classes = load_workload_classes(sc.workload_classes)
@@ -272,31 +285,24 @@ class LLMEngine:
     def export_prefix(self, token_ids: list[int], cache_salt: str | None = None) -> PrefixPayload:
         """The longest cached full-block prefix of ``token_ids`` as a picklable payload
         (hashes, model and format identity, the blocks' stored bytes)."""
-        self._one_table("export_prefix")
-        return export_prefix(self.kv, self._export_blocks, self._layout("export_prefix"),
-                             self.model_id, token_ids, cache_salt)  # fmt: skip
+        return self._prefix_connector("export_prefix").export_prefix(token_ids, cache_salt)
 
     def import_prefix(self, payload: PrefixPayload) -> int:
         """Place a payload's blocks in this engine's prefix cache (between steps); returns how
         many blocks were imported. Raises :class:`ValueError` for another model, format or
         block size, and places nothing then."""
-        self._one_table("import_prefix")
-        layout = self._layout("import_prefix")
-        store = None
-        if self.offload is not None:
-            offload = self.offload
-
-            def store(evicted: list[tuple[int, bytes]]) -> None:
-                hashes = [h for _, h in evicted]
-                offload.store(hashes, self._export_blocks([b for b, _ in evicted]))
-
-        def place(block_ids: list[int], blocks: BlockPayload) -> None:
-            self.executor.collective_rpc("import_blocks", (block_ids, blocks))
-
-        return import_prefix(self.kv, place, layout, self.model_id, payload, store)
+        return self._prefix_connector("import_prefix").import_prefix(payload)
 
     def _export_blocks(self, block_ids: list[int]) -> BlockPayload:
         return self.executor.collective_rpc("export_blocks", (block_ids,))[0]
+
+    def _import_blocks(self, block_ids: list[int], blocks: BlockPayload) -> None:
+        self.executor.collective_rpc("import_blocks", (block_ids, blocks))
+
+    def _store_evicted(self, evicted: list[tuple[int, BlockHash]]) -> None:
+        """Cached blocks an import is about to overwrite go to the tiers first."""
+        hashes = [h for _, h in evicted]
+        self.offload.store(hashes, self._export_blocks([b for b, _ in evicted]))
 
     def check_health(self) -> None:
         """Raise :class:`~kvserve.executor.WorkerDiedError` if a worker is gone."""
@@ -311,23 +317,23 @@ class LLMEngine:
         """Stop the offload worker (queued stores are written first, for a bounded time) and
         the executor's workers."""
         try:
-            if self.offload is not None:
+            if self.connector is not None:
+                self.connector.shutdown()  # the offload tiers flush their queued stores
+            elif self.offload is not None:
                 self.offload.flush(timeout_s=10.0)
                 self.offload.close()
         finally:
             self.executor.shutdown()
 
-    def _one_table(self, what: str) -> None:
+    def _prefix_connector(self, what: str) -> PrefixTransferConnector:
         if self.layer_groups is not None:
             raise RuntimeError(
                 f"{what}: not with per-group block tables (a hybrid sliding-window model); "
                 "start the engine with disable_hybrid_kv_cache_manager"
             )
-
-    def _layout(self, what: str) -> str:
-        if self.worker_info is None:
+        if self.prefix_transfer is None:
             raise RuntimeError(f"{what}: this engine's KV lives in a custom runner")
-        return self.worker_info.kv_layout
+        return self.prefix_transfer
 
     # -- observability -------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -338,7 +344,8 @@ class LLMEngine:
         )
         allocated = kv.num_used_blocks * self.block_size
         last = self.core.last_step
-        st, loads, bw = sched.stats, sched.tier_loads, self.bandwidth
+        st, loads, bw = sched.stats, sched.loads, self.bandwidth
+        connected = self.connector.stats() if self.connector is not None else {}
         return EngineStats(
             num_running=len(sched.running),
             num_waiting=len(sched.waiting),
@@ -363,7 +370,7 @@ class LLMEngine:
             kv_offload=self.offload.stats() if self.offload is not None else {},
             tier_hit_tokens=loads.hit_tokens if loads is not None else 0,
             tier_loads_abandoned=loads.abandoned if loads is not None else 0,
-            tier_loads_skipped=loads.skipped if loads is not None else 0,
+            tier_loads_skipped=connected.get("skipped", 0),
             preempted_tokens_restored=st.preempted_tokens_restored,
             preempted_tokens_recomputed=st.preempted_tokens_recomputed,
             allocation_failures=st.allocation_failures,

@@ -171,6 +171,7 @@ def build_output(family: RequestFamily) -> RequestOutput | None:
         num_seen_tokens=seen,
         refusal=first.refusal,
         workload_class=first.workload_class.name if first.workload_class is not None else None,
+        kv_transfer_params=first.kv_transfer_params,
     )
 
 

@@ -38,6 +38,8 @@ class Executor(ABC):
     # The workers' model and pool facts, or None for an executor with no worker (a custom
     # runner: the simulator's cost model, a test's fake).
     info: WorkerInfo | None = None
+    # Whether calls cross a process boundary (their arguments and results are pickled).
+    remote: bool = False
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...

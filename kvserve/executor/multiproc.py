@@ -36,6 +36,8 @@ SHUTDOWN_TIMEOUT_S = 5.0
 
 
 class MultiprocExecutor(Executor):
+    remote = True
+
     def __init__(
         self, config: EngineConfig, num_blocks: int, max_model_len: int, world_size: int = 1
     ) -> None:

@@ -28,7 +28,8 @@ class UniProcExecutor(Executor):
 
 class RunnerExecutor(Executor):
     """Steps executed by a custom runner (the simulator's cost model, a test's fake): there is
-    no worker, model or KV pool to call."""
+    no worker, model or KV pool to call, but a runner may answer the worker calls it
+    implements (the simulator's runner takes a connector's payloads)."""
 
     def __init__(self, runner: Runner) -> None:
         self.runner = runner
@@ -39,6 +40,8 @@ class RunnerExecutor(Executor):
     def collective_rpc(
         self, method: Method, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> list[Any]:
+        if isinstance(method, str) and hasattr(self.runner, method):
+            return [getattr(self.runner, method)(*args, **(kwargs or {}))]
         name = method if isinstance(method, str) else getattr(method, "__name__", "call")
         raise RuntimeError(f"{name}: this engine's steps run in a custom runner, which has no "
                            "worker, model or KV pool to ask")  # fmt: skip

@@ -36,6 +36,11 @@ from kvserve.kv.ops import KVOps
 from kvserve.kv.request_view import KVRequest
 
 
+def _one_table() -> RuntimeError:
+    return RuntimeError("KV connectors need one block table; start the engine with "
+                        "disable_hybrid_kv_cache_manager")  # fmt: skip
+
+
 class _GroupPool:
     """A group's view of the shared pool: prefix-cache keys carry the group's tag."""
 
@@ -84,8 +89,7 @@ class GroupedKVCacheManager:
         self.root = self.subs[0].root
         self.null_block = self.subs[0].null_block
         self.max_partial_blocks = None
-        self.offload_evictions = False  # no tiers here (the engine checks)
-        self.write_through_hits: int | None = None
+        self.write_through_hits: int | None = None  # no tiers here (the engine checks)
         self.window_freed_blocks = 0  # group blocks given back behind the windows
 
     # -- counts, in model blocks ----------------------------------------------------------------
@@ -296,6 +300,15 @@ class GroupedKVCacheManager:
 
     def restore_ops(self, ops: KVOps) -> None:
         self.subs[0].restore_ops(ops)
+
+    # -- connectors (not served: a load or store would have to cover every group) ------------------
+    def tier_candidates(self, request: KVRequest, num_hit_blocks: int) -> list[BlockHash]:
+        raise _one_table()
+
+    def blocks_completed_by(
+        self, request: KVRequest, num_new_tokens: int
+    ) -> list[tuple[int, BlockHash]]:
+        raise _one_table()
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

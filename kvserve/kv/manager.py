@@ -99,12 +99,10 @@ class KVCacheManager:
         self._partial: set[int] = set()  # referenced blocks filled in (0, block_size)
         self._filling: set[int] = set()  # blocks that fill (or were copied) this step
         self._compact: dict[str, list[KVCacheBlock]] = {}  # fresh blocks a compaction fills
-        # Offload tiers: evicted blocks go into each record's ``offload`` (not those a failed
-        # step's record gave back: that step may have overwritten them).
-        self.offload_evictions = False
-        self._restored_evictions = 0
-        # Write-through-selective (SGLang's policy): a cached block is also stored once it
-        # has been hit this many times (0: as soon as it is computed); None: only on eviction.
+        self._restored_evictions = 0  # leading evictions of the record a failed step's
+        # Write-through-selective (SGLang's policy): a cached block is reported in the
+        # record's ``hot`` once it has been hit this many times; None or 0: never (0, write
+        # through, stores blocks as they are computed: see blocks_completed_by).
         self.write_through_hits: int | None = None
         self._write_through: list[tuple[int, BlockHash]] = []
 
@@ -131,6 +129,10 @@ class KVCacheManager:
     @property
     def num_partial_blocks(self) -> int:
         return len(self._partial) + len(self._filling)
+
+    @property
+    def num_groups(self) -> int:
+        return 1
 
     # -- prefix lookups ----------------------------------------------------------------------
     def block_hashes(self, request: KVRequest) -> list[BlockHash]:
@@ -424,7 +426,6 @@ class KVCacheManager:
         self._block_ids.pop(rid, None)
         self.num_cached_blocks.pop(rid, None)
         self._dropped.pop(rid, None)
-        self._ops.loads.pop(rid, None)
         self._release(self._compact.pop(rid, []))
         if blocks:
             self._release([b for b in reversed(blocks) if b is not self._null])
@@ -468,6 +469,9 @@ class KVCacheManager:
         """The request's block table (the manager's own list: read it, do not change it)."""
         return self._block_ids.get(request.request_id, [])
 
+    def group_block_ids(self, request: KVRequest) -> tuple[list[int], ...]:
+        return ()
+
     def num_held_slots(self, request: KVRequest) -> int:
         held = len(self.req_blocks.get(request.request_id, ())) - self.num_dropped_blocks(request)
         return held * self.block_size
@@ -478,16 +482,12 @@ class KVCacheManager:
         ops, self._ops = self._ops, KVOps()
         ops.freed, self.pool.freed = self.pool.freed, []
         ops.evicted, self.pool.evicted = self.pool.evicted, []
-        if self.offload_evictions:
-            ops.offload = ops.evicted[self._restored_evictions :]
+        ops.num_restored_evictions = self._restored_evictions
+        if self._write_through:
             # A block still holding the hash it was queued with has its bytes unchanged (a
             # block is written only after it is handed out again, which drops the hash).
             blocks = self.pool.blocks
-            seen = {b for b, _ in ops.offload}
-            for b, h in self._write_through:
-                if blocks[b].block_hash == h and b not in seen:
-                    ops.offload.append((b, h))
-                    seen.add(b)
+            ops.hot = [(b, h) for b, h in self._write_through if blocks[b].block_hash == h]
         self._write_through = []
         self._restored_evictions = 0
         ops.new_blocks = {rid: b for rid, b in ops.new_blocks.items() if b}
@@ -498,13 +498,10 @@ class KVCacheManager:
         """Put back the frees and evictions of a record the runner may not have applied (its
         step failed): they are delivered again, first, with the next record. Releasing a freed
         block twice is harmless; the copies of a failed step concern only its own requests.
-        Tier loads of requests that still hold their blocks are delivered again too."""
+        The evictions come back marked as restored: a connector must not store them."""
         self.pool.freed[:0] = ops.freed
         self.pool.evicted[:0] = ops.evicted
         self._restored_evictions += len(ops.evicted)
-        for rid, load in ops.loads.items():  # imported again (idempotent) if still held
-            if rid in self.req_blocks:
-                self._ops.loads.setdefault(rid, load)
 
     # -- tier loads --------------------------------------------------------------------------
     def tier_candidates(self, request: KVRequest, num_hit_blocks: int) -> list[BlockHash]:
@@ -520,12 +517,6 @@ class KVCacheManager:
         forward pass, so a prefix is below before anything evicts it)."""
         _, blocks = self._unpublished(request, request.num_computed_tokens + num_new_tokens)
         return [(b.block_id, h) for b, h in blocks]
-
-    def record_load(self, request: KVRequest, block_ids: list[int], payloads: list) -> None:
-        """Payloads a tier load gave the request's fresh ``block_ids``: the runner imports
-        them with the next step's record, before any forward pass reads them."""
-        if block_ids:
-            self._ops.loads[request.request_id] = (block_ids, payloads)
 
     # -- moving cached prefixes between pools ------------------------------------------------
     def reserve_for_import(self, hashes: Sequence[BlockHash]) -> PrefixImport:

@@ -1,16 +1,15 @@
 """What the KV manager did to blocks during one scheduling step, as plain data.
 
-The runner applies it to the storage (``offload`` exports first, then ``freed`` so a format
-can reclaim side state of blocks nobody holds, ``copies`` and ``loads`` before the forward
-pass); the offload tiers and metrics read the same record. Nothing outside
-:mod:`kvserve.kv` needs to look inside the block pool to know what happened.
+The runner applies it to the storage (``freed`` so a format can reclaim side state of blocks
+nobody holds, then ``copies``, before the forward pass); the KV connectors read the same
+record (evicted cached blocks, before they are overwritten; blocks a write policy wants
+stored). Nothing outside :mod:`kvserve.kv` needs to look inside the block pool to know what
+happened. It holds block ids and hashes, never bytes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from kvserve.kv.storage import BlockPayload
 
 
 @dataclass(slots=True)
@@ -23,18 +22,13 @@ class KVOps:
     copies: list[tuple[int, int]] = field(default_factory=list)
     # blocks whose last reference went: now free, or cached-free if they hold a prefix
     freed: list[int] = field(default_factory=list)
-    # cached blocks handed out for new content, with the prefix hash they lost
+    # cached blocks handed out for new content, with the prefix hash they lost; the first
+    # ``num_restored_evictions`` are a failed step's, given back (that step may have
+    # written them)
     evicted: list[tuple[int, bytes]] = field(default_factory=list)
-    # Offload tiers: evicted blocks the runner exports first, before this step overwrites
-    # them (the scheduler fills it from ``evicted``); and per request, fresh blocks and the
-    # verified payloads a tier load gives them, imported before the forward pass.
-    offload: list[tuple[int, bytes]] = field(default_factory=list)
-    # Write-through: blocks this step fills, exported after its forward pass.
-    offload_after: list[tuple[int, bytes]] = field(default_factory=list)
-    loads: dict[str, tuple[list[int], list[BlockPayload]]] = field(default_factory=dict)
+    num_restored_evictions: int = 0
+    # cached blocks that reached the write-through hit count, still holding that hash
+    hot: list[tuple[int, bytes]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(
-            self.new_blocks or self.copies or self.freed or self.evicted or self.offload
-            or self.offload_after or self.loads
-        )  # fmt: skip
+        return bool(self.new_blocks or self.copies or self.freed or self.evicted or self.hot)

@@ -1,11 +1,15 @@
 """Admission, step by step: which waiting requests start running this step, and which are
 refused.
 
-A mixin of :class:`~kvserve.sched.scheduler.Scheduler` (which owns request state): ``_admit`` runs
-inside its ``schedule`` after the running requests have their blocks. The order comes from the
-waiting queue (:mod:`kvserve.sched.waiting`), the arithmetic of projected demand from
-:mod:`kvserve.sched.admission`; tier loads (:mod:`kvserve.sched.tier_loads`) start here too,
-because a request whose prefix continues in a tier waits for it instead of running.
+The :class:`~kvserve.sched.scheduler.Scheduler` (which owns request state) holds one
+:class:`Admitter` and calls :meth:`Admitter.admit` inside its ``schedule`` after the running
+requests have their blocks. It works on the scheduler's own collections (the waiting queue,
+the running list, the request table), which it is given at construction and which both
+change in place. The order comes from the waiting queue (:mod:`kvserve.sched.waiting`), the
+arithmetic of projected demand from :mod:`kvserve.sched.admission`, retention's chunk
+boundaries from :mod:`kvserve.sched.retention_steps`; a KV connector's loads start here too
+(:mod:`kvserve.sched.kv_loads`), because a request whose prefix a connector holds waits for
+it instead of running.
 
 Same-step prefix sharing: a request admitted in the step that first computes a prefix would
 compute it again beside the first (a block is published only after its step), so a waiting
@@ -14,27 +18,42 @@ request whose next block another request of this step completes is held one step
 
 from __future__ import annotations
 
-from typing import Any
-
 from kvserve.config import SchedulerConfig
-from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.interface import KVManager
 from kvserve.sched.admission import Admission, Refusal
+from kvserve.sched.kv_loads import ConnectorLoads
 from kvserve.sched.request import Request, RequestStatus
+from kvserve.sched.retention_steps import RetentionSteps
+from kvserve.sched.stats import SchedulerStats
 from kvserve.sched.waiting import WaitingQueue
 
 
-class AdmissionSteps:
-    config: SchedulerConfig
-    kv: KVCacheManager
-    admission: Admission | None
-    waiting: WaitingQueue
-    running: list[Request]
-    requests: dict[str, Request]
-    tier_loads: Any  # kvserve.sched.tier_loads.TierLoads | None
-    stats: Any  # kvserve.sched.scheduler.SchedulerStats
-    _refused: list[Request]
+class Admitter:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVManager,
+        waiting: WaitingQueue,
+        running: list[Request],
+        requests: dict[str, Request],
+        admission: Admission | None,
+        retention: RetentionSteps,
+        loads: ConnectorLoads | None,
+        stats: SchedulerStats,
+    ) -> None:
+        """``admission``: projected admission, or None for greedy (vLLM's)."""
+        self.config = config
+        self.kv = kv
+        self.waiting = waiting
+        self.running = running
+        self.requests = requests
+        self.admission = admission
+        self.retention = retention
+        self.loads = loads
+        self.stats = stats
+        self._refused: list[Request] = []  # refused since the last step (finished, no blocks)
 
-    def _projected_wait(self, req: Request, now: float) -> float | None:
+    def projected_wait(self, req: Request, now: float) -> float | None:
         """Seconds until the blocks ``req`` and everything queued before it (not after it in
         priority) will hold are free, at the recent release rate; None: no rate yet."""
         adm, kv = self.admission, self.kv
@@ -47,7 +66,7 @@ class AdmissionSteps:
         need += adm.reserved([*ahead, *self.running])
         return adm.projected_wait(need + adm.watermark_blocks - kv.num_free_blocks, now)
 
-    def _refuse(self, req: Request, refusal: Refusal, now: float) -> None:
+    def refuse(self, req: Request, refusal: Refusal, now: float) -> None:
         req.refusal = refusal
         req.status = RequestStatus.FINISHED_REFUSED
         req.metrics.finished_time = now
@@ -58,12 +77,12 @@ class AdmissionSteps:
         out, self._refused = self._refused, []
         return out
 
-    def _admit(self, picked: list[tuple[Request, int]], budget: int) -> int:
+    def admit(self, picked: list[tuple[Request, int]], budget: int) -> int:
         """Admit waiting requests in the queue's order while the token budget, max_num_seqs
         and the pool allow; returns the budget left. Greedy stops at the first request whose
         chunk does not fit; projected passes over a request whose whole projection does not
         fit (until it has been passed over too often) and tries the next."""
-        adm, loads, kv = self.admission, self.tier_loads, self.kv
+        adm, loads, kv = self.admission, self.loads, self.kv
         holders = loads.holders if loads is not None else []
         reserved = adm.reserved([*self.running, *holders]) if adm is not None else 0
         held: list[Request] = []
@@ -97,7 +116,10 @@ class AdmissionSteps:
                         break  # it is next once its blocks free; nothing jumps it again
                     continue
             if looks_up and loads is not None:
-                if loads.start(req, computed):
+                started = loads.start(req, computed)
+                if started is None:
+                    continue  # the connector does not know yet: asked again next step
+                if started:
                     kv.count_hits(req, computed)
                     if adm is not None:
                         reserved += adm.remaining(req)
@@ -105,14 +127,14 @@ class AdmissionSteps:
             n = req.num_tokens - req.num_computed_tokens - num_cached
             if not self.config.enable_chunked_prefill and n > budget:
                 break
-            n = self._chunk(req, min(n, budget), num_cached)
+            n = self.retention.chunk(req, min(n, budget), num_cached)
             if n <= 0:
                 break
-            extra = self._compact_blocks(req, n, num_cached)
+            extra = self.retention.compact_blocks(req, n, num_cached)
             while not kv.allocate_slots(req, n, computed, extra):
                 self.stats.allocation_failures += 1
                 if not self.running and not picked and loads and loads.stalled(req):
-                    continue  # nothing runs: blocks held for tier loads must not stall it
+                    continue  # nothing runs: blocks held for loads must not stall it
                 break
             else:
                 if looks_up:
@@ -154,8 +176,8 @@ class AdmissionSteps:
         self.waiting.passed_over(req, held)
         self.waiting.remove(req)
         req.skips = 0
-        if self.tier_loads is not None:
-            self.tier_loads.forget(req, admitted=True)
+        if self.loads is not None:
+            self.loads.forget(req, admitted=True)
         if req.num_preemptions and req.num_cached_tokens >= 0:
             restored = req.num_computed_tokens + num_cached
             self.stats.preempted_tokens_restored += restored
@@ -163,7 +185,7 @@ class AdmissionSteps:
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = num_cached
         req.num_computed_tokens += num_cached
-        self._retain(req)
+        self.retention.retain(req)
         req.status = RequestStatus.RUNNING
         if self.admission is not None:
             self.admission.stats.admitted += 1
@@ -176,7 +198,7 @@ class AdmissionSteps:
         else:
             self.running.append(req)
 
-    def _refuse_late(self, now: float) -> None:
+    def refuse_late(self, now: float) -> None:
         """Refuse waiting requests that never ran and whose TTFT SLO has passed."""
         late = []
         for r in self.waiting:
@@ -186,11 +208,11 @@ class AdmissionSteps:
             if refusal is not None:
                 late.append((r, refusal))
         for r, refusal in late:
-            if self.tier_loads is not None:
-                self.tier_loads.forget(r)
+            if self.loads is not None:
+                self.loads.forget(r)
             self.kv.free(r)
             self.waiting.remove(r)
             for x in (r, *r.forks):
                 self.requests.pop(x.request_id, None)
-                self._refuse(x, refusal, now)
+                self.refuse(x, refusal, now)
             r.forks = []

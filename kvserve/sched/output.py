@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from kvserve.connectors.base import KVConnectorOutput
 from kvserve.kv.ops import KVOps
 from kvserve.sched.request import SamplingParams
 
@@ -103,6 +104,9 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    # What the KV connectors' worker side moves this step (block ids and hashes; None:
+    # nothing); see kvserve.connectors.base.
+    kv_connector_metadata: Any = None
 
     @property
     def total_tokens(self) -> int:
@@ -120,9 +124,8 @@ class ModelRunnerOutput:
     sampled_logprobs: list[float] | None = None
     # req_id -> [rows, vocab] log-softmax of the prompt positions computed this step
     prompt_logits: dict[str, Any] = field(default_factory=dict)
-    # The record's ``offload`` blocks exported before the forward pass and its
-    # ``offload_after`` ones after it: (hashes, BlockPayload) each
-    offloaded: list[tuple[list[bytes], Any]] = field(default_factory=list)
+    # The KV connectors' report of the step (None: no connector, or nothing to report)
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 class Runner(Protocol):

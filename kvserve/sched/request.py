@@ -264,10 +264,9 @@ class Request:
         "retention",
         "num_evicted_tokens",
         "cache_offset",
-        "tier_probed",
-        "tier_hit_end",
         "loading",
         "load_block_ids",
+        "kv_transfer_params",
     )
 
     def __init__(
@@ -328,12 +327,12 @@ class Request:
         # num_computed_tokens - cache_offset entries, RoPE positions go on from
         # num_computed_tokens. Zero until the compaction, and again after a preemption.
         self.cache_offset = 0
-        # Offload tiers: whether this admission asked the tiers already, whether blocks are
-        # loading from one (the request then waits), and the fresh blocks they go to.
-        self.tier_probed = False
-        self.tier_hit_end = 0  # blocks of the chain the tiers held when asked
+        # A KV connector (an offload tier, another engine) loads blocks for it: the request
+        # then waits, holding the fresh blocks they go to (kvserve.sched.kv_loads).
         self.loading = False
         self.load_block_ids: list[int] = []
+        # What the connectors said when it finished (where a peer can fetch its KV), or None.
+        self.kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def num_cache_entries(self) -> int:
@@ -424,3 +423,6 @@ class RequestOutput:
     refusal: Any = None
     # The workload class it was matched to (None: the engine has no class file).
     workload_class: str | None = None
+    # What the KV connectors said when it finished (vLLM's field: where a peer can fetch its
+    # KV), or None.
+    kv_transfer_params: dict[str, Any] | None = None

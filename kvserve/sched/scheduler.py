@@ -8,8 +8,14 @@ step. Running requests are served first (oldest first); waiting ones are admitte
 budget, ``max_num_seqs`` and the KV pool allow. When a running request cannot get a block, the
 most recently admitted request is preempted (its blocks freed, to be recomputed later) and put
 back at the front of the queue; the oldest request always progresses, so nothing deadlocks.
-A waiting request whose prefix continues in an offload tier waits, not running, while its
-blocks load (:mod:`kvserve.sched.tier_loads`); others are admitted meanwhile.
+A waiting request whose prefix a KV connector holds (an offload tier, another engine) waits,
+not running, while its blocks load (:mod:`kvserve.sched.kv_loads`); others are admitted
+meanwhile. The scheduler holds its policies as objects and calls them: the waiting queue's
+order (:mod:`kvserve.sched.waiting`), admission (:mod:`kvserve.sched.admission_steps`, with
+projected demand from :mod:`kvserve.sched.admission`), retention
+(:mod:`kvserve.sched.retention_steps`), and the connector (:mod:`kvserve.connectors.base`),
+which sees block ids and hashes and may hold a finished request's blocks (``delay_free``)
+until it reports them sent.
 
 :meth:`Scheduler.schedule` describes the step as plain data (:class:`SchedulerOutput`);
 :meth:`Scheduler.update_from_output` owns what happens after the forward pass: computed-token
@@ -21,43 +27,18 @@ nowhere else (the engine asks for a stop-string finish through :meth:`finish_req
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from kvserve.config import SchedulerConfig
-from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.offload import OffloadTiers
+from kvserve.connectors.base import KVConnector, StepBlocks
+from kvserve.kv.interface import KVManager
 from kvserve.sched.admission import Admission
-from kvserve.sched.admission_steps import AdmissionSteps
+from kvserve.sched.admission_steps import Admitter
+from kvserve.sched.kv_loads import ConnectorLoads
 from kvserve.sched.output import ModelRunnerOutput, NewRequestData, ScheduledSeq, SchedulerOutput
 from kvserve.sched.request import Request, RequestStatus
 from kvserve.sched.retention_steps import RetentionSteps
-from kvserve.sched.tier_loads import TierLoads
+from kvserve.sched.stats import SchedulerStats
 from kvserve.sched.waiting import WaitingQueue
-
-# A step computing at least this many prompt tokens times the engine's prefill (seconds per
-# token), which a tier load is weighed against.
-PREFILL_TIMING_MIN_TOKENS = 256
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    """Counters since start (vLLM's meanings)."""
-
-    prompt_tokens_total: int = 0  # every prompt token of requests that produced a token
-    prefill_tokens_computed_total: int = 0  # prompt tokens actually computed (hits excluded)
-    generation_tokens_total: int = 0
-    num_preemptions: int = 0
-    # Retention: policy text ("window:512", "sliding_window" for a model's own) -> tokens whose
-    # K/V blocks were released before their request finished, and those blocks.
-    retention_evicted_tokens: dict[str, int] = field(default_factory=dict)
-    retention_reclaimed_blocks: int = 0
-    # The tokens a preempted request got back (device or tier hits) versus recomputed when
-    # it was admitted again.
-    preempted_tokens_restored: int = 0
-    preempted_tokens_recomputed: int = 0
-    allocation_failures: int = 0  # a request's chunk did not fit the pool (vLLM counts none)
-    queue_time_sum: float = 0.0  # arrival to first scheduled, seconds, over requests
-    queue_time_count: int = 0
 
 
 def check_stop(r: Request, token: int, max_model_len: int) -> bool:
@@ -81,42 +62,51 @@ def check_stop(r: Request, token: int, max_model_len: int) -> bool:
     return False
 
 
-class Scheduler(AdmissionSteps, RetentionSteps):
+class Scheduler:
     def __init__(
         self,
         config: SchedulerConfig,
-        kv: KVCacheManager,
+        kv: KVManager,
         max_model_len: int,
         native_window: int = 0,
-        offload: OffloadTiers | None = None,
+        connector: KVConnector | None = None,
+        load_failure_policy: str = "recompute",
     ) -> None:
+        """``native_window``: every layer's own sliding window (0: the model has
+        full-attention layers); ``connector``: the scheduler side of the engine's KV
+        connectors (None: none moves KV)."""
         self.config = config
-        self.offload = offload
-        kv.offload_evictions = offload is not None
-        kv.write_through_hits = offload.write_through_hits if offload is not None else None
-        # Waiting requests whose blocks load from a tier (None: no tiers)
-        self.tier_loads = TierLoads(kv, offload) if offload is not None else None
-        # Every layer's own sliding window (0: the model has full-attention layers): blocks
-        # behind it are released for every request, exactly.
-        self.native_window = native_window
         self.kv = kv
-        # A hybrid model's manager also has a table per other layer group.
-        self._group_tables = getattr(kv, "group_block_ids", None)
         self.max_model_len = max_model_len
+        self.connector = connector
         self.requests: dict[str, Request] = {}  # every unfinished request, forks included
+        self.running: list[Request] = []
         self.waiting = WaitingQueue(config)
+        self.stats = SchedulerStats()
         # Projected admission (None: greedy)
         self.admission = (
             Admission(kv, max_model_len, config.admission_watermark)
             if config.admission == "projected"
             else None
         )
-        self._refused: list[Request] = []  # refused since the last step (finished, no blocks)
+        self.retention = RetentionSteps(kv, native_window, self.stats)
+        # Waiting requests whose blocks a connector loads (None: no connector)
+        self.loads = (
+            ConnectorLoads(kv, connector, load_failure_policy) if connector is not None else None
+        )
+        self.admitter = Admitter(config, kv, self.waiting, self.running, self.requests,
+                                 self.admission, self.retention, self.loads,
+                                 self.stats)  # fmt: skip
+        self._multi_table = kv.num_groups > 1  # a hybrid model: a table per layer group
         self._seq = 0
-        self.running: list[Request] = []
-        self.stats = SchedulerStats()
         self._in_runner: set[str] = set()  # requests whose sampling state the runner holds
         self._finished_ids: list[str] = []  # ... that finished since the last step
+        # Finished requests whose blocks a connector holds (delay_free): id -> (request, the
+        # clock time its lease ends); their blocks go when the workers report them sent.
+        self.held: dict[str, tuple[Request, float]] = {}
+        self._failed_loads: list[Request] = []  # failed by kv_load_failure_policy: fail
+        self._invalid_blocks: set[int] = set()  # reported failed, their request not landed
+        self._now = 0.0
 
     @property
     def num_preemptions(self) -> int:
@@ -133,10 +123,11 @@ class Scheduler(AdmissionSteps, RetentionSteps):
         request.seq_no = self._seq
         if self.admission is not None and request.workload_class is not None:
             now = request.arrival_time
-            refusal = self.admission.refusal(request, self._projected_wait(request, now), now)
+            wait = self.admitter.projected_wait(request, now)
+            refusal = self.admission.refusal(request, wait, now)
             if refusal is not None:
                 for r in (request, *request.forks):
-                    self._refuse(r, refusal, now)
+                    self.admitter.refuse(r, refusal, now)
                 return
         self.requests[request.request_id] = request
         for f in request.forks:
@@ -147,26 +138,58 @@ class Scheduler(AdmissionSteps, RetentionSteps):
     def num_unfinished(self) -> int:
         return len(self.requests)
 
+    def take_refused(self) -> list[Request]:
+        """Requests that finished without a step since the last call: refused by admission,
+        or failed by their load (``kv_load_failure_policy: fail``). They hold no blocks."""
+        out = self.admitter.take_refused()
+        if self._failed_loads:
+            out += self._failed_loads
+            self._failed_loads = []
+        return out
+
+    @property
+    def awaits_workers(self) -> bool:
+        """Whether a step must reach the workers though no request runs: a finished request's
+        held blocks wait to be reported sent, or a load only the workers can report done."""
+        if self.held:
+            return True
+        loads = self.loads
+        return (
+            loads is not None and self.connector.loads_finish_on_workers and loads.num_loading > 0
+        )
+
+    @property
+    def has_held_blocks(self) -> bool:
+        """Whether a connector still holds a finished request's blocks (the engine keeps
+        stepping, so the workers can report them sent)."""
+        return bool(self.held)
+
     # -- scheduling ---------------------------------------------------------------------------
     def schedule(self, now: float = 0.0) -> SchedulerOutput:
         """The next step as plain data; ``now`` (the engine's clock) dates deadline
         refusals."""
+        self._now = now
         if self.admission is not None:
-            self._refuse_late(now)
+            self.admitter.refuse_late(now)
+        if self.held:
+            self._expire_holds(now)
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         picked: list[tuple[Request, int]] = []
-        loads = self.tier_loads
+        loads = self.loads
         if loads is not None:
             loads.begin_step()
-            if self.offload.num_loading:
+            if loads.holders:
                 idle = not self.running  # only loads can make progress now
-                loads.finish(self.requests, idle)
+                landed = self.connector.take_finished_loads(idle)
+                if landed:
+                    loads.land(self.requests, landed, set(), self._fail_load)
 
         # 1. Running requests, oldest first; preempt from the newest end when blocks run out.
         # Without a retention policy or a model window (most requests) the retention steps
         # change nothing: skipped, since this loop runs per running request per step.
-        native = self.native_window
+        retention = self.retention
+        native = retention.native_window
         running, allocate = self.running, self.kv.allocate_slots
         i = 0
         while i < len(running) and budget > 0:
@@ -176,13 +199,13 @@ class Scheduler(AdmissionSteps, RetentionSteps):
                 n = budget
             retains = req.retention is not None
             if retains:
-                n = self._chunk(req, n)
+                n = retention.chunk(req, n)
             if n <= 0:
                 i += 1
                 continue
             if retains or native:
-                self._retain(req)
-            extra = self._compact_blocks(req, n) if retains else 0
+                retention.retain(req)
+            extra = retention.compact_blocks(req, n) if retains else 0
             while not allocate(req, n, (), extra):
                 self.stats.allocation_failures += 1
                 if loads is not None and loads.release_one():
@@ -201,8 +224,10 @@ class Scheduler(AdmissionSteps, RetentionSteps):
 
         # 2. Admit waiting requests, unless this step had to preempt (memory is tight).
         if not out.preempted_req_ids and self.waiting:
-            budget = self._admit(picked, budget)
+            budget = self.admitter.admit(picked, budget)
         if not picked:
+            if self.connector is not None and self.awaits_workers:  # a step for the connectors
+                out.kv_connector_metadata = self.connector.build_connector_meta()
             return out  # the KV record and finished ids wait for a step that runs
         describe, seqs = self._describe, out.seqs
         decode = tokens = 0
@@ -214,13 +239,13 @@ class Scheduler(AdmissionSteps, RetentionSteps):
         out.num_decode_tokens = decode
         out.num_prefill_tokens = tokens - decode
         out.kv_ops = ops = self.kv.take_ops()
-        if ops.offload:
-            ops.offload = [(b, h) for b, h in ops.offload if self.offload.wants(h)]
-        if self.kv.write_through_hits == 0:
+        connector = self.connector
+        if connector is not None:
+            if ops.evicted or ops.hot:
+                connector.on_blocks(StepBlocks(ops.evicted, ops.num_restored_evictions, ops.hot))
             for req, n in picked:
-                ops.offload_after += [
-                    (b, h) for b, h in self.kv.blocks_completed_by(req, n) if self.offload.wants(h)
-                ]
+                connector.on_scheduled(req, n)
+            out.kv_connector_metadata = connector.build_connector_meta()
         out.finished_req_ids, self._finished_ids = self._finished_ids, []
         return out
 
@@ -232,7 +257,7 @@ class Scheduler(AdmissionSteps, RetentionSteps):
             c + n == len(req.all_token_ids)
             and not req.forks
             and req.retention is None
-            and self._group_tables is None
+            and not self._multi_table
             and req.prompt_logits is None
             and rid in self._in_runner
         ):  # a decode step (or a last chunk) of a plain request the runner already has
@@ -262,8 +287,8 @@ class Scheduler(AdmissionSteps, RetentionSteps):
         seq = ScheduledSeq(rid, req.all_token_ids[c : c + n], c, req.num_cache_entries,
                            self.kv.block_ids(req)[:], sample_ids, prompt_rows, window,
                            sinks)  # fmt: skip
-        if self._group_tables is not None:
-            seq.group_block_ids = self._group_tables(req)
+        if self._multi_table:
+            seq.group_block_ids = self.kv.group_block_ids(req)
         if spec is not None and spec.observes:
             seq.observe = True
         compact = self.kv.compact_block_ids(req) if spec is not None else None
@@ -281,7 +306,6 @@ class Scheduler(AdmissionSteps, RetentionSteps):
         req.num_computed_tokens = 0
         req.num_evicted_tokens = 0  # its cache is rebuilt from nothing
         req.cache_offset = 0
-        req.tier_probed = False
         if req.prompt_logits is not None:
             req.prompt_logits = []  # recomputed from scratch
         req.num_preemptions += 1
@@ -302,14 +326,8 @@ class Scheduler(AdmissionSteps, RetentionSteps):
         touched: dict[str, Request] = {}
         finished: list[Request] = []
         st = self.stats
-        loads = self.tier_loads  # set exactly when there are tiers
-        if loads is not None:
-            for hashes, payload in runner_output.offloaded:
-                loads.offload.store(hashes, payload)
-            pre = scheduler_output.num_prefill_tokens
-            if pre >= PREFILL_TIMING_MIN_TOKENS:
-                tokens = pre + scheduler_output.num_decode_tokens
-                loads.observe_compute((now - scheduled_at) / tokens)
+        if self.connector is not None:
+            self._connector_output(scheduler_output, runner_output, now - scheduled_at)
         for rid, rows in runner_output.prompt_logits.items():
             self.requests[rid].prompt_logits.append(rows)
         row = {rid: i for i, rid in enumerate(runner_output.req_ids)}
@@ -332,7 +350,7 @@ class Scheduler(AdmissionSteps, RetentionSteps):
                 st.queue_time_count += 1
             publish(first)
             if seq.compact:
-                self._compacted(first)
+                self.retention.compacted(first)
             if not seq.sample_ids:
                 continue
             if first.forks:
@@ -362,7 +380,11 @@ class Scheduler(AdmissionSteps, RetentionSteps):
         for r in finished:
             r.metrics.finished_time = now
             self._finish(r, r.status)
-        return list(touched.values())
+        out = list(touched.values())
+        if self._failed_loads:
+            out += self._failed_loads
+            self._failed_loads = []
+        return out
 
     def _fork(self, first: Request, sib: Request) -> None:
         """Give a waiting sibling ``first``'s blocks; it samples its own first token from the
@@ -379,6 +401,8 @@ class Scheduler(AdmissionSteps, RetentionSteps):
         free their blocks, and keep the step's record of frees for the next step (the runner
         may not have applied it). Requests outside the step carry on."""
         self.kv.restore_ops(scheduler_output.kv_ops)
+        if self.connector is not None:
+            self.connector.step_failed(scheduler_output.kv_connector_metadata)
         self._finished_ids = scheduler_output.finished_req_ids + self._finished_ids
         failed = []
         for seq in scheduler_output.seqs:
@@ -427,8 +451,8 @@ class Scheduler(AdmissionSteps, RetentionSteps):
             natural = status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
             self.admission.finished(req, held, natural, req.metrics.finished_time)
         req.status = status
-        if self.tier_loads is not None:
-            self.tier_loads.forget(req)
+        if self.loads is not None:
+            self.loads.forget(req)
         if req in self.running:
             self.running.remove(req)
         else:
@@ -436,8 +460,63 @@ class Scheduler(AdmissionSteps, RetentionSteps):
                 self.waiting.remove(req)
             except ValueError:
                 pass  # a fork that never started
-        self.kv.free(req)
+        delay = False
+        if self.connector is not None:
+            delay, req.kv_transfer_params = self.connector.request_finished(
+                req, self.kv.block_ids(req)
+            )
+        if delay:
+            self.held[req.request_id] = (req, self._now + self.connector.lease_s)
+            self.stats.held_for_transfer += 1
+        else:
+            self.kv.free(req)
         self.requests.pop(req.request_id, None)
         if req.request_id in self._in_runner:
             self._in_runner.discard(req.request_id)
             self._finished_ids.append(req.request_id)
+
+    # -- connectors -------------------------------------------------------------------------------
+    def _connector_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput, seconds: float
+    ) -> None:
+        """The workers' report of the step: sent requests release their held blocks, received
+        ones land (the blocks before the first failed one count as computed)."""
+        connector = self.connector
+        connector.on_step_done(scheduler_output, seconds)
+        report = runner_output.kv_connector_output
+        if report is None:
+            return
+        connector.update_connector_output(report)
+        for rid in report.finished_sending:
+            held = self.held.pop(rid, None)
+            if held is not None:
+                self.kv.free(held[0])
+        self._invalid_blocks |= report.invalid_block_ids
+        if report.finished_recving and self.loads is not None:
+            arrived, judged = {}, []
+            for rid in report.finished_recving:
+                r = self.requests.get(rid)
+                if r is not None and r.loading:
+                    arrived[rid] = len(r.load_block_ids)
+                    judged += r.load_block_ids
+            self.loads.land(self.requests, arrived, self._invalid_blocks, self._fail_load)
+            self._invalid_blocks.difference_update(judged)  # a later load may reuse them
+
+    def _fail_load(self, req: Request, error: str) -> None:
+        """``kv_load_failure_policy: fail``: the request's load failed, so does the request
+        (it comes out of the step, finished with the error)."""
+        failed = [req, *req.forks]
+        for x in failed:
+            x.error = error
+            x.metrics.finished_time = self._now
+        self.finish_requests(failed, RequestStatus.FINISHED_ERROR)
+        req.forks = []
+        self._failed_loads += failed
+
+    def _expire_holds(self, now: float) -> None:
+        """Holds whose lease ran out: the peer never reported them sent; free the blocks."""
+        for rid, (req, until) in list(self.held.items()):
+            if now >= until:
+                del self.held[rid]
+                self.kv.free(req)
+                self.stats.held_lease_expired += 1

@@ -42,6 +42,8 @@ from kvserve.bench.workloads import (
     check_workload_spec,
     iter_workload,
 )
+from kvserve.connectors.base import KVConnectorOutput
+from kvserve.connectors.offload import OffloadMeta
 from kvserve.engine import LLMEngine
 from kvserve.engine.offload import LOAD_TIMEOUTS
 from kvserve.llm import engine_config
@@ -83,6 +85,36 @@ class CostModelRunner:
         self.shapes = ShapeCache.of(profile) if profile.new_shape_s else None
         # Requests whose tier load the engine thread did (SimOffload's, with tiers)
         self.inline_loaded: set[str] = set()
+        self._exports: list[tuple[list[bytes], ModelledBlocks]] = []  # for the tiers
+
+    def _offload_time(self, meta: OffloadMeta) -> float:
+        """What the step spends on the offload connector's work: copying out the blocks bound
+        for the tiers (evicted ones before the pass, written-through after; the tiers only
+        count them), and the worker's loads (those loaded inline were paid for by the step
+        that asked: SimOffload)."""
+        dt = 0.0
+        for blocks in (meta.saves_before, meta.saves_after):
+            if blocks:
+                self._exports.append(([h for _, h in blocks], ModelledBlocks(len(blocks))))
+        exported = len(meta.saves_before) + len(meta.saves_after)
+        if exported:
+            block_bytes = self.shape.kv_bytes_per_token * self.block_size
+            dt += exported * block_bytes * self.profile.offload_export_s_per_byte
+            dt += self.profile.worker_time(stored=exported)
+        if meta.loads:
+            inline = self.inline_loaded
+            worked = sum(len(ids) for rid, ids in meta.loads.items() if rid not in inline)
+            inline.difference_update(meta.loads)
+            dt += self.profile.worker_time(loaded=worked)
+        return dt
+
+    # The offload connector's channel (what a worker answers through collective_rpc)
+    def receive_kv_connector_payloads(self, payloads: Any) -> None:
+        """Modelled loads carry no bytes: nothing to keep."""
+
+    def take_kv_connector_payloads(self, complete: bool) -> Any:
+        out, self._exports = self._exports, []
+        return out
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.shape is not None, "the simulator sets the model shape before the first step"
@@ -92,24 +124,11 @@ class CostModelRunner:
         dt = self.profile.step_time(f, self.shape)
         ids = [rid for s in scheduler_output.seqs for rid in s.sample_ids]
         out = ModelRunnerOutput(ids, [self.token_id] * len(ids), [None] * len(ids))
-        ops = scheduler_output.kv_ops
-        if ops.offload or ops.offload_after:
-            # Blocks bound for the tiers: evicted ones before the pass, written-through after;
-            # the step pays for copying them out (the tiers only count them).
-            for blocks in (ops.offload, ops.offload_after):
-                if blocks:
-                    out.offloaded.append(([h for _, h in blocks], ModelledBlocks(len(blocks))))
-            exported = len(ops.offload) + len(ops.offload_after)
-            block_bytes = self.shape.kv_bytes_per_token * self.block_size
-            dt += exported * block_bytes * self.profile.offload_export_s_per_byte
-            dt += self.profile.worker_time(stored=exported)
-        if ops.loads:
-            # Blocks the worker loaded; those loaded inline were paid for by the step that
-            # asked (SimOffload).
-            inline = self.inline_loaded
-            worked = sum(len(ids) for rid, (ids, _) in ops.loads.items() if rid not in inline)
-            inline.difference_update(ops.loads)
-            dt += self.profile.worker_time(loaded=worked)
+        meta = scheduler_output.kv_connector_metadata
+        if isinstance(meta, OffloadMeta):
+            dt += self._offload_time(meta)
+            if self._exports:
+                out.kv_connector_output = KVConnectorOutput(num_payloads=len(self._exports))
         self.clock.advance(dt)
         self.busy_s += dt
         self.steps += 1

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from kvserve.config import EngineConfig, ModelConfig
+from kvserve.connectors.base import KVConnector, KVConnectorOutput
 from kvserve.kernels.allocator import tune_host_allocator
 from kvserve.kernels.openmp import ThreadBinding
 from kvserve.kv.formats import canonical_kv_format, make_kv_storage
@@ -66,6 +67,8 @@ class ModelRunner:
         self.binding = ThreadBinding.from_env(device)
         # H2O: per request, per layer, the attention mass of each cache entry [KVH, entries]
         self.mass: dict[str, list[torch.Tensor | None]] = {}
+        # The worker side of the KV connectors (kvserve.connectors.base; set by the worker)
+        self.connector: KVConnector | None = None
 
     @staticmethod
     def _order(seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:
@@ -83,13 +86,14 @@ class ModelRunner:
                 long.append(s)
         return decodes + short + long
 
-    def _apply_kv_ops(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> None:
-        """The step's KV record, in the order that keeps every byte right: evicted blocks
-        bound for a tier are exported before anything overwrites them, then frees, copies
-        and tier loads, all before the forward pass."""
-        ops = sched.kv_ops
-        if ops.offload:
-            self._export(ops.offload, out)
+    def _apply_kv_ops(self, sched: SchedulerOutput) -> None:
+        """The step's KV record, in the order that keeps every byte right: blocks a connector
+        saves because this step hands them out again leave before anything overwrites them,
+        then frees, copies and the connectors' loads, all before the forward pass."""
+        ops, connector = sched.kv_ops, self.connector
+        if connector is not None:
+            connector.bind_connector_metadata(sched.kv_connector_metadata)
+            connector.save_before_step()
         for rid in sched.finished_req_ids:
             self.states.pop(rid, None)
             self.mass.pop(rid, None)
@@ -102,15 +106,19 @@ class ModelRunner:
             )  # fmt: skip
         self.storage.release_blocks(ops.freed)
         self.storage.copy_blocks(ops.copies)
-        for ids, payloads in ops.loads.values():
-            at = 0
-            for payload in payloads:
-                self.storage.import_blocks(ids[at : at + payload.num_blocks], payload)
-                at += payload.num_blocks
+        if connector is not None:
+            connector.start_load_kv()
 
-    def _export(self, blocks: list[tuple[int, bytes]], out: ModelRunnerOutput) -> None:
-        ids = [b for b, _ in blocks]
-        out.offloaded.append(([h for _, h in blocks], self.storage.export_blocks(ids)))
+    def _connector_report(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> None:
+        """After the forward pass: the connectors' saves of what this step filled, and their
+        report of what finished."""
+        connector = self.connector
+        connector.wait_for_save()
+        sent, received = connector.get_finished(set(sched.finished_req_ids))
+        report = KVConnectorOutput(sent, received, connector.get_block_ids_with_load_errors(),
+                                   connector.num_scheduler_payloads())  # fmt: skip
+        out.kv_connector_output = report if report else None
+        connector.clear_connector_metadata()
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: the KV record (exports, frees, copies, loads), the forward pass,
@@ -126,7 +134,11 @@ class ModelRunner:
     @torch.inference_mode()
     def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         out = ModelRunnerOutput()
-        self._apply_kv_ops(sched, out)
+        self._apply_kv_ops(sched)
+        if not sched.seqs:  # a step only for the connectors (a finished request's transfer)
+            if self.connector is not None:
+                self._connector_report(sched, out)
+            return out
         items = self._order(sched.seqs)
         input_ids, positions, meta = self._prepare(items)
         if self.layer_groups is not None:
@@ -139,8 +151,8 @@ class ModelRunner:
         if len(rows) != len(input_ids) or rows != list(range(len(rows))):
             keep = torch.tensor(rows, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, positions, self.storage, meta, keep)
-        if sched.kv_ops.offload_after:  # write-through: blocks this step filled
-            self._export(sched.kv_ops.offload_after, out)
+        if self.connector is not None:
+            self._connector_report(sched, out)
         for s in items:  # the forks of an H2O request start from its mass
             if s.observe and len(s.sample_ids) > 1:
                 for rid in s.sample_ids[1:]:

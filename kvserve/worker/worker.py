@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.config import EngineConfig
+from kvserve.connectors.factory import worker_connector
 from kvserve.kv.storage import BlockPayload, KVStorage
 from kvserve.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvserve.worker.bandwidth import measure_peak_bandwidth, weight_bytes_read
@@ -43,6 +44,11 @@ class Worker:
     ) -> None:
         self.rank = rank
         self.runner: ModelRunner = build_runner(config, num_blocks, max_model_len)
+        # The worker side of the engine's KV connectors (None: no connector moves KV).
+        self.connector = worker_connector(config)
+        if self.connector is not None:
+            self.connector.register_kv_caches(self.storage)
+        self.runner.connector = self.connector
 
     @property
     def model(self) -> Any:
@@ -86,3 +92,30 @@ class Worker:
         """Swap the storage for ``wrap(storage)`` (instrumented or corrupted storages in
         tests and the quality gate); only while no request holds blocks."""
         self.runner.storage = wrap(self.runner.storage)
+        if self.connector is not None:
+            self.connector.register_kv_caches(self.runner.storage)
+
+    # -- the KV connectors' channel (kvserve.connectors.base) ----------------------------------
+    def receive_kv_connector_payloads(self, payloads: Any) -> None:
+        """Bytes the connectors' scheduler side sends for the next step (loaded blocks)."""
+        self.connector.receive_worker_payloads(payloads)
+
+    def take_kv_connector_payloads(self, complete: bool) -> Any:
+        """Bytes the connectors produced for their scheduler side (exported blocks);
+        ``complete``: wait for device-to-host copies (the bytes leave this process)."""
+        out = self.connector.take_scheduler_payloads()
+        if complete:
+            _wait_payloads(out)
+        return out
+
+
+def _wait_payloads(obj: Any) -> None:
+    """Every BlockPayload in ``obj`` (nested lists, tuples, dicts) completed."""
+    if isinstance(obj, BlockPayload):
+        obj.wait()
+    elif isinstance(obj, list | tuple):
+        for x in obj:
+            _wait_payloads(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            _wait_payloads(x)

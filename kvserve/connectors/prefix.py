@@ -1,10 +1,12 @@
-"""Moving a cached prefix from one engine's pool into another's: the building block of
-offload tiers and disaggregated prefill.
+"""Moving a cached prefix from one engine's pool into another's, as a connector that works
+between steps: the engine asks it to export the longest cached prefix of some tokens, or to
+place an exported prefix in its own cache.
 
 The payload names what it holds by the same block hashes the prefix cache uses, so an import
 can only ever be found by a request with the same tokens, salt, model and format; the identity
 fields are checked first anyway, to refuse a mismatched payload with a clear message instead of
-silently never hitting.
+silently never hitting. The bytes move through the worker calls the connector is given
+(the executor's ``collective_rpc``), never through a step.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvserve.connectors.base import KVConnector, Role
 from kvserve.kv.hashing import BlockHash, extend_block_hashes
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.storage import BlockPayload, KVFormatMismatch
@@ -96,3 +99,39 @@ def import_prefix(
         raise
     kv.publish_import(imp)
     return len(imp.new)
+
+
+ExportBlocks = Callable[[list[int]], BlockPayload]
+ImportBlocks = Callable[[list[int], BlockPayload], None]
+StoreEvicted = Callable[[list[tuple[int, BlockHash]]], None]
+
+
+class PrefixTransferConnector(KVConnector):
+    """Scheduler side only: the KV manager's blocks and the workers' bytes, between steps.
+    ``store_evicted`` gets cached blocks that making room for an import evicted, before they
+    are overwritten (the offload tiers take them)."""
+
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        model_id: str,
+        kv_layout: str,
+        export_blocks: ExportBlocks,
+        import_blocks: ImportBlocks,
+        store_evicted: StoreEvicted | None = None,
+    ) -> None:
+        super().__init__(Role.SCHEDULER)
+        self.kv = kv
+        self.model_id = model_id
+        self.kv_layout = kv_layout
+        self._export = export_blocks
+        self._import = import_blocks
+        self._store_evicted = store_evicted
+
+    def export_prefix(self, token_ids: list[int], cache_salt: str | None = None) -> PrefixPayload:
+        return export_prefix(self.kv, self._export, self.kv_layout, self.model_id, token_ids,
+                             cache_salt)  # fmt: skip
+
+    def import_prefix(self, payload: PrefixPayload) -> int:
+        return import_prefix(self.kv, self._import, self.kv_layout, self.model_id, payload,
+                             self._store_evicted)  # fmt: skip
