@@ -1,7 +1,8 @@
 """The built-in logits processors and their order (see :mod:`kvserve.sample.logits_processors`).
 
 Each builds what it needs every step (token id and value tensors on the device) once, when a
-request joins, and applies itself to all of its rows with one scatter or one masked pass.
+request joins, and applies itself to all of its rows at once: a scatter into the logits, or a
+few elementwise passes over its rows (penalties), with no tensor op per row or per token.
 """
 
 from __future__ import annotations

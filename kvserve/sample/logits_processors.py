@@ -43,6 +43,8 @@ from typing import ClassVar, Generic, Protocol, TypeVar
 
 import torch
 
+from kvserve.sched.request import SamplingParams
+
 
 class RequestView(Protocol):
     """What a processor may read of a request when it joins: its parameters, prompt and
@@ -50,7 +52,7 @@ class RequestView(Protocol):
     step) and its EOS ids (empty under ``ignore_eos``)."""
 
     @property
-    def sampling_params(self): ...  # noqa: ANN201 - kvserve.sched.request.SamplingParams
+    def sampling_params(self) -> SamplingParams: ...
 
     @property
     def prompt_token_ids(self) -> list[int]: ...
