@@ -6,15 +6,13 @@ import pytest
 import torch
 
 from kvserve import SamplingParams
-from kvserve.sample.sampler import Sampler, _top_k_top_p
-from kvserve.sched.request import Request
+from kvserve.sample.builtin_processors import PenaltiesLogitsProcessor
+from kvserve.sample.sampler import Sampler, SamplingState, _top_k_top_p
 from tests.conftest import run_with_prompt_logits
 
 
-def _req(params: SamplingParams, prompt=(1, 2, 3), output=()) -> Request:
-    r = Request("r", list(prompt), params, max_tokens=100)
-    r.all_token_ids.extend(output)
-    return r
+def _req(params: SamplingParams, prompt=(1, 2, 3), output=()) -> SamplingState:
+    return SamplingState(params, list(prompt), list(output))
 
 
 def test_top_k_top_p_against_naive():
@@ -70,8 +68,9 @@ def test_penalties_against_formula():
     logits = torch.tensor([[2.0, -1.0, 0.5, 0.0]])
     p = SamplingParams(temperature=0, repetition_penalty=2.0, presence_penalty=0.5,
                        frequency_penalty=0.25)  # fmt: skip
-    req = _req(p, prompt=[2], output=[0, 0, 1])
-    got = Sampler(4)._apply_penalties(logits.clone(), [req])
+    penalties = PenaltiesLogitsProcessor(4)
+    state = penalties.new_state(_req(p, prompt=[2], output=[0, 0, 1]))
+    got = penalties.apply(logits.clone(), [0], [state])
     # token 0: seen, >0 -> 2/2=1, minus 0.25*2 + 0.5 ; token 1: seen, <0 -> -1*2=-2, minus 0.25+0.5
     # token 2: in prompt only -> 0.5/2 = 0.25 ; token 3: unseen -> 0
     torch.testing.assert_close(got, torch.tensor([[0.0, -2.75, 0.25, 0.0]]))
@@ -190,7 +189,9 @@ def test_greedy_rescoring_picks_the_exact_best_of_the_top_candidates(penalised_r
     def rescore(rows, ids):
         return exact_all[rows[:, None], ids]
 
-    got = Sampler._greedy(logits, params, rescore).tolist()
+    sampler = Sampler(v)
+    states = [sampler.add_request(p, [1, 2, 3]) for p in params]
+    got = sampler(logits, states, rescore).token_ids
     for i in range(n):
         if i == penalised_row:
             assert got[i] == int(logits[i].argmax())

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from openai import AuthenticationError, NotFoundError, OpenAI
+from openai import AuthenticationError, BadRequestError, NotFoundError, OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve import LLM, SamplingParams
@@ -244,6 +244,36 @@ def test_seed_reproducibility_and_n(client):
         model=MODEL, messages=[{"role": "user", "content": "two"}], n=2, max_tokens=8, seed=1
     )
     assert len(chat.choices) == 2 and chat.usage.completion_tokens <= 16
+
+
+def test_logit_bias_and_allowed_token_ids_over_http(client, reference):
+    """OpenAI's logit_bias (string keys) and vLLM's allowed_token_ids reach the sampler: the
+    text equals the offline API's with the same parameters, whose tokens obey them."""
+    prompt = "Bias the next words"
+    base = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = reference.generate([prompt], base)[0].outputs[0].token_ids
+    forced = next(t for t in range(40, 320) if t not in plain)
+    want = reference.generate([prompt], base.clone(logit_bias={forced: 100}))[0].outputs[0]
+    assert want.token_ids == [forced] * 12
+    r = client.completions.create(model=MODEL, prompt=prompt, logit_bias={str(forced): 100},
+                                  **GREEDY)  # fmt: skip
+    assert r.choices[0].text == want.text
+    allowed = [t for t in range(40, 320, 7) if t not in plain]
+    want = reference.generate([prompt], base.clone(allowed_token_ids=allowed))[0].outputs[0]
+    assert set(want.token_ids) <= set(allowed)
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, temperature=0, max_tokens=12,
+        extra_body={"ignore_eos": True, "allowed_token_ids": allowed},
+    )  # fmt: skip
+    assert r.choices[0].text == want.text
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0,
+        logit_bias={str(forced): 100}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert chat.choices[0].message.content == reference.get_tokenizer().decode([forced] * 4)
+    with pytest.raises(BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=prompt, logit_bias={"5": 101}, **GREEDY)
+    assert err.value.status_code == 400 and err.value.body["param"] == "logit_bias"
 
 
 def test_logprobs_shapes(client):

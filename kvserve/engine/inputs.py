@@ -123,6 +123,7 @@ class InputProcessor:
         tags: RequestTags | None = None,
     ) -> EngineCoreRequest:
         tags = tags or RequestTags()
+        self.check_token_ids(params)
         text, ids, salt = self.tokenize(prompt)
         n_prompt = len(ids)
         wclass = self.classify(ids, salt, tags)
@@ -166,6 +167,16 @@ class InputProcessor:
             priority = wclass.priority if wclass is not None else 0
         return EngineCoreRequest(request_id, text, ids, params, max_tokens, arrival_time, salt,
                                  wants, retention, priority, wclass)  # fmt: skip
+
+    def check_token_ids(self, params: SamplingParams) -> None:
+        """Token ids in the sampling parameters must name tokens of this model: a logits
+        processor indexes the vocabulary with them."""
+        v = self.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias),
+                          ("allowed_token_ids", params.allowed_token_ids)):  # fmt: skip
+            bad = next((t for t in ids or () if not 0 <= t < v), None)
+            if bad is not None:
+                raise InvalidRequestError(f"{name}: token id {bad} is out of range [0, {v})", name)
 
     def classify(self, ids: list[int], salt: str | None, tags: RequestTags) -> WorkloadClass | None:
         """The request's workload class: the one it names, else the first whose match fits

@@ -1,15 +1,24 @@
 """Token sampling for a batch of requests, vectorised over rows.
 
-Order of operations (vLLM's): penalties, then ``min_tokens`` masking of stop tokens, then
-greedy rows take the argmax (with a reduced-precision model, the argmax among the top
-``RESCORE_TOPK`` candidates re-scored in float32 when the runner offers ``rescore``: a bf16 LM
-head rounds logits by up to a few hundredths, enough to flip near-ties, and re-scoring four
-rows of the float32 head costs nothing next to the full projection); the other rows are divided
-by their temperature, cut by top-k, top-p and min-p, and drawn by the exponential race
-(argmax of ``p / E`` with ``E ~ Exp(1)``), which equals sampling from ``p``. A row with its
-own ``seed`` draws ``E`` from its own generator, so its tokens do not depend on what else is in
-the batch. Returned logprobs are those of the raw model distribution (before penalties and
-temperature), as vLLM returns.
+Order of operations: the logits processors that some row uses, in their fixed order
+(penalties, ``min_tokens``, ``logit_bias``, token masks: :mod:`kvserve.sample.logits_processors`);
+then greedy rows take the argmax, and the other rows are divided by their temperature, go
+through the argmax-invariant processors, are cut by top-k, top-p and min-p, and are drawn by
+the exponential race (argmax of ``p / E`` with ``E ~ Exp(1)``), which equals sampling from
+``p``. A row with its own ``seed`` draws ``E`` from its own generator, so its tokens do not
+depend on what else is in the batch. Returned logprobs are those of the raw model distribution
+(before processors and temperature), as vLLM returns.
+
+Greedy rescoring: with a reduced-precision model, when the runner offers ``rescore``, a greedy
+row takes the best of its top ``RESCORE_TOPK`` candidates re-scored in float32 (a bf16 LM head
+rounds logits by up to a few hundredths, enough to flip near-ties, and re-scoring four rows of
+the float32 head costs nothing next to the full projection). The candidates are the top of the
+*processed* logits, and each exact logit gets what the processors added to its token (the
+processed minus the raw logit): a masked token (``-inf``) is never chosen, and a bias that
+lifted a token above a near-tie is not undone by the rescoring. That holds for additive
+processors (biases and masks); a row that a non-additive one changed (repetition penalty
+scales logits, so the added term depends on the logit the rescore replaces) keeps its plain
+argmax.
 """
 
 from __future__ import annotations
@@ -21,13 +30,16 @@ from typing import Any
 import torch
 
 from kvserve.kernels.pointwise import topk_rows
+from kvserve.sample.builtin_processors import build_logits_processors
+from kvserve.sample.logits_processors import LogitsProcessors, StepPlan
 from kvserve.sched.request import SamplingParams
 
 
 class SamplingState:
     """What sampling needs of one request, kept by the runner between steps: its parameters,
-    the prompt (repetition penalty), the tokens drawn so far (penalties, ``min_tokens``) and a
-    seeded request's own generator."""
+    the prompt (repetition penalty), the tokens drawn so far, a seeded request's own generator
+    and its logits processors' states (made from ``processors`` when it joins, dropped with
+    it)."""
 
     __slots__ = (
         "sampling_params",
@@ -35,6 +47,7 @@ class SamplingState:
         "output_token_ids",
         "eos_token_ids",
         "generator",
+        "logits_states",
     )
 
     def __init__(
@@ -43,12 +56,20 @@ class SamplingState:
         prompt_token_ids: list[int],
         output_token_ids: list[int] | None = None,
         eos_token_ids: tuple[int, ...] = (),
+        processors: LogitsProcessors | None = None,
     ) -> None:
         self.sampling_params = sampling_params
         self.prompt_token_ids = prompt_token_ids
         self.output_token_ids = [] if output_token_ids is None else output_token_ids
         self.eos_token_ids = () if sampling_params.ignore_eos else tuple(eos_token_ids)
         self.generator: Any = None
+        self.logits_states = () if processors is None else processors.new_states(self)
+
+    def append_token(self, token: int) -> None:
+        """Record the token this request sampled; its processors' states see it."""
+        self.output_token_ids.append(token)
+        for _, state in self.logits_states:
+            state.accept_token(token)
 
     @property
     def num_output_tokens(self) -> int:
@@ -76,28 +97,54 @@ def _top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, seed: int = 0, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        seed: int = 0,
+        device: torch.device | str = "cpu",
+        logits_processors: LogitsProcessors | None = None,
+    ) -> None:
+        """``logits_processors``: the processors in their order (default: the built-in ones,
+        :func:`~kvserve.sample.builtin_processors.build_logits_processors`)."""
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
+        if logits_processors is None:
+            logits_processors = build_logits_processors(vocab_size, self.device)
+        self.logits_processors = logits_processors
+
+    def add_request(
+        self,
+        sampling_params: SamplingParams,
+        prompt_token_ids: list[int],
+        output_token_ids: list[int] | None = None,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> SamplingState:
+        """A joining request's sampling state, with its logits processors' states."""
+        return SamplingState(sampling_params, prompt_token_ids, output_token_ids, eos_token_ids,
+                             self.logits_processors)  # fmt: skip
 
     def __call__(
         self, logits: torch.Tensor, requests: list[SamplingState], rescore: Rescore | None = None
     ) -> SamplerOutput:
         """``rescore(rows, token_ids)``: exact (float32) logits of those tokens for those rows,
-        used to settle greedy choices among the top candidates (see the module docstring)."""
+        used to settle greedy choices among the top candidates (see the module docstring).
+        The caller records each sampled token with :meth:`SamplingState.append_token`."""
         raw = logits
         params = [r.sampling_params for r in requests]
-        if any(p.uses_penalties for p in params):
-            logits = self._apply_penalties(logits.clone(), requests)
-        logits = self._mask_stop_tokens(logits, requests)
+        plan = self.logits_processors.plan(requests)
+        greedy_raw = None  # the raw logits, when processors changed what greedy rows see
+        plain_rows: frozenset[int] = frozenset()
+        if plan is not None and plan.changes_argmax:
+            logits = plan.apply(logits.clone(), argmax_invariant=False)
+            greedy_raw, plain_rows = raw, plan.not_additive_rows
 
-        greedy = self._greedy(logits, params, rescore)
+        greedy = self._greedy(logits, params, rescore, greedy_raw, plain_rows)
         if all(p.greedy for p in params):
             token_ids = greedy
         else:
-            token_ids = self._sample(logits, requests, greedy)
+            token_ids = self._sample(logits, requests, greedy, plan)
 
         want = [p.logprobs for p in params]
         logprobs: list[dict[int, float] | None] = [None] * len(requests)
@@ -124,78 +171,48 @@ class Sampler:
 
     # -- steps ----------------------------------------------------------------------
     @staticmethod
-    def _greedy(logits: torch.Tensor, params: list, rescore: Rescore | None) -> torch.Tensor:
+    def _greedy(
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        rescore: Rescore | None,
+        raw: torch.Tensor | None = None,
+        plain_rows: frozenset[int] = frozenset(),
+    ) -> torch.Tensor:
+        """Each row's argmax; with ``rescore``, greedy rows outside ``plain_rows`` re-scored
+        among their top candidates. ``raw``: the logits before the processors (None when
+        none changed them), whose difference to ``logits`` each exact logit gets."""
         if rescore is None:
             return logits.argmax(dim=-1)
-        # Rows whose logits are the model's own (penalties change them) and that pick greedily.
-        rows = [i for i, p in enumerate(params) if p.greedy and not p.uses_penalties]
+        rows = [i for i, p in enumerate(params) if p.greedy and i not in plain_rows]
         if not rows:
             return logits.argmax(dim=-1)
         k = min(RESCORE_TOPK, logits.shape[1])
         if len(rows) == logits.shape[0]:  # the usual batch: no argmax, no row copy
             r = torch.arange(len(rows), device=logits.device)
             top_v, top_i = _top(logits, k)
-            exact = rescore(r, top_i).masked_fill(torch.isneginf(top_v), float("-inf"))
+            exact = _processed(rescore(r, top_i), top_v, top_i, raw)
             return top_i.gather(1, exact.argmax(dim=-1, keepdim=True))[:, 0]
         best = logits.argmax(dim=-1)
         r = torch.tensor(rows, device=logits.device)
         top_v, top_i = _top(logits[r], k)
-        exact = rescore(r, top_i).masked_fill(torch.isneginf(top_v), float("-inf"))
+        exact = _processed(rescore(r, top_i), top_v, top_i, None if raw is None else raw[r])
         best[r] = top_i.gather(1, exact.argmax(dim=-1, keepdim=True))[:, 0]
         return best
 
-    def _apply_penalties(self, logits: torch.Tensor, requests: list[SamplingState]) -> torch.Tensor:
-        b, v = logits.shape
-        out_counts = torch.zeros(b, v, device=logits.device)
-        seen = torch.zeros(b, v, dtype=torch.bool, device=logits.device)
-        rep = torch.ones(b, 1, device=logits.device)
-        freq = torch.zeros(b, 1, device=logits.device)
-        pres = torch.zeros(b, 1, device=logits.device)
-        for row, r in enumerate(requests):
-            p = r.sampling_params
-            if not p.uses_penalties:
-                continue
-            out = torch.tensor(r.output_token_ids, dtype=torch.long, device=logits.device)
-            out = out[out < v]
-            out_counts[row].index_add_(0, out, torch.ones_like(out, dtype=torch.float))
-            if p.repetition_penalty != 1.0:
-                prompt = torch.tensor(r.prompt_token_ids, dtype=torch.long, device=logits.device)
-                seen[row, prompt[prompt < v]] = True
-            rep[row], freq[row], pres[row] = (
-                p.repetition_penalty,
-                p.frequency_penalty,
-                p.presence_penalty,
-            )
-        seen |= out_counts > 0
-        penalised = torch.where(logits > 0, logits / rep, logits * rep)
-        logits = torch.where(seen, penalised, logits)
-        return logits - freq * out_counts - pres * (out_counts > 0).float()
-
-    def _mask_stop_tokens(
-        self, logits: torch.Tensor, requests: list[SamplingState]
-    ) -> torch.Tensor:
-        rows, cols = [], []
-        for row, r in enumerate(requests):
-            p = r.sampling_params
-            if p.min_tokens and r.num_output_tokens < p.min_tokens:
-                stops = set(r.eos_token_ids) | set(p.stop_token_ids or ())
-                for t in stops:
-                    if t < logits.shape[1]:
-                        rows.append(row)
-                        cols.append(t)
-        if rows:
-            logits = logits.clone()
-            logits[rows, cols] = float("-inf")
-        return logits
-
     def _sample(
-        self, logits: torch.Tensor, requests: list[SamplingState], greedy_ids: torch.Tensor
+        self,
+        logits: torch.Tensor,
+        requests: list[SamplingState],
+        greedy_ids: torch.Tensor,
+        plan: StepPlan | None,
     ) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
         dev = logits.device
         greedy = torch.tensor([p.greedy for p in params], device=dev)
         temp = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
         scaled = logits / temp[:, None]
+        if plan is not None:
+            scaled = plan.apply(scaled, argmax_invariant=True)
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
             scaled = _top_k_top_p(scaled, params)
         probs = scaled.softmax(dim=-1)
@@ -213,6 +230,16 @@ class Sampler:
                 noise[row].exponential_(generator=r.generator)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(greedy, greedy_ids, sampled)
+
+
+def _processed(
+    exact: torch.Tensor, top_v: torch.Tensor, top_i: torch.Tensor, raw: torch.Tensor | None
+) -> torch.Tensor:
+    """Exact logits of the candidates ``top_i`` (processed values ``top_v``) with what the
+    processors added to each (``top_v - raw``); ``-inf`` where a candidate is masked."""
+    if raw is not None:
+        exact = exact + (top_v - raw.gather(1, top_i))
+    return exact.masked_fill(torch.isneginf(top_v), float("-inf"))
 
 
 def _top_k_top_p(logits: torch.Tensor, params: list) -> torch.Tensor:

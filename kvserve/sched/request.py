@@ -49,8 +49,14 @@ class SamplingParams:
     # A KV retention policy for this request ("window:512"), over the engine's default
     # (--kv-retention); "none" turns the default off. Lossy: see kvserve.sched.retention.
     kv_retention: str | None = None
+    # Added to the named tokens' logits before sampling (OpenAI's and vLLM's), each in
+    # [-100, 100]: -100 all but forbids a token, +100 all but forces it.
+    logit_bias: dict[int, float] | None = None
+    # vLLM's: only these tokens may be sampled (a non-empty list).
+    allowed_token_ids: list[int] | None = None
 
     MAX_LOGPROBS = 20
+    MAX_LOGIT_BIAS = 100.0
 
     def __post_init__(self) -> None:
         def number(name: str) -> float:
@@ -122,6 +128,26 @@ class SamplingParams:
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
         ):
             raise _bad("stop_token_ids", "must be a list of non-negative integers")
+        if self.logit_bias is not None:
+            self._check_logit_bias()
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, list | tuple) or not all(_is_token_id(t) for t in ids):
+                raise _bad("allowed_token_ids", "must be a list of token ids (integers >= 0)")
+            if not ids:
+                raise _bad("allowed_token_ids", "must not be empty")
+            self.allowed_token_ids = list(ids)
+
+    def _check_logit_bias(self) -> None:
+        bias, top = self.logit_bias, self.MAX_LOGIT_BIAS
+        if not isinstance(bias, dict):
+            raise _bad("logit_bias", f"must be a mapping of token id to bias, got {bias!r}")
+        for t, b in bias.items():
+            if not _is_token_id(t):
+                raise _bad("logit_bias", f"keys must be token ids (integers >= 0), got {t!r}")
+            if isinstance(b, bool) or not isinstance(b, int | float) or not -top <= b <= top:
+                raise _bad("logit_bias", f"the bias of token {t} must be a number in "
+                           f"[{-top:g}, {top:g}], got {b!r}")  # fmt: skip
 
     @property
     def greedy(self) -> bool:
@@ -139,6 +165,10 @@ class SamplingParams:
         values = {f: getattr(self, f) for f in self.__dataclass_fields__}
         values.update(changes)
         return SamplingParams(**values)
+
+
+def _is_token_id(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
 
 
 PRIORITY_RANGE = (-(2**31), 2**31 - 1)

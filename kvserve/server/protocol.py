@@ -25,7 +25,7 @@ ERROR_TYPES = {
     503: "service_unavailable_error",
 }
 # Fields of OpenAI's API that this server does not implement: refused, never silently ignored.
-UNSUPPORTED = ("suffix", "logit_bias", "tools", "tool_choice", "functions", "function_call")
+UNSUPPORTED = ("suffix", "tools", "tool_choice", "functions", "function_call")
 
 
 class APIError(Exception):
@@ -107,6 +107,10 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
+    # OpenAI's: {"token id": bias in [-100, 100]}; the keys are token ids as strings.
+    logit_bias: dict[str, Any] | None = None
+    # vLLM's extra field: only these tokens may be sampled.
+    allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
@@ -164,6 +168,10 @@ class _SamplingFields(BaseModel):
         }
         if self.kv_retention is not None:
             kw["kv_retention"] = self.kv_retention
+        if self.logit_bias:
+            kw["logit_bias"] = _logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            kw["allowed_token_ids"] = self.allowed_token_ids
         for name in (
             "temperature",
             "top_p",
@@ -222,6 +230,16 @@ class CompletionRequest(_SamplingFields):
         kw["max_tokens"] = self.max_tokens
         kw["logprobs"] = self.logprobs
         return _build_params(kw, {})
+
+
+def _logit_bias(bias: dict[str, Any]) -> dict[int, Any]:
+    """OpenAI's string keys as token ids; the values are checked by SamplingParams."""
+    out = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()):
+            raise bad_request("logit_bias", f"keys must be token ids (digits), got {key!r}")
+        out[int(key)] = value
+    return out
 
 
 def _is_int(x: Any) -> bool:

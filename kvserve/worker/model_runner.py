@@ -100,7 +100,7 @@ class ModelRunner:
         for rid in sched.preempted_req_ids:
             self.mass.pop(rid, None)  # its cache is recomputed, and its mass with it
         for nr in sched.new_requests:
-            self.states[nr.req_id] = SamplingState(
+            self.states[nr.req_id] = self.sampler.add_request(
                 nr.sampling_params, nr.prompt_token_ids, list(nr.output_token_ids),
                 nr.eos_token_ids,
             )  # fmt: skip
@@ -168,7 +168,7 @@ class ModelRunner:
             states = [self.states[rid] for rid in ids]
             sampled = self.sampler(logits[: len(ids)], states, self._rescore(hidden[: len(ids)]))
             for st, tok in zip(states, sampled.token_ids, strict=True):
-                st.output_token_ids.append(tok)
+                st.append_token(tok)
             out.req_ids = ids
             out.token_ids = sampled.token_ids
             out.logprobs = sampled.logprobs
