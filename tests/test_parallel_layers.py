@@ -416,3 +416,24 @@ def test_sharded_model_matches_transformers(checkpoint, name, overrides, world_s
     for got in run_ranks(world_size, rank):
         assert got.shape == expected.shape
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "llama_mha"])  # its own head; tied to the table
+def test_bf16_model_keeps_the_float32_head_for_exact_logits(checkpoint, name):
+    """Below float32 the LM head keeps the checkpoint's head (or embedding table, when tied)
+    in float32, and the exact logits of chosen tokens are the float32 dot products with it."""
+    from safetensors.torch import load_file
+
+    from kvserve.model.loader import load_model
+
+    path = checkpoint(name)
+    cfg = ModelConfig.from_pretrained(path)
+    tensors = load_file(f"{path}/model.safetensors")
+    head = tensors["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+    assert load_model(path, cfg, torch.float32, torch.device("cpu"), 64).lm_head_fp32 is None
+    model = load_model(path, cfg, torch.bfloat16, torch.device("cpu"), 64)
+    assert torch.equal(model.lm_head_fp32, head.float())
+    hidden = _randn(5, cfg.hidden_size, seed=28, dtype=torch.bfloat16)
+    ids = torch.randint(0, cfg.vocab_size, (5, 4), generator=torch.Generator().manual_seed(29))
+    want = torch.einsum("nkh,nh->nk", head.double()[ids], hidden.double())
+    torch.testing.assert_close(model.exact_logits(hidden, ids).double(), want, atol=1e-5, rtol=1e-5)
