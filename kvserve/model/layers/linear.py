@@ -4,9 +4,9 @@ backend (:mod:`kvserve.model.linear_ops`), in the shape of vLLM's parallel linea
 The split is Megatron's, as gpt-fast's ``tp.py`` applies it to a Llama: the projections that
 widen (Q/K/V, gate/up) are column-parallel, each rank computing a slice of the outputs from the
 whole input; those that narrow (attention output, down) are row-parallel, each rank multiplying
-its slice of the inputs by its rows of the weight, so that the partial products summed over the
-ranks (one all-reduce) are the output. Between the two, attention heads and the MLP's
-intermediate features stay on their rank.
+its slice of the inputs by the matching columns of the weight, so that the partial products
+summed over the ranks (one all-reduce) are the output. Between the two, attention heads and
+the MLP's intermediate features stay on their rank.
 
 Each module keeps its backend in ``ops`` (one object for the whole model, chosen once by
 :func:`~kvserve.model.linear_ops.select_ops`) and calls only its narrow methods; the backend may
@@ -190,13 +190,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.head_size = head_size
         self.num_heads = divide(total_num_heads, ws, "num_attention_heads")
         if ws >= total_num_kv_heads:
-            self.num_kv_heads = 1
-            self.num_kv_head_replicas = ws // total_num_kv_heads
             if ws % total_num_kv_heads:
                 raise ConfigError(
                     f"tensor_parallel_size: {ws} is not a multiple of num_key_value_heads "
                     f"{total_num_kv_heads} (each KV head is replicated on as many ranks)"
                 )
+            self.num_kv_heads = 1
+            self.num_kv_head_replicas = ws // total_num_kv_heads
         else:
             self.num_kv_heads = divide(total_num_kv_heads, ws, "num_key_value_heads")
             self.num_kv_head_replicas = 1
@@ -210,19 +210,16 @@ class QKVParallelLinear(ColumnParallelLinear):
     ) -> None:
         """``shard_id``: "q", "k" or "v", the checkpoint's projection ``loaded_weight`` is
         (its weight or its bias)."""
-        rank = self.tp.rank
-        if shard_id == "q":
-            offset, size = 0, self.q_size
-        elif shard_id == "k":
-            offset, size, rank = self.q_size, self.kv_size, rank // self.num_kv_head_replicas
-        elif shard_id == "v":
-            offset, size = self.q_size + self.kv_size, self.kv_size
-            rank //= self.num_kv_head_replicas
-        else:
+        slots = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
+                 "v": (self.q_size + self.kv_size, self.kv_size)}  # fmt: skip
+        if shard_id not in slots:
             raise ValueError(
                 f'QKVParallelLinear shard_id: must be "q", "k" or "v", got {shard_id!r}'
             )
-        src = loaded_weight.narrow(0, rank * size, size)
+        offset, size = slots[shard_id]
+        # the ranks that replicate a KV head read the same rows of K and V
+        shard = self.tp.rank if shard_id == "q" else self.tp.rank // self.num_kv_head_replicas
+        src = loaded_weight.narrow(0, shard * size, size)
         copy_shard(param.data.narrow(0, offset, size), src, f"QKVParallelLinear {shard_id}")
 
 
