@@ -98,7 +98,7 @@ def main() -> None:
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4))  # warm-up
     model, runner, core = e.executor.driver_worker.model, e.executor.driver_worker.runner, e.core
     t = Timers()
-    for name in PARTS:  # every layer shares one ops object
+    for name in PARTS:  # every module of the model shares one ops object
         t.wrap(model.ops, name, name, exclusive=True)
     t.wrap(model.ops, "causal_attention", "prefill attention kernel")
     t.wrap(model.ops, "context_attention", "context attention kernel")

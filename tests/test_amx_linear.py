@@ -258,14 +258,14 @@ def test_packed_backend_adopts_a_model_and_gives_it_back(
     res = torch.randn(21, cfg.hidden_size, generator=g).to(torch.bfloat16)
     ref = OneDNNOps(prepack=False)
     want = [ref.linear(x, layer.qkv_proj), ref.linear_add(x, layer.o_proj, res),
-            ref.swiglu_add(x, layer.gate_up_proj, layer.down_proj, res)]  # fmt: skip
+            ref.swiglu_add(x, layer.mlp.gate_up_proj, layer.mlp.down_proj, res)]  # fmt: skip
     want_logits = ref.logits(x, model.lm_head)
     ops = PackedOps(kernel)
     model.set_ops(ops)
     kinds = {n: ("amx" if amx.is_packed(p) else "onednn" if p.layout == torch._mkldnn else "dense")
              for n, p in model.named_parameters()}  # fmt: skip
     assert kinds["layers.0.qkv_proj.weight"] == "amx"
-    assert kinds["layers.0.down_proj.weight"] == "onednn"
+    assert kinds["layers.0.mlp.down_proj.weight"] == "onednn"
     for n, p in dense.items():
         if "proj" in n or n == "lm_head.weight":
             aligned = p.shape[0] % 32 == 0 and p.shape[1] % 32 == 0
@@ -273,7 +273,7 @@ def test_packed_backend_adopts_a_model_and_gives_it_back(
                 aligned = (p.shape[0] // 2) % 32 == 0 and p.shape[1] % 32 == 0
             assert kinds[n] == ("amx" if aligned else "onednn"), n
     got = [ops.linear(x, layer.qkv_proj), ops.linear_add(x, layer.o_proj, res),
-           ops.swiglu_add(x, layer.gate_up_proj, layer.down_proj, res)]  # fmt: skip
+           ops.swiglu_add(x, layer.mlp.gate_up_proj, layer.mlp.down_proj, res)]  # fmt: skip
     for w, o in zip(want, got, strict=True):
         torch.testing.assert_close(o.float(), w.float(), atol=3e-2, rtol=2e-2)
     # The LM head's logits, written as float32 by the kernel: still the bf16 values.
@@ -288,8 +288,8 @@ def test_packed_backend_adopts_a_model_and_gives_it_back(
     assert torch.equal(ops.norm_linear(ln, x, layer.qkv_proj),
                        ops.linear(ops.rms_norm(ln, x), layer.qkv_proj))  # fmt: skip
     assert torch.equal(
-        ops.norm_swiglu_add(post, x, layer.gate_up_proj, layer.down_proj, res),
-        ops.swiglu_add(ops.rms_norm(post, x), layer.gate_up_proj, layer.down_proj, res),
+        ops.norm_swiglu_add(post, x, layer.mlp.gate_up_proj, layer.mlp.down_proj, res),
+        ops.swiglu_add(ops.rms_norm(post, x), layer.mlp.gate_up_proj, layer.mlp.down_proj, res),
     )
     # The record the decode path reads instead of the parameters is the packed matrices
     # themselves, and only where the kernel takes them.

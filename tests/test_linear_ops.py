@@ -48,10 +48,10 @@ def test_engine_outputs_same_with_either_backend(checkpoint, make_llm, monkeypat
     path = checkpoint("qwen2")
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     fast = make_llm(path, dtype="float32")
-    assert isinstance(fast.engine.executor.driver_worker.model.layers[0].ops, OneDNNOps)
+    assert isinstance(fast.engine.executor.driver_worker.model.layers[0].qkv_proj.ops, OneDNNOps)
     monkeypatch.setenv("KVSERVE_DISABLE_ONEDNN", "1")
     ref = make_llm(path, dtype="float32")
-    assert type(ref.engine.executor.driver_worker.model.layers[0].ops) is TorchOps
+    assert type(ref.engine.executor.driver_worker.model.layers[0].qkv_proj.ops) is TorchOps
     prompts = [[5, 6, 7, 8, 9], list(range(20, 60))]
     assert [o.outputs[0].token_ids for o in fast.generate(prompts, params)] == [
         o.outputs[0].token_ids for o in ref.generate(prompts, params)
@@ -81,15 +81,16 @@ def test_prepacked_weights_give_the_plain_results_and_unpack_exactly(checkpoint,
     plain = OneDNNOps(prepack=False)
     model.set_ops(plain)
     want = [plain.linear(x, layer.qkv_proj), plain.linear_add(x, layer.o_proj, res),
-            plain.swiglu_add(x, layer.gate_up_proj, layer.down_proj, res),
+            plain.swiglu_add(x, layer.mlp.gate_up_proj, layer.mlp.down_proj, res),
             model.logits(x)]  # fmt: skip
     packed = OneDNNOps(prepack=True)
     model.set_ops(packed)
-    for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj, model.lm_head):
+    mlp = layer.mlp
+    for lin in (layer.qkv_proj, layer.o_proj, mlp.gate_up_proj, mlp.down_proj, model.lm_head):
         assert lin.weight.layout == torch._mkldnn
-    assert layer.gate_up_proj.weight.shape[0] == cfg.intermediate_size  # the gate rows alone
+    assert layer.mlp.gate_up_proj.weight.shape[0] == cfg.intermediate_size  # the gate rows alone
     got = [packed.linear(x, layer.qkv_proj), packed.linear_add(x, layer.o_proj, res),
-           packed.swiglu_add(x, layer.gate_up_proj, layer.down_proj, res),
+           packed.swiglu_add(x, layer.mlp.gate_up_proj, layer.mlp.down_proj, res),
            model.logits(x)]  # fmt: skip
     for w, g in zip(want, got, strict=True):
         torch.testing.assert_close(g, w, atol=0, rtol=0)

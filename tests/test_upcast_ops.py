@@ -58,16 +58,16 @@ def test_large_steps_compute_bf16_values_in_float32(checkpoint, monkeypatch, row
     x = torch.randn(rows, cfg.hidden_size, generator=g).to(torch.bfloat16)
     res = torch.randn(rows, cfg.hidden_size, generator=g).to(torch.bfloat16)
     xf, rf = x.float(), res.float()
-    wg, wu = w["gate_up_proj.weight"][:inter], w["gate_up_proj.weight"][inter:]
+    wg, wu = w["mlp.gate_up_proj.weight"][:inter], w["mlp.gate_up_proj.weight"][inter:]
     want = [
         xf @ w["qkv_proj.weight"].t() + w["qkv_proj.bias"],
         rf + xf @ w["o_proj.weight"].t(),
-        rf + (F.silu(xf @ wg.t()) * (xf @ wu.t())) @ w["down_proj.weight"].t(),
+        rf + (F.silu(xf @ wg.t()) * (xf @ wu.t())) @ w["mlp.down_proj.weight"].t(),
     ]
     ops = UpcastOps(min_rows=100, kernel=kernel)
     model.set_ops(ops)
     got = [ops.linear(x, layer.qkv_proj), ops.linear_add(x, layer.o_proj, res),
-           ops.swiglu_add(x, layer.gate_up_proj, layer.down_proj, res)]  # fmt: skip
+           ops.swiglu_add(x, layer.mlp.gate_up_proj, layer.mlp.down_proj, res)]  # fmt: skip
     packed = OneDNNOps(prepack=True) if kernel is None else PackedOps(kernel)
     if rows >= ops.min_rows:
         for o, ref in zip(got, want, strict=True):
@@ -78,7 +78,7 @@ def test_large_steps_compute_bf16_values_in_float32(checkpoint, monkeypatch, row
     else:
         model.set_ops(packed)
         bf16 = [packed.linear(x, layer.qkv_proj), packed.linear_add(x, layer.o_proj, res),
-                packed.swiglu_add(x, layer.gate_up_proj, layer.down_proj, res)]  # fmt: skip
+                packed.swiglu_add(x, layer.mlp.gate_up_proj, layer.mlp.down_proj, res)]  # fmt: skip
         for o, b in zip(got, bf16, strict=True):
             assert torch.equal(o, b)
 
@@ -111,23 +111,23 @@ def test_large_steps_on_onednn_bf16_copies(checkpoint, monkeypatch, kernel):
         res = torch.randn(rows, cfg.hidden_size, generator=g).to(torch.bfloat16)
         model.set_ops(ops)
         got = [ops.linear(x, layer.qkv_proj), ops.linear_add(x, layer.o_proj, res),
-               ops.swiglu_add(x, layer.gate_up_proj, layer.down_proj, res),
+               ops.swiglu_add(x, layer.mlp.gate_up_proj, layer.mlp.down_proj, res),
                ops.linear(x, model.lm_head)]  # fmt: skip
         if rows < ops.min_rows:
             model.set_ops(packed)
             bf16 = [packed.linear(x, layer.qkv_proj), packed.linear_add(x, layer.o_proj, res),
-                    packed.swiglu_add(x, layer.gate_up_proj, layer.down_proj, res),
+                    packed.swiglu_add(x, layer.mlp.gate_up_proj, layer.mlp.down_proj, res),
                     packed.linear(x, model.lm_head)]  # fmt: skip
             for o, b in zip(got, bf16, strict=True):
                 assert torch.equal(o, b)
             continue
         xf, rf = x.float(), res.float()
-        wg, wu = w["gate_up_proj.weight"][:inter], w["gate_up_proj.weight"][inter:]
+        wg, wu = w["mlp.gate_up_proj.weight"][:inter], w["mlp.gate_up_proj.weight"][inter:]
         h = bf(bf(F.silu(xf @ wg.t())) * (xf @ wu.t()))
         want = [
             xf @ w["qkv_proj.weight"].t() + w["qkv_proj.bias"],
             rf + xf @ w["o_proj.weight"].t(),
-            rf + h @ w["down_proj.weight"].t(),
+            rf + h @ w["mlp.down_proj.weight"].t(),
             xf @ head.t(),
         ]
         for o, ref in zip(got, want, strict=True):
@@ -136,7 +136,8 @@ def test_large_steps_on_onednn_bf16_copies(checkpoint, monkeypatch, kernel):
         # and it is oneDNN's packed bf16 GEMM that ran (not the kernel, whatever its sums)
         onednn = OneDNNOps(prepack=True)
         model.set_ops(onednn)
-        assert torch.equal(got[2], onednn.swiglu_add(x, layer.gate_up_proj, layer.down_proj, res))
+        want = onednn.swiglu_add(x, layer.mlp.gate_up_proj, layer.mlp.down_proj, res)
+        assert torch.equal(got[2], want)
 
 
 def test_float32_copies_are_not_parameters_and_go_with_the_backend(checkpoint, monkeypatch):
@@ -151,19 +152,19 @@ def test_float32_copies_are_not_parameters_and_go_with_the_backend(checkpoint, m
     plain_bytes = weight_bytes_read(model)
     model.set_ops(UpcastOps(min_rows=128))
     layer = model.layers[0]
-    inter = layer.down_proj.weight.shape[1]
+    inter = layer.mlp.down_proj.weight.shape[1]
     for lin, name in [(layer.qkv_proj, "qkv_proj"), (layer.o_proj, "o_proj")]:
         assert torch.equal(lin.weight32.to_dense(), dense[f"layers.0.{name}.weight"].float())
-    gate_up = dense["layers.0.gate_up_proj.weight"].float()
-    assert torch.equal(layer.gate_up_proj.weight32.to_dense(), gate_up[:inter])
-    assert torch.equal(layer.gate_up_proj.up_weight32.to_dense(), gate_up[inter:])
+    gate_up = dense["layers.0.mlp.gate_up_proj.weight"].float()
+    assert torch.equal(layer.mlp.gate_up_proj.weight32.to_dense(), gate_up[:inter])
+    assert torch.equal(layer.mlp.gate_up_proj.up_weight32.to_dense(), gate_up[inter:])
     assert not hasattr(model.lm_head, "weight32")  # prefill samples too few rows to gain
     assert layer.qkv_proj.weight.layout == torch._mkldnn  # the bf16 matrices packed
     assert weight_bytes_read(model) == plain_bytes
     assert not any(n.endswith("32") for n, _ in model.named_parameters())
     model.set_ops(TorchOps())
     assert not hasattr(layer.qkv_proj, "weight32")
-    assert not hasattr(layer.gate_up_proj, "up_weight32")
+    assert not hasattr(layer.mlp.gate_up_proj, "up_weight32")
     for n, p in model.named_parameters():
         assert p.layout == torch.strided and torch.equal(p, dense[n]), n
 

@@ -11,8 +11,9 @@ causal attention of prefill chunks, those that start a sequence and those that c
 SDPA's CPU kernel computes below 768 queries. The kernels round where the references round
 (rotary is bit-identical); RMSNorm's sum of squares and the attention's sums run in their own
 order, so float32 results match the reference to rounding, as oneDNN's GEMMs do. ``AMXOps``
-and ``UpcastOps`` are bf16 variants of it for CPUs with and without AMX tiles. The model code
-calls these methods and never knows which backend runs; tests compare the two, and the float32
+and ``UpcastOps`` are bf16 variants of it for CPUs with and without AMX tiles. The parallel
+linear modules (:mod:`kvserve.model.layers`) each hold the backend and call these methods, so
+the model code never knows which backend runs; tests compare the two, and the float32
 exactness tests against transformers run through the fast path.
 """
 
@@ -33,20 +34,29 @@ from kvserve.kernels import amx, best_time, pointwise, prefill
 GEMM_NAMES = ("qkv", "o", "gate", "up", "down", "head")
 
 
-def gemm_layers(model: nn.Module) -> list[tuple[tuple[str, ...], nn.Linear]]:
-    """The model's matrices a backend may keep in its own layout, each with the names of
-    the GEMMs it takes part in (:data:`GEMM_NAMES`; the fused gate/up projection two):
-    every decoder layer's four and the LM head."""
-    out: list[tuple[tuple[str, ...], nn.Linear]] = []
-    for layer in getattr(model, "layers", []):
-        out += [(("qkv",), layer.qkv_proj), (("o",), layer.o_proj),
-                (("gate", "up"), layer.gate_up_proj), (("down",), layer.down_proj)]  # fmt: skip
-    if hasattr(model, "lm_head"):
-        out.append((("head",), model.lm_head))
-    return out
+def gemm_layers(model: nn.Module) -> list[tuple[tuple[str, ...], nn.Module]]:
+    """The model's matrices a backend may keep in its own layout, in the model's order, each
+    with the names of the GEMMs it takes part in (:data:`GEMM_NAMES`; the fused gate/up
+    projection two): the modules that name theirs in ``gemm_names`` (kvserve.model.layers'
+    linear modules and LM head), i.e. every decoder layer's four and the LM head."""
+    return [(m.gemm_names, m) for m in model.modules() if getattr(m, "gemm_names", ())]
 
 
-def linear_layers(model: nn.Module) -> list[tuple[nn.Linear, bool]]:
+def decoder_gemms(model: nn.Module) -> list[list[nn.Module]]:
+    """Each decoder layer's QKV, output, gate/up and down modules, in the model's order."""
+    order = [("qkv",), ("o",), ("gate", "up"), ("down",)]
+    layers: list[list[nn.Module]] = []
+    layer: list[nn.Module] = []
+    for names, lin in gemm_layers(model):
+        if names == order[len(layer)]:
+            layer.append(lin)
+            if len(layer) == len(order):
+                layers.append(layer)
+                layer = []
+    return layers
+
+
+def linear_layers(model: nn.Module) -> list[tuple[nn.Module, bool]]:
     """:func:`gemm_layers`' matrices, each with whether it is the fused gate/up projection.
     A head tied to the embedding table becomes a copy when a backend packs it (the lookup
     gathers rows of the dense table): the vocabulary-wide GEMM of every step is worth that
@@ -126,6 +136,12 @@ class TorchOps:
         gate, up = F.linear(x, gate_up.weight).chunk(2, dim=-1)
         return residual + F.linear(F.silu(gate) * up, down.weight)
 
+    def swiglu(self, x: torch.Tensor, gate_up: nn.Linear) -> torch.Tensor:
+        """``silu(x Wg^T) * (x Wu^T)``: the MLP without its down projection, for a
+        row-parallel one whose all-reduce stands between the product and the residual add."""
+        gate, up = F.linear(x, gate_up.weight).chunk(2, dim=-1)
+        return F.silu(gate) * up
+
     def rms_norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return norm(x)
 
@@ -148,6 +164,10 @@ class TorchOps:
     ) -> torch.Tensor:
         """``swiglu_add(rms_norm(x), ...)``: a backend may fuse the norm into the gate/up GEMM."""
         return self.swiglu_add(self.rms_norm(norm, x), gate_up, down, residual)
+
+    def norm_swiglu(self, norm: nn.Module, x: torch.Tensor, gate_up: nn.Linear) -> torch.Tensor:
+        """``swiglu(rms_norm(x), gate_up)``, fused where ``norm_swiglu_add`` is."""
+        return self.swiglu(self.rms_norm(norm, x), gate_up)
 
     def rotary(
         self, rotary: nn.Module, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -223,15 +243,15 @@ class OneDNNOps(TorchOps):
     def swiglu_add(
         self, x: torch.Tensor, gate_up: nn.Linear, down: nn.Linear, residual: torch.Tensor
     ) -> torch.Tensor:
-        w = gate_up.weight
-        if w.layout == torch._mkldnn:  # packed by adopt: the gate rows, the up rows apart
-            wg, wu = w, gate_up.up_weight
-        else:  # row slices of a contiguous matrix are contiguous: no copies
-            inter = down.weight.shape[1]
-            wg, wu = w[:inter], w[inter:]
+        wg, wu = _gate_up_weights(gate_up)
         gate = self._lp(x, wg, None, "swish", [], "")
         h = self._lp.binary(x, gate, wu, None, "mul")
         return self._lp.binary(h, residual, down.weight, None, "add")
+
+    def swiglu(self, x: torch.Tensor, gate_up: nn.Linear) -> torch.Tensor:
+        wg, wu = _gate_up_weights(gate_up)
+        gate = self._lp(x, wg, None, "swish", [], "")
+        return self._lp.binary(x, gate, wu, None, "mul")
 
     def rms_norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
         out = pointwise.rms_norm(x, norm.weight, norm.eps)
@@ -263,6 +283,15 @@ class OneDNNOps(TorchOps):
         window: int | None,
     ) -> bool:
         return prefill.context_attention(q, k, v, out, window)
+
+
+def _gate_up_weights(gate_up: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up matrices of a merged gate/up projection, for oneDNN."""
+    w = gate_up.weight
+    if w.layout == torch._mkldnn:  # packed by adopt: the gate rows, the up rows apart
+        return w, gate_up.up_weight
+    inter = w.shape[0] // 2  # row slices of a contiguous matrix are contiguous: no copies
+    return w[:inter], w[inter:]
 
 
 class PackedOps(OneDNNOps):
@@ -345,6 +374,17 @@ class PackedOps(OneDNNOps):
             return amx.linear(h, dw[0], residual=residual, kernel=self.kernel)
         return super().linear_add(h, down, residual)
 
+    def swiglu(self, x: torch.Tensor, gate_up: nn.Linear) -> torch.Tensor:
+        return self._swiglu(x, gate_up, None)
+
+    def _swiglu(
+        self, x: torch.Tensor, gate_up: nn.Linear, norm: tuple[torch.Tensor, float] | None
+    ) -> torch.Tensor:
+        gu = self._kernel_weights(gate_up)
+        if gu is None:  # oneDNN's (never with a norm to apply)
+            return super().swiglu(x, gate_up)
+        return amx.linear(x, gu[0], up=gu[1], kernel=self.kernel, norm=norm)
+
     # The norm before a projection runs inside the kernel, as it copies the rows in: a
     # decode step saves a call, a pass and a buffer per norm (two per layer).
     def norm_linear(self, norm: nn.Module, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
@@ -366,6 +406,12 @@ class PackedOps(OneDNNOps):
         if fused is None:
             return super().norm_swiglu_add(norm, x, gate_up, down, residual)
         return self._swiglu_add(x, gate_up, down, residual, fused)
+
+    def norm_swiglu(self, norm: nn.Module, x: torch.Tensor, gate_up: nn.Linear) -> torch.Tensor:
+        fused = self._norm_in_kernel(norm, x, gate_up)
+        if fused is None:
+            return super().norm_swiglu(norm, x, gate_up)
+        return self._swiglu(x, gate_up, fused)
 
     def _norm_in_kernel(
         self, norm: nn.Module, x: torch.Tensor, layer: nn.Linear
@@ -463,12 +509,11 @@ class UpcastOps(PackedOps):
         self._copied: frozenset[str] = frozenset()  # the GEMMs with copies (adopt)
 
     def adopt(self, model: nn.Module) -> None:
-        head = getattr(model, "lm_head", None)
         # In float32, only sampled rows reach the LM head in prefill: rarely min_rows of them.
         named = [
             (names, lin)
             for names, lin in gemm_layers(model)
-            if lin is not head or self.dtype == torch.bfloat16
+            if names != ("head",) or self.dtype == torch.bfloat16
         ]
         layers = [(lin, len(names) == 2) for names, lin in named]
         # A packing backend keeps the up half of gate_up apart (see OneDNNOps.adopt).
@@ -515,11 +560,9 @@ class UpcastOps(PackedOps):
         answer; where the kernel still leads at the largest size timed, oneDNN takes the steps
         twice that size and more (prefill chunks, where its bf16 GEMM measured ahead). Below
         the first size timed the kernel led on every model measured."""
-        names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
         chosen, size = [], 0
-        for layer in getattr(model, "layers", None) or []:
-            lins = [getattr(layer, n, None) for n in names]
-            if not all(lin is not None and "weight32" in lin.__dict__ for lin in lins):
+        for lins in decoder_gemms(model):
+            if not all("weight32" in lin.__dict__ for lin in lins):
                 return self.min_rows
             chosen.append(lins)
             size += sum(lin.weight.numel() * 2 for lin in lins)
@@ -601,6 +644,13 @@ class UpcastOps(PackedOps):
 
     def _head_weights(self, x: torch.Tensor, layer: nn.Linear) -> KernelWeights | None:
         return None if self._big(x, layer) else super()._head_weights(x, layer)
+
+    def swiglu(self, x: torch.Tensor, gate_up: nn.Linear) -> torch.Tensor:
+        if not self._big(x, gate_up):
+            return super().swiglu(x, gate_up)
+        xd = x.to(self.dtype)
+        gate = self._lp(xd, gate_up.weight32, None, "swish", [], "")
+        return self._lp.binary(xd, gate, gate_up.up_weight32, None, "mul").to(x.dtype)
 
     def swiglu_add(
         self, x: torch.Tensor, gate_up: nn.Linear, down: nn.Linear, residual: torch.Tensor

@@ -1,9 +1,12 @@
 """The Llama family (Llama, Qwen2 with qkv bias, Mistral with sliding windows) over a flat batch.
 
 The network sees one flat batch of tokens (``[T]`` ids and positions) from many sequences; only
-attention knows about sequences, through :class:`AttentionMetadata`. Q/K/V and gate/up
-projections are fused into one matmul each at load time. Keys are stored after rotary
-embedding, as transformers does, so cached K/V match the reference's to float32 rounding.
+attention knows about sequences, through :class:`AttentionMetadata`. Its linear layers, MLP,
+embedding and LM head are the parallel modules of :mod:`kvserve.model.layers`: each holds its
+tensor-parallel shard (Q/K/V and gate/up fused into one matmul each as they load) and its
+compute backend, so this code reads the same at any world size and on any backend. Keys are
+stored after rotary embedding, as transformers does, so cached K/V match the reference's to
+float32 rounding.
 """
 
 from __future__ import annotations
@@ -16,6 +19,15 @@ from torch import nn
 from kvserve.config import ModelConfig
 from kvserve.kv.storage import KVStorage
 from kvserve.model.attention import AttentionMetadata, apply_rotary, paged_attention
+from kvserve.model.layers import (
+    MLP,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    TensorParallelGroup,
+    VocabParallelEmbedding,
+    set_linear_ops,
+)
 from kvserve.model.linear_ops import TorchOps
 
 
@@ -61,9 +73,9 @@ class RotaryEmbedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -74,22 +86,34 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    """One block; ``num_heads`` and ``num_kv_heads`` are this tensor-parallel rank's."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_idx: int,
+        tp: TensorParallelGroup | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.window = cfg.layer_windows[layer_idx]
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_size, self.kv_size = q, kv
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=False)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.ops: TorchOps = TorchOps()
+        h = cfg.hidden_size
+        self.qkv_proj = QKVParallelLinear(
+            h, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads,
+            bias=cfg.attention_bias, tp=tp, params_dtype=dtype,
+        )  # fmt: skip
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * cfg.head_dim, h, bias=False, tp=tp, params_dtype=dtype,
+            gemm_names=("o",),
+        )  # fmt: skip
+        self.mlp = MLP(h, cfg.intermediate_size, tp=tp, params_dtype=dtype)
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.ops: TorchOps = TorchOps()  # rotary and the attention kernels
 
     def forward(
         self,
@@ -105,7 +129,7 @@ class DecoderLayer(nn.Module):
         the MLP run only where a later step reads the result."""
         t = x.shape[0]
         ops = self.ops
-        qkv = ops.norm_linear(self.input_layernorm, x, self.qkv_proj)
+        qkv = self.qkv_proj(x, norm=self.input_layernorm)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
@@ -118,25 +142,37 @@ class DecoderLayer(nn.Module):
             attn, x = attn[rows], x[rows]
             if not x.shape[0]:
                 return x
-        h = ops.linear_add(attn, self.o_proj, x)
-        return ops.norm_swiglu_add(
-            self.post_attention_layernorm, h, self.gate_up_proj, self.down_proj, h
-        )
+        h = self.o_proj(attn, residual=x)
+        return self.mlp(h, norm=self.post_attention_layernorm, residual=h)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama / Qwen2 / Mistral decoder over a flat batch of tokens with a paged KV cache."""
+    """Llama / Qwen2 / Mistral decoder over a flat batch of tokens with a paged KV cache.
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device) -> None:
+    Built for one rank of ``tp`` (one rank by default) with ``dtype`` weights, uninitialized:
+    the loader fills them through each parameter's ``weight_loader``."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_positions: int,
+        device: torch.device,
+        dtype: torch.dtype | None = None,
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        h = cfg.hidden_size
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, h, tp=tp, params_dtype=dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, tp, dtype) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, h, tp=tp, params_dtype=dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.tie_weights(self.embed_tokens)
         self.rotary = RotaryEmbedding(cfg, max_positions, device)
         self.ops: TorchOps = TorchOps()
-        self.lm_head_fp32: torch.Tensor | None = None  # set by the loader below float32
 
     def forward(
         self,
@@ -170,18 +206,24 @@ class LlamaForCausalLM(nn.Module):
         return self.ops.rms_norm(self.norm, x)
 
     def set_ops(self, ops: TorchOps) -> None:
-        """Choose the compute backend (see :mod:`kvserve.model.linear_ops`)."""
-        ops.adopt(self)  # the backend may keep the matrices in a layout of its own
+        """Choose the compute backend (see :mod:`kvserve.model.linear_ops`): every linear
+        module, MLP and the LM head computes through it (the layers also rotate with it, and
+        the final norm runs on it)."""
+        set_linear_ops(self, ops)  # the backend may keep the matrices in a layout of its own
         self.ops = ops
         for layer in self.layers:
             layer.ops = ops
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.ops.logits(hidden, self.lm_head)
+        return self.lm_head(hidden)
+
+    @property
+    def lm_head_fp32(self) -> torch.Tensor | None:
+        """The float32 LM head the loader keeps beside a reduced-precision model (None in
+        float32)."""
+        return self.lm_head.weight_fp32
 
     def exact_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        """Float32 logits of ``token_ids`` ([n, k]) for hidden rows [n, hidden], from the
-        float32 LM head the loader keeps beside a reduced-precision model (the sampler uses
-        them to settle greedy near-ties)."""
-        w = self.lm_head_fp32 if self.lm_head_fp32 is not None else self.lm_head.weight
-        return torch.einsum("nkh,nh->nk", w[token_ids].float(), hidden.float())
+        """Float32 logits of ``token_ids`` ([n, k]) for hidden rows [n, hidden], from
+        :attr:`lm_head_fp32` (the sampler uses them to settle greedy near-ties)."""
+        return self.lm_head.exact_logits(hidden, token_ids)

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
-from torch import nn
 
 from kvserve.config import ConfigError, ModelConfig
 from kvserve.kv.storage import TORCH_DTYPES
+from kvserve.model.layers import TensorParallelGroup, default_weight_loader
 from kvserve.model.linear_ops import select_ops
 from kvserve.model.llama import LlamaForCausalLM
 
@@ -58,21 +57,46 @@ def _read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-@contextmanager
-def _skip_init() -> Iterator[None]:
-    """Build the module tree without initializing the weights the checkpoint replaces: their
-    random init costs seconds on a 100 M-parameter model, and building on the meta device
-    instead costs importing torch._dynamo (over a second). Parameters are left as allocated
-    (``torch.empty``) until ``load_state_dict(assign=True)`` puts the real ones in."""
-    classes = (nn.Linear, nn.Embedding)
-    saved = [c.reset_parameters for c in classes]
-    for c in classes:
-        c.reset_parameters = lambda self: None  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        for c, f in zip(classes, saved, strict=True):
-            c.reset_parameters = f  # type: ignore[method-assign]
+class CheckpointTensor(NamedTuple):
+    """A checkpoint tensor the model loads and where it goes: ``shard`` is which part of the
+    parameter it is (q/k/v of the fused QKV projection, 0/1 of the fused gate/up one), None
+    for a parameter of its own."""
+
+    name: str
+    shape: tuple[int, ...]
+    param: str
+    shard: str | int | None = None
+
+
+def checkpoint_tensors(cfg: ModelConfig) -> list[CheckpointTensor]:
+    """Every tensor of a Hugging Face Llama-family checkpoint the model loads. A tied LM head
+    is the embedding table's parameter and has none."""
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    out = [
+        CheckpointTensor("model.embed_tokens.weight", (cfg.vocab_size, h), "embed_tokens.weight"),
+        CheckpointTensor("model.norm.weight", (h,), "norm.weight"),
+    ]
+    if not cfg.tie_word_embeddings:
+        out.append(CheckpointTensor("lm_head.weight", (cfg.vocab_size, h), "lm_head.weight"))
+    for i in range(cfg.num_hidden_layers):
+        p, ours = f"model.layers.{i}.", f"layers.{i}."
+        for kind in ("weight", "bias") if cfg.attention_bias else ("weight",):
+            for shard, rows in (("q", q), ("k", kv), ("v", kv)):
+                shape = (rows, h) if kind == "weight" else (rows,)
+                out.append(CheckpointTensor(f"{p}self_attn.{shard}_proj.{kind}", shape,
+                                            f"{ours}qkv_proj.{kind}", shard))  # fmt: skip
+        out += [
+            CheckpointTensor(p + "self_attn.o_proj.weight", (h, q), ours + "o_proj.weight"),
+            CheckpointTensor(p + "mlp.gate_proj.weight", (inter, h),
+                             ours + "mlp.gate_up_proj.weight", 0),
+            CheckpointTensor(p + "mlp.up_proj.weight", (inter, h),
+                             ours + "mlp.gate_up_proj.weight", 1),
+            CheckpointTensor(p + "mlp.down_proj.weight", (h, inter), ours + "mlp.down_proj.weight"),
+        ]  # fmt: skip
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out.append(CheckpointTensor(f"{p}{norm}.weight", (h,), f"{ours}{norm}.weight"))
+    return out
 
 
 def load_model(
@@ -81,7 +105,10 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,
+    tp: TensorParallelGroup | None = None,
 ) -> LlamaForCausalLM:
+    """The checkpoint's model in ``dtype`` on ``device``, this rank's shards of it for one
+    rank of ``tp``, with the compute backend :func:`select_ops` picks for them."""
     model_dir = Path(model_dir)
     tensors = _read_tensors(weight_files(model_dir))
 
@@ -95,51 +122,23 @@ def load_model(
             )
         return t
 
-    h, inter = cfg.hidden_size, cfg.intermediate_size
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    state: dict[str, torch.Tensor] = {
-        "embed_tokens.weight": take("model.embed_tokens.weight", (cfg.vocab_size, h)),
-        "norm.weight": take("model.norm.weight", (h,)),
-    }
-    if cfg.tie_word_embeddings:
-        state["lm_head.weight"] = state["embed_tokens.weight"]
-    else:
-        state["lm_head.weight"] = take("lm_head.weight", (cfg.vocab_size, h))
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        a = p + "self_attn."
-        state[f"layers.{i}.qkv_proj.weight"] = torch.cat(
-            [take(a + "q_proj.weight", (q, h)), take(a + "k_proj.weight", (kv, h)),
-             take(a + "v_proj.weight", (kv, h))]
-        )  # fmt: skip
-        if cfg.attention_bias:
-            state[f"layers.{i}.qkv_proj.bias"] = torch.cat(
-                [take(a + "q_proj.bias", (q,)), take(a + "k_proj.bias", (kv,)),
-                 take(a + "v_proj.bias", (kv,))]
-            )  # fmt: skip
-        state[f"layers.{i}.o_proj.weight"] = take(a + "o_proj.weight", (h, q))
-        state[f"layers.{i}.gate_up_proj.weight"] = torch.cat(
-            [
-                take(p + "mlp.gate_proj.weight", (inter, h)),
-                take(p + "mlp.up_proj.weight", (inter, h)),
-            ]
-        )
-        state[f"layers.{i}.down_proj.weight"] = take(p + "mlp.down_proj.weight", (h, inter))
-        state[f"layers.{i}.input_layernorm.weight"] = take(p + "input_layernorm.weight", (h,))
-        state[f"layers.{i}.post_attention_layernorm.weight"] = take(
-            p + "post_attention_layernorm.weight", (h,)
-        )
-
-    with _skip_init():
-        model = LlamaForCausalLM(cfg, max_positions, device).to(device)
-    tied = state["lm_head.weight"] is state["embed_tokens.weight"]
-    head_fp32 = state["lm_head.weight"].to(device=device, dtype=torch.float32)
-    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
-    if tied:
-        state["lm_head.weight"] = state["embed_tokens.weight"]
-    model.load_state_dict(state, strict=True, assign=True)
+    entries = checkpoint_tensors(cfg)
+    for e in entries:  # every tensor checked before any is copied
+        take(e.name, e.shape)
+    model = LlamaForCausalLM(cfg, max_positions, device, dtype, tp).to(device)
     if dtype != torch.float32:  # for settling greedy near-ties in float32 (see the sampler)
-        model.lm_head_fp32 = head_fp32
+        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        model.lm_head.keep_float32(tensors[head])
+    # Each parameter's loader keeps this rank's shard (vLLM's weight_loader convention); the
+    # checkpoint's copy is freed as it goes.
+    params = dict(model.named_parameters())
+    for e in entries:
+        param = params[e.param]
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        loader(param, tensors.pop(e.name), e.shard)
+    unfilled = params.keys() - {e.param for e in entries}
+    if unfilled:  # would stay uninitialized: checkpoint_tensors misses a parameter
+        raise ModelLoadError(f"model: no checkpoint tensor for {', '.join(sorted(unfilled))}")
     model.set_ops(select_ops(device, dtype))
     return model.eval().requires_grad_(False)
 
