@@ -38,6 +38,7 @@ from benchmarks.common import (
     table,
     vocab_size,
 )
+from kvserve import envs
 from kvserve.engine.bandwidth import weight_bytes_read
 
 
@@ -153,7 +154,7 @@ def run_vllm(
 ) -> float | None:
     """vLLM's CPU build, in a separate virtualenv given by ``--vllm-python`` (or the
     KVSERVE_VLLM_PYTHON environment variable); None when there is none."""
-    python = python or os.environ.get("KVSERVE_VLLM_PYTHON")
+    python = python or envs.KVSERVE_VLLM_PYTHON
     if not python:
         return None
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:

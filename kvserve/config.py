@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvserve import envs
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("fcfs", "lpm", "priority")
@@ -32,14 +34,11 @@ def user_cache_dir() -> Path:
     checkpoint fingerprints, prepared models, benchmark checkpoints): ``$KVSERVE_CACHE``,
     else ``$KVSERVE_CACHE_DIR`` (the older name), else ``$XDG_CACHE_HOME/kvserve``, else
     ``~/.cache/kvserve``."""
-    base = (
-        os.environ.get("KVSERVE_CACHE")
-        or os.environ.get("KVSERVE_CACHE_DIR")
-        or os.path.join(
-            os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvserve"
-        )
+    return (
+        envs.KVSERVE_CACHE
+        or envs.KVSERVE_CACHE_DIR
+        or (envs.XDG_CACHE_HOME or Path(os.path.expanduser("~/.cache"))) / "kvserve"
     )
-    return Path(base)
 
 
 def parse_bytes(value: int | float | str, field_name: str = "kv_cache_memory") -> int:

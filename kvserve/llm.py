@@ -7,6 +7,7 @@ from typing import Any
 
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvserve.engine import EngineStats, LLMEngine, PromptType
+from kvserve.entrypoint import setup_process
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.sched.request import InvalidRequestError, RequestOutput, SamplingParams
 
@@ -89,8 +90,12 @@ class LLM:
     """Offline batched generation, vLLM-style: ``LLM(model=DIR).generate(prompts, params)``."""
 
     def __init__(self, model: str, **kwargs: Any) -> None:
-        """``model`` and the keyword arguments of :func:`engine_config` (vLLM's names)."""
-        self.engine = LLMEngine(engine_config(model, **kwargs))
+        """``model`` and the keyword arguments of :func:`engine_config` (vLLM's names). A
+        program that builds an ``LLM`` is an entry point: the process is set up first
+        (:func:`kvserve.entrypoint.setup_process`)."""
+        config = engine_config(model, **kwargs)
+        setup_process()
+        self.engine = LLMEngine(config)
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
