@@ -3,10 +3,11 @@
 Settings that belong to the process rather than to one engine (environment variables that a
 library reads once, the interpreter's GIL switch interval) are changed here and nowhere else:
 a module imported by a user's program must leave the process as it found it. The entry
-points are the ``kvserve`` commands (:func:`kvserve.cli.main`), the server's start
-(``kvserve serve``) and :class:`kvserve.LLM`'s construction (an ``LLM(...)`` in a notebook is
-an entry point too). A worker process started by an executor inherits the environment
-variables set here; it calls :func:`setup_process` itself for anything else.
+points are the ``kvserve`` commands (:func:`kvserve.cli.main`), a server's start
+(``kvserve serve``, :class:`kvserve.server.app.BackgroundServer`) and :class:`kvserve.LLM`'s
+construction (an ``LLM(...)`` in a notebook is an entry point too). A worker process started
+by an executor inherits the environment variables set here; it calls :func:`setup_process`
+itself for anything else.
 """
 
 from __future__ import annotations

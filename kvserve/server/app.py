@@ -261,6 +261,7 @@ class BackgroundServer:
                                        daemon=True)  # fmt: skip
 
     def __enter__(self) -> BackgroundServer:
+        setup_process(serve=True)  # a server started in a thread is an entry point too
         self.thread.start()
         for _ in range(1000):
             if self.server.started:
