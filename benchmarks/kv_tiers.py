@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("ttft", "multiturn", "preempt", "replicas"):
         s = sub.add_parser(name)
         s.add_argument("--model", default="kvserve-ref")
-        s.add_argument("--dtype", default="auto")
+        s.add_argument("--dtype", default=default_of(EngineConfig, "dtype"))
         if name == "ttft":
             s.add_argument("--prefix", type=int, nargs="+", default=[2048])
             s.add_argument("--reps", type=int, default=3)
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> None:
             s.add_argument("--drop-caches", action="store_true")
             # On a GPU (--device cuda) the pool is in device memory and the host tier's copies
             # run through pinned memory; a machine without redis-server leaves redis out.
-            s.add_argument("--device", default="cpu")
+            s.add_argument("--device", default=default_of(EngineConfig, "device"))
             s.add_argument(
                 "--tiers",
                 default="device,cpu,disk,redis",
