@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 
 from benchmarks.common import MODELS, REPO, bench_model, emit, median, table, vocab_size
+from kvserve.config import EngineConfig
+from kvserve.config_fields import default_of
 
 CHILD = """
 import json, sys
@@ -54,7 +56,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--budget", type=int, default=2048)
+    ap.add_argument(
+        "--budget",
+        type=int,
+        default=default_of(EngineConfig, "max_num_batched_tokens"),
+        help="max_num_batched_tokens (default: %(default)s, the engine's)",
+    )
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error(f"--rounds: must be >= 1, got {args.rounds}")

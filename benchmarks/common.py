@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kvserve import envs
 from kvserve.config import user_cache_dir
 
 REPO = Path(__file__).resolve().parent.parent
@@ -66,7 +67,7 @@ def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[
 
 
 def set_threads() -> int:
-    n = int(os.environ.get("KVSERVE_BENCH_THREADS", min(2, os.cpu_count() or 1)))
+    n = envs.KVSERVE_BENCH_THREADS or min(2, os.cpu_count() or 1)
     torch.set_num_threads(n)
     return n
 

@@ -35,6 +35,8 @@ from benchmarks.common import (
     wait_ready,
 )
 from kvserve import LLM, SamplingParams
+from kvserve.config import EngineConfig
+from kvserve.config_fields import default_of
 
 BS = 16
 FIRST = SamplingParams(max_tokens=1, temperature=0)
@@ -284,15 +286,16 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("ttft", "multiturn", "preempt", "replicas"):
         s = sub.add_parser(name)
         s.add_argument("--model", default="kvserve-ref")
-        s.add_argument("--dtype", default="auto")
+        s.add_argument("--dtype", default=default_of(EngineConfig, "dtype"))
         if name == "ttft":
             s.add_argument("--prefix", type=int, nargs="+", default=[2048])
             s.add_argument("--reps", type=int, default=3)
-            s.add_argument("--max-num-batched-tokens", type=int, default=2048)
+            s.add_argument("--max-num-batched-tokens", type=int,
+                           default=default_of(EngineConfig, "max_num_batched_tokens"))  # fmt: skip
             s.add_argument("--drop-caches", action="store_true")
             # On a GPU (--device cuda) the pool is in device memory and the host tier's copies
             # run through pinned memory; a machine without redis-server leaves redis out.
-            s.add_argument("--device", default="cpu")
+            s.add_argument("--device", default=default_of(EngineConfig, "device"))
             s.add_argument(
                 "--tiers",
                 default="device,cpu,disk,redis",

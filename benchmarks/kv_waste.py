@@ -15,13 +15,15 @@ import argparse
 import random
 
 from benchmarks.common import bench_model, emit, median, set_threads, table
+from kvserve.config import EngineConfig
+from kvserve.config_fields import default_of
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--requests", type=int, default=128)
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=default_of(EngineConfig, "block_size"))
     ap.add_argument("--max-model-len", type=int, default=2048)
     args = ap.parse_args()
     set_threads()

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 
 from benchmarks.common import bench_model, emit, random_prompts, set_threads, table, vocab_size
+from kvserve.config import EngineConfig
+from kvserve.config_fields import default_of
 from kvserve.model.linear_ops import UpcastOps
 from kvserve.sim.calibrate import measure_gemm_peak
 from kvserve.worker.bandwidth import measure_peak_bandwidth
@@ -72,7 +74,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
+    ap.add_argument(
+        "--budget",
+        type=int,
+        default=default_of(EngineConfig, "max_num_batched_tokens"),
+        help="max_num_batched_tokens (default: %(default)s, the engine's)",
+    )
     ap.add_argument(
         "--lazy-pool",
         action="store_true",

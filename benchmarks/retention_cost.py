@@ -22,6 +22,8 @@ import itertools
 
 from benchmarks.common import bench_model, emit, median, random_prompts, set_threads, table, timed
 from kvserve import LLM, SamplingParams
+from kvserve.config import EngineConfig
+from kvserve.config_fields import default_of
 
 _IDS = itertools.count()
 
@@ -49,7 +51,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=4096, help="tokens per prompt")
     ap.add_argument("--num-prompts", type=int, default=2)
     ap.add_argument("--passes", type=int, default=5)
-    ap.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens")
+    ap.add_argument("--chunk", type=int, default=default_of(EngineConfig, "max_num_batched_tokens"),
+                    help="max_num_batched_tokens (default: %(default)s, the engine's)")  # fmt: skip
     ap.add_argument("--decode", type=int, default=32, help="decode steps timed per pass")
     ap.add_argument("--policies", default="none;snapkv:512;h2o:544;snapkv:25%")
     args = ap.parse_args()

@@ -22,6 +22,7 @@ import torch
 from benchmarks.common import bench_model, emit, set_threads, table, timed
 from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.entrypoint import setup_process
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.quality.tasks import heldout_passages
 from kvserve.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -101,6 +102,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     threads = set_threads()
+    setup_process()  # it builds LLMEngine itself, where LLM(...) would have done this
     model = bench_model(args.model)
     mc = ModelConfig.from_pretrained(model)
     limit = mc.max_position_embeddings

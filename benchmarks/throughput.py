@@ -38,6 +38,9 @@ from benchmarks.common import (
     table,
     vocab_size,
 )
+from kvserve import envs
+from kvserve.config import EngineConfig
+from kvserve.config_fields import default_of
 from kvserve.worker.bandwidth import weight_bytes_read
 
 
@@ -153,7 +156,7 @@ def run_vllm(
 ) -> float | None:
     """vLLM's CPU build, in a separate virtualenv given by ``--vllm-python`` (or the
     KVSERVE_VLLM_PYTHON environment variable); None when there is none."""
-    python = python or os.environ.get("KVSERVE_VLLM_PYTHON")
+    python = python or envs.KVSERVE_VLLM_PYTHON
     if not python:
         return None
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -187,7 +190,8 @@ def main(argv: list[str] | None = None) -> None:
     # The same benchmark on an accelerator (a CUDA smoke test): both kvserve and transformers
     # run there, vLLM's CPU build does not (--vllm-python is refused), and the roofline uses
     # that device's copy bandwidth.
-    ap.add_argument("--device", default="cpu", help="torch device: cpu or cuda[:N]")
+    ap.add_argument("--device", default=default_of(EngineConfig, "device"),
+                    help="torch device: cpu or cuda[:N]")  # fmt: skip
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
     # vLLM's CPU build schedules 4,096 tokens per step offline by default; both engines get it.

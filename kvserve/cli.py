@@ -13,6 +13,7 @@ from typing import Any
 from kvserve.bench.cli import add_bench_parser
 from kvserve.download import add_download_parser
 from kvserve.engine_args import add_engine_args, engine_kwargs
+from kvserve.entrypoint import setup_process
 from kvserve.plan.cli import add_plan_parser
 from kvserve.quality.cli import add_quality_parser
 from kvserve.server.command import add_serve_parser
@@ -88,6 +89,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
 def main(argv: list[str] | None = None) -> int:
     parser, handlers = build_parser()
     args = parser.parse_args(argv)
+    setup_process()  # every command is an entry point; `serve` adds its own settings
     from kvserve.config import ConfigError
     from kvserve.sched.request import InvalidRequestError
 

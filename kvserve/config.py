@@ -3,6 +3,11 @@
 Every dataclass validates itself once in ``__post_init__`` and raises :class:`ConfigError`
 with a message that names the field and its allowed values. Nothing here imports torch, so
 tools such as ``kvserve plan`` can use it on a machine without an accelerator stack.
+
+The engine's configs (:class:`EngineConfig` and those nested in it) are the one source of
+every engine setting: each field's default is written here once, with its help and choices
+in ``field(metadata=...)`` (:mod:`kvserve.config_fields` lists the keys), and ``LLM(...)``'s
+keyword arguments and the engine flags are generated from them.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from kvserve import envs
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -32,14 +39,11 @@ def user_cache_dir() -> Path:
     checkpoint fingerprints, prepared models, benchmark checkpoints): ``$KVSERVE_CACHE``,
     else ``$KVSERVE_CACHE_DIR`` (the older name), else ``$XDG_CACHE_HOME/kvserve``, else
     ``~/.cache/kvserve``."""
-    base = (
-        os.environ.get("KVSERVE_CACHE")
-        or os.environ.get("KVSERVE_CACHE_DIR")
-        or os.path.join(
-            os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvserve"
-        )
+    return (
+        envs.KVSERVE_CACHE
+        or envs.KVSERVE_CACHE_DIR
+        or (envs.XDG_CACHE_HOME or Path(os.path.expanduser("~/.cache"))) / "kvserve"
     )
-    return Path(base)
 
 
 def parse_bytes(value: int | float | str, field_name: str = "kv_cache_memory") -> int:
@@ -237,41 +241,113 @@ PREEMPTION_MODES = ("swap", "recompute")
 
 @dataclass(slots=True)
 class CacheConfig:
-    """Paged KV cache: block geometry, pool size, storage format and prefix caching."""
+    """Paged KV cache: block geometry, pool size, storage format, prefix caching, and the
+    offload tiers behind the pool. Prefix-cache blocks evicted from the pool go down to the
+    tiers (each bounded, LRU) and come back as hits; entries are checksummed and keyed by the
+    model's weights, the KV format and the tenant, so a wrong entry is a miss, never wrong
+    output."""
 
-    block_size: int = 16
-    num_gpu_blocks: int | None = None
-    kv_cache_memory: int | str | None = None
-    kv_cache_dtype: str = "auto"
-    enable_prefix_caching: bool = True
-    calculate_kv_scales: bool = False
-    # Default KV retention policy ("window:512"; kvserve.sched.retention), None = keep everything.
-    kv_retention: str | None = None
-    # Offload tiers behind the pool (kvserve.kv.offload), each off unless given: host memory,
-    # a local directory, a Redis server; each bounded and LRU. The timeout bounds one tier
-    # operation (a load gives up after ten of them).
-    kv_offload_cpu: int | str | None = None
-    kv_offload_disk: str | None = None
-    kv_offload_disk_size: int | str = "10GiB"
-    kv_offload_redis: str | None = None
-    kv_offload_redis_size: int | str = "1GiB"
-    kv_offload_timeout: float = 0.5
-    # When a block goes down (SGLang's names): write_back when the pool evicts it;
-    # write_through as soon as it is computed; write_through_selective once it has been hit
-    # kv_offload_reuse_threshold times.
-    kv_offload_write_policy: str = "write_back"
-    kv_offload_reuse_threshold: int = 2
-    # A preempted request's published blocks come back from the tiers (swap, the default with
-    # a tier) or are computed again (recompute, the only mode without one; vLLM's name). Device
-    # prefix hits are taken either way: they cost nothing.
-    preemption_mode: str | None = None
-    # Hybrid models (full and sliding-window layers): one table for every layer instead of
-    # one per layer group, so nothing behind the windows is freed (vLLM's flag).
-    disable_hybrid_kv_cache_manager: bool = False
-    # Fault the CPU pool's pages in at start (vLLM zero-fills its KV space there) instead of
-    # at each block's first write: slower start, pool resident from the start, and the first
-    # pass through the pool runs at the steady rate (KVStorage.prefault says why it matters).
-    kv_cache_prefault: bool = False
+    block_size: int = field(
+        default=16,
+        metadata={"help": "tokens per KV block, a power of two from 1 to 256: the unit of "
+                  "allocation and of prefix-cache hits"},
+    )  # fmt: skip
+    num_gpu_blocks: int | None = field(
+        default=None,
+        metadata={"help": "KV blocks in the pool (None: as many as --kv-cache-memory holds, "
+                  "else enough for --max-num-seqs full-length sequences, at most 4 GiB)"},
+    )  # fmt: skip
+    kv_cache_memory: int | str | None = field(
+        default=None,
+        metadata={"help": "bytes for the KV pool, e.g. 2GiB", "metavar": "SIZE"},
+    )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata={"help": "KV storage format (auto: the compute dtype); the fp8, int8 and "
+                  "KIVI formats are lossy", "choices": "kvserve.kv.formats:KV_CACHE_DTYPES"},
+    )  # fmt: skip
+    enable_prefix_caching: bool = field(
+        default=True,
+        metadata={"help": "reuse the KV blocks of prompt prefixes computed before (lossless)"},
+    )
+    calculate_kv_scales: bool = field(
+        default=False,
+        metadata={"help": "fp8 KV: compute the scales from the first keys and values instead "
+                  "of reading the checkpoint's"},
+    )  # fmt: skip
+    kv_retention: str | None = field(
+        default=None,
+        metadata={"metavar": "SPEC", "help": "KV retention policy, lossy, off by default: "
+                  "'window:W' keeps each token's W most recent cache entries (W tokens, or "
+                  "'window:50%' of each prompt) and returns older blocks to the pool; "
+                  "'sinks:4,window:508' keeps the first 4 as well (StreamingLLM); "
+                  "'snapkv:512' keeps the 512 prompt tokens its last 32 queries attend to "
+                  "most, plus those 32; 'h2o:512' keeps the 512 entries with the most "
+                  "attention mass (a quarter of them the newest) (kvserve.sched.retention)"},
+    )  # fmt: skip
+    # Offload tiers behind the pool (kvserve.kv.offload), each off unless given.
+    kv_offload_cpu: int | str | None = field(
+        default=None,
+        metadata={"help": "host-memory tier of this size (e.g. 8GiB)", "metavar": "SIZE"},
+    )
+    kv_offload_disk: str | None = field(
+        default=None,
+        metadata={"help": "local-disk tier in this directory (entries survive a restart)",
+                  "metavar": "DIR"},
+    )  # fmt: skip
+    kv_offload_disk_size: int | str = field(
+        default="10GiB",
+        metadata={"help": "bytes of entries kept in the disk tier", "metavar": "SIZE"},
+    )
+    kv_offload_redis: str | None = field(
+        default=None,
+        metadata={"help": "Redis tier, redis://HOST:PORT/DB (shared by replicas on one "
+                  "server)", "metavar": "URL"},
+    )  # fmt: skip
+    kv_offload_redis_size: int | str = field(
+        default="1GiB",
+        metadata={"help": "bytes of entries kept in Redis, across all replicas",
+                  "metavar": "SIZE"},
+    )  # fmt: skip
+    kv_offload_timeout: float = field(
+        default=0.5,
+        metadata={"help": "bound on one tier operation; a load gives up after ten",
+                  "metavar": "SECONDS"},
+    )  # fmt: skip
+    # SGLang's names.
+    kv_offload_write_policy: str = field(
+        default="write_back",
+        metadata={"help": "when a block goes down: when the pool evicts it (write_back), as "
+                  "soon as it is computed (write_through), or once it has been hit "
+                  "--kv-offload-reuse-threshold times (write_through_selective)",
+                  "choices": OFFLOAD_WRITE_POLICIES},
+    )  # fmt: skip
+    kv_offload_reuse_threshold: int = field(
+        default=2,
+        metadata={"help": "write_through_selective: hits before a block is written down",
+                  "metavar": "N"},
+    )  # fmt: skip
+    # Device prefix hits are taken in either mode: they cost nothing.
+    preemption_mode: str | None = field(
+        default=None,
+        metadata={"help": "a preempted request's blocks come back from the tiers (swap; "
+                  "the default with a tier) or are computed again (recompute; the only mode "
+                  "without a tier)", "choices": PREEMPTION_MODES},
+    )  # fmt: skip
+    disable_hybrid_kv_cache_manager: bool = field(
+        default=False,
+        metadata={"help": "hybrid models (full and sliding-window layers): one block table "
+                  "for every layer, so blocks behind the windows are not freed (as vLLM's "
+                  "flag)"},
+    )  # fmt: skip
+    # vLLM zero-fills its KV space at start; KVStorage.prefault says why it matters.
+    kv_cache_prefault: bool = field(
+        default=False,
+        metadata={"help": "CPU: fault the KV pool's pages in at start, as vLLM's zero-filled "
+                  "KV space is, so the first requests do not pay a page fault per 4 KiB of "
+                  "new KV (start-up takes longer and the whole pool is resident from the "
+                  "start)"},
+    )  # fmt: skip
 
     @property
     def kv_offload(self) -> bool:
@@ -346,24 +422,64 @@ class CacheConfig:
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    """Continuous batching limits: sequences per step and the per-step token budget."""
+    """Continuous batching: sequences and tokens per step, the waiting queue's order, and
+    admission control."""
 
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    enable_chunked_prefill: bool = True
-    scheduling_policy: str = "fcfs"
-    # lpm, priority and projected admission: a waiting request passed over this many times
-    # is scheduled next regardless (the bound on starvation).
-    lpm_max_skips: int = 32
-    admission: str = "greedy"
-    # projected: blocks kept free beyond every admitted request's projection (a fraction).
-    admission_watermark: float = 0.01
-    # A follower whose next prefix block another request computes in this step waits one
-    # step and hits it, instead of computing it again beside it.
-    hold_prefix_followers: bool = True
-    # A workload-class file (kvserve.sched.workload_classes), "default" for the built-in classes.
-    workload_classes: str | None = None
+    max_num_seqs: int = field(
+        default=256, metadata={"help": "sequences in one step at most (running requests)"}
+    )
+    max_num_batched_tokens: int = field(
+        default=2048,
+        metadata={"help": "tokens in one step at most, prefill chunks and decode tokens "
+                  "together"},
+    )  # fmt: skip
+    max_model_len: int | None = field(
+        default=None,
+        metadata={"help": "prompt plus output tokens of one request at most (None: the "
+                  "model's max_position_embeddings)"},
+    )  # fmt: skip
+    enable_chunked_prefill: bool = field(
+        default=True,
+        metadata={"help": "split a long prompt's prefill over steps, beside other requests' "
+                  "decode tokens"},
+    )  # fmt: skip
+    scheduling_policy: str = field(
+        default="fcfs",
+        metadata={"help": "fcfs; lpm: longest cached prefix first; priority: each request's "
+                  "priority field, lower first (vLLM's); each bounded against starvation",
+                  "choices": SCHEDULING_POLICIES},
+    )  # fmt: skip
+    lpm_max_skips: int = field(
+        default=32,
+        metadata={"help": "lpm, priority and projected admission: a waiting request passed "
+                  "over this many times is scheduled next regardless (the bound on "
+                  "starvation)", "metavar": "N"},
+    )  # fmt: skip
+    admission: str = field(
+        default="greedy",
+        metadata={"help": "greedy: admit while a request's next chunk fits (vLLM's); "
+                  "projected: while its whole prompt after prefix hits plus its expected "
+                  "output fits beside what running requests will still grow by, and refuse "
+                  "(429/503) requests whose workload class's TTFT SLO cannot be met",
+                  "choices": ADMISSION_POLICIES},
+    )  # fmt: skip
+    admission_watermark: float = field(
+        default=0.01,
+        metadata={"help": "projected: the fraction of KV blocks kept free beyond every "
+                  "admitted request's projection", "metavar": "FRACTION"},
+    )  # fmt: skip
+    hold_prefix_followers: bool = field(
+        default=True,
+        metadata={"help": "a request whose next prefix block another request computes in "
+                  "this step waits one step and hits it, instead of computing it again "
+                  "beside it"},
+    )  # fmt: skip
+    workload_classes: str | None = field(
+        default=None,
+        metadata={"help": "workload classes (YAML or JSON; 'default' for chat, rag, "
+                  "long-document and agent): per-class SLO, priority, output estimate and KV "
+                  "policy (kvserve.sched.workload_classes)", "metavar": "FILE"},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -450,7 +566,12 @@ class ParallelConfig:
     """Where the model runs: in the engine's process or in worker processes (vLLM's
     ``distributed_executor_backend``)."""
 
-    distributed_executor_backend: str = "uni"
+    distributed_executor_backend: str = field(
+        default="uni",
+        metadata={"help": "uni: the model runs in the engine's process; mp: in a worker "
+                  "process the engine sends each step to (vLLM's flag)",
+                  "choices": EXECUTOR_BACKENDS},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
@@ -462,19 +583,46 @@ class ParallelConfig:
 
 @dataclass(slots=True)
 class EngineConfig:
-    """Everything the engine needs; built by :class:`kvserve.llm.LLM` from keyword args."""
+    """The model and where it runs; the KV cache's and the scheduler's settings are nested.
 
-    model: str
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    device: str = "cpu"
-    seed: int = 0
+    Everything the engine needs. :class:`kvserve.LLM`'s keyword arguments and the engine
+    flags are these fields and those of the nested configs, generated in one place
+    (:mod:`kvserve.config_fields`), so a setting is a field with its default and its
+    ``metadata`` (help, choices) and is written nowhere else. The first paragraph of each
+    config's docstring heads its group of flags in ``--help``."""
+
+    model: str = field(
+        metadata={"help": "model name (kvserve-ref, smollm2), HF directory or .gguf file"}
+    )
+    tokenizer: str | None = field(
+        default=None,
+        metadata={"help": "directory of the tokenizer.json (None: the model's)"},
+    )
+    dtype: str = field(
+        default="auto",
+        metadata={"help": "weights' and activations' dtype (auto: the checkpoint's "
+                  "torch_dtype, float32 where it names none)", "choices": DTYPES},
+    )  # fmt: skip
+    device: str = field(
+        default="cpu", metadata={"help": "torch device of the model and the KV pool"}
+    )
+    seed: int = field(default=0, metadata={"help": "seed of the sampler's random generator"})
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    # One setting, given whole as JSON (vLLM's --kv-transfer-config): not walked into.
+    kv_transfer_config: KVTransferConfig = field(
+        default_factory=KVTransferConfig,
+        metadata={"json": True, "metavar": "JSON",
+                  "help": "a KV connector of your own, as vLLM's: '{\"kv_connector\": "
+                  "\"Class\", \"kv_connector_module_path\": \"module\", "
+                  "\"kv_connector_extra_config\": {...}}'; and \"kv_load_failure_policy\": "
+                  "\"recompute\" (default) or \"fail\" for a load that fails, the offload "
+                  "tiers' included"},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
+        self.kv_transfer_config = KVTransferConfig.from_any(self.kv_transfer_config or {})
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not isinstance(self.seed, int):

@@ -1,9 +1,10 @@
-"""Engine flags, their defaults and their help: one definition that ``kvserve generate``,
-``serve``, ``bench``, ``quality``, ``plan`` and ``make run`` all import.
+"""Engine flags, their defaults and their help, generated from the config dataclasses'
+fields (:mod:`kvserve.config_fields`): ``kvserve generate``, ``serve``, ``bench``, ``quality``,
+``simulate``, ``tune`` and ``make run`` all add them here, and nothing restates a default.
 
-A leaf on purpose: it imports only :mod:`kvserve.config`, the KV format registry and the
-model resolver, so every command can import it at module level without importing the CLI
-that imports them.
+A leaf on purpose: it imports only :mod:`kvserve.config`, its fields and the model resolver
+(a registry that gives a flag its choices is imported when the parser is built), so every
+command can import it at module level without importing the CLI that imports them.
 """
 
 from __future__ import annotations
@@ -11,19 +12,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvserve.config import (
-    ADMISSION_POLICIES,
-    DTYPES,
-    EXECUTOR_BACKENDS,
-    OFFLOAD_WRITE_POLICIES,
-    PREEMPTION_MODES,
-    SCHEDULING_POLICIES,
-    ConfigError,
-)
-from kvserve.kv.formats import KV_CACHE_DTYPES
-from kvserve.model.resolve import resolve_model
-
-MODEL_HELP = "model name (kvserve-ref, smollm2), HF directory or .gguf file (default: kvserve-ref)"
+from kvserve.config import ConfigError, EngineConfig
+from kvserve.config_fields import Setting, settings_of
+from kvserve.model.resolve import BUNDLED_NAME, resolve_model
 
 
 def default_model() -> str:
@@ -32,194 +23,75 @@ def default_model() -> str:
     return resolve_model(None)
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine flags, named as vLLM names them."""
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help=MODEL_HELP)
-    g.add_argument("--tokenizer", default=None)
-    g.add_argument("--dtype", default="auto", choices=DTYPES)
-    g.add_argument("--device", default="cpu")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--num-gpu-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-memory", default=None, help="e.g. 2GiB")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
-    g.add_argument("--calculate-kv-scales", action="store_true")
-    g.add_argument(
-        "--kv-cache-prefault",
-        action="store_true",
-        help="CPU: fault the KV pool's pages in at start, as vLLM's zero-filled KV space is, "
-        "so the first requests do not pay a page fault per 4 KiB of new KV (start-up takes "
-        "longer and the whole pool is resident from the start)",
-    )
-    g.add_argument(
-        "--disable-hybrid-kv-cache-manager",
-        action="store_true",
-        help="hybrid models (full and sliding-window layers): one block table for every "
-        "layer, so blocks behind the windows are not freed (as vLLM's flag)",
-    )
-    g.add_argument(
-        "--kv-retention",
-        default=None,
-        metavar="SPEC",
-        help="KV retention policy, lossy, off by default: 'window:W' keeps each token's W "
-        "most recent cache entries (W tokens, or 'window:50%%' of each prompt) and returns "
-        "older blocks to the pool; 'sinks:4,window:508' keeps the first 4 as well "
-        "(StreamingLLM); 'snapkv:512' keeps the 512 prompt tokens its last 32 queries attend "
-        "to most, plus those 32; 'h2o:512' keeps the 512 entries with the most attention "
-        "mass (a quarter of them the newest)",
-    )
-    o = p.add_argument_group(
-        "KV offload tiers",
-        "prefix-cache blocks evicted from the pool go down to these (each bounded, LRU) and "
-        "come back as hits; entries are checksummed and keyed by the model's weights, the KV "
-        "format and the tenant, so a wrong entry is a miss, never wrong output",
-    )
-    o.add_argument(
-        "--kv-offload-cpu",
-        default=None,
-        metavar="SIZE",
-        help="host-memory tier of this size (e.g. 8GiB)",
-    )
-    o.add_argument(
-        "--kv-offloading-size",
-        type=float,
-        default=None,
-        metavar="GIB",
-        help="vLLM's name for --kv-offload-cpu, in GiB",
-    )
-    o.add_argument(
-        "--kv-offload-disk",
-        default=None,
-        metavar="DIR",
-        help="local-disk tier in this directory (entries survive a restart)",
-    )
-    o.add_argument("--kv-offload-disk-size", default="10GiB", metavar="SIZE")
-    o.add_argument(
-        "--kv-offload-redis",
-        default=None,
-        metavar="URL",
-        help="Redis tier, redis://HOST:PORT/DB (shared by replicas on one server)",
-    )
-    o.add_argument(
-        "--kv-offload-redis-size",
-        default="1GiB",
-        metavar="SIZE",
-        help="bytes of entries kept in Redis, across all replicas",
-    )
-    o.add_argument(
-        "--kv-offload-timeout",
-        type=float,
-        default=0.5,
-        metavar="SECONDS",
-        help="bound on one tier operation; a load gives up after ten",
-    )
-    o.add_argument(
-        "--kv-offload-write-policy",
-        default="write_back",
-        choices=OFFLOAD_WRITE_POLICIES,
-        help="when a block goes down: when the pool evicts it (default), as soon as "
-        "it is computed, or once it has been hit --kv-offload-reuse-threshold times",
-    )
-    o.add_argument("--kv-offload-reuse-threshold", type=int, default=2, metavar="N")
-    o.add_argument(
-        "--preemption-mode",
-        default=None,
-        choices=PREEMPTION_MODES,
-        help="a preempted request's blocks come back from the tiers (swap; the default with "
-        "a tier) or are computed again (recompute; the only mode without a tier)",
-    )
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument(
-        "--scheduling-policy",
-        default="fcfs",
-        choices=SCHEDULING_POLICIES,
-        help="fcfs; lpm: longest cached prefix first; priority: each request's priority "
-        "field, lower first (vLLM's); each bounded against starvation",
-    )
-    a = p.add_argument_group("admission control")
-    a.add_argument(
-        "--admission",
-        default="greedy",
-        choices=ADMISSION_POLICIES,
-        help="greedy: admit while a request's next chunk fits (vLLM's); projected: while its "
-        "whole prompt after prefix hits plus its expected output fits beside what running "
-        "requests will still grow by, and refuse (429/503) requests whose workload class's "
-        "TTFT SLO cannot be met",
-    )
-    a.add_argument(
-        "--admission-watermark",
-        type=float,
-        default=0.01,
-        metavar="FRACTION",
-        help="projected: KV blocks kept free beyond every projection",
-    )
-    a.add_argument(
-        "--workload-classes",
-        default=None,
-        metavar="FILE",
-        help="workload classes (YAML or JSON; 'default' for chat, rag, long-document and "
-        "agent): per-class SLO, priority, output estimate and KV policy",
-    )
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument(
-        "--distributed-executor-backend",
-        default="uni",
-        choices=EXECUTOR_BACKENDS,
-        help="uni: the model runs in the engine's process; mp: in a worker process the engine "
-        "sends each step to (vLLM's flag)",
-    )
-    g.add_argument(
-        "--kv-transfer-config",
-        default=None,
-        metavar="JSON",
-        help='a KV connector of your own, as vLLM\'s: \'{"kv_connector": "Class", '
-        '"kv_connector_module_path": "module", "kv_connector_extra_config": {...}}\', '
-        'and "kv_load_failure_policy": "recompute" (default) or "fail" for a load '
-        "that fails, the offload tiers' included",
-    )
+def add_engine_args(p: argparse.ArgumentParser, config: type = EngineConfig) -> None:
+    """One flag per setting of ``config`` (vLLM's names: ``--block-size``,
+    ``--enable-prefix-caching`` / ``--no-enable-prefix-caching``, ...), in one argument group
+    per config dataclass, each flag's ``--help`` ending with its default; plus ``--model``
+    and ``--kv-offloading-size``, vLLM's name for ``--kv-offload-cpu`` in GiB."""
+    groups: dict[type, Any] = {}
+
+    def group(cls: type) -> Any:
+        if cls not in groups:
+            doc = " ".join((cls.__doc__ or "").split("\n\n")[0].split())
+            groups[cls] = p.add_argument_group(cls.__name__, doc.replace("%", "%%") or None)
+        return groups[cls]
+
+    for s in settings_of(config).values():
+        if s.name == "model":
+            group(s.owner).add_argument(
+                "--model", default=None, help=f"{_help(s)} (default: {BUNDLED_NAME})"
+            )
+        elif not s.required:
+            _add_flag(group(s.owner), s)
+        if s.name == "kv_offload_cpu":
+            group(s.owner).add_argument(
+                "--kv-offloading-size",
+                type=float,
+                default=None,
+                metavar="GIB",
+                help="vLLM's name for --kv-offload-cpu, in GiB",
+            )
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The parsed engine flags as :class:`kvserve.LLM` keyword arguments."""
-    return dict(
-        model=resolve_model(args.model) if args.model else default_model(),
-        tokenizer=args.tokenizer,
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        num_gpu_blocks=args.num_gpu_blocks,
-        kv_cache_memory=args.kv_cache_memory,
-        kv_cache_dtype=args.kv_cache_dtype,
-        calculate_kv_scales=args.calculate_kv_scales,
-        kv_cache_prefault=args.kv_cache_prefault,
-        disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
-        kv_retention=args.kv_retention,
-        kv_offload_cpu=_offload_cpu(args),
-        kv_offload_disk=args.kv_offload_disk,
-        kv_offload_disk_size=args.kv_offload_disk_size,
-        kv_offload_redis=args.kv_offload_redis,
-        kv_offload_redis_size=args.kv_offload_redis_size,
-        kv_offload_timeout=args.kv_offload_timeout,
-        kv_offload_write_policy=args.kv_offload_write_policy,
-        kv_offload_reuse_threshold=args.kv_offload_reuse_threshold,
-        preemption_mode=args.preemption_mode,
-        enable_prefix_caching=args.enable_prefix_caching,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        scheduling_policy=args.scheduling_policy,
-        admission=args.admission,
-        admission_watermark=args.admission_watermark,
-        workload_classes=args.workload_classes,
-        seed=args.seed,
-        distributed_executor_backend=args.distributed_executor_backend,
-        kv_transfer_config=args.kv_transfer_config,
-    )
+def add_setting_flags(p: Any, names: list[str], config: type = EngineConfig) -> None:
+    """The flags of the settings ``names`` alone, as :func:`add_engine_args` makes them, on a
+    parser or an argument group: for a command that takes a few engine settings
+    (``kvserve plan``)."""
+    settings = settings_of(config)
+    for name in names:
+        _add_flag(p, settings[name])
+
+
+def _help(s: Setting) -> str:
+    return s.help.replace("%", "%%")
+
+
+def _add_flag(g: Any, s: Setting) -> None:
+    kw: dict[str, Any] = {"dest": s.name, "default": s.default, "help": _help(s)}
+    if s.field.metadata.get("json"):  # a config given whole: none unless the flag is given
+        kw["default"] = None
+    if s.value_type is bool:
+        # A switch that is off by default needs no --no- form; one that is on gets both.
+        kw["action"] = argparse.BooleanOptionalAction if s.default else "store_true"
+    else:
+        if s.value_type in (int, float):
+            kw["type"] = s.value_type
+        kw["choices"] = s.choices()
+        kw["metavar"] = s.metavar
+    action = g.add_argument(s.flag, **kw)
+    if "%(default)" not in (action.help or ""):  # BooleanOptionalAction adds its own
+        action.help = f"{action.help} (default: %(default)s)".lstrip()
+
+
+def engine_kwargs(args: argparse.Namespace, config: type = EngineConfig) -> dict[str, Any]:
+    """The parsed engine flags as :class:`kvserve.LLM` keyword arguments (every setting of
+    ``config``), the model resolved (the bundled one where none is given)."""
+    kwargs: dict[str, Any] = {"model": resolve_model(args.model) if args.model else default_model()}
+    for name, s in settings_of(config).items():
+        if not s.required:
+            kwargs[name] = getattr(args, name)
+    kwargs["kv_offload_cpu"] = _offload_cpu(args)
+    return kwargs
 
 
 def _offload_cpu(args: argparse.Namespace) -> str | None:

@@ -5,102 +5,34 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvserve.config import (
-    CacheConfig,
-    EngineConfig,
-    KVTransferConfig,
-    ParallelConfig,
-    SchedulerConfig,
-)
+from kvserve.config import EngineConfig
+from kvserve.config_fields import build_config
 from kvserve.engine import EngineStats, LLMEngine, PromptType
+from kvserve.entrypoint import setup_process
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.sched.request import InvalidRequestError, RequestOutput, SamplingParams
 
 
-def engine_config(
-    model: str,
-    tokenizer: str | None = None,
-    dtype: str = "auto",
-    block_size: int = 16,
-    max_num_seqs: int = 256,
-    max_num_batched_tokens: int = 2048,
-    max_model_len: int | None = None,
-    num_gpu_blocks: int | None = None,
-    kv_cache_memory: int | str | None = None,
-    kv_cache_dtype: str = "auto",
-    enable_prefix_caching: bool = True,
-    enable_chunked_prefill: bool = True,
-    scheduling_policy: str = "fcfs",
-    admission: str = "greedy",
-    admission_watermark: float = 0.01,
-    workload_classes: str | None = None,
-    seed: int = 0,
-    device: str = "cpu",
-    calculate_kv_scales: bool = False,
-    kv_retention: str | None = None,
-    kv_offload_cpu: int | str | None = None,
-    kv_offload_disk: str | None = None,
-    kv_offload_disk_size: int | str = "10GiB",
-    kv_offload_redis: str | None = None,
-    kv_offload_redis_size: int | str = "1GiB",
-    kv_offload_timeout: float = 0.5,
-    kv_offload_write_policy: str = "write_back",
-    kv_offload_reuse_threshold: int = 2,
-    preemption_mode: str | None = None,
-    disable_hybrid_kv_cache_manager: bool = False,
-    kv_cache_prefault: bool = False,
-    distributed_executor_backend: str = "uni",
-    kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None,
-) -> EngineConfig:
-    """The :class:`EngineConfig` of the keyword arguments ``LLM`` takes (the simulator
-    builds an engine from the same arguments)."""
-    return EngineConfig(
-        model=str(model),
-        tokenizer=tokenizer,
-        dtype=dtype,
-        device=device,
-        seed=seed,
-        cache=CacheConfig(
-            block_size=block_size,
-            num_gpu_blocks=num_gpu_blocks,
-            kv_cache_memory=kv_cache_memory,
-            kv_cache_dtype=kv_cache_dtype,
-            enable_prefix_caching=enable_prefix_caching,
-            calculate_kv_scales=calculate_kv_scales,
-            kv_retention=kv_retention,
-            kv_offload_cpu=kv_offload_cpu,
-            kv_offload_disk=kv_offload_disk,
-            kv_offload_disk_size=kv_offload_disk_size,
-            kv_offload_redis=kv_offload_redis,
-            kv_offload_redis_size=kv_offload_redis_size,
-            kv_offload_timeout=kv_offload_timeout,
-            kv_offload_write_policy=kv_offload_write_policy,
-            kv_offload_reuse_threshold=kv_offload_reuse_threshold,
-            preemption_mode=preemption_mode,
-            disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager,
-            kv_cache_prefault=kv_cache_prefault,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            enable_chunked_prefill=enable_chunked_prefill,
-            scheduling_policy=scheduling_policy,
-            admission=admission,
-            admission_watermark=admission_watermark,
-            workload_classes=workload_classes,
-        ),
-        parallel=ParallelConfig(distributed_executor_backend=distributed_executor_backend),
-        kv_transfer=KVTransferConfig.from_any(kv_transfer_config or {}),
-    )
+def engine_config(model: str, **kwargs: Any) -> EngineConfig:
+    """The :class:`EngineConfig` of ``model`` and the keyword arguments ``LLM`` takes: every
+    field of :class:`EngineConfig` and of the configs nested in it (``CacheConfig``,
+    ``SchedulerConfig``: ``block_size=``, ``max_num_seqs=``, ...), by its field name, with
+    its field's default (:mod:`kvserve.config_fields`). The simulator builds an engine from
+    the same arguments. Raises :class:`~kvserve.config_fields.UnknownSettingError` (a
+    ``ConfigError`` and a ``TypeError``) naming a keyword that is no setting."""
+    return build_config(EngineConfig, model=str(model), **kwargs)
 
 
 class LLM:
     """Offline batched generation, vLLM-style: ``LLM(model=DIR).generate(prompts, params)``."""
 
     def __init__(self, model: str, **kwargs: Any) -> None:
-        """``model`` and the keyword arguments of :func:`engine_config` (vLLM's names)."""
-        self.engine = LLMEngine(engine_config(model, **kwargs))
+        """``model`` and the keyword arguments of :func:`engine_config` (vLLM's names). A
+        program that builds an ``LLM`` is an entry point: the process is set up first
+        (:func:`kvserve.entrypoint.setup_process`)."""
+        config = engine_config(model, **kwargs)
+        setup_process()
+        self.engine = LLMEngine(config)
 
     def shutdown(self) -> None:
         """Stop the engine's workers and offload threads (also done at exit)."""

@@ -10,13 +10,14 @@ import time
 import pytest
 import torch
 
+from kvserve import envs
 from kvserve.model.synthetic import make_random_checkpoint
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 # Where make_llm's engines (and the exactness tests' transformers reference) run: cpu in CI;
 # KVSERVE_TEST_DEVICE=cuda runs the same tests on a GPU, as a smoke test of the device paths.
-TEST_DEVICE = os.environ.get("KVSERVE_TEST_DEVICE", "cpu")
+TEST_DEVICE = envs.KVSERVE_TEST_DEVICE
 
 # name -> make_random_checkpoint kwargs
 CHECKPOINTS = {

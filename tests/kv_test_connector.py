@@ -27,7 +27,7 @@ from kvserve.connectors.base import KVConnector, Role
 class StoreConnector(KVConnector):
     def __init__(self, role: Role, config: Any) -> None:
         super().__init__(role)
-        opts = config.kv_transfer.kv_connector_extra_config
+        opts = config.kv_transfer_config.kv_connector_extra_config
         self.store = Path(opts["store"])
         self.save = bool(opts.get("save", False))
         self.send_steps = int(opts.get("send_steps", 2))

@@ -424,7 +424,9 @@ def test_cli_refuses_both_cpu_size_flags():
 
 
 def test_replicas_share_tenant_partitions_only_through_the_shared_secret(monkeypatch):
-    from kvserve.server.tenants import SECRET_ENV, TenantResolver
+    from kvserve.server.tenants import TenantResolver
+
+    SECRET_ENV = "KVSERVE_TENANT_SECRET"
 
     keys = '{"k1": "alice", "k2": "bob"}'
 

@@ -122,9 +122,9 @@ def test_engines_pack_their_weights(checkpoint, make_llm, monkeypatch):
 
 _GROWTH = """
 import sys, torch
-from kvserve.model.linear_ops import select_ops
+from kvserve.entrypoint import setup_process
 if sys.argv[1] == "engine":
-    select_ops(torch.device("cpu"), torch.float32)  # what loading a model does first
+    setup_process()  # what an entry point does before it loads a model
 def rss_mb():
     return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) // 1024
 w, lp = torch.randn(256, 128), torch.ops.mkldnn._linear_pointwise
@@ -138,9 +138,9 @@ print(rss_mb() - before)
 
 def test_onednn_state_per_row_count_is_bounded():
     """oneDNN and ideep keep state for every GEMM shape they have seen, ~0.6 MB each;
-    once the engine picked its ops, 300 row counts cost at most about the bounded caches'
-    worth, where PyTorch's defaults keep all of them (measured in a fresh process each, the
-    caches' capacity being read at the first oneDNN call)."""
+    once an entry point set the process up, 300 row counts cost at most about the bounded
+    caches' worth, where PyTorch's defaults keep all of them (measured in a fresh process
+    each, the caches' capacity being read at the first oneDNN call)."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}  # fmt: skip
     grew = {

@@ -270,18 +270,17 @@ def test_engine_loop_answers_every_add_even_when_stopping(checkpoint):
     assert llm.engine.kv.num_used_blocks == 0 and not llm.engine.has_unfinished_requests()
 
 
-def test_engine_loop_shortens_the_gil_switch_interval(checkpoint):
-    """The engine thread shares the GIL with the event loop: starting the loop brings
+def test_a_server_start_shortens_the_gil_switch_interval(checkpoint):
+    """The engine thread shares the GIL with the event loop: starting a server brings
     CPython's 5 ms default down to half a millisecond, and keeps a shorter one as it is."""
     llm = LLM(checkpoint("llama_gqa"), max_model_len=64, dtype="float32")
     before = sys.getswitchinterval()
     try:
         for configured, expected in [(0.005, 0.0005), (0.0001, 0.0001)]:
             sys.setswitchinterval(configured)
-            loop = EngineLoop(llm.engine)
-            loop.start()
-            loop.shutdown()
-            assert sys.getswitchinterval() == pytest.approx(expected, rel=0.02)  # whole us
+            state = build_state(llm.engine, ["tiny"], TenantResolver({KEY: "t"}), max_queue=1)
+            with BackgroundServer(state):
+                assert sys.getswitchinterval() == pytest.approx(expected, rel=0.02)  # whole us
     finally:
         sys.setswitchinterval(before)
 

@@ -416,7 +416,7 @@ def test_which_gemms_build_onednn_state_per_row_count(checkpoint, monkeypatch, k
 def test_cache_entries_follow_the_smaller_cache(monkeypatch):
     """GEMM shapes oneDNN's two caches hold at once: the smaller capacity; PyTorch's default
     where a variable is unset or not a number; never none."""
-    from kvserve.model.linear_ops import onednn_cache_entries
+    from kvserve.entrypoint import onednn_cache_entries
 
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
     monkeypatch.setenv("LRU_CACHE_CAPACITY", "600")

@@ -17,7 +17,7 @@ from kvserve.kv.offload import OffloadTiers
 def user_connector_class(config: EngineConfig) -> type[KVConnector] | None:
     """The class ``kv_transfer_config`` names, imported (ConfigError naming the field when it
     cannot be)."""
-    tc = config.kv_transfer
+    tc = config.kv_transfer_config
     if not tc.kv_connector:
         return None
     try:

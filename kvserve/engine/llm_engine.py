@@ -168,7 +168,7 @@ class LLMEngine:
             )  # fmt: skip
         self.core = EngineCore(sc, self.kv, self.executor, self.max_model_len, self.eos_token_ids,
                                clock or time.monotonic, self.native_window, self.connector,
-                               config.kv_transfer.kv_load_failure_policy)  # fmt: skip
+                               config.kv_transfer_config.kv_load_failure_policy)  # fmt: skip
         self.workload_classes = None
         if sc.workload_classes is not None:
             self.workload_classes = load_workload_classes(sc.workload_classes)

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from kvserve import envs
 from kvserve.config import user_cache_dir
 
 log = logging.getLogger("kvserve.kernels")
@@ -61,7 +62,7 @@ def build_library(src: Path, flags: list[str], what: str) -> ctypes.CDLL | None:
     ``-ffast-math`` carries gcc's ``crtfastmath`` constructor, which turns on flush-to-zero
     for the whole process when it loads; compiled-only, the flags stay inside the kernel.
     """
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    cc = envs.CC or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         log.warning("no C compiler found: %s uses its PyTorch reference", what)
         return None
@@ -96,7 +97,7 @@ def build_library(src: Path, flags: list[str], what: str) -> ctypes.CDLL | None:
 # PyTorch reference. Read once: ``NativeLibrary.get`` runs a dozen times per decoder layer
 # per step, and an ``os.environ`` lookup there showed in small decode steps' profiles.
 # Assign to switch in a running process (tests do, with ``monkeypatch.setattr``).
-DISABLED = os.environ.get("KVSERVE_DISABLE_KERNELS") == "1"
+DISABLED = envs.KVSERVE_DISABLE_KERNELS
 
 
 class NativeLibrary:
@@ -126,17 +127,6 @@ class NativeLibrary:
 # How much faster a kernel's bf16 dot-product path must be at its start-up probe to be chosen
 # over its float32 FMAs (timing noise).
 DOT_GAIN = 1.1
-
-
-def env_switch(name: str) -> bool | None:
-    """The environment variable ``name`` as an on/off override: None when unset, else "0" or
-    "1" (anything else is refused, naming the variable)."""
-    env = os.environ.get(name)
-    if env is None:
-        return None
-    if env not in ("0", "1"):
-        raise ValueError(f"{name}: must be 0 or 1, got {env!r}")
-    return env == "1"
 
 
 def best_time(fn: Callable[..., object], *args: object, reps: int = 5, **kwargs: object) -> float:

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import platform
+
+from kvserve import envs
 
 log = logging.getLogger("kvserve.kernels")
 
@@ -34,7 +35,7 @@ def tune_host_allocator() -> bool:
     global _done
     if _done:
         return True
-    if os.environ.get("KVSERVE_MALLOC_TUNING") == "0" or platform.libc_ver()[0] != "glibc":
+    if not envs.KVSERVE_MALLOC_TUNING or platform.libc_ver()[0] != "glibc":
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")

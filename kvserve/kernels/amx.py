@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from kvserve.kernels import DOT_GAIN, NativeLibrary, best_time, env_switch
+from kvserve import envs
+from kvserve.kernels import DOT_GAIN, NativeLibrary, best_time
 
 _p, _i, _i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 EPI_NONE, EPI_ADD, EPI_SWIGLU, EPI_F32 = 0, 1, 2, 4
@@ -76,7 +77,7 @@ def avx512_dot_products() -> bool:
     faster here (an AMD Zen 4 retires a 512-bit ``vdpbf16ps``, 32 multiply-adds, as fast as a
     512-bit FMA; a Xeon without AMX at half that rate). ``KVSERVE_AVX512_BF16_DOT`` = 1 / 0
     decides instead (1: where the build has them)."""
-    return _dot_mode(env_switch("KVSERVE_AVX512_BF16_DOT"))
+    return _dot_mode(envs.KVSERVE_AVX512_BF16_DOT)
 
 
 @functools.cache

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from kvserve import envs
 from kvserve.kernels import NativeLibrary
 
 OMP_PAUSE_SOFT = 1  # OpenMP 5.0's omp_pause_soft: free the calling thread's pool
@@ -156,7 +157,7 @@ class ThreadBinding:
         ``0-3``) for a team of ``threads`` (torch's), or None where there is nothing to bind:
         not a CPU device, one thread, more threads than CPUs, not Linux. Raises ValueError,
         naming the variable, for a list it cannot use."""
-        mode = os.environ.get(BIND_ENV, "auto").strip()
+        mode = envs.KVSERVE_CPU_OMP_THREADS_BIND
         n = torch.get_num_threads() if threads is None else threads
         linux = sys.platform.startswith("linux")
         if mode == "nobind" or str(device) != "cpu" or n < 2 or not linux:

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from kvserve.kernels import DOT_GAIN, NativeLibrary, best_time, env_switch, packed_rows
+from kvserve import envs
+from kvserve.kernels import DOT_GAIN, NativeLibrary, best_time, packed_rows
 
 _SRC = Path(__file__).with_name("prefill_attention.c")
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=c11"]
@@ -59,7 +60,7 @@ def bf16_dot_products() -> bool:
     Zen 4 retires a 512-bit ``vdpbf16ps`` as fast as a 512-bit FMA, twice the multiply-adds;
     a Xeon without AMX does not). ``KVSERVE_PREFILL_BF16_DOT`` = 1 / 0 decides instead (1:
     where the kernel has the path)."""
-    forced = env_switch("KVSERVE_PREFILL_BF16_DOT")
+    forced = envs.KVSERVE_PREFILL_BF16_DOT
     if forced is not None:
         return forced and bf16_dot_built()
     return _dot_measured_faster()

@@ -20,12 +20,12 @@ exactness tests against transformers run through the fast path.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve import envs
 from kvserve.kernels import amx, best_time, pointwise, prefill
 
 # The GEMMs of a step by name: a decoder layer's QKV, output (with the residual add), gate
@@ -664,35 +664,6 @@ class UpcastOps(PackedOps):
         return out.to(x.dtype)
 
 
-# oneDNN keeps a compiled primitive, and PyTorch's ideep layer a cache entry holding it, for
-# every input shape it has seen: 1,024 of each by default. An engine step's row count is its
-# token count, which changes almost every step under serving traffic, so a server's memory
-# grew for hours towards a thousand primitives per matrix shape. Rebuilding a primitive costs
-# far less than a step; 64 bounds both caches. Each variable is read once, at the process's
-# first oneDNN call: set before it, and the user's own settings win.
-ONEDNN_CACHE_CAPACITY = 64
-
-
-_ONEDNN_CACHE_VARS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
-
-
-def bound_onednn_caches() -> None:
-    for var in _ONEDNN_CACHE_VARS:
-        os.environ.setdefault(var, str(ONEDNN_CACHE_CAPACITY))
-
-
-def onednn_cache_entries() -> int:
-    """How many GEMM shapes (one primitive each) oneDNN's caches hold at once, as this
-    process set them: the smaller of the two, PyTorch's default where unset or unreadable."""
-    caps = []
-    for var in _ONEDNN_CACHE_VARS:
-        try:
-            caps.append(int(os.environ.get(var, "1024")))
-        except ValueError:
-            caps.append(1024)
-    return max(min(caps), 1)
-
-
 # The GEMM timed in both dtypes to decide whether a bf16 model's large GEMMs run in float32
 # (UpcastOps): prefill-sized rows, a mid-size matrix; and how much faster float32 must be,
 # so that the choice does not flip with timing noise.
@@ -742,15 +713,9 @@ def large_step_gemm(kernel: str | None = None) -> tuple[int, torch.dtype] | None
     prefill-sized step, and, with kvserve's AVX-512 kernel as the small-step GEMM (``kernel``
     "avx512") where oneDNN's bf16 one is the fast one, the step size from which it beats the
     kernel."""
-    env = os.environ.get("KVSERVE_UPCAST_MIN_ROWS")
-    if env is None:
+    rows = envs.KVSERVE_UPCAST_MIN_ROWS
+    if rows is None:
         return _measured_split(kernel)
-    try:
-        rows = int(env)
-    except ValueError:
-        rows = -1
-    if rows < 0:
-        raise ValueError(f"KVSERVE_UPCAST_MIN_ROWS: must be an integer >= 0, got {env!r}")
     return (rows, torch.float32) if rows else None
 
 
@@ -799,24 +764,23 @@ def select_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
         and dtype in (torch.float32, torch.bfloat16)
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-        and os.environ.get("KVSERVE_DISABLE_ONEDNN") != "1"
+        and not envs.KVSERVE_DISABLE_ONEDNN
     ):
         # Packed weights measured faster at decode sizes in both dtypes, and for bf16 even at
         # prefill sizes on an AMX Xeon; float32's greedy tokens still equal transformers' (the
         # exactness tests). KVSERVE_DISABLE_PREPACK=1 for A/B.
         # Without AMX, which GEMM is fastest by step size depends on the CPU: large_step_gemm.
-        bound_onednn_caches()
-        prepack = os.environ.get("KVSERVE_DISABLE_PREPACK") != "1"
+        prepack = not envs.KVSERVE_DISABLE_PREPACK
         bf16 = prepack and dtype == torch.bfloat16
-        if bf16 and os.environ.get("KVSERVE_DISABLE_AMX") != "1" and amx.available():
+        if bf16 and not envs.KVSERVE_DISABLE_AMX and amx.available():
             return AMXOps()
         # Without AMX, kvserve's AVX-512 kernel where the CPU has AVX-512 (faster than
         # oneDNN's bf16 GEMMs at every size measured; KVSERVE_DISABLE_AVX512_GEMM=1 for A/B).
-        use512 = bf16 and os.environ.get("KVSERVE_DISABLE_AVX512_GEMM") != "1"
+        use512 = bf16 and not envs.KVSERVE_DISABLE_AVX512_GEMM
         kernel = "avx512" if use512 and amx.avx512_available() else None
         split = large_step_gemm(kernel) if bf16 else None
         if split is not None:
-            forced = "KVSERVE_UPCAST_MIN_ROWS" in os.environ
+            forced = envs.KVSERVE_UPCAST_MIN_ROWS is not None
             return UpcastOps(split[0], forced=forced, kernel=kernel, dtype=split[1],
                              measure_split=not forced)  # fmt: skip
         if kernel is not None:

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvserve.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from kvserve.config import SUPPORTED_ARCHITECTURES, CacheConfig, ModelConfig
+from kvserve.config_fields import default_of
 from kvserve.kv.formats import KV_CACHE_DTYPES
 
 DENSE_DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0}
@@ -332,7 +333,7 @@ def capacity(
     batch: int = 1,
     tp: int = 1,
     gpu_memory_utilization: float = 0.9,
-    block_size: int = 16,
+    block_size: int = default_of(CacheConfig, "block_size"),
     weight_dtype: str | None = None,
 ) -> Capacity:
     """KV capacity of a ``tp``-GPU replica: memory x utilization minus this rank's weight

@@ -16,8 +16,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvserve.config import DTYPES, parse_bytes
-from kvserve.kv.formats import KV_CACHE_DTYPES
+from kvserve.config import DTYPES, EngineConfig, parse_bytes
+from kvserve.config_fields import default_of
+from kvserve.engine_args import add_setting_flags
 from kvserve.model.resolve import resolve_model
 from kvserve.plan.capacity import (
     ArchSpec,
@@ -69,10 +70,10 @@ def add_plan_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
     )
     p.add_argument("--list-gpus", action="store_true", help="print the GPU table with sources")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per replica")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    add_setting_flags(p, ["kv_cache_dtype"])
     p.add_argument(
         "--dtype",
-        default="auto",
+        default=default_of(EngineConfig, "dtype"),
         choices=DTYPES,
         help="weight dtype (auto: as stored / as the config says)",
     )
@@ -88,7 +89,7 @@ def add_plan_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
         default=None,
         help="concurrent sequences (default: the concurrency ceiling)",
     )
-    p.add_argument("--block-size", type=int, default=16)
+    add_setting_flags(p, ["block_size"])
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--gpu-hour-cost", type=float, default=None, help="$ per GPU-hour")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -102,7 +103,9 @@ def add_plan_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
         default="64MiB",
         help="KV budget the validation engines get (default 64MiB)",
     )
-    p.add_argument("--device", default="cpu", help="device for --validate")
+    p.add_argument(
+        "--device", default=default_of(EngineConfig, "device"), help="device for --validate"
+    )
     return cmd_plan  # fmt: skip
 
 
@@ -110,10 +113,10 @@ def plan(
     spec: ArchSpec,
     gpu_name: str = "h100-sxm",
     tp: int = 1,
-    kv_cache_dtype: str = "auto",
+    kv_cache_dtype: str = default_of(EngineConfig, "kv_cache_dtype"),
     context: int | None = None,
     batch: int | None = None,
-    block_size: int = 16,
+    block_size: int = default_of(EngineConfig, "block_size"),
     gpu_memory_utilization: float = 0.9,
     gpu_hour_cost: float | None = None,
     weight_dtype: str | None = None,

@@ -20,6 +20,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve.config import EngineConfig
+from kvserve.config_fields import default_of
 from kvserve.plan.capacity import blocks_for, bytes_per_token, format_table, load_arch
 
 # The engine's default; KIVI's residual pool, and so its block count, depends on it.
@@ -104,9 +106,9 @@ def build_engine(
 def validate(
     model_dir: str,
     memory_bytes: int,
-    block_size: int = 16,
-    dtype: str = "auto",
-    device: str = "cpu",
+    block_size: int = default_of(EngineConfig, "block_size"),
+    dtype: str = default_of(EngineConfig, "dtype"),
+    device: str = default_of(EngineConfig, "device"),
 ) -> list[ValidationRow]:
     """Build the engine once per implemented storage format with ``memory_bytes`` of KV and
     check, each within 1 %, that the planner's block count is the engine's, that its total
@@ -208,7 +210,10 @@ def _pool_bytes_per_row(worker: Any) -> float:
 
 
 def validate_windows(
-    model_dir: str, block_size: int = 16, dtype: str = "auto", device: str = "cpu"
+    model_dir: str,
+    block_size: int = default_of(EngineConfig, "block_size"),
+    dtype: str = default_of(EngineConfig, "dtype"),
+    device: str = default_of(EngineConfig, "device"),
 ) -> WindowCheck | None:
     """Run one sequence past the widest window and compare what the engine's pool holds
     with :func:`~kvserve.plan.capacity.capacity`'s window-aware figure (None: the model has

@@ -24,7 +24,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvserve.config import ConfigError, ModelConfig
+from kvserve.config import ConfigError, EngineConfig, ModelConfig
+from kvserve.config_fields import default_of
 from kvserve.quality.metrics import (
     LogitComparison,
     RunResult,
@@ -57,9 +58,9 @@ def wrap_kv_storage(llm: Any, wrap: Callable[[Any], Any]) -> None:
 
 def _pool_blocks(kwargs: dict[str, Any], suite: Suite) -> int:
     """Blocks for every request the scheduler may hold at once, so the gate never preempts."""
-    bs = kwargs.get("block_size", 16)
+    bs = kwargs.get("block_size", default_of(EngineConfig, "block_size"))
     need = sorted((-(-n // bs) for n in suite.total_lens()), reverse=True)
-    return sum(need[: kwargs.get("max_num_seqs", 256)]) + 1
+    return sum(need[: kwargs.get("max_num_seqs", default_of(EngineConfig, "max_num_seqs"))]) + 1
 
 
 def _max_model_len(kwargs: dict[str, Any]) -> int:

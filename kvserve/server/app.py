@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvserve.engine import LLMEngine
 from kvserve.engine_args import engine_kwargs
+from kvserve.entrypoint import setup_process
 from kvserve.server.args import DEFAULT_MAX_BODY_BYTES
 from kvserve.server.engine_loop import EngineLoop
 from kvserve.server.metrics import ServerMetrics
@@ -260,6 +261,7 @@ class BackgroundServer:
                                        daemon=True)  # fmt: skip
 
     def __enter__(self) -> BackgroundServer:
+        setup_process(serve=True)  # a server started in a thread is an entry point too
         self.thread.start()
         for _ in range(1000):
             if self.server.started:
@@ -279,6 +281,7 @@ def run_server(args: argparse.Namespace) -> int:
     from kvserve import LLM
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    setup_process(serve=True)
     kwargs = engine_kwargs(args)
     tenants = TenantResolver.from_args(args.api_key, args.tenants)
     engine = LLM(**kwargs).engine

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -29,13 +28,6 @@ from kvserve.kernels.openmp import release_thread_pool
 from kvserve.sched.request import InvalidRequestError, RequestOutput, RequestTags, SamplingParams
 
 log = logging.getLogger("kvserve.server")
-
-# The engine thread and the event loop share one GIL. At CPython's default switch interval
-# (5 ms) a thread that wants the GIL may wait that long for the other to let go: a token
-# reaches its socket up to 5 ms after its step, and the next step starts up to 5 ms late when
-# the loop was writing. Switches happen only while both threads want to run, so a shorter
-# interval costs an idle loop nothing.
-GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 class QueueFullError(Exception):
@@ -158,7 +150,6 @@ class EngineLoop:
         """Start the engine thread (idempotent: an app may be started after a test did)."""
         if not self._thread.is_alive() and not self._stopping:
             release_thread_pool()  # this thread built the engine; the engine thread steps it
-            sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
             self._thread.start()
 
     @property

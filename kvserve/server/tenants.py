@@ -17,10 +17,10 @@ import json
 import os
 from pathlib import Path
 
+from kvserve import envs
 from kvserve.server.protocol import APIError
 
 DEFAULT_TENANT = "default"
-SECRET_ENV = "KVSERVE_TENANT_SECRET"
 OPEN_SERVER_SECRET = b"kvserve-open-server"
 
 
@@ -46,9 +46,7 @@ class TenantResolver:
             keys.update(load_tenants(tenants_file))
         if api_key:
             keys.setdefault(api_key, DEFAULT_TENANT)
-        secret = os.environ.get(SECRET_ENV)
-        if secret is not None and len(secret) < 16:
-            raise ValueError(f"{SECRET_ENV}: must be at least 16 characters, got {len(secret)}")
+        secret = envs.KVSERVE_TENANT_SECRET  # at least 16 characters, or None
         if secret is None and not keys:
             return cls(keys, OPEN_SERVER_SECRET)
         return cls(keys, secret.encode() if secret is not None else None)

@@ -38,11 +38,12 @@ from kvserve.bench.engine_target import EngineTarget
 from kvserve.bench.runner import LoadSpec, benchmark
 from kvserve.bench.workloads import BenchRequest
 from kvserve.engine.offload import compute_takes_every_core
+from kvserve.entrypoint import onednn_cache_entries
 from kvserve.kv.offload import KVOffload
 from kvserve.kv.storage import KVStorage
 from kvserve.kv.tier_entry import encode_entry
 from kvserve.kv.tiers import DiskTier, HostTier, Tier
-from kvserve.model.linear_ops import GEMM_NAMES, onednn_cache_entries
+from kvserve.model.linear_ops import GEMM_NAMES
 from kvserve.plan.capacity import load_arch, load_config
 from kvserve.sched.request import SamplingParams
 from kvserve.sim.cost import (

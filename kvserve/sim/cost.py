@@ -40,6 +40,8 @@ from typing import Any
 
 import numpy as np
 
+from kvserve.config import CacheConfig
+from kvserve.config_fields import default_of
 from kvserve.model.linear_ops import GEMM_NAMES
 from kvserve.plan.capacity import ArchSpec, bytes_per_token
 from kvserve.plan.gpus import GPU
@@ -171,7 +173,7 @@ def step_features(
     out: SchedulerOutput,
     shape: ModelShape,
     touched: set[int] | None = None,
-    block_size: int = 16,
+    block_size: int = default_of(CacheConfig, "block_size"),
 ) -> StepFeatures:
     """What the scheduled batch computes: tokens through every linear layer, sampled rows
     through the LM head, attention over each sequence's cache (its retention window and the

@@ -42,6 +42,8 @@ from kvserve.bench.workloads import (
     check_workload_spec,
     iter_workload,
 )
+from kvserve.config import CacheConfig
+from kvserve.config_fields import default_of
 from kvserve.connectors.base import KVConnectorOutput
 from kvserve.connectors.offload import OffloadMeta
 from kvserve.engine import LLMEngine
@@ -78,7 +80,7 @@ class CostModelRunner:
         self.shape: ModelShape | None = None  # set once the engine has resolved its formats
         self.busy_s = 0.0
         self.steps = 0
-        self.block_size = 16
+        self.block_size = default_of(CacheConfig, "block_size")  # the engine's, once built
         # Pool blocks written so far, for a profile that charges first writes (a CPU's)
         self.touched: set[int] | None = set() if profile.first_touch_s_per_byte else None
         # GEMM shapes whose state the backend holds, for a profile that charges a new one
@@ -267,9 +269,10 @@ def build_engine(target: SimTarget) -> SimEngine:
         wdt = None if kw.get("dtype") in (None, "auto") else kw["dtype"]
         fmt = kw.get("kv_cache_dtype") or "auto"
         fmt = (wdt or spec.kv_dtype_auto) if fmt == "auto" else fmt
+        block_size = kw.get("block_size", default_of(CacheConfig, "block_size"))
         cap = capacity(
             spec, fmt, target.gpu.memory_bytes, spec.max_position_embeddings, 1, target.tp,
-            target.gpu_memory_utilization, kw.get("block_size", 16), wdt,
+            target.gpu_memory_utilization, block_size, wdt,
         )  # fmt: skip
         if cap.num_blocks < 1:
             raise PlanError(

@@ -26,7 +26,8 @@ from kvserve.bench.forks import fork_map
 from kvserve.bench.metrics import RequestRecord, meets_slo, summarize
 from kvserve.bench.runner import LoadSpec
 from kvserve.bench.workloads import BenchRequest
-from kvserve.config import ConfigError, parse_bytes
+from kvserve.config import ConfigError, EngineConfig, parse_bytes
+from kvserve.config_fields import default_of, settings_of
 from kvserve.kv.formats import KV_CACHE_DTYPES
 from kvserve.plan.capacity import PlanError
 from kvserve.sim.simulate import SimTarget, simulate_load
@@ -47,7 +48,12 @@ def _optional(s: str) -> str | None:
     return None if s.strip().lower() in ("none", "off", "") else s.strip()
 
 
-# name -> (type, default values); the first value is where the search starts. A host tier
+def _engine_default(name: str) -> Any:
+    return default_of(EngineConfig, name)
+
+
+# name -> (type, default values); the first value, the engine's default, is where the search
+# starts. A host tier
 # (kv_offload_cpu, a size) is searched only when asked: host memory is not in the GPU-hour
 # price, so an operator says how much of it a replica may have.
 DIMENSIONS: dict[str, tuple[Callable[[str], Any], tuple[Any, ...]]] = {
@@ -55,9 +61,9 @@ DIMENSIONS: dict[str, tuple[Callable[[str], Any], tuple[Any, ...]]] = {
     "kv_cache_dtype": (str, ("auto", "fp8_e4m3", "int8", "kivi4")),
     "kv_retention": (_optional, (None,)),
     "kv_offload_cpu": (_optional, (None,)),
-    "block_size": (int, (16, 32)),
-    "max_num_seqs": (int, (256, 64)),
-    "max_num_batched_tokens": (int, (2048, 8192)),
+    "block_size": (int, (_engine_default("block_size"), 32)),
+    "max_num_seqs": (int, (_engine_default("max_num_seqs"), 64)),
+    "max_num_batched_tokens": (int, (_engine_default("max_num_batched_tokens"), 8192)),
     "admission": (str, ("greedy", "projected")),
     "replicas": (int, (1, 2)),
     "tp": (int, (1, 2)),
@@ -343,21 +349,16 @@ def why_lost(t: Trial, best: Trial, slo: dict[str, float]) -> str:
 def serve_command(model: str, settings: dict[str, Any]) -> str:
     """The ``kvserve serve`` line that runs a configuration (one replica's)."""
     parts = ["kvserve serve", f"--model {model}"]
-    flags = {
-        "block_size": "--block-size",
-        "kv_cache_dtype": "--kv-cache-dtype",
-        "max_num_seqs": "--max-num-seqs",
-        "max_num_batched_tokens": "--max-num-batched-tokens",
-        "admission": "--admission",
-        "kv_retention": "--kv-retention",
-        "kv_offload_cpu": "--kv-offload-cpu",
-    }
-    for name, flag in flags.items():
-        v = settings.get(name)
-        if v is not None:
+    engine = settings_of(EngineConfig)
+    for name, v in settings.items():
+        if name not in engine or v is None:
+            continue
+        flag = engine[name].flag
+        if isinstance(v, bool):  # a switch: its --no- form where it is off
+            if v != engine[name].default:
+                parts.append(flag if v else "--no-" + flag.removeprefix("--"))
+        else:
             parts.append(f"{flag} {v}")
-    if settings.get("enable_prefix_caching") is False:
-        parts.append("--no-enable-prefix-caching")
     line = " ".join(parts)
     notes = []
     if settings.get("replicas", 1) > 1:
