@@ -401,9 +401,19 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # How attention is computed (kvserve.attention.registry: "torch", "cpu"); None or "auto":
+    # chosen by device. The name is checked against the registry, and against the device,
+    # when the engine is built (this module sits below the registry).
+    attention_backend: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not isinstance(self.seed, int):
             raise ConfigError(f"seed: must be an integer, got {self.seed!r}")
+        if self.attention_backend is not None and (
+            not isinstance(self.attention_backend, str) or not self.attention_backend
+        ):
+            raise ConfigError(
+                f"attention_backend: must be a backend name or None, got {self.attention_backend!r}"
+            )

@@ -1,9 +1,9 @@
 """Engine flags, their defaults and their help: one definition that ``kvserve generate``,
 ``serve``, ``bench``, ``quality``, ``plan`` and ``make run`` all import.
 
-A leaf on purpose: it imports only :mod:`kvserve.config`, the KV format registry and the
-model resolver, so every command can import it at module level without importing the CLI
-that imports them.
+A leaf on purpose: it imports only :mod:`kvserve.config`, the KV format and attention backend
+registries and the model resolver, so every command can import it at module level without
+importing the CLI that imports them.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from kvserve.attention.registry import ATTENTION_BACKEND_CHOICES
 from kvserve.config import (
     ADMISSION_POLICIES,
     DTYPES,
@@ -38,6 +39,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", default=None)
     g.add_argument("--dtype", default="auto", choices=DTYPES)
     g.add_argument("--device", default="cpu")
+    g.add_argument(
+        "--attention-backend",
+        default=None,
+        choices=ATTENTION_BACKEND_CHOICES,
+        help="how attention is computed: 'torch' (gather + SDPA, the reference, any device) "
+        "or 'cpu' (kvserve's C kernels, the reference wherever one declines); 'auto' (the "
+        "default) picks by device: 'cpu' on a CPU where the kernels build, else 'torch'",
+    )
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -173,6 +182,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         tokenizer=args.tokenizer,
         dtype=args.dtype,
         device=args.device,
+        attention_backend=args.attention_backend,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -5,6 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
+from kvserve.attention.registry import AUTO, resolve_backend
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvserve.engine import EngineStats, LLMEngine, PromptType
 from kvserve.model.tokenizer import Tokenizer
@@ -43,15 +46,20 @@ def engine_config(
     preemption_mode: str | None = None,
     disable_hybrid_kv_cache_manager: bool = False,
     kv_cache_prefault: bool = False,
+    attention_backend: str | None = None,
 ) -> EngineConfig:
     """The :class:`EngineConfig` of the keyword arguments ``LLM`` takes (the simulator
-    builds an engine from the same arguments)."""
+    builds an engine from the same arguments). A named ``attention_backend`` is checked
+    against the registry and the device here, before anything is loaded."""
+    if attention_backend is not None and attention_backend != AUTO:
+        resolve_backend(attention_backend, torch.device(device))
     return EngineConfig(
         model=str(model),
         tokenizer=tokenizer,
         dtype=dtype,
         device=device,
         seed=seed,
+        attention_backend=attention_backend,
         cache=CacheConfig(
             block_size=block_size,
             num_gpu_blocks=num_gpu_blocks,

@@ -13,9 +13,13 @@ import math
 import torch
 from torch import nn
 
+from kvserve.attention.backend import AttentionBackend
+from kvserve.attention.layer import Attention
+from kvserve.attention.metadata import AttentionMetadata
+from kvserve.attention.registry import make_backend
+from kvserve.attention.rotary import apply_rotary
 from kvserve.config import ModelConfig
 from kvserve.kv.storage import KVStorage
-from kvserve.model.attention import AttentionMetadata, apply_rotary, paged_attention
 from kvserve.model.linear_ops import TorchOps
 
 
@@ -74,7 +78,7 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, attention: AttentionBackend) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = cfg.num_attention_heads
@@ -90,6 +94,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ops: TorchOps = TorchOps()
+        self.attn = Attention(attention, self.window)
 
     def forward(
         self,
@@ -111,8 +116,7 @@ class DecoderLayer(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = ops.rotary(rotary, positions, q, k)  # the fast path rotates q and k in place
-        attn = paged_attention(q, k, v, self.layer_idx, storage, meta, self.window,
-                               ops.causal_attention, ops.context_attention)  # fmt: skip
+        attn = self.attn(q, k, v, self.layer_idx, storage, meta)
         attn = attn.reshape(t, self.q_size)
         if rows is not None:
             attn, x = attn[rows], x[rows]
@@ -131,7 +135,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        attention = make_backend(None, torch.device(device))  # the runner may choose another
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, attention) for i in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg, max_positions, device)
@@ -175,6 +182,11 @@ class LlamaForCausalLM(nn.Module):
         self.ops = ops
         for layer in self.layers:
             layer.ops = ops
+
+    def set_attention_backend(self, backend: AttentionBackend) -> None:
+        """Choose the attention backend of every layer (see :mod:`kvserve.attention`)."""
+        for layer in self.layers:
+            layer.attn.backend = backend
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.ops.logits(hidden, self.lm_head)
