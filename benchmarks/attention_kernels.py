@@ -1,7 +1,8 @@
 """Decode-attention kernel time per KV format against the dense bfloat16 kernel.
 
-One layer's storage per format, filled with the same random K/V; every round times one
-``decode_attention`` call per format, so drift between rounds cancels in the per-round ratios.
+One layer's storage per format, filled with the same random K/V; every round times one decode
+call of the CPU attention backend per format, so drift between rounds cancels in the per-round
+ratios.
 Blocks are laid out in order ("contiguous") or shuffled as in a pool after churn ("scattered").
 
     .venv/bin/python -m benchmarks.attention_kernels [--quick]
@@ -30,8 +31,10 @@ MODEL_LAYERS, MODEL_HEADS, MODEL_KV_HEADS, MODEL_HEAD_DIM = 30, 9, 3, 64
 
 
 def run(batch: int, context: int, rounds: int, scattered: bool) -> dict[str, dict[str, float]]:
+    from kvserve.attention.cpu_backend import CpuBackend
     from kvserve.kv.formats import make_kv_storage
 
+    backend = CpuBackend()
     kvh, heads, d, bs = 2, 4, 64, 16
     nb = context // bs + 1
     g = torch.Generator().manual_seed(0)
@@ -52,7 +55,7 @@ def run(batch: int, context: int, rounds: int, scattered: bool) -> dict[str, dic
     for _ in range(rounds):
         for f, st in stores.items():
             t0 = time.perf_counter()
-            out = st.decode_attention(0, q, tables, lens, None)
+            out = backend.decode(0, q, st, tables, lens, None, None)
             times[f].append(time.perf_counter() - t0)
             if out is None:
                 raise SystemExit(f"{f}: no native kernel (no C compiler?)")

@@ -30,24 +30,30 @@ from benchmarks.common import (
     table,
     vocab_size,
 )
+from kvserve.attention.cpu_backend import CpuBackend
+from kvserve.attention.torch_backend import TorchBackend
 from kvserve.model.linear_ops import OneDNNOps, TorchOps
 
 
 class MatmulsOnly(OneDNNOps):
-    """The CPU fast path with every native kernel replaced by its reference."""
+    """The CPU fast path with its native RMSNorm and rotary replaced by their references."""
 
     rms_norm = TorchOps.rms_norm
     rotary = TorchOps.rotary
-    causal_attention = TorchOps.causal_attention
 
 
-class PointwiseOnly(OneDNNOps):
-    """The CPU fast path with SDPA for prefill attention."""
+class SdpaPrefill(CpuBackend):
+    """The CPU attention backend with SDPA for chunks that start a sequence."""
 
-    causal_attention = TorchOps.causal_attention
+    causal_prefill = TorchBackend.causal_prefill
 
 
-VARIANTS = {"matmuls only": MatmulsOnly, "+ norm, rotary": PointwiseOnly, "+ prefill": OneDNNOps}
+# (linear ops, attention backend) of each variant
+VARIANTS = {
+    "matmuls only": (MatmulsOnly, SdpaPrefill),
+    "+ norm, rotary": (OneDNNOps, SdpaPrefill),
+    "+ prefill": (OneDNNOps, CpuBackend),
+}
 
 
 def _time_pair(ref, fast, rounds: int) -> dict:
@@ -121,8 +127,9 @@ def end_to_end(size: str, n: int, max_tokens: int, passes: int, dtype: str) -> d
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     tok_s: dict[str, list[float]] = {name: [] for name in VARIANTS}
     for _ in range(passes):
-        for name, ops in VARIANTS.items():
+        for name, (ops, attention) in VARIANTS.items():
             llm.engine.executor.driver_worker.model.set_ops(ops())
+            llm.engine.executor.driver_worker.model.set_attention_backend(attention())
             t0 = time.perf_counter()
             outs = llm.generate(prompts, sp)
             dt = time.perf_counter() - t0

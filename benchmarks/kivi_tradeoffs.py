@@ -99,7 +99,10 @@ CONFIGS: dict[str, KiviConfig] = {
 
 class KiviEmulation(KVStorageWrapper):
     """A dense storage whose full blocks, once outside the recent window and past the sink
-    blocks of a sequence that holds them, are replaced by their KIVI round trip."""
+    blocks of a sequence that holds them, are replaced by their KIVI round trip. Attention
+    backends read a wrapper only through ``gather`` (no fused kernel): as for the real KIVI
+    format, a prefill chunk then attends to its own tokens' fresh K/V and reads only the
+    context before it through the cache."""
 
     def __init__(self, inner: KVStorage, cfg: KiviConfig) -> None:
         super().__init__(inner)
@@ -151,12 +154,6 @@ class KiviEmulation(KVStorageWrapper):
         y = codecs.kivi_dequantize_values(*codecs.kivi_quantize_values(x, self.cfg.bits, group),
                                           bits=self.cfg.bits)  # fmt: skip
         return y.scatter(-1, idx, exact) if o else y
-
-    def fused_attention(self, layer, q, group, window, out) -> bool:  # noqa: ANN001
-        """Declined, as for the real KIVI format: a prefill chunk then attends to its own
-        tokens' fresh K/V and reads only the context before it through the cache. (Decode
-        attention reads the inner tensors, which hold the round-tripped values.)"""
-        return False
 
 
 def say(message: str) -> None:

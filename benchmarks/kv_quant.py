@@ -193,9 +193,9 @@ def throughput_section(
 
 def capture_kv(model: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of one n-token prompt through the model: [layers * kvh, n, d] each."""
+    from kvserve.attention.metadata import AttentionMetadata, PrefillChunk
     from kvserve.config import ModelConfig
     from kvserve.kv.storage import DenseKVStorage
-    from kvserve.model.attention import AttentionMetadata, PrefillChunk
     from kvserve.model.loader import load_model
 
     mc = ModelConfig.from_pretrained(model)
@@ -298,8 +298,8 @@ def codec_error_section(model: str, n: int) -> list[dict]:
 def path_logits(model, mc, fmt: str, prompt: list[int], path: list[int], greedy: bool):
     """Logits along a token path, decoding one token at a time through ``fmt``'s storage.
     With ``greedy`` the path is extended by the argmax instead (returns logits, path)."""
+    from kvserve.attention.metadata import AttentionMetadata, PrefillChunk
     from kvserve.kv.formats import make_kv_storage
-    from kvserve.model.attention import AttentionMetadata, PrefillChunk
 
     bs, n = 16, len(prompt)
     nb = (n + max(len(path), int(greedy)) + 2 * bs) // bs

@@ -88,7 +88,6 @@ def main() -> None:
     )
     args = ap.parse_args()
     threads = set_threads()
-    import kvserve.model.llama as llama_mod
     from kvserve import LLM, SamplingParams
 
     path = bench_model(args.model)
@@ -107,13 +106,15 @@ def main() -> None:
     t = Timers()
     for name in PARTS:  # every module of the model shares one ops object
         t.wrap(model.ops, name, name, exclusive=True)
-    t.wrap(model.ops, "causal_attention", "prefill attention kernel")
-    t.wrap(model.ops, "context_attention", "context attention kernel")
-    t.wrap(llama_mod, "paged_attention", "attention (+KV write)")
+    attention = runner.attention  # one backend object serves every layer
+    t.wrap(attention, "causal_prefill", "prefill attention kernel")
+    t.wrap(attention, "context_prefill", "context attention kernel")
+    t.wrap(attention, "forward", "attention (+KV write)")
+    for name in ("decode", "fused_group"):
+        t.wrap(attention, name, f"attention.{name}")
     storage = e.executor.driver_worker.storage
-    for name in ("write", "decode_attention", "fused_attention", "gather"):
-        if hasattr(storage, name):
-            t.wrap(storage, name, f"storage.{name}")
+    for name in ("write", "gather"):
+        t.wrap(storage, name, f"storage.{name}")
     t.wrap(model, "forward", "model forward")
     t.wrap(model, "logits", "LM head", exclusive=True)  # its linear is not counted again
     t.wrap(runner, "sampler", "sampling")
@@ -194,7 +195,7 @@ def main() -> None:
             ("  of it: KV write", a.get("storage.write", 0.0), None),
             (
                 "  of it: decode kernel",
-                a.get("storage.decode_attention", 0.0) + a.get("storage.fused_attention", 0.0),
+                a.get("attention.decode", 0.0) + a.get("attention.fused_group", 0.0),
                 None,
             ),
             ("  of it: cache gather (continuing chunks)", a.get("storage.gather", 0.0), None),

@@ -607,6 +607,16 @@ class EngineConfig:
         default="cpu", metadata={"help": "torch device of the model and the KV pool"}
     )
     seed: int = field(default=0, metadata={"help": "seed of the sampler's random generator"})
+    # The name is checked against the registry and the device when the engine is built
+    # (this module sits below the registry).
+    attention_backend: str | None = field(
+        default=None,
+        metadata={"help": "how attention is computed: 'torch' (gather + SDPA, the reference, "
+                  "any device) or 'cpu' (kvserve's C kernels, the reference wherever one "
+                  "declines); 'auto' or none picks by device: 'cpu' on a CPU where the "
+                  "kernels build, else 'torch'",
+                  "choices": "kvserve.attention.registry:ATTENTION_BACKEND_CHOICES"},
+    )  # fmt: skip
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -627,3 +637,15 @@ class EngineConfig:
             raise ConfigError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not isinstance(self.seed, int):
             raise ConfigError(f"seed: must be an integer, got {self.seed!r}")
+        if self.attention_backend is not None and (
+            not isinstance(self.attention_backend, str) or not self.attention_backend
+        ):
+            raise ConfigError(
+                f"attention_backend: must be a backend name or None, got {self.attention_backend!r}"
+            )
+        if self.attention_backend is not None and (
+            not isinstance(self.attention_backend, str) or not self.attention_backend
+        ):
+            raise ConfigError(
+                f"attention_backend: must be a backend name or None, got {self.attention_backend!r}"
+            )

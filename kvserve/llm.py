@@ -5,6 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
+from kvserve.attention.registry import AUTO, resolve_backend
 from kvserve.config import EngineConfig
 from kvserve.config_fields import build_config
 from kvserve.engine import EngineStats, LLMEngine, PromptType
@@ -20,7 +23,11 @@ def engine_config(model: str, **kwargs: Any) -> EngineConfig:
     its field's default (:mod:`kvserve.config_fields`). The simulator builds an engine from
     the same arguments. Raises :class:`~kvserve.config_fields.UnknownSettingError` (a
     ``ConfigError`` and a ``TypeError``) naming a keyword that is no setting."""
-    return build_config(EngineConfig, model=str(model), **kwargs)
+    config = build_config(EngineConfig, model=str(model), **kwargs)
+    name = config.attention_backend
+    if name is not None and name != AUTO:  # refused now, before anything is loaded
+        resolve_backend(name, torch.device(config.device))
+    return config
 
 
 class LLM:

@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from kvserve import kernels
+from kvserve.attention.cpu_backend import CpuBackend
+from kvserve.attention.metadata import AttentionMetadata
+from kvserve.attention.torch_backend import TorchBackend, reference_attention
 from kvserve.kernels import amx, pointwise, prefill, quant
 from kvserve.kv.storage import DenseKVStorage
-from kvserve.model.attention import AttentionMetadata, paged_attention, reference_attention
 
 pytestmark = pytest.mark.skipif(
     not kernels.native_available(), reason="no C compiler: the reference path is in use"
@@ -71,7 +73,7 @@ def test_decode_kernel_matches_reference(dtype, kv_heads, heads, window, bs, d):
         torch.testing.assert_close(fused[i : i + 1], ref, atol=2e-5, rtol=1e-4)
 
 
-def test_paged_attention_uses_same_math_with_and_without_kernel():
+def test_cpu_backend_uses_same_math_as_the_reference_backend():
     torch.manual_seed(1)
     bs, d, kvh, h = 4, 8, 2, 4
     storage = DenseKVStorage(1, 16, bs, kvh, d, torch.float32)
@@ -84,9 +86,8 @@ def test_paged_attention_uses_same_math_with_and_without_kernel():
     slots = torch.tensor([1 * bs + 1, 9 * bs + 1])  # position 9 of seq 0, 5 of seq 1
     meta = AttentionMetadata(slot_mapping=slots, block_size=bs, num_decode=2,
                              decode_block_tables=tables, decode_seq_lens=lens)  # fmt: skip
-    fast = paged_attention(q, k_new, v_new, 0, storage, meta)
-    storage.use_kernels = False
-    slow = paged_attention(q, k_new, v_new, 0, storage, meta)
+    fast = CpuBackend().forward(q, k_new, v_new, 0, storage, meta)
+    slow = TorchBackend().forward(q, k_new, v_new, 0, storage, meta)
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
 
 

@@ -9,17 +9,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kvserve.attention.metadata import AttentionMetadata, PrefillChunk
+from kvserve.attention.registry import make_backend
+from kvserve.attention.torch_backend import reference_attention
 from kvserve.config import ModelConfig
 from kvserve.kv import codecs
 from kvserve.kv.formats import kv_bytes_per_token, make_kv_storage
 from kvserve.kv.kivi_storage import KiviKVStorage
 from kvserve.kv.quant_storage import FP8_HEADROOM, Fp8KVStorage
-from kvserve.model.attention import (
-    AttentionMetadata,
-    PrefillChunk,
-    paged_attention,
-    reference_attention,
-)
 from kvserve.model.loader import load_model
 from kvserve.sched.request import SamplingParams
 from tests.conftest import prompts_of_lengths
@@ -80,9 +77,10 @@ def dequantize_all(st, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
             codecs.int8_dequantize(st.v_codes[layer], st.v_scale[layer]))  # fmt: skip
 
 
-def fill(st, lens: list[int], seed: int = 0):
-    """Prefill len-1 tokens per sequence, then one decode token each through paged_attention.
-    Returns (tables, exact K, exact V, decode q, decode output)."""
+def fill(st, lens: list[int], backend: str, seed: int = 0):
+    """Prefill len-1 tokens per sequence, then one decode token each through the attention
+    ``backend``. Returns (tables, exact K, exact V, decode q, decode output)."""
+    attend = make_backend(backend, st.device).forward
     g = torch.Generator().manual_seed(seed)
     bs, kvh, d = st.block_size, st.num_kv_heads, st.head_dim
     nb = max(-(-n // bs) for n in lens)
@@ -96,24 +94,24 @@ def fill(st, lens: list[int], seed: int = 0):
         meta = AttentionMetadata(slot_mapping=slots, block_size=bs,
                                  prefills=[PrefillChunk(0, n - 1, 0, None)])  # fmt: skip
         st.begin_step(slots)
-        paged_attention(torch.randn(n - 1, 2 * kvh, d), ks[i][:-1], vs[i][:-1], 0, st, meta)
+        attend(torch.randn(n - 1, 2 * kvh, d), ks[i][:-1], vs[i][:-1], 0, st, meta)
     last = torch.tensor(lens) - 1
     slots = tables[torch.arange(len(lens)), last // bs] * bs + last % bs
     q = torch.randn(len(lens), 2 * kvh, d, generator=g)
     meta = AttentionMetadata(slot_mapping=slots, block_size=bs, num_decode=len(lens),
                              decode_block_tables=tables, decode_seq_lens=last + 1)  # fmt: skip
     st.begin_step(slots)
-    out = paged_attention(q, torch.stack([k[-1] for k in ks]), torch.stack([v[-1] for v in vs]),
-                          0, st, meta)  # fmt: skip
+    out = attend(q, torch.stack([k[-1] for k in ks]), torch.stack([v[-1] for v in vs]), 0, st,
+                 meta)  # fmt: skip
     return tables, ks, vs, q, out
 
 
 @pytest.mark.parametrize("fmt", QUANT)
-@pytest.mark.parametrize("use_kernels", [True, False])
-def test_decode_attention_matches_dequantized_reference(fmt, use_kernels):
-    st = make_kv_storage(fmt, 1, 40, 4, 2, 32, torch.float32, use_kernels=use_kernels)
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_decode_attention_matches_dequantized_reference(fmt, backend):
+    st = make_kv_storage(fmt, 1, 40, 4, 2, 32, torch.float32)
     lens = [3, 9, 16, 21]
-    tables, ks, vs, q, out = fill(st, lens)
+    tables, ks, vs, q, out = fill(st, lens, backend)
     kd, vd = dequantize_all(st, 0)
     bs = st.block_size
     for i, n in enumerate(lens):
@@ -128,11 +126,13 @@ def test_decode_attention_matches_dequantized_reference(fmt, use_kernels):
 
 
 @pytest.mark.parametrize("fmt", QUANT)
-def test_prefill_chunk_reads_context_dequantized_and_itself_exact(fmt):
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_prefill_chunk_reads_context_dequantized_and_itself_exact(fmt, backend):
     """A second prefill chunk attends to the earlier chunk through the lossy cache and to its
     own tokens through their fresh K/V (as a whole-prompt prefill would), not to codes it has
     just written."""
     st = make_kv_storage(fmt, 1, 16, 4, 2, 32, torch.float32)
+    attend = make_backend(backend, st.device).forward
     g = torch.Generator().manual_seed(1)
     bs, kvh, d, ctx, n = st.block_size, st.num_kv_heads, st.head_dim, 12, 9
     table = torch.randperm(16, generator=g)[:6]
@@ -144,7 +144,7 @@ def test_prefill_chunk_reads_context_dequantized_and_itself_exact(fmt):
         meta = AttentionMetadata(slot_mapping=table[pos // bs] * bs + pos % bs, block_size=bs,
                                  prefills=[PrefillChunk(0, length, start, table)])  # fmt: skip
         st.begin_step(meta.slot_mapping)
-        out = paged_attention(q[pos], k[pos], v[pos], 0, st, meta)
+        out = attend(q[pos], k[pos], v[pos], 0, st, meta)
     kd, vd = dequantize_all(st, 0)
     ctx_pos = torch.arange(ctx)
     keys = torch.cat([kd[table[ctx_pos // bs], :, ctx_pos % bs], k[ctx:]])

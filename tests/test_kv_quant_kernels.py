@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvserve.attention.cpu_backend import CpuBackend
 from kvserve.kernels import quant
 from kvserve.kv.formats import make_kv_storage
 
@@ -43,7 +44,7 @@ def test_quant_kernel_matches_reference(fmt, kv_heads, heads, window, dtype, d, 
         st.begin_step(slots[-1:])
         st.write(0, slots[-1:], kv[-1:], -kv[-1:])
     q = torch.randn(len(lens), heads, d)
-    fused = st.decode_attention(0, q, tables, lens, window)
+    fused = CpuBackend().decode(0, q, st, tables, lens, window, None)
     assert fused is not None
     st.dtype = torch.float32  # reference: the same stored codes, decoded exactly in float32
     kc, vc = st.gather(0, tables)

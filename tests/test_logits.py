@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvserve.attention.metadata import AttentionMetadata, PrefillChunk
 from kvserve.kv.storage import DenseKVStorage
-from kvserve.model.attention import AttentionMetadata, PrefillChunk
 from tests.conftest import CHECKPOINTS, prompts_of_lengths
 
 transformers = pytest.importorskip("transformers")

@@ -384,8 +384,8 @@ def test_sharded_model_matches_transformers(checkpoint, name, overrides, world_s
     """The whole model loaded as ``world_size`` ranks (each with its KV heads' cache), a
     prompt then one decode step: the float32 logits every rank computes match transformers'
     on the checkpoint within the unsharded model's tolerance (tests/test_logits.py)."""
+    from kvserve.attention.metadata import AttentionMetadata, PrefillChunk
     from kvserve.kv.storage import DenseKVStorage
-    from kvserve.model.attention import AttentionMetadata, PrefillChunk
     from kvserve.model.loader import load_model
 
     path = checkpoint(name, **overrides)

@@ -1,19 +1,16 @@
-"""The causal prefill kernel against naive attention, and its place in paged_attention."""
+"""The causal prefill kernel against naive attention, and its place in the CPU attention
+backend."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kvserve.attention.cpu_backend import CpuBackend
+from kvserve.attention.metadata import AttentionMetadata, PrefillChunk
+from kvserve.attention.torch_backend import TorchBackend, reference_attention
 from kvserve.kernels import prefill
 from kvserve.kv.storage import DenseKVStorage
-from kvserve.model.attention import (
-    AttentionMetadata,
-    PrefillChunk,
-    paged_attention,
-    reference_attention,
-)
-from kvserve.model.linear_ops import OneDNNOps, TorchOps
 
 pytestmark = pytest.mark.skipif(
     not prefill.native_available(), reason="no C compiler: SDPA serves every prefill"
@@ -74,9 +71,15 @@ def test_prefill_kernel_declines_what_it_does_not_handle():
     assert torch.equal(out, torch.zeros_like(out))  # nothing written
 
 
+class CausalOnly(TorchBackend):
+    """The reference backend with the CPU backend's causal prefill kernel alone."""
+
+    causal_prefill = CpuBackend.causal_prefill
+
+
 def test_paged_attention_routes_fresh_chunks_to_the_kernel_only():
     """One step with a decode row, a chunk that starts its sequence (kernel) and a chunk that
-    continues a cached context (SDPA after a gather): the fast backend's result equals the
+    continues a cached context (SDPA after a gather): the causal kernel's result equals the
     reference backend's within bf16 rounding, and rows outside fresh chunks are identical."""
     torch.manual_seed(3)
     bs, h, kvh, d = 16, 4, 2, 64
@@ -104,8 +107,8 @@ def test_paged_attention_routes_fresh_chunks_to_the_kernel_only():
     )
     # chunk C's slots: block 8 holds positions 16-31 after its context block 7
     meta.slot_mapping[41:] = torch.cat([8 * bs + torch.arange(16), 9 * bs + torch.arange(14)])
-    want = paged_attention(q, k, v, 0, ref_store, meta, None, TorchOps().causal_attention)
-    got = paged_attention(q, k, v, 0, fast_store, meta, None, OneDNNOps().causal_attention)
+    want = TorchBackend().forward(q, k, v, 0, ref_store, meta)
+    got = CausalOnly().forward(q, k, v, 0, fast_store, meta)
     fresh = slice(1, 41)
     torch.testing.assert_close(got[fresh].float(), want[fresh].float(), atol=1.6e-2, rtol=1.6e-2)
     assert not torch.equal(got[fresh], torch.zeros_like(got[fresh]))
@@ -185,9 +188,9 @@ def test_context_kernel_declines_what_it_does_not_handle():
 
 
 def test_paged_attention_routes_continuing_chunks_to_the_context_kernel():
-    """The routing test's step with the fast backend's context kernel too: chunk C (30 tokens
-    after a cached block) now runs in the kernel, and every row still equals the reference
-    backend's within bf16 rounding."""
+    """The routing test's step through the CPU backend, its context kernel too: chunk C (30
+    tokens after a cached block) now runs in the kernel, and every row still equals the
+    reference backend's within bf16 rounding."""
     torch.manual_seed(3)
     bs, h, kvh, d = 16, 4, 2, 64
     ref_store = DenseKVStorage(1, 32, bs, kvh, d, torch.bfloat16)
@@ -203,16 +206,15 @@ def test_paged_attention_routes_continuing_chunks_to_the_context_kernel():
         block_size=bs,
         prefills=[PrefillChunk(0, 40, 0, None), PrefillChunk(40, 30, 16, torch.tensor([7, 8, 9]))],
     )  # fmt: skip
-    ops = TorchOps()
-    want = paged_attention(q, k, v, 0, ref_store, meta, None, ops.causal_attention,
-                           ops.context_attention)  # fmt: skip
+    want = TorchBackend().forward(q, k, v, 0, ref_store, meta)
     calls = []
-    fast = OneDNNOps()
+    fast = CpuBackend()
 
     def context(*args):
-        calls.append(fast.context_attention(*args))
+        calls.append(CpuBackend.context_prefill(fast, *args))
         return calls[-1]
 
-    got = paged_attention(q, k, v, 0, fast_store, meta, None, fast.causal_attention, context)
+    fast.context_prefill = context
+    got = fast.forward(q, k, v, 0, fast_store, meta)
     assert calls == [True]  # chunk C only: the fresh chunk goes to the causal kernel
     torch.testing.assert_close(got.float(), want.float(), atol=1.6e-2, rtol=1.6e-2)

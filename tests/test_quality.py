@@ -45,16 +45,9 @@ def one_thread():
 
 class ZeroFirstHalf(KVStorageWrapper):
     """Test-only corruption: every read of the cache sees the first half of each sequence's
-    blocks zeroed (K and V). Fused kernels are declined so that every read goes through
-    ``gather``."""
+    blocks zeroed (K and V). Attention backends read a wrapper only through ``gather``."""
 
     second_half = False
-
-    def fused_attention(self, *args) -> bool:  # noqa: ANN002
-        return False
-
-    def decode_attention(self, *args) -> None:  # noqa: ANN002
-        return None
 
     def gather(self, layer, block_tables):  # noqa: ANN001
         k, v = self.inner.gather(layer, block_tables)

@@ -191,7 +191,7 @@ def paged_attention(
     q/out: [T, H, D] (rows ``[0, group.num_rows)`` are touched); k_cache/v_cache:
     [num_blocks, KVH, block_size, D]; ``group`` has int64 tensors q_start, q_len, ctx_len [B]
     and block_tables [B, n], and ``windows`` (int32 [B], a sequence's retention window, 0 for
-    none) or None (see :class:`kvserve.model.attention.PagedGroup`). ``window`` is the layer's.
+    none) or None (see :class:`kvserve.attention.metadata.PagedGroup`). ``window`` is the layer's.
 
     ``votes`` (H2O's attention mass), int64 [B] addresses and row strides: for each sequence
     whose address is not 0, the probability each visible key receives, summed over the
@@ -201,7 +201,7 @@ def paged_attention(
     StreamingLLM: ``group.sinks`` (int32 [B], or None) gives a windowed sequence's sink count;
     each of its rows also sees the sink keys before its window, scored with its row of
     ``q_back`` (the query rotated back by the row's position shift, see
-    :func:`kvserve.model.attention.rotate_back`).
+    :func:`kvserve.attention.rotary.rotate_back`).
     """
     lib = _LIB.get()
     assert lib is not None

@@ -1,7 +1,7 @@
 /* Attention straight from the paged KV cache, one pass over each block.
  *
- * The plain-PyTorch path (kvserve/model/attention.py) first gathers every sequence's blocks
- * into a padded batch and then runs SDPA: K and V are read, written and read again, and the
+ * The plain-PyTorch path (the torch attention backend, kvserve/attention/torch_backend.py)
+ * first gathers every sequence's blocks into a padded batch and then runs SDPA: K and V are read, written and read again, and the
  * padding is read too. This kernel reads each cached K/V row once, in place, with an online
  * softmax (running max and sum per query row), so decode attention runs close to the memory
  * bandwidth. It serves decode tokens (one query per sequence) and short chunks that continue

@@ -3,10 +3,10 @@
 sequence, over its gathered context and its own K/V when it continues one. Built on first use
 with the system C compiler and loaded with ctypes.
 
-SDPA (``is_causal=True``) stays the reference in kvserve/model/attention.py; tests compare the
-two. :func:`prefill_attention` returns False, with nothing written, wherever the kernel does
-not apply (no compiler or no AVX-512, ``KVSERVE_DISABLE_KERNELS=1``, float16, an unsupported
-head size or layout), and the caller runs SDPA.
+SDPA (``is_causal=True``) stays the reference in kvserve/attention/torch_backend.py; tests
+compare the two. :func:`prefill_attention` returns False, with nothing written, wherever the
+kernel does not apply (no compiler or no AVX-512, ``KVSERVE_DISABLE_KERNELS=1``, float16, an
+unsupported head size or layout), and the caller runs SDPA.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ with the system C compiler and loaded with ctypes, like the dense kernel beside 
 
 The storages' ``gather`` (dequantize every block, then SDPA) stays the reference path; tests
 compare the two. ``KVSERVE_DISABLE_KERNELS=1`` or a missing compiler selects the reference.
-The kernel never sees a storage object: each storage passes its tensors through a
-:class:`CacheView`, so this module depends on no KV format's internals.
+The kernel never sees a storage object: the CPU attention backend passes each format's tensors
+through a :class:`CacheView`, so this module depends on no KV format's internals.
 """
 
 from __future__ import annotations
@@ -84,8 +84,9 @@ def supports(q: torch.Tensor, num_kv_heads: int, head_dim: int, block_size: int,
 
 class CacheView:
     """One layer's stored codes and metadata as the kernel reads them: a C descriptor plus
-    the tensors it points into (kept alive here). Storages build one per layer and keep it
-    while their tensors stay where they are."""
+    the tensors it points into (kept alive here). The CPU attention backend builds one per
+    layer and keeps it (``KVStorage.kernel_views``) while the layer's tensors stay where they
+    are."""
 
     __slots__ = ("desc", "keep")
 

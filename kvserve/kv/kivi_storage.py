@@ -138,9 +138,9 @@ class KiviKVStorage(KVStorage):
         # Full blocks still in the residual, waiting to be quantized together (insertion order).
         self.pending: dict[int, None] = {}
         self.flush_batch = max(1, flush_batch)
-        self._res_t = torch.from_numpy(self.res_of_block.copy()).to(dev)
+        # The same map on the device, for reads and kernels (copied when it changes).
+        self.res_of_block_t = torch.from_numpy(self.res_of_block.copy()).to(dev)
         self._plan: _WritePlan | None = None
-        self._views: dict[int, Any] = {}
         # Counters the tests read: each token must be quantized O(1) times.
         self.blocks_quantized = 0
         self.tokens_written = 0
@@ -241,7 +241,7 @@ class KiviKVStorage(KVStorage):
             self._free_res.append(s)
 
     def _sync_residual_map(self) -> None:
-        self._res_t = torch.from_numpy(self.res_of_block.copy()).to(self.device)
+        self.res_of_block_t = torch.from_numpy(self.res_of_block.copy()).to(self.device)
 
     def release_blocks(self, block_ids: list[int]) -> None:
         """Reclaim the residual slots of blocks freed while partial. Pending full blocks keep
@@ -385,7 +385,7 @@ class KiviKVStorage(KVStorage):
             self.v_codes[layer][blocks], self.v_scale[layer][blocks], self.v_zero[layer][blocks],
             self.bits, self.dtype,
         )  # fmt: skip
-        res = self._res_t[blocks]
+        res = self.res_of_block_t[blocks]
         idx = (res >= 0).nonzero().squeeze(1)
         if idx.numel():
             k[idx] = self.res_k[layer][res[idx]].to(k.dtype)
@@ -401,24 +401,6 @@ class KiviKVStorage(KVStorage):
             return x.view(b, n, *x.shape[1:]).transpose(1, 2).reshape(shape)
 
         return one(k), one(v)
-
-    def decode_attention(self, layer, q, block_tables, seq_lens, window, seq_windows=None):  # noqa: ANN001
-        from kvserve.kernels import quant
-
-        rk, rv = self.res_k[layer], self.res_v[layer]
-        if not self.use_kernels or not quant.supports(
-            q, self.num_kv_heads, self.head_dim, self.block_size, self.device, rk.dtype
-        ):
-            return None
-        view = self._views.get(layer)
-        if view is None:
-            view = self._views[layer] = quant.kivi_view(
-                self.k_codes[layer], self.v_codes[layer], self.k_meta[layer], self.k_base[layer],
-                self.v_scale[layer], self.v_zero[layer], self.bits, self.group, self.head_dim,
-                codecs.KEY_SCALE_STEPS,
-            )  # fmt: skip
-        return quant.decode(view, q, block_tables, seq_lens, window, (self._res_t, rk, rv),
-                            self.key_rotation, seq_windows)  # fmt: skip
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: a partial source copies its residual rows into a residual slot of

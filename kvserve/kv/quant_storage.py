@@ -59,7 +59,6 @@ class Fp8KVStorage(KVStorage):
         self.k_scale = self._scales(k_scales)
         self.v_scale = self._scales(v_scales)
         self.calibrated = [k_scales is not None and v_scales is not None] * num_layers
-        self._views: dict[int, Any] = {}
 
     @classmethod
     def from_format(cls, name: str, num_layers: int, num_blocks: int, block_size: int,
@@ -122,7 +121,7 @@ class Fp8KVStorage(KVStorage):
             self.k_scale[layer] = codecs.fp8_scale_from_amax(k_amax, self.fp8_dtype, FP8_HEADROOM)
             self.v_scale[layer] = codecs.fp8_scale_from_amax(v_amax, self.fp8_dtype, FP8_HEADROOM)
             self.calibrated[layer] = True
-            self._views.pop(layer, None)
+            self.kernel_views.pop(layer, None)
 
     def write(
         self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -143,21 +142,6 @@ class Fp8KVStorage(KVStorage):
             self.gather_blocks(block_tables, decode(self.k_scale[layer]), self.k_codes[layer]),
             self.gather_blocks(block_tables, decode(self.v_scale[layer]), self.v_codes[layer]),
         )
-
-    def decode_attention(self, layer, q, block_tables, seq_lens, window, seq_windows=None):  # noqa: ANN001
-        from kvserve.kernels import quant
-
-        if not self.use_kernels or not quant.supports(
-            q, self.num_kv_heads, self.head_dim, self.block_size, self.device
-        ):
-            return None
-        view = self._views.get(layer)
-        if view is None:
-            view = quant.fp8_view(self.k_codes[layer], self.v_codes[layer], self.k_scale[layer],
-                                  self.v_scale[layer], self.fp8_dtype)  # fmt: skip
-            if self.calibrated[layer]:  # scales may still change until then: no caching
-                self._views[layer] = view
-        return quant.decode(view, q, block_tables, seq_lens, window, seq_windows=seq_windows)
 
     # -- pool-wide scales travel with exported blocks ------------------------------------------
     def _export_pool(self) -> dict[str, Any]:
@@ -186,7 +170,7 @@ class Fp8KVStorage(KVStorage):
                 self.k_scale[layer] = pool["k_scale"][layer].to(self.device).clone()
                 self.v_scale[layer] = pool["v_scale"][layer].to(self.device).clone()
                 self.calibrated[layer] = True
-                self._views.pop(layer, None)
+                self.kernel_views.pop(layer, None)
 
 
 class Int8KVStorage(KVStorage):
@@ -217,7 +201,6 @@ class Int8KVStorage(KVStorage):
         self.v_codes = self.per_layer(*shape, dtype=torch.int8)
         self.k_scale = self.per_layer(*sshape, dtype=torch.float16)
         self.v_scale = self.per_layer(*sshape, dtype=torch.float16)
-        self._views: dict[int, Any] = {}
 
     @classmethod
     def format_bytes_per_token(
@@ -249,17 +232,3 @@ class Int8KVStorage(KVStorage):
         k = self.gather_blocks(block_tables, decode, self.k_codes[layer], self.k_scale[layer])
         v = self.gather_blocks(block_tables, decode, self.v_codes[layer], self.v_scale[layer])
         return k, v
-
-    def decode_attention(self, layer, q, block_tables, seq_lens, window, seq_windows=None):  # noqa: ANN001
-        from kvserve.kernels import quant
-
-        if not self.use_kernels or not quant.supports(
-            q, self.num_kv_heads, self.head_dim, self.block_size, self.device
-        ):
-            return None
-        view = self._views.get(layer)
-        if view is None:
-            view = self._views[layer] = quant.int8_view(
-                self.k_codes[layer], self.v_codes[layer], self.k_scale[layer], self.v_scale[layer]
-            )
-        return quant.decode(view, q, block_tables, seq_lens, window, seq_windows=seq_windows)

@@ -1,13 +1,14 @@
 """Where K/V bytes live: one interface every KV format implements, and the dense format.
 
-The storage is the seam between the paged cache and its storage format. The model writes new
-K/V through :meth:`KVStorage.write` and reads whole blocks back, in the compute dtype, through
-:meth:`KVStorage.gather` (the reference path) or a fused kernel (:meth:`decode_attention`,
-:meth:`fused_attention`). The runner applies the KV manager's record of the step around the
-forward pass: :meth:`release_blocks` for blocks whose last reference went, :meth:`copy_blocks`
-for copy-on-write, :meth:`begin_step` with the step's slot mapping. :meth:`export_blocks` /
-:meth:`import_blocks` move the exact stored bytes of blocks out of and into a pool (another
-engine's, a host tier), bit for bit.
+The storage is the seam between the paged cache and its storage format: it owns the layout
+and nothing else. Attention (:mod:`kvserve.attention`) writes new K/V through
+:meth:`KVStorage.write` and reads whole blocks back, in the compute dtype, through
+:meth:`KVStorage.gather` (the reference path, any format); a backend with kernels for a format
+reads that format's tensors itself. The runner applies the KV manager's record of the step
+around the forward pass: :meth:`release_blocks` for blocks whose last reference went,
+:meth:`copy_blocks` for copy-on-write, :meth:`begin_step` with the step's slot mapping.
+:meth:`export_blocks` / :meth:`import_blocks` move the exact stored bytes of blocks out of and
+into a pool (another engine's, a host tier), bit for bit.
 
 Every per-block tensor has ``num_blocks + 1`` rows: the last row is the **null block**
 (``null_block``), which pads block tables and stands for a dropped block. It is never handed
@@ -172,7 +173,13 @@ class KVStorage(ABC):
         self.head_dim = head_dim
         self.dtype = dtype  # the compute dtype that gather returns
         self.device = torch.device(device)
+        # The format's native write path where it has one (the dense format's); attention's
+        # kernels are the attention backend's choice.
         self.use_kernels = use_kernels
+        # Per-layer descriptors an attention backend built over this layer's tensors
+        # (kvserve.attention.cpu_backend); a format drops a layer's entry whenever it replaces
+        # that layer's tensors (fp8's scales), so no kernel reads through a stale pointer.
+        self.kernel_views: dict[int, Any] = {}
         # Hybrid models (kvserve.kv.layer_groups): layer l's per-block tensors are those of slot
         # layer_slots[l], shared by the layers of other groups (a block belongs to one group).
         self.layer_slots = layer_slots
@@ -324,37 +331,6 @@ class KVStorage(ABC):
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of whole blocks, ``[B, kv_heads, n * block_size, head_dim]`` for
         ``block_tables`` of shape ``[B, n]`` (the reference path)."""
-
-    def decode_attention(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        window: int | None,
-        seq_windows: torch.Tensor | None = None,
-    ) -> torch.Tensor | None:
-        """Fused decode attention straight from the blocks, or None when no kernel applies
-        (the caller then gathers and runs SDPA). ``window`` is the layer's sliding window,
-        ``seq_windows`` [B] each sequence's retention window (0: none)."""
-        return None
-
-    def fused_attention(
-        self, layer: int, q: torch.Tensor, group: Any, window: int | None, out: torch.Tensor,
-        q_back: torch.Tensor | None = None,
-    ) -> bool:  # fmt: skip
-        """Attend the rows of a :class:`~kvserve.model.attention.PagedGroup` (decode tokens
-        and short continuation chunks) straight from the blocks, writing into ``out``; False
-        when this format has no such kernel. ``q_back``: the queries rotated back for the
-        group's sink keys (StreamingLLM), when it has any."""
-        return False
-
-    @property
-    def fused_retention(self) -> bool:
-        """Whether :meth:`fused_attention` serves retention's extras: H2O's attention mass
-        as a side output (the group's ``votes``) and StreamingLLM's sink keys (its ``sinks``).
-        A format without them serves those sequences on the per-sequence reference paths."""
-        return False
 
     # -- moving blocks -------------------------------------------------------------------------
     def identity(self) -> dict[str, Any]:
@@ -531,52 +507,6 @@ class DenseKVStorage(KVStorage):
             self.gather_blocks(block_tables, lambda x: x, self.v[layer]),
         )
 
-    def decode_attention(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        window: int | None,
-        seq_windows: torch.Tensor | None = None,
-    ) -> torch.Tensor | None:
-        from kvserve import kernels
-
-        if not self._kernel_applies(q):
-            return None
-        return kernels.paged_decode_attention(
-            q, self.k[layer], self.v[layer], block_tables, seq_lens, window, seq_windows
-        )
-
-    def fused_attention(
-        self, layer: int, q: torch.Tensor, group: Any, window: int | None, out: torch.Tensor,
-        q_back: torch.Tensor | None = None,
-    ) -> bool:  # fmt: skip
-        from kvserve import kernels
-
-        if not self._kernel_applies(q):
-            return False
-        votes = getattr(group, "votes", None)
-        votes = None if votes is None else votes.of_layer(layer)
-        kernels.paged_attention(q, self.k[layer], self.v[layer], group, window, out, votes, q_back)
-        return True
-
-    @property
-    def fused_retention(self) -> bool:
-        from kvserve import kernels
-
-        return self.use_kernels and kernels.supports(
-            self.dtype, self.device, 1, self.head_dim, self.block_size
-        )
-
-    def _kernel_applies(self, q: torch.Tensor) -> bool:
-        from kvserve import kernels
-
-        g = q.shape[1] // self.num_kv_heads
-        return self.use_kernels and kernels.supports(
-            self.dtype, self.device, g, self.head_dim, self.block_size
-        )
-
 
 class KVStorageWrapper(KVStorage):
     """A storage that forwards every call to ``inner``: subclass it to instrument or corrupt
@@ -618,12 +548,6 @@ class KVStorageWrapper(KVStorage):
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.inner.gather(layer, block_tables)
-
-    def decode_attention(self, layer, q, block_tables, seq_lens, window, seq_windows=None):  # noqa: ANN001, ANN201
-        return self.inner.decode_attention(layer, q, block_tables, seq_lens, window, seq_windows)
-
-    def fused_attention(self, layer, q, group, window, out) -> bool:  # noqa: ANN001
-        return self.inner.fused_attention(layer, q, group, window, out)
 
     def identity(self) -> dict[str, Any]:
         return self.inner.identity()

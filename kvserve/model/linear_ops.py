@@ -4,13 +4,11 @@
 ``RMSNorm`` / ``RotaryEmbedding`` modules' own forward. ``OneDNNOps`` is the CPU fast path:
 oneDNN matmuls with fused epilogues (SiLU on the gate projection, the product with the up
 projection, the residual add after ``o_proj`` and ``down_proj``), so the MLP's intermediate
-activations are written once instead of four times, the native RMSNorm and in-place rotary
-kernels (kvserve/kernels/pointwise.c), which replace chains of full-size temporaries, and the
-causal attention of prefill chunks, those that start a sequence and those that continue one
-(kvserve/kernels/prefill_attention.c), which skips the key blocks above the diagonal that
-SDPA's CPU kernel computes below 768 queries. The kernels round where the references round
-(rotary is bit-identical); RMSNorm's sum of squares and the attention's sums run in their own
-order, so float32 results match the reference to rounding, as oneDNN's GEMMs do. ``AMXOps``
+activations are written once instead of four times, and the native RMSNorm and in-place
+rotary kernels (kvserve/kernels/pointwise.c), which replace chains of full-size temporaries
+(attention is the attention backend's, :mod:`kvserve.attention`). The kernels round where the
+references round (rotary is bit-identical); RMSNorm's sum of squares runs in its own order,
+so float32 results match the reference to rounding, as oneDNN's GEMMs do. ``AMXOps``
 and ``UpcastOps`` are bf16 variants of it for CPUs with and without AMX tiles. The parallel
 linear modules (:mod:`kvserve.model.layers`) each hold the backend and call these methods, so
 the model code never knows which backend runs; tests compare the two, and the float32
@@ -26,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve import envs
-from kvserve.kernels import amx, best_time, pointwise, prefill
+from kvserve.kernels import amx, best_time, pointwise
 
 # The GEMMs of a step by name: a decoder layer's QKV, output (with the residual add), gate
 # (SiLU), up (product) and down (add) projections, and the LM head's. The simulator's cost
@@ -174,29 +172,6 @@ class TorchOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return rotary(positions, q, k)
 
-    def causal_attention(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        window: int | None,
-    ) -> bool:
-        """Attention of a chunk that starts its sequence, into ``out``; False = use SDPA."""
-        return False
-
-    def context_attention(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        window: int | None,
-    ) -> bool:
-        """Attention of a chunk that continues its sequence, over the whole sequence's keys
-        (``k``/``v`` [context + chunk, KVH, D]), into ``out``; False = use SDPA."""
-        return False
-
 
 class OneDNNOps(TorchOps):
     """``prepack``: keep every matrix in oneDNN's blocked layout for this CPU (packed once at
@@ -263,26 +238,6 @@ class OneDNNOps(TorchOps):
         if pointwise.rotary_(positions, q, k, rotary.cos, rotary.sin):
             return q, k
         return rotary(positions, q, k)
-
-    def causal_attention(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        window: int | None,
-    ) -> bool:
-        return prefill.prefill_attention(q, k, v, out, window)
-
-    def context_attention(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        window: int | None,
-    ) -> bool:
-        return prefill.context_attention(q, k, v, out, window)
 
 
 def _gate_up_weights(gate_up: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,9 +16,13 @@ import math
 import torch
 from torch import nn
 
+from kvserve.attention.backend import AttentionBackend
+from kvserve.attention.layer import Attention
+from kvserve.attention.metadata import AttentionMetadata
+from kvserve.attention.registry import make_backend
+from kvserve.attention.rotary import apply_rotary
 from kvserve.config import ModelConfig
 from kvserve.kv.storage import KVStorage
-from kvserve.model.attention import AttentionMetadata, apply_rotary, paged_attention
 from kvserve.model.layers import (
     MLP,
     ParallelLMHead,
@@ -92,6 +96,7 @@ class DecoderLayer(nn.Module):
         self,
         cfg: ModelConfig,
         layer_idx: int,
+        attention: AttentionBackend,
         tp: TensorParallelGroup | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -113,7 +118,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(h, cfg.intermediate_size, tp=tp, params_dtype=dtype)
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
-        self.ops: TorchOps = TorchOps()  # rotary and the attention kernels
+        self.ops: TorchOps = TorchOps()  # rotary
+        self.attn = Attention(attention, self.window)
 
     def forward(
         self,
@@ -135,8 +141,7 @@ class DecoderLayer(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = ops.rotary(rotary, positions, q, k)  # the fast path rotates q and k in place
-        attn = paged_attention(q, k, v, self.layer_idx, storage, meta, self.window,
-                               ops.causal_attention, ops.context_attention)  # fmt: skip
+        attn = self.attn(q, k, v, self.layer_idx, storage, meta)
         attn = attn.reshape(t, self.q_size)
         if rows is not None:
             attn, x = attn[rows], x[rows]
@@ -164,8 +169,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         h = cfg.hidden_size
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, h, tp=tp, params_dtype=dtype)
+        attention = make_backend(None, torch.device(device))  # the runner may choose another
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, tp, dtype) for i in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, i, attention, tp, dtype) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
         self.lm_head = ParallelLMHead(cfg.vocab_size, h, tp=tp, params_dtype=dtype)
@@ -213,6 +219,11 @@ class LlamaForCausalLM(nn.Module):
         self.ops = ops
         for layer in self.layers:
             layer.ops = ops
+
+    def set_attention_backend(self, backend: AttentionBackend) -> None:
+        """Choose the attention backend of every layer (see :mod:`kvserve.attention`)."""
+        for layer in self.layers:
+            layer.attn.backend = backend
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -75,7 +75,8 @@ class ScheduledSeq:
     def per_sequence(self) -> bool:
         """Needs more than the plain paged attention (sinks, a compaction's scoring, H2O's
         mass): the runner groups it for the fused kernel only where the KV format's kernel
-        serves retention (``KVStorage.fused_retention``), else attends it on its own."""
+        serves retention (``AttentionBackend.serves_retention``), else attends it on its
+        own."""
         return bool(self.sinks or self.compact or self.observe)
 
     @property

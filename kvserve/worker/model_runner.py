@@ -14,20 +14,15 @@ prompt rows a request asked logits for.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from kvserve.config import EngineConfig, ModelConfig
-from kvserve.connectors.base import KVConnector, KVConnectorOutput
-from kvserve.kernels.allocator import tune_host_allocator
-from kvserve.kernels.openmp import ThreadBinding
-from kvserve.kv.formats import canonical_kv_format, make_kv_storage
-from kvserve.kv.layer_groups import LayerGroups, engine_layer_groups
-from kvserve.kv.storage import KVStorage
-from kvserve.model.attention import (
+from kvserve.attention.backend import AttentionBackend
+from kvserve.attention.metadata import (
     KERNEL_MAX_QUERY,
     AttentionMetadata,
     Compaction,
@@ -36,11 +31,21 @@ from kvserve.model.attention import (
     PagedGroup,
     PrefillChunk,
 )
+from kvserve.attention.registry import make_backend
+from kvserve.config import EngineConfig, ModelConfig
+from kvserve.connectors.base import KVConnector, KVConnectorOutput
+from kvserve.kernels.allocator import tune_host_allocator
+from kvserve.kernels.openmp import ThreadBinding
+from kvserve.kv.formats import canonical_kv_format, make_kv_storage
+from kvserve.kv.layer_groups import LayerGroups, engine_layer_groups
+from kvserve.kv.storage import KVStorage
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import load_kv_scales, load_model, resolve_dtype
 from kvserve.model.resolve import resolve_model
 from kvserve.sample.sampler import Sampler, SamplingState
 from kvserve.sched.output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+
+log = logging.getLogger("kvserve.worker")
 
 
 class ModelRunner:
@@ -51,10 +56,16 @@ class ModelRunner:
         sampler: Sampler,
         device: torch.device,
         layer_groups: LayerGroups | None = None,
+        attention: AttentionBackend | None = None,
     ) -> None:
         """``layer_groups``: a hybrid model's per-group block tables (the storage's layers
-        alias its slots); each layer attends through its group's tables."""
+        alias its slots); each layer attends through its group's tables. ``attention``: the
+        attention backend every layer runs (None: the one the model chose for its device)."""
         self.model = model
+        if attention is None:
+            attention = make_backend(None, device)
+        model.set_attention_backend(attention)
+        self.attention = attention
         self.layer_groups = layer_groups
         self._group_of = layer_groups.group_of if layer_groups is not None else ()
         self.storage = storage
@@ -250,7 +261,7 @@ class ModelRunner:
         q_start = nd
         observed: list[tuple[int, int, list[int], list]] = []  # row, entries, table, mass
         voting: list[tuple[int, int, int, list]] = []  # group row, entries, new, mass
-        fused_retention = self.storage.fused_retention
+        fused_retention = self.attention.serves_retention(self.storage)
         for s in items[nd:]:
             n, c = s.num_tokens, s.num_cached
             ids.extend(s.token_ids)
@@ -309,6 +320,7 @@ def build_runner(config: EngineConfig, num_blocks: int, max_model_len: int) -> M
     mc = ModelConfig.from_pretrained(model_dir)
     dtype = resolve_dtype(config.dtype, mc)
     device = torch.device(config.device)
+    attention = make_backend(config.attention_backend, device)  # a bad name fails before loading
     if device.type == "cpu":
         tune_host_allocator()
     cc, sc = config.cache, config.scheduler
@@ -328,7 +340,8 @@ def build_runner(config: EngineConfig, num_blocks: int, max_model_len: int) -> M
         layer_slots=groups.slot_of if groups is not None else None,
     )  # fmt: skip
     sampler = Sampler(mc.vocab_size, config.seed, device)
-    return ModelRunner(model, storage, sampler, device, groups)
+    log.info("attention backend: %s", attention.name)
+    return ModelRunner(model, storage, sampler, device, groups, attention)
 
 
 def padded_tables(tables: list[list[int]], null: int) -> np.ndarray:
