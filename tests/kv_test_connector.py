@@ -10,7 +10,8 @@ Options (``kv_connector_extra_config``):
 - ``recv_steps``: steps between a load's start and its ``finished_recving`` notice (default 1);
 - ``fail_block``: index, within each load, of a block whose load fails (default none);
 - ``never_send``: never report a hold sent (the lease must free it);
-- ``lease_s``: the hold's lease.
+- ``lease_s``: the hold's lease;
+- ``layer_wise``: ask for the per-layer hooks (each call is recorded in ``layer_calls``).
 Every hook counts its calls in ``calls`` (the scheduler side's are read by the tests).
 """
 
@@ -35,6 +36,8 @@ class StoreConnector(KVConnector):
         self.fail_block = opts.get("fail_block")
         self.never_send = bool(opts.get("never_send", False))
         self.lease_s = float(opts.get("lease_s", self.lease_s))
+        self.layer_wise = bool(opts.get("layer_wise", False))
+        self.layer_calls: list[tuple[str, int]] = []
         self.block_size = config.cache.block_size
         self.calls: Counter[str] = Counter()
         # scheduler side
@@ -132,6 +135,12 @@ class StoreConnector(KVConnector):
                     continue
                 self.storage.import_blocks([b], pickle.loads(self._path(h).read_bytes()))
             self._receiving[rid] = self.recv_steps
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        self.layer_calls.append(("load", layer))
+
+    def save_kv_layer(self, layer: int) -> None:
+        self.layer_calls.append(("save", layer))
 
     def wait_for_save(self) -> None:
         self.calls["wait_for_save"] += 1

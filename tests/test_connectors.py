@@ -136,3 +136,17 @@ def test_a_connector_that_cannot_be_imported_is_refused_at_start(checkpoint, mak
     bad = {"kv_connector": "Missing", "kv_connector_module_path": "tests.kv_test_connector"}
     with pytest.raises(ConfigError, match="kv_connector: 'Missing'"):
         make_llm(checkpoint("llama_gqa"), kv_transfer_config=bad)
+
+
+@pytest.mark.parametrize("layer_wise", [True, False])
+def test_a_layer_wise_connector_is_called_around_each_layers_attention(
+    checkpoint, make_llm, tmp_path, layer_wise
+):
+    llm = make_llm(checkpoint("llama_gqa"), dtype="float32", block_size=BS, num_gpu_blocks=24,
+                   kv_transfer_config=connector(tmp_path, layer_wise=layer_wise))  # fmt: skip
+    worker_side = llm.engine.executor.driver_worker.connector
+    layers = llm.engine.model_config.num_hidden_layers
+    llm.generate([PROMPT[:20]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    steps = 3  # the prompt's step, then two decode steps
+    want = [(kind, i) for i in range(layers) for kind in ("load", "save")] * steps
+    assert worker_side.layer_calls == (want if layer_wise else [])

@@ -25,7 +25,7 @@ import torch
 from kvserve import kernels
 from kvserve.attention.metadata import PagedGroup
 from kvserve.attention.torch_backend import TorchBackend
-from kvserve.kernels import prefill, quant
+from kvserve.kernels import pointwise, prefill, quant
 from kvserve.kv import codecs
 from kvserve.kv.kivi_storage import KiviKVStorage
 from kvserve.kv.quant_storage import Fp8KVStorage, Int8KVStorage
@@ -51,6 +51,11 @@ class FormatKernels:
     def serves_retention(self, st: KVStorage) -> bool:
         return False
 
+    def write(
+        self, st: KVStorage, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> bool:
+        return False
+
 
 class DenseKernels(FormatKernels):
     """``paged_attention.c`` over full-precision blocks: decode rows, and the fused group
@@ -73,6 +78,10 @@ class DenseKernels(FormatKernels):
 
     def serves_retention(self, st: KVStorage) -> bool:
         return _dense_applies(st, 1)
+
+    def write(self, st, layer, slots, k, v) -> bool:  # noqa: ANN001
+        """The dense write kernel (one pass, no index tensors)."""
+        return pointwise.kv_write(st.k[layer], st.v[layer], slots, k, v)
 
 
 def _dense_applies(st: KVStorage, q_per_kv: int) -> bool:
@@ -149,6 +158,10 @@ class CpuBackend(TorchBackend):
 
     def serves_retention(self, storage: KVStorage) -> bool:
         return FORMAT_KERNELS.get(type(storage), _NONE).serves_retention(storage)
+
+    def write_kv(self, layer, storage, slot_mapping, k, v) -> bool:  # noqa: ANN001
+        fk = FORMAT_KERNELS.get(type(storage), _NONE)
+        return fk.write(storage, layer, slot_mapping, k, v)
 
     def fused_group(self, layer, q, storage, group, window, out, q_back) -> bool:  # noqa: ANN001
         fk = FORMAT_KERNELS.get(type(storage), _NONE)

@@ -34,5 +34,12 @@ class Attention:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Write the step's K/V of ``layer`` into ``storage`` and attend: q [T, H, D], k/v
-        [T, KVH, D] -> [T, H, D]."""
-        return self.backend.forward(q, k, v, layer, storage, meta, self.window)
+        [T, KVH, D] -> [T, H, D]. A layer-wise KV connector waits for the layer's loaded KV
+        before, and saves the layer's KV after."""
+        connector = meta.layer_connector
+        if connector is None:
+            return self.backend.forward(q, k, v, layer, storage, meta, self.window)
+        connector.wait_for_layer_load(layer)
+        out = self.backend.forward(q, k, v, layer, storage, meta, self.window)
+        connector.save_kv_layer(layer)
+        return out

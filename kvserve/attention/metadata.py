@@ -113,6 +113,10 @@ class AttentionMetadata:
     # A hybrid model's per-layer metadata (its layer group's block tables), or None: every
     # layer uses this one.
     by_layer: list[AttentionMetadata] | None = None
+    # A KV connector that moves KV layer by layer (its ``wait_for_layer_load`` before a
+    # layer's attention, its ``save_kv_layer`` after), or None: most move it around the
+    # whole forward pass, and the layers then pay nothing for it.
+    layer_connector: Any = None
     _masks: dict = field(default_factory=dict)
 
     def decode_mask(self, window: int | None) -> torch.Tensor:

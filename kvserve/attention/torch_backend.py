@@ -49,7 +49,8 @@ class TorchBackend(AttentionBackend):
         meta: AttentionMetadata,
         window: int | None = None,
     ) -> torch.Tensor:
-        storage.write(layer, meta.slot_mapping, k, v)
+        if not self.write_kv(layer, storage, meta.slot_mapping, k, v):
+            storage.write(layer, meta.slot_mapping, k, v)
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
         group = num_heads // num_kv_heads
@@ -132,6 +133,14 @@ class TorchBackend(AttentionBackend):
         return out
 
     # -- hooks a backend with kernels overrides; here each one declines ------------------------
+    def write_kv(
+        self, layer: int, storage: KVStorage, slot_mapping: torch.Tensor, k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> bool:  # fmt: skip
+        """Write the step's K/V (``[T, KVH, D]`` at flat slots) with a kernel of the backend's;
+        False to decline (the storage's own ``write`` runs)."""
+        return False
+
     def fused_group(
         self,
         layer: int,

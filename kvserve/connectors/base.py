@@ -97,6 +97,9 @@ class KVConnector:
     # keeps stepping the workers while one is in flight, though no request runs), or on the
     # scheduler side (:meth:`take_finished_loads`).
     loads_finish_on_workers: bool = True
+    # Whether the worker side moves KV layer by layer: the model's attention layers then call
+    # wait_for_layer_load and save_kv_layer (otherwise they are never called).
+    layer_wise: bool = False
 
     def __init__(self, role: Role) -> None:
         self.role = role

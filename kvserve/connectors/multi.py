@@ -41,6 +41,7 @@ class MultiConnector(KVConnector):
         self.connectors = connectors
         self.lease_s = max((c.lease_s for c in connectors), default=self.lease_s)
         self.loads_finish_on_workers = any(c.loads_finish_on_workers for c in connectors)
+        self.layer_wise = any(c.layer_wise for c in connectors)
         self._loader: dict[str, KVConnector] = {}  # request -> the connector loading it
         self._holding: dict[str, set[int]] = {}  # request -> connectors holding its blocks
 

@@ -130,7 +130,6 @@ def make_kv_storage(
     max_num_seqs: int = 256,
     k_scales: Any = None,
     v_scales: Any = None,
-    use_kernels: bool = True,
     layer_slots: tuple[int, ...] | None = None,
 ) -> KVStorage:
     """The storage for a format name (``auto`` and aliases resolved against ``dtype``);
@@ -142,6 +141,6 @@ def make_kv_storage(
     name = canonical_kv_format(name, str(dtype).removeprefix("torch."))
     return storage_class(name).from_format(
         name, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device,
-        max_num_seqs=max_num_seqs, k_scales=k_scales, v_scales=v_scales, use_kernels=use_kernels,
+        max_num_seqs=max_num_seqs, k_scales=k_scales, v_scales=v_scales,
         **({"layer_slots": layer_slots} if layer_slots is not None else {}),
     )  # fmt: skip

@@ -103,14 +103,13 @@ class KiviKVStorage(KVStorage):
         bits: int = 2,
         group: int = DEFAULT_VALUE_GROUP,
         num_residual: int = 64,
-        use_kernels: bool = True,
         flush_batch: int = FLUSH_BATCH,
         rotate_keys: bool = False,
     ) -> None:
         if bits not in (2, 4):
             raise ValueError(f"bits: must be 2 or 4, got {bits}")
         super().__init__(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype,
-                         device, use_kernels)  # fmt: skip
+                         device)  # fmt: skip
         dev = self.device
         self.bits = bits
         self.group = value_group(head_dim, group)
@@ -154,7 +153,7 @@ class KiviKVStorage(KVStorage):
         return cls(num_layers, num_blocks, block_size, num_kv_heads, head_dim, compute_dtype,
                    device, bits=int(name.removeprefix("kivi")), group=FORMAT_VALUE_GROUP[name],
                    num_residual=cls.residual_slots(options.get("max_num_seqs", 256)),
-                   use_kernels=options.get("use_kernels", True), rotate_keys=True)  # fmt: skip
+                   rotate_keys=True)  # fmt: skip
 
     @property
     def partial_block_capacity(self) -> int:

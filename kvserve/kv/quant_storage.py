@@ -46,11 +46,10 @@ class Fp8KVStorage(KVStorage):
         fp8_format: str = "fp8_e4m3",
         k_scales: torch.Tensor | None = None,
         v_scales: torch.Tensor | None = None,
-        use_kernels: bool = True,
         layer_slots: tuple[int, ...] | None = None,
     ) -> None:
         super().__init__(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype,
-                         device, use_kernels, layer_slots)  # fmt: skip
+                         device, layer_slots)  # fmt: skip
         self.fp8_dtype = codecs.FP8_DTYPES[fp8_format]
         self.format_name = fp8_format
         shape = (self.num_rows, num_kv_heads, block_size, head_dim)
@@ -69,7 +68,6 @@ class Fp8KVStorage(KVStorage):
         return cls(num_layers, num_blocks, block_size, num_kv_heads, head_dim, compute_dtype,
                    device, fp8_format=name, k_scales=options.get("k_scales"),
                    v_scales=options.get("v_scales"),
-                   use_kernels=options.get("use_kernels", True),
                    layer_slots=options.get("layer_slots"))  # fmt: skip
 
     def _scales(self, given: torch.Tensor | None) -> list[torch.Tensor]:
@@ -189,11 +187,10 @@ class Int8KVStorage(KVStorage):
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
-        use_kernels: bool = True,
         layer_slots: tuple[int, ...] | None = None,
     ) -> None:
         super().__init__(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype,
-                         device, use_kernels, layer_slots)  # fmt: skip
+                         device, layer_slots)  # fmt: skip
         self.format_name = "int8"
         shape = (self.num_rows, num_kv_heads, block_size, head_dim)
         sshape = (self.num_rows, num_kv_heads, block_size)

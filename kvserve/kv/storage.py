@@ -161,7 +161,6 @@ class KVStorage(ABC):
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
-        use_kernels: bool = True,
         layer_slots: tuple[int, ...] | None = None,
     ) -> None:
         if num_blocks < 1:
@@ -173,9 +172,6 @@ class KVStorage(ABC):
         self.head_dim = head_dim
         self.dtype = dtype  # the compute dtype that gather returns
         self.device = torch.device(device)
-        # The format's native write path where it has one (the dense format's); attention's
-        # kernels are the attention backend's choice.
-        self.use_kernels = use_kernels
         # Per-layer descriptors an attention backend built over this layer's tensors
         # (kvserve.attention.cpu_backend); a format drops a layer's entry whenever it replaces
         # that layer's tensors (fp8's scales), so no kernel reads through a stale pointer.
@@ -202,13 +198,12 @@ class KVStorage(ABC):
         max_num_seqs: int = 256,
         k_scales: torch.Tensor | None = None,
         v_scales: torch.Tensor | None = None,
-        use_kernels: bool = True,
         layer_slots: tuple[int, ...] | None = None,
     ) -> KVStorage:
         """The storage for canonical format ``name`` (one of :attr:`formats`). Formats
         ignore the options that do not concern them."""
         return cls(num_layers, num_blocks, block_size, num_kv_heads, head_dim, compute_dtype,
-                   device, use_kernels=use_kernels, layer_slots=layer_slots)  # fmt: skip
+                   device, layer_slots=layer_slots)  # fmt: skip
 
     @property
     def num_rows(self) -> int:
@@ -456,11 +451,10 @@ class DenseKVStorage(KVStorage):
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
-        use_kernels: bool = True,
         layer_slots: tuple[int, ...] | None = None,
     ) -> None:
         super().__init__(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype,
-                         device, use_kernels, layer_slots)  # fmt: skip
+                         device, layer_slots)  # fmt: skip
         self.format_name = str(dtype).removeprefix("torch.")
         shape = (self.num_rows, num_kv_heads, block_size, head_dim)
         self.k = self.per_layer(*shape, dtype=dtype)
@@ -471,10 +465,8 @@ class DenseKVStorage(KVStorage):
                     num_kv_heads: int, head_dim: int, compute_dtype: torch.dtype,
                     device: torch.device | str = "cpu", **options: Any) -> KVStorage:  # fmt: skip
         """The storage dtype is the format's own (``auto`` resolved to the model dtype)."""
-        kernels = options.get("use_kernels", True)
         return cls(num_layers, num_blocks, block_size, num_kv_heads, head_dim,
-                   TORCH_DTYPES[name], device, use_kernels=kernels,
-                   layer_slots=options.get("layer_slots"))  # fmt: skip
+                   TORCH_DTYPES[name], device, layer_slots=options.get("layer_slots"))  # fmt: skip
 
     @classmethod
     def format_bytes_per_token(
@@ -489,12 +481,7 @@ class DenseKVStorage(KVStorage):
     def write(
         self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        from kvserve.kernels import pointwise
-
-        if self.use_kernels and pointwise.kv_write(
-            self.k[layer], self.v[layer], slot_mapping, k, v
-        ):
-            return
+        """The reference write; the ``cpu`` attention backend writes with its kernel."""
         blk = slot_mapping // self.block_size
         off = slot_mapping % self.block_size
         self.k[layer][blk, :, off] = k.to(self.dtype)
@@ -514,7 +501,7 @@ class KVStorageWrapper(KVStorage):
 
     def __init__(self, inner: KVStorage) -> None:
         super().__init__(inner.num_layers, inner.num_blocks, inner.block_size, inner.num_kv_heads,
-                         inner.head_dim, inner.dtype, inner.device, inner.use_kernels,
+                         inner.head_dim, inner.dtype, inner.device,
                          inner.layer_slots)  # fmt: skip
         self.inner = inner
         self.format_name = inner.format_name

@@ -154,6 +154,9 @@ class ModelRunner:
         input_ids, positions, meta = self._prepare(items)
         if self.layer_groups is not None:
             meta.by_layer = self._group_metas(items, meta)
+        if self.connector is not None and self.connector.layer_wise:
+            for m in meta.by_layer or (meta,):
+                m.layer_connector = self.connector
         self.storage.begin_step(meta.slot_mapping)
         rows, spans, sampling = self._output_rows(items)
         # only the rows read below leave the last layer (``hidden[i]`` is token ``rows[i]``);
