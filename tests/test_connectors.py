@@ -22,6 +22,17 @@ def connector(store, **extra):
             "kv_connector_extra_config": {"store": str(store), **extra}}  # fmt: skip
 
 
+def fill_store(make_llm, ckpt, store) -> list[int]:
+    """An engine computes PROMPT and its connector writes the full blocks to ``store``;
+    returns the tokens it generated."""
+    src = make_llm(ckpt, dtype="float32", block_size=BS, num_gpu_blocks=24,
+                   kv_transfer_config=connector(store, save=True, send_steps=1))  # fmt: skip
+    want = run(src.engine, "a", PROMPT).outputs[0].token_ids
+    while src.engine.has_unfinished_requests():
+        src.engine.step()
+    return want
+
+
 def scheduler_side(llm):
     return llm.engine.connector
 
@@ -81,11 +92,7 @@ def test_blocks_load_from_the_connector_asynchronously_and_give_the_same_tokens(
     checkpoint, make_llm, tmp_path, executor
 ):
     ckpt = checkpoint("llama_gqa")
-    src = make_llm(ckpt, dtype="float32", block_size=BS, num_gpu_blocks=24,
-                   kv_transfer_config=connector(tmp_path, save=True, send_steps=1))  # fmt: skip
-    want = run(src.engine, "a", PROMPT).outputs[0].token_ids
-    while src.engine.has_unfinished_requests():
-        src.engine.step()
+    want = fill_store(make_llm, ckpt, tmp_path)
     dst = make_llm(ckpt, dtype="float32", block_size=BS, num_gpu_blocks=24,
                    distributed_executor_backend=executor,
                    kv_transfer_config=connector(tmp_path, recv_steps=2))  # fmt: skip
@@ -102,11 +109,7 @@ def test_blocks_load_from_the_connector_asynchronously_and_give_the_same_tokens(
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_a_failed_load_follows_the_failure_policy(checkpoint, make_llm, tmp_path, policy):
     ckpt = checkpoint("llama_gqa")
-    src = make_llm(ckpt, dtype="float32", block_size=BS, num_gpu_blocks=24,
-                   kv_transfer_config=connector(tmp_path, save=True, send_steps=1))  # fmt: skip
-    want = run(src.engine, "a", PROMPT).outputs[0].token_ids
-    while src.engine.has_unfinished_requests():
-        src.engine.step()
+    want = fill_store(make_llm, ckpt, tmp_path)
     tc = connector(tmp_path, fail_block=3) | {"kv_load_failure_policy": policy}
     dst = make_llm(ckpt, dtype="float32", block_size=BS, num_gpu_blocks=24,
                    kv_transfer_config=tc)  # fmt: skip

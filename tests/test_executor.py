@@ -34,10 +34,18 @@ def alive(pid: int) -> bool:
         return False
 
 
+def _attention_backend(worker) -> str:  # noqa: ANN001 - a Worker
+    return worker.runner.attention.name
+
+
 def test_mp_worker_runs_in_another_process_and_matches_uni(checkpoint, make_llm):
+    """vLLM's entry point: LLM(..., distributed_executor_backend="mp",
+    attention_backend="torch"); the worker process builds what the config names."""
     ckpt = checkpoint("llama_gqa")
     uni = make_llm(ckpt, dtype="float32", num_gpu_blocks=64)
-    mp = make_llm(ckpt, dtype="float32", num_gpu_blocks=64, distributed_executor_backend="mp")
+    mp = make_llm(ckpt, dtype="float32", num_gpu_blocks=64, distributed_executor_backend="mp",
+                  attention_backend="torch")  # fmt: skip
+    assert mp.engine.executor.collective_rpc(_attention_backend) == ["torch"]
     (pid,) = mp.engine.executor.worker_pids
     assert pid != os.getpid() and alive(pid)
     prompts = ["one two three", "a much longer prompt " * 5, "x"]
