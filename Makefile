@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint format docs bench-quick clean
+.PHONY: run test lint format reference docs bench-quick clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,7 +35,12 @@ format: $(STAMP)
 	$(BIN)/ruff format kvserve tests benchmarks scripts
 	$(BIN)/ruff check --fix kvserve tests benchmarks scripts
 
-docs: $(STAMP)
+# The configuration and metrics reference pages, generated from the code (commit them; a test
+# fails when they differ from what the code says).
+reference: $(STAMP)
+	$(BIN)/python -m kvserve.docs_reference
+
+docs: reference
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 	@echo "open site/index.html, or serve it: $(BIN)/mkdocs serve"
 

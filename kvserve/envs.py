@@ -21,12 +21,14 @@ from typing import Any
 
 
 def _flag(name: str, raw: str) -> bool:
+    """0 or 1"""
     if raw not in ("0", "1"):
         raise ValueError(f"{name}: must be 0 or 1, got {raw!r}")
     return raw == "1"
 
 
 def _count(name: str, raw: str) -> int:
+    """integer >= 0"""
     try:
         n = int(raw)
     except ValueError:
@@ -37,6 +39,7 @@ def _count(name: str, raw: str) -> int:
 
 
 def _positive(name: str, raw: str) -> int:
+    """integer >= 1"""
     try:
         n = int(raw)
     except ValueError:
@@ -47,10 +50,12 @@ def _positive(name: str, raw: str) -> int:
 
 
 def _text(name: str, raw: str) -> str:
+    """text"""
     return raw.strip()
 
 
 def _path(name: str, raw: str) -> Path:
+    """path"""
     return Path(raw)
 
 
@@ -58,6 +63,7 @@ _CPU_LIST = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*")
 
 
 def _cpu_binding(name: str, raw: str) -> str:
+    """auto, nobind or a CPU list"""
     mode = raw.strip()
     if mode not in ("auto", "nobind") and not _CPU_LIST.fullmatch(mode.replace(" ", "")):
         raise ValueError(f"{name}: {raw!r} is not auto, nobind or a CPU list like 0-3,8")
@@ -65,6 +71,7 @@ def _cpu_binding(name: str, raw: str) -> str:
 
 
 def _secret(name: str, raw: str) -> str:
+    """text of 16+ characters"""
     if len(raw) < 16:
         raise ValueError(f"{name}: must be at least 16 characters, got {len(raw)}")
     return raw
@@ -72,7 +79,8 @@ def _secret(name: str, raw: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class EnvVar:
-    """One variable: how its text becomes a value, the value when unset, and what it does."""
+    """One variable: how its text becomes a value, the value when unset, and what it does.
+    The parser's docstring names the values it takes (the configuration reference's type)."""
 
     name: str
     parse: Callable[[str, str], Any]
