@@ -21,7 +21,8 @@ from kvserve.config import user_cache_dir
 REPO = Path(__file__).resolve().parent.parent
 MODEL_CACHE = user_cache_dir() / "bench-models"
 
-# ~5 M, ~50 M and ~135 M parameter random Llamas (GQA), the sizes the issues quote.
+# ~5 M, ~50 M and ~135 M parameter random Llamas (GQA): a tiny model whose steps are all
+# overhead, a small one, and one of SmolLM2-135M's shape.
 MODELS: dict[str, dict[str, Any]] = {
     "5m": dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_layers=4,
                num_heads=4, num_kv_heads=2),

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CUDA smoke test (issue 20): the same tests and the same throughput benchmark as on the
+# The CUDA smoke test: the same tests and the same throughput benchmark as on the
 # CPU, with the engine on a GPU. Run from the repository root on a machine with CUDA and a
 # python that has torch, transformers, pytest and hypothesis (a GPU box's stock image);
 # everything goes to stdout and, when OUT is set, to $OUT/cuda_smoke.log.

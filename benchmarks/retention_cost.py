@@ -7,7 +7,7 @@ Each pass runs the same seeded prompts once per policy, in alternating order, tw
 engine and timing every step after the last prompt's prefill (the decode step is their mean,
 so H2O's compactions, one step in a block's worth, are in it; a difference of two whole runs
 was too noisy once prefill dominates them). The table gives medians over the passes and
-ratios to the full cache. The issue's budgets: SnapKV's selection at most 10 % of prefill,
+ratios to the full cache. The targets: SnapKV's selection at most 10 % of prefill,
 H2O's scoring at most 15 % of a decode step. A policy's decode step also attends to fewer
 entries than the full cache, so the SnapKV row (same kept size, the fused kernel) is the fair
 baseline for H2O's scoring.

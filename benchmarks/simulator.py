@@ -23,7 +23,7 @@ the floor under any simulator's error here. Below the count, each real run is sc
 way against the median of the others (``repeatability``): how often one run of the real engine
 itself lands within the limits here.
 
-Limits (the issue's): output throughput and p50 TTFT / TPOT within 10 %, p99 within 20 %,
+Limits: output throughput and p50 TTFT / TPOT within 10 %, p99 within 20 %,
 prefix hit rate, tier hit rate and preemptions within 10 % (hit rates in points; preemptions:
 also within 2 counts). Every figure
 is printed, the misses too.

@@ -61,8 +61,8 @@ def test_engine_outputs_same_with_either_backend(checkpoint, make_llm, monkeypat
 def test_prepacked_weights_give_the_plain_results_and_unpack_exactly(checkpoint, monkeypatch):
     """A bf16 model adopted by the packing backend: every matrix is in oneDNN's layout (the
     dense weight replaced, not copied), a forward pass through it equals the same model with
-    plain weights, weight bytes are counted as before, and switching back to the reference
-    backend restores the dense matrices bit for bit."""
+    plain weights, weight bytes are counted as for plain weights, and switching back to the
+    reference backend restores the dense matrices bit for bit."""
     from kvserve.config import ModelConfig
     from kvserve.model.loader import load_model
     from kvserve.worker.bandwidth import weight_bytes_read

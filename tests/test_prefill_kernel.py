@@ -189,7 +189,7 @@ def test_context_kernel_declines_what_it_does_not_handle():
 
 def test_paged_attention_routes_continuing_chunks_to_the_context_kernel():
     """The routing test's step through the CPU backend, its context kernel too: chunk C (30
-    tokens after a cached block) now runs in the kernel, and every row still equals the
+    tokens after a cached block) runs in the kernel, and every row still equals the
     reference backend's within bf16 rounding."""
     torch.manual_seed(3)
     bs, h, kvh, d = 16, 4, 2, 64

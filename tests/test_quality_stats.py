@@ -54,7 +54,7 @@ def _hits(n: int, lost: int, gained: int, both: int) -> list[tuple[bool, bool]]:
 
 def test_recall_verdicts():
     th = Thresholds()
-    # The case: fp8 loses 2 and gains 1 of 12 multi-needle prompts: 8.3 points, noise.
+    # A small sample: fp8 loses 2 and gains 1 of 12 multi-needle prompts: 8.3 points, noise.
     row = judge_recall("r", "multi-needle", _hits(12, 2, 1, 9), th)
     assert row["delta"] == pytest.approx(-1 / 12) and row["passed"]
     assert row["p_value"] == pytest.approx(0.5)

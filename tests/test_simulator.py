@@ -133,8 +133,8 @@ def test_context_attention_is_the_naive_sum_over_cached_entries():
 def test_fit_gives_attention_over_cached_context_its_own_efficiency():
     """Steps whose prompt chunks follow cached context (prefix hits, earlier chunks), made by
     a profile whose attention over that context runs at a third of the rate of attention
-    within a chunk: the fit recovers both; a profile file written before the term reads
-    the within-chunk rate for both; without context in the steps the two are the same."""
+    within a chunk: the fit recovers both; a profile file without the term reads the
+    within-chunk rate for both; without context in the steps the two are the same."""
     cfg = json.loads((default_model_dir() / "config.json").read_text())
     shape = shape_of(cfg, "float32", "float32")
     truth = cpu_profile(step_overhead_s=3e-3, per_seq_s=4e-5, prefill_step_s=5e-4,
@@ -298,7 +298,7 @@ def test_profile_file_round_trip_and_errors(tmp_path):
         (tmp_path / "bad.json").write_text(json.dumps(bad))
         with pytest.raises(ValueError, match=match):
             Profile.load(tmp_path / "bad.json")
-    # a profile written before the loop term: read, the loop charged nothing
+    # a profile without the loop term: read, the loop charged nothing
     older = {k: v for k, v in data.items() if k != "loop_gap_s"}
     assert Profile.from_json({**older, "loop_gap_s": 2e-4}).loop_gap_s == 2e-4
     assert Profile.from_json(older).loop_gap_s == 0.0
@@ -993,11 +993,11 @@ def test_calibration_chooses_the_cache_size_that_made_the_steps():
     assert plain.shape_cache_entries == 0 and ShapeCache.of(plain) is None
 
 
-def test_a_profile_written_before_gemm_shapes_were_counted_charges_nothing(tmp_path):
-    """Profile files from earlier kvserves load with the term off, and their steps cost what
-    the other terms say: one without the fields, and one whose ``new_shape_s`` was charged
-    per step row count (with ``new_shape_min_tokens`` and ``shape_cache_rows``), a unit
-    this kvserve does not use."""
+def test_a_profile_without_gemm_shape_terms_charges_nothing(tmp_path):
+    """Profile files without the GEMM-shape terms load with the term off, and their steps
+    cost what the other terms say: one without the fields, and one whose ``new_shape_s`` is
+    charged per step row count (with ``new_shape_min_tokens`` and ``shape_cache_rows``), a
+    unit the cost model does not use."""
     data = cpu_profile(new_shape_s=1e-3, shape_state_rows=ALL_GEMMS,
                        shape_cache_entries=64).to_json()  # fmt: skip
     assert ShapeCache.of(Profile.from_json(data)) is not None

@@ -18,7 +18,7 @@ admission projections and of ``kvserve plan``. Group 0's table stands for the re
 one table is asked for (its prefix hits, its length): it is a full-attention group whenever
 the model has full-attention layers.
 
-Not served here (the engine keeps one table for every layer instead, as before): formats
+Not served here (the engine keeps one table for every layer instead): formats
 that bound their partially filled blocks (KIVI's residual), offload tiers and prefix export
 and import, whose payloads name blocks by one hash chain.
 """

@@ -9,7 +9,7 @@ device once on the copy stream (from pinned memory, so the engine thread does no
 and makes the compute stream wait for that copy, not for anything else.
 
 On the CPU there is nothing to overlap: an export is one copy into the payload, an import one
-copy out of it, as before.
+copy out of it.
 """
 
 from __future__ import annotations

@@ -64,8 +64,8 @@ OFFLOAD_SECONDS_FIELDS = (
 )  # fmt: skip
 # The serving loop's own host time, outside the steps (measured, not fitted).
 HOST_SECONDS_FIELDS = ("request_overhead_s", "request_overhead_per_token_s", "loop_gap_s")
-# Fields of profiles written before the new-shape term counted GEMM shapes (it counted step
-# row counts): read, and the term left off.
+# Fields of profiles whose new-shape term counted step row counts instead of GEMM shapes:
+# read, and the term left off.
 RETIRED_SHAPE_FIELDS = ("new_shape_min_tokens", "shape_cache_rows")
 TIER_NAMES = ("cpu", "disk", "redis")  # offload tiers, as kvserve.kv.tiers names them
 EFFICIENCY_FIELDS = (
@@ -430,12 +430,12 @@ class Profile:
         if not isinstance(data, dict):
             raise ValueError(f"{where}: expected a JSON object")
         if any(name in data for name in RETIRED_SHAPE_FIELDS):
-            # An earlier calibration charged its new_shape_s per step row count, not per
-            # GEMM shape: that profile's term stays off rather than charge 5-10x.
+            # A profile with these fields charged its new_shape_s per step row count, not
+            # per GEMM shape: its term stays off rather than charge 5-10x.
             data = {k: v for k, v in data.items()
                     if k not in RETIRED_SHAPE_FIELDS and k != "new_shape_s"}  # fmt: skip
         if "context_attention_efficiency" not in data and "prefill_attention_efficiency" in data:
-            # Written before the context term: every prompt chunk's attention at one rate.
+            # A profile without the context term: every prompt chunk's attention at one rate.
             data = {**data, "context_attention_efficiency": data["prefill_attention_efficiency"]}
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)

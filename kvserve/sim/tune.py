@@ -365,7 +365,7 @@ def serve_command(model: str, settings: dict[str, Any]) -> str:
         notes.append(f"run {settings['replicas']} replicas behind a load balancer")
     if settings.get("tp", 1) > 1:
         notes.append(f"tp={settings['tp']} is simulated only: kvserve serves on one device per "
-                     "replica today (tensor parallelism is planned)")  # fmt: skip
+                     "replica (tensor parallelism is planned)")  # fmt: skip
     return line + "".join(f"\n# {n}" for n in notes)
 
 
