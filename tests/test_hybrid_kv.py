@@ -282,6 +282,6 @@ def test_served_over_http_with_the_freed_blocks_in_metrics(hybrid, make_llm):
         metrics = scrape(srv.url)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == llm.engine.tokenizer.decode(reference(path)[3])
-    info = dict(next(k for k in metrics if k[0] == "kvserve:cache_config_info")[1])
+    info = dict(next(k for k in metrics if k[0] == "vllm:cache_config_info")[1])
     assert info["kv_layer_groups"] == "2"
     assert metrics[("kvserve:kv_window_freed_blocks_total", ())] > 0

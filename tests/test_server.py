@@ -328,9 +328,10 @@ def test_metrics_move_as_expected(server, client):
         key = (name, tuple(sorted(labels.items())))
         return after.get(key, 0.0) - before.get(key, 0.0)
 
-    info = [k for k in scrape(server.url) if k[0] == "kvserve:cache_config_info"]
+    e = {"model_name": MODEL, "engine": "0"}  # vLLM's labels: the first served name
+    info = [k for k in scrape(server.url) if k[0] == "vllm:cache_config_info"]
     assert dict(info[0][1])["block_size"] == "16"
-    assert dict(info[0][1])["kv_cache_dtype"] == "float32"
+    assert dict(info[0][1])["cache_dtype"] == "float32"
     assert int(dict(info[0][1])["num_gpu_blocks"]) == server.state.loop.engine.num_blocks
     assert dict(info[0][1])["kv_layer_groups"] == "1"  # every layer attends everything
 
@@ -343,18 +344,19 @@ def test_metrics_move_as_expected(server, client):
     assert r1.usage.prompt_tokens_details.cached_tokens == 0
     assert cached == (n_prompt - 1) // 16 * 16 > 0
     m1 = scrape(server.url)
-    assert delta(m0, m1, "kvserve:generation_tokens_total") == 24
-    assert delta(m0, m1, "kvserve:prompt_tokens_total") == 2 * n_prompt  # hits included
-    assert delta(m0, m1, "kvserve:prefix_cache_queries_total") == 2 * n_prompt
-    assert delta(m0, m1, "kvserve:prefix_cache_hits_total") == cached
-    assert delta(m0, m1, "kvserve:request_success_total", finished_reason="length") == 2
+    assert delta(m0, m1, "vllm:generation_tokens_total", **e) == 24
+    assert delta(m0, m1, "vllm:prompt_tokens_total", **e) == 2 * n_prompt  # hits included
+    assert delta(m0, m1, "vllm:prefix_cache_queries_total", **e) == 2 * n_prompt
+    assert delta(m0, m1, "vllm:prefix_cache_hits_total", **e) == cached
+    assert delta(m0, m1, "vllm:request_success_total", finished_reason="length", **e) == 2
     for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
               "request_queue_time_seconds"):  # fmt: skip
-        assert delta(m0, m1, f"kvserve:{h}_count") == 2
-        assert delta(m0, m1, f"kvserve:{h}_sum") > 0
-    assert delta(m0, m1, "kvserve:inter_token_latency_seconds_count") == 2 * 11
-    assert m1[("kvserve:kv_cache_usage_perc", ())] == 0.0
-    assert m1[("kvserve:num_requests_running", ())] == 0.0
+        assert delta(m0, m1, f"vllm:{h}_count", **e) == 2
+        assert delta(m0, m1, f"vllm:{h}_sum", **e) > 0
+    assert delta(m0, m1, "vllm:inter_token_latency_seconds_count", **e) == 2 * 11
+    key = tuple(sorted(e.items()))
+    assert m1[("vllm:kv_cache_usage_perc", key)] == 0.0
+    assert m1[("vllm:num_requests_running", key)] == 0.0
 
 
 def test_engine_shutdown_aborts_in_flight(ckpt):

@@ -54,6 +54,10 @@ def _delta(before: dict, after: dict, name: str, **labels: str) -> float:
     return after.get(key, 0.0) - before.get(key, 0.0)
 
 
+E = {"model_name": "tiny", "engine": "0"}  # the labels of vLLM's families on these servers
+ENGINE = tuple(sorted(E.items()))
+
+
 C, H = "/v1/completions", "/v1/chat/completions"
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -162,7 +166,7 @@ def test_bad_input_gets_4xx_naming_the_field(server, path, body, status, field):
     _check_error(r, status, field)
     after = scrape(server.url)
     assert _delta(before, after, "kvserve:request_rejected_total", status=str(status)) == 1
-    assert _delta(before, after, "kvserve:request_success_total", finished_reason="abort") == 0
+    assert _delta(before, after, "vllm:request_success_total", finished_reason="abort", **E) == 0
 
 
 def test_bad_input_outside_the_body(server):
@@ -296,11 +300,11 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
     # Leaving the block closes the connection without reading the rest.
     wait_idle(server.state)
     m1 = scrape(server.url)
-    assert _delta(m0, m1, "kvserve:request_success_total", finished_reason="abort") == 1
-    assert _delta(m0, m1, "kvserve:request_success_total", finished_reason="length") == 0
-    assert _delta(m0, m1, "kvserve:generation_tokens_total") < 230
-    assert m1[("kvserve:kv_cache_usage_perc", ())] == 0.0
-    assert m1[("kvserve:num_requests_running", ())] == 0.0
+    assert _delta(m0, m1, "vllm:request_success_total", finished_reason="abort", **E) == 1
+    assert _delta(m0, m1, "vllm:request_success_total", finished_reason="length", **E) == 0
+    assert _delta(m0, m1, "vllm:generation_tokens_total", **E) < 230
+    assert m1[("vllm:kv_cache_usage_perc", ENGINE)] == 0.0
+    assert m1[("vllm:num_requests_running", ENGINE)] == 0.0
 
 
 def test_disconnect_while_waiting_for_a_plain_response_aborts(server):
@@ -310,9 +314,9 @@ def test_disconnect_while_waiting_for_a_plain_response_aborts(server):
         httpx.post(server.url + C, json=body, headers=AUTH, timeout=httpx.Timeout(30, read=0.2))
     wait_idle(server.state)
     m1 = scrape(server.url)
-    assert _delta(m0, m1, "kvserve:request_success_total", finished_reason="abort") == 4
-    assert _delta(m0, m1, "kvserve:generation_tokens_total") < 4 * 240
-    assert m1[("kvserve:kv_cache_usage_perc", ())] == 0.0
+    assert _delta(m0, m1, "vllm:request_success_total", finished_reason="abort", **E) == 4
+    assert _delta(m0, m1, "vllm:generation_tokens_total", **E) < 4 * 240
+    assert m1[("vllm:kv_cache_usage_perc", ENGINE)] == 0.0
 
 
 def test_overload_every_request_completes_or_gets_429(checkpoint, capsys):
@@ -367,8 +371,8 @@ def test_overload_every_request_completes_or_gets_429(checkpoint, capsys):
     assert state.loop.peak_admitted_seqs <= 20 + 10
     assert m[("kvserve:request_rejected_total", (("status", "429"),))] == rejected
     p99 = float(np.percentile(ok, 99))
-    ttft = "kvserve:time_to_first_token_seconds"
-    server_mean = m[(f"{ttft}_sum", ())] / m[(f"{ttft}_count", ())]
+    ttft = "vllm:time_to_first_token_seconds"
+    server_mean = m[(f"{ttft}_sum", ENGINE)] / m[(f"{ttft}_count", ENGINE)]
     with capsys.disabled():
         print(f"\n[overload] {clients} streaming clients: {len(ok)} completed, {rejected} got "
               f"429; peak admitted {state.loop.peak_admitted_seqs} seqs; p99 TTFT of admitted "

@@ -4,8 +4,8 @@ Why raw asyncio instead of a web framework: the failures worth testing live belo
 framework's API — a stream cut mid-chunk, headers sent and then silence, a connection closed
 before any response — and a framework exists precisely to prevent those. It speaks just enough
 HTTP/1.1 (one request per connection, chunked SSE) for httpx and curl, and serves
-``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` and a ``kvserve:``-prefixed
-``/metrics`` so the whole bench pipeline can run against it.
+``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` and a ``/metrics`` in our
+server's names so the whole bench pipeline can run against it.
 
 Behaviours, chosen per request by ``script(n, body)`` (n counts requests from 0):
 ``ok``, ``error`` (HTTP 500), ``overloaded`` (503), ``stall`` (no response at all),
@@ -210,19 +210,21 @@ class FakeServer:
         await writer.drain()
 
     def metrics_text(self) -> str:
-        """Prometheus text in the names our server exports (``kvserve:`` prefix)."""
+        """Prometheus text in the names our server exports: vLLM's (``vllm:``, with its
+        ``model_name`` and ``engine`` labels) where vLLM has the metric, else ``kvserve:``."""
         c = self.counters
         rows = [
-            ("num_requests_running", "gauge", self.running),
-            ("num_requests_waiting", "gauge", 0),
-            ("kv_cache_usage_perc", "gauge", min(1.0, 0.1 * self.running)),
-            ("kv_cache_token_occupancy", "gauge", 0.9),
-            ("prefix_cache_queries_total", "counter", c["queries"]),
-            ("prefix_cache_hits_total", "counter", c["hits"]),
-            ("prefix_cache_evictions_total", "counter", 0),
-            ("num_preemptions_total", "counter", 0),
+            ("vllm:num_requests_running", "gauge", self.running),
+            ("vllm:num_requests_waiting", "gauge", 0),
+            ("vllm:kv_cache_usage_perc", "gauge", min(1.0, 0.1 * self.running)),
+            ("kvserve:kv_cache_token_occupancy", "gauge", 0.9),
+            ("vllm:prefix_cache_queries_total", "counter", c["queries"]),
+            ("vllm:prefix_cache_hits_total", "counter", c["hits"]),
+            ("kvserve:prefix_cache_evictions_total", "counter", 0),
+            ("vllm:num_preemptions_total", "counter", 0),
         ]
         out = []
         for name, kind, value in rows:
-            out += [f"# TYPE kvserve:{name} {kind}", f'kvserve:{name}{{model_name="fake"}} {value}']
+            labels = '{model_name="fake",engine="0"}' if name.startswith("vllm:") else ""
+            out += [f"# TYPE {name} {kind}", f"{name}{labels} {value}"]
         return "\n".join(out) + "\n"

@@ -29,7 +29,7 @@ from kvserve.server.metrics import ServerMetrics
 
 # The keys kvserve.server.app.build_state describes the KV cache by (a live server's /metrics
 # is compared with this page by tests/test_grafana_dashboard.py).
-CACHE_INFO_KEYS = ("block_size", "kv_cache_dtype", "num_gpu_blocks", "enable_prefix_caching",
+CACHE_INFO_KEYS = ("block_size", "cache_dtype", "num_gpu_blocks", "enable_prefix_caching",
                    "max_model_len", "kv_retention", "kv_layer_groups")  # fmt: skip
 
 INTRO = """\
@@ -39,14 +39,21 @@ INTRO = """\
     `python -m kvserve.docs_reference` (or `make reference`) writes this page from the
     registry `kvserve serve` builds; a test fails when the committed page differs from it.
 
-`kvserve serve` exports these on `GET /metrics` in Prometheus' text format, named like
-vLLM's `vllm:*` metrics with the `kvserve:` prefix. Counters are totals since start: take a
-`rate()` of them, and a ratio of two rates for a hit rate (the prefix cache's hit rate is
-`rate(kvserve:prefix_cache_hits_total[5m]) / rate(kvserve:prefix_cache_queries_total[5m])`).
-Histograms are in seconds; `histogram_quantile()` over their `_bucket` series gives a
-percentile. A labelled family has series once something was counted under a label (the
-`kvserve:class_*` families once requests run under `--workload-classes`).
-`examples/grafana/kvserve.json` is a Grafana dashboard over these metrics: import it
+`kvserve serve` exports these on `GET /metrics` in Prometheus' text format. What kvserve
+measures as vLLM does is exported under vLLM's name (`vllm:*`), type, labels and buckets, so
+dashboards and alerts written for vLLM read a kvserve server unchanged; `model_name` is the
+served model name and `engine` the engine core's index (`0`). What vLLM has no metric for is
+`kvserve:*`; `process_*` are the server process's own, as on a vLLM server. Each quantity has
+one name.
+
+Counters are totals since start: take a `rate()` of them, and a ratio of two rates for a hit
+rate (the prefix cache's hit rate is
+`rate(vllm:prefix_cache_hits_total[5m]) / rate(vllm:prefix_cache_queries_total[5m])`).
+`histogram_quantile()` over a histogram's `_bucket` series gives a percentile; the latency
+histograms have every one of vLLM's bucket boundaries and a few finer ones below them. A
+labelled family has series once something was counted under a label (the `kvserve:class_*`
+families once requests run under `--workload-classes`). `examples/grafana/kvserve.json` is a
+Grafana dashboard over these metrics, and vLLM's own dashboards work too: import one
 (Dashboards, New, Import) and pick the Prometheus data source that scrapes the server.
 """
 
@@ -91,13 +98,13 @@ def documentation_registry(stats: EngineStats) -> CollectorRegistry:
     """The registry of a server whose engine reports ``stats``, after one request of the
     ``default`` workload class finished and one was refused with a 429 (counted where the
     engine loop and the app count them)."""
-    metrics = ServerMetrics(lambda: stats, dict.fromkeys(CACHE_INFO_KEYS, ""), WorkloadClasses([]))
+    metrics = ServerMetrics(lambda: stats, dict.fromkeys(CACHE_INFO_KEYS, ""), WorkloadClasses([]),
+                            model_name="model", max_model_len=256)  # fmt: skip
     done = CompletionOutput(0, "", [1, 2], None, None, finish_reason="length")
     times = RequestMetrics(0.0, first_scheduled_time=0.0, first_token_time=0.1,
                            finished_time=0.2, token_times=[0.1, 0.2])  # fmt: skip
-    metrics.observe_finished(RequestOutput("doc", None, [0], [done], True, metrics=times,
-                                           workload_class="default"))  # fmt: skip
-    metrics.success.labels(finished_reason="length").inc()  # as the engine loop counts it
+    metrics.observe_output(RequestOutput("doc", None, [0], [done], True, metrics=times,
+                                         workload_class="default"), max_tokens=2)  # fmt: skip
     metrics.rejected.labels(status="429").inc()  # as the app counts a refusal
     return metrics.registry
 
@@ -124,6 +131,11 @@ def metrics_page(
     the families only that condition brings."""
     every = {k: v for _, cond in CONDITIONS for k, v in cond.items()}
     full = families(registry(documentation_stats(**every)))
+    # vLLM's families first, then kvserve's, then the process's; registration order within.
+    order = ("vllm:", "kvserve:")
+    rank = {name: next((i for i, p in enumerate(order) if name.startswith(p)), len(order))
+            for name in full}  # fmt: skip
+    full = dict(sorted(full.items(), key=lambda item: rank[item[0]]))
     silent = [name for name, f in full.items() if not f.has_samples]
     if silent:
         raise ValueError(f"{', '.join(silent)}: no sample in the documentation registry, so "

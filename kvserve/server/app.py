@@ -206,9 +206,10 @@ def build_state(
 ) -> ServerState:
     """Wire an engine to a server: metrics, the engine loop (not started yet), tenants."""
     holder: list[EngineLoop] = []
+    # vllm:cache_config_info's labels: vLLM's CacheConfig field names first, then kvserve's.
     cache_info = {
         "block_size": str(engine.block_size),
-        "kv_cache_dtype": engine.kv_cache_dtype,
+        "cache_dtype": engine.kv_cache_dtype,
         "num_gpu_blocks": str(engine.num_blocks),
         "enable_prefix_caching": str(engine.config.cache.enable_prefix_caching),
         "max_model_len": str(engine.max_model_len),
@@ -216,7 +217,8 @@ def build_state(
         "kv_layer_groups": str(engine.layer_groups.num_groups if engine.layer_groups else 1),
     }
     metrics = ServerMetrics(lambda: holder[0].stats if holder else None, cache_info,
-                            engine.workload_classes)  # fmt: skip
+                            engine.workload_classes, model_name=model_names[0],
+                            max_model_len=engine.max_model_len)  # fmt: skip
     loop = EngineLoop(engine, max_queue=max_queue, metrics=metrics)
     holder.append(loop)
     return ServerState(

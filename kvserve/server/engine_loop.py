@@ -220,6 +220,8 @@ class EngineLoop:
                         self.error = f"engine stopped: {self.engine.dead}"
                         break
                 self.stats = s = self.engine.stats()
+                if self.metrics is not None:
+                    self.metrics.observe_step(s)
                 if not busy and not self._stopping:
                     self._deliver(out)
                     out = []
@@ -301,7 +303,7 @@ class EngineLoop:
                 self.engine.abort_request(rid)
                 self.admitted_seqs -= h.params.n
                 if self.metrics is not None:
-                    self.metrics.success.labels("abort").inc(h.params.n)
+                    self.metrics.observe_ended(rid, "abort", h.params.n)
 
     def _dispatch(self, outputs: list[RequestOutput], out: list[tuple[RequestHandle, Any]]):
         for o in outputs:
@@ -321,19 +323,15 @@ class EngineLoop:
                 del self._running[o.request_id]
                 self.admitted_seqs -= h.params.n
                 if self.metrics is not None:
-                    self.metrics.success.labels("error").inc(h.params.n)
+                    self.metrics.observe_ended(o.request_id, "error", h.params.n)
                 out.append((h, EngineStepError(o.error)))
                 continue
             out.append((h, SubOutput(i, o)))
             if self.metrics is not None:
-                for c in o.outputs:
-                    if c.finish_reason is not None:
-                        self.metrics.success.labels(c.finish_reason).inc()
+                self.metrics.observe_output(o, h.params.max_tokens)
             if o.finished:
                 del self._running[o.request_id]
                 self.admitted_seqs -= h.params.n
-                if self.metrics is not None:
-                    self.metrics.observe_finished(o)
 
     def _fail_all(self, out: list[tuple[RequestHandle, Any]], message: str) -> None:
         handles = {h.request_id: h for h, _ in self._running.values()}

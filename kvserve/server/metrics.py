@@ -1,9 +1,19 @@
-"""Prometheus metrics, named like vLLM's ``vllm:*`` with the ``kvserve:`` prefix.
+"""Prometheus metrics: vLLM's names (``vllm:*``) for what kvserve measures as vLLM does, and
+``kvserve:*`` for what vLLM has no metric for.
+
+vLLM users' dashboards and alerts read ``vllm:*`` names with vLLM's types and labels
+(:mod:`kvserve.server.vllm_metrics`). A quantity both engines measure is exported once, under
+vLLM's name: a ``kvserve:`` twin would double every series and leave two names to keep in
+step, and kvserve's own dashboard (``examples/grafana/kvserve.json``) reads the vLLM names as
+well. ``kvserve:*`` families are kvserve's own quantities (token occupancy, retention, offload
+tiers, admission, workload classes, memory bandwidth); the offload tiers keep their per-tier
+families beside vLLM's totals, which have no tier label and are their sums. The process's CPU,
+memory and file descriptors are prometheus_client's ``process_*``, as on a vLLM server.
 
 Engine gauges and counters are read at scrape time from the snapshot the engine loop takes
 after every step (the engine is single-threaded, so the scrape never touches it directly).
-Latency histograms are observed by the engine loop when a request finishes. Every instance
-has its own registry, so several servers in one process (tests) do not collide.
+Histograms are observed by the engine loop: per step, and when a request finishes. Every
+instance has its own registry, so several servers in one process (tests) do not collide.
 """
 
 from __future__ import annotations
@@ -11,59 +21,51 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvserve.sched.request import RequestOutput
+from kvserve.server.vllm_metrics import (
+    REQUEST_LATENCY_BUCKETS,
+    VllmMetrics,
+    cache_config_info,
+    engine_families,
+)
 
 PREFIX = "kvserve:"
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)  # fmt: skip
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
-               0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0)  # fmt: skip
-E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
-               30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)  # fmt: skip
 
 
 class _EngineCollector(Collector):
     """Gauges and totals straight from the latest :class:`EngineStats` snapshot."""
 
-    def __init__(self, snapshot: Callable[[], Any]) -> None:
+    def __init__(
+        self, snapshot: Callable[[], Any], model_name: str, cache_info: dict[str, str]
+    ) -> None:
         self._snapshot = snapshot
+        self._model_name = model_name
+        self._cache_info = cache_info
 
     def collect(self) -> Iterator[Metric]:
+        yield cache_config_info(self._cache_info)
         s = self._snapshot()
         if s is None:
             return
-        gauges = {
-            "num_requests_running": ("Sequences in the running batch.", s.num_running),
-            "num_requests_waiting": ("Sequences waiting to be scheduled.", s.num_waiting),
-            "kv_cache_usage_perc": (
-                "Fraction of KV blocks in use (1 = full); cached-but-free blocks count as free.",
-                s.kv_usage,
-            ),
-            "kv_cache_token_occupancy": (
-                "Token slots holding K/V over slots allocated in used blocks (1 = no waste).",
-                s.token_occupancy,
-            ),
-        }
-        for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(PREFIX + name, doc, value=value)
-        counters = {
-            "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.",
-                                     s.prefix_cache_queries),
-            "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
-            "prefix_cache_evictions": ("Cached blocks evicted for reuse.",
-                                       s.prefix_cache_evictions),
-            "num_preemptions": ("Sequences preempted (recomputed later).", s.num_preemptions),
-            "prompt_tokens": ("Prompt tokens of started requests, cache hits included (as vLLM).",
-                              s.prompt_tokens_total),
-            "generation_tokens": ("Tokens generated.", s.generation_tokens_total),
-            "engine_steps": ("Engine steps that ran the model.", s.num_steps),
-        }  # fmt: skip
-        for name, (doc, value) in counters.items():
-            yield CounterMetricFamily(PREFIX + name, doc, value=value)
+        yield from engine_families(s, self._model_name)
+        yield GaugeMetricFamily(
+            PREFIX + "kv_cache_token_occupancy",
+            "Token slots holding K/V over slots allocated in used blocks (1 = no waste).",
+            value=s.token_occupancy,
+        )
+        yield CounterMetricFamily(PREFIX + "prefix_cache_evictions",
+                                  "Cached blocks evicted for reuse.",
+                                  value=s.prefix_cache_evictions)  # fmt: skip
         evicted = CounterMetricFamily(
             PREFIX + "kv_retention_evicted_tokens",
             "Tokens whose K/V blocks a retention policy returned to the pool before their "
@@ -190,41 +192,24 @@ def _offload_metrics(s: Any) -> Iterator[Metric]:
 
 
 class ServerMetrics:
+    """A server's registry. ``model_name`` is the served model name vLLM's families carry;
+    ``max_model_len`` bounds their token-count buckets, as vLLM bounds them."""
+
     def __init__(
-        self, snapshot: Callable[[], Any], cache_info: dict[str, str], classes: Any = None
+        self,
+        snapshot: Callable[[], Any],
+        cache_info: dict[str, str],
+        classes: Any = None,
+        *,
+        model_name: str,
+        max_model_len: int,
     ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds",
-            "Arrival to first output token.",
-            buckets=TTFT_BUCKETS,
-            registry=r,
-        )
-        self.itl = Histogram(
-            PREFIX + "inter_token_latency_seconds",
-            "Time between consecutive output tokens of a sequence.",
-            buckets=ITL_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            PREFIX + "e2e_request_latency_seconds",
-            "Arrival to last output token.",
-            buckets=E2E_BUCKETS,
-            registry=r,
-        )
-        self.queue_time = Histogram(
-            PREFIX + "request_queue_time_seconds",
-            "Arrival to first scheduled.",
-            buckets=E2E_BUCKETS,
-            registry=r,
-        )
-        self.success = Counter(
-            PREFIX + "request_success",
-            "Finished sequences by reason (stop, length, abort).",
-            ["finished_reason"],
-            registry=r,
-        )
+        self.vllm = VllmMetrics(r, model_name, max_model_len)
+        # Output tokens so far of each request in flight, per sample: streamed outputs carry
+        # only the new tokens, so the lengths are summed here.
+        self._generated: dict[str, dict[int, int]] = {}
         self.rejected = Counter(PREFIX + "request_rejected",
                                 "Requests refused before reaching the engine or by its "
                                 "admission control, by HTTP status.",
@@ -246,9 +231,10 @@ class ServerMetrics:
                                          labels, registry=r)  # fmt: skip
         self.class_queue_time = Histogram(PREFIX + "class_queue_time_seconds",
                                           "Arrival to first scheduled, per workload class.",
-                                          labels, buckets=E2E_BUCKETS, registry=r)  # fmt: skip
-        Info(PREFIX + "cache_config", "KV cache configuration.", registry=r).info(cache_info)
-        r.register(_EngineCollector(snapshot))
+                                          labels, buckets=REQUEST_LATENCY_BUCKETS,
+                                          registry=r)  # fmt: skip
+        r.register(_EngineCollector(snapshot, model_name, cache_info))
+        ProcessCollector(registry=r)
 
     def observe_refused(self, out: RequestOutput) -> None:
         """Admission control refused it (the 429 or 503 itself is counted in
@@ -256,24 +242,36 @@ class ServerMetrics:
         if out.workload_class is not None:
             self.class_requests.labels(out.workload_class, "refused").inc()
 
-    def observe_finished(self, out: RequestOutput) -> None:
-        """Latencies of a finished request (its first sequence's timeline)."""
-        m = out.metrics
-        if m is None:
-            return
-        if m.first_token_time is not None:
-            self.ttft.observe(m.first_token_time - m.arrival_time)
-        if m.first_scheduled_time is not None:
-            self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
-        if m.finished_time is not None:
-            self.e2e.observe(m.finished_time - m.arrival_time)
-        times = m.token_times
-        for a, b in zip(times, times[1:], strict=False):
-            self.itl.observe(b - a)
-        if out.workload_class is not None and self.classes is not None:
-            self._observe_class(out)
+    def observe_step(self, stats: Any) -> None:
+        """The engine loop's snapshot after a step."""
+        self.vllm.observe_step(stats)
 
-    def _observe_class(self, out: RequestOutput) -> None:
+    def observe_output(self, out: RequestOutput, max_tokens: int | None = None) -> None:
+        """An engine output of a request that ran: its samples that finished count in
+        ``vllm:request_success``; when the request finishes, its latencies and lengths are
+        observed (``max_tokens``: its sampling parameter)."""
+        tally = self._generated.setdefault(out.request_id, {})
+        for c in out.outputs:
+            tally[c.index] = tally.get(c.index, 0) + len(c.token_ids)
+            if c.finish_reason is not None:
+                self.count_finished(c.finish_reason)
+        if not out.finished:
+            return
+        generated = [n for _, n in sorted(self._generated.pop(out.request_id).items())]
+        self.vllm.observe_finished(out, generated, max_tokens)
+        if out.metrics is not None and out.workload_class is not None and self.classes is not None:
+            self._observe_class(out, sum(generated))
+
+    def observe_ended(self, request_id: str, reason: str, n: int) -> None:
+        """A request ended without a finished output (aborted, or its step failed): its
+        ``n`` samples count under ``reason``."""
+        self._generated.pop(request_id, None)
+        self.count_finished(reason, n)
+
+    def count_finished(self, reason: str, n: int = 1) -> None:
+        self.vllm.count_finished(reason, n)
+
+    def _observe_class(self, out: RequestOutput, tokens: int) -> None:
         name, m = out.workload_class, out.metrics
         reasons = {c.finish_reason for c in out.outputs}
         outcome = "finished" if reasons <= {"stop", "length"} else sorted(reasons)[0]
@@ -284,7 +282,6 @@ class ServerMetrics:
             )
         if outcome != "finished":
             return
-        tokens = sum(len(c.token_ids) for c in out.outputs)
         self.class_tokens.labels(name).inc(tokens)
         ttft = m.first_token_time - m.arrival_time if m.first_token_time is not None else None
         tpot = None
