@@ -12,12 +12,20 @@ from typing import Any
 # kvserve.engine_args, so none of them imports this module back.
 from kvserve.bench.cli import add_bench_parser
 from kvserve.download import add_download_parser
-from kvserve.engine_args import add_engine_args, engine_kwargs
+from kvserve.engine_args import (
+    add_engine_args,
+    add_model_arg,
+    engine_kwargs,
+    model_arg,
+    token_count,
+)
 from kvserve.entrypoint import setup_process
 from kvserve.plan.cli import add_plan_parser
 from kvserve.quality.cli import add_quality_parser
 from kvserve.server.command import add_serve_parser
-from kvserve.sim.cli import add_simulate_parser, add_tune_parser
+from kvserve.sim.cli import add_simulate_parser
+from kvserve.sim.tune_cli import add_tune_parser
+from kvserve.vllm_args import vllm_flag
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -64,16 +72,21 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
     handlers: dict[str, Callable[..., int]] = {}
 
     g = sub.add_parser("generate", help="generate text offline and print it")
+    add_model_arg(g)
     add_engine_args(g)
-    g.add_argument("--prompt", action="append", help="repeat for a batch")
-    g.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--stop", action="append")
+    s = g.add_argument_group("sampling")
+    s.add_argument("--prompt", action="append", help="a prompt (repeat for a batch; default: "
+                   "'The pass code for')")  # fmt: skip
+    s.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    s.add_argument("--max-tokens", type=token_count, default=64,
+                   help="output tokens per prompt at most")  # fmt: skip
+    s.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's mass")
+    s.add_argument("--top-k", type=int, default=-1, help="sample among the k likeliest "
+                   "tokens (-1: all)")  # fmt: skip
+    s.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    s.add_argument("--ignore-eos", action="store_true", help="generate past the end token")
+    s.add_argument("--stop", action="append", help="a string that ends the output (repeatable)")
     handlers["generate"] = cmd_generate
 
     handlers["serve"] = add_serve_parser(sub)
@@ -83,17 +96,53 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
     handlers["tune"] = add_tune_parser(sub)
     handlers["quality"] = add_quality_parser(sub)
     handlers["download"] = add_download_parser(sub)
+    show_defaults(parser)
     return parser, handlers
+
+
+def show_defaults(parser: argparse.ArgumentParser) -> None:
+    """End the help of every argument of ``parser`` and of its subcommands that has a
+    default with ``(default: X)``, as the engine flags' does, so ``--help`` shows every
+    default (argparse's ``ArgumentDefaultsHelpFormatter`` would print ``None`` too)."""
+    for action in parser._actions:  # argparse offers no public listing of its arguments
+        if isinstance(action, argparse._SubParsersAction):
+            for p in action.choices.values():
+                show_defaults(p)
+            continue
+        if isinstance(action, argparse._HelpAction) or action.help in (None, argparse.SUPPRESS):
+            continue
+        if action.default not in (None, argparse.SUPPRESS) and "%(default)" not in action.help:
+            action.help += " (default: %(default)s)"
+
+
+def subcommand_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices.get(name, parser)
+
+
+def refuse_unknown(parser: argparse.ArgumentParser, command: str | None, extra: list[str]) -> None:
+    """Exit as argparse does for arguments no parser took, naming for a vLLM flag kvserve
+    lacks what to use instead (:mod:`kvserve.vllm_args`)."""
+    p = subcommand_parser(parser, command) if command else parser
+    for word in extra:
+        known = vllm_flag(word) if word.startswith("-") else None
+        if known is not None:  # the answer is the message: no usage before it
+            p.exit(2, f"{p.prog}: error: {known.flag_message()}\n")
+    p.error(f"unrecognized arguments: {' '.join(extra)}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser, handlers = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        refuse_unknown(parser, getattr(args, "command", None), extra)
     setup_process()  # every command is an entry point; `serve` adds its own settings
     from kvserve.config import ConfigError
     from kvserve.sched.request import InvalidRequestError
 
     try:
+        if hasattr(args, "model_tag"):  # the model given positionally or as --model, as one
+            args.model, args.model_tag = model_arg(args), None
         return handlers[args.command](args)
     except (ConfigError, InvalidRequestError, FileNotFoundError, ValueError) as e:
         print(f"kvserve {args.command}: error: {e}", file=sys.stderr)

@@ -259,7 +259,7 @@ class CacheConfig:
     )  # fmt: skip
     kv_cache_memory: int | str | None = field(
         default=None,
-        metadata={"help": "bytes for the KV pool, e.g. 2GiB", "metavar": "SIZE"},
+        metadata={"help": "bytes for the KV pool, e.g. 2GiB", "metavar": "SIZE", "unit": "bytes"},
     )
     kv_cache_dtype: str = field(
         default="auto",
@@ -288,7 +288,11 @@ class CacheConfig:
     # Offload tiers behind the pool (kvserve.kv.offload), each off unless given.
     kv_offload_cpu: int | str | None = field(
         default=None,
-        metadata={"help": "host-memory tier of this size (e.g. 8GiB)", "metavar": "SIZE"},
+        metadata={
+            "help": "host-memory tier of this size (e.g. 8GiB)",
+            "metavar": "SIZE",
+            "unit": "bytes",
+        },
     )
     kv_offload_disk: str | None = field(
         default=None,
@@ -297,7 +301,11 @@ class CacheConfig:
     )  # fmt: skip
     kv_offload_disk_size: int | str = field(
         default="10GiB",
-        metadata={"help": "bytes of entries kept in the disk tier", "metavar": "SIZE"},
+        metadata={
+            "help": "bytes of entries kept in the disk tier",
+            "metavar": "SIZE",
+            "unit": "bytes",
+        },
     )
     kv_offload_redis: str | None = field(
         default=None,
@@ -307,7 +315,7 @@ class CacheConfig:
     kv_offload_redis_size: int | str = field(
         default="1GiB",
         metadata={"help": "bytes of entries kept in Redis, across all replicas",
-                  "metavar": "SIZE"},
+                  "metavar": "SIZE", "unit": "bytes"},
     )  # fmt: skip
     kv_offload_timeout: float = field(
         default=0.5,
@@ -431,12 +439,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int = field(
         default=2048,
         metadata={"help": "tokens in one step at most, prefill chunks and decode tokens "
-                  "together"},
+                  "together", "unit": "tokens"},
     )  # fmt: skip
     max_model_len: int | None = field(
         default=None,
         metadata={"help": "prompt plus output tokens of one request at most (None: the "
-                  "model's max_position_embeddings)"},
+                  "model's max_position_embeddings)", "unit": "tokens"},
     )  # fmt: skip
     enable_chunked_prefill: bool = field(
         default=True,

@@ -17,6 +17,9 @@ beyond its type and default lives in the field's ``metadata``:
     the flag, where it is not ``--`` and the field name with dashes.
 ``metavar``
     the value's name in ``--help``.
+``unit``
+    ``"tokens"`` for a length (its flag reads ``32k`` and ``32K`` as vLLM does) or
+    ``"bytes"`` for a size (``4GiB``); see :func:`kvserve.engine_args.token_count`.
 ``json``
     on a field that holds a config dataclass: one setting given whole (a dict, the dataclass,
     or JSON text on the command line), not walked into (vLLM's ``--kv-transfer-config``).
@@ -36,6 +39,7 @@ from dataclasses import MISSING, dataclass
 from typing import Any
 
 from kvserve.config import ConfigError, EngineConfig
+from kvserve.vllm_args import vllm_keyword
 
 
 class UnknownSettingError(ConfigError, TypeError):
@@ -79,6 +83,10 @@ class Setting:
     @property
     def metavar(self) -> str | None:
         return self.field.metadata.get("metavar")
+
+    @property
+    def unit(self) -> str | None:
+        return self.field.metadata.get("unit")
 
     def choices(self) -> tuple[Any, ...] | None:
         """The allowed values, a registry's imported now where the metadata names one."""
@@ -159,17 +167,11 @@ def default_of(cls: type, name: str) -> Any:
 def build_config(root: type = EngineConfig, /, **kwargs: Any) -> Any:
     """``root`` built from flat keyword arguments, each routed to the config that declares
     it; a setting not given takes its field's default. Raises :class:`UnknownSettingError`
-    naming a keyword that is no setting."""
+    (:func:`unknown_setting_message`) naming a keyword that is no setting."""
     known = settings_of(root)
     unknown = [k for k in kwargs if k not in known]
     if unknown:
-        name = unknown[0]
-        close = difflib.get_close_matches(name, known, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise UnknownSettingError(
-            f"{name}: unknown engine argument{hint} (the settings are the fields of "
-            f"{', '.join(sorted({s.owner.__name__ for s in known.values()}))})"
-        )
+        raise UnknownSettingError(unknown_setting_message(unknown[0], known))
 
     def build(cls: type) -> Any:
         hints = _annotations(cls)
@@ -183,3 +185,19 @@ def build_config(root: type = EngineConfig, /, **kwargs: Any) -> Any:
         return cls(**values)
 
     return build(root)
+
+
+def unknown_setting_message(name: str, known: dict[str, Setting]) -> str:
+    """Why keyword ``name`` is refused: the keyword, the nearest settings by spelling, and,
+    for one of vLLM's engine arguments that kvserve lacks, what to use instead
+    (:mod:`kvserve.vllm_args`), never an internal function's name."""
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+    vllm = vllm_keyword(name)
+    head = vllm.keyword_message() if vllm is not None else f"{name}: unknown engine argument"
+    owners = ", ".join(sorted({s.owner.__name__ for s in known.values()}))
+    text = head + hint
+    return (
+        f"{text}{' ' if text.endswith('?') else '. '}The keywords are the fields of {owners} "
+        "(docs/reference/configuration.md lists them)"
+    )

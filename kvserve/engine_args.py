@@ -2,6 +2,11 @@
 fields (:mod:`kvserve.config_fields`): ``kvserve generate``, ``serve``, ``bench``, ``quality``,
 ``simulate``, ``tune`` and ``make run`` all add them here, and nothing restates a default.
 
+Also the grammar every command shares: the model given positionally (vLLM's
+``vllm serve MODEL``) or as ``--model`` (:func:`add_model_arg`, :func:`model_arg`), and the
+two parsers every length and size flag uses, :func:`token_count` (``32k``, as vLLM's
+``--max-model-len``) and :func:`byte_size` (``4GiB``).
+
 A leaf on purpose: it imports only :mod:`kvserve.config`, its fields and the model resolver
 (a registry that gives a flag its choices is imported when the parser is built), so every
 command can import it at module level without importing the CLI that imports them.
@@ -10,17 +15,103 @@ command can import it at module level without importing the CLI that imports the
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Any
 
-from kvserve.config import ConfigError, EngineConfig
+from kvserve.config import ConfigError, EngineConfig, parse_bytes
 from kvserve.config_fields import Setting, settings_of
 from kvserve.model.resolve import BUNDLED_NAME, resolve_model
+
+TOKEN_FORMS = (
+    "a token count such as 4096, 32k (32,000) or 32K (32,768): k, m, g are powers of 1000, "
+    "K, M, G powers of 1024, as vLLM reads them"
+)
+SIZE_FORMS = (
+    "a size such as 4GiB or 4Gi (4 x 2**30 bytes), 4GB or 4G (4 x 10**9), 512MiB, 1.5GB or a "
+    "byte count (units K, M, G, T, upper case)"
+)
+_TOKEN_SUFFIX = re.compile(r"([0-9]+(?:\.[0-9]+)?)([kKmMgGtT])")
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+UNIT_HELP = {
+    "tokens": "; 32k = 32,000 and 32K = 32,768 tokens, as vLLM",
+    "bytes": "; 4GiB = 4 x 2**30 bytes, 4GB = 4 x 10**9",
+}
+
+
+def parse_tokens(text: str, name: str) -> int:
+    """A token count: a whole number, or one with vLLM's suffixes (its ``human_readable_int``):
+    ``32k`` = 32,000 (k, m, g, t: powers of 1000, a decimal allowed: ``1.5k``) and ``32K`` =
+    32,768 (K, M, G, T: powers of 1024, whole numbers only). Raises :class:`ConfigError`
+    naming ``name`` and the accepted forms."""
+    s = str(text).strip()
+    m = _TOKEN_SUFFIX.fullmatch(s)
+    try:
+        if m is None:
+            n = int(s)
+        elif m.group(2) in _DECIMAL:
+            n = int(float(m.group(1)) * _DECIMAL[m.group(2)])
+        else:
+            n = int(m.group(1)) * _BINARY[m.group(2)]
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ConfigError(f"{name}: expected {TOKEN_FORMS}; got {text!r}")
+    return n
+
+
+def token_count(text: str) -> int:
+    """argparse ``type`` of a length flag (:func:`parse_tokens`); argparse names the flag."""
+    try:
+        return parse_tokens(text, "value")
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("value: ")) from None
+
+
+def byte_size(text: str) -> int:
+    """argparse ``type`` of a size flag: :func:`kvserve.config.parse_bytes`, the parser the
+    configs use, so a flag and ``LLM(kv_cache_memory="4GiB")`` read a size alike."""
+    try:
+        return parse_bytes(text, "value")
+    except ConfigError:
+        raise argparse.ArgumentTypeError(f"expected {SIZE_FORMS}; got {text!r}") from None
 
 
 def default_model() -> str:
     """The bundled reference model's directory inside the installed package; raises
     :class:`FileNotFoundError` when the installation lacks it (never a stand-in model)."""
     return resolve_model(None)
+
+
+def add_model_arg(
+    p: argparse.ArgumentParser, help: str | None = None, flag_help: str | None = None, **kw: Any
+) -> None:
+    """The model as a positional ``MODEL`` (vLLM's ``vllm serve MODEL``), beside the
+    ``--model`` flag: that of :func:`add_engine_args`, or one added here with ``flag_help``
+    for a command without engine flags. :func:`model_arg` reads the two as one."""
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help=help
+        or "the model, as --model takes it (vLLM's form: kvserve serve MODEL); give "
+        "one or the other",
+        **kw,
+    )
+    if flag_help is not None:
+        p.add_argument("--model", default=None, help=flag_help, **kw)
+
+
+def model_arg(args: argparse.Namespace) -> str | None:
+    """The model given positionally or as ``--model`` (None when neither is). Raises
+    :class:`ConfigError` when both are given and differ, naming the two."""
+    tag, flag = getattr(args, "model_tag", None), getattr(args, "model", None)
+    if tag is not None and flag is not None and tag != flag:
+        raise ConfigError(
+            f"model: given twice, as MODEL ({tag!r}) and as --model ({flag!r}); give one"
+        )
+    return tag if tag is not None else flag
 
 
 def add_engine_args(p: argparse.ArgumentParser, config: type = EngineConfig) -> None:
@@ -74,10 +165,15 @@ def _add_flag(g: Any, s: Setting) -> None:
         # A switch that is off by default needs no --no- form; one that is on gets both.
         kw["action"] = argparse.BooleanOptionalAction if s.default else "store_true"
     else:
-        if s.value_type in (int, float):
+        if s.unit == "tokens":
+            kw["type"] = token_count
+        elif s.unit == "bytes":
+            kw["type"] = byte_size
+        elif s.value_type in (int, float):
             kw["type"] = s.value_type
+        kw["help"] += UNIT_HELP.get(s.unit or "", "")
         kw["choices"] = s.choices()
-        kw["metavar"] = s.metavar
+        kw["metavar"] = s.metavar or ("TOKENS" if s.unit == "tokens" else None)
     action = g.add_argument(s.flag, **kw)
     if "%(default)" not in (action.help or ""):  # BooleanOptionalAction adds its own
         action.help = f"{action.help} (default: %(default)s)".lstrip()
@@ -85,8 +181,10 @@ def _add_flag(g: Any, s: Setting) -> None:
 
 def engine_kwargs(args: argparse.Namespace, config: type = EngineConfig) -> dict[str, Any]:
     """The parsed engine flags as :class:`kvserve.LLM` keyword arguments (every setting of
-    ``config``), the model resolved (the bundled one where none is given)."""
-    kwargs: dict[str, Any] = {"model": resolve_model(args.model) if args.model else default_model()}
+    ``config``), the model resolved (the bundled one where none is given, given positionally
+    or as ``--model``)."""
+    model = model_arg(args)
+    kwargs: dict[str, Any] = {"model": resolve_model(model) if model else default_model()}
     for name, s in settings_of(config).items():
         if not s.required:
             kwargs[name] = getattr(args, name)
@@ -94,7 +192,7 @@ def engine_kwargs(args: argparse.Namespace, config: type = EngineConfig) -> dict
     return kwargs
 
 
-def _offload_cpu(args: argparse.Namespace) -> str | None:
+def _offload_cpu(args: argparse.Namespace) -> str | int | None:
     if args.kv_offloading_size is None:
         return args.kv_offload_cpu
     if args.kv_offload_cpu is not None:

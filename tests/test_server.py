@@ -381,10 +381,10 @@ def test_engine_shutdown_aborts_in_flight(ckpt):
 
 
 def test_cli_serve_sigterm_finishes_in_flight_and_exits_0(ckpt, tmp_path):
-    """`kvserve serve` as a process: SIGTERM mid-stream lets the stream finish, exit code 0."""
+    """`kvserve serve MODEL` as a process: SIGTERM mid-stream lets the stream finish, exit 0."""
     tenants = tmp_path / "tenants.json"
     tenants.write_text(json.dumps({"k1": "t1"}))
-    cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--model", ckpt, "--port", "0",
+    cmd = [sys.executable, "-m", "kvserve.cli", "serve", ckpt, "--port", "0",
            "--max-model-len", "256", "--dtype", "float32", "--tenants", str(tenants),
            "--served-model-name", MODEL, "--disable-access-log"]  # fmt: skip
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=REPO,

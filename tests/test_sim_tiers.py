@@ -16,8 +16,9 @@ from kvserve.engine_args import default_model
 from kvserve.sched.request import SamplingParams
 from kvserve.sim.cost import Profile, gpu_profile
 from kvserve.sim.simulate import SimTarget, build_engine
+from kvserve.sim.space import parse_search
 from kvserve.sim.tiers import ModelledTier
-from kvserve.sim.tune import parse_search, serve_command
+from kvserve.sim.tune import serve_command
 from tests.test_simulator import SEED_8B, cpu_profile
 from tests.test_tune import run_tune
 

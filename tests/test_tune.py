@@ -18,7 +18,8 @@ from kvserve.engine_args import default_model
 from kvserve.plan.gpus import get_gpu
 from kvserve.sim.cost import gpu_profile
 from kvserve.sim.simulate import SimTarget, token_counter
-from kvserve.sim.tune import QualityGate, parse_search, tune
+from kvserve.sim.space import parse_search
+from kvserve.sim.tune import QualityGate, tune
 
 # The bundled model on a GPU so small that its pool holds about four 1.5k-token documents in
 # bfloat16: long-document decoding is then bound by how many sequences fit.
@@ -155,35 +156,115 @@ def cli(capsys, *argv: str) -> tuple[int, str, str]:
 def test_cli_unmet_slo_names_the_closest_configurations(capsys, tmp_path, llama8b):
     code, out, err = cli(
         capsys, "tune", "--model", llama8b, "--gpu", "h100-sxm", "--workload", "chat",
-        "--num-prompts", "12",
-        "--slo", "ttft=1us", "--gpu-hour-cost", "1", "--search", "block_size=16,32",
-        "--search", "kv_cache_dtype=auto", "--search", "max_num_seqs=256",
-        "--search", "max_num_batched_tokens=2048", "--search", "admission=greedy",
-        "--search", "replicas=1", "--search", "tp=1", "--search", "enable_prefix_caching=on",
-        "--no-progress", "--no-plots", "--output-dir", str(tmp_path),
+        "--num-prompts", "12", "--slo", "ttft=1us", "--gpu-hour-cost", "1",
+        "--search", "block_size=16,32", "--no-progress", "--no-plots",
+        "--output-dir", str(tmp_path),
     )  # fmt: skip
     assert code == 1
     assert "no configuration meets the SLO ttft=1us; the closest:" in err
     assert "0% of requests meet it; p95 ttft" in err and "vs 0 ms" in err
 
 
+def test_cli_searches_exactly_what_it_is_asked(capsys, tmp_path, llama8b):
+    """Two dimensions asked: every configuration tried sets those two and nothing else (no
+    tp or replicas), one GPU each; the progress counts configurations against the first
+    pass (1 + one more value of each dimension = 3)."""
+    code, out, err = cli(
+        capsys, "tune", llama8b, "--gpu", "h100-sxm", "--workload", "rag", "--num-prompts",
+        "16", "--slo", "ttft=10s", "--gpu-hour-cost", "2", "--search", "block_size=16,32",
+        "--search", "max_num_seqs=256,64", "--no-plots", "--output-dir", str(tmp_path),
+        "--label", "x",
+    )  # fmt: skip
+    assert code == 0
+    assert "searching block_size=16,32; max_num_seqs=256,64; 3 configurations in the first " \
+        "pass" in out and "added by default" not in out  # fmt: skip
+    data = json.loads((tmp_path / "x.json").read_text())
+    assert data["space"] == {"block_size": [16, 32], "max_num_seqs": [256, 64]}
+    assert data["space_added_by_default"] == []
+    assert {tuple(sorted(t["settings"])) for t in data["trials"]} == {
+        ("block_size", "max_num_seqs")
+    }
+    assert {t["gpus"] for t in data["trials"]} == {1}
+    lines = [x for x in err.splitlines() if x.startswith("tune: configuration ")]
+    assert len(lines) == len(data["trials"]) >= 3
+    assert [x.split(":")[1] for x in lines[:3]] == [
+        " configuration 1/3 (first pass)", " configuration 2/3 (first pass)",
+        " configuration 3/3 (first pass)",
+    ]  # fmt: skip
+    assert all("(a later pass)" in x for x in lines[3:])
+
+
+def test_default_space_is_named_and_can_be_turned_off(capsys, llama8b):
+    """With no --search, the default space (the dimensions the issue lists, written here);
+    a flag the user set keeps its value; --search alone adds nothing; --default-space adds
+    the rest; --no-default-space with nothing asked is an error."""
+    from kvserve.cli import build_parser
+    from kvserve.sim.tune_cli import tune_space
+
+    parser, _ = build_parser()
+    kw = {
+        "block_size": 16,
+        "max_num_seqs": 256,
+        "max_num_batched_tokens": 2048,
+        "enable_prefix_caching": True,
+        "kv_cache_dtype": "auto",
+        "admission": "greedy",
+    }
+    everything = {"enable_prefix_caching", "kv_cache_dtype", "block_size", "max_num_seqs",
+                  "max_num_batched_tokens", "admission", "replicas", "tp"}  # fmt: skip
+
+    def space(*argv: str, **over: object) -> tuple[dict, list]:
+        return tune_space(parser.parse_args(["tune", *argv]), {**kw, **over})
+
+    sp, added = space()
+    assert set(sp) == set(added) == everything
+    assert sp["tp"] == (1, 2) and sp["block_size"][0] == 16  # from the engine's default
+    sp, added = space("--tp", "2", block_size=32)  # flags set: kept, not searched
+    assert set(sp) == everything - {"tp", "block_size"}
+    sp, added = space("--search", "kv_cache_dtype=auto,fp8_e4m3")
+    assert (sp, added) == ({"kv_cache_dtype": ("auto", "fp8_e4m3")}, [])
+    sp, added = space("--search", "block_size=8,16", "--default-space")
+    assert sp["block_size"] == (8, 16) and set(added) == everything - {"block_size"}
+    with pytest.raises(ValueError, match="search: nothing to search"):
+        space("--no-default-space")
+    code, out, err = cli(capsys, "tune", llama8b, "--gpu", "h100-sxm", "--slo", "ttft=1s",
+                         "--gpu-hour-cost", "1", "--no-default-space")  # fmt: skip
+    assert code == 2 and "nothing to search" in err
+
+
 def test_cli_winner_command_line_and_files(capsys, tmp_path, llama8b):
+    """A config.json alone has no weights: the winner is a plan that says so, not a command
+    that cannot start; replicas=2 costs twice the GPUs."""
     code, out, _ = cli(
         capsys, "tune", "--model", llama8b, "--gpu", "h100-sxm", "--workload", "rag",
         "--num-prompts", "24",
         "--slo", "ttft=10s", "--gpu-hour-cost", "2", "--search", "enable_prefix_caching=off,on",
-        "--search", "kv_cache_dtype=auto", "--search", "block_size=16",
-        "--search", "max_num_seqs=256", "--search", "max_num_batched_tokens=2048",
-        "--search", "admission=greedy", "--search", "replicas=1,2", "--search", "tp=1",
-        "--no-progress", "--output-dir", str(tmp_path), "--label", "t",
+        "--search", "replicas=1,2", "--no-progress", "--output-dir", str(tmp_path),
+        "--label", "t",
     )  # fmt: skip
     assert code == 0
     assert "best: enable_prefix_caching=on" in out
-    assert "kvserve serve --model" in out and "--no-enable-prefix-caching" not in out
+    assert "plan, not a command to run yet:" in out and "run it:" not in out
+    assert f"{llama8b} holds no weights" in out
+    assert f"kvserve serve {llama8b}" in out and "--no-enable-prefix-caching" not in out
     assert "replicas=2: 2.00x the cost per useful token" in out or "replicas=2" in out
     data = json.loads((tmp_path / "t.json").read_text())
     assert data["best"]["enable_prefix_caching"] is True
+    assert len(data["recommendation"]["cannot_start"]) == 1
     assert (tmp_path / "t-pareto.png").stat().st_size > 1000
+
+
+def test_cli_winner_with_weights_is_a_command(capsys, tmp_path):
+    code, out, _ = cli(
+        capsys, "tune", "kvserve-ref", "--gpu", "h100-sxm", "--workload", "chat",
+        "--num-prompts", "6", "--slo", "ttft=10s", "--gpu-hour-cost", "2",
+        "--search", "block_size=16,32", "--no-progress", "--no-plots",
+        "--output-dir", str(tmp_path), "--label", "w",
+    )  # fmt: skip
+    assert code == 0
+    assert f"run it:\n  kvserve serve {default_model()}" in out and "plan," not in out
+    data = json.loads((tmp_path / "w.json").read_text())
+    assert data["recommendation"]["cannot_start"] == []
 
 
 @pytest.mark.parametrize(

@@ -11,16 +11,59 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from kvserve.bench.workloads import WORKLOADS, WorkloadSpec
-from kvserve.engine_args import add_engine_args, engine_kwargs
+from kvserve.engine_args import add_engine_args, engine_kwargs, model_arg, token_count
 from kvserve.model.resolve import resolve_model
 
 DEFAULT_OUTPUT_DIR = Path("reports") / "bench"
+
+
+class _AnyWord(Mapping):
+    """The subcommands' parsers by name, as argparse's choices, whose check lets any word
+    through: one that names no subcommand is the model."""
+
+    def __init__(self, parsers: dict[str, Any]) -> None:
+        self.parsers = parsers
+
+    def __getitem__(self, name: str) -> Any:
+        return self.parsers[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.parsers)
+
+    def __len__(self) -> int:
+        return len(self.parsers)
+
+    def __contains__(self, key: object) -> bool:
+        return True
+
+
+class ModelOrSubcommand(argparse._SubParsersAction):
+    """bench's one positional: a subcommand (``compare``), or else the model, as ``--model``
+    takes it (``kvserve bench smollm2``, the grammar of every command). argparse gives a
+    subparsers action every word from the first positional on, so the words after the model
+    are parsed again by bench's own parser."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.choices = _AnyWord(self._name_parser_map)
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None):
+        if values[0] in self._name_parser_map:
+            return super().__call__(parser, namespace, values, option_string)
+        if getattr(namespace, "model_tag", None) is not None:
+            raise argparse.ArgumentError(
+                self, f"one model at most: {namespace.model_tag!r}, then {values[0]!r}"
+            )
+        namespace.model_tag = values[0]
+        _, extra = parser.parse_known_args(values[1:], namespace)
+        if extra:  # kept for the caller to refuse, as argparse keeps a subcommand's
+            vars(namespace).setdefault(argparse._UNRECOGNIZED_ARGS_ATTR, []).extend(extra)
 
 
 def add_bench_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
@@ -39,14 +82,21 @@ def add_bench_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
         help="OpenAI-compatible server, e.g. http://127.0.0.1:8000 (default: "
         "run the engine in-process with the engine flags below)",
     )
-    t.add_argument("--endpoint", default="completions", choices=("completions", "chat"))
+    t.add_argument(
+        "--endpoint",
+        default="completions",
+        choices=("completions", "chat"),
+        help="/v1/completions or /v1/chat/completions",
+    )
     t.add_argument(
         "--served-model-name",
         default=None,
         help="the API's model field (default: first of /v1/models)",
     )
-    t.add_argument("--api-key", default=None)
-    t.add_argument("--connect-timeout", type=float, default=10.0)
+    t.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    t.add_argument(
+        "--connect-timeout", type=float, default=10.0, help="seconds to open a connection"
+    )
     t.add_argument(
         "--read-timeout",
         type=float,
@@ -69,10 +119,16 @@ def add_bench_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
     add_load_args(p)
     add_report_args(p)
     add_engine_args(p)
-    bsub = p.add_subparsers(dest="bench_command", metavar="{compare}")
+    p.set_defaults(model_tag=None)
+    bsub = p.add_subparsers(
+        dest="bench_command",
+        metavar="MODEL | compare",
+        action=ModelOrSubcommand,
+        help="the model (as --model; for --base-url, the tokenizer's), or compare FILE...",
+    )
     c = bsub.add_parser("compare", help="print saved runs side by side with ratios")
     c.add_argument("files", nargs="+", help="JSON files written by kvserve bench")
-    c.add_argument("--markdown", action="store_true")
+    c.add_argument("--markdown", action="store_true", help="a Markdown table")
     return cmd_bench  # fmt: skip
 
 
@@ -84,13 +140,13 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
         default="mixed",
         help=f"one of {', '.join(WORKLOADS)}, or a .jsonl file of prompts or lengths",
     )
-    w.add_argument("--num-prompts", type=int, default=64)
+    w.add_argument("--num-prompts", type=int, default=64, help="requests measured")
     w.add_argument("--warmup", type=int, default=2, help="requests sent first, not measured")
     for name, kind, h in (
-        ("--input-len", int, "unique prompt tokens (mean)"),
-        ("--output-len", int, "output tokens (mean)"),
+        ("--input-len", token_count, "unique prompt tokens (mean)"),
+        ("--output-len", token_count, "output tokens (mean)"),
         ("--range-ratio", float, "lengths uniform in mean x [1-r, 1+r]"),
-        ("--prefix-len", int, "shared prefix tokens"),
+        ("--prefix-len", token_count, "shared prefix tokens"),
         ("--num-prefixes", int, "distinct shared prefixes (documents, system prompts)"),
         ("--prefix-share", float, "probability a request reuses a shared prefix"),
         ("--turns", int, "turns per conversation (multi-turn)"),
@@ -104,7 +160,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
         "any sends t+1), so their histories compete for the KV pool; 1: one at a time",
     )
     w.add_argument("--length-scale", type=float, default=1.0, help="multiply every length")
-    w.add_argument("--temperature", type=float, default=0.0)
+    w.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
     w.add_argument(
         "--ignore-eos",
         action=argparse.BooleanOptionalAction,
@@ -120,7 +176,7 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
         "--request-rate",
         type=float,
         default=math.inf,
-        help="open loop: mean requests/s (default inf: all at once)",
+        help="open loop: mean requests/s (inf: all at once)",
     )
     ld.add_argument(
         "--burstiness",
@@ -145,10 +201,12 @@ def add_report_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--slo", default=None, help="goodput SLO, e.g. ttft=500ms,tpot=50ms,e2e=10s")
     o.add_argument("--gpu-hour-cost", type=float, default=None, help="$ per GPU-hour")
     o.add_argument("--gpus", type=int, default=1, help="GPUs the target uses (for cost)")
-    o.add_argument("--output-dir", default=str(DEFAULT_OUTPUT_DIR))
+    o.add_argument(
+        "--output-dir", default=str(DEFAULT_OUTPUT_DIR), help="where JSON, Markdown and PNGs go"
+    )
     o.add_argument("--label", default=None, help="file stem of the outputs")
-    o.add_argument("--no-plots", action="store_true")
-    o.add_argument("--no-progress", action="store_true")
+    o.add_argument("--no-plots", action="store_true", help="write no PNG plots")
+    o.add_argument("--no-progress", action="store_true", help="print no progress on stderr")
     o.add_argument("--json", action="store_true", help="print the summary as JSON, last line")
 
 
@@ -208,7 +266,8 @@ def _target(args: argparse.Namespace) -> tuple[Any, Callable[[str], int] | None,
         from kvserve.bench.client import HTTPTarget
 
         count = None
-        tok_dir = args.tokenizer or (resolve_model(args.model) if args.model else None)
+        model = model_arg(args)
+        tok_dir = args.tokenizer or (resolve_model(model) if model else None)
         if tok_dir and (Path(tok_dir) / "tokenizer.json").exists():
             from kvserve.model.tokenizer import Tokenizer
 

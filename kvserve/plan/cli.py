@@ -16,9 +16,15 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvserve.config import DTYPES, EngineConfig, parse_bytes
+from kvserve.config import DTYPES, EngineConfig
 from kvserve.config_fields import default_of
-from kvserve.engine_args import add_setting_flags
+from kvserve.engine_args import (
+    add_model_arg,
+    add_setting_flags,
+    byte_size,
+    model_arg,
+    token_count,
+)
 from kvserve.model.resolve import resolve_model
 from kvserve.plan.capacity import (
     ArchSpec,
@@ -56,11 +62,9 @@ def add_plan_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "model",
-        nargs="?",
-        default=None,
-        help="model name (kvserve-ref, smollm2), HF directory, config.json or .gguf file "
+    add_model_arg(
+        p,
+        flag_help="model name (kvserve-ref, smollm2), HF directory, config.json or .gguf file "
         "(default: kvserve-ref)",
     )
     p.add_argument(
@@ -79,9 +83,10 @@ def add_plan_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
     )
     p.add_argument(
         "--context",
-        type=int,
+        type=token_count,
         default=None,
-        help="tokens per sequence (default: max_position_embeddings)",
+        help="tokens per sequence; 32k = 32,000 and 32K = 32,768, as vLLM's --max-model-len "
+        "(default: max_position_embeddings)",
     )
     p.add_argument(
         "--batch",
@@ -90,7 +95,13 @@ def add_plan_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
         help="concurrent sequences (default: the concurrency ceiling)",
     )
     add_setting_flags(p, ["block_size"])
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of GPU memory for weights and KV (vLLM's flag); the rest is left "
+        "for activations",
+    )
     p.add_argument("--gpu-hour-cost", type=float, default=None, help="$ per GPU-hour")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
@@ -100,8 +111,10 @@ def add_plan_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
     )
     p.add_argument(
         "--validate-memory",
+        type=byte_size,
         default="64MiB",
-        help="KV budget the validation engines get (default 64MiB)",
+        metavar="SIZE",
+        help="KV budget the validation engines get",
     )
     p.add_argument(
         "--device", default=default_of(EngineConfig, "device"), help="device for --validate"
@@ -266,7 +279,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 f"{g.bf16_tflops:>7g} TFLOPS  {g.source}"
             )
         return 0
-    args.model = plan_model(args.model)
+    args.model = plan_model(model_arg(args))
     spec = load_arch(args.model)
     p = plan(
         spec,
@@ -288,7 +301,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise PlanError("validate: needs a model directory with weights, not a config.json")
         rows = validate(
             str(model_dir),
-            parse_bytes(args.validate_memory, "validate_memory"),
+            args.validate_memory,
             args.block_size,
             args.dtype,
             args.device,
@@ -304,7 +317,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return status
     print_plan(p, str(args.model))
     if args.validate:
-        print(f"validate   {args.validate_memory} of KV on {args.device}, predicted vs engine:")
+        print(
+            f"validate   {human_bytes(args.validate_memory)} of KV on {args.device}, predicted "
+            "vs engine:"
+        )
         for r in p["validation"]:
             mark = "ok  " if r["ok"] else "FAIL"
             print(

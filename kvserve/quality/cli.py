@@ -1,6 +1,6 @@
 """``kvserve quality``: gate a KV configuration against the exact baseline of the same model.
 
-  kvserve quality --model DIR --kv-cache-dtype kivi2 [--quick] [--json] [--out DIR]
+  kvserve quality MODEL --kv-cache-dtype kivi2 [--quick] [--json] [--out DIR]
 
 Runs the suite twice (baseline: kv_cache_dtype auto; candidate: the given flags), prints a
 table with PASS/FAIL per metric and exits 0 (pass), 1 (fail) or 2 (usage error). Writes a JSON
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvserve.engine_args import add_engine_args, engine_kwargs
+from kvserve.engine_args import add_engine_args, add_model_arg, engine_kwargs
 
 DEFAULT_OUT = Path("reports") / "quality"
 GATE_CHUNK_TOKENS = 64
@@ -37,6 +37,7 @@ def add_quality_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    add_model_arg(p)
     add_engine_args(p)
     # Small chunks so that prompts are read back from the cache; a modest batch keeps the pool
     # small. Both can be overridden, and apply to both runs alike.
@@ -92,8 +93,8 @@ def add_quality_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
     g.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for JSON and PNG")
     g.add_argument("--label", default=None, help="name of the candidate in tables and files")
     g.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads (default 1: on a small machine shared with "
-                        "other work, more threads oversubscribe the cores)")  # fmt: skip
+                   help="torch CPU threads (on a small machine shared with other work, more "
+                        "threads oversubscribe the cores)")  # fmt: skip
     return cmd_quality
 
 

@@ -5,18 +5,24 @@ from __future__ import annotations
 
 import argparse
 
-from kvserve.engine_args import add_engine_args
+from kvserve.engine_args import add_engine_args, add_model_arg, byte_size
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
 def build_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``serve`` on the ``kvserve`` subparsers: engine flags plus server flags."""
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with Prometheus metrics")
+    p = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server with Prometheus metrics",
+        description="Serve MODEL (or --model) over vLLM's OpenAI-compatible API: "
+        "kvserve serve smollm2 --port 8000.",
+    )
+    add_model_arg(p)
     add_engine_args(p)
     g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     g.add_argument(
         "--tenants",
@@ -28,7 +34,7 @@ def build_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
         "--served-model-name",
         nargs="+",
         default=None,
-        help="model name(s) clients use (default: the --model argument)",
+        help="model name(s) clients use (default: the model as given)",
     )
     g.add_argument(
         "--max-queue",
@@ -36,7 +42,13 @@ def build_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
         default=1024,
         help="sequences admitted beyond --max-num-seqs; more get 429 with Retry-After",
     )
-    g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    g.add_argument(
+        "--max-body-bytes",
+        type=byte_size,
+        default=DEFAULT_MAX_BODY_BYTES,
+        metavar="SIZE",
+        help="largest request body; a larger one gets 413",
+    )
     g.add_argument(
         "--allow-kv-retention-override",
         action=argparse.BooleanOptionalAction,
@@ -50,6 +62,11 @@ def build_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
         default=30,
         help="seconds SIGTERM waits for in-flight requests before aborting them",
     )
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    g.add_argument("--disable-access-log", action="store_true")
+    g.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="the server's and uvicorn's log level (vLLM's --uvicorn-log-level)",
+    )
+    g.add_argument("--disable-access-log", action="store_true", help="no log line per HTTP request")
     return p

@@ -1,4 +1,4 @@
-"""``kvserve simulate`` and ``kvserve tune``.
+"""``kvserve simulate`` (and what ``kvserve tune``, :mod:`kvserve.sim.tune_cli`, shares with it).
 
 Importing this module is cheap (no torch): the CLI builds every parser at start-up.
 """
@@ -23,7 +23,13 @@ from kvserve.bench.cli import (
     workload_spec,
 )
 from kvserve.bench.forks import can_fork, fork_call, fork_map
-from kvserve.engine_args import add_engine_args, default_model, engine_kwargs
+from kvserve.engine_args import (
+    add_engine_args,
+    add_model_arg,
+    default_model,
+    engine_kwargs,
+    model_arg,
+)
 from kvserve.kernels.openmp import usable_cpus
 
 DEFAULT_SIM_DIR = Path("reports") / "sim"
@@ -45,7 +51,12 @@ def add_sim_target_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per replica")
     g.add_argument("--replicas", type=int, default=1, help="engine replicas behind a balancer")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="with --gpu: fraction of its memory for weights and KV, as vLLM's flag",
+    )
     g.add_argument(
         "--jobs",
         type=int,
@@ -72,11 +83,17 @@ def add_simulate_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
         action="store_true",
         help="run the real engine on the workload, fit the cost model, write --profile-output",
     )
-    c.add_argument("--profile-output", default=None, help="where --calibrate writes (JSON)")
+    c.add_argument(
+        "--profile-output",
+        default=None,
+        help=f"where --calibrate writes (JSON; default: {DEFAULT_SIM_DIR / 'profile.json'})",
+    )
     add_workload_args(p)
     add_load_args(p)
     add_report_args(p)
     p.set_defaults(output_dir=str(DEFAULT_SIM_DIR))
+    add_model_arg(p, "the model, as --model takes it, or a bare config.json (no weights "
+                  "needed); give one or the other")  # fmt: skip
     add_engine_args(p)
     return cmd_simulate
 
@@ -85,10 +102,12 @@ def sim_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """Engine flags as ``LLM`` keyword arguments; a bare ``config.json`` is a model here."""
     from kvserve.sim.simulate import model_dir_of
 
-    if not args.model:
+    model = model_arg(args)
+    if not model:
         return {**engine_kwargs(args), "model": default_model()}
     # A bare config.json is no model name the resolver knows: resolve its directory.
-    return engine_kwargs(argparse.Namespace(**{**vars(args), "model": model_dir_of(args.model)}))
+    given = {**vars(args), "model": model_dir_of(model), "model_tag": None}
+    return engine_kwargs(argparse.Namespace(**given))
 
 
 def model_name(given: str | None, resolved: str) -> str:
@@ -230,7 +249,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         s["server"] = server_summary(res.before, res.after, res.samples)
         sim = sims[0]
         s["target"] = (
-            f"simulated {model_name(args.model, kw['model'])} on {target.profile.device}"
+            f"simulated {model_name(model_arg(args), kw['model'])} on {target.profile.device}"
             + (f" (pool of {target.gpu.name})" if target.gpu else "")
             + f", tp {target.tp}, {target.replicas} replica(s), {sim.num_blocks} blocks each"
         )
@@ -312,159 +331,3 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         gc.unfreeze()
         for enc in encoders:
             enc.close()
-
-
-def add_tune_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
-    p = sub.add_parser(
-        "tune",
-        help="the configuration with the lowest $ per useful output token under an SLO",
-        description="Simulates the workload under each configuration of a search space (block "
-        "size, KV format, retention, batch limits, prefix caching, admission, replicas, TP) and "
-        "ranks them by cost per output token of requests that met --slo. Lossy settings "
-        "compete only with a passing `kvserve quality --json` report (--quality-report).",
-    )
-    add_sim_target_args(p)
-    s = p.add_argument_group("search")
-    s.add_argument(
-        "--search",
-        action="append",
-        default=None,
-        metavar="NAME=V1,V2",
-        help="values of one dimension (repeatable; the first value is where the search "
-        "starts): enable_prefix_caching, kv_cache_dtype, kv_retention, kv_offload_cpu "
-        "(sizes, or off), block_size, max_num_seqs, max_num_batched_tokens, admission, "
-        "replicas, tp",
-    )
-    s.add_argument(
-        "--quality-report",
-        action="append",
-        default=[],
-        metavar="FILE",
-        help="a `kvserve quality --json` report for this model (repeatable)",
-    )
-    s.add_argument("--top", type=int, default=5, help="configurations to print")
-    s.add_argument("--max-passes", type=int, default=3)
-    add_workload_args(p)
-    add_load_args(p)
-    add_report_args(p)
-    p.set_defaults(output_dir=str(Path("reports") / "tune"))
-    add_engine_args(p)
-    return cmd_tune
-
-
-def cmd_tune(args: argparse.Namespace) -> int:
-    from kvserve.bench.metrics import parse_slo
-    from kvserve.bench.runner import LoadSpec, Progress
-    from kvserve.bench.workloads import make_workload
-    from kvserve.sim.simulate import SimTarget, token_counter
-    from kvserve.sim.tune import (
-        QualityGate,
-        parse_search,
-        plot_pareto,
-        serve_command,
-        slo_miss,
-        tune,
-        why_lost,
-    )
-
-    kw = sim_engine_kwargs(args)
-    slo = parse_slo(args.slo)
-    if args.gpu_hour_cost is None:
-        raise ValueError("gpu_hour_cost: tune ranks by $ per useful token; give --gpu-hour-cost")
-    if args.sweep:
-        raise ValueError("sweep: tune searches one load; give --request-rate or --concurrency")
-    space = parse_search(args.search)
-    given = {i.partition("=")[0].strip().replace("-", "_") for i in args.search or []}
-    for name in ("tp", "replicas"):  # --tp / --replicas pin their dimension unless searched
-        if getattr(args, name) != 1 and name not in given:
-            space[name] = (getattr(args, name),)
-    gate = QualityGate.load(args.quality_report, kw["model"])
-    base = sim_target(args, kw)
-
-    def make_target(engine: dict[str, Any], tp: int, replicas: int) -> SimTarget:
-        return SimTarget(engine, base.profile, base.gpu, tp, replicas,
-                         args.gpu_memory_utilization)  # fmt: skip
-
-    count, max_len = token_counter(base)
-    reqs = make_workload(workload_spec(args, args.seed, max_len), count)
-    load = LoadSpec(args.request_rate, args.burstiness, args.concurrency)
-    bar = Progress(0, "tune", enabled=not args.no_progress)
-    t0 = time.perf_counter()
-
-    def on_trial(t: Any) -> None:
-        bar.total += 1
-        bar.update(t.excluded is None)
-
-    jobs = sim_jobs(args)
-    res = tune(kw, make_target, reqs, load, args.seed, space, slo, args.gpu_hour_cost, gate,
-               args.max_passes, on_trial, jobs)  # fmt: skip
-    wall = time.perf_counter() - t0
-    ranked = res.eligible
-    print(
-        f"kvserve tune: {Path(kw['model']).name} on {base.profile.device}, {args.workload} "
-        f"({len(reqs)} requests, {load.describe()}), SLO {args.slo}, "
-        f"${args.gpu_hour_cost:g}/GPU-hour: {len(res.trials)} configurations in {wall:.1f}s"
-    )
-    rows = []
-    for i, t in enumerate(ranked[: args.top], 1):
-        s = t.summary or {}
-        rows.append(
-            f"{i:>2}  {t.usd_per_million_useful:>12.4g}  {t.attainment:>6.1%}  "
-            f"{(s.get('ttft_ms') or {}).get('p95') or 0:>9.1f}  "
-            f"{(s.get('tpot_ms') or {}).get('p95') or 0:>9.1f}  {t.gpus:>4}  "
-            f"{t.label(res.baseline)}"
-        )
-    print("rank  $/M useful tok  SLO met  TTFT p95  TPOT p95  GPUs  configuration")
-    print("\n".join(rows) if rows else "  (none)")
-    best = res.best
-    others = [t for t in res.trials if t is not best]
-    if others:
-        print("\nwhy the others lost:")
-        for t in sorted(others, key=lambda t: t.usd_per_million_useful):
-            reason = why_lost(t, best, slo) if best else (t.excluded or slo_miss(t, slo))
-            print(f"  {t.label(res.baseline)}: {reason}")
-    out_dir = Path(args.output_dir)
-    label = args.label or f"tune-{time.strftime('%Y%m%d-%H%M%S')}"
-    payload = {
-        "model": kw["model"], "device": base.profile.device, "slo": slo,
-        "gpu_hour_cost": args.gpu_hour_cost, "workload": args.workload,
-        "load": load.describe(), "seed": args.seed, "space": {k: list(v) for k, v in space.items()},
-        "trials": [
-            {"settings": t.settings, "excluded": t.excluded, "gpus": t.gpus,
-             "usd_per_million_useful": None if t.usd_per_million_useful == float("inf")
-             else t.usd_per_million_useful, "useful_tokens": t.useful_tokens,
-             "cost_usd": t.cost_usd, "summary": t.summary}
-            for t in res.trials
-        ],
-        "best": best.settings if best else None,
-    }  # fmt: skip
-    from kvserve.bench.report import write_json
-
-    path = write_json(out_dir / f"{label}.json", payload)
-    written = [str(path)]
-    if not args.no_plots:
-        png = plot_pareto(res, out_dir / f"{label}-pareto.png")
-        if png:
-            written.append(str(png))
-    if best is None:
-        near = sorted((t for t in res.trials if t.summary), key=lambda t: -t.attainment)[:3]
-        print(f"\nkvserve tune: no configuration meets the SLO {args.slo}; the closest:",
-              file=sys.stderr)  # fmt: skip
-        for t in near:
-            print(f"  {t.label(res.baseline)}: {slo_miss(t, slo)}", file=sys.stderr)
-        if not near:
-            print("  (none ran: every configuration was excluded, see above)", file=sys.stderr)
-        print(f"wrote {', '.join(written)}")
-        return 1
-    print(f"\nbest: {best.label(res.baseline)}: ${best.usd_per_million_useful:.4g} per million "
-          f"useful output tokens, {best.attainment:.0%} of requests within the SLO")  # fmt: skip
-    print(serve_command(kw["model"], best.settings))
-    if best.settings.get("kv_retention") and not base.profile.per_solo_seq_s:
-        print("note: this profile has no measured cost for a retention policy's per-sequence "
-              "attention (calibrate with the policy on: kvserve simulate --calibrate "
-              "--kv-retention SPEC); the winner's time may be optimistic")  # fmt: skip
-    print(f"wrote {', '.join(written)}")
-    if args.json:
-        best_json = {"best": best.settings, "usd_per_million_useful": best.usd_per_million_useful}
-        print(json.dumps(best_json, default=str))
-    return 0

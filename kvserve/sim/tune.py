@@ -11,6 +11,9 @@ The search is coordinate descent from the first value of every dimension: each d
 values are tried with the others at the best so far, the best is adopted, and the pass repeats
 until nothing changes (at most three passes). A full grid of the default space would be
 thousands of simulations; this is tens, and every one tried is reported.
+
+The space is :mod:`kvserve.sim.space`'s: what ``--search`` asks, and the default space only
+when nothing is asked or ``--default-space`` says so.
 """
 
 from __future__ import annotations
@@ -26,85 +29,13 @@ from kvserve.bench.forks import fork_map
 from kvserve.bench.metrics import RequestRecord, meets_slo, summarize
 from kvserve.bench.runner import LoadSpec
 from kvserve.bench.workloads import BenchRequest
-from kvserve.config import ConfigError, EngineConfig, parse_bytes
-from kvserve.config_fields import default_of, settings_of
-from kvserve.kv.formats import KV_CACHE_DTYPES
-from kvserve.plan.capacity import PlanError
-from kvserve.sim.simulate import SimTarget, simulate_load
+from kvserve.config import ConfigError, EngineConfig
+from kvserve.config_fields import settings_of
+from kvserve.plan.capacity import PlanError, checkpoint_bytes
+from kvserve.sim.simulate import SimTarget, model_dir_of, simulate_load
+from kvserve.sim.space import TARGET_KEYS, show_value
 
 DENSE = ("auto", "float32", "bfloat16", "float16")
-
-
-def _bool(s: str) -> bool:
-    v = s.strip().lower()
-    if v in ("1", "true", "on", "yes"):
-        return True
-    if v in ("0", "false", "off", "no"):
-        return False
-    raise ValueError(f"search: expected on/off, got {s!r}")
-
-
-def _optional(s: str) -> str | None:
-    return None if s.strip().lower() in ("none", "off", "") else s.strip()
-
-
-def _engine_default(name: str) -> Any:
-    return default_of(EngineConfig, name)
-
-
-# name -> (type, default values); the first value, the engine's default, is where the search
-# starts. A host tier
-# (kv_offload_cpu, a size) is searched only when asked: host memory is not in the GPU-hour
-# price, so an operator says how much of it a replica may have.
-DIMENSIONS: dict[str, tuple[Callable[[str], Any], tuple[Any, ...]]] = {
-    "enable_prefix_caching": (_bool, (True, False)),
-    "kv_cache_dtype": (str, ("auto", "fp8_e4m3", "int8", "kivi4")),
-    "kv_retention": (_optional, (None,)),
-    "kv_offload_cpu": (_optional, (None,)),
-    "block_size": (int, (_engine_default("block_size"), 32)),
-    "max_num_seqs": (int, (_engine_default("max_num_seqs"), 64)),
-    "max_num_batched_tokens": (int, (_engine_default("max_num_batched_tokens"), 8192)),
-    "admission": (str, ("greedy", "projected")),
-    "replicas": (int, (1, 2)),
-    "tp": (int, (1, 2)),
-}
-TARGET_KEYS = ("replicas", "tp")  # the others are engine flags
-
-
-def parse_search(items: list[str] | None) -> dict[str, tuple[Any, ...]]:
-    """``NAME=V1,V2`` overrides (repeatable) on the default space; ``NAME=V`` pins one."""
-    space = {k: v for k, (_, v) in DIMENSIONS.items()}
-    for item in items or []:
-        name, eq, values = item.partition("=")
-        name = name.strip().replace("-", "_")
-        if not eq or name not in DIMENSIONS:
-            raise ValueError(
-                f"search: expected NAME=V1,V2 with NAME one of {', '.join(DIMENSIONS)}, "
-                f"got {item!r}"
-            )
-        kind = DIMENSIONS[name][0]
-        vals = [v.strip() for v in values.split(",") if v.strip()]
-        if not vals:
-            raise ValueError(f"search: {name} has no values (the search space is empty)")
-        try:
-            parsed = tuple(dict.fromkeys(kind(v) for v in vals))
-        except ValueError as e:
-            raise ValueError(f"search: {name}: {e}") from None
-        if name == "kv_cache_dtype":
-            bad = [v for v in parsed if v not in KV_CACHE_DTYPES]
-            if bad:
-                raise ValueError(
-                    f"search: kv_cache_dtype: unknown {bad}; known: {', '.join(KV_CACHE_DTYPES)}"
-                )
-        if name == "kv_offload_cpu":
-            for v in parsed:
-                if v is not None:
-                    parse_bytes(v, "search: kv_offload_cpu")  # ConfigError is a ValueError
-        if name in ("replicas", "tp", "block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if any(v < 1 for v in parsed):
-                raise ValueError(f"search: {name} values must be >= 1, got {parsed}")
-        space[name] = parsed
-    return space
 
 
 def is_lossy(settings: dict[str, Any]) -> bool:
@@ -184,16 +115,8 @@ class Trial:
         return (round(self.usd_per_million_useful, 9), -self.attainment, e2e)
 
     def label(self, base: dict[str, Any]) -> str:
-        diff = [f"{k}={_show(v)}" for k, v in self.settings.items() if base.get(k) != v]
+        diff = [f"{k}={show_value(v)}" for k, v in self.settings.items() if base.get(k) != v]
         return ", ".join(diff) or "baseline"
-
-
-def _show(v: Any) -> str:
-    if v is None:
-        return "none"
-    if isinstance(v, bool):
-        return "on" if v else "off"
-    return str(v)
 
 
 def _key(settings: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
@@ -348,7 +271,7 @@ def why_lost(t: Trial, best: Trial, slo: dict[str, float]) -> str:
 
 def serve_command(model: str, settings: dict[str, Any]) -> str:
     """The ``kvserve serve`` line that runs a configuration (one replica's)."""
-    parts = ["kvserve serve", f"--model {model}"]
+    parts = ["kvserve serve", model]
     engine = settings_of(EngineConfig)
     for name, v in settings.items():
         if name not in engine or v is None:
@@ -360,13 +283,35 @@ def serve_command(model: str, settings: dict[str, Any]) -> str:
         else:
             parts.append(f"{flag} {v}")
     line = " ".join(parts)
-    notes = []
     if settings.get("replicas", 1) > 1:
-        notes.append(f"run {settings['replicas']} replicas behind a load balancer")
-    if settings.get("tp", 1) > 1:
-        notes.append(f"tp={settings['tp']} is simulated only: kvserve serves on one device per "
-                     "replica (tensor parallelism is planned)")  # fmt: skip
-    return line + "".join(f"\n# {n}" for n in notes)
+        line += f"\n# run {settings['replicas']} replicas behind a load balancer"
+    return line
+
+
+def why_not_runnable(model: str, settings: dict[str, Any], tp: int = 1) -> list[str]:
+    """Why the ``kvserve serve`` line of a configuration cannot start as it is (none: it
+    can): a model given as a bare config.json has no weights, and tensor parallelism is
+    simulated only."""
+    reasons = []
+    model_dir = Path(model_dir_of(model))
+    if checkpoint_bytes(model_dir) is None:
+        reasons.append(f"{model_dir} holds no weights (a config.json alone); put the "
+                       "checkpoint's safetensors beside it")  # fmt: skip
+    if settings.get("tp", tp) > 1:
+        reasons.append(f"tp={settings.get('tp', tp)} is simulated only: kvserve serves on one "
+                       "device per replica (tensor parallelism is planned)")  # fmt: skip
+    return reasons
+
+
+def recommendation(model: str, settings: dict[str, Any], tp: int = 1) -> str:
+    """The winner as the command that runs it, or, when it cannot start as it is
+    (:func:`why_not_runnable`), as a plan that says why."""
+    indented = "\n".join("  " + x for x in serve_command(model, settings).splitlines())
+    reasons = why_not_runnable(model, settings, tp)
+    if not reasons:
+        return f"run it:\n{indented}"
+    why = "".join(f"\n  - {r}" for r in reasons)
+    return f"plan, not a command to run yet:{why}\n{indented}"
 
 
 def pareto_front(trials: list[Trial]) -> list[Trial]:
