@@ -86,7 +86,9 @@ def _add_flag(g: Any, s: Setting) -> None:
 def engine_kwargs(args: argparse.Namespace, config: type = EngineConfig) -> dict[str, Any]:
     """The parsed engine flags as :class:`kvserve.LLM` keyword arguments (every setting of
     ``config``), the model resolved (the bundled one where none is given)."""
-    kwargs: dict[str, Any] = {"model": resolve_model(args.model) if args.model else default_model()}
+    revision = getattr(args, "revision", None)
+    model = resolve_model(args.model, revision) if args.model else default_model()
+    kwargs: dict[str, Any] = {"model": model}
     for name, s in settings_of(config).items():
         if not s.required:
             kwargs[name] = getattr(args, name)
