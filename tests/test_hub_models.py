@@ -351,3 +351,11 @@ def test_download_fetches_config_tokenizer_and_one_weight_format():
         download_patterns("o/n", ["a.gguf", "b.gguf"])
     with pytest.raises(FileNotFoundError, match=r"no model\*\.safetensors and no \.gguf"):
         download_patterns("o/n", ["config.json", "pytorch_model.bin"])
+
+
+def test_llm_takes_a_hub_id_and_revision_and_hands_workers_the_snapshot(hub_here, make_llm):
+    _, snaps, _ = hub_here
+    llm = make_llm(HUB_ID, revision="v2", max_model_len=64, num_gpu_blocks=16)
+    # v2 is llama_mha: four KV heads where main (llama_gqa) has two.
+    assert llm.engine.model_config.num_key_value_heads == 4
+    assert llm.engine.config.model == str(snaps["v2"])

@@ -114,6 +114,7 @@ def _download(hub: HubId) -> str:
     from huggingface_hub import HfApi, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
+        HFValidationError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
     )
@@ -122,7 +123,7 @@ def _download(hub: HubId) -> str:
         info = HfApi().model_info(hub.repo_id, revision=hub.revision)
         files = [s.rfilename for s in info.siblings or []]
         patterns = download_patterns(hub.repo_id, files)
-        log.info("model %s: downloading %s into the Hugging Face cache",
+        log.info("model %s: fetching what the Hugging Face cache lacks of %s",
                  _describe(hub), ", ".join(patterns))  # fmt: skip
         return str(snapshot_download(hub.repo_id, revision=hub.revision, allow_patterns=patterns))
     except GatedRepoError as e:
@@ -140,6 +141,8 @@ def _download(hub: HubId) -> str:
             f"model: {hub.repo_id!r} is not a model on the Hugging Face hub (nor a local path or "
             "a known model name); a private model needs HF_TOKEN"
         ) from None
+    except HFValidationError as e:
+        raise FileNotFoundError(f"model: {hub.repo_id!r} is not a valid hub id: {e}") from None
     except FileNotFoundError:
         raise
     except Exception as e:  # connection, proxy, timeout, a 5xx: the cache may hold it
