@@ -600,8 +600,15 @@ class EngineConfig:
     config's docstring heads its group of flags in ``--help``."""
 
     model: str = field(
-        metadata={"help": "model name (kvserve-ref, smollm2), HF directory or .gguf file"}
-    )
+        metadata={"help": "model name (kvserve-ref, smollm2), HF directory or .gguf file, "
+                  "or Hugging Face hub id (org/name[@revision]: from the HF cache, downloaded "
+                  "when online)"}
+    )  # fmt: skip
+    revision: str | None = field(
+        default=None,
+        metadata={"help": "the hub id's revision: a branch, tag or commit (None: main); "
+                  "a local path or model name ignores it"},
+    )  # fmt: skip
     tokenizer: str | None = field(
         default=None,
         metadata={"help": "directory of the tokenizer.json (None: the model's)"},
@@ -609,7 +616,8 @@ class EngineConfig:
     dtype: str = field(
         default="auto",
         metadata={"help": "weights' and activations' dtype (auto: the checkpoint's "
-                  "torch_dtype, float32 where it names none)", "choices": DTYPES},
+                  "torch_dtype, float32 where it names none; for a GGUF file bfloat16 on a "
+                  "GPU or on a CPU with AVX512-BF16 or AMX, else float32)", "choices": DTYPES},
     )  # fmt: skip
     device: str = field(
         default="cpu", metadata={"help": "torch device of the model and the KV pool"}
@@ -645,6 +653,9 @@ class EngineConfig:
             raise ConfigError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not isinstance(self.seed, int):
             raise ConfigError(f"seed: must be an integer, got {self.seed!r}")
+        if self.revision is not None and (not isinstance(self.revision, str)
+                                          or not self.revision.strip()):  # fmt: skip
+            raise ConfigError(f"revision: must be a branch, tag or commit, got {self.revision!r}")
         if self.attention_backend is not None and (
             not isinstance(self.attention_backend, str) or not self.attention_backend
         ):

@@ -182,9 +182,10 @@ def _add_flag(g: Any, s: Setting) -> None:
 def engine_kwargs(args: argparse.Namespace, config: type = EngineConfig) -> dict[str, Any]:
     """The parsed engine flags as :class:`kvserve.LLM` keyword arguments (every setting of
     ``config``), the model resolved (the bundled one where none is given, given positionally
-    or as ``--model``)."""
+    or as ``--model``; a hub id at ``--revision``)."""
     model = model_arg(args)
-    kwargs: dict[str, Any] = {"model": resolve_model(model) if model else default_model()}
+    revision = getattr(args, "revision", None)
+    kwargs: dict[str, Any] = {"model": resolve_model(model, revision) if model else default_model()}
     for name, s in settings_of(config).items():
         if not s.required:
             kwargs[name] = getattr(args, name)

@@ -31,16 +31,22 @@ from kvserve.engine.inputs import InputProcessor, PromptType
 from kvserve.engine.offload import apply_policies, build_offload
 from kvserve.engine.outputs import OutputProcessor, RequestFamily
 from kvserve.engine.sizing import model_fingerprint, num_kv_blocks
+from kvserve.engine.startup_log import StartupSummary
 from kvserve.engine.stats import EngineStats
 from kvserve.executor import Executor, RunnerExecutor, make_executor
-from kvserve.kv.formats import canonical_kv_format, kv_bytes_per_token, storage_class
+from kvserve.kv.formats import (
+    canonical_kv_format,
+    kv_bytes_per_token,
+    kv_fixed_bytes,
+    storage_class,
+)
 from kvserve.kv.grouped import GroupedKVCacheManager
 from kvserve.kv.hashing import BlockHash
 from kvserve.kv.layer_groups import engine_layer_groups
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.offload import OffloadTiers
 from kvserve.kv.storage import BlockPayload, KVStorage
-from kvserve.model.loader import resolve_dtype
+from kvserve.model.dtype import choose_dtype, is_gguf_dir
 from kvserve.model.resolve import resolve_model
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.sched.output import Runner
@@ -65,8 +71,11 @@ class LLMEngine:
         clock: Clock | None = None,
         offload: OffloadTiers | None = None,
     ) -> None:
+        # A path, a name or a hub id, resolved once: the workers and the tools that read
+        # config.model get the directory (a hub id is never looked up twice).
+        model_dir = Path(resolve_model(config.model, config.revision))
+        given, config = config.model, dataclasses.replace(config, model=str(model_dir))
         self.config = config
-        model_dir = Path(resolve_model(config.model))  # a name, a directory or a .gguf file
         self.model_config = mc = ModelConfig.from_pretrained(model_dir)
         tok_dir = Path(config.tokenizer or model_dir)
         self.tokenizer: Tokenizer | None = None
@@ -92,7 +101,8 @@ class LLMEngine:
                 f"'sinks:4,window:1020') keeps every distance inside it"
             )
         self.device = torch.device(config.device)
-        self.dtype = resolve_dtype(config.dtype, mc)
+        dtype_choice = choose_dtype(config.dtype, mc, config.device, is_gguf_dir(model_dir))
+        self.dtype = dtype_choice.dtype
         model_dtype = str(self.dtype).removeprefix("torch.")
         self.kv_cache_dtype = kv_name = canonical_kv_format(cc.kv_cache_dtype, model_dtype)
         self.kv_entry_copy = storage_class(kv_name).supports_entry_copy
@@ -198,6 +208,16 @@ class LLMEngine:
             )
         self.outputs = OutputProcessor(self.tokenizer, self.core.finish_request)
         self._ids = itertools.count()
+        self.startup_summary = StartupSummary(
+            given, str(model_dir), self.num_blocks, self.block_size, self.bytes_per_token,
+            kv_fixed_bytes(kv_name, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
+                           self.dtype, self.block_size, sc.max_num_seqs),
+            self.max_model_len, sc.max_num_seqs, kv_name,
+            "auto: the compute dtype" if cc.kv_cache_dtype == "auto" else "--kv-cache-dtype",
+            model_dtype, dtype_choice.reason, config.device,
+            info.compute if info is not None else None, any(mc.layer_windows),
+        )  # fmt: skip
+        log.info("%s", self.startup_summary)
 
     @property
     def scheduler(self) -> Any:

@@ -10,7 +10,8 @@ What is mapped (as llama.cpp's ``convert_hf_to_gguf.py`` and transformers' GGUF 
   halves; our rotary, like transformers', rotates halves);
 - every tensor dequantized to float32 by ``gguf.quants.dequantize`` (each type that package
   can dequantize; others are refused by name), kept in float32 on disk so that ``--dtype``
-  decides the compute precision at load, as for a safetensors checkpoint;
+  decides the compute precision at load (``auto``: the device's fast dtype,
+  :mod:`kvserve.model.dtype`);
 - the tokenizer from ``tokenizer.ggml.*`` (byte-level BPE: ``tokenizer.ggml.model = gpt2``,
   with the pre-tokenizer ``tokenizer.ggml.pre`` names) into ``tokenizer.json``, and the chat
   template into ``tokenizer_config.json``. Other tokenizer models are refused with a pointer to
@@ -35,6 +36,9 @@ import numpy as np
 from kvserve.config import user_cache_dir
 
 CONVERTER_VERSION = 1
+# Written into every converted directory: where it came from, and that it came from a GGUF file
+# (kvserve.model.dtype: ``--dtype auto`` then picks the device's fast dtype).
+GGUF_MARKER = "kvserve_gguf.json"
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # llama.cpp permutes Q and K rows of these architectures for its rotary kernel.
 PERMUTED_QK = {"llama"}
@@ -312,7 +316,7 @@ def prepare_gguf(path: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
     try:
         convert_gguf(src, tmp)
-        (tmp / "kvserve_gguf.json").write_text(json.dumps({"source": str(src.resolve()),
+        (tmp / GGUF_MARKER).write_text(json.dumps({"source": str(src.resolve()),
             "size": st.st_size, "converter": CONVERTER_VERSION}))  # fmt: skip
         try:
             os.replace(tmp, out)  # atomic: a concurrent start sees all of it or nothing

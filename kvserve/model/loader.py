@@ -9,8 +9,7 @@ from typing import NamedTuple
 import torch
 from safetensors import safe_open
 
-from kvserve.config import ConfigError, ModelConfig
-from kvserve.kv.storage import TORCH_DTYPES
+from kvserve.config import ModelConfig
 from kvserve.model.layers import TensorParallelGroup, default_weight_loader
 from kvserve.model.linear_ops import select_ops
 from kvserve.model.llama import LlamaForCausalLM
@@ -18,15 +17,6 @@ from kvserve.model.llama import LlamaForCausalLM
 
 class ModelLoadError(ValueError):
     """The checkpoint is missing a file or a tensor, or a tensor has the wrong shape."""
-
-
-def resolve_dtype(dtype: str, cfg: ModelConfig) -> torch.dtype:
-    """``auto`` follows the checkpoint's ``torch_dtype`` (float32 when it names none)."""
-    if dtype == "auto":
-        return TORCH_DTYPES.get(cfg.torch_dtype, torch.float32)
-    if dtype not in TORCH_DTYPES:
-        raise ConfigError(f"dtype: must be one of auto, {', '.join(TORCH_DTYPES)}, got {dtype!r}")
-    return TORCH_DTYPES[dtype]
 
 
 def weight_files(model_dir: Path) -> list[Path]:

@@ -1,10 +1,14 @@
-"""Model names and paths to a Hugging Face model directory, the same from any directory.
+"""Model names, paths and Hugging Face hub ids to a Hugging Face model directory, the same
+from any directory.
 
-A name is looked up before the file system, so ``--model kvserve-ref`` means the bundled model
-whatever the working directory holds (``./kvserve-ref`` names a directory of that name). The
-bundled model is found inside the installed package, never relative to a checkout, so a wheel
-serves the same weights as the source tree. Nothing here imports torch: ``kvserve plan`` and
-the CLI's argument handling resolve models without it.
+The order, as vLLM's: a local path that holds a model (a directory with ``config.json``, a
+``.gguf`` file or a directory holding one); then a model name (``kvserve-ref``, ``smollm2``);
+then a hub id ``org/name[@revision]`` (:mod:`kvserve.model.hub`: the Hugging Face cache,
+downloading when online). So ``--model kvserve-ref`` means the bundled model unless the working
+directory holds a model of that name, and ``./kvserve-ref`` is always a path. The bundled
+model is found inside the installed package, never relative to a checkout, so a wheel serves
+the same weights as the source tree. Nothing here imports torch: ``kvserve plan`` and the
+CLI's argument handling resolve models without it.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ from collections.abc import Callable
 from importlib.resources import files
 from pathlib import Path
 
-from kvserve.config import user_cache_dir
+from kvserve.config import ConfigError, user_cache_dir
+from kvserve.model.hub import HubId, hub_snapshot, parse_hub_id
 
 BUNDLED_NAME = "kvserve-ref"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -66,37 +71,68 @@ def _prepare_gguf(path: Path) -> str:
     return str(prepare_gguf(path))
 
 
-def resolve_model(name_or_path: str | None) -> str:
-    """A Hugging Face-format model directory for a model name (``kvserve-ref``, the default,
-    or ``smollm2``), a model directory, a ``.gguf`` file or a directory holding one.
-
-    A GGUF file is converted once into a cached directory (:func:`kvserve.model.gguf.
-    prepare_gguf`); a directory with ``config.json`` is returned as it is, so resolving a
-    resolved model changes nothing. Raises :class:`FileNotFoundError` naming what was given
-    and what is accepted.
-    """
-    if name_or_path is None or name_or_path in MODEL_NAMES:
-        return MODEL_NAMES[name_or_path or BUNDLED_NAME]()
-    path = Path(name_or_path).expanduser()
+def _local_model(path: Path, given: str) -> str | None:
+    """The model directory a local path holds (a GGUF file prepared first), or None where
+    it holds none. Raises for a directory with several ``.gguf`` files."""
     if path.is_file() and path.suffix.lower() == ".gguf":
         return _prepare_gguf(path.resolve())
-    if path.is_dir():
-        if (path / "config.json").is_file():
-            return str(path.resolve())
-        ggufs = sorted(p for p in path.iterdir() if p.suffix.lower() == ".gguf" and p.is_file())
-        if len(ggufs) == 1:
-            return _prepare_gguf(ggufs[0].resolve())
-        if len(ggufs) > 1:
-            raise FileNotFoundError(
-                f"model: {name_or_path!r} holds {len(ggufs)} .gguf files "
-                f"({', '.join(p.name for p in ggufs)}); pass one of them"
+    if not path.is_dir():
+        return None
+    if (path / "config.json").is_file():
+        return str(path.resolve())
+    ggufs = sorted(p for p in path.iterdir() if p.suffix.lower() == ".gguf" and p.is_file())
+    if len(ggufs) == 1:
+        return _prepare_gguf(ggufs[0].resolve())
+    if len(ggufs) > 1:
+        raise FileNotFoundError(
+            f"model: {given!r} holds {len(ggufs)} .gguf files "
+            f"({', '.join(p.name for p in ggufs)}); pass one of them"
+        )
+    return None
+
+
+def resolve_model(name_or_path: str | None, revision: str | None = None) -> str:
+    """A Hugging Face-format model directory for a local path, a model name (``kvserve-ref``,
+    the default, or ``smollm2``) or a Hugging Face hub id, tried in that order.
+
+    A path is a model directory, a ``.gguf`` file or a directory holding one; a GGUF file is
+    converted once into a cached directory (:func:`kvserve.model.gguf.prepare_gguf`), and a
+    directory with ``config.json`` is returned as it is, so resolving a resolved model changes
+    nothing. A hub id ``org/name`` (``org/name@revision``, or ``revision``) is the snapshot
+    :func:`kvserve.model.hub.hub_snapshot` finds or downloads, which then resolves as a path;
+    ``revision`` applies to hub ids only. Raises :class:`FileNotFoundError` naming what was
+    given and what was tried.
+    """
+    if name_or_path is None:
+        return MODEL_NAMES[BUNDLED_NAME]()
+    path = Path(name_or_path).expanduser()
+    if path.exists() and (found := _local_model(path, name_or_path)) is not None:
+        return found
+    if name_or_path in MODEL_NAMES:
+        return MODEL_NAMES[name_or_path]()
+    hub = None if path.exists() else parse_hub_id(name_or_path)
+    if hub is not None:
+        if revision is not None and hub.revision not in (None, revision):
+            raise ConfigError(
+                f"revision: {name_or_path!r} names revision {hub.revision!r} and revision is "
+                f"{revision!r}; give one of them"
             )
-    what = "is neither a known model name nor an existing path"
+        hub = HubId(hub.repo_id, hub.revision or revision)
+        snapshot = Path(hub_snapshot(hub))
+        found = _local_model(snapshot, name_or_path)
+        if found is None:
+            raise FileNotFoundError(
+                f"model: the snapshot of {name_or_path!r} at {snapshot} has no config.json "
+                "and no .gguf file"
+            )
+        return found
+    what = "is neither a known model name nor an existing path, nor a hub id (org/name)"
     if path.is_dir():
         what = "is a directory without config.json or a .gguf file"
     elif path.exists():
         what = "is a file that is not a .gguf file"
     raise FileNotFoundError(
         f"model: {name_or_path!r} {what}; expected a model name "
-        f"({', '.join(MODEL_NAMES)}) or {ACCEPTED_FORMS}"
+        f"({', '.join(MODEL_NAMES)}), {ACCEPTED_FORMS}, or a Hugging Face hub id "
+        "(org/name or org/name@revision)"
     )

@@ -120,10 +120,11 @@ def validate(
     from kvserve.config import ModelConfig
     from kvserve.kv.formats import canonical_kv_format, kv_fixed_bytes
     from kvserve.kv.storage import TORCH_DTYPES
-    from kvserve.model.loader import resolve_dtype
+    from kvserve.model.dtype import choose_dtype, is_gguf_dir
 
     spec = load_arch(model_dir)
-    compute_dtype = resolve_dtype(dtype, ModelConfig.from_pretrained(model_dir))
+    mc = ModelConfig.from_pretrained(model_dir)
+    compute_dtype = choose_dtype(dtype, mc, device, is_gguf_dir(model_dir)).dtype
     compute = str(compute_dtype).removeprefix("torch.")
     L, H, D = spec.num_layers, spec.num_kv_heads, spec.head_dim
     ok, _ = format_table(spec)

@@ -299,12 +299,10 @@ def run_server(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=args.shutdown_timeout,
         backlog=2048,
     )
-    log.info("serving %s: KV blocks %d x %d tokens (%s), max_model_len %d", names[0],
-             engine.num_blocks, engine.block_size, engine.kv_cache_dtype,
-             engine.max_model_len)  # fmt: skip
-    dtype = str(engine.dtype).removeprefix("torch.")
+    # The KV pool, the dtypes and why: the engine's start-up block, logged as it was built.
     executor = engine.config.parallel.distributed_executor_backend
-    log.info("compute: %s, %s; executor %s", engine.worker_info.compute, dtype, executor)
+    log.info("serving %s (max_model_len %d); executor %s", names[0], engine.max_model_len,
+             executor)  # fmt: skip
     if engine.layer_groups is not None:
         g = engine.layer_groups
         log.info("hybrid model: %d layer groups of %d layers, windows %s; each group its own "

@@ -39,8 +39,9 @@ from kvserve.kernels.openmp import ThreadBinding
 from kvserve.kv.formats import canonical_kv_format, make_kv_storage
 from kvserve.kv.layer_groups import LayerGroups, engine_layer_groups
 from kvserve.kv.storage import KVStorage
+from kvserve.model.dtype import choose_dtype, is_gguf_dir
 from kvserve.model.llama import LlamaForCausalLM
-from kvserve.model.loader import load_kv_scales, load_model, resolve_dtype
+from kvserve.model.loader import load_kv_scales, load_model
 from kvserve.model.resolve import resolve_model
 from kvserve.sample.sampler import Sampler, SamplingState
 from kvserve.sched.output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
@@ -319,9 +320,9 @@ def build_runner(config: EngineConfig, num_blocks: int, max_model_len: int) -> M
     """The model, its KV storage of ``num_blocks`` blocks and a sampler, from an engine
     config: what an engine builds in-process, and what a worker in another process builds
     from the same config to execute the engine's steps."""
-    model_dir = Path(resolve_model(config.model))
+    model_dir = Path(resolve_model(config.model, config.revision))
     mc = ModelConfig.from_pretrained(model_dir)
-    dtype = resolve_dtype(config.dtype, mc)
+    dtype = choose_dtype(config.dtype, mc, config.device, is_gguf_dir(model_dir)).dtype
     device = torch.device(config.device)
     attention = make_backend(config.attention_backend, device)  # a bad name fails before loading
     if device.type == "cpu":
