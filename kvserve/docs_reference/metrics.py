@@ -89,8 +89,8 @@ def documentation_stats(**overrides: Any) -> EngineStats:
 
 def documentation_registry(stats: EngineStats) -> CollectorRegistry:
     """The registry of a server whose engine reports ``stats``, after one request of the
-    ``default`` workload class finished and one was refused with a 429 (counted where the
-    engine loop and the app count them)."""
+    ``default`` workload class finished, one was refused with a 429 and one carried a field
+    nobody knows (counted where the engine loop and the app count them)."""
     metrics = ServerMetrics(lambda: stats, dict.fromkeys(CACHE_INFO_KEYS, ""), WorkloadClasses([]))
     done = CompletionOutput(0, "", [1, 2], None, None, finish_reason="length")
     times = RequestMetrics(0.0, first_scheduled_time=0.0, first_token_time=0.1,
@@ -99,6 +99,7 @@ def documentation_registry(stats: EngineStats) -> CollectorRegistry:
                                            workload_class="default"))  # fmt: skip
     metrics.success.labels(finished_reason="length").inc()  # as the engine loop counts it
     metrics.rejected.labels(status="429").inc()  # as the app counts a refusal
+    metrics.ignored_fields.labels(field="x_custom").inc()  # as an unknown request field is
     return metrics.registry
 
 
