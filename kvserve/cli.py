@@ -10,6 +10,7 @@ from typing import Any
 
 # Each subcommand registers its own parser; the engine flags they share live in the leaf
 # kvserve.engine_args, so none of them imports this module back.
+from kvserve import __version__
 from kvserve.bench.cli import add_bench_parser
 from kvserve.download import add_download_parser
 from kvserve.engine_args import (
@@ -68,6 +69,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int]]]:
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
+    parser.add_argument("--version", action="version", version=__version__,
+                        help="print kvserve's version and exit")  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True)
     handlers: dict[str, Callable[..., int]] = {}
 

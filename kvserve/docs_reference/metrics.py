@@ -96,8 +96,8 @@ def documentation_stats(**overrides: Any) -> EngineStats:
 
 def documentation_registry(stats: EngineStats) -> CollectorRegistry:
     """The registry of a server whose engine reports ``stats``, after one request of the
-    ``default`` workload class finished and one was refused with a 429 (counted where the
-    engine loop and the app count them)."""
+    ``default`` workload class finished, one was refused with a 429 and one carried a field
+    nobody knows (counted where the engine loop and the app count them)."""
     metrics = ServerMetrics(lambda: stats, dict.fromkeys(CACHE_INFO_KEYS, ""), WorkloadClasses([]),
                             model_name="model", max_model_len=256)  # fmt: skip
     done = CompletionOutput(0, "", [1, 2], None, None, finish_reason="length")
@@ -106,6 +106,7 @@ def documentation_registry(stats: EngineStats) -> CollectorRegistry:
     metrics.observe_output(RequestOutput("doc", None, [0], [done], True, metrics=times,
                                          workload_class="default"), max_tokens=2)  # fmt: skip
     metrics.rejected.labels(status="429").inc()  # as the app counts a refusal
+    metrics.ignored_fields.labels(field="x_custom").inc()  # as an unknown request field is
     return metrics.registry
 
 

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvserve import __version__
 from kvserve.engine import LLMEngine
 from kvserve.engine_args import engine_kwargs
 from kvserve.entrypoint import setup_process
@@ -40,8 +41,16 @@ from kvserve.server.protocol import (
     api_error_from_validation,
     bad_request,
 )
+from kvserve.server.request_fields import screen
 from kvserve.server.serving import ServerState, create_chat_completion, create_completion
 from kvserve.server.tenants import TenantResolver
+from kvserve.server.tokenize import (
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    detokenize,
+    tokenize,
+)
 
 log = logging.getLogger("kvserve.server")
 
@@ -114,7 +123,7 @@ def _error_response(err: APIError, state: ServerState | None = None) -> JSONResp
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
-async def _parse(request: Request, model: type[BaseModel]) -> Any:
+async def _read_json(request: Request) -> dict[str, Any]:
     raw = await request.body()
     try:
         text = raw.decode("utf-8")
@@ -126,6 +135,23 @@ async def _parse(request: Request, model: type[BaseModel]) -> Any:
         raise bad_request("body", f"is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise bad_request("body", f"must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+# The request models of the endpoints that generate: a field one honours is refused by the
+# other with a pointer to it (kvserve.server.request_fields.screen).
+_GENERATE = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+
+
+async def _parse(request: Request, state: ServerState, model: type[BaseModel] | None = None) -> Any:
+    """The body as ``model`` (for /tokenize: the chat form when it has ``messages``), after
+    :func:`screen` refused what the server does not implement and set aside unknown fields."""
+    data = await _read_json(request)
+    path = request.url.path
+    if model is None:
+        model = TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest
+    elsewhere = {p: m for p, m in _GENERATE.items() if p != path and model in _GENERATE.values()}
+    data = screen(data, model, path, elsewhere, state.ignored)
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -143,7 +169,11 @@ def build_app(state: ServerState) -> FastAPI:
         state.draining = True
         await asyncio.to_thread(state.loop.shutdown)
 
-    app = FastAPI(title="kvserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # /docs is FastAPI's Swagger UI page over /openapi.json; the page loads Swagger UI's
+    # script and style from a CDN (cdn.jsdelivr.net), so on a host without internet access it
+    # stays blank while /openapi.json itself is served.
+    app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan, docs_url="/docs",
+                  redoc_url=None)  # fmt: skip
     app.state.kvserve = state
     reject = state.metrics.rejected
     app.add_middleware(BodyLimitMiddleware, max_bytes=state.max_body_bytes,
@@ -170,6 +200,14 @@ def build_app(state: ServerState) -> FastAPI:
             return _error_response(APIError(503, reason))
         return JSONResponse({"status": "ok"})
 
+    # vLLM's (SageMaker's) health check, GET or POST: the same answer as /health.
+    app.add_api_route("/ping", health, methods=["GET"], name="ping")
+    app.add_api_route("/ping", health, methods=["POST"], name="ping_post")
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -184,14 +222,24 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         tenant = state.tenants.authenticate(request.headers.get("authorization"))
-        req = await _parse(request, CompletionRequest)
+        req = await _parse(request, state, CompletionRequest)
         return await create_completion(state, req, tenant, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         tenant = state.tenants.authenticate(request.headers.get("authorization"))
-        req = await _parse(request, ChatCompletionRequest)
+        req = await _parse(request, state, ChatCompletionRequest)
         return await create_chat_completion(state, req, tenant, request)
+
+    # Open without the API key, as vLLM guards only /v1 (its `bench serve` asks /tokenize
+    # without one): tokenizing touches no tenant's cache.
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> JSONResponse:
+        return JSONResponse(tokenize(state, await _parse(request, state)))
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> JSONResponse:
+        return JSONResponse(detokenize(state, await _parse(request, state, DetokenizeRequest)))
 
     return app
 
@@ -230,6 +278,7 @@ def build_state(
         max_model_len=engine.max_model_len,
         max_body_bytes=max_body_bytes,
         allow_kv_retention_override=allow_kv_retention_override,
+        scheduling_policy=engine.config.scheduler.scheduling_policy,
     )
 
 

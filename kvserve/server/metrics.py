@@ -214,6 +214,10 @@ class ServerMetrics:
                                 "Requests refused before reaching the engine or by its "
                                 "admission control, by HTTP status.",
                                 ["status"], registry=r)  # fmt: skip
+        self.ignored_fields = Counter(PREFIX + "ignored_request_fields",
+                                      "Request fields neither OpenAI's nor vLLM's API defines, "
+                                      "accepted and ignored (each name is logged once).",
+                                      ["field"], registry=r)  # fmt: skip
         self.classes = classes
         labels = ["workload_class"]
         self.class_requests = Counter(PREFIX + "class_requests",

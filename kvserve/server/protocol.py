@@ -1,7 +1,9 @@
 """OpenAI request models (pydantic), the mapping onto :class:`SamplingParams`, and errors.
 
 Models are strict (``"1"`` is not an integer, ``1.5`` is not ``n``) so a wrong type is refused
-rather than guessed at. Range checks are left to :class:`SamplingParams`, the single place that
+rather than guessed at, and closed (``extra="forbid"``): ``request_fields.screen`` has already
+refused or set aside every field they do not declare, so a declared field is one the server
+honours. Range checks are left to :class:`SamplingParams`, the single place that
 knows the allowed values; its :class:`InvalidRequestError` names the engine field, which
 :func:`api_error_from_invalid` renames to the HTTP field the client actually sent.
 """
@@ -24,8 +26,6 @@ ERROR_TYPES = {
     500: "server_error",
     503: "service_unavailable_error",
 }
-# Fields of OpenAI's API that this server does not implement: refused, never silently ignored.
-UNSUPPORTED = ("suffix", "tools", "tool_choice", "functions", "function_call")
 
 
 class APIError(Exception):
@@ -82,14 +82,17 @@ def api_error_from_validation(err: ValidationError) -> APIError:
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: bool | None = False
+    # vLLM's: every chunk carries the usage so far (with include_usage).
+    continuous_usage_stats: bool | None = False
+    # OpenAI's random padding against length side channels: only off (refused when true).
+    include_obfuscation: bool | None = None
 
 
 class _SamplingFields(BaseModel):
     """Fields common to /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(strict=True, extra="allow")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     model: str | None = None
     max_tokens: int | None = None
@@ -111,8 +114,19 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, Any] | None = None
     # vLLM's extra field: only these tokens may be sampled.
     allowed_token_ids: list[int] | None = None
-    skip_special_tokens: bool = True
+    skip_special_tokens: bool | None = None  # None: true (vLLM's default)
     include_stop_str_in_output: bool = False
+    # vLLM's: the prompt's own log-probs (top-n beside each actual token); not when streaming.
+    prompt_logprobs: int | None = None
+    # vLLM's: keep only this many prompt tokens (-1: max_model_len - 1), from the end ("left",
+    # the default for generation, as vLLM) or the start ("right").
+    truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    # vLLM's: the response's id is "cmpl-<request_id>" / "chatcmpl-<request_id>".
+    request_id: str | None = None
+    # vLLM's: token ids beside the text (and the prompt's); logprob tokens as "token_id:N".
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -137,14 +151,32 @@ class _SamplingFields(BaseModel):
 
     def check_common(self) -> None:
         """Cross-field rules that pydantic's per-field types cannot express."""
-        extra = self.model_extra or {}
-        for name in UNSUPPORTED:
-            if extra.get(name) not in (None, [], {}):
-                raise bad_request(name, "is not supported by this server")
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of", "is not supported (only best_of == n)")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options", "is only allowed when stream is true")
+        if self.stream_options is not None and self.stream_options.include_obfuscation:
+            raise bad_request("stream_options.include_obfuscation",
+                              "is not supported by this server (only false)")  # fmt: skip
+        if self.prompt_logprobs is not None and self.stream:
+            raise bad_request("prompt_logprobs", "is not available when stream is true")
+        t = self.truncate_prompt_tokens
+        if t is not None and t != -1 and t < 1:
+            raise bad_request("truncate_prompt_tokens", f"must be -1 or >= 1, got {t}")
+        if self.request_id is not None and not 1 <= len(self.request_id) <= 256:
+            raise bad_request("request_id", "must be 1 to 256 characters")
+
+    def truncate(self, ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt after ``truncate_prompt_tokens`` (vLLM's rule: -1 keeps room for one
+        output token)."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return ids
+        if keep == -1:
+            keep = max_model_len - 1
+        if keep >= len(ids):
+            return ids
+        return ids[:keep] if self.truncation_side == "right" else ids[-keep:]
 
     @property
     def client_salt(self) -> str | None:
@@ -154,6 +186,11 @@ class _SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        so = self.stream_options
+        return bool(so and so.include_usage and so.continuous_usage_stats)
+
     def sampling_kwargs(self) -> dict[str, Any]:
         """Only the fields the client set; SamplingParams' defaults (vLLM's) fill the rest."""
         kw: dict[str, Any] = {
@@ -162,7 +199,7 @@ class _SamplingFields(BaseModel):
             "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos,
             "min_tokens": self.min_tokens,
-            "skip_special_tokens": self.skip_special_tokens,
+            "skip_special_tokens": self.skip_special_tokens is not False,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "seed": self.seed,
         }
@@ -172,6 +209,8 @@ class _SamplingFields(BaseModel):
             kw["logit_bias"] = _logit_bias(self.logit_bias)
         if self.allowed_token_ids is not None:
             kw["allowed_token_ids"] = self.allowed_token_ids
+        if self.prompt_logprobs is not None:
+            kw["prompt_logprobs"] = self.prompt_logprobs
         for name in (
             "temperature",
             "top_p",
@@ -193,7 +232,9 @@ class CompletionRequest(_SamplingFields):
     prompt: Any
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False
+    # The prompt's text (and, with logprobs, its tokens' log-probs) before the completion.
+    echo: bool | None = False
+    add_special_tokens: bool = True
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -224,11 +265,11 @@ class CompletionRequest(_SamplingFields):
 
     def sampling_params(self) -> SamplingParams:
         self.check_common()
-        if self.echo:
-            raise bad_request("echo", "is not supported by this server")
         kw = self.sampling_kwargs()
         kw["max_tokens"] = self.max_tokens
         kw["logprobs"] = self.logprobs
+        if self.echo and self.logprobs is not None and self.prompt_logprobs is None:
+            kw["prompt_logprobs"] = self.logprobs  # echoed prompt tokens get logprobs too
         return _build_params(kw, {})
 
 
@@ -273,16 +314,34 @@ class ChatMessage(BaseModel):
         raise ValueError("must be a string or a list of text parts")
 
 
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the chat template reads them."""
+    out = []
+    for m in messages:
+        d: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+        if m.name is not None:
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions. ``max_completion_tokens`` is OpenAI's newer name for
     ``max_tokens``; without either, the reply may run to max_model_len."""
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    # vLLM's: continue the last (assistant) message instead of starting a new one.
+    continue_final_message: bool = False
+    # vLLM's: BOS on top of what the chat template writes (off: the template has it).
+    add_special_tokens: bool = False
+    # vLLM's: the reply starts with the last message's content when it is the assistant's.
+    echo: bool | None = False
+    # vLLM's: the rendered chat template in the response (in the first chunk when streaming).
+    return_prompt_text: bool | None = None
 
     @field_validator("messages")
     @classmethod
@@ -292,19 +351,11 @@ class ChatCompletionRequest(_SamplingFields):
         return v
 
     def message_dicts(self) -> list[dict[str, Any]]:
-        out = []
-        for m in self.messages:
-            d: dict[str, Any] = {"role": m.role, "content": m.content or ""}
-            if m.name is not None:
-                d["name"] = m.name
-            out.append(d)
-        return out
+        return message_dicts(self.messages)
 
     def sampling_params(self) -> SamplingParams:
         self.check_common()
-        if self.response_format not in (None, {"type": "text"}):
-            raise bad_request("response_format", "only {'type': 'text'} is supported")
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:  # 0 is vLLM's default: no alternatives
             raise bad_request("top_logprobs", "requires logprobs to be true")
         kw = self.sampling_kwargs()
         use_mct = self.max_completion_tokens is not None

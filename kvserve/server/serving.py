@@ -19,16 +19,15 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from jinja2 import TemplateError
 
-from kvserve.model.tokenizer import ChatTemplateError, Tokenizer
+from kvserve.model.tokenizer import Tokenizer
 from kvserve.sched.request import (
-    CompletionOutput,
     InvalidRequestError,
     RequestOutput,
     RequestTags,
     SamplingParams,
 )
+from kvserve.server.chat_prompt import render_chat
 from kvserve.server.engine_loop import (
     EngineLoop,
     EngineStepError,
@@ -37,6 +36,8 @@ from kvserve.server.engine_loop import (
     RequestHandle,
     RequestRefusedError,
 )
+from kvserve.server.job import Job
+from kvserve.server.logprobs import LogprobFormatter
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import (
     APIError,
@@ -45,6 +46,7 @@ from kvserve.server.protocol import (
     api_error_from_invalid,
     bad_request,
 )
+from kvserve.server.request_fields import IgnoredFields
 from kvserve.server.tenants import TenantResolver
 
 
@@ -62,8 +64,15 @@ class ServerState:
     retry_after_s: int = 1
     # Whether a request may set its own kv_retention (--no-allow-kv-retention-override: no).
     allow_kv_retention_override: bool = True
+    # The engine's --scheduling-policy: a request's priority means something only under
+    # "priority", so elsewhere a non-zero one is refused (as vLLM does).
+    scheduling_policy: str = "fcfs"
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    ignored: IgnoredFields = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ignored = IgnoredFields(self.metrics.ignored_fields)
 
     def check_model(self, name: str | None) -> str:
         if name is None:
@@ -97,126 +106,9 @@ def _usage(
     return usage
 
 
-def _gpt2_byte_decoder() -> dict[str, int]:
-    """Inverse of GPT-2's bytes_to_unicode: byte-level BPE vocab characters -> bytes."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
-    cs, extra = list(bs), 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
-
-
-_BYTE_DECODER = _gpt2_byte_decoder()
-
-
-class _Logprobs:
-    """Engine logprobs (``{token_id: logprob}`` per position, sampled token + top-n) in the
-    two OpenAI shapes: the legacy completions one and chat's ``content`` list.
-
-    A token is shown by its own bytes, not by decoding it alone: byte-level tokens that are
-    part of a multi-byte character would all decode to U+FFFD and collide as dict keys. Bytes
-    that are not valid UTF-8 are written ``bytes:\\xNN`` as OpenAI does."""
-
-    def __init__(self, tok: Tokenizer | None, top_n: int) -> None:
-        self.tok = tok
-        self.top_n = top_n
-        self.offset: dict[int, int] = {}
-        self._cache: dict[int, tuple[str, bytes]] = {}
-
-    def _token(self, tid: int) -> tuple[str, bytes]:
-        if tid not in self._cache:
-            raw = self.tok.id_to_token(tid) if self.tok else None
-            if raw is None:  # an id the model has but the tokenizer does not
-                data = f"token_id:{tid}".encode()
-            elif len(raw) == 6 and raw.startswith("<0x") and raw.endswith(">"):
-                data = bytes([int(raw[3:5], 16)])  # SentencePiece byte fallback
-            elif all(ch in _BYTE_DECODER for ch in raw):
-                data = bytes(_BYTE_DECODER[ch] for ch in raw)
-            else:
-                assert self.tok is not None
-                data = self.tok.decode([tid], skip_special_tokens=False).encode()
-            try:
-                text = data.decode()
-            except UnicodeDecodeError:
-                text = "bytes:" + "".join(f"\\x{b:02x}" for b in data)
-            self._cache[tid] = (text, data)
-        return self._cache[tid]
-
-    def _s(self, tid: int) -> str:
-        return self._token(tid)[0]
-
-    def completion(self, k: int, c: CompletionOutput) -> dict[str, Any] | None:
-        if c.logprobs is None:
-            return None
-        out: dict[str, list[Any]] = {
-            "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []
-        }  # fmt: skip
-        for tid, lps in zip(c.token_ids, c.logprobs, strict=False):
-            s = self._s(tid)
-            out["tokens"].append(s)
-            out["token_logprobs"].append(lps.get(tid))
-            top: dict[str, float] = {}
-            for t, lp in sorted(lps.items(), key=lambda kv: -kv[1]):
-                top.setdefault(self._s(t), lp)  # ids that decode alike keep the best logprob
-            out["top_logprobs"].append(top)
-            out["text_offset"].append(self.offset.get(k, 0))
-            self.offset[k] = self.offset.get(k, 0) + (0 if s.startswith("bytes:") else len(s))
-        return out
-
-    def chat(self, c: CompletionOutput) -> dict[str, Any] | None:
-        if c.logprobs is None:
-            return None
-        content = []
-        for tid, lps in zip(c.token_ids, c.logprobs, strict=False):
-            s, data = self._token(tid)
-            top = sorted(lps.items(), key=lambda kv: -kv[1])[: self.top_n]
-            content.append({
-                "token": s, "logprob": lps.get(tid), "bytes": list(data),
-                "top_logprobs": [
-                    {"token": self._s(i), "logprob": lp, "bytes": list(self._token(i)[1])}
-                    for i, lp in top
-                ],
-            })  # fmt: skip
-        return {"content": content}
-
-
-@dataclass
-class _Job:
-    """One HTTP request on its way through the engine."""
-
-    kind: str  # "completion" | "chat"
-    model: str
-    params: SamplingParams
-    prompt_ids: list[list[int]]
-    stream: bool
-    include_usage: bool
-    logprobs: _Logprobs
-    id: str = ""
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    @property
-    def object(self) -> str:
-        if self.kind == "chat":
-            return "chat.completion.chunk" if self.stream else "chat.completion"
-        return "text_completion"
-
-    def envelope(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        return {"id": self.id, "object": self.object, "created": self.created,
-                "model": self.model, "choices": choices, **extra}  # fmt: skip
-
-    def choice(self, k: int, c: CompletionOutput, delta: bool) -> dict[str, Any]:
-        if self.kind == "completion":
-            return {"index": k, "text": c.text, "logprobs": self.logprobs.completion(k, c),
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}  # fmt: skip
-        msg = {"content": c.text} if delta else {"role": "assistant", "content": c.text}
-        return {"index": k, ("delta" if delta else "message"): msg,
-                "logprobs": self.logprobs.chat(c), "finish_reason": c.finish_reason}  # fmt: skip
-
-
-def _prompt_ids(state: ServerState, prompts: list[str | list[int]]) -> list[list[int]]:
+def _prompt_ids(
+    state: ServerState, req: CompletionRequest, prompts: list[str | list[int]]
+) -> list[list[int]]:
     out = []
     for p in prompts:
         if isinstance(p, str):
@@ -224,9 +116,15 @@ def _prompt_ids(state: ServerState, prompts: list[str | list[int]]) -> list[list
                 raise bad_request("prompt", "must not be empty")
             if state.tokenizer is None:
                 raise bad_request("prompt", "this model has no tokenizer.json; send token ids")
-            p = state.tokenizer.encode(p)
-        out.append(p)
+            p = state.tokenizer.encode(p, add_special_tokens=req.add_special_tokens)
+        out.append(req.truncate(p, state.max_model_len))
     return out
+
+
+def _ids(req: CompletionRequest | ChatCompletionRequest, prefix: str) -> tuple[str, str]:
+    """The response's id and the engine's (unique even when clients reuse a request_id)."""
+    engine_id = prefix + uuid.uuid4().hex
+    return (prefix + req.request_id if req.request_id else engine_id), engine_id
 
 
 async def create_completion(
@@ -234,12 +132,31 @@ async def create_completion(
 ) -> Response:
     model = state.check_model(req.model)
     params = req.sampling_params()
-    ids = _prompt_ids(state, req.prompts())
-    lps = _Logprobs(state.tokenizer, req.logprobs or 0)
-    job = _Job("completion", model, params, ids, req.stream, req.include_usage, lps,
-               "cmpl-" + uuid.uuid4().hex)  # fmt: skip
+    prompts = req.prompts()
+    ids = _prompt_ids(state, req, prompts)
+    lps = LogprobFormatter(state.tokenizer, req.logprobs or 0, bool(req.return_tokens_as_token_ids))
+    job = Job("completion", model, params, ids, req.stream, req.include_usage, lps,
+              *_ids(req, "cmpl-"), continuous_usage=req.continuous_usage,
+              return_token_ids=bool(req.return_token_ids),
+              prompt_logprobs=req.prompt_logprobs)  # fmt: skip
+    if req.echo:
+        # a text prompt as sent; token ids, or a prompt truncate_prompt_tokens cut, decoded
+        job.echo = [
+            p
+            if isinstance(p, str) and req.truncate_prompt_tokens is None
+            else _decode(state, i, params)
+            for p, i in zip(prompts, ids, strict=True)
+        ]
+        job.echo_logprobs = req.logprobs is not None
     salt = state.tenants.cache_salt(tenant, req.client_salt)
-    return await _run(state, job, salt, raw, {"prompt_token_ids": "prompt"}, _tags(req, tenant))
+    tags = _tags(state, req, tenant)
+    return await _run(state, job, salt, raw, {"prompt_token_ids": "prompt"}, tags)
+
+
+def _decode(state: ServerState, ids: list[int], params: SamplingParams) -> str:
+    if state.tokenizer is None:
+        return ""
+    return state.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
 
 
 async def create_chat_completion(
@@ -248,24 +165,35 @@ async def create_chat_completion(
     model = state.check_model(req.model)
     params = req.sampling_params()
     tok = state.tokenizer
-    if tok is None:
-        raise bad_request("messages", "this model has no tokenizer; use /v1/completions")
-    try:
-        text = tok.apply_chat_template(req.message_dicts(), req.add_generation_prompt)
-    except (ChatTemplateError, TemplateError) as e:
-        msg = str(e).removeprefix("messages: ")
-        raise bad_request("messages", f"the chat template refused them: {msg}") from None
-    ids = tok.encode(text, add_special_tokens=False)
-    job = _Job("chat", model, params, [ids], req.stream, req.include_usage,
-               _Logprobs(tok, req.top_logprobs or 0), "chatcmpl-" + uuid.uuid4().hex)  # fmt: skip
+    messages = req.message_dicts()
+    text = render_chat(tok, messages, req.add_generation_prompt, req.continue_final_message)
+    assert tok is not None  # render_chat refused a model without one
+    ids = req.truncate(tok.encode(text, add_special_tokens=req.add_special_tokens),
+                       state.max_model_len)  # fmt: skip
+    lps = LogprobFormatter(tok, req.top_logprobs or 0, bool(req.return_tokens_as_token_ids))
+    job = Job("chat", model, params, [ids], req.stream, req.include_usage, lps,
+              *_ids(req, "chatcmpl-"), continuous_usage=req.continuous_usage,
+              return_token_ids=bool(req.return_token_ids), prompt_logprobs=req.prompt_logprobs,
+              prompt_text=text if req.return_prompt_text else None)  # fmt: skip
+    # vLLM's echo: the reply's role is the assistant's unless it continues the last message;
+    # a last message of that role is repeated before the reply.
+    role = "assistant" if req.add_generation_prompt else messages[-1]["role"]
+    if req.echo:
+        job.echo = [messages[-1]["content"] if messages[-1]["role"] == role else ""]
     salt = state.tenants.cache_salt(tenant, req.client_salt)
     rename = {"prompt": "messages", "prompt_token_ids": "messages"}
     if req.max_completion_tokens is not None:
         rename["max_tokens"] = "max_completion_tokens"
-    return await _run(state, job, salt, raw, rename, _tags(req, tenant))
+    return await _run(state, job, salt, raw, rename, _tags(state, req, tenant))
 
 
-def _tags(req: CompletionRequest | ChatCompletionRequest, tenant: str) -> RequestTags:
+def _tags(
+    state: ServerState, req: CompletionRequest | ChatCompletionRequest, tenant: str
+) -> RequestTags:
+    if req.priority and state.scheduling_policy != "priority":
+        raise bad_request("priority", f"has no effect under --scheduling-policy "
+                          f"{state.scheduling_policy}; the server must be started with "
+                          "--scheduling-policy priority")  # fmt: skip
     try:
         return RequestTags(req.priority, req.workload_class, tenant, req.user)
     except InvalidRequestError as e:
@@ -274,7 +202,7 @@ def _tags(req: CompletionRequest | ChatCompletionRequest, tenant: str) -> Reques
 
 async def _run(
     state: ServerState,
-    job: _Job,
+    job: Job,
     salt: str,
     raw: Request,
     rename: dict[str, str],
@@ -290,7 +218,7 @@ async def _run(
         )
     prompts = [{"prompt_token_ids": ids, "cache_salt": salt} for ids in job.prompt_ids]
     arrival = time.monotonic()
-    handle = RequestHandle(job.id, prompts, job.params, job.stream, arrival, tags)
+    handle = RequestHandle(job.engine_id, prompts, job.params, job.stream, arrival, tags)
     try:
         await state.loop.submit(handle)
     except InvalidRequestError as e:
@@ -317,13 +245,13 @@ async def _run(
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         return StreamingResponse(_sse(state, job, handle), media_type="text/event-stream",
                                  headers=headers)  # fmt: skip
-    finals = await _collect(state, handle, raw)
+    finals = await _collect(state, job, handle, raw)
     if finals is None:  # the client went away; the request was aborted
         return Response(status_code=499)
     return JSONResponse(_final_body(job, finals))
 
 
-def _final_body(job: _Job, finals: list[RequestOutput]) -> dict[str, Any]:
+def _final_body(job: Job, finals: list[RequestOutput]) -> dict[str, Any]:
     n = job.params.n
     choices, completion = [], 0
     for i, out in enumerate(finals):
@@ -332,7 +260,7 @@ def _final_body(job: _Job, finals: list[RequestOutput]) -> dict[str, Any]:
             choices.append(job.choice(i * n + c.index, c, delta=False))
     prompt = sum(len(p) for p in job.prompt_ids)
     cached = sum(o.num_cached_tokens for o in finals)
-    return job.envelope(choices, usage=_usage(prompt, completion, cached, finals))
+    return job.envelope(choices, usage=_usage(prompt, completion, cached, finals), **job.head())
 
 
 async def _disconnected(raw: Request) -> None:
@@ -342,13 +270,14 @@ async def _disconnected(raw: Request) -> None:
 
 
 async def _collect(
-    state: ServerState, handle: RequestHandle, raw: Request
+    state: ServerState, job: Job, handle: RequestHandle, raw: Request
 ) -> list[RequestOutput] | None:
     """The final output of every prompt, or None if the client disconnected first."""
     finals: list[Any] = [None] * len(handle.prompts)
 
     async def consume() -> None:
         async for sub in handle.outputs():
+            job.seen(sub.index, sub.output)
             if sub.output.finished:
                 finals[sub.index] = sub.output
 
@@ -403,25 +332,38 @@ def _sse_event(payload: dict[str, Any] | str) -> str:
     return f"data: {data}\n\n"
 
 
-async def _sse(state: ServerState, job: _Job, handle: RequestHandle) -> AsyncIterator[bytes]:
+async def _sse(state: ServerState, job: Job, handle: RequestHandle) -> AsyncIterator[bytes]:
     """The stream's events, those already here written together: a request with several
     prompts or ``n`` > 1 gets one output per sequence per step, a loop that fell behind finds
     several steps queued, and the last tokens, the usage and ``[DONE]`` are ready at once. One
     socket write each instead of one per event, on the event loop that shares the engine's
     cores."""
     n = job.params.n
-    usage_field = {"usage": None} if job.include_usage else {}
+    prompt = sum(len(p) for p in job.prompt_ids)
     completion, cached = 0, [0] * len(job.prompt_ids)
     finals: list[RequestOutput | None] = [None] * len(job.prompt_ids)
     events: list[str] = []
+
+    def usage_field() -> dict[str, Any]:
+        if job.continuous_usage:  # vLLM's continuous_usage_stats: the usage so far
+            return {"usage": _usage(prompt, completion, sum(cached))}
+        return {"usage": None} if job.include_usage else {}
+
     try:
         if job.kind == "chat":
             first = [{"index": k, "delta": {"role": "assistant", "content": ""},
                       "logprobs": None, "finish_reason": None}
                      for k in range(n * len(job.prompt_ids))]  # fmt: skip
-            yield _sse_event(job.envelope(first, **usage_field)).encode()
+            events.append(_sse_event(job.envelope(first, **usage_field(), **job.head())))
+            if job.echo and job.echo[0]:
+                echo = [{"index": k, "delta": {"content": job.echo[0]}, "logprobs": None,
+                         "finish_reason": None} for k in range(n)]  # fmt: skip
+                events.append(_sse_event(job.envelope(echo, **usage_field())))
+            yield "".join(events).encode()
+            events.clear()
         async for sub in handle.outputs():
             o = sub.output
+            job.seen(sub.index, o)
             cached[sub.index] = o.num_cached_tokens
             if o.finished:
                 finals[sub.index] = o
@@ -431,12 +373,11 @@ async def _sse(state: ServerState, job: _Job, handle: RequestHandle) -> AsyncIte
                 if c.text or c.token_ids or c.finish_reason is not None:
                     choices.append(job.choice(sub.index * n + c.index, c, delta=True))
             if choices:
-                events.append(_sse_event(job.envelope(choices, **usage_field)))
+                events.append(_sse_event(job.envelope(choices, **usage_field())))
             if events and not handle.ready() and None in finals:  # (the last goes with [DONE])
                 yield "".join(events).encode()
                 events.clear()
         if job.include_usage:
-            prompt = sum(len(p) for p in job.prompt_ids)
             usage = _usage(prompt, completion, sum(cached), finals)  # type: ignore[arg-type]
             events.append(_sse_event(job.envelope([], usage=usage)))
     except EngineUnavailableError as e:
