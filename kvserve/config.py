@@ -662,9 +662,3 @@ class EngineConfig:
             raise ConfigError(
                 f"attention_backend: must be a backend name or None, got {self.attention_backend!r}"
             )
-        if self.attention_backend is not None and (
-            not isinstance(self.attention_backend, str) or not self.attention_backend
-        ):
-            raise ConfigError(
-                f"attention_backend: must be a backend name or None, got {self.attention_backend!r}"
-            )

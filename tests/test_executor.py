@@ -8,9 +8,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
@@ -20,6 +17,7 @@ import pytest
 from kvserve import SamplingParams
 from kvserve.engine.core import EngineDeadError
 from kvserve.executor import WorkerDiedError, WorkerError
+from tests.serve_process import ServeProcess
 
 REPO = Path(__file__).resolve().parent.parent
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -147,24 +145,13 @@ def test_served_mp_engine_whose_worker_dies_answers_unhealthy_and_exits_0(checkp
     the stream with an error naming the worker within seconds, /health answers 503, and
     SIGTERM still exits 0."""
     ckpt = checkpoint("llama_gqa")
-    cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--model", ckpt, "--port", "0",
-           "--max-model-len", "256", "--dtype", "float32", "--num-gpu-blocks", "64",
-           "--distributed-executor-backend", "mp", "--disable-access-log"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
-    try:
-        url, log = None, []
-        deadline = time.monotonic() + 120
-        for line in proc.stderr:
-            log.append(line)
-            if m := re.search(r"running on (http://\S+)", line):
-                url = m.group(1)
-                break
-            assert time.monotonic() < deadline, "".join(log)
-        assert url, "".join(log)
-        threading.Thread(target=lambda: [log.append(x) for x in proc.stderr], daemon=True).start()
-        workers = [int(m.group(1)) for x in log if (m := re.search(r"worker 0: pid (\d+)", x))]
-        assert len(workers) == 1 and workers[0] in children_of(proc.pid), "".join(log)
+    args = ["--model", ckpt, "--max-model-len", "256", "--dtype", "float32",
+            "--num-gpu-blocks", "64", "--distributed-executor-backend", "mp",
+            "--disable-access-log"]  # fmt: skip
+    with ServeProcess(args) as srv:
+        url, proc = srv.url, srv.proc
+        workers = [int(m.group(1)) for x in srv.log if (m := re.search(r"worker 0: pid (\d+)", x))]
+        assert len(workers) == 1 and workers[0] in children_of(proc.pid), srv.text
         body = {"prompt": "a long one", "max_tokens": 200, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
             lines = r.iter_lines()
@@ -180,12 +167,7 @@ def test_served_mp_engine_whose_worker_dies_answers_unhealthy_and_exits_0(checkp
         assert health.status_code == 503 and "worker 0" in health.text
         r = httpx.post(url + "/v1/completions", json={"prompt": "x"}, timeout=5)
         assert r.status_code == 503
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0, "".join(log)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        assert srv.stop() == 0, srv.text
 
 
 def children_of(pid: int) -> list[int]:

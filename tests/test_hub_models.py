@@ -14,9 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import queue
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -31,6 +29,7 @@ from kvserve import SamplingParams
 from kvserve.model import resolve
 from kvserve.model.hub import HubId, download_patterns, parse_hub_id
 from kvserve.model.resolve import resolve_model
+from tests.serve_process import ServeProcess
 
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 MISSING_ID = "HuggingFaceTB/NotInTheCache"
@@ -214,25 +213,12 @@ def test_online_the_hub_is_asked_and_an_unreachable_hub_falls_back_to_the_cache(
 
 def test_serve_by_hub_id_offline_answers_as_the_local_directory(hub_cache, listener, make_llm):
     home, _, src = hub_cache
-    cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--model", HUB_ID, "--port", "0",
-           "--max-model-len", "256", "--dtype", "float32", "--disable-access-log"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                            env=hf_env(listener, HF_HOME=str(home)))  # fmt: skip
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr], daemon=True).start()
-    log: list[str] = []
-    try:
-        url, deadline = None, time.monotonic() + START_TIMEOUT
-        while url is None and time.monotonic() < deadline and proc.poll() is None:
-            try:
-                log.append(lines.get(timeout=1))
-            except queue.Empty:
-                continue
-            if m := re.search(r"running on (http://\S+)", log[-1]):
-                url = m.group(1)
-        assert url, "".join(log)
+    args = ["--model", HUB_ID, "--max-model-len", "256", "--dtype", "float32",
+            "--disable-access-log"]  # fmt: skip
+    with ServeProcess(args, hf_env(listener, HF_HOME=str(home)), START_TIMEOUT) as srv:
+        url = srv.url
         # The engine's start-up block, as LLM logs it (tests/test_startup_log.py checks it).
-        assert re.search(r"KV pool: +[\d.]+ GiB .* blocks x 16 tokens", "".join(log)), log
+        assert re.search(r"KV pool: +[\d.]+ GiB .* blocks x 16 tokens", srv.text), srv.text
         models = httpx.get(url + "/v1/models", timeout=30).json()
         assert [m["id"] for m in models["data"]] == [HUB_ID]  # vLLM's default served name
         body = {"model": HUB_ID, "prompt": "hello there", "max_tokens": 12, "temperature": 0,
@@ -240,12 +226,7 @@ def test_serve_by_hub_id_offline_answers_as_the_local_directory(hub_cache, liste
         r = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
         served = r.json()["choices"][0]["text"]
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        assert srv.stop() == 0
     ref = make_llm(str(src["main"]), max_model_len=256, dtype="float32")
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     assert served == ref.generate(["hello there"], sp)[0].outputs[0].text

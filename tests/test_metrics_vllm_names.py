@@ -21,19 +21,14 @@ Names are the families as vLLM defines them: a counter ``vllm:x`` is queried as 
 from __future__ import annotations
 
 import json
-import os
-import queue
-import re
-import signal
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.serve_process import ServeProcess
 
 REPO = Path(__file__).resolve().parent.parent
 SERVED = "vllm-names-test"
@@ -278,41 +273,12 @@ MEASURED = {name: spec for name, spec in DASHBOARD_METRICS.items() if name not i
 def server():
     """``kvserve serve`` as a process: the bundled model, one CPU offload tier (so the
     offload families exist), on 127.0.0.1 and a free port."""
-    cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--port", "0", "--dtype", "float32",
-           "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", SERVED,
-           "--kv-offload-cpu", "8MiB", "--disable-access-log"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def pump() -> None:
-        for line in proc.stderr:
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    try:
-        url, log, deadline = None, [], time.monotonic() + 120
-        while url is None and time.monotonic() < deadline:
-            try:
-                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            if line is None:
-                break
-            log.append(line)
-            if m := re.search(r"running on (http://\S+)", line):
-                url = m.group(1)
-        assert url, "kvserve serve did not start:\n" + "".join(log)
-        yield url
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    args = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
+            "--served-model-name", SERVED, "--kv-offload-cpu", "8MiB",
+            "--disable-access-log"]  # fmt: skip
+    with ServeProcess(args) as srv:
+        yield srv.url
+        srv.stop()
 
 
 def scrape(url: str) -> dict:

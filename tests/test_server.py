@@ -9,12 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import re
 import signal
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
@@ -26,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvserve import LLM, SamplingParams
 from kvserve.server.app import BackgroundServer, build_state
 from kvserve.server.tenants import TenantResolver
+from tests.serve_process import ServeProcess
 
 MODEL = "tiny-llama"
 KEYS = {"key-alice": "alice", "key-bob": "bob"}
@@ -384,32 +380,17 @@ def test_cli_serve_sigterm_finishes_in_flight_and_exits_0(ckpt, tmp_path):
     """`kvserve serve MODEL` as a process: SIGTERM mid-stream lets the stream finish, exit 0."""
     tenants = tmp_path / "tenants.json"
     tenants.write_text(json.dumps({"k1": "t1"}))
-    cmd = [sys.executable, "-m", "kvserve.cli", "serve", ckpt, "--port", "0",
-           "--max-model-len", "256", "--dtype", "float32", "--tenants", str(tenants),
-           "--served-model-name", MODEL, "--disable-access-log"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
-    try:
-        url, log = None, []
-        for line in proc.stderr:
-            log.append(line)
-            if m := re.search(r"running on (http://\S+)", line):
-                url = m.group(1)
-                break
-        assert url, "".join(log)
-        threading.Thread(target=lambda: [log.append(x) for x in proc.stderr], daemon=True).start()
-        c = OpenAI(base_url=url + "/v1", api_key="k1", max_retries=0)
+    args = [ckpt, "--max-model-len", "256", "--dtype", "float32", "--tenants", str(tenants),
+            "--served-model-name", MODEL, "--disable-access-log"]  # fmt: skip
+    with ServeProcess(args) as srv:
+        c = OpenAI(base_url=srv.url + "/v1", api_key="k1", max_retries=0)
         stream = c.completions.create(model=MODEL, prompt="bye", max_tokens=150, stream=True,
                                       extra_body={"ignore_eos": True})  # fmt: skip
         chunks = [next(stream)]
-        proc.send_signal(signal.SIGTERM)
+        srv.proc.send_signal(signal.SIGTERM)
         chunks += list(stream)
         assert chunks[-1].choices[0].finish_reason == "length"
-        assert proc.wait(timeout=30) == 0, "".join(log)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        assert srv.stop() == 0, srv.text
 
 
 def test_engine_stream_deltas_hold_back_stop_prefixes(checkpoint, make_llm):

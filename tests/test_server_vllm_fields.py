@@ -17,12 +17,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import subprocess
-import sys
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +29,8 @@ from transformers import AutoTokenizer
 
 import kvserve
 from kvserve import LLM, SamplingParams
-from tests.test_server import REPO, scrape
+from tests.serve_process import ServeProcess
+from tests.test_server import scrape
 
 BUNDLED = str(Path(kvserve.__file__).parent / "bundled" / "kvserve-ref")
 MODEL = "ref"
@@ -101,44 +98,18 @@ def test_the_openai_client_sends_no_field_left_unlisted():
 # -- the server and the references ---------------------------------------------------------
 
 
-@dataclass
-class Live:
-    url: str
-    log: list[str] = field(default_factory=list)
-
-
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     """``kvserve serve`` as a process, with priority scheduling and one workload class (so
     ``priority``, ``user`` and ``workload_class`` have an effect to check)."""
     classes = tmp_path_factory.mktemp("classes") / "classes.json"
     classes.write_text(json.dumps(CLASSES))
-    cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--model", BUNDLED, "--port", "0",
-           "--max-model-len", "256", "--dtype", "float32", "--served-model-name", MODEL,
-           "--scheduling-policy", "priority", "--workload-classes", str(classes),
-           "--disable-access-log"]  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "2"}
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
-    try:
-        srv = Live("")
-        deadline = time.monotonic() + 120
-        for line in proc.stderr:
-            srv.log.append(line)
-            if m := re.search(r"running on (http://\S+)", line):
-                srv.url = m.group(1)
-                break
-            assert time.monotonic() < deadline, "".join(srv.log)
-        assert srv.url, "".join(srv.log)
-        threading.Thread(target=lambda: [srv.log.append(x) for x in proc.stderr],
-                         daemon=True).start()  # fmt: skip
+    args = ["--model", BUNDLED, "--max-model-len", "256", "--dtype", "float32",
+            "--served-model-name", MODEL, "--scheduling-policy", "priority",
+            "--workload-classes", str(classes), "--disable-access-log"]  # fmt: skip
+    with ServeProcess(args, env={**os.environ, "OMP_NUM_THREADS": "2"}) as srv:
         yield srv
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        srv.stop()
 
 
 @pytest.fixture(scope="module")
