@@ -10,18 +10,27 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "__version__"]
+__all__ = [
+    "LLM",
+    "LLMEngine",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "RequestOutput",
+    "__version__",
+]
 
 if TYPE_CHECKING:
     from kvserve.engine import LLMEngine
     from kvserve.llm import LLM
     from kvserve.sched.request import RequestOutput, SamplingParams
+    from kvserve.structured.params import StructuredOutputsParams
 
 _LAZY = {
     "LLM": "kvserve.llm",
     "LLMEngine": "kvserve.engine",
     "SamplingParams": "kvserve.sched.request",
     "RequestOutput": "kvserve.sched.request",
+    "StructuredOutputsParams": "kvserve.structured.params",
 }
 
 

@@ -589,6 +589,43 @@ class ParallelConfig:
             )
 
 
+# llguidance: the default (broadest JSON-schema coverage, ~ms compiles, no invalid instance
+# accepted in JSONSchemaBench); xgrammar: vLLM's and SGLang's default, the optional extra
+# kvserve[xgrammar].
+STRUCTURED_OUTPUTS_BACKENDS = ("llguidance", "xgrammar")
+
+
+@dataclass(slots=True)
+class StructuredOutputsConfig:
+    """Structured outputs: the grammar library that compiles a request's JSON schema, regex,
+    choice or grammar, and how long a compile may take."""
+
+    structured_outputs_backend: str = field(
+        default="llguidance",
+        metadata={"help": "the grammar library behind structured outputs (vLLM's "
+                  "--structured-outputs-config.backend): llguidance, or xgrammar (the "
+                  "optional extra kvserve[xgrammar])", "choices": STRUCTURED_OUTPUTS_BACKENDS},
+    )  # fmt: skip
+    structured_outputs_compile_timeout: float = field(
+        default=5.0,
+        metadata={"metavar": "SECONDS",
+                  "help": "seconds a constraint may take to compile; a longer one is refused "
+                  "(a 400 naming the field) instead of stalling the engine"},
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ConfigError(
+                "structured_outputs_backend: must be one of "
+                f"{', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, got {self.structured_outputs_backend!r}"
+            )
+        t = self.structured_outputs_compile_timeout
+        if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t <= 600:
+            raise ConfigError(
+                f"structured_outputs_compile_timeout: must be in (0, 600] seconds, got {t!r}"
+            )
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """The model and where it runs; the KV cache's and the scheduler's settings are nested.
@@ -636,6 +673,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     # One setting, given whole as JSON (vLLM's --kv-transfer-config): not walked into.
     kv_transfer_config: KVTransferConfig = field(
         default_factory=KVTransferConfig,

@@ -115,8 +115,10 @@ _TABLE = (
             "by --max-num-batched-tokens"),
     VLLMArg("--max-num-partial-prefills", UNSUPPORTED, "chunked prefill splits a prompt by "
             "--max-num-batched-tokens"),
-    VLLMArg("--structured-outputs-config", PLANNED, planned="structured outputs"),
-    VLLMArg("--guided-decoding-backend", PLANNED, planned="structured outputs"),
+    VLLMArg("--structured-outputs-config", USE, "the grammar library; compile time limit: "
+            "--structured-outputs-compile-timeout", "--structured-outputs-backend"),
+    VLLMArg("--guided-decoding-backend", USE, "the grammar library (vLLM's older name)",
+            "--structured-outputs-backend"),
     VLLMArg("--reasoning-parser", UNSUPPORTED, "reasoning is not split from content"),
     # -- vLLM's serve (FrontendArgs): the server only ---------------------------------------
     VLLMArg("--uvicorn-log-level", USE, "", "--log-level", engine=False),

@@ -7,16 +7,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.config import ConfigError
+from kvserve.errors import InvalidRequestError
 from kvserve.sched.retention import RetentionSpec, parse_retention
 from kvserve.sched.workload_classes import WorkloadClass
-
-
-class InvalidRequestError(ValueError):
-    """A request field is out of range; the message names the field and its allowed values."""
-
-    def __init__(self, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.field = field
+from kvserve.structured.params import StructuredOutputsParams
 
 
 def _bad(field: str, message: str) -> InvalidRequestError:
@@ -54,6 +48,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # vLLM's: only these tokens may be sampled (a non-empty list).
     allowed_token_ids: list[int] | None = None
+    # vLLM's: the output matches a JSON schema, a regex, a choice or a grammar
+    # (kvserve.structured); checked against the tokenizer when the engine takes the request.
+    structured_outputs: StructuredOutputsParams | None = None
 
     MAX_LOGPROBS = 20
     MAX_LOGIT_BIAS = 100.0
@@ -137,6 +134,9 @@ class SamplingParams:
             if not ids:
                 raise _bad("allowed_token_ids", "must not be empty")
             self.allowed_token_ids = list(ids)
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise _bad("structured_outputs", f"must be a StructuredOutputsParams, got {so!r}")
 
     def _check_logit_bias(self) -> None:
         bias, top = self.logit_bias, self.MAX_LOGIT_BIAS
