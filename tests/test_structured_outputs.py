@@ -142,6 +142,18 @@ def test_top_logprobs_only_name_allowed_tokens(bundled):
         assert lp > float("-inf")
 
 
+def test_a_bias_never_revives_a_masked_token(bundled):
+    """logit_bias applies before the mask: +100 on a token the grammar forbids changes
+    nothing about what may be sampled."""
+    tok = bundled.get_tokenizer()
+    forbidden = tok.encode("zebra", add_special_tokens=False)[0]
+    so = StructuredOutputsParams(choice=["yes", "no"])
+    p = SamplingParams(temperature=1.0, n=3, max_tokens=8, logit_bias={forbidden: 100.0},
+                       structured_outputs=so)  # fmt: skip
+    for c in bundled.generate([PROMPT], p)[0].outputs:
+        assert c.text in ("yes", "no") and forbidden not in c.token_ids
+
+
 def test_unconstrained_neighbours_are_unchanged(bundled):
     """Seeded and greedy unconstrained requests give byte-identical text with or without
     constrained requests in the same batch."""
