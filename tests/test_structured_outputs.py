@@ -264,3 +264,16 @@ def test_both_backends_constrain(make_llm, backend):
                         structured_outputs=StructuredOutputsParams(regex=r"[0-9]{3}x"))  # fmt: skip
     for c in llm.generate([PROMPT], rx)[0].outputs:
         assert re.fullmatch(r"[0-9]{3}x", c.text), c.text
+
+
+def test_a_worker_process_compiles_its_own_matchers(make_llm):
+    """With the model in a worker process (``mp``), the worker compiles the constraint with
+    its own compiler and gives the same greedy output as the in-process runner."""
+    params = [_json(SCHEMAS[2], temperature=0.0), _json(SCHEMAS[11], temperature=0.0)]
+    outs = {}
+    for executor in ("uni", "mp"):
+        llm = make_llm("kvserve-ref", max_model_len=128, dtype="float32",
+                       distributed_executor_backend=executor)  # fmt: skip
+        outs[executor] = [o.outputs[0].token_ids for o in llm.generate([PROMPT] * 2, params)]
+        _check_json(llm.generate([PROMPT] * 2, params), [SCHEMAS[2], SCHEMAS[11]])
+    assert outs["uni"] == outs["mp"]
