@@ -277,3 +277,30 @@ def test_a_worker_process_compiles_its_own_matchers(make_llm):
         outs[executor] = [o.outputs[0].token_ids for o in llm.generate([PROMPT] * 2, params)]
         _check_json(llm.generate([PROMPT] * 2, params), [SCHEMAS[2], SCHEMAS[11]])
     assert outs["uni"] == outs["mp"]
+
+
+def test_streamed_cjk_and_emoji_deltas_hold_no_replacement_character(bundled):
+    """Emoji and CJK characters take several byte-level tokens: streamed deltas never show a
+    half character (U+FFFD), and they add up to the output, which validates."""
+    engine = bundled.engine
+    schemas = [SCHEMAS[9], SCHEMAS[10], SCHEMAS[11]]
+    ids = [engine.add_request(None, PROMPT, _json(s, n=2), stream=True) for s in schemas]
+    text: dict[tuple[str, int], str] = {}
+    final: dict[tuple[str, int], str | None] = {}
+    for _ in range(500):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            for c in out.outputs:
+                assert "\ufffd" not in c.text, repr(c.text)
+                key = (out.request_id, c.index)
+                text[key] = text.get(key, "") + c.text
+                if c.finish_reason is not None:
+                    final[key] = c.finish_reason
+    assert not engine.has_unfinished_requests()
+    assert len(final) == 2 * len(schemas)
+    for (rid, _), reason in final.items():
+        schema = schemas[ids.index(rid)]
+        if reason == "stop":
+            jsonschema.validate(json.loads(text[(rid, _)]), schema)
+    assert any(any(ord(ch) > 0x2E80 for ch in t) for t in text.values())
