@@ -12,7 +12,10 @@
    measured in the same run; and the fraction of finished constrained outputs that validate
    with ``jsonschema``.
 
-    .venv/bin/python -m benchmarks.structured [--quick] [--model smollm2]
+4. With ``--outputs 500``: that many outputs across the 20 schemas on the bundled model at
+   temperature 1 (``n`` = 3), each finished one validated with ``jsonschema``.
+
+    .venv/bin/python -m benchmarks.structured [--quick] [--model smollm2] [--outputs 500]
 
 The last line is one JSON object: ``tpot_overhead``, ``compile_ms_p50``, ``compile_ms_p99``,
 ``mask_us_p50`` and ``valid_fraction`` of the default backend (llguidance), and the same per
@@ -201,11 +204,48 @@ def serve(model: str, backend: str, batch: int, max_tokens: int, schemas: list) 
             "tokens": sum(lengths)}  # fmt: skip
 
 
+def correctness(outputs: int, backend: str) -> dict[str, Any]:
+    """``outputs`` outputs across the 20 schemas at temperature 1 on the bundled model (one
+    third as ``n`` = 3): the fraction of finished ones that validate with ``jsonschema``."""
+    import jsonschema
+
+    from kvserve import LLM, SamplingParams, StructuredOutputsParams
+
+    llm = LLM("kvserve-ref", max_model_len=512, structured_outputs_backend=backend)
+    per = -(-outputs // (len(SCHEMAS) * 3))
+    prompts, params, schemas = [], [], []
+    for i, s in enumerate(SCHEMAS):
+        so = StructuredOutputsParams(json=s)
+        for j in range(per):
+            prompts.append(f"JSON {i} {j}:")
+            params.append(SamplingParams(temperature=1.0, n=3, max_tokens=96, seed=i * 1000 + j,
+                                         structured_outputs=so))  # fmt: skip
+            schemas.append(s)
+    finished = valid = total = 0
+    for out, s in zip(llm.generate(prompts, params), schemas, strict=True):
+        for c in out.outputs:
+            total += 1
+            if c.finish_reason != "stop":
+                continue
+            finished += 1
+            try:
+                jsonschema.validate(json.loads(c.text), s)
+                valid += 1
+            except (ValueError, jsonschema.ValidationError):
+                pass
+    llm.shutdown()
+    return {"outputs": total, "finished": finished,
+            "valid_fraction": valid / finished if finished else float("nan")}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a smaller batch, fewer schemas")
     ap.add_argument("--model", default="smollm2", help="model name or path (default smollm2)")
     ap.add_argument("--backends", default=",".join(BACKENDS))
+    ap.add_argument("--outputs", type=int, default=0,
+                    help="also generate this many outputs (e.g. 500) on the bundled model "
+                    "across the 20 schemas and validate them")  # fmt: skip
     ap.add_argument(
         "--skip-serving",
         action="store_true",
@@ -240,9 +280,22 @@ def main() -> None:
     print(f"model {args.model}, vocab {vocab}, batch {batch}, {threads} threads, "
           f"{len(SCHEMAS)} + {len(world)} schemas compiled cold")  # fmt: skip
     print(table(rows, cols))
+    if args.outputs:
+        for backend in args.backends.split(","):
+            c = correctness(args.outputs, backend)
+            print(
+                f"{backend}: {c['outputs']} outputs on kvserve-ref, {c['finished']} finished, "
+                f"valid fraction {c['valid_fraction']:.3f}"
+            )
+            per[backend]["correctness_valid_fraction"] = c["valid_fraction"]
+            per[backend]["correctness_outputs"] = c["outputs"]
     head = per.get("llguidance") or rows[0]
     summary = {k: head[k] for k in cols[1:-1]}
     summary.update({f"{r['backend']}_{k}": r[k] for r in rows for k in cols[1:-1]})
+    for r in rows:
+        for k in ("correctness_valid_fraction", "correctness_outputs"):
+            if k in r:
+                summary[f"{r['backend']}_{k}"] = r[k]
     summary.update(model=args.model, batch=batch, quick=args.quick)
     emit(summary)
 

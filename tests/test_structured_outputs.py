@@ -304,3 +304,34 @@ def test_streamed_cjk_and_emoji_deltas_hold_no_replacement_character(bundled):
         if reason == "stop":
             jsonschema.validate(json.loads(text[(rid, _)]), schema)
     assert any(any(ord(ch) > 0x2E80 for ch in t) for t in text.values())
+
+
+def test_prepare_compiles_off_the_engine_thread(bundled):
+    """A server compiles on its own thread first; the engine then finds the grammar cached."""
+    good = _json(
+        {
+            "type": "object",
+            "properties": {"q": {"enum": [1, 2]}},
+            "required": ["q"],
+            "additionalProperties": False,
+        }
+    )
+    errors: list[Exception] = []
+
+    def compile_both() -> None:
+        bundled.engine.prepare_structured_outputs(good)
+        try:
+            bundled.engine.prepare_structured_outputs(
+                SamplingParams(structured_outputs=StructuredOutputsParams(regex="(x"))
+            )
+        except InvalidRequestError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=compile_both)
+    t.start()
+    t.join(timeout=60)
+    assert not t.is_alive() and [e.field for e in errors] == ["structured_outputs.regex"]
+    key = good.structured_outputs.key()
+    assert bundled.engine.grammars._cache[key].done()
+    out = bundled.generate([PROMPT], good.clone(temperature=0.0))[0].outputs[0]
+    assert json.loads(out.text)["q"] in (1, 2)
