@@ -19,6 +19,7 @@ from kvserve.sched.request import InvalidRequestError
         (dict(json={"type": "object"}, regex="a"), "structured_outputs", "json, regex"),
         (dict(json="{not json"), "structured_outputs.json", "not valid JSON"),
         (dict(json="[1, 2]"), "structured_outputs.json", "JSON schema"),
+        (dict(json="true"), "structured_outputs.json", "JSON schema"),
         (dict(choice=[]), "structured_outputs.choice", "must not be empty"),
         (dict(choice=["a", 1]), "structured_outputs.choice", "list of strings"),
         (dict(regex=""), "structured_outputs.regex", "non-empty"),
