@@ -102,7 +102,8 @@ class StructuredOutputsLogitsProcessor(TokenBitmaskLogitsProcessor[GrammarState]
         # only EOS; the libraries are asked only about the others.
         done = [row for row, s in enumerate(states) if s.failed or s.matcher.is_terminated()]
         if done:
-            live = [row for row in range(len(states)) if row not in set(done)]
+            finished = set(done)
+            live = [row for row in range(len(states)) if row not in finished]
             part = mask[live] if live else None
             if live:
                 self.compiler.backend().fill_bitmasks([states[r].matcher for r in live], part)
