@@ -335,3 +335,18 @@ def test_prepare_compiles_off_the_engine_thread(bundled):
     assert bundled.engine.grammars._cache[key].done()
     out = bundled.generate([PROMPT], good.clone(temperature=0.0))[0].outputs[0]
     assert json.loads(out.text)["q"] in (1, 2)
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_a_finished_grammar_under_ignore_eos_allows_only_eos(make_llm, backend):
+    """Past the grammar's end (the request goes on under ignore_eos) the row allows only EOS,
+    and the library is not asked for a mask it can no longer give (xgrammar raises)."""
+    llm = make_llm("kvserve-ref", max_model_len=128, dtype="float32",
+                   structured_outputs_backend=backend)  # fmt: skip
+    so = StructuredOutputsParams(choice=["yes", "no"])
+    p = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, structured_outputs=so)
+    c = llm.generate([PROMPT], p)[0].outputs[0]
+    eos = set(llm.engine.eos_token_ids)
+    tail = [t for t in c.token_ids if t in eos]
+    assert len(c.token_ids) == 8 and tail and set(c.token_ids[-len(tail) :]) <= eos
+    assert llm.get_tokenizer().decode(c.token_ids[: -len(tail)]) in ("yes", "no")
