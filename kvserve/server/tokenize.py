@@ -17,8 +17,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from kvserve.model.tokenizer import Tokenizer
+from kvserve.server.api_errors import bad_request
 from kvserve.server.chat_prompt import render_chat
-from kvserve.server.protocol import ChatMessage, bad_request, message_dicts
+from kvserve.server.protocol import ChatMessage, message_dicts
 from kvserve.server.serving import ServerState
 
 
