@@ -131,6 +131,7 @@ async def create_completion(
     model = state.check_model(req.model)
     constraint = req.constraint()
     params = req.sampling_params(constraint)
+    _check_vocab(state, params)
     prompts = req.prompts()
     ids = _prompt_ids(state, req, prompts)
     lps = LogprobFormatter(state.tokenizer, req.logprobs or 0, bool(req.return_tokens_as_token_ids))
@@ -166,6 +167,7 @@ async def create_chat_completion(
     plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, state.tool_settings)
     constraint = req.output_constraint(plan)
     params = req.sampling_params(constraint)
+    _check_vocab(state, params)
     tok = state.tokenizer
     messages = req.message_dicts()
     text = render_chat(tok, messages, req.add_generation_prompt, req.continue_final_message,
@@ -191,6 +193,19 @@ async def create_chat_completion(
     if constraint is not None:
         rename.update(constraint.rename)
     return await _run(state, job, salt, raw, rename, _tags(state, req, tenant))
+
+
+def _check_vocab(state: ServerState, params: SamplingParams) -> None:
+    """``logit_bias`` names tokens of the tokenizer: a checkpoint's vocabulary is often padded
+    past it (to a multiple of 64 or 128), and a bias on those rows would revive ids that name
+    nothing (the engine checks the model's vocabulary for every token-id field)."""
+    if state.tokenizer is None or not params.logit_bias:
+        return
+    v = state.tokenizer.vocab_size
+    bad = next((t for t in params.logit_bias if t >= v), None)
+    if bad is not None:
+        raise bad_request("logit_bias", f"token id {bad} is past this model's tokenizer "
+                          f"(its ids are 0 to {v - 1})")  # fmt: skip
 
 
 def _tags(
