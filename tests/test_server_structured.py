@@ -66,7 +66,7 @@ def tool_model(checkpoint, tmp_path_factory):
     cfg = json.loads((path / "tokenizer_config.json").read_text())
     cfg["chat_template"] = QWEN_STYLE_TEMPLATE
     (path / "tokenizer_config.json").write_text(json.dumps(cfg))
-    with _serve(str(path), "--enable-auto-tool-choice") as srv:
+    with _serve(str(path), "--enable-auto-tool-choice", "--max-model-len", "2048") as srv:
         yield srv
         srv.stop()
 
