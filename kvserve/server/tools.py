@@ -4,8 +4,9 @@ The model writes calls in its own format (its chat template's: hermes ``<tool_ca
 llama3 JSON); a parser from :mod:`kvserve.server.tool_parsers` reads them back. ``required``
 and a named function are forced with a grammar of that format (the tools' ``parameters`` as
 JSON schemas inside it), so the reply is a well-formed call to a tool that exists; ``auto``
-leaves the model free and parses what it wrote, as vLLM does, and needs
-``--enable-auto-tool-choice`` (vLLM's rule: without it ``auto`` is a 400). Text that is not
+leaves the model free and parses what it wrote, as vLLM does (constrained to text or
+well-formed calls when a tool is ``strict``), and needs ``--enable-auto-tool-choice`` (vLLM's
+rule: without it ``auto`` is a 400). Text that is not
 well-formed calls stays content.
 """
 
@@ -76,7 +77,12 @@ def plan_tools(
                 "--enable-auto-tool-choice and --tool-call-parser (or a chat template whose "
                 "tool-call format kvserve reads)",
             )
-        return ToolPlan(TOOL_PARSERS[settings.parser](), None)
+        parser = TOOL_PARSERS[settings.parser]()
+        if not any(t.function.strict for t in tools):
+            return ToolPlan(parser, None)
+        funcs = [t.function.model_dump(exclude_none=True) for t in tools]
+        grammar = parser.grammar(funcs, parallel is not False, text=True)
+        return ToolPlan(parser, tools_constraint(grammar, _source(list(range(len(tools))))))
     parser = TOOL_PARSERS[settings.parser or "hermes"]()
     if tool_choice == "required":
         chosen = list(range(len(tools)))
@@ -90,8 +96,12 @@ def plan_tools(
                               f"of the request's tools ({names})")  # fmt: skip
         chosen, many = chosen[:1], False
     funcs = [tools[i].function.model_dump(exclude_none=True) for i in chosen]
-    source = f"tools[{chosen[0]}].function.parameters" if len(chosen) == 1 else "tools"
-    return ToolPlan(parser, tools_constraint(parser.grammar(funcs, many), source))
+    return ToolPlan(parser, tools_constraint(parser.grammar(funcs, many), _source(chosen)))
+
+
+def _source(chosen: list[int]) -> str:
+    """The field a compile error names: the one tool's parameters, else all the tools."""
+    return f"tools[{chosen[0]}].function.parameters" if len(chosen) == 1 else "tools"
 
 
 def _named(choice: Any) -> str:

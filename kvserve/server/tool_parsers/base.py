@@ -113,8 +113,10 @@ class ToolParser(ABC):
         """What is settled in ``text``; raises ValueError on text that cannot be a call."""
 
     @abstractmethod
-    def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
-        """A Lark grammar (llguidance's, with ``%json``) of one call, or of one or more."""
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool, text: bool = False) -> str:
+        """A Lark grammar (llguidance's, with ``%json``) of one call, or of one or more; with
+        ``text``, of either calls or plain text that does not start like one (``auto`` with a
+        ``strict`` tool: the model may answer, but a call it writes matches its schema)."""
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The final content and calls; text that is not well-formed calls is all content."""

@@ -35,8 +35,10 @@ class HermesToolParser(ToolParser):
             pos = text.find(OPEN, close + len(CLOSE))
         return out
 
-    def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool, text: bool = False) -> str:
         schema = json.dumps(call_schema(tools, "arguments"))
         call = 'call: "<tool_call>\\n" %json ' + schema + ' "\\n</tool_call>"'
-        start = 'start: call ("\\n" call)*' if parallel else "start: call"
-        return f"{start}\n{call}\n"
+        calls = 'calls: call ("\\n" call)*' if parallel else "calls: call"
+        if text:
+            return f"start: TEXT | calls\n{calls}\n{call}\nTEXT: /[^<](.|\\n)*/\n"
+        return f"start: calls\n{calls}\n{call}\n"

@@ -44,7 +44,9 @@ class Llama3JsonToolParser(ToolParser):
                 raise ValueError("a call must be a JSON object")
         return out
 
-    def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool, text: bool = False) -> str:
         call = "call: %json " + json.dumps(call_schema(tools, "parameters"))
-        start = 'start: call ("; " call)*' if parallel else "start: call"
-        return f"{start}\n{call}\n"
+        calls = 'calls: call ("; " call)*' if parallel else "calls: call"
+        if text:
+            return f"start: TEXT | calls\n{calls}\n{call}\nTEXT: /[^{{<](.|\\n)*/\n"
+        return f"start: calls\n{calls}\n{call}\n"
