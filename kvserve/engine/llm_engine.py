@@ -59,6 +59,7 @@ from kvserve.sched.request import (
 )
 from kvserve.sched.retention import parse_retention
 from kvserve.sched.workload_class_file import load_workload_classes
+from kvserve.structured.compiler import engine_grammar_compiler
 
 log = logging.getLogger("kvserve.engine")
 
@@ -82,6 +83,9 @@ class LLMEngine:
         if (tok_dir / "tokenizer.json").exists():
             self.tokenizer = Tokenizer(tok_dir, mc.eos_token_ids)
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else mc.eos_token_ids
+        # Structured outputs: constraints compile when a request comes (refused then if they
+        # cannot), cached for the runner's matchers; no grammar library loads until then.
+        self.grammars = engine_grammar_compiler(config, model_dir, mc)
 
         sc, cc = config.scheduler, config.cache
         self.retention = parse_retention(cc.kv_retention)
@@ -271,6 +275,8 @@ class LLMEngine:
             tags = dataclasses.replace(tags, priority=priority)  # validated again
         req = self.inputs.process(request_id, prompt, params, arrival, return_prompt_logits,
                                   tags)  # fmt: skip
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)  # InvalidRequestError, nothing queued
         children = self.core.add_request(req)
         self.outputs.add(
             RequestFamily(

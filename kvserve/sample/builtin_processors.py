@@ -19,7 +19,9 @@ from kvserve.sample.logits_processors import (
     put_rows,
     select_rows,
 )
+from kvserve.sample.structured_outputs import StructuredOutputsLogitsProcessor
 from kvserve.sample.token_bitmask import AllowedTokenIdsLogitsProcessor
+from kvserve.structured.compiler import GrammarCompiler
 
 
 class Penalties(RequestLogitsState):
@@ -146,7 +148,8 @@ class LogitBiasLogitsProcessor(LogitsProcessor[LogitBias]):
         return logits.index_put_((row, torch.cat(ids)), values, accumulate=True)
 
 
-# The registry, in the order the processors apply.
+# The registry, in the order the processors apply; the structured-outputs mask (which needs
+# the grammar compiler) comes last, after every processor that can move the argmax.
 LOGITS_PROCESSORS: tuple[type[LogitsProcessor], ...] = (
     PenaltiesLogitsProcessor,
     MinTokensLogitsProcessor,
@@ -156,7 +159,12 @@ LOGITS_PROCESSORS: tuple[type[LogitsProcessor], ...] = (
 
 
 def build_logits_processors(
-    vocab_size: int, device: torch.device | str = "cpu"
+    vocab_size: int,
+    device: torch.device | str = "cpu",
+    grammar_compiler: GrammarCompiler | None = None,
 ) -> LogitsProcessors:
-    """The built-in processors for a model of ``vocab_size`` on ``device``, in order."""
-    return LogitsProcessors([cls(vocab_size, device) for cls in LOGITS_PROCESSORS])
+    """The built-in processors for a model of ``vocab_size`` on ``device``, in order;
+    ``grammar_compiler``: what structured-output requests compile with (None: refused)."""
+    procs = [cls(vocab_size, device) for cls in LOGITS_PROCESSORS]
+    procs.append(StructuredOutputsLogitsProcessor(vocab_size, device, grammar_compiler))
+    return LogitsProcessors(procs)

@@ -91,6 +91,11 @@ class LogitsProcessor(ABC, Generic[S]):
     #: True when it changes a row only by adding a per-token term independent of the logit
     #: (``-inf`` masks included): greedy rescoring carries the term over to exact logits.
     additive: ClassVar[bool] = True
+    #: True when it has work to start before the forward pass (:meth:`prepare`).
+    prepares: ClassVar[bool] = False
+    #: True when the returned logprobs are taken after it (vLLM applies the grammar's mask
+    #: before its logprobs: only tokens the grammar allows appear among ``top_logprobs``).
+    masks_logprobs: ClassVar[bool] = False
 
     def __init__(self, vocab_size: int, device: torch.device | str = "cpu") -> None:
         self.vocab_size = vocab_size
@@ -107,6 +112,10 @@ class LogitsProcessor(ABC, Generic[S]):
         the requests whose ``states`` are given in the same order; may work in place, and
         returns the logits."""
 
+    def prepare(self, rows: list[int], states: list[S]) -> None:
+        """Called (when ``prepares``) with the step's rows and states before the forward
+        pass, so work that needs no logits (a grammar's mask) overlaps it."""
+
 
 @dataclass(slots=True)
 class StepPlan:
@@ -119,6 +128,22 @@ class StepPlan:
     @property
     def changes_argmax(self) -> bool:
         return any(not p.argmax_invariant for p, _, _ in self.groups)
+
+    def prepare(self) -> StepPlan:
+        """Start the processors' work that can run beside the forward pass."""
+        for proc, rows, states in self.groups:
+            if proc.prepares:
+                proc.prepare(rows, states)
+        return self
+
+    def logprobs_base(self, raw: torch.Tensor) -> torch.Tensor:
+        """The logits the returned logprobs come from: ``raw`` with the masks of the
+        processors that declare ``masks_logprobs`` (a copy; ``raw`` itself when none)."""
+        out = raw
+        for proc, rows, states in self.groups:
+            if proc.masks_logprobs:
+                out = proc.apply(out.clone() if out is raw else out, rows, states)
+        return out
 
     def apply(self, logits: torch.Tensor, argmax_invariant: bool) -> torch.Tensor:
         """The processors of one kind (argmax-invariant or not), in order."""

@@ -7,7 +7,8 @@ through the argmax-invariant processors, are cut by top-k, top-p and min-p, and 
 the exponential race (argmax of ``p / E`` with ``E ~ Exp(1)``), which equals sampling from
 ``p``. A row with its own ``seed`` draws ``E`` from its own generator, so its tokens do not
 depend on what else is in the batch. Returned logprobs are those of the raw model distribution
-(before processors and temperature), as vLLM returns.
+(before processors and temperature), as vLLM returns, except that a grammar's mask
+(structured outputs) applies first: only tokens the grammar allows are among them.
 
 Greedy rescoring: with a reduced-precision model, when the runner offers ``rescore``, a greedy
 row takes the best of its top ``RESCORE_TOPK`` candidates re-scored in float32 (a bf16 LM head
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import EllipsisType
 from typing import Any
 
 import torch
@@ -33,6 +35,7 @@ from kvserve.kernels.pointwise import topk_rows
 from kvserve.sample.builtin_processors import build_logits_processors
 from kvserve.sample.logits_processors import LogitsProcessors, StepPlan
 from kvserve.sched.request import SamplingParams
+from kvserve.structured.compiler import GrammarCompiler
 
 
 class SamplingState:
@@ -103,15 +106,17 @@ class Sampler:
         seed: int = 0,
         device: torch.device | str = "cpu",
         logits_processors: LogitsProcessors | None = None,
+        grammar_compiler: GrammarCompiler | None = None,
     ) -> None:
         """``logits_processors``: the processors in their order (default: the built-in ones,
-        :func:`~kvserve.sample.builtin_processors.build_logits_processors`)."""
+        :func:`~kvserve.sample.builtin_processors.build_logits_processors`, with
+        ``grammar_compiler`` for structured outputs)."""
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         if logits_processors is None:
-            logits_processors = build_logits_processors(vocab_size, self.device)
+            logits_processors = build_logits_processors(vocab_size, self.device, grammar_compiler)
         self.logits_processors = logits_processors
 
     def add_request(
@@ -125,15 +130,27 @@ class Sampler:
         return SamplingState(sampling_params, prompt_token_ids, output_token_ids, eos_token_ids,
                              self.logits_processors)  # fmt: skip
 
+    def plan(self, requests: list[SamplingState]) -> StepPlan | None:
+        """The step's processors over ``requests``, their work that needs no logits started:
+        a runner calls this before the forward pass and hands the plan to :meth:`__call__`."""
+        plan = self.logits_processors.plan(requests)
+        return None if plan is None else plan.prepare()
+
     def __call__(
-        self, logits: torch.Tensor, requests: list[SamplingState], rescore: Rescore | None = None
+        self,
+        logits: torch.Tensor,
+        requests: list[SamplingState],
+        rescore: Rescore | None = None,
+        plan: StepPlan | None | EllipsisType = ...,
     ) -> SamplerOutput:
         """``rescore(rows, token_ids)``: exact (float32) logits of those tokens for those rows,
         used to settle greedy choices among the top candidates (see the module docstring).
+        ``plan``: from :meth:`plan` for these requests (default: made here).
         The caller records each sampled token with :meth:`SamplingState.append_token`."""
         raw = logits
         params = [r.sampling_params for r in requests]
-        plan = self.logits_processors.plan(requests)
+        if plan is ...:
+            plan = self.logits_processors.plan(requests)
         greedy_raw = None  # the raw logits, when processors changed what greedy rows see
         plain_rows: frozenset[int] = frozenset()
         if plan is not None and plan.changes_argmax:
@@ -150,7 +167,8 @@ class Sampler:
         logprobs: list[dict[int, float] | None] = [None] * len(requests)
         sampled_lp: list[float] | None = None
         if any(n is not None for n in want):
-            lsm = torch.log_softmax(raw.float(), dim=-1)
+            base = raw if plan is None else plan.logprobs_base(raw)
+            lsm = torch.log_softmax(base.float(), dim=-1)
             chosen = lsm.gather(1, token_ids[:, None])[:, 0].tolist()
             k = max(n or 0 for n in want)
             top_val, top_idx = lsm.topk(k, dim=-1) if k else (None, None)
@@ -164,7 +182,8 @@ class Sampler:
                     for t, v in zip(
                         top_idx[row, :n].tolist(), top_val[row, :n].tolist(), strict=True
                     ):
-                        entry.setdefault(t, v)
+                        if v != float("-inf"):  # a masked token is no candidate
+                            entry.setdefault(t, v)
                 logprobs[row] = entry
             return SamplerOutput(ids, logprobs, sampled_lp)
         return SamplerOutput(token_ids.tolist(), logprobs, sampled_lp)

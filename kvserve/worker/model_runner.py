@@ -45,6 +45,7 @@ from kvserve.model.loader import load_kv_scales, load_model
 from kvserve.model.resolve import resolve_model
 from kvserve.sample.sampler import Sampler, SamplingState
 from kvserve.sched.output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from kvserve.structured.compiler import engine_grammar_compiler
 
 log = logging.getLogger("kvserve.worker")
 
@@ -165,6 +166,10 @@ class ModelRunner:
         keep = None
         if len(rows) != len(input_ids) or rows != list(range(len(rows))):
             keep = torch.tensor(rows, dtype=torch.long, device=self.device)
+        ids = [rid for i in sampling for rid in items[i].sample_ids]
+        states = [self.states[rid] for rid in ids]
+        # the processors' plan before the forward pass: a grammar's mask fills beside it
+        plan = self.sampler.plan(states) if states else None
         hidden = self.model(input_ids, positions, self.storage, meta, keep)
         if self.connector is not None:
             self._connector_report(sched, out)
@@ -178,10 +183,9 @@ class ModelRunner:
         logits = self.model.logits(hidden)
         for rid, start, n in spans:
             out.prompt_logits[rid] = torch.log_softmax(logits[start : start + n], dim=-1)
-        ids = [rid for i in sampling for rid in items[i].sample_ids]
         if ids:
-            states = [self.states[rid] for rid in ids]
-            sampled = self.sampler(logits[: len(ids)], states, self._rescore(hidden[: len(ids)]))
+            rescore = self._rescore(hidden[: len(ids)])
+            sampled = self.sampler(logits[: len(ids)], states, rescore, plan)
             for st, tok in zip(states, sampled.token_ids, strict=True):
                 st.append_token(tok)
             out.req_ids = ids
@@ -343,7 +347,8 @@ def build_runner(config: EngineConfig, num_blocks: int, max_model_len: int) -> M
         k_scales=k_scales, v_scales=v_scales,
         layer_slots=groups.slot_of if groups is not None else None,
     )  # fmt: skip
-    sampler = Sampler(mc.vocab_size, config.seed, device)
+    sampler = Sampler(mc.vocab_size, config.seed, device,
+                      grammar_compiler=engine_grammar_compiler(config, model_dir, mc))  # fmt: skip
     log.info("attention backend: %s", attention.name)
     return ModelRunner(model, storage, sampler, device, groups, attention)
 
