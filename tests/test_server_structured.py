@@ -111,7 +111,7 @@ def _streamed_calls(client: OpenAI, **kw) -> tuple[str, list[dict], str | None, 
 def test_tool_round_trip_required_streamed_and_not(tool_model, parallel):
     client = _client(tool_model)
     kw = dict(model="m", messages=USER, tools=[WEATHER, CLOCK], tool_choice="required",
-              parallel_tool_calls=parallel, temperature=0, max_tokens=200)  # fmt: skip
+              parallel_tool_calls=parallel, temperature=0, max_tokens=1000)  # fmt: skip
     out = client.chat.completions.create(**kw)
     c = out.choices[0]
     assert c.finish_reason == "tool_calls", c
