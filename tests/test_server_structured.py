@@ -15,6 +15,7 @@ import httpx
 import pytest
 from openai import OpenAI
 from pydantic import BaseModel
+from transformers import AutoTokenizer
 
 import kvserve
 from tests.serve_process import ServeProcess
@@ -67,6 +68,7 @@ def tool_model(checkpoint, tmp_path_factory):
     cfg["chat_template"] = QWEN_STYLE_TEMPLATE
     (path / "tokenizer_config.json").write_text(json.dumps(cfg))
     with _serve(str(path), "--enable-auto-tool-choice", "--max-model-len", "2048") as srv:
+        srv.model_path = str(path)
         yield srv
         srv.stop()
 
@@ -128,7 +130,8 @@ def test_tool_round_trip_required_streamed_and_not(tool_model, parallel):
     content, streamed, finish, order = _streamed_calls(client, **kw)
     assert streamed == calls and finish == "tool_calls"
     assert order == list(range(len(calls))) and not content.strip()
-    # the result goes back as OpenAI's messages; the template sees the call and the tools
+    # the result goes back as OpenAI's messages; the template sees the call and the tools,
+    # as transformers renders them (arguments as objects: vLLM hands them over so)
     back = [
         *USER,
         c.message.model_dump(exclude_none=True),
@@ -139,9 +142,17 @@ def test_tool_round_trip_required_streamed_and_not(tool_model, parallel):
                    timeout=120)  # fmt: skip
     assert r.status_code == 200, r.text
     prompt = r.json()["prompt_text"]
-    assert json.dumps(WEATHER, ensure_ascii=False) in prompt  # the tools, as tojson writes them
-    first = calls[0]
-    assert f'"name": "{first["name"]}", "arguments": {first["arguments"]}' in prompt
+    as_objects = json.loads(json.dumps(back))
+    for t in as_objects[1]["tool_calls"]:
+        t["function"]["arguments"] = json.loads(t["function"]["arguments"])
+    hf = AutoTokenizer.from_pretrained(tool_model.model_path)
+    want = hf.apply_chat_template(as_objects, tools=[WEATHER], tokenize=False,
+                                  add_generation_prompt=True)  # fmt: skip
+    assert prompt == want
+    assert "get_weather" in prompt and calls[0]["name"] in prompt
+    tok = httpx.post(tool_model.url + "/tokenize", json={"messages": back, "tools": [WEATHER]},
+                     timeout=60)  # fmt: skip
+    assert tok.status_code == 200 and tok.json()["count"] == r.json()["usage"]["prompt_tokens"]
 
 
 def test_named_tool_choice(tool_model):
@@ -228,3 +239,22 @@ def test_valid_invalid_valid_all_served(bundled):
             assert json.loads(r.json()["choices"][0]["text"]) in ({"colour": "red"},
                                                                   {"colour": "blue"})  # fmt: skip
         assert httpx.get(bundled.url + "/health", timeout=10).status_code == 200
+
+
+def test_a_schema_past_the_compile_limit_is_a_400(checkpoint):
+    """Under a compile limit no schema meets, the request is refused naming the client's
+    field, and the server serves on."""
+    with _serve(checkpoint("llama_gqa"), "--structured-outputs-compile-timeout", "1e-6") as srv:
+        schema = {"type": "object", "properties": {f"k{i}": {"type": "integer", "minimum": i}
+                                                   for i in range(200)}}  # fmt: skip
+        rf = {"type": "json_schema", "json_schema": {"name": "big", "schema": schema}}
+        r = httpx.post(srv.url + H, json={"model": "m", "messages": USER, "max_tokens": 4,
+                       "response_format": rf}, timeout=60)  # fmt: skip
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "response_format.json_schema.schema" and "compile" in err["message"]
+        assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+        r = httpx.post(srv.url + C, json={"model": "m", "prompt": "Hi", "max_tokens": 4},
+                       timeout=60)  # fmt: skip
+        assert r.status_code == 200, r.text
+        srv.stop()
