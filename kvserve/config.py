@@ -593,6 +593,8 @@ class ParallelConfig:
 # accepted in JSONSchemaBench); xgrammar: vLLM's and SGLang's default, the optional extra
 # kvserve[xgrammar].
 STRUCTURED_OUTPUTS_BACKENDS = ("llguidance", "xgrammar")
+# vLLM's spellings: "guidance" is its name for llguidance; "auto" lets the engine choose.
+STRUCTURED_OUTPUTS_BACKEND_ALIASES = {"guidance": "llguidance", "auto": "llguidance"}
 
 
 @dataclass(slots=True)
@@ -604,7 +606,9 @@ class StructuredOutputsConfig:
         default="llguidance",
         metadata={"help": "the grammar library behind structured outputs (vLLM's "
                   "--structured-outputs-config.backend): llguidance, or xgrammar (the "
-                  "optional extra kvserve[xgrammar])", "choices": STRUCTURED_OUTPUTS_BACKENDS},
+                  "optional extra kvserve[xgrammar]); vLLM's 'guidance' and 'auto' mean "
+                  "llguidance", "choices": (*STRUCTURED_OUTPUTS_BACKENDS,
+                                           *STRUCTURED_OUTPUTS_BACKEND_ALIASES)},
     )  # fmt: skip
     structured_outputs_compile_timeout: float = field(
         default=5.0,
@@ -614,6 +618,8 @@ class StructuredOutputsConfig:
     )  # fmt: skip
 
     def __post_init__(self) -> None:
+        backend = self.structured_outputs_backend
+        self.structured_outputs_backend = STRUCTURED_OUTPUTS_BACKEND_ALIASES.get(backend, backend)
         if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
             raise ConfigError(
                 "structured_outputs_backend: must be one of "

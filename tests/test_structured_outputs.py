@@ -264,3 +264,74 @@ def test_both_backends_constrain(make_llm, backend):
                         structured_outputs=StructuredOutputsParams(regex=r"[0-9]{3}x"))  # fmt: skip
     for c in llm.generate([PROMPT], rx)[0].outputs:
         assert re.fullmatch(r"[0-9]{3}x", c.text), c.text
+
+
+def test_a_worker_process_compiles_its_own_matchers(make_llm):
+    """With the model in a worker process (``mp``), the worker compiles the constraint with
+    its own compiler and gives the same greedy output as the in-process runner."""
+    params = [_json(SCHEMAS[2], temperature=0.0), _json(SCHEMAS[11], temperature=0.0)]
+    outs = {}
+    for executor in ("uni", "mp"):
+        llm = make_llm("kvserve-ref", max_model_len=128, dtype="float32",
+                       distributed_executor_backend=executor)  # fmt: skip
+        outs[executor] = [o.outputs[0].token_ids for o in llm.generate([PROMPT] * 2, params)]
+        _check_json(llm.generate([PROMPT] * 2, params), [SCHEMAS[2], SCHEMAS[11]])
+    assert outs["uni"] == outs["mp"]
+
+
+def test_streamed_cjk_and_emoji_deltas_hold_no_replacement_character(bundled):
+    """Emoji and CJK characters take several byte-level tokens: streamed deltas never show a
+    half character (U+FFFD), and they add up to the output, which validates."""
+    engine = bundled.engine
+    schemas = [SCHEMAS[9], SCHEMAS[10], SCHEMAS[11]]
+    ids = [engine.add_request(None, PROMPT, _json(s, n=2), stream=True) for s in schemas]
+    text: dict[tuple[str, int], str] = {}
+    final: dict[tuple[str, int], str | None] = {}
+    for _ in range(500):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            for c in out.outputs:
+                assert "\ufffd" not in c.text, repr(c.text)
+                key = (out.request_id, c.index)
+                text[key] = text.get(key, "") + c.text
+                if c.finish_reason is not None:
+                    final[key] = c.finish_reason
+    assert not engine.has_unfinished_requests()
+    assert len(final) == 2 * len(schemas)
+    for (rid, _), reason in final.items():
+        schema = schemas[ids.index(rid)]
+        if reason == "stop":
+            jsonschema.validate(json.loads(text[(rid, _)]), schema)
+    assert any(any(ord(ch) > 0x2E80 for ch in t) for t in text.values())
+
+
+def test_prepare_compiles_off_the_engine_thread(bundled):
+    """A server compiles on its own thread first; the engine then finds the grammar cached."""
+    good = _json(
+        {
+            "type": "object",
+            "properties": {"q": {"enum": [1, 2]}},
+            "required": ["q"],
+            "additionalProperties": False,
+        }
+    )
+    errors: list[Exception] = []
+
+    def compile_both() -> None:
+        bundled.engine.prepare_structured_outputs(good)
+        try:
+            bundled.engine.prepare_structured_outputs(
+                SamplingParams(structured_outputs=StructuredOutputsParams(regex="(x"))
+            )
+        except InvalidRequestError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=compile_both)
+    t.start()
+    t.join(timeout=60)
+    assert not t.is_alive() and [e.field for e in errors] == ["structured_outputs.regex"]
+    key = good.structured_outputs.key()
+    assert bundled.engine.grammars._cache[key].done()
+    out = bundled.generate([PROMPT], good.clone(temperature=0.0))[0].outputs[0]
+    assert json.loads(out.text)["q"] in (1, 2)

@@ -19,6 +19,7 @@ from kvserve.sched.request import InvalidRequestError
         (dict(json={"type": "object"}, regex="a"), "structured_outputs", "json, regex"),
         (dict(json="{not json"), "structured_outputs.json", "not valid JSON"),
         (dict(json="[1, 2]"), "structured_outputs.json", "JSON schema"),
+        (dict(json="true"), "structured_outputs.json", "JSON schema"),
         (dict(choice=[]), "structured_outputs.choice", "must not be empty"),
         (dict(choice=["a", 1]), "structured_outputs.choice", "list of strings"),
         (dict(regex=""), "structured_outputs.regex", "non-empty"),
@@ -108,3 +109,20 @@ def test_padded_vocabulary_ids_are_always_masked(checkpoint):
     allowed = unpack_bitmask(proc.bitmask([state]), mc.vocab_size)[0]
     assert allowed.any() and not allowed[known:].any()
     assert isinstance(allowed, torch.Tensor)
+
+
+def test_backend_setting_takes_vllm_names_and_refuses_others():
+    """vLLM's backend values: 'guidance' is its name for llguidance, 'auto' its default."""
+    from kvserve.config import ConfigError
+    from kvserve.llm import engine_config
+
+    for given, want in (("guidance", "llguidance"), ("auto", "llguidance"),
+                        ("xgrammar", "xgrammar"), ("llguidance", "llguidance")):  # fmt: skip
+        cfg = engine_config("kvserve-ref", structured_outputs_backend=given)
+        assert cfg.structured_outputs.structured_outputs_backend == want
+    for kw, field in ((dict(structured_outputs_backend="outlines"), "structured_outputs_backend"),
+                      (dict(structured_outputs_compile_timeout=0),
+                       "structured_outputs_compile_timeout")):  # fmt: skip
+        with pytest.raises(ConfigError) as err:
+            engine_config("kvserve-ref", **kw)
+        assert str(err.value).startswith(field)

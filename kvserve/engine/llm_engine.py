@@ -292,6 +292,13 @@ class LLMEngine:
         )
         return request_id
 
+    def prepare_structured_outputs(self, params: SamplingParams) -> None:
+        """Compile ``params``' constraint now (InvalidRequestError naming the field if it
+        cannot be): thread-safe, so a server can call it off the engine's thread, and
+        ``add_request`` then finds it in the cache instead of compiling on the engine's."""
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)
+
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """Stop requests now and free their blocks; unknown ids are ignored."""
         if isinstance(request_ids, str):

@@ -50,7 +50,9 @@ class GrammarState(TokenBitmaskState):
         self.matcher.fill_bitmask(bitmask, row)
 
     def accept_token(self, token: int) -> None:
-        if not self.failed and not self.matcher.accept_token(token):
+        if self.failed or self.matcher.is_terminated():
+            return  # EOS under ignore_eos, after the grammar's end: nothing to advance
+        if not self.matcher.accept_token(token):
             self.failed = True
             log.warning("structured outputs: the grammar refused committed token %d", token)
 
@@ -96,11 +98,19 @@ class StructuredOutputsLogitsProcessor(TokenBitmaskLogitsProcessor[GrammarState]
 
     def _fill(self, states: list[GrammarState]) -> torch.Tensor:
         mask = torch.full((len(states), bitmask_words(self.vocab_size)), -1, dtype=torch.int32)
-        self.compiler.backend().fill_bitmasks([s.matcher for s in states], mask)
+        # A finished grammar (a request that goes on under ignore_eos) or a failed one allows
+        # only EOS; the libraries are asked only about the others.
+        done = [row for row, s in enumerate(states) if s.failed or s.matcher.is_terminated()]
+        if done:
+            live = [row for row in range(len(states)) if row not in set(done)]
+            part = mask[live] if live else None
+            if live:
+                self.compiler.backend().fill_bitmasks([states[r].matcher for r in live], part)
+                mask[live] = part
+            mask[done] = self._eos_bits
+        else:
+            self.compiler.backend().fill_bitmasks([s.matcher for s in states], mask)
         mask &= self._vocab_bits
-        for row, s in enumerate(states):
-            if s.failed:
-                mask[row] = self._eos_bits
         return mask
 
     def prepare(self, rows: list[int], states: list[GrammarState]) -> None:

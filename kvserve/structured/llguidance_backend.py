@@ -74,11 +74,8 @@ class LLGuidanceBackend(GrammarBackend):
             text = self.grammar_text(params)
         except (ValueError, TypeError, RuntimeError) as e:
             raise GrammarError(str(e)) from None
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-            text, self.tokenizer
-        )
-        if is_error:
-            raise GrammarError(messages[0] if messages else "the grammar does not compile")
+        # Building the matcher compiles the grammar and reports its errors (a separate
+        # validate_grammar call would compile it twice).
         m = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
         if m.is_error():
             raise GrammarError(m.get_error())

@@ -83,7 +83,7 @@ class StructuredOutputsParams:
                 s = _json.loads(s)
             except ValueError as e:
                 raise _bad("json", f"is not valid JSON: {e}") from None
-        if not isinstance(s, dict | bool):
+        if not isinstance(s, dict):
             raise _bad("json", f"must be a JSON schema (an object), got {type(s).__name__}")
 
     @property
@@ -96,7 +96,7 @@ class StructuredOutputsParams:
         """The request field an error in the constraint names (``structured_outputs.json``)."""
         return f"{PREFIX}.{self.kind}"
 
-    def schema(self) -> dict | bool | None:
+    def schema(self) -> dict | None:
         """The JSON schema of a ``json`` or ``json_object`` constraint, as data."""
         if self.json_object:
             return {"type": "object"}
