@@ -241,6 +241,10 @@ async def _run(
     arrival = time.monotonic()
     handle = RequestHandle(job.engine_id, prompts, job.params, job.stream, arrival, tags)
     try:
+        if job.params.structured_outputs is not None:
+            # Compile on a worker thread, not the engine's (every running request would wait
+            # out the compile) nor the event loop's; add_request then finds it cached.
+            await asyncio.to_thread(state.loop.engine.prepare_structured_outputs, job.params)
         await state.loop.submit(handle)
     except InvalidRequestError as e:
         raise api_error_from_invalid(e, rename) from None
