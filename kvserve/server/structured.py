@@ -66,20 +66,17 @@ class StructuredFields(BaseModel):
         asked: list[Constraint] = []
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
-            asked.append(Constraint(StructuredOutputsParams, {"json_object": True},
-                                    "response_format"))  # fmt: skip
+            asked.append(Constraint({"json_object": True}, "response_format"))
         elif rf is not None and rf.type == "json_schema":
             where = "response_format.json_schema.schema"
             if rf.json_schema is None or rf.json_schema.json_schema is None:
                 raise bad_request(where, "is required when response_format.type is 'json_schema'")
-            asked.append(Constraint(StructuredOutputsParams, {"json": rf.json_schema.json_schema},
-                                    where))  # fmt: skip
+            asked.append(Constraint({"json": rf.json_schema.json_schema}, where))
         if self.structured_outputs is not None:
-            asked.append(Constraint(StructuredOutputsParams, dict(self.structured_outputs),
-                                    PREFIX, keep_names=True))  # fmt: skip
+            asked.append(Constraint(dict(self.structured_outputs), PREFIX, keep_names=True))
         for name, target in GUIDED.items():
             if (value := getattr(self, name)) is not None:
-                asked.append(Constraint(StructuredOutputsParams, {target: value}, name))
+                asked.append(Constraint({target: value}, name))
         if len(asked) > 1:
             a, b = asked[0].source, asked[1].source
             raise bad_request(b, f"cannot be combined with {a}: a request takes one constraint")
@@ -99,7 +96,6 @@ class StructuredFields(BaseModel):
 class Constraint:
     """A constraint and where the client asked for it (``source``: the HTTP field)."""
 
-    cls: type[StructuredOutputsParams]
     kwargs: dict[str, Any]
     source: str
     keep_names: bool = False  # the client sent structured_outputs: its own names are right
@@ -124,11 +120,11 @@ class Constraint:
                 raise bad_request(f"{PREFIX}.{unknown[0]}", "is not a field of structured_outputs "
                                   f"(its fields: {', '.join(sorted(known))})")  # fmt: skip
         try:
-            return self.cls(**self.kwargs)
+            return StructuredOutputsParams(**self.kwargs)
         except InvalidRequestError as e:
             raise api_error_from_invalid(e, self.rename) from None
 
 
 def tools_constraint(grammar: str, source: str) -> Constraint:
     """The grammar that forces a tool call; its errors name the tools' ``parameters``."""
-    return Constraint(StructuredOutputsParams, {"grammar": grammar}, source)
+    return Constraint({"grammar": grammar}, source)
