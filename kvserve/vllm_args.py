@@ -135,8 +135,6 @@ _TABLE = (
     VLLMArg("--uds", UNSUPPORTED, "kvserve listens on --host and --port", engine=False),
     VLLMArg("--chat-template", UNSUPPORTED, "kvserve applies the tokenizer's own chat "
             "template", engine=False),
-    VLLMArg("--enable-auto-tool-choice", PLANNED, planned="tool calling", engine=False),
-    VLLMArg("--tool-call-parser", PLANNED, planned="tool calling", engine=False),
     VLLMArg("--lora-modules", UNSUPPORTED, _NO_LORA, engine=False),
     VLLMArg("--middleware", UNSUPPORTED, "kvserve adds no user ASGI middleware", engine=False),
     VLLMArg("--api-server-count", UNSUPPORTED, "kvserve runs one API server process",

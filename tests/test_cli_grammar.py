@@ -206,7 +206,7 @@ VLLM_FLAGS_KVSERVE_LACKS = [
     "--uvicorn-log-level", "--disable-uvicorn-access-log", "--ssl-keyfile", "--ssl-certfile",
     "--ssl-ca-certs", "--allowed-origins", "--allow-credentials", "--allowed-methods",
     "--allowed-headers", "--root-path", "--uds", "--chat-template",
-    "--enable-auto-tool-choice", "--tool-call-parser", "--lora-modules", "--middleware",
+    "--lora-modules", "--middleware",
     "--api-server-count", "--response-role", "--return-tokens-as-token-ids",
     "--enable-prompt-tokens-details",
 ]  # fmt: skip
@@ -218,6 +218,7 @@ VLLM_FLAGS_KVSERVE_HAS = [
     "--scheduling-policy", "--disable-hybrid-kv-cache-manager", "--kv-transfer-config",
     "--distributed-executor-backend", "--attention-backend", "--kv-offloading-size",
     "--host", "--port", "--api-key", "--served-model-name",
+    "--enable-auto-tool-choice", "--tool-call-parser",
 ]  # fmt: skip
 
 

@@ -142,8 +142,9 @@ CASES = [
     (H, chat(top_logprobs=2), 400, "top_logprobs"),
     (H, chat(max_completion_tokens=-5), 400, "max_completion_tokens"),
     (H, chat(max_completion_tokens=10**6), 400, "max_completion_tokens"),
-    (H, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
-    (H, chat(response_format={"type": "json_object"}), 400, "response_format"),
+    # tool_choice defaults to "auto" with tools, which needs --enable-auto-tool-choice
+    (H, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tool_choice"),
+    (H, chat(response_format={"type": "yaml"}), 400, "response_format.type"),
     (H, chat(temperature=-1), 400, "temperature"),
     (C, b'{"prompt": "' + b"a" * 10_000_000 + b'"}', 413, "body"),  # 10 MB
 ]

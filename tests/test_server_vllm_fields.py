@@ -397,6 +397,62 @@ def _count(ctx: Ctx, body: dict, r: dict) -> None:
     assert r["usage"]["completion_tokens"] == limit
 
 
+# -- output constraints and tools (the engine enforces them; these check the mapping) --------
+
+FREE = {"ignore_eos": False, "max_tokens": 48}  # a constraint's end ends the request
+COLOUR = {"type": "object", "properties": {"colour": {"enum": ["red", "blue"]}},
+          "required": ["colour"], "additionalProperties": False}  # fmt: skip
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": COLOUR}}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+    },
+}
+
+
+def _one_of(*allowed: str):
+    def check(ctx: Ctx, body: dict, r: dict) -> None:
+        assert text(r) in allowed and choice(r)["finish_reason"] == "stop", text(r)
+
+    return check
+
+
+def _colour_json(ctx: Ctx, body: dict, r: dict) -> None:
+    assert json.loads(text(r)) in ({"colour": "red"}, {"colour": "blue"}), text(r)
+    if "guided_whitespace_pattern" in body:  # newlines only between JSON tokens
+        assert " " not in text(r), text(r)
+
+
+def _json_object(ctx: Ctx, body: dict, r: dict) -> None:
+    assert choice(r)["finish_reason"] == "stop", text(r)
+    assert isinstance(json.loads(text(r)), dict), text(r)
+
+
+def _called(*names: str):
+    """The reply is tool calls (finish_reason tool_calls) to exactly ``names``, in order."""
+
+    def check(ctx: Ctx, body: dict, r: dict) -> None:
+        c = choice(r)
+        assert c["finish_reason"] == "tool_calls", c
+        calls = c["message"]["tool_calls"]
+        assert [t["function"]["name"] for t in calls] == list(names)
+        for t in calls:
+            args = json.loads(t["function"]["arguments"])
+            if t["function"]["name"] == "get_weather":
+                assert args in ({"colour": "red"}, {"colour": "blue"})
+            else:
+                assert args == {}
+
+    return check
+
+
+def _parallel(ctx: Ctx, body: dict, r: dict) -> None:
+    calls = choice(r)["message"]["tool_calls"]
+    assert len(calls) == 1 and choice(r)["finish_reason"] == "tool_calls"
+
+
 def _template_text(ctx: Ctx, body: dict, r: dict) -> None:
     assert r["prompt_text"] == ctx.hf.apply_chat_template(
         body["messages"], tokenize=False, add_generation_prompt=True
@@ -488,21 +544,50 @@ HONOURED = {
     "cache_salt": Honoured({"cache_salt": "salt-a"}, _salt("cache_salt")),
     "prompt_cache_key": Honoured({"prompt_cache_key": "key-a"}, _salt("prompt_cache_key")),
     "kv_retention": Honoured({"kv_retention": "window:16"}, _retention),
+    "guided_json": Honoured({"guided_json": COLOUR, **FREE}, _colour_json),
+    "guided_whitespace_pattern": Honoured(
+        {"guided_json": COLOUR, "guided_whitespace_pattern": "[\n]*", **FREE}, _colour_json
+    ),
+    "guided_regex": Honoured({"guided_regex": "(yes|no)!", **FREE}, _one_of("yes!", "no!")),
+    "guided_choice": Honoured({"guided_choice": ["yes", "no"], **FREE}, _one_of("yes", "no")),
+    "guided_grammar": Honoured(
+        {"guided_grammar": 'start: "hello " ("world" | "there")', **FREE},
+        _one_of("hello world", "hello there"),
+    ),
+    # the backend is the server's: accepted, and the constraint is still applied
+    "guided_decoding_backend": Honoured(
+        {"guided_decoding_backend": "xgrammar", "guided_choice": ["yes", "no"], **FREE},
+        _one_of("yes", "no"),
+    ),
+    "structured_outputs": Honoured(
+        {"structured_outputs": {"choice": ["yes", "no"]}, **FREE}, _one_of("yes", "no")
+    ),
+    "response_format": Honoured({"response_format": {"type": "json_object"}, **FREE}, _json_object),
+    "tools": Honoured(
+        {"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False, **FREE},
+        _called("get_weather"),
+    ),
+    "tool_choice": Honoured(
+        {
+            "tools": [WEATHER, CLOCK],
+            **FREE,
+            "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+        },
+        _called("get_time"),
+    ),
+    "parallel_tool_calls": Honoured(
+        {
+            "tools": [WEATHER, CLOCK],
+            "tool_choice": "required",
+            "parallel_tool_calls": False,
+            **FREE,
+        },
+        _parallel,
+    ),
 }
 REFUSED = {
-    **{name: Refused({"type": "object"}, planned=True) for name in ("guided_json",)},
-    "guided_regex": Refused("[a-z]+", planned=True),
-    "guided_choice": Refused(["yes", "no"], planned=True),
-    "guided_grammar": Refused("root ::= 'a'", planned=True),
-    "guided_decoding_backend": Refused("xgrammar", planned=True),
-    "guided_whitespace_pattern": Refused(" ", planned=True),
-    "structured_outputs": Refused({"choice": ["yes", "no"]}, planned=True),
-    "response_format": Refused({"type": "json_object"}, ({"type": "text"},), planned=True),
-    "tools": Refused([{"type": "function", "function": {"name": "f"}}], ([],), planned=True),
-    "tool_choice": Refused("auto", ("none",), planned=True),
-    "parallel_tool_calls": Refused(False, (True,), planned=True),
-    "functions": Refused([{"name": "f"}], ([],), planned=True),
-    "function_call": Refused("auto", ("none",), planned=True),
+    "functions": Refused([{"name": "f"}], ([],)),
+    "function_call": Refused("auto", ("none",)),
     "kv_transfer_params": Refused({"do_remote_prefill": True}, planned=True),
     "reasoning_effort": Refused("low"),
     "thinking_token_budget": Refused(64),

@@ -16,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from kvserve.bench.structured_spec import FORMS, parse_structured
 from kvserve.bench.workloads import WORKLOADS, WorkloadSpec
 from kvserve.engine_args import add_engine_args, engine_kwargs, model_arg, token_count
 from kvserve.model.resolve import resolve_model
@@ -116,6 +117,14 @@ def add_bench_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
         help="seconds between /metrics scrapes during the run",
     )
     add_workload_args(p)
+    p.add_argument_group("workload").add_argument(
+        "--structured",
+        type=parse_structured,
+        default=None,
+        metavar="SPEC",
+        help=f"constrain every request's output (structured_outputs): {FORMS}; the "
+        "constraint's end ends a request (ignore_eos is not sent)",
+    )
     add_load_args(p)
     add_report_args(p)
     add_engine_args(p)
@@ -260,6 +269,12 @@ def workload_spec(args: argparse.Namespace, seed: int, max_model_len: int | None
     )
 
 
+def _ignore_eos(args: argparse.Namespace) -> bool:
+    """A constrained request ends where its grammar does: ignoring EOS would pad it with EOS
+    tokens (the only ones a finished grammar allows) up to max_tokens."""
+    return args.ignore_eos and not args.structured
+
+
 def _target(args: argparse.Namespace) -> tuple[Any, Callable[[str], int] | None, int | None]:
     """(target, token counter, max model length) for --base-url or the in-process engine."""
     if args.base_url:
@@ -275,15 +290,15 @@ def _target(args: argparse.Namespace) -> tuple[Any, Callable[[str], int] | None,
             count = lambda s: len(tok.encode(s))  # noqa: E731
         target = HTTPTarget(
             args.base_url, args.served_model_name, args.endpoint, args.connect_timeout,
-            args.read_timeout, args.request_timeout, args.temperature, args.ignore_eos,
-            args.api_key,
+            args.read_timeout, args.request_timeout, args.temperature, _ignore_eos(args),
+            args.api_key, {"structured_outputs": args.structured} if args.structured else None,
         )  # fmt: skip
         return target, count, args.max_model_len
     from kvserve.bench.engine_target import EngineTarget
 
     target = EngineTarget.from_kwargs(
-        engine_kwargs(args), temperature=args.temperature, ignore_eos=args.ignore_eos,
-        request_timeout=args.request_timeout,
+        engine_kwargs(args), temperature=args.temperature, ignore_eos=_ignore_eos(args),
+        request_timeout=args.request_timeout, structured=args.structured,
     )  # fmt: skip
     eng = target.engine
     target.label = (
@@ -339,7 +354,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     label = args.label or f"{Path(args.workload).stem}-{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
     out_dir = Path(args.output_dir)
     for p in points:
-        p.summary.update(label=label, workload=args.workload, num_prompts=args.num_prompts)
+        p.summary.update(
+            label=label,
+            workload=args.workload,
+            num_prompts=args.num_prompts,
+            structured=next(iter(args.structured)) if args.structured else None,
+        )
     plots: list[str] = []
     if sweep_label is None:
         s = points[0].summary

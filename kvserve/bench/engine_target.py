@@ -66,8 +66,10 @@ class EngineTarget:
         ignore_eos: bool = True,
         request_timeout: float = 600.0,
         label: str = "in-process engine",
+        structured: dict[str, Any] | None = None,
     ) -> None:
         self.engine = engine
+        self.structured = structured  # kvserve bench --structured, as structured_outputs
         self.temperature = temperature
         self.ignore_eos = ignore_eos
         self.request_timeout = request_timeout
@@ -129,6 +131,7 @@ class EngineTarget:
 
     def _run(self) -> None:
         from kvserve.sched.request import SamplingParams
+        from kvserve.structured.params import StructuredOutputsParams
 
         engine = self.engine
         pending: dict[str, tuple[RequestRecord, asyncio.Future[None]]] = {}
@@ -155,6 +158,9 @@ class EngineTarget:
                             temperature=self.temperature,
                             max_tokens=req.max_tokens,
                             ignore_eos=self.ignore_eos,
+                            structured_outputs=StructuredOutputsParams(**self.structured)
+                            if self.structured
+                            else None,
                         )
                         engine.add_request(rid, req.prompt, params, arrival_time=rec.send_time)
                         pending[rid] = (rec, fut)

@@ -87,8 +87,13 @@ class Tokenizer:
         return self._tok.id_to_token(token_id)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
+        """The prompt text; ``tools`` (OpenAI's JSON) go to the template as transformers'
+        ``apply_chat_template(tools=...)`` passes them, for templates that describe them."""
         if not self.chat_template:
             raise ChatTemplateError(
                 "messages: this model has no chat template (tokenizer_config.json "
@@ -100,6 +105,7 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
+            **({"tools": tools} if tools else {}),
         )
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:

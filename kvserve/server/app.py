@@ -28,19 +28,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvserve import __version__
+from kvserve.config import ConfigError
 from kvserve.engine import LLMEngine
 from kvserve.engine_args import engine_kwargs
 from kvserve.entrypoint import setup_process
+from kvserve.server.api_errors import APIError, api_error_from_validation, bad_request
 from kvserve.server.args import DEFAULT_MAX_BODY_BYTES
 from kvserve.server.engine_loop import EngineLoop
 from kvserve.server.metrics import ServerMetrics
-from kvserve.server.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    api_error_from_validation,
-    bad_request,
-)
+from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.server.request_fields import screen
 from kvserve.server.serving import ServerState, create_chat_completion, create_completion
 from kvserve.server.tenants import TenantResolver
@@ -51,6 +47,8 @@ from kvserve.server.tokenize import (
     detokenize,
     tokenize,
 )
+from kvserve.server.tool_parsers import TOOL_PARSERS, detect_parser
+from kvserve.server.tools import ToolSettings
 
 log = logging.getLogger("kvserve.server")
 
@@ -251,6 +249,8 @@ def build_state(
     max_queue: int | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     allow_kv_retention_override: bool = True,
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
 ) -> ServerState:
     """Wire an engine to a server: metrics, the engine loop (not started yet), tenants."""
     holder: list[EngineLoop] = []
@@ -279,7 +279,19 @@ def build_state(
         max_body_bytes=max_body_bytes,
         allow_kv_retention_override=allow_kv_retention_override,
         scheduling_policy=engine.config.scheduler.scheduling_policy,
+        tool_settings=tool_settings(engine, tool_call_parser, enable_auto_tool_choice),
     )
+
+
+def tool_settings(engine: LLMEngine, parser: str | None, enable_auto: bool) -> ToolSettings:
+    """--tool-call-parser, else the chat template's own format; auto needs one of them."""
+    template = engine.tokenizer.chat_template if engine.tokenizer is not None else None
+    parser = parser or detect_parser(template)
+    if enable_auto and parser is None:
+        raise ConfigError("--enable-auto-tool-choice: the chat template has no tool-call format "
+                          "kvserve reads; name one with --tool-call-parser "
+                          f"({', '.join(TOOL_PARSERS)})")  # fmt: skip
+    return ToolSettings(parser, enable_auto)
 
 
 class _Server(uvicorn.Server):
@@ -338,7 +350,8 @@ def run_server(args: argparse.Namespace) -> int:
     engine = LLM(**kwargs).engine
     names = args.served_model_name or [args.model or Path(kwargs["model"]).name]
     state = build_state(engine, names, tenants, args.max_queue, args.max_body_bytes,
-                        args.allow_kv_retention_override)  # fmt: skip
+                        args.allow_kv_retention_override, args.tool_call_parser,
+                        args.enable_auto_tool_choice)  # fmt: skip
     config = uvicorn.Config(
         build_app(state),
         host=args.host,

@@ -68,5 +68,18 @@ def build_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
         choices=["debug", "info", "warning", "error"],
         help="the server's and uvicorn's log level (vLLM's --uvicorn-log-level)",
     )
+    g.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=["hermes", "llama3_json"],
+        help="the format the model writes tool calls in (default: read from the chat "
+        "template: <tool_call> blocks are hermes; else hermes for forced calls)",
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='allow tool_choice "auto" (the default when a request has tools): the model may '
+        "answer or call, and its calls are parsed out of its text",
+    )
     g.add_argument("--disable-access-log", action="store_true", help="no log line per HTTP request")
     return p

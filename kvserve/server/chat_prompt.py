@@ -13,7 +13,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from kvserve.model.tokenizer import ChatTemplateError, Tokenizer
-from kvserve.server.protocol import bad_request
+from kvserve.server.api_errors import bad_request
 
 
 def render_chat(
@@ -21,6 +21,7 @@ def render_chat(
     messages: list[dict[str, Any]],
     add_generation_prompt: bool,
     continue_final_message: bool = False,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
     """The prompt text; a 400 naming ``messages`` when the template refuses them."""
     if tok is None:
@@ -29,7 +30,7 @@ def render_chat(
         raise bad_request("continue_final_message", "cannot be true while "
                           "add_generation_prompt is true (set it to false)")  # fmt: skip
     try:
-        text = tok.apply_chat_template(messages, add_generation_prompt)
+        text = tok.apply_chat_template(messages, add_generation_prompt, tools)
     except (ChatTemplateError, TemplateError) as e:
         msg = str(e).removeprefix("messages: ")
         raise bad_request("messages", f"the chat template refused them: {msg}") from None

@@ -16,6 +16,8 @@ from typing import Any
 
 from kvserve.sched.request import CompletionOutput, RequestOutput, SamplingParams
 from kvserve.server.logprobs import LogprobFormatter, Position
+from kvserve.server.tool_parsers import ToolParser
+from kvserve.server.tools import ToolStream, call_dict, tool_call_id
 
 
 @dataclass
@@ -41,6 +43,10 @@ class Job:
     # Per prompt, from the engine's output that carried them.
     prompt_lps: list[list[dict[int, float] | None] | None] = field(default_factory=list)
     started: set[int] = field(default_factory=set)  # streamed choices already begun
+    # Chat with tools: the reply's calls are parsed out of its text (per streamed choice, the
+    # parser's state).
+    tool_parser: ToolParser | None = None
+    tool_streams: dict[int, ToolStream] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.prompt_lps = [None] * len(self.prompt_ids)
@@ -83,12 +89,36 @@ class Job:
         text = c.text
         if self.echo is not None and not delta:
             text = self.echo[0] + text
-        msg = {"content": text} if delta else {"role": "assistant", "content": text}
+        msg: dict[str, Any] = {"content": text} if delta else {"role": "assistant", "content": text}
+        finish = c.finish_reason
+        if self.tool_parser is not None:
+            msg, called = self._tool_message(k, c, msg, delta)
+            if called and finish == "stop":
+                finish = "tool_calls"
         out = {"index": k, ("delta" if delta else "message"): msg,
-               "logprobs": self.logprobs.chat(c), "finish_reason": c.finish_reason}  # fmt: skip
+               "logprobs": self.logprobs.chat(c), "finish_reason": finish}  # fmt: skip
         if self.return_token_ids:
             out["token_ids"] = c.token_ids
         return out
+
+    def _tool_message(
+        self, k: int, c: CompletionOutput, msg: dict[str, Any], delta: bool
+    ) -> tuple[dict[str, Any], bool]:
+        """The message with its calls parsed out; whether it ended as calls."""
+        assert self.tool_parser is not None
+        final = c.finish_reason is not None
+        if not delta:
+            content, calls = self.tool_parser.extract(msg["content"])
+            msg = {"role": "assistant", "content": content}
+            if calls:
+                msg["tool_calls"] = [call_dict(call, tool_call_id()) for call in calls]
+            return msg, bool(calls)
+        stream = self.tool_streams.setdefault(k, ToolStream(self.tool_parser))
+        content, deltas = stream.feed(msg["content"], final)
+        msg = {"content": content} if content or not deltas else {}
+        if deltas:
+            msg["tool_calls"] = deltas
+        return msg, final and stream.called()
 
     def _completion_choice(self, k: int, p: int, c: CompletionOutput, first: bool) -> dict:
         text, before = c.text, None

@@ -10,74 +10,16 @@ knows the allowed values; its :class:`InvalidRequestError` names the engine fiel
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, field_validator
 
-from kvserve.sched.request import InvalidRequestError, SamplingParams
-
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    503: "service_unavailable_error",
-}
-
-
-class APIError(Exception):
-    """An error answered in OpenAI's shape: ``{"error": {message, type, param, code}}``."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        kind = ERROR_TYPES.get(self.status, "invalid_request_error")
-        return {
-            "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
-        }
-
-
-def bad_request(param: str, message: str) -> APIError:
-    """A 400 whose message starts with the field, as the engine's own errors do."""
-    return APIError(400, f"{param}: {message}", param=param)
-
-
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal", "is-instance"}
-
-
-def format_loc(loc: tuple[int | str, ...]) -> str:
-    """``("messages", 0, "role")`` -> ``messages[0].role``; drops pydantic's union-member tags."""
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif part.lower() in _TYPE_TAGS or any(c in part for c in "[-'("):
-            continue
-        else:
-            out += f".{part}" if out else part
-    return out or "body"
-
-
-def api_error_from_validation(err: ValidationError) -> APIError:
-    first = err.errors()[0]
-    param = format_loc(tuple(first["loc"]))
-    return bad_request(param, first["msg"])
+from kvserve.errors import InvalidRequestError
+from kvserve.sched.request import SamplingParams
+from kvserve.server.api_errors import api_error_from_invalid, bad_request
+from kvserve.server.structured import Constraint, StructuredFields
+from kvserve.server.tools import ChatTool, ToolPlan
 
 
 class StreamOptions(BaseModel):
@@ -89,8 +31,9 @@ class StreamOptions(BaseModel):
     include_obfuscation: bool | None = None
 
 
-class _SamplingFields(BaseModel):
-    """Fields common to /v1/completions and /v1/chat/completions."""
+class _SamplingFields(StructuredFields):
+    """Fields common to /v1/completions and /v1/chat/completions (with the constraint fields
+    of :class:`StructuredFields`)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
@@ -191,7 +134,7 @@ class _SamplingFields(BaseModel):
         so = self.stream_options
         return bool(so and so.include_usage and so.continuous_usage_stats)
 
-    def sampling_kwargs(self) -> dict[str, Any]:
+    def sampling_kwargs(self, constraint: Constraint | None) -> dict[str, Any]:
         """Only the fields the client set; SamplingParams' defaults (vLLM's) fill the rest."""
         kw: dict[str, Any] = {
             "n": self.n,
@@ -211,6 +154,8 @@ class _SamplingFields(BaseModel):
             kw["allowed_token_ids"] = self.allowed_token_ids
         if self.prompt_logprobs is not None:
             kw["prompt_logprobs"] = self.prompt_logprobs
+        if constraint is not None:
+            kw["structured_outputs"] = constraint.params()
         for name in (
             "temperature",
             "top_p",
@@ -263,9 +208,9 @@ class CompletionRequest(_SamplingFields):
             return [list(p)]
         return list(p)
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, constraint: Constraint | None = None) -> SamplingParams:
         self.check_common()
-        kw = self.sampling_kwargs()
+        kw = self.sampling_kwargs(constraint)
         kw["max_tokens"] = self.max_tokens
         kw["logprobs"] = self.logprobs
         if self.echo and self.logprobs is not None and self.prompt_logprobs is None:
@@ -315,13 +260,41 @@ class ChatMessage(BaseModel):
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The messages as the chat template reads them."""
+    """The messages as the chat template reads them. An assistant's ``tool_calls`` carry
+    their arguments as objects (templates write them with ``tojson``; OpenAI sends text), a
+    tool's reply its ``tool_call_id``, as vLLM hands them to the template."""
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         d: dict[str, Any] = {"role": m.role, "content": m.content or ""}
         if m.name is not None:
             d["name"] = m.name
+        extra = m.model_extra or {}
+        if m.role == "assistant" and extra.get("tool_calls") is not None:
+            d["tool_calls"] = _template_calls(extra["tool_calls"], f"messages[{i}].tool_calls")
+        if m.role == "tool" and extra.get("tool_call_id") is not None:
+            if not isinstance(extra["tool_call_id"], str):
+                raise bad_request(f"messages[{i}].tool_call_id", "must be a string")
+            d["tool_call_id"] = extra["tool_call_id"]
         out.append(d)
+    return out
+
+
+def _template_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise bad_request(where, "must be a list of tool calls")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request(f"{where}[{j}].function", "must be {name, arguments}")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise bad_request(f"{where}[{j}].function.arguments",
+                                  "must be a JSON object's text") from None  # fmt: skip
+        out.append({**call, "function": {**fn, "arguments": args}})
     return out
 
 
@@ -342,6 +315,15 @@ class ChatCompletionRequest(_SamplingFields):
     echo: bool | None = False
     # vLLM's: the rendered chat template in the response (in the first chunk when streaming).
     return_prompt_text: bool | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", ...}
+    parallel_tool_calls: bool | None = None
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template reads them (OpenAI's JSON)."""
+        if not self.tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     @field_validator("messages")
     @classmethod
@@ -353,11 +335,20 @@ class ChatCompletionRequest(_SamplingFields):
     def message_dicts(self) -> list[dict[str, Any]]:
         return message_dicts(self.messages)
 
-    def sampling_params(self) -> SamplingParams:
+    def output_constraint(self, plan: ToolPlan | None) -> Constraint | None:
+        """The constraint the request asked for, or the one its tool_choice implies."""
+        asked = self.constraint()
+        forced = plan.constraint if plan is not None else None
+        if asked is not None and forced is not None:
+            raise bad_request("tool_choice", f"forces a tool call, which cannot be combined "
+                              f"with {asked.source}")  # fmt: skip
+        return asked or forced
+
+    def sampling_params(self, constraint: Constraint | None = None) -> SamplingParams:
         self.check_common()
         if self.top_logprobs and not self.logprobs:  # 0 is vLLM's default: no alternatives
             raise bad_request("top_logprobs", "requires logprobs to be true")
-        kw = self.sampling_kwargs()
+        kw = self.sampling_kwargs(constraint)
         use_mct = self.max_completion_tokens is not None
         kw["max_tokens"] = self.max_completion_tokens if use_mct else self.max_tokens
         kw["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
@@ -372,13 +363,3 @@ def _build_params(kw: dict[str, Any], rename: dict[str, str]) -> SamplingParams:
         return SamplingParams(**kw)
     except InvalidRequestError as e:
         raise api_error_from_invalid(e, rename) from None
-
-
-def api_error_from_invalid(e: InvalidRequestError, rename: dict[str, str]) -> APIError:
-    """An engine validation error as a 400, renamed to the field the client sent."""
-    field = e.field or "body"
-    param = rename.get(field, field)
-    message = str(e)
-    if param != field and message.startswith(f"{field}:"):
-        message = f"{param}:{message[len(field) + 1 :]}"
-    return APIError(400, message, param=param)

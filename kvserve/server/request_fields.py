@@ -21,12 +21,11 @@ from typing import Any
 from prometheus_client import Counter
 from pydantic import BaseModel
 
-from kvserve.server.protocol import bad_request
+from kvserve.server.api_errors import bad_request
 
 log = logging.getLogger("kvserve.server")
 
-_STRUCTURED = "planned with structured outputs"
-_TOOLS = "tool calling is planned"
+_TOOLS = "send tools and tool_choice instead (OpenAI's replacement)"
 _MULTIMODAL = "this server serves text-only models"
 _TEMPLATE = "the server's chat template takes no per-request input"
 _RENDER = "it applies only to vLLM's render endpoints, which kvserve does not have"
@@ -51,21 +50,7 @@ def _refused(why: str, *off: Any) -> Refused:
 
 
 REFUSED: dict[str, Refused] = {
-    # Structured outputs (vLLM's current field, and the guided_* fields it has removed).
-    "structured_outputs": _refused(_STRUCTURED),
-    "response_format": _refused(
-        _STRUCTURED + "; only {'type': 'text'} is accepted", {"type": "text"}
-    ),  # fmt: skip
-    "guided_json": _refused(_STRUCTURED),
-    "guided_regex": _refused(_STRUCTURED),
-    "guided_choice": _refused(_STRUCTURED),
-    "guided_grammar": _refused(_STRUCTURED),
-    "guided_decoding_backend": _refused(_STRUCTURED),
-    "guided_whitespace_pattern": _refused(_STRUCTURED),
-    # Tool calling (OpenAI's, and its legacy function-calling fields).
-    "tools": _refused(_TOOLS, []),
-    "tool_choice": _refused(_TOOLS, "none"),
-    "parallel_tool_calls": _refused(_TOOLS, True),
+    # OpenAI's legacy function calling (tools and tool_choice replace it).
     "functions": _refused(_TOOLS, []),
     "function_call": _refused(_TOOLS, "none"),
     # Reasoning models: no reasoning parser, so any reasoning stays in the content.

@@ -27,6 +27,7 @@ from kvserve.sched.request import (
     RequestTags,
     SamplingParams,
 )
+from kvserve.server.api_errors import APIError, api_error_from_invalid, bad_request
 from kvserve.server.chat_prompt import render_chat
 from kvserve.server.engine_loop import (
     EngineLoop,
@@ -39,15 +40,10 @@ from kvserve.server.engine_loop import (
 from kvserve.server.job import Job
 from kvserve.server.logprobs import LogprobFormatter
 from kvserve.server.metrics import ServerMetrics
-from kvserve.server.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    api_error_from_invalid,
-    bad_request,
-)
+from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.server.request_fields import IgnoredFields
 from kvserve.server.tenants import TenantResolver
+from kvserve.server.tools import ToolSettings, plan_tools
 
 
 @dataclass
@@ -67,6 +63,8 @@ class ServerState:
     # The engine's --scheduling-policy: a request's priority means something only under
     # "priority", so elsewhere a non-zero one is refused (as vLLM does).
     scheduling_policy: str = "fcfs"
+    # --tool-call-parser (else the chat template's format) and --enable-auto-tool-choice.
+    tool_settings: ToolSettings = field(default_factory=ToolSettings)
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     ignored: IgnoredFields = field(init=False)
@@ -131,7 +129,9 @@ async def create_completion(
     state: ServerState, req: CompletionRequest, tenant: str, raw: Request
 ) -> Response:
     model = state.check_model(req.model)
-    params = req.sampling_params()
+    constraint = req.constraint()
+    params = req.sampling_params(constraint)
+    _check_vocab(state, params)
     prompts = req.prompts()
     ids = _prompt_ids(state, req, prompts)
     lps = LogprobFormatter(state.tokenizer, req.logprobs or 0, bool(req.return_tokens_as_token_ids))
@@ -150,7 +150,8 @@ async def create_completion(
         job.echo_logprobs = req.logprobs is not None
     salt = state.tenants.cache_salt(tenant, req.client_salt)
     tags = _tags(state, req, tenant)
-    return await _run(state, job, salt, raw, {"prompt_token_ids": "prompt"}, tags)
+    rename = {"prompt_token_ids": "prompt", **(constraint.rename if constraint else {})}
+    return await _run(state, job, salt, raw, rename, tags)
 
 
 def _decode(state: ServerState, ids: list[int], params: SamplingParams) -> str:
@@ -163,10 +164,14 @@ async def create_chat_completion(
     state: ServerState, req: ChatCompletionRequest, tenant: str, raw: Request
 ) -> Response:
     model = state.check_model(req.model)
-    params = req.sampling_params()
+    plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, state.tool_settings)
+    constraint = req.output_constraint(plan)
+    params = req.sampling_params(constraint)
+    _check_vocab(state, params)
     tok = state.tokenizer
     messages = req.message_dicts()
-    text = render_chat(tok, messages, req.add_generation_prompt, req.continue_final_message)
+    text = render_chat(tok, messages, req.add_generation_prompt, req.continue_final_message,
+                       req.tool_dicts())  # fmt: skip
     assert tok is not None  # render_chat refused a model without one
     ids = req.truncate(tok.encode(text, add_special_tokens=req.add_special_tokens),
                        state.max_model_len)  # fmt: skip
@@ -174,7 +179,8 @@ async def create_chat_completion(
     job = Job("chat", model, params, [ids], req.stream, req.include_usage, lps,
               *_ids(req, "chatcmpl-"), continuous_usage=req.continuous_usage,
               return_token_ids=bool(req.return_token_ids), prompt_logprobs=req.prompt_logprobs,
-              prompt_text=text if req.return_prompt_text else None)  # fmt: skip
+              prompt_text=text if req.return_prompt_text else None,
+              tool_parser=plan.parser if plan is not None else None)  # fmt: skip
     # vLLM's echo: the reply's role is the assistant's unless it continues the last message;
     # a last message of that role is repeated before the reply.
     role = "assistant" if req.add_generation_prompt else messages[-1]["role"]
@@ -184,7 +190,22 @@ async def create_chat_completion(
     rename = {"prompt": "messages", "prompt_token_ids": "messages"}
     if req.max_completion_tokens is not None:
         rename["max_tokens"] = "max_completion_tokens"
+    if constraint is not None:
+        rename.update(constraint.rename)
     return await _run(state, job, salt, raw, rename, _tags(state, req, tenant))
+
+
+def _check_vocab(state: ServerState, params: SamplingParams) -> None:
+    """``logit_bias`` names tokens of the tokenizer: a checkpoint's vocabulary is often padded
+    past it (to a multiple of 64 or 128), and a bias on those rows would revive ids that name
+    nothing (the engine checks the model's vocabulary for every token-id field)."""
+    if state.tokenizer is None or not params.logit_bias:
+        return
+    v = state.tokenizer.vocab_size
+    bad = next((t for t in params.logit_bias if t >= v), None)
+    if bad is not None:
+        raise bad_request("logit_bias", f"token id {bad} is past this model's tokenizer "
+                          f"(its ids are 0 to {v - 1})")  # fmt: skip
 
 
 def _tags(
@@ -220,6 +241,10 @@ async def _run(
     arrival = time.monotonic()
     handle = RequestHandle(job.engine_id, prompts, job.params, job.stream, arrival, tags)
     try:
+        if job.params.structured_outputs is not None:
+            # Compile on a worker thread, not the engine's (every running request would wait
+            # out the compile) nor the event loop's; add_request then finds it cached.
+            await asyncio.to_thread(state.loop.engine.prepare_structured_outputs, job.params)
         await state.loop.submit(handle)
     except InvalidRequestError as e:
         raise api_error_from_invalid(e, rename) from None

@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 
 from kvserve import envs
-from kvserve.server.protocol import APIError
+from kvserve.server.api_errors import APIError
 
 DEFAULT_TENANT = "default"
 OPEN_SERVER_SECRET = b"kvserve-open-server"

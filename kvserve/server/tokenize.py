@@ -17,9 +17,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from kvserve.model.tokenizer import Tokenizer
+from kvserve.server.api_errors import bad_request
 from kvserve.server.chat_prompt import render_chat
-from kvserve.server.protocol import ChatMessage, bad_request, message_dicts
+from kvserve.server.protocol import ChatMessage, message_dicts
 from kvserve.server.serving import ServerState
+from kvserve.server.tools import ChatTool
 
 
 class TokenizeCompletionRequest(BaseModel):
@@ -38,6 +40,8 @@ class TokenizeChatRequest(BaseModel):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     return_token_strs: bool | None = False
+    # vLLM's: the tools the chat template describes (the prompt chat completions would send)
+    tools: list[ChatTool] | None = None
 
 
 class DetokenizeRequest(BaseModel):
@@ -57,8 +61,10 @@ def tokenize(state: ServerState, req: TokenizeCompletionRequest | TokenizeChatRe
     if isinstance(req, TokenizeChatRequest):
         if not req.messages:
             raise bad_request("messages", "must contain at least one message")
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         text = render_chat(state.tokenizer, message_dicts(req.messages),
-                           req.add_generation_prompt, req.continue_final_message)  # fmt: skip
+                           req.add_generation_prompt, req.continue_final_message,
+                           tools)  # fmt: skip
         tok = _tokenizer(state, "messages")
     else:
         text, tok = req.prompt, _tokenizer(state, "prompt")
