@@ -338,15 +338,16 @@ def test_prepare_compiles_off_the_engine_thread(bundled):
 
 
 @pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
-def test_a_finished_grammar_under_ignore_eos_allows_only_eos(make_llm, backend):
-    """Past the grammar's end (the request goes on under ignore_eos) the row allows only EOS,
-    and the library is not asked for a mask it can no longer give (xgrammar raises)."""
+@pytest.mark.parametrize("knob", [{"ignore_eos": True}, {"min_tokens": 6}])
+def test_the_grammars_end_stops_the_request(make_llm, backend, knob):
+    """The grammar's end stops a request even under ignore_eos, and before a min_tokens the
+    grammar cannot reach (min_tokens masks EOS first: the row would otherwise have no token
+    left); the library is not asked for a mask it can no longer give (xgrammar raises)."""
     llm = make_llm("kvserve-ref", max_model_len=128, dtype="float32",
                    structured_outputs_backend=backend)  # fmt: skip
     so = StructuredOutputsParams(choice=["yes", "no"])
-    p = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, structured_outputs=so)
+    p = SamplingParams(temperature=1.0, max_tokens=8, structured_outputs=so, **knob)
     c = llm.generate([PROMPT], p)[0].outputs[0]
-    eos = set(llm.engine.eos_token_ids)
-    tail = [t for t in c.token_ids if t in eos]
-    assert len(c.token_ids) == 8 and tail and set(c.token_ids[-len(tail) :]) <= eos
-    assert llm.get_tokenizer().decode(c.token_ids[: -len(tail)]) in ("yes", "no")
+    assert c.finish_reason == "stop"
+    assert c.token_ids[-1] in set(llm.engine.eos_token_ids)
+    assert llm.get_tokenizer().decode(c.token_ids[:-1]) in ("yes", "no")

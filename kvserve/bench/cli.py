@@ -270,8 +270,8 @@ def workload_spec(args: argparse.Namespace, seed: int, max_model_len: int | None
 
 
 def _ignore_eos(args: argparse.Namespace) -> bool:
-    """A constrained request ends where its grammar does: ignoring EOS would pad it with EOS
-    tokens (the only ones a finished grammar allows) up to max_tokens."""
+    """A constrained request ends where its grammar does (the engine stops it there even under
+    ignore_eos); the flag is not sent, so the request reads as the user's would."""
     return args.ignore_eos and not args.structured
 
 

@@ -51,7 +51,7 @@ class GrammarState(TokenBitmaskState):
 
     def accept_token(self, token: int) -> None:
         if self.failed or self.matcher.is_terminated():
-            return  # EOS under ignore_eos, after the grammar's end: nothing to advance
+            return  # the EOS that ends a finished or failed grammar: nothing to advance
         if not self.matcher.accept_token(token):
             self.failed = True
             log.warning("structured outputs: the grammar refused committed token %d", token)
@@ -98,8 +98,8 @@ class StructuredOutputsLogitsProcessor(TokenBitmaskLogitsProcessor[GrammarState]
 
     def _fill(self, states: list[GrammarState]) -> torch.Tensor:
         mask = torch.full((len(states), bitmask_words(self.vocab_size)), -1, dtype=torch.int32)
-        # A finished grammar (a request that goes on under ignore_eos) or a failed one allows
-        # only EOS; the libraries are asked only about the others.
+        # A finished or failed grammar allows only EOS (which ends the request); the libraries
+        # are asked only about the others.
         done = [row for row, s in enumerate(states) if s.failed or s.matcher.is_terminated()]
         if done:
             finished = set(done)
@@ -113,6 +113,22 @@ class StructuredOutputsLogitsProcessor(TokenBitmaskLogitsProcessor[GrammarState]
             self.compiler.backend().fill_bitmasks([s.matcher for s in states], mask)
         mask &= self._vocab_bits
         return mask
+
+    def apply(
+        self, logits: torch.Tensor, rows: list[int], states: list[GrammarState]
+    ) -> torch.Tensor:
+        """The grammar's mask, then EOS forced on the rows whose grammar ended (or failed):
+        the grammar's end stops the request, so it wins over ``min_tokens``, which masked EOS
+        earlier in the chain and would otherwise leave such a row no token at all."""
+        logits = super().apply(logits, rows, states)
+        ended = [rows[i] for i, s in enumerate(states) if s.failed or s.matcher.is_terminated()]
+        if ended:
+            eos = list(self.compiler.backend().eos_token_ids)
+            forced = torch.full((len(ended), logits.shape[1]), float("-inf"),
+                                dtype=logits.dtype, device=logits.device)  # fmt: skip
+            forced[:, eos] = 0.0
+            logits.index_copy_(0, torch.tensor(ended, device=logits.device), forced)
+        return logits
 
     def prepare(self, rows: list[int], states: list[GrammarState]) -> None:
         """Start filling the step's mask on the worker thread (the forward pass runs

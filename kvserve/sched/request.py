@@ -321,7 +321,10 @@ class Request:
         self.all_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.max_tokens = max_tokens
-        self.eos_token_ids = () if sampling_params.ignore_eos else tuple(eos_token_ids)
+        # A grammar's end is an EOS the mask forces: it stops a constrained request even under
+        # ignore_eos (the grammar decides where the output ends).
+        keep_eos = not sampling_params.ignore_eos or sampling_params.structured_outputs is not None
+        self.eos_token_ids = tuple(eos_token_ids) if keep_eos else ()
         self.cache_salt = cache_salt
         self.arrival_time = arrival_time
         self.status = RequestStatus.WAITING

@@ -48,14 +48,15 @@ def check_stop(r: Request, token: int, max_model_len: int) -> bool:
     p = r.sampling_params
     n_all = len(r.all_token_ids)
     n_out = n_all - len(r.prompt_token_ids)
-    if n_out >= p.min_tokens:
-        if token in r.eos_token_ids:
-            r.status = RequestStatus.FINISHED_STOPPED
-            return True
-        if p.stop_token_ids and token in p.stop_token_ids:
-            r.stop_reason = token
-            r.status = RequestStatus.FINISHED_STOPPED
-            return True
+    # EOS in a constrained request is the grammar's end (the mask allows it nowhere else, and
+    # forces it there even before min_tokens): it stops.
+    if token in r.eos_token_ids and (n_out >= p.min_tokens or p.structured_outputs is not None):
+        r.status = RequestStatus.FINISHED_STOPPED
+        return True
+    if n_out >= p.min_tokens and p.stop_token_ids and token in p.stop_token_ids:
+        r.stop_reason = token
+        r.status = RequestStatus.FINISHED_STOPPED
+        return True
     if n_out >= r.max_tokens or n_all >= max_model_len:
         r.status = RequestStatus.FINISHED_LENGTH
         return True
