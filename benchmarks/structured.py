@@ -34,45 +34,12 @@ import torch
 
 from benchmarks.common import bench_model, emit, median, set_threads, table
 
+# The 20 schemas of the correctness tests (enums, patterns, nested objects, bounded arrays and
+# integers, CJK and emoji strings).
+from tests.test_structured_outputs import SCHEMAS
+
 BACKENDS = ("llguidance", "xgrammar")
 
-SCHEMAS: list[dict] = [
-    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},
-    {"type": "string", "enum": ["red", "green", "blue"]},
-    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
-                                      "n": {"type": "integer", "minimum": 1, "maximum": 9}},
-     "required": ["color", "n"], "additionalProperties": False},
-    {"type": "integer", "minimum": -50, "maximum": 50},
-    {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
-    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99},
-     "minItems": 2, "maxItems": 4},
-    {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0},
-                                      "tags": {"type": "array", "maxItems": 3,
-                                               "items": {"type": "string", "maxLength": 8}}},
-     "required": ["id", "tags"], "additionalProperties": False},
-    {"type": "object", "properties": {"a": {"type": "object", "properties": {
-        "b": {"type": "object", "properties": {"c": {"type": "boolean"}}, "required": ["c"]}},
-        "required": ["b"]}}, "required": ["a"]},
-    {"type": "string", "enum": ["東京", "大阪", "北京"]},
-    {"type": "string", "enum": ["🙂", "👍🏽", "🚀✨"]},
-    {"type": "string", "pattern": "^[一-龥]{1,3}$"},
-    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                      "emoji": {"const": "🎉"}}, "required": ["city", "emoji"]},
-    {"type": "array", "items": {"enum": ["x", "y"]}, "minItems": 1, "maxItems": 3},
-    {"type": "number", "minimum": 0, "maximum": 1},
-    {"type": "boolean"},
-    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
-                                      "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                                      "email": {"type": "string", "format": "email"}},
-     "required": ["name", "age"], "additionalProperties": False},
-    {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"enum": ["none"]}]},
-    {"type": "object", "properties": {"date": {"type": "string", "format": "date"}},
-     "required": ["date"]},
-    {"type": "array", "prefixItems": [{"type": "integer"}, {"enum": ["a", "b"]}], "minItems": 2},
-    {"type": "object", "properties": {"p": {"type": "object", "properties": {
-        "x": {"type": "number"}, "y": {"type": "number"}}, "required": ["x", "y"]},
-        "name": {"type": "string", "maxLength": 16}}, "required": ["p", "name"]},
-]  # fmt: skip
 
 _FIELD_TYPES = (
     {"type": "string", "maxLength": 64},
@@ -154,7 +121,6 @@ def mask_times(backend: str, model_dir: str, vocab: int, eos: tuple, schemas: li
 
 def serve(model: str, backend: str, batch: int, max_tokens: int, schemas: list) -> dict[str, Any]:
     """TPOT of a constrained batch vs the same batch unconstrained at the same lengths."""
-    import jsonschema
 
     from kvserve import LLM, SamplingParams, StructuredOutputsParams
 
@@ -188,26 +154,34 @@ def serve(model: str, backend: str, batch: int, max_tokens: int, schemas: list) 
     # alternated, best of two each: a noisy machine slows one run, not the comparison
     t_con = min(t_con, decode_time(cons)[0])
     t_plain = min(t_plain, decode_time(plain)[0])
-    finished = valid = 0
-    for o, s in zip(outs, chosen, strict=True):
-        c = o.outputs[0]
-        if c.finish_reason == "stop":
-            finished += 1
-            try:
-                jsonschema.validate(json.loads(c.text), s)
-                valid += 1
-            except (ValueError, jsonschema.ValidationError):
-                pass
+    finished, valid = count_valid([(o.outputs[0], s) for o, s in zip(outs, chosen, strict=True)])
     llm.shutdown()
     return {"tpot_overhead": t_con / t_plain - 1, "finished": finished,
-            "valid_fraction": valid / finished if finished else float("nan"),
+            "valid_fraction": valid / finished if finished else None,
             "tokens": sum(lengths)}  # fmt: skip
+
+
+def count_valid(samples: list[tuple[Any, dict]]) -> tuple[int, int]:
+    """(finished, valid): of the (completion, schema) pairs, those that finished with "stop" and
+    those of them whose text is JSON that validates against its schema."""
+    import jsonschema
+
+    finished = valid = 0
+    for c, schema in samples:
+        if c.finish_reason != "stop":
+            continue
+        finished += 1
+        try:
+            jsonschema.validate(json.loads(c.text), schema)
+            valid += 1
+        except (ValueError, jsonschema.ValidationError):
+            pass
+    return finished, valid
 
 
 def correctness(outputs: int, backend: str) -> dict[str, Any]:
     """``outputs`` outputs across the 20 schemas at temperature 1 on the bundled model (one
     third as ``n`` = 3): the fraction of finished ones that validate with ``jsonschema``."""
-    import jsonschema
 
     from kvserve import LLM, SamplingParams, StructuredOutputsParams
 
@@ -221,21 +195,13 @@ def correctness(outputs: int, backend: str) -> dict[str, Any]:
             params.append(SamplingParams(temperature=1.0, n=3, max_tokens=96, seed=i * 1000 + j,
                                          structured_outputs=so))  # fmt: skip
             schemas.append(s)
-    finished = valid = total = 0
-    for out, s in zip(llm.generate(prompts, params), schemas, strict=True):
-        for c in out.outputs:
-            total += 1
-            if c.finish_reason != "stop":
-                continue
-            finished += 1
-            try:
-                jsonschema.validate(json.loads(c.text), s)
-                valid += 1
-            except (ValueError, jsonschema.ValidationError):
-                pass
+    samples = [(c, s) for out, s in zip(llm.generate(prompts, params), schemas, strict=True)
+               for c in out.outputs]  # fmt: skip
+    total = len(samples)
+    finished, valid = count_valid(samples)
     llm.shutdown()
     return {"outputs": total, "finished": finished,
-            "valid_fraction": valid / finished if finished else float("nan")}  # fmt: skip
+            "valid_fraction": valid / finished if finished else None}  # fmt: skip
 
 
 def main() -> None:
@@ -266,7 +232,7 @@ def main() -> None:
         comp.sort()
         masks = mask_times(backend, model_dir, vocab, eos, SCHEMAS[:10] if args.quick else SCHEMAS,
                            16 if args.quick else 64)  # fmt: skip
-        run = {"tpot_overhead": float("nan"), "valid_fraction": float("nan"), "finished": 0}
+        run = {"tpot_overhead": None, "valid_fraction": None, "finished": 0}
         if not args.skip_serving:
             run = serve(args.model, backend, batch, max_tokens, SCHEMAS)
         r = {"backend": backend, "compile_ms_p50": median(comp),
