@@ -342,6 +342,12 @@ def add_tune_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
         metavar="FILE",
         help="a `kvserve quality --json` report for this model (repeatable)",
     )
+    s.add_argument(
+        "--quality-accept-inconclusive",
+        action="store_true",
+        help="let a lossy setting whose quality report says INCONCLUSIVE compete (by default "
+        "only PASS does)",
+    )
     s.add_argument("--top", type=int, default=5, help="configurations to print")
     s.add_argument("--max-passes", type=int, default=3)
     add_workload_args(p)
@@ -378,7 +384,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     for name in ("tp", "replicas"):  # --tp / --replicas pin their dimension unless searched
         if getattr(args, name) != 1 and name not in given:
             space[name] = (getattr(args, name),)
-    gate = QualityGate.load(args.quality_report, kw["model"])
+    gate = QualityGate.load(args.quality_report, kw["model"], args.quality_accept_inconclusive)
     base = sim_target(args, kw)
 
     def make_target(engine: dict[str, Any], tp: int, replicas: int) -> SimTarget:
