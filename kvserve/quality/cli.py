@@ -55,8 +55,7 @@ def add_quality_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
     size.add_argument(
         "--full",
         action="store_true",
-        help="192 prompts per group and contexts up to 2,048 tokens (default: 64 "
-        "prompts, contexts up to 1,024)",
+        help="192 prompts per group (default: 64), contexts up to 1,024 tokens as the default",
     )
     g.add_argument("--prompts", type=int, default=None, metavar="N",
                    help="prompts per judged group (scales the chosen suite; one held-out "
