@@ -226,8 +226,8 @@ def main() -> None:
                    "multi-needle kept": kept["recall_multi_needle"],
                    "multi-turn kept": kept["recall_multi_turn"],
                    "ppl +": m["perplexity"]["delta"],
-                   "top-1 agree": m["top1_agreement"]["candidate"],
-                   "gate": "PASS" if rep["passed"] else "FAIL"}  # fmt: skip
+                   "teacher-forced agree": m["teacher_forced_agreement"]["candidate"],
+                   "gate": rep["verdict"]}  # fmt: skip
             rows.append(row)
             out[cfg.name] = {**row, "config": asdict(cfg), "metrics": rep["metrics"]}
     print(f"{model}, {args.dtype}, {threads} threads, suite {'quick' if args.quick else 'default'}")

@@ -98,13 +98,13 @@ def agreement(
 ) -> dict:
     """How far bfloat16 greedy decoding follows float32's on the workload.
 
-    ``free`` and ``identical``: :func:`kvserve.main_job.agreement` (the share of each output
-    before its first divergence, averaged; the share of identical outputs).
+    ``free`` and ``identical``: :func:`kvserve.main_job.sequence_agreement` (the share of each
+    output before its first divergence, averaged; the share of identical outputs).
     ``forced``: teacher-forced top-1 agreement: bfloat16 scores every position of the float32
     output (prompt log-probs of prompt + float32 output) and its argmax is compared with the
     float32 token; one near-tie then costs one token, not the rest of the sequence."""
     from kvserve import LLM, SamplingParams
-    from kvserve.main_job import agreement as free_running
+    from kvserve.main_job import sequence_agreement as free_running
 
     free = free_running(ref, test)
     total = sum(map(len, ref))
@@ -119,7 +119,7 @@ def agreement(
             hit += entry[tok] >= max(entry.values())
     del llm
     gc.collect()
-    return {"free": free["token_agreement"], "forced": hit / total,
+    return {"free": free["sequence_agreement"], "forced": hit / total,
             "identical": free["identical_outputs"]}  # fmt: skip
 
 

@@ -15,13 +15,13 @@ from kvserve.plan.capacity import format_table, load_arch
 def test_agreement_hand_computed():
     base = [[1, 2, 3, 4], [5, 6], [7, 8, 9], None]
     other = [[1, 2, 9, 4], [5, 6], None, [1]]
-    a = main_job.agreement(base, other)
+    a = main_job.sequence_agreement(base, other)
     # Requests 2 and 3 failed on one side and are skipped; request 0 matches 2 of 4 tokens
     # before diverging (the later match does not count), request 1 matches fully.
-    assert a == {"token_agreement": pytest.approx((2 / 4 + 1) / 2), "identical_outputs": 0.5,
+    assert a == {"sequence_agreement": pytest.approx((2 / 4 + 1) / 2), "identical_outputs": 0.5,
                  "compared": 2}  # fmt: skip
-    assert main_job.agreement([None], [[1]]) == {
-        "token_agreement": None, "identical_outputs": None, "compared": 0
+    assert main_job.sequence_agreement([None], [[1]]) == {
+        "sequence_agreement": None, "identical_outputs": None, "compared": 0
     }  # fmt: skip
 
 
@@ -54,4 +54,4 @@ def test_main_job_end_to_end_small(checkpoint, tmp_path, monkeypatch, capsys):
     assert pc["quality"]["identical_outputs"] == 1.0 and pc["quality"]["compared"] == 6
     assert pc["server"]["prefix_cache_hits"] > 0
     assert not report["summaries"]["baseline"]["server"]["prefix_cache_hits"]
-    assert "| agreement |" in (tmp_path / "report.md").read_text()
+    assert "| seq agreement |" in (tmp_path / "report.md").read_text()

@@ -26,11 +26,11 @@ from kvserve.sim.tune import QualityGate, tune
 SMALL_GPU = "custom:0.022:2.0:300"
 
 
-def report(tmp_path: Path, fmt: str, passed: bool, model: str = "kvserve-ref") -> str:
+def report(tmp_path: Path, fmt: str, verdict: str, model: str = "kvserve-ref") -> str:
     """A hand-made `kvserve quality --json` report (only the fields the gate reads)."""
-    path = tmp_path / f"{fmt}-{passed}-{model}.json"
+    path = tmp_path / f"{fmt}-{verdict}-{model}.json"
     path.write_text(json.dumps({
-        "passed": passed, "model": f"/models/{model}", "label": fmt,
+        "verdict": verdict, "model": f"/models/{model}", "label": fmt,
         "candidate": {"kv_format": fmt, "engine": {"kv_cache_dtype": fmt, "kv_retention": None}},
     }))  # fmt: skip
     return str(path)
@@ -47,7 +47,8 @@ def llama8b(tmp_path):
 
 
 def run_tune(workload: str, n: int, space: dict, reports: list[str], gpu: str = "h100-sxm",
-             slo: str = "ttft=60s,tpot=1s", model: str | None = None, jobs: int = 1):  # fmt: skip
+             slo: str = "ttft=60s,tpot=1s", model: str | None = None, jobs: int = 1,
+             accept_inconclusive: bool = False):  # fmt: skip
     from kvserve.bench.metrics import parse_slo
 
     kw = dict(model=model or default_model(), dtype="bfloat16")
@@ -60,7 +61,7 @@ def run_tune(workload: str, n: int, space: dict, reports: list[str], gpu: str = 
     count, max_len = token_counter(base)
     reqs = make_workload(WorkloadSpec(name=workload, num_prompts=n, seed=0,
                                       max_model_len=max_len), count)  # fmt: skip
-    gate = QualityGate.load(reports, kw["model"])
+    gate = QualityGate.load(reports, kw["model"], accept_inconclusive)
     return tune(kw, make_target, reqs, LoadSpec(), 0, space, parse_slo(slo), 2.0, gate,
                 jobs=jobs)  # fmt: skip
 
@@ -104,32 +105,53 @@ def test_parallel_trials_find_what_the_sequential_search_finds(llama8b, monkeypa
         run_tune("rag", 4, space, [], model=llama8b, jobs=0)
 
 
-def test_memory_bound_long_context_picks_fp8_when_its_gate_passes(tmp_path):
-    res = run_tune("long-doc", 24, SPACE, [report(tmp_path, "fp8_e4m3", True)], SMALL_GPU)
+@pytest.mark.parametrize("verdict, accept", [("PASS", False), ("INCONCLUSIVE", True)])
+def test_memory_bound_long_context_picks_fp8_when_its_gate_passes(tmp_path, verdict, accept):
+    """PASS lets fp8 compete; so does INCONCLUSIVE when the operator accepts it."""
+    res = run_tune("long-doc", 24, SPACE, [report(tmp_path, "fp8_e4m3", verdict)], SMALL_GPU,
+                   accept_inconclusive=accept)  # fmt: skip
     assert res.best is not None and res.best.settings["kv_cache_dtype"] == "fp8_e4m3"
     auto = next(t for t in res.trials if t.settings["kv_cache_dtype"] == "auto")
     assert auto.excluded is None
     assert auto.usd_per_million_useful > 1.2 * res.best.usd_per_million_useful
 
 
-@pytest.mark.parametrize("passed", [False, None])
-def test_memory_bound_long_context_keeps_exact_kv_without_a_passing_report(tmp_path, passed):
-    reports = [] if passed is None else [report(tmp_path, "fp8_e4m3", passed)]
+@pytest.mark.parametrize("verdict", ["FAIL", "INCONCLUSIVE", None])
+def test_memory_bound_long_context_keeps_exact_kv_without_a_passing_report(tmp_path, verdict):
+    """Only PASS lets a lossy format compete: FAIL, INCONCLUSIVE (the gate could not tell) and
+    no report at all keep the exact cache, and each says why."""
+    reports = [] if verdict is None else [report(tmp_path, "fp8_e4m3", verdict)]
     res = run_tune("long-doc", 24, SPACE, reports, SMALL_GPU)
     assert res.best is not None and res.best.settings["kv_cache_dtype"] == "auto"
     fp8 = next(t for t in res.trials if t.settings["kv_cache_dtype"] == "fp8_e4m3")
     assert fp8.summary is None  # never simulated: it could not compete
-    expected = "quality gate FAILED" if passed is False else "no passing quality report"
+    expected = {
+        "FAIL": "quality gate FAILED",
+        "INCONCLUSIVE": "quality gate INCONCLUSIVE for kv_cache_dtype=fp8_e4m3",
+        None: "no passing quality report",
+    }[verdict]
     assert expected in fp8.excluded
+    if verdict == "INCONCLUSIVE":
+        assert "--quality-accept-inconclusive" in fp8.excluded
 
 
 def test_report_for_another_model_is_refused(tmp_path):
     with pytest.raises(ValueError, match="is for model 'smollm2'.*tuned model is 'kvserve-ref'"):
-        QualityGate.load([report(tmp_path, "fp8_e4m3", True, "smollm2")], default_model())
+        QualityGate.load([report(tmp_path, "fp8_e4m3", "PASS", "smollm2")], default_model())
     bad = tmp_path / "not-a-report.json"
     bad.write_text(json.dumps({"summary": {}}))
     with pytest.raises(ValueError, match="not a `kvserve quality --json` report"):
         QualityGate.load([str(bad)], default_model())
+    # A report from before verdicts (a bare "passed") is refused, not read as PASS.
+    old = tmp_path / "old.json"
+    engine = {"kv_cache_dtype": "fp8_e4m3"}
+    old.write_text(
+        json.dumps({"passed": True, "model": "/m/kvserve-ref", "candidate": {"engine": engine}})
+    )
+    with pytest.raises(ValueError, match="with a verdict"):
+        QualityGate.load([str(old)], default_model())
+    with pytest.raises(ValueError, match="verdict 'MAYBE' is not PASS, FAIL or INCONCLUSIVE"):
+        QualityGate.load([report(tmp_path, "fp8_e4m3", "MAYBE")], default_model())
 
 
 @pytest.mark.parametrize(

@@ -51,7 +51,7 @@ COMPARE_ROWS: tuple[tuple[str, str, str, bool], ...] = (
     ("KV bytes/token", "kv_bytes_per_token", "{:.0f}", False),
     ("KV blocks", "kv_blocks_total", "{:.0f}", True),
     ("$/M output tok", "cost.usd_per_million_output_tokens", "{:.4g}", False),
-    ("agreement", "quality.token_agreement", "{:.1%}", True),
+    ("seq agreement", "quality.sequence_agreement", "{:.1%}", True),
     ("identical outputs", "quality.identical_outputs", "{:.1%}", True),
     ("outputs compared", "quality.compared", "{:.0f}", True),
 )
@@ -205,7 +205,7 @@ CONFIG_COLUMNS: tuple[tuple[str, str, str, bool], ...] = (
     ("prefix hits", "server.prefix_cache_hit_rate", "{:.0%}", False),
     ("KV B/token", "kv_bytes_per_token", "{:.0f}", False),
     ("KV blocks", "kv_blocks_total", "{:.0f}", True),
-    ("agreement", "quality.token_agreement", "{:.1%}", False),
+    ("seq agreement", "quality.sequence_agreement", "{:.1%}", False),
     ("$/M out", "cost.usd_per_million_output_tokens", "{:.3g}", False),
 )
 

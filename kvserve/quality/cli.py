@@ -1,10 +1,14 @@
 """``kvserve quality``: gate a KV configuration against the exact baseline of the same model.
 
-  kvserve quality MODEL --kv-cache-dtype kivi2 [--quick] [--json] [--out DIR]
+  kvserve quality MODEL --kv-cache-dtype kivi2 [--quick | --full] [--prompts N]
 
-Runs the suite twice (baseline: kv_cache_dtype auto; candidate: the given flags), prints a
-table with PASS/FAIL per metric and exits 0 (pass), 1 (fail) or 2 (usage error). Writes a JSON
-report and a PNG recall heatmap under --out. Prefill is chunked (--max-num-batched-tokens,
+Runs the suite twice (baseline: kv_cache_dtype auto; candidate: the given lossy options) and
+judges each metric by non-inferiority: PASS when the candidate's loss is, with 95 % confidence,
+within the margin; FAIL when it is, with 95 % confidence, beyond it; INCONCLUSIVE when the
+suite is too small to tell (the table says how many prompts would decide). Exit code: 0 PASS,
+1 FAIL, 3 INCONCLUSIVE (the worst over several candidates), 2 usage error (including no lossy
+option: the baseline against itself proves nothing). Writes a JSON report and a PNG recall
+heatmap under --out. Prefill is chunked (--max-num-batched-tokens,
 default 64 here) in both runs, so most prompt attention reads the stored, possibly quantized,
 cache rather than the fresh K/V of the current chunk.
 """
@@ -43,38 +47,52 @@ def add_quality_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
     # small. Both can be overridden, and apply to both runs alike.
     p.set_defaults(max_num_batched_tokens=GATE_CHUNK_TOKENS, max_num_seqs=GATE_MAX_NUM_SEQS)
     g = p.add_argument_group("quality gate")
-    g.add_argument("--quick", action="store_true", help="reduced suite (<= 60 s; for CI)")
+    size = g.add_mutually_exclusive_group()
+    size.add_argument(
+        "--quick",
+        action="store_true",
+        help="12 prompts per group: fails a gross loss, else INCONCLUSIVE (CI)",
+    )
+    size.add_argument(
+        "--full",
+        action="store_true",
+        help="192 prompts per group (default: 64), contexts up to 1,024 tokens as the default",
+    )
+    g.add_argument("--prompts", type=int, default=None, metavar="N",
+                   help="prompts per judged group (scales the chosen suite; one held-out "
+                   "passage per 4 prompts)")  # fmt: skip
     g.add_argument("--json", action="store_true", help="print the report as JSON on the last line")
     g.add_argument(
         "--max-recall-drop",
         type=float,
         default=th.max_recall_drop,
-        help="largest allowed drop of any recall figure, absolute (0.05 = 5 points)",
+        help="margin: largest allowed loss of any recall or instruction-following share, "
+        "absolute (0.05 = 5 points)",
     )
     g.add_argument(
-        "--alpha",
+        "--confidence",
         type=float,
-        default=th.alpha,
-        help="significance level of the paired test a recall drop must also pass to fail "
-        "(McNemar's exact test on lost vs gained prompts)",
+        default=th.confidence,
+        help="confidence of each one-sided bound a verdict rests on",
     )
     g.add_argument(
         "--max-ppl-increase",
         type=float,
         default=th.max_ppl_increase,
-        help="largest allowed relative perplexity increase (0.05 = +5%%)",
+        help="margin: largest allowed relative perplexity increase (0.05 = +5%%)",
     )
     g.add_argument(
         "--min-agreement",
         type=float,
         default=th.min_agreement,
-        help="smallest allowed next-token top-1 agreement with the baseline",
+        help="margin: smallest allowed teacher-forced next-token agreement with the baseline "
+        "(its lower bound must reach it)",
     )
     g.add_argument(
         "--max-kl",
         type=float,
         default=th.max_kl,
-        help="largest allowed mean KL(baseline || candidate) per position, nats",
+        help="margin: largest allowed mean KL(baseline || candidate) per position, nats",
     )
     g.add_argument(
         "--formats",
@@ -101,6 +119,7 @@ def add_quality_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
 def cmd_quality(args: argparse.Namespace) -> int:
     from kvserve.config import ConfigError
     from kvserve.quality.gate import run_gates
+    from kvserve.quality.stats import EXIT_CODES, overall
     from kvserve.quality.suite import SuiteSpec
     from kvserve.quality.thresholds import Thresholds
 
@@ -108,7 +127,7 @@ def cmd_quality(args: argparse.Namespace) -> int:
         raise ConfigError(f"threads: must be >= 1, got {args.threads}")
     thresholds = Thresholds(
         max_recall_drop=args.max_recall_drop,
-        alpha=args.alpha,
+        confidence=args.confidence,
         max_ppl_increase=args.max_ppl_increase,
         min_agreement=args.min_agreement,
         max_kl=args.max_kl,
@@ -116,7 +135,9 @@ def cmd_quality(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    spec = SuiteSpec.quick() if args.quick else SuiteSpec.default()
+    spec = SuiteSpec.quick() if args.quick else SuiteSpec.full() if args.full else SuiteSpec()
+    if args.prompts is not None:
+        spec = spec.with_prompts(args.prompts)
     t0 = time.perf_counter()
     kwargs = engine_kwargs(args)
     candidates: list[dict] = [{}]
@@ -148,7 +169,7 @@ def cmd_quality(args: argparse.Namespace) -> int:
     )
     for report in reports:
         _emit(report, args, time.perf_counter() - t0)
-    return 0 if all(r["passed"] for r in reports) else 1
+    return EXIT_CODES[overall([r["verdict"] for r in reports])]
 
 
 def _emit(report: dict, args: argparse.Namespace, seconds: float) -> None:
@@ -156,9 +177,9 @@ def _emit(report: dict, args: argparse.Namespace, seconds: float) -> None:
     from kvserve.quality.report import write_json as write_report
 
     report["seconds"]["total"] = round(seconds, 2)
-    report["quick"] = bool(args.quick)
+    report["suite"]["name"] = "quick" if args.quick else "full" if args.full else "default"
     report["threads"] = args.threads
-    name = slug(report["label"]) + ("-quick" if args.quick else "")
+    name = slug(report["label"]) + ("-quick" if args.quick else "-full" if args.full else "")
     png = plot_recall_heatmap(report, args.out / f"{name}-recall.png")
     report["files"] = {"json": str(args.out / f"{name}.json"), "heatmap": png and str(png)}
     write_report(report, args.out / f"{name}.json")

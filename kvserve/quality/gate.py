@@ -1,12 +1,15 @@
 """``kvserve quality``'s core: run the suite on the exact baseline and on a candidate KV
-configuration of the same model, and judge the candidate against thresholds.
+configuration of the same model, and judge the candidate metric by metric: PASS, FAIL or
+INCONCLUSIVE by non-inferiority (:mod:`kvserve.quality.stats`); PASS overall only if every
+metric passes, FAIL if any fails.
 
 Why the two runs are made identical except for the KV format: a gate that compares runs with
 different batch compositions measures scheduling noise as much as the format. So both engines
 get the same scheduler settings and the *same number of KV blocks* (the candidate's pool is
 sized by block count, not bytes, even when a format would fit more blocks in the memory), and
 both see the same requests in the same order. With the exact format on both sides, every step
-computes the same tensors and the gate reports agreement 100 % and KL 0 exactly.
+computes the same tensors and the gate reports agreement 100 % and KL 0 exactly. That is why
+a candidate with no lossy option is refused: it would pass by construction and prove nothing.
 
 The baseline is the same engine configuration with ``kv_cache_dtype="auto"`` (the model dtype)
 and no lossy option. Prefix caching is lossless, so it stays as configured.
@@ -34,7 +37,18 @@ from kvserve.quality.metrics import (
     recall_groups,
     run_suite,
 )
-from kvserve.quality.stats import mcnemar_p, paired_drop_interval
+from kvserve.quality.stats import (
+    EXIT_CODES,
+    INCONCLUSIVE,
+    MIN_PASSAGES,
+    Stat,
+    bootstrap,
+    decide,
+    newcombe_loss,
+    overall,
+    passages_needed,
+    prompts_needed,
+)
 from kvserve.quality.suite import Suite, SuiteSpec, build_suite
 from kvserve.quality.thresholds import Thresholds
 
@@ -46,7 +60,10 @@ RECALL_LABELS = {
     "multi_needle": "multi-needle recall",
     "multi_turn": "multi-turn recall",
     "variable_tracking": "variable tracking recall",
+    "instruction": "instruction following",
 }
+LOSSY_OPTIONS = ("--kv-cache-dtype", "--kv-retention", "--calculate-kv-scales", "--formats",
+                 "--retentions")  # fmt: skip
 
 
 def wrap_kv_storage(llm: Any, wrap: Callable[[Any], Any]) -> None:
@@ -79,6 +96,11 @@ def _load_tokenizer(kwargs: dict[str, Any]) -> Any:
     return Tokenizer(tok_dir)
 
 
+def is_lossy(kwargs: dict[str, Any]) -> bool:
+    """Whether engine kwargs ask for anything the baseline does not have."""
+    return any(kwargs.get(k, v) not in (v, None) for k, v in LOSSY_KWARGS.items())
+
+
 def describe(kwargs: dict[str, Any]) -> str:
     """A short label of a KV configuration, for tables and file names."""
     label = kwargs.get("kv_cache_dtype", "auto")
@@ -98,8 +120,10 @@ def run_gate(
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run baseline and candidate (``engine_kwargs`` as for :class:`kvserve.LLM`) and return
-    the report: every metric with both values, its threshold and PASS/FAIL, the recall grids,
-    timings and the exact settings. ``report["passed"]`` is the verdict."""
+    the report: every metric with both values, its bounds, margin and verdict, the recall
+    grids, timings and the exact settings. ``report["verdict"]`` is PASS, FAIL or
+    INCONCLUSIVE; ``report["needed_prompts"]`` the ``--prompts`` that would decide an
+    INCONCLUSIVE one at the observed rates."""
     (report,) = run_gates(engine_kwargs, [{}], spec, thresholds, candidate_setup, [label], log)
     return report
 
@@ -116,12 +140,24 @@ def run_gates(
     """One baseline run, then each candidate (``engine_kwargs`` updated by one dict of
     ``candidates``, e.g. ``{"kv_cache_dtype": "int8"}``) judged against it: one report each,
     as :func:`run_gate` returns. Gating several formats this way runs the baseline once.
-    ``candidate_setup`` is one callable for every candidate or a list, one per candidate."""
+    ``candidate_setup`` is one callable for every candidate or a list, one per candidate.
+    A candidate with no lossy option and no setup is the baseline itself: refused."""
     from kvserve import LLM
 
     spec = spec or SuiteSpec.default()
     thresholds = thresholds or Thresholds()
     labels = labels or [None] * len(candidates)
+    setups = (
+        candidate_setup
+        if isinstance(candidate_setup, list)
+        else [candidate_setup] * len(candidates)
+    )
+    for over, setup in zip(candidates, setups, strict=True):
+        if setup is None and not is_lossy({**engine_kwargs, **over}):
+            raise ConfigError(
+                "quality: nothing to compare: the candidate is the exact baseline itself, so "
+                "it would pass by construction; give a lossy option: " + ", ".join(LOSSY_OPTIONS)
+            )
     say = log or (lambda _msg: None)
     base_kw = {**engine_kwargs, **LOSSY_KWARGS}
     tok = _load_tokenizer(engine_kwargs)
@@ -141,11 +177,6 @@ def run_gates(
     say(f"baseline: {base.seconds:.1f}s, {base.steps} steps")
 
     reports = []
-    setups = (
-        candidate_setup
-        if isinstance(candidate_setup, list)
-        else [candidate_setup] * len(candidates)
-    )
     for over, label, setup in zip(candidates, labels, setups, strict=True):
         # The candidate gets the baseline's block count, whatever memory its format allows.
         cand_kw = {**engine_kwargs, **over, "num_gpu_blocks": num_blocks, "kv_cache_memory": None}
@@ -155,7 +186,7 @@ def run_gates(
             setup(cand_llm)
         cmp = LogitComparison()
         cand = run_suite(
-            cand_llm, suite, on_logits=lambda n, lg, cmp=cmp: cmp.add(base.logits[n], lg)
+            cand_llm, suite, on_logits=lambda n, lg, cmp=cmp: cmp.add(n, base.logits[n], lg)
         )
         cand_fmt = cand_llm.engine.kv_cache_dtype
         chunk = cand_llm.engine.config.scheduler.max_num_batched_tokens
@@ -163,15 +194,18 @@ def run_gates(
         del cand_llm
         say(f"candidate: {cand.seconds:.1f}s, {cand.steps} steps")
         metrics = _judge(suite, base, cand, cmp, thresholds)
+        verdict = overall([m["verdict"] for m in metrics])
         same = sum(a == b for a, b in zip(base.texts, cand.texts, strict=True))
         reports.append({
-            "passed": all(m["passed"] for m in metrics),
+            "verdict": verdict,
+            "exit_code": EXIT_CODES[verdict],
+            "needed_prompts": needed_prompts(metrics, spec) if verdict == INCONCLUSIVE else None,
             "model": str(cand_kw["model"]),
             "label": label or describe(cand_kw) + ("+setup" if setup else ""),
             "baseline": {"kv_format": base_fmt, "engine": _jsonable(base_kw)},
             "candidate": {"kv_format": cand_fmt, "engine": _jsonable(cand_kw)},
             "metrics": metrics,
-            "answers_identical": same / len(base.texts) if base.texts else None,
+            "greedy_answers_identical": same / len(base.texts) if base.texts else None,
             "grid": {
                 "baseline": recall_grid(suite, base.hits),
                 "candidate": recall_grid(suite, cand.hits),
@@ -199,73 +233,111 @@ def run_gates(
 def _judge(
     suite: Suite, base: RunResult, cand: RunResult, cmp: LogitComparison, th: Thresholds
 ) -> list[dict[str, Any]]:
-    """One row per metric. A NaN never passes (comparisons with NaN are False)."""
+    """One row per metric, each with its bounds, its verdict and, when INCONCLUSIVE, the size
+    that would decide it."""
     rows: list[dict[str, Any]] = []
     for key, idx in recall_groups(suite).items():
         hits = [(base.hits[i], cand.hits[i]) for i in idx]
         rows.append(judge_recall(f"recall_{key}", RECALL_LABELS[key], hits, th))
+    units = [
+        (base.nll[n], cand.nll[n], base.ppl_tokens[n], cmp.agree.get(n, 0),
+         cmp.positions.get(n, 0), cmp.kl_sum.get(n, 0.0))
+        for n in range(len(suite.passages))
+    ]  # fmt: skip
     bp, cp = base.perplexity, cand.perplexity
-    inc = cp / bp - 1.0 if bp > 0 else float("nan")
-    rows.append(
-        _row("perplexity", "held-out perplexity", "ppl", bp, cp, inc, base.ppl_tokens,
-             f"increase <= {th.max_ppl_increase:.1%}", inc <= th.max_ppl_increase)
-    )  # fmt: skip
+    rows.append(judge_passages(
+        "perplexity", "held-out perplexity (relative increase)", "ppl", units,
+        lambda s: math.exp((s[1] - s[0]) / s[2]) - 1 if s[2] else math.nan,
+        th.max_ppl_increase, th, values=(bp, cp, cp / bp - 1 if bp > 0 else math.nan),
+        rule=f"upper bound <= +{th.max_ppl_increase:.1%}",
+    ))  # fmt: skip
     agr = cmp.agreement
-    rows.append(
-        _row("top1_agreement", "next-token top-1 agreement", "share", 1.0, agr, None,
-             cmp.positions, f">= {th.min_agreement:.1%}", agr >= th.min_agreement)
+    row = judge_passages(
+        "teacher_forced_agreement", "teacher-forced next-token agreement", "share", units,
+        lambda s: 1 - s[3] / s[4] if s[4] else math.nan, 1 - th.min_agreement, th,
+        values=(1.0, agr, agr - 1), rule=f"lower bound >= {th.min_agreement:.1%}",
     )  # fmt: skip
+    row["interval"] = [1 - row["interval"][1], 1 - row["interval"][0]]  # of the agreement
+    rows.append(row)
     kl = cmp.mean_kl
-    rows.append(
-        _row("mean_kl", "mean KL(baseline||candidate), nats", "kl", 0.0, kl, None,
-             cmp.positions, f"<= {th.max_kl:g}", kl <= th.max_kl)
-    )  # fmt: skip
+    rows.append(judge_passages(
+        "mean_kl", "mean KL(baseline||candidate), nats", "kl", units,
+        lambda s: s[5] / s[4] if s[4] else math.nan, th.max_kl, th, values=(0.0, kl, kl),
+        rule=f"upper bound <= {th.max_kl:g}",
+    ))  # fmt: skip
     rows[-1]["max_kl"] = cmp.kl_max
+    for r in rows:
+        r["positions"] = cmp.total_positions if r["unit"] == "passages" else None
     return rows
 
 
 def judge_recall(
     key: str, label: str, hits: list[tuple[bool, bool]], th: Thresholds
 ) -> dict[str, Any]:
-    """One recall row from (baseline hit, candidate hit) per prompt. A drop fails only when it
-    is both over the threshold and more than sampling noise (McNemar's exact test on the
-    prompts lost and gained, one-sided, at ``th.alpha``)."""
+    """One recall row from (baseline hit, candidate hit) per prompt: the loss (baseline minus
+    candidate share) with Newcombe's paired bounds, judged against ``th.max_recall_drop``."""
     n = len(hits)
-    b = sum(x for x, _ in hits) / n
-    c = sum(y for _, y in hits) / n
+    both = sum(x and y for x, y in hits)
     lost = sum(x and not y for x, y in hits)
     gained = sum(y and not x for x, y in hits)
-    p = mcnemar_p(lost, gained)
-    ok = b - c <= th.max_recall_drop + 1e-12 or p >= th.alpha
-    row = _row(key, label, "recall", b, c, c - b, n,
-               f"drop <= {th.max_recall_drop * 100:.1f} pt or p >= {th.alpha:g}", ok)  # fmt: skip
-    lo, hi = paired_drop_interval(lost, gained, n, 1 - th.alpha)
-    row.update(lost=lost, gained=gained, p_value=p, drop_interval=[lo, hi])
-    return row
+    neither = n - both - lost - gained
+    lo, hi = newcombe_loss(both, lost, gained, neither, th.confidence)
+    verdict = decide(lo, hi, th.max_recall_drop)
+    needed = None
+    if verdict == INCONCLUSIVE:
+        needed = prompts_needed(both, lost, gained, neither, th.max_recall_drop, th.confidence)
+    b, c = (both + lost) / n, (both + gained) / n
+    return {
+        "key": key, "label": label, "kind": "recall", "unit": "prompts", "n": n,
+        "baseline": b, "candidate": c, "delta": c - b, "loss": b - c,
+        "interval": [lo, hi], "margin": th.max_recall_drop,
+        "rule": f"loss upper bound <= {th.max_recall_drop * 100:g} pt",
+        "verdict": verdict, "needed": needed, "lost": lost, "gained": gained,
+    }  # fmt: skip
 
 
-def _row(
+def judge_passages(
     key: str,
     label: str,
     kind: str,
-    base: float,
-    cand: float,
-    delta: float | None,
-    n: int,
-    threshold: str,
-    passed: bool,
+    units: list[tuple[float, ...]],
+    loss: Stat,
+    margin: float,
+    th: Thresholds,
+    values: tuple[float, float, float],
+    rule: str,
 ) -> dict[str, Any]:
+    """One row read over passages: ``loss(column sums)`` with percentile-bootstrap bounds
+    (resampling whole passages). Fewer than ``MIN_PASSAGES`` passages decide nothing."""
+    n = len(units)
+    est = loss([sum(col) for col in zip(*units, strict=True)]) if units else math.nan
+    lo, hi = bootstrap(units, loss, th.confidence)
+    verdict = decide(lo, hi, margin)
+    if n < MIN_PASSAGES:
+        verdict = INCONCLUSIVE
+    needed = None
+    if verdict == INCONCLUSIVE:
+        needed = passages_needed(est, lo, hi, n, margin) if n else MIN_PASSAGES
+    base, cand, delta = values
     return {
-        "key": key,
-        "label": label,
-        "kind": kind,
-        "baseline": base,
-        "candidate": cand,
-        "delta": delta,
-        "n": n,
-        "threshold": threshold,
-        "passed": bool(passed) and not math.isnan(cand),
-    }
+        "key": key, "label": label, "kind": kind, "unit": "passages", "n": n,
+        "baseline": base, "candidate": cand, "delta": delta, "loss": est,
+        "interval": [lo, hi], "margin": margin, "rule": rule,
+        "verdict": verdict, "needed": needed,
+    }  # fmt: skip
+
+
+def needed_prompts(rows: list[dict[str, Any]], spec: SuiteSpec) -> int | None:
+    """The ``--prompts`` that would decide every INCONCLUSIVE row at the observed rates (each
+    group's size is proportional to ``spec.prompts``); None if some row cannot be decided."""
+    out = spec.prompts
+    for r in rows:
+        if r["verdict"] != INCONCLUSIVE:
+            continue
+        if r["needed"] is None or not r["n"]:
+            return None
+        out = max(out, math.ceil(r["needed"] * spec.prompts / r["n"] - 1e-9))
+    return out
 
 
 def _jsonable(kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -6,9 +6,9 @@ Both runs of a gate submit the same requests in the same order to engines with t
 scheduler settings and pool size, so every step batches the same tokens: any difference in
 the outputs comes from the KV format (or the test-only hook), not from batch composition.
 
-Perplexity, top-1 agreement and KL are all read from the same prompt logits. Row ``i`` of a
-passage's logits predicts token ``i + 1``; every row enters agreement and KL (the last row
-predicts the token after the passage, which is as valid a comparison as any other).
+Perplexity, teacher-forced top-1 agreement and KL are all read from the same prompt logits.
+Row ``i`` of a passage's logits predicts token ``i + 1``; every row enters agreement and KL
+(the last row predicts the token after the passage, as valid a comparison as any other).
 """
 
 from __future__ import annotations
@@ -29,50 +29,60 @@ LogitsFn = Callable[[int, torch.Tensor], None]
 @dataclass(slots=True)
 class RunResult:
     """What one engine produced for a suite. ``logits`` is kept only when asked (the baseline);
-    the candidate compares each passage as it finishes, so at most one run's logits are held."""
+    the candidate compares each passage as it finishes, so at most one run's logits are held.
+    Per-passage sums (not one total) because the gate's intervals resample whole passages."""
 
     texts: list[str]
     hits: list[bool]
-    nll: float  # summed over all predicted passage tokens
-    ppl_tokens: int
+    nll: list[float]  # per passage, summed over its predicted tokens
+    ppl_tokens: list[int]  # per passage
     seconds: float
     steps: int
     logits: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def perplexity(self) -> float:
-        return math.exp(self.nll / self.ppl_tokens) if self.ppl_tokens else float("nan")
+        n = sum(self.ppl_tokens)
+        return math.exp(sum(self.nll) / n) if n else float("nan")
 
 
 @dataclass(slots=True)
 class LogitComparison:
-    """Candidate vs baseline over the same passage positions."""
+    """Candidate vs baseline over the same passage positions, per passage: teacher-forced
+    (both read the same text, so every position is compared on the same history, unlike
+    free-running greedy outputs that part ways at their first different token)."""
 
-    positions: int = 0
-    agree: int = 0
-    kl_sum: float = 0.0
+    positions: dict[int, int] = field(default_factory=dict)
+    agree: dict[int, int] = field(default_factory=dict)
+    kl_sum: dict[int, float] = field(default_factory=dict)
     kl_max: float = 0.0
 
-    def add(self, base: torch.Tensor, cand: torch.Tensor) -> None:
-        """``base`` / ``cand``: ``[n, vocab]`` log-softmax of the same positions."""
+    def add(self, n: int, base: torch.Tensor, cand: torch.Tensor) -> None:
+        """Passage ``n``'s ``[positions, vocab]`` log-softmax, baseline and candidate."""
         if base.shape != cand.shape:
             raise ValueError(f"logits shape {tuple(cand.shape)} != {tuple(base.shape)}")
         base, cand = base.float(), cand.float()
-        self.positions += base.shape[0]
-        self.agree += int((base.argmax(-1) == cand.argmax(-1)).sum())
+        self.positions[n] = base.shape[0]
+        self.agree[n] = int((base.argmax(-1) == cand.argmax(-1)).sum())
         # KL(P_base || P_cand); 0 * anything = 0 where the baseline puts no mass
         p = base.exp()
         kl = torch.where(p > 0, p * (base - cand), torch.zeros_like(p)).sum(-1)
-        self.kl_sum += float(kl.sum())
+        self.kl_sum[n] = float(kl.sum())
         self.kl_max = max(self.kl_max, float(kl.max()) if kl.numel() else 0.0)
 
     @property
+    def total_positions(self) -> int:
+        return sum(self.positions.values())
+
+    @property
     def agreement(self) -> float:
-        return self.agree / self.positions if self.positions else float("nan")
+        n = self.total_positions
+        return sum(self.agree.values()) / n if n else float("nan")
 
     @property
     def mean_kl(self) -> float:
-        return self.kl_sum / self.positions if self.positions else float("nan")
+        n = self.total_positions
+        return sum(self.kl_sum.values()) / n if n else float("nan")
 
 
 def passage_nll(logits: torch.Tensor, ids: list[int]) -> tuple[float, int]:
@@ -110,15 +120,14 @@ def run_suite(
             f"quality-ppl-{n}", {"prompt_token_ids": p}, one, return_prompt_logits=True
         )
         ids[rid] = n
-    nll, ntok, kept = 0.0, 0, {}
+    nll, ntok, kept = [0.0] * len(suite.passages), [0] * len(suite.passages), {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if not out.finished:
                 continue
             n = ids[out.request_id]
             logits = out.prompt_logits
-            a, b = passage_nll(logits, suite.passages[n])
-            nll, ntok = nll + a, ntok + b
+            nll[n], ntok[n] = passage_nll(logits, suite.passages[n])
             if on_logits is not None:
                 on_logits(n, logits)
             if keep_logits:
@@ -135,13 +144,14 @@ def run_suite(
 
 
 def recall_groups(suite: Suite) -> dict[str, list[int]]:
-    """Item indices of each recall figure the gate reports."""
+    """Item indices of each recall (or instruction-following) figure the gate judges."""
     groups: dict[str, list[int]] = {
         "needle": [],
         "needle_depth_0_10": [],
         "multi_needle": [],
         "multi_turn": [],
         "variable_tracking": [],
+        "instruction": [],
     }
     for n, it in enumerate(suite.items):
         groups[it.kind].append(n)
@@ -150,16 +160,18 @@ def recall_groups(suite: Suite) -> dict[str, list[int]]:
     return {k: v for k, v in groups.items() if v}
 
 
-def recall_grid(suite: Suite, hits: list[bool]) -> dict[str, dict[str, float]]:
-    """Needle recall per context length (rows) and depth percent (columns)."""
-    cells: dict[tuple[int, float], list[bool]] = {}
+def recall_grid(suite: Suite, hits: list[bool]) -> dict[str, dict[str, list[int]]]:
+    """Needle [hits, prompts] per context length (rows) and depth percent (columns)."""
+    cells: dict[tuple[int, float], list[int]] = {}
     for it, hit in zip(suite.items, hits, strict=True):
         if it.kind == "needle":
             key = (it.meta["context_tokens"], it.meta["depth_percent"])
-            cells.setdefault(key, []).append(hit)
-    grid: dict[str, dict[str, float]] = {}
-    for (length, depth), v in sorted(cells.items()):
-        grid.setdefault(str(length), {})[f"{depth:g}"] = sum(v) / len(v)
+            cell = cells.setdefault(key, [0, 0])
+            cell[0] += bool(hit)
+            cell[1] += 1
+    grid: dict[str, dict[str, list[int]]] = {}
+    for (length, depth), cell in sorted(cells.items()):
+        grid.setdefault(str(length), {})[f"{depth:g}"] = cell
     return grid
 
 

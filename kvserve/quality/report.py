@@ -1,4 +1,5 @@
-"""The gate's outputs: a console table, a JSON report and a PNG heatmap of needle recall.
+"""The gate's outputs: a console table, a JSON report and a PNG heatmap of needle recall
+(each cell shows its hits and prompts).
 
 The heatmap needs matplotlib, an optional extra (``pip install 'kvserve[plots]'``, included in
 ``[test]``), as for ``kvserve bench``'s plots: a serving install should not pull in a plotting
@@ -28,23 +29,38 @@ def _fmt(kind: str, v: float | None) -> str:
     return f"{v:.2e}" if 0 < abs(v) < 1e-3 else f"{v:.4f}"
 
 
-def _fmt_delta(kind: str, d: float | None) -> str:
+def _fmt_delta(m: dict[str, Any]) -> str:
+    d, kind = m["delta"], m["kind"]
     if d is None or d != d:
         return "-" if d is None else "nan"
     if kind == "recall":
-        return f"{d * 100:+.1f} pt"
+        return f"{d * 100:+.1f} pt (-{m['lost']}/+{m['gained']})"
+    if kind == "kl":
+        return "-"
     return f"{d:+.2%}"
 
 
-def _paired(m: dict[str, Any]) -> str:
-    """Lost/gained prompts, McNemar's p and the drop's interval, for a recall row."""
-    if not (m.get("lost") or m.get("gained")):
+def _fmt_bounds(m: dict[str, Any]) -> str:
+    """The metric's bounds: of the loss in points (recall), of the relative increase
+    (perplexity), of the agreement itself, of the mean KL."""
+    lo, hi = m["interval"]
+    if lo != lo or hi != hi:
+        return "nan"
+    if m["kind"] == "recall":
+        return f"loss {lo * 100:+.1f}..{hi * 100:+.1f} pt"
+    if m["kind"] == "ppl":
+        return f"{lo:+.2%}..{hi:+.2%}"
+    if m["kind"] == "share":
+        return f"{lo:.1%}..{hi:.1%}"
+    return f"{_fmt('kl', lo)}..{_fmt('kl', hi)}"
+
+
+def _fmt_needed(m: dict[str, Any]) -> str:
+    if m["verdict"] != "INCONCLUSIVE":
         return ""
-    text = f" (-{m['lost']}/+{m['gained']}"
-    if "p_value" in m:
-        lo, hi = m["drop_interval"]
-        text += f", p {m['p_value']:.2g}, drop {lo * 100:+.0f}..{hi * 100:+.0f} pt"
-    return text + ")"
+    if m["needed"] is None:
+        return "no size decides"
+    return f"needs n >= {m['needed']}"
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -70,51 +86,78 @@ def format_table(report: dict[str, Any]) -> str:
     s = report["suite"]
     skip = "".join(f"\n  skipped {task}: {why}" for task, why in s["skipped"].items())
     lines.append(
-        f"suite: {s['generation_prompts']} greedy prompts + {s['ppl_passages']} held-out "
-        f"passages, {s['prompt_tokens_per_run']} prompt tokens per run; chat template: "
-        f"{s['chat_template']}{skip}"
+        f"suite: --prompts {s['prompts']}: {s['generation_prompts']} greedy prompts + "
+        f"{s['passages']} held-out passages, {s['prompt_tokens_per_run']} prompt tokens per "
+        f"run; chat template: {s['chat_template']}{skip}"
     )
-    head = ("metric", "n", "baseline", "candidate", "change", "threshold", "result")
+    head = ("metric", "n", "baseline", "candidate", "change", "bounds", "rule", "verdict", "")
     rows = [head]
     for m in report["metrics"]:
         rows.append(
             (
                 m["label"],
-                str(m["n"]),
+                f"{m['n']} {m['unit']}",
                 _fmt(m["kind"], m["baseline"]),
                 _fmt(m["kind"], m["candidate"]),
-                _fmt_delta(m["kind"], m["delta"]) + _paired(m),
-                m["threshold"],
-                "PASS" if m["passed"] else "FAIL",
+                _fmt_delta(m),
+                _fmt_bounds(m),
+                m["rule"],
+                m["verdict"],
+                _fmt_needed(m),
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines.append("")
     for r in rows:
         right = [x.rjust(w) for x, w in zip(r[1:6], widths[1:6], strict=True)]
-        cells = [r[0].ljust(widths[0]), *right]
-        lines.append("  ".join(cells + [r[6]]))
-    if report.get("answers_identical") is not None:
+        left = [x.ljust(w) for x, w in zip(r[6:8], widths[6:8], strict=True)]
+        lines.append("  ".join([r[0].ljust(widths[0]), *right, *left, r[8]]).rstrip())
+    conf = report["thresholds"]["confidence"]
+    lines += [
+        "",
+        f"bounds: one-sided {conf:.0%} confidence bounds (a two-sided {2 * conf - 1:.0%} "
+        "interval). Recall: Newcombe's paired interval of the loss (baseline minus candidate) "
+        "over the same prompts, (-lost/+gained) prompts. Perplexity, agreement, KL: bootstrap "
+        "over passages. PASS: the whole interval is within the margin; FAIL: wholly beyond "
+        "it; INCONCLUSIVE: the suite is too small to tell (n: what would decide at the "
+        "observed rates).",
+        "teacher-forced next-token agreement: both runs score the same passages and the top-1 "
+        "next token is compared at every position (not `make run`'s sequence agreement, which "
+        "compares free-running greedy outputs up to their first different token).",
+    ]
+    if report.get("greedy_answers_identical") is not None:
         lines.append(
-            f"(info) greedy answers identical to the baseline: {report['answers_identical']:.1%}"
+            "(info) greedy answers identical to the baseline: "
+            f"{report['greedy_answers_identical']:.1%}"
         )
     for side in ("baseline", "candidate"):
         grid = report["grid"][side]
         if not grid:
             continue
-        depths = list(next(iter(grid.values())).keys())
-        lines += ["", f"needle recall, {side} (rows: context tokens, columns: depth %)"]
-        lines.append("  len " + "".join(f"{d:>7}" for d in depths))
+        depths = sorted({d for row in grid.values() for d in row}, key=float)
+        lines += ["", f"needle hits/prompts, {side} (rows: context tokens, columns: depth %)"]
+        lines.append("  len " + "".join(f"{d:>8}" for d in depths))
         for length, row in grid.items():
-            lines.append(f"{length:>5} " + "".join(f"{row[d]:>7.0%}" for d in depths))
-    verdict = "PASS" if report["passed"] else "FAIL"
-    failed = [m["label"] for m in report["metrics"] if not m["passed"]]
+            cells = (f"{row[d][0]}/{row[d][1]}" if d in row else "-" for d in depths)
+            lines.append(f"{length:>5} " + "".join(f"{x:>8}" for x in cells))
+    verdict = report["verdict"]
     sec = report["seconds"]
-    lines += [
-        "",
-        f"quality gate: {verdict}" + (f" ({', '.join(failed)})" if failed else "")
-        + f"  [baseline {sec['baseline']:.1f}s, candidate {sec['candidate']:.1f}s]",
-    ]  # fmt: skip
+    tail = f"  [baseline {sec['baseline']:.1f}s, candidate {sec['candidate']:.1f}s]"
+    lines.append("")
+    if verdict == "PASS":
+        lines.append(f"quality gate: PASS{tail}")
+    elif verdict == "FAIL":
+        failed = [m["label"] for m in report["metrics"] if m["verdict"] == "FAIL"]
+        lines.append(f"quality gate: FAIL ({', '.join(failed)}){tail}")
+    else:
+        open_ = [m["label"] for m in report["metrics"] if m["verdict"] == "INCONCLUSIVE"]
+        need = report.get("needed_prompts")
+        more = (
+            f"about --prompts {need} would decide at the observed rates"
+            if need
+            else "no suite size decides at the observed rates"
+        )
+        lines.append(f"quality gate: INCONCLUSIVE ({', '.join(open_)}): {more}{tail}")
     return "\n".join(lines)
 
 
@@ -146,8 +189,9 @@ def plot_recall_heatmap(report: dict[str, Any], path: Path) -> Path | None:
     for ax, side in zip(axes, ("baseline", "candidate"), strict=True):
         grid = grids[side]
         lengths = list(grid.keys())
-        depths = list(next(iter(grid.values())).keys())
-        data = [[grid[n][d] for d in depths] for n in lengths]
+        depths = sorted({d for row in grid.values() for d in row}, key=float)
+        data = [[grid[n][d][0] / grid[n][d][1] if d in grid[n] else float("nan")
+                 for d in depths] for n in lengths]  # fmt: skip
         image = ax.imshow(data, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto")
         ax.set_xticks(range(len(depths)), depths)
         ax.set_yticks(range(len(lengths)), lengths)
@@ -156,9 +200,11 @@ def plot_recall_heatmap(report: dict[str, Any], path: Path) -> Path | None:
             ax.set_ylabel("context (tokens)")
         fmt = report["baseline"]["kv_format"] if side == "baseline" else report["label"]
         ax.set_title(f"{side}: {fmt}")
-        for i, row in enumerate(data):
-            for j, v in enumerate(row):
-                ax.text(j, i, f"{v:.0%}", ha="center", va="center", fontsize=8)
+        for i, n in enumerate(lengths):
+            for j, d in enumerate(depths):
+                if d in grid[n]:
+                    hits, total = grid[n][d]
+                    ax.text(j, i, f"{hits}/{total}", ha="center", va="center", fontsize=8)
     fig.colorbar(image, ax=list(axes), label="recall (exact match)")
     fig.suptitle(f"needle recall: {Path(report['model']).name}")
     path.parent.mkdir(parents=True, exist_ok=True)

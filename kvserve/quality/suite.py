@@ -6,18 +6,20 @@ the generators fit each prompt to a target length measured in *this* tokenizer's
 prompt gets a seed derived from (suite seed, task, length, depth, index), so one cell of the
 grid never changes when another is added or removed.
 
-The needle grid spends a fixed token budget per cell (``tokens_per_cell``): short contexts get
-more needles, long ones fewer, so the grid is dense where it is cheap and the run time stays
-bounded by tokens, which is what a CPU run pays for.
+The needle grid puts its prompts round-robin over (context length, depth) cells, half of them
+at depths 0-10 % ("important information appears early") and half deeper, so every cell keeps
+a count and the early band is a judged group of its own.
 """
 
 from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
+from kvserve.config import ConfigError
+from kvserve.quality import instructions as I
 from kvserve.quality import tasks as T
 
 EARLY_DEPTH = 10.0  # depth band reported on its own: "important information appears early"
@@ -35,23 +37,40 @@ class TokenizerLike(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class SuiteSpec:
-    """What the gate runs. ``default()`` targets <= 5 min for both runs on 2 CPU cores with the
-    bundled model; ``quick()`` <= 60 s (CI)."""
+    """What the gate runs. ``prompts`` is the size of every judged group: needles at depths
+    0-10 %, needles deeper (so needle recall as a whole has twice as many), multi-needle,
+    multi-turn, variable tracking and instruction following; one held-out passage per
+    ``prompts_per_passage`` prompts. Needles go round-robin over the (length, depth) cells.
 
-    lengths: tuple[int, ...] = (256, 512, 1024, 2048)
-    depths: tuple[float, ...] = (0.0, 5.0, 10.0, 25.0, 50.0, 75.0, 100.0)
-    tokens_per_cell: int = 2048
-    min_per_cell: int = 2
-    multi_needle: int = 12
-    multi_needle_length: int = 1024
+    Why one number: a paired interval narrows with the prompts of its own group, so every
+    group needs about as many as the one that must decide; with 5-point margins and 95 %
+    bounds, a group whose prompts all agree on both sides decides at 52 (see
+    :mod:`kvserve.quality.stats`). ``quick()`` (12) can only FAIL a gross loss: it reports
+    INCONCLUSIVE for anything else. ``default()`` (64) can pass a format that changes almost
+    no answer; ``full()`` (192) one whose answers flip both ways at a few percent."""
+
+    prompts: int = 64
+    lengths: tuple[int, ...] = (256, 512, 1024)
+    early_depths: tuple[float, ...] = (0.0, 5.0, 10.0)
+    late_depths: tuple[float, ...] = (25.0, 50.0, 75.0, 100.0)
+    multi_needle_length: int = 512
     num_needles: int = 4
-    multi_turn: int = 12
-    multi_turn_length: int = 1024
-    variable_tracking: int = 8
+    multi_turn_length: int = 512
     variable_tracking_length: int = 512
-    ppl_passages: int = 4
-    ppl_length: int = 1024
+    instruction_length: int = 192
+    instruction_max_tokens: int = 48
+    passage_length: int = 512
+    prompts_per_passage: int = 4
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.prompts < 1:
+            raise ConfigError(f"prompts: must be >= 1, got {self.prompts}")
+        if max(self.early_depths) > EARLY_DEPTH or min(self.late_depths) <= EARLY_DEPTH:
+            raise ConfigError(
+                f"early_depths: must be <= {EARLY_DEPTH:g} % and late_depths above it, got "
+                f"{self.early_depths} and {self.late_depths}"
+            )
 
     @classmethod
     def default(cls) -> SuiteSpec:
@@ -60,32 +79,37 @@ class SuiteSpec:
     @classmethod
     def quick(cls) -> SuiteSpec:
         return cls(
+            prompts=12,
             lengths=(256, 1024),
-            depths=(0.0, 10.0, 50.0, 100.0),
-            tokens_per_cell=512,
-            min_per_cell=1,
-            multi_needle=2,
-            multi_needle_length=512,
-            multi_turn=2,
-            multi_turn_length=512,
-            variable_tracking=2,
+            multi_needle_length=256,
+            multi_turn_length=384,
             variable_tracking_length=256,
-            ppl_passages=2,
-            ppl_length=512,
+            instruction_length=128,
+            passage_length=256,
         )
 
-    def per_cell(self, length: int) -> int:
-        return max(self.min_per_cell, self.tokens_per_cell // length)
+    @classmethod
+    def full(cls) -> SuiteSpec:
+        """The default's contexts with three times the prompts: what a small model's noisier
+        groups need (answers a 4-bit cache flips both ways, a few percent of prompts each)."""
+        return cls(prompts=192)
+
+    @property
+    def passages(self) -> int:
+        return max(1, self.prompts // self.prompts_per_passage)
+
+    def with_prompts(self, prompts: int) -> SuiteSpec:
+        return replace(self, prompts=prompts)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "passages": self.passages}
 
 
 @dataclass(slots=True)
 class TaskItem:
     """One generation prompt: the expected ``answer`` and how many tokens to generate."""
 
-    kind: str  # needle | multi_needle | multi_turn | variable_tracking
+    kind: str  # needle | multi_needle | multi_turn | variable_tracking | instruction
     prompt_ids: list[int]
     answer: str
     max_tokens: int
@@ -119,7 +143,9 @@ def answers_match(text: str, answer: str) -> bool:
 def item_hit(text: str, item: TaskItem) -> bool:
     """The greedy continuation answers ``item``: its exact answer, or one of the equally
     right forms the task lists in ``meta["accept"]`` (variable tracking: a shorter walk of the
-    chain, or the value at once)."""
+    chain, or the value at once); for an instruction, the response follows it."""
+    if item.kind == "instruction":
+        return I.follows(text, item.meta)
     return any(answers_match(text, a) for a in (item.answer, *item.meta.get("accept", ())))
 
 
@@ -168,48 +194,66 @@ def build_suite(tok: TokenizerLike, spec: SuiteSpec, max_model_len: int) -> Suit
             skipped[f"{name}@{length}"] = str(e)
             return []
 
-    def needle(length: int, depth: float) -> Callable[[int], TaskItem]:
-        def make(i: int) -> TaskItem:
-            seed = _seed(spec, "needle", length, depth, i)
-            it = item(T.needle_prompt(seed, length, depth, count), True)
+    def needles(depths: tuple[float, ...]) -> list[TaskItem]:
+        """``spec.prompts`` needles round-robin over the cells (length, depth) that fit."""
+        cells = []
+        for length in spec.lengths:
+            if length > room:
+                skipped[f"needle@{length}"] = f"longer than max_model_len - 64 ({room})"
+            else:
+                cells += [(length, depth) for depth in depths]
+        out: list[TaskItem] = []
+        for i in range(spec.prompts if cells else 0):
+            length, depth = cells[i % len(cells)]
+            seed = _seed(spec, "needle", length, depth, i // len(cells))
+            try:
+                it = item(T.needle_prompt(seed, length, depth, count), True)
+            except ValueError as e:  # too short for the needle's own text in this tokenizer
+                skipped[f"needle@{length}"] = str(e)
+                continue
             it.meta.update(context_tokens=length, depth_percent=depth)
-            return it
+            out.append(it)
+        return out
 
-        return make
-
-    items: list[TaskItem] = []
-    for length in spec.lengths:
-        for depth in spec.depths:
-            items += group("needle", length, needle(length, depth), spec.per_cell(length))
-
-    n, k = spec.multi_needle_length, spec.num_needles
+    n = spec.prompts
+    items = needles(spec.early_depths) + needles(spec.late_depths)
+    ln, k = spec.multi_needle_length, spec.num_needles
     items += group(
         "multi_needle",
+        ln,
+        lambda i: item(T.multi_needle_prompt(_seed(spec, "mn", i), ln, count, num_needles=k), True),
         n,
-        lambda i: item(T.multi_needle_prompt(_seed(spec, "mn", i), n, count, num_needles=k), True),
-        spec.multi_needle,
     )
-    n2 = spec.variable_tracking_length
+    l2 = spec.variable_tracking_length
     items += group(
         "variable_tracking",
-        n2,
-        lambda i: item(T.variable_tracking_prompt(_seed(spec, "vt", i), n2, count), True),
-        spec.variable_tracking,
+        l2,
+        lambda i: item(T.variable_tracking_prompt(_seed(spec, "vt", i), l2, count), True),
+        n,
     )
     render, special, chat = _chat_renderer(tok)
     turn_count: Callable[[str], int] = count if special else count_raw
-    n3 = spec.multi_turn_length
+    l3 = spec.multi_turn_length
     items += group(
         "multi_turn",
-        n3,
+        l3,
         lambda i: item(
-            T.multi_turn_prompt(_seed(spec, "mt", i), n3, turn_count, render=render), special
+            T.multi_turn_prompt(_seed(spec, "mt", i), l3, turn_count, render=render), special
         ),
-        spec.multi_turn,
+        n,
     )
+    l4 = spec.instruction_length
 
-    plen = min(spec.ppl_length, room)
-    texts = T.heldout_passages(spec.ppl_passages, plen, count, seed=_seed(spec, "ppl"))
+    def instruction(i: int) -> TaskItem:
+        p = I.instruction_prompt(_seed(spec, "if", i), i, l4, turn_count, render)
+        it = item(p, special)
+        it.max_tokens = spec.instruction_max_tokens
+        return it
+
+    items += group("instruction", l4, instruction, n)
+
+    plen = min(spec.passage_length, room)
+    texts = T.heldout_passages(spec.passages, plen, count, seed=_seed(spec, "ppl"))
     passages = [tok.encode(t, add_special_tokens=True) for t in texts]
     return Suite(spec, items, passages, chat, skipped)
 

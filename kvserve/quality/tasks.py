@@ -238,7 +238,7 @@ def _fill(rng: random.Random, budget: int, counter: _Counter, split: str) -> lis
     return out
 
 
-def _build(
+def fit_prompt(
     rng: random.Random,
     context_tokens: int,
     count: CountFn,
@@ -312,7 +312,7 @@ def needle_prompt(
         raise ValueError(f"depth_percent must be in [0, 100], got {depth_percent}")
     rng = _rng(seed)
     key, code = random_key(rng), random_code(rng)
-    text = _build(
+    text = fit_prompt(
         rng,
         context_tokens,
         count_tokens,
@@ -338,7 +338,7 @@ def multi_needle_prompt(
     keys = [key, *distinct_keys(rng, num_needles - 1, near=key)]
     codes = [random_code(rng) for _ in keys]
     inserts = [(rng.random(), needle_sentence(k, c)) for k, c in zip(keys, codes, strict=True)]
-    text = _build(
+    text = fit_prompt(
         rng,
         context_tokens,
         count_tokens,
@@ -379,7 +379,7 @@ def variable_tracking_prompt(
         inserts += list(zip(depths, sents, strict=True))
         if c == 0:
             asked, answer = last, ans
-    text = _build(
+    text = fit_prompt(
         rng, context_tokens, count_tokens, inserts, lambda h: h.strip() + var_question(asked), split
     )
     # A real model may answer with the value at once or walk only part of the chain: every
@@ -439,7 +439,7 @@ def multi_turn_prompt(
     # Passage turns share the haystack; markers split it into equal-depth chunks.
     n_pass = kinds.count("passage")
     inserts = [((i + 1) / n_pass, marker) for i in range(n_pass - 1)] if n_pass > 1 else []
-    text = _build(rng, context_tokens, count_tokens, inserts, make, split)
+    text = fit_prompt(rng, context_tokens, count_tokens, inserts, make, split)
     return TaskPrompt("multi_turn", text, " " + code, False, {"key": key, "turns": num_turns})
 
 
@@ -449,6 +449,6 @@ def heldout_passages(
     """``n`` held-out natural-text passages of about ``context_tokens`` tokens (perplexity)."""
     rng = random.Random(seed)
     return [
-        _build(rng, context_tokens, count_tokens, [], lambda h: h.strip(), "heldout")
+        fit_prompt(rng, context_tokens, count_tokens, [], lambda h: h.strip(), "heldout")
         for _ in range(n)
     ]

@@ -5,7 +5,9 @@ configuration occupies (replicas x TP) for the time the workload took, at ``--gp
 Each configuration is one simulation of the same seeded workload and arrivals, so they differ
 only by what they change. Lossy settings (a quantized KV format, a retention policy) take part
 only when a ``kvserve quality --json`` report for this model, that format and that policy says
-PASS: a configuration that is cheap because it answers wrongly is not a candidate.
+PASS: a configuration that is cheap because it answers wrongly is not a candidate, and one
+whose report is INCONCLUSIVE has not shown that it answers rightly (unless the operator
+accepts that, ``--quality-accept-inconclusive``).
 
 The search is coordinate descent from the first value of every dimension: each dimension's
 values are tried with the others at the best so far, the best is adopted, and the pass repeats
@@ -44,15 +46,19 @@ def is_lossy(settings: dict[str, Any]) -> bool:
 
 @dataclass(slots=True)
 class QualityGate:
-    """Passing ``kvserve quality`` reports by (KV format, retention policy)."""
+    """``kvserve quality`` verdicts by (KV format, retention policy). INCONCLUSIVE (the gate's
+    suite could not tell) does not let a lossy setting compete unless ``accept_inconclusive``
+    (``--quality-accept-inconclusive``): no evidence of harm is not evidence of none."""
 
     passed: set[tuple[str, str | None]] = field(default_factory=set)
     failed: set[tuple[str, str | None]] = field(default_factory=set)
+    inconclusive: set[tuple[str, str | None]] = field(default_factory=set)
+    accept_inconclusive: bool = False
 
     @classmethod
-    def load(cls, paths: list[str], model: str) -> QualityGate:
+    def load(cls, paths: list[str], model: str, accept_inconclusive: bool = False) -> QualityGate:
         """Reports must be for ``model`` (same directory name); anything else is an error."""
-        gate = cls()
+        gate = cls(accept_inconclusive=accept_inconclusive)
         for path in paths:
             p = Path(path)
             if not p.is_file():
@@ -61,17 +67,24 @@ class QualityGate:
                 rep = json.loads(p.read_text())
                 eng = rep["candidate"]["engine"]
                 key = (str(eng.get("kv_cache_dtype") or "auto"), eng.get("kv_retention") or None)
-                passed, rep_model = bool(rep["passed"]), str(rep["model"])
+                verdict, rep_model = rep["verdict"], str(rep["model"])
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise ValueError(
-                    f"quality_report: {p} is not a `kvserve quality --json` report ({e})"
+                    f"quality_report: {p} is not a `kvserve quality --json` report with a "
+                    f"verdict ({e}); rerun kvserve quality"
                 ) from None
+            if verdict not in ("PASS", "FAIL", "INCONCLUSIVE"):
+                raise ValueError(
+                    f"quality_report: {p}: verdict {verdict!r} is not PASS, FAIL or INCONCLUSIVE"
+                )
             if Path(rep_model).name != Path(model).name:
                 raise ValueError(
                     f"quality_report: {p} is for model {Path(rep_model).name!r}, but the "
                     f"tuned model is {Path(model).name!r}"
                 )
-            (gate.passed if passed else gate.failed).add(key)
+            {"PASS": gate.passed, "FAIL": gate.failed, "INCONCLUSIVE": gate.inconclusive}[
+                verdict
+            ].add(key)
         return gate
 
     def verdict(self, settings: dict[str, Any]) -> str | None:
@@ -80,10 +93,17 @@ class QualityGate:
             return None
         key = (settings.get("kv_cache_dtype", "auto"), settings.get("kv_retention") or None)
         what = f"kv_cache_dtype={key[0]}" + (f", kv_retention={key[1]}" if key[1] else "")
-        if key in self.passed:
-            return None
         if key in self.failed:
             return f"quality gate FAILED for {what}"
+        if key in self.passed:
+            return None
+        if key in self.inconclusive:
+            if self.accept_inconclusive:
+                return None
+            return (
+                f"quality gate INCONCLUSIVE for {what} (its suite could not tell; a larger "
+                "`kvserve quality --prompts N` decides, or --quality-accept-inconclusive)"
+            )
         return f"no passing quality report for {what} (lossy; run kvserve quality --json)"
 
 

@@ -59,6 +59,12 @@ def add_tune_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
         metavar="FILE",
         help="a `kvserve quality --json` report for this model (repeatable)",
     )
+    s.add_argument(
+        "--quality-accept-inconclusive",
+        action="store_true",
+        help="let a lossy setting whose quality report says INCONCLUSIVE compete (by default "
+        "only PASS does)",
+    )
     s.add_argument("--top", type=int, default=5, help="configurations to print")
     s.add_argument(
         "--max-passes",
@@ -150,7 +156,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.sweep:
         raise ValueError("sweep: tune searches one load; give --request-rate or --concurrency")
     space, added = tune_space(args, kw)
-    gate = QualityGate.load(args.quality_report or [], kw["model"])
+    gate = QualityGate.load(
+        args.quality_report or [], kw["model"], args.quality_accept_inconclusive
+    )
     base = sim_target(args, kw)
 
     def make_target(engine: dict[str, Any], tp: int, replicas: int) -> SimTarget:
