@@ -75,7 +75,8 @@ def cluster(checkpoint, tmp_path):
         cfg = json.dumps({"enable_kv_cache_events": True, "endpoint": ev, "replay_endpoint": rp})
         args = ["--model", checkpoint("llama_gqa"), "--dtype", "float32", "--block-size", "16",
                 "--num-gpu-blocks", "96", "--max-model-len", "1024", "--tenants", str(tenants),
-                "--kv-events-config", cfg, "--disable-access-log", "--served-model-name", "m"]  # fmt: skip
+                "--kv-events-config", cfg, "--disable-access-log",
+                "--served-model-name", "m"]  # fmt: skip
         specs.append((args, free_port(), ev, rp))
 
     def start(spec):  # noqa: ANN001, ANN202
