@@ -60,7 +60,7 @@ def test_a_tenant_never_scores_on_another_tenants_blocks():
     # B's chain on replica 1 is full: still, A's prompt scores there only on A's blocks.
     assert idx.overlap(1, idx.chain(TOKENS, "A"))[0] == 2
     policy = make_policy("prefix", index=idx)
-    d = policy.choose(RouteRequest(TOKENS, "C"), [ReplicaLoad(), ReplicaLoad(blocks=1)])
+    d = policy.choose(RouteRequest(TOKENS, "C"), [ReplicaLoad(), ReplicaLoad(requests=1)])
     assert d.replica == 0 and d.hit_blocks == 0  # no score anywhere: the load decides
 
 
@@ -76,21 +76,51 @@ def test_removed_and_cleared_events():
     assert idx.overlap(0, chain) == (1, 1.0)  # only that replica's
 
 
-def test_dynamo_cost_weighs_prefill_blocks_against_blocks_in_flight():
+def filler(policy, replica: int, blocks: int, seed: int) -> RouteRequest:  # noqa: ANN001
+    """A request of ``blocks`` unrelated blocks, in flight on ``replica``."""
+    req = RouteRequest(list(range(1000 * seed, 1000 * seed + BS * blocks)), "X")
+    policy.routed(req, replica)
+    return req
+
+
+def test_dynamo_cost_weighs_prefill_blocks_against_blocks_held():
     idx = index_two_replicas()
     policy = make_policy("prefix", index=idx)
     req = RouteRequest(TOKENS, "A")
-    # replica 0: 1.0 * (3 - 3.0) + 5 = 5.0; replica 1: 1.0 * (3 - 1.8) + 2 = 3.2
-    d = policy.choose(req, [ReplicaLoad(requests=1, blocks=5), ReplicaLoad(requests=1, blocks=2)])
+    two = [ReplicaLoad(requests=1), ReplicaLoad(requests=1)]
+    f0, f1 = filler(policy, 0, 5, 1), filler(policy, 1, 2, 2)
+    # cost = 1.0 * (3 - credit) + in flight + (3 - overlap)
+    # replica 0: 0 + 5 + 0 = 5; replica 1: (3 - 1.8) + 2 + (3 - 2) = 4.2
+    d = policy.choose(req, two)
     assert d.replica == 1 and d.hit_blocks == 2
-    assert d.scores == [pytest.approx(5.0), pytest.approx(3.2)]
-    # replica 0: 0 + 1 = 1; replica 1: 1.2 + 0 = 1.2
-    d = policy.choose(req, [ReplicaLoad(requests=1, blocks=1), ReplicaLoad(requests=0, blocks=0)])
+    assert d.scores == [pytest.approx(5.0), pytest.approx(4.2)]
+    policy.finished(f0, 0)
+    policy.finished(f1, 1)
+    f0 = filler(policy, 0, 1, 3)
+    # replica 0: 0 + 1 + 0 = 1; replica 1: 1.2 + 0 + 1 = 2.2
+    d = policy.choose(req, two)
     assert d.replica == 0 and d.hit_blocks == 3
     heavy = make_policy("prefix", index=idx, overlap_weight=4.0)
-    # replica 0: 4 * 0 + 4 = 4; replica 1: 4 * 1.2 + 0 = 4.8
-    d = heavy.choose(req, [ReplicaLoad(requests=1, blocks=4), ReplicaLoad()])
-    assert d.replica == 0
+    light = make_policy("prefix", index=idx, overlap_weight=1.0)
+    for p in (heavy, light):
+        filler(p, 0, 5, 4)
+    # weight 4: replica 0: 0 + 5 = 5; replica 1: 4 * 1.2 + 0 + 1 = 5.8 -> 0
+    # weight 1: replica 0: 5; replica 1: 1.2 + 1 = 2.2 -> 1
+    assert heavy.choose(req, two).replica == 0
+    assert light.choose(req, two).replica == 1
+
+
+def test_a_prompt_in_flight_counts_as_held_before_its_events():
+    policy = make_policy("prefix", index=PrefixIndex(2), block_size=BS)
+    loads = [ReplicaLoad(), ReplicaLoad()]
+    first = RouteRequest(TOKENS, "A")
+    policy.routed(first, 1)
+    # replica 0: 3 + 0 + 3 = 6; replica 1: 0 + 3 + 0 = 3 (its blocks are being computed)
+    d = policy.choose(RouteRequest(TOKENS, "A"), loads)
+    assert d.replica == 1 and d.hit_blocks == 3
+    assert policy.choose(RouteRequest(TOKENS, "B"), loads).hit_blocks == 0  # other tenant
+    policy.finished(first, 1)
+    assert policy.choose(RouteRequest(TOKENS, "A"), loads).hit_blocks == 0
 
 
 def test_imbalance_guard_overrides_the_cache():
@@ -100,7 +130,7 @@ def test_imbalance_guard_overrides_the_cache():
     # 40 - 2 > 16 and 40 > 1.5 * 2: the least loaded, though replica 0 holds every block
     d = policy.choose(req, [ReplicaLoad(requests=40), ReplicaLoad(requests=2, blocks=50)])
     assert d.replica == 1 and d.balanced
-    # 20 - 5 = 15, not > 16: the cost decides (replica 0: 0; replica 1: 1.2)
+    # 20 - 5 = 15, not > 16: the cost decides (replica 0: 0; replica 1: 1.2 + 1)
     d = policy.choose(req, [ReplicaLoad(requests=20), ReplicaLoad(requests=5)])
     assert d.replica == 0 and not d.balanced
 

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,7 +83,11 @@ class RouterState:
         health_interval_s: float = 1.0,
         request_timeout_s: float = 600.0,
         topic: str = "",
+        settle_s: float = 0.0,
     ) -> None:
+        """``settle_s`` > 0: before each decision, wait until no event batch has come for
+        that long (at most 20 times it), so the index is as fresh as it can be (the routing
+        benchmark's oracle; a real router does not wait)."""
         self.replicas = replicas
         self.policy = policy
         self.index = index
@@ -95,6 +101,16 @@ class RouterState:
         ends = [(i, r.events, r.replay) for i, r in enumerate(replicas) if r.events]
         self.subscriber = EventSubscriber(index, self.lock, ends, topic) if ends else None
         self.client: httpx.AsyncClient | None = None
+        self.settle_s = settle_s
+        self.decision_times: deque[float] = deque(maxlen=100_000)  # seconds, most recent
+
+    async def settle(self) -> None:
+        sub = self.subscriber
+        if sub is None or self.settle_s <= 0:
+            return
+        deadline = time.monotonic() + 20 * self.settle_s
+        while time.monotonic() < deadline and time.monotonic() - sub.last_batch_at < self.settle_s:
+            await asyncio.sleep(self.settle_s / 4)
 
     # -- a request's routing key ---------------------------------------------------------------
     def route_request(self, body: dict[str, Any], chat: bool, tenant: str,
@@ -203,6 +219,7 @@ async def relay(state: RouterState, raw: Request, path: str, chat: bool) -> Resp
     loads = [r.load for r in state.replicas]
     tried: set[int] = set()
     assert state.client is not None
+    await state.settle()
     while True:
         view = [ReplicaLoad(ld.healthy and i not in tried, ld.requests, ld.blocks)
                 for i, ld in enumerate(loads)]  # fmt: skip
@@ -212,14 +229,19 @@ async def relay(state: RouterState, raw: Request, path: str, chat: bool) -> Resp
                 d = state.policy.choose(req, view)
         except NoReplicaError:
             return _error(503, "no healthy replica to serve the request")
-        m.decision_seconds.observe(time.perf_counter() - t0)
+        took = time.perf_counter() - t0
+        m.decision_seconds.observe(took)
+        state.decision_times.append(took)
         rep = state.replicas[d.replica]
         rep.load.requests += 1
         rep.load.blocks += n_blocks
         m.in_flight.labels(rep.name).inc()
         m.blocks_in_flight.labels(rep.name).set(rep.load.blocks)
 
-        def release(rep: Replica = rep) -> None:
+        def release(rep: Replica = rep, k: int = d.replica, sent: bool = False) -> None:
+            if sent:
+                with state.lock:
+                    state.policy.finished(req, k)
             rep.load.requests -= 1
             rep.load.blocks -= n_blocks
             m.in_flight.labels(rep.name).dec()
@@ -247,7 +269,9 @@ async def relay(state: RouterState, raw: Request, path: str, chat: bool) -> Resp
             m.failovers.labels(rep.name).inc()
             tried.add(d.replica)
             continue
-        state.policy.routed(req, d.replica)
+        with state.lock:
+            state.policy.routed(req, d.replica)
+        release = functools.partial(release, sent=True)
         m.decisions.labels(d.policy, rep.name, str(d.balanced).lower()).inc()
         m.expected_hit.labels(rep.name).inc(d.hit_blocks * bs)
         if stream and resp.status_code == 200:

@@ -13,7 +13,9 @@ flight, whether it is healthy) and returns a :class:`Decision`. The prefix polic
   forgotten first. For replicas that publish no events.
 
 Both use NVIDIA Dynamo's cost: ``overlap_weight * (prompt blocks the replica must compute)
-+ (prompt blocks in flight on it)``, the lowest wins; and SGLang's imbalance guard: when the
++ (the blocks it would hold: the distinct prompt blocks in flight on it, and this prompt's
+that it lacks)``, the lowest wins (a block of a prompt in flight counts as held by its
+replica: it will be, before its event comes); and SGLang's imbalance guard: when the
 busiest replica has more than ``balance_abs`` requests more than the idlest *and* more than
 ``balance_rel`` times as many, the request goes to the least loaded one whatever the cache.
 """
@@ -39,6 +41,7 @@ class RouteRequest:
     token_ids: Sequence[int] = ()
     salt: str | None = None  # the prefix-cache partition (the tenant's cache salt)
     session: str | None = None  # a session header, or the request's ``user``
+    chain: list[BlockHash] | None = None  # the router's own block keys, made once (chain_of)
 
 
 @dataclass(slots=True)
@@ -77,7 +80,10 @@ class RoutingPolicy(ABC):
     def choose(self, req: RouteRequest, loads: Sequence[ReplicaLoad]) -> Decision: ...
 
     def routed(self, req: RouteRequest, replica: int) -> None:  # noqa: B027 - optional hook
-        """The request went to ``replica`` (the approximate policy remembers it)."""
+        """The request went to ``replica`` (the prefix policies remember it)."""
+
+    def finished(self, req: RouteRequest, replica: int) -> None:  # noqa: B027 - optional hook
+        """The request ended on ``replica`` (served, failed or cut)."""
 
 
 class RoundRobin(RoutingPolicy):
@@ -157,6 +163,53 @@ class EventScorer:
 ROUTER_ROOT = BlockHash(hashlib.sha256(b"kvserve-router-history").digest())
 
 
+def chain_of(req: RouteRequest, block_size: int) -> list[BlockHash]:
+    """The router's own keys for the request's full blocks (salted as the replicas salt them,
+    rooted apart from theirs), made once per request."""
+    if req.chain is None:
+        req.chain = []
+        extend_block_hashes(req.chain, list(req.token_ids), block_size, ROUTER_ROOT, req.salt)
+    return req.chain
+
+
+class InFlight:
+    """The blocks of the prompts in flight on each replica: they will be cached there once
+    computed, before any event says so. A burst of requests sharing a new prefix would else
+    look cold everywhere and be spread; Dynamo counts its active sequences' blocks the same
+    way."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.held: list[dict[bytes, int]] = []
+
+    def blocks(self, r: int) -> dict[bytes, int]:
+        while len(self.held) <= r:
+            self.held.append({})
+        return self.held[r]
+
+    def add(self, req: RouteRequest, r: int) -> None:
+        held = self.blocks(r)
+        for h in chain_of(req, self.block_size):
+            held[h] = held.get(h, 0) + 1
+
+    def remove(self, req: RouteRequest, r: int) -> None:
+        held = self.blocks(r)
+        for h in chain_of(req, self.block_size):
+            n = held.get(h, 0) - 1
+            if n > 0:
+                held[h] = n
+            else:
+                held.pop(h, None)
+
+    def overlap(self, req: RouteRequest, r: int) -> int:
+        held, n = self.blocks(r), 0
+        for h in chain_of(req, self.block_size):
+            if h not in held:
+                break
+            n += 1
+        return n
+
+
 class HistoryScorer:
     """The approximate scorer: each replica is assumed to hold the blocks of the prompts it
     was sent, at most ``capacity_blocks`` of them (least recently sent forgotten first)."""
@@ -167,10 +220,8 @@ class HistoryScorer:
         self.sent: list[OrderedDict[bytes, None]] = []
 
     def _chain(self, req: RouteRequest) -> list[BlockHash]:
-        hashes: list[BlockHash] = []
         assert self.block_size is not None
-        extend_block_hashes(hashes, list(req.token_ids), self.block_size, ROUTER_ROOT, req.salt)
-        return hashes
+        return chain_of(req, self.block_size)
 
     def match(self, req: RouteRequest, num_replicas: int) -> list[tuple[int, float]]:
         while len(self.sent) < num_replicas:
@@ -213,13 +264,21 @@ class PrefixPolicy(RoutingPolicy):
         overlap_weight: float = 1.0,
         balance_abs: int = 16,
         balance_rel: float = 1.5,
+        block_size: int = 16,
     ) -> None:
+        """``block_size``: the replicas', until the scorer has learned it."""
         self.scorer = scorer
+        self.block_size = block_size
         self.name = name
         self.overlap_weight = overlap_weight
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
         self._turn = itertools.count()
+        # Blocks of the prompts in flight per replica: the load term (distinct blocks, as
+        # Dynamo counts its active blocks), and for the precise scorers, which learn a block
+        # only once it is computed, blocks about to be cached.
+        self.inflight = InFlight(block_size)
+        self._precise = not isinstance(scorer, HistoryScorer)
 
     def choose(self, req: RouteRequest, loads: Sequence[ReplicaLoad]) -> Decision:
         healthy = _healthy(loads)
@@ -228,12 +287,21 @@ class PrefixPolicy(RoutingPolicy):
         idlest = min(loads[i].requests for i in healthy)
         if busiest - idlest > self.balance_abs and busiest > self.balance_rel * idlest:
             return Decision(least_loaded(loads, turn), self.name, balanced=True)
-        bs = self.scorer.block_size or 16
+        bs = self.inflight.block_size = self.scorer.block_size or self.block_size
         n_blocks = len(req.token_ids) // bs
         matches = self.scorer.match(req, len(loads))
+        inflight = self.inflight
+        if self._precise:
+            for i in healthy:
+                pending = inflight.overlap(req, i)
+                if pending > matches[i][0]:
+                    matches[i] = (pending, max(matches[i][1], float(pending)))
         costs = [float("inf")] * len(loads)
         for i in healthy:
-            costs[i] = self.overlap_weight * (n_blocks - matches[i][1]) + loads[i].blocks
+            # Dynamo: prefill blocks weighted, plus the decode blocks the replica would hold
+            # (those in flight, and this prompt's that it lacks).
+            decode = len(inflight.blocks(i)) + n_blocks - matches[i][0]
+            costs[i] = self.overlap_weight * (n_blocks - matches[i][1]) + decode
         k = len(healthy)
         order = [healthy[(turn + j) % k] for j in range(k)]  # ties rotate
         best = min(order, key=lambda i: (costs[i], loads[i].requests))
@@ -242,6 +310,11 @@ class PrefixPolicy(RoutingPolicy):
     def routed(self, req: RouteRequest, replica: int) -> None:
         if isinstance(self.scorer, HistoryScorer):
             self.scorer.remember(req, replica)
+        self.inflight.block_size = self.scorer.block_size or self.block_size
+        self.inflight.add(req, replica)
+
+    def finished(self, req: RouteRequest, replica: int) -> None:
+        self.inflight.remove(req, replica)
 
 
 POLICIES = ("round_robin", "least_load", "session", "prefix", "prefix_approx")
@@ -266,8 +339,10 @@ def make_policy(
             if index is None:
                 raise ValueError("router: the prefix policy needs the replicas' KV events")
             scorer = EventScorer(index)
-        return PrefixPolicy(scorer, "prefix", **prefix_kw)  # type: ignore[arg-type]
+        return PrefixPolicy(scorer, "prefix", block_size=block_size,
+                            **prefix_kw)  # type: ignore[arg-type]  # fmt: skip
     if name == "prefix_approx":
         history = HistoryScorer(block_size, approx_capacity_blocks)
-        return PrefixPolicy(history, "prefix_approx", **prefix_kw)  # type: ignore[arg-type]
+        return PrefixPolicy(history, "prefix_approx", block_size=block_size,
+                            **prefix_kw)  # type: ignore[arg-type]  # fmt: skip
     raise ValueError(f"router: policy must be one of {', '.join(POLICIES)}, got {name!r}")

@@ -75,6 +75,7 @@ def routed_fleet(
             eng.kv.enable_events("GPU")
     loads = [ReplicaLoad() for _ in range(n)]
     blocks_of: list[dict[int, int]] = [{} for _ in range(n)]
+    routed: list[dict[int, RouteRequest]] = [{} for _ in range(n)]
     # Times are seconds since each replica's t0 (the end of its warm-up).
     pending: list[tuple[float, int]] = []  # (send time, trace index), routed in time order
     if sends is not None:
@@ -93,6 +94,7 @@ def routed_fleet(
             nonlocal next_user
             loads[k].requests -= 1
             loads[k].blocks -= blocks_of[k].pop(i, 0)
+            policy.finished(routed[k].pop(i), k)
             if sends is None and next_user < len(requests):
                 heapq.heappush(pending, (elapsed(k), next_user))
                 next_user += 1
@@ -112,6 +114,7 @@ def routed_fleet(
         policy.routed(rr, k)
         sh = shares[k]
         blocks_of[k][len(sh.mine)] = len(ids) // bs
+        routed[k][len(sh.mine)] = rr
         sh.mine.append(i)
         loads[k].requests += 1
         loads[k].blocks += len(ids) // bs
