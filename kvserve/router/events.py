@@ -57,6 +57,7 @@ class EventSubscriber:
         self.on_batch = on_batch
         self.num_batches = 0
         self.num_replayed = 0
+        self.last_batch_at = 0.0  # time.monotonic() of the last batch applied
         self._running = True
         self._thread = threading.Thread(target=self._run, name="kvserve-router-events",
                                         daemon=True)  # fmt: skip
@@ -148,6 +149,7 @@ class EventSubscriber:
         with self.lock:
             self.index.apply(r, batch.events)
         self.num_batches += 1
+        self.last_batch_at = time.monotonic()
         if self.on_batch is not None:
             self.on_batch(r)
 
