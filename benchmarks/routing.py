@@ -255,6 +255,13 @@ def main() -> None:
     p.add_argument("--sim-replicas", default="8,32")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
+    bad = [x for x in a.policies.split(",") if x not in POLICIES]
+    if bad:
+        p.error(f"--policies: unknown {bad}; known: {', '.join(POLICIES)}")
+    if a.replicas < 1:
+        p.error(f"--replicas: must be >= 1, got {a.replicas}")
+    if not 0 < a.kv_demand <= 1:
+        p.error(f"--kv-demand: must be in (0, 1], got {a.kv_demand}")
     quick = a.quick
     customers = a.customers or (4 if quick else 12) * a.replicas // 2
     context = a.context_tokens or (256 if quick else 1536)
