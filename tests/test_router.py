@@ -63,7 +63,7 @@ def _until(cond, timeout: float, what: str) -> None:  # noqa: ANN001
 
 
 @pytest.fixture
-def cluster(checkpoint, tmp_path):
+def cluster(checkpoint, tmp_path, monkeypatch):
     """Two replicas (tenant keys, a shared tenant secret, events on ipc sockets) and the
     router in front of them with the prefix policy."""
     tenants = tmp_path / "tenants.json"
@@ -85,11 +85,8 @@ def cluster(checkpoint, tmp_path):
     with ThreadPoolExecutor(2) as pool:
         servers = list(pool.map(start, specs))
     index = PrefixIndex(2)
-    os.environ["KVSERVE_TENANT_SECRET"] = SECRET
-    try:
-        resolver = TenantResolver.from_args(None, str(tenants))
-    finally:
-        del os.environ["KVSERVE_TENANT_SECRET"]
+    monkeypatch.setenv("KVSERVE_TENANT_SECRET", SECRET)  # the router shares the replicas'
+    resolver = TenantResolver.from_args(None, str(tenants))
     replicas = [Replica(f"r{i}", s.url, sp[2], sp[3]) for i, (s, sp) in
                 enumerate(zip(servers, specs, strict=True))]  # fmt: skip
     state = RouterState(replicas, make_policy("prefix", index=index), index, resolver,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import threading
@@ -149,7 +148,7 @@ class RouterState:
     def mark_down(self, i: int, why: str) -> None:
         r = self.replicas[i]
         if r.load.healthy:
-            log.warning("router: replica %s (%s) is down: %s", r.name, r.url, why)
+            log.warning("replica %s (%s) is down: %s", r.name, r.url, why)
         r.load.healthy = False
         self.metrics.healthy.labels(r.name).set(0)
         if self.subscriber is not None:
@@ -161,7 +160,7 @@ class RouterState:
     def mark_up(self, i: int) -> None:
         r = self.replicas[i]
         if not r.load.healthy:
-            log.info("router: replica %s (%s) is back", r.name, r.url)
+            log.info("replica %s (%s) is back", r.name, r.url)
         r.load.healthy = True
         self.metrics.healthy.labels(r.name).set(1)
 
@@ -227,6 +226,9 @@ async def relay(state: RouterState, raw: Request, path: str, chat: bool) -> Resp
         try:
             with state.lock:
                 d = state.policy.choose(req, view)
+                # At once, not when the answer starts (a non-streamed one starts when done):
+                # the prompt's blocks count as the replica's while it computes them.
+                state.policy.routed(req, d.replica)
         except NoReplicaError:
             return _error(503, "no healthy replica to serve the request")
         took = time.perf_counter() - t0
@@ -238,10 +240,9 @@ async def relay(state: RouterState, raw: Request, path: str, chat: bool) -> Resp
         m.in_flight.labels(rep.name).inc()
         m.blocks_in_flight.labels(rep.name).set(rep.load.blocks)
 
-        def release(rep: Replica = rep, k: int = d.replica, sent: bool = False) -> None:
-            if sent:
-                with state.lock:
-                    state.policy.finished(req, k)
+        def release(rep: Replica = rep, k: int = d.replica) -> None:
+            with state.lock:
+                state.policy.finished(req, k)
             rep.load.requests -= 1
             rep.load.blocks -= n_blocks
             m.in_flight.labels(rep.name).dec()
@@ -269,9 +270,6 @@ async def relay(state: RouterState, raw: Request, path: str, chat: bool) -> Resp
             m.failovers.labels(rep.name).inc()
             tried.add(d.replica)
             continue
-        with state.lock:
-            state.policy.routed(req, d.replica)
-        release = functools.partial(release, sent=True)
         m.decisions.labels(d.policy, rep.name, str(d.balanced).lower()).inc()
         m.expected_hit.labels(rep.name).inc(d.hit_blocks * bs)
         if stream and resp.status_code == 200:

@@ -87,7 +87,7 @@ class EventSubscriber:
                 try:
                     _, seq_bytes, payload = sock.recv_multipart()
                 except ValueError:
-                    log.warning("router: replica %d sent a malformed event message", r)
+                    log.warning("replica %d sent a malformed event message", r)
                     continue
                 self._receive(r, int.from_bytes(seq_bytes, "big"), payload)
         for s in self.streams.values():
@@ -110,7 +110,7 @@ class EventSubscriber:
     def _replay(self, r: int, s: _Stream, upto: int) -> None:
         """Ask for batches ``last_seq + 1 .. upto - 1``."""
         if s.replay_endpoint is None:
-            log.warning("router: replica %d skipped events %d..%d and has no replay socket",
+            log.warning("replica %d skipped events %d..%d and has no replay socket",
                         r, s.last_seq + 1, upto - 1)  # fmt: skip
             s.last_seq = upto - 1
             return
@@ -136,7 +136,7 @@ class EventSubscriber:
         finally:
             sock.close(linger=0)
         if s.last_seq < upto - 1:
-            log.warning("router: replica %d's replay lacks events %d..%d; its index may be stale",
+            log.warning("replica %d's replay lacks events %d..%d; its index may be stale",
                         r, s.last_seq + 1, upto - 1)  # fmt: skip
             s.last_seq = upto - 1
 
@@ -144,7 +144,7 @@ class EventSubscriber:
         try:
             batch = self.decoder.decode(payload)
         except msgspec.DecodeError:
-            log.warning("router: replica %d sent an event batch that does not decode", r)
+            log.warning("replica %d sent an event batch that does not decode", r)
             return
         with self.lock:
             self.index.apply(r, batch.events)
