@@ -167,8 +167,9 @@ def test_a_vllm_decoder_rebuilds_the_pool_and_tier_from_a_real_engine(checkpoint
         llm.generate([*prompts[2:], salted], GREEDY)
         assert llm.engine.offload.flush()
         llm.engine.publish_kv_events()  # the tier's writes since the last step
-        _wait(lambda: pub.num_published > early.last_seq + 1)
+        assert pub.flush()
         last = pub.num_published - 1
+        assert last > early.last_seq
 
         back = Subscriber(pub.endpoint, pub.replay_endpoint, "kv@test")
         back.last_seq, back.blocks, back.tokens = early.last_seq, early.blocks, early.tokens
@@ -199,18 +200,11 @@ def test_a_vllm_decoder_rebuilds_the_pool_and_tier_from_a_real_engine(checkpoint
 
         # A reset empties the pool: one AllBlocksCleared, and the subscriber holds nothing.
         assert llm.reset_prefix_cache()
-        _wait(lambda: pub.num_published > last + 1)
+        assert pub.flush() and pub.num_published == last + 2
         late.drain(pub.num_published - 1)
         assert not late.blocks
     finally:
         late.close()
-
-
-def _wait(cond, timeout: float = 5) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 @pytest.mark.parametrize(

@@ -99,6 +99,7 @@ class ZmqEventPublisher:
                     break
                 continue
             if batch is None:
+                self._queue.task_done()
                 break
             payload = encoder.encode(batch)
             try:
@@ -107,6 +108,7 @@ class ZmqEventPublisher:
                 log.warning("KV events: a send failed (kept for replay)", exc_info=True)
             self._buffer.append((seq, payload))
             self.num_published = seq = seq + 1
+            self._queue.task_done()
         self._pub.close(linger=0)
         if self._replay is not None:
             self._replay.close(linger=0)
@@ -123,6 +125,15 @@ class ZmqEventPublisher:
             if seq >= first:
                 self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
         self._replay.send_multipart((client, b"", END_SEQ, b""))
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until every batch published so far is sent (False: not within the time)."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks and self._thread.is_alive():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
 
     def shutdown(self, timeout_s: float = 2.0) -> None:
         """Send what is queued (for up to ``timeout_s``), then close the sockets."""
