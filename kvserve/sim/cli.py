@@ -257,6 +257,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             f"simulated {model_name(model_arg(args), kw['model'])} on {target.profile.device}"
             + (f" (pool of {target.gpu.name})" if target.gpu else "")
             + f", tp {target.tp}, {target.replicas} replica(s), {sim.num_blocks} blocks each"
+            + (f", routed by {target.router}" if target.replicas > 1 else "")
         )
         s["load"] = load.describe()
         s["seed"] = args.seed + i
