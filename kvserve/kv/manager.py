@@ -405,7 +405,7 @@ class KVCacheManager:
             return  # the common decode step: no block filled since the last call
         n_full, unpublished = self._unpublished(request, request.num_computed_tokens)
         if self.pool.events is None:
-            for block, h in unpublished:
+            for _, block, h in unpublished:
                 self.pool.cache_block(block, h)
         else:
             self._cache_and_record(request, unpublished)
@@ -413,17 +413,15 @@ class KVCacheManager:
             self.num_cached_blocks[request.request_id] = n_full
 
     def _cache_and_record(
-        self, request: KVRequest, unpublished: list[tuple[KVCacheBlock, BlockHash]]
+        self, request: KVRequest, unpublished: list[tuple[int, KVCacheBlock, BlockHash]]
     ) -> None:
         """Cache the blocks and record a ``BlockStored`` per run of consecutive chain blocks
         that were registered now (a block whose twin is already cached stays private)."""
         events = self.pool.events
         assert events is not None
-        index = {h: i for i, h in enumerate(request.block_hashes)} if unpublished else {}
         run: list[int] = []
-        for block, h in unpublished:
+        for i, block, h in unpublished:
             if self.pool.cache_block(block, h):
-                i = index[h]
                 if run and run[-1] != i - 1:
                     events.append(self._stored(request, run))
                     run = []
@@ -461,10 +459,11 @@ class KVCacheManager:
 
     def _unpublished(
         self, request: KVRequest, num_tokens: int
-    ) -> tuple[int, list[tuple[KVCacheBlock, BlockHash]]]:
+    ) -> tuple[int, list[tuple[int, KVCacheBlock, BlockHash]]]:
         """The full blocks the request's first ``num_tokens`` tokens fill and that it has not
-        published yet (block, hash), and how many full blocks that is in all. A compacted
-        cache is nobody's prefix; a dropped block was published before it went."""
+        published yet (index in the chain, block, hash), and how many full blocks that is in
+        all. A compacted cache is nobody's prefix; a dropped block was published before it
+        went."""
         blocks = self.req_blocks.get(request.request_id)
         if not self.enable_caching or not blocks or request.cache_offset:
             return 0, []
@@ -473,7 +472,7 @@ class KVCacheManager:
         if n_full <= start:
             return n_full, []
         hashes = self.block_hashes(request)
-        return n_full, [(blocks[i], hashes[i]) for i in range(start, n_full)
+        return n_full, [(i, blocks[i], hashes[i]) for i in range(start, n_full)
                         if blocks[i] is not self._null]  # fmt: skip
 
     def free(self, request: KVRequest) -> None:
@@ -573,7 +572,7 @@ class KVCacheManager:
         request fills and that it will publish (write-through stores them after the step's
         forward pass, so a prefix is below before anything evicts it)."""
         _, blocks = self._unpublished(request, request.num_computed_tokens + num_new_tokens)
-        return [(b.block_id, h) for b, h in blocks]
+        return [(b.block_id, h) for _, b, h in blocks]
 
     # -- moving cached prefixes between pools ------------------------------------------------
     def reserve_for_import(self, hashes: Sequence[BlockHash]) -> PrefixImport:
