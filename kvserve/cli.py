@@ -1,4 +1,5 @@
-"""``kvserve`` command line: generate, serve, bench, plan, simulate, tune, quality and download."""
+"""``kvserve`` command line: generate, serve, router, bench, plan, simulate, tune, quality and
+download."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from kvserve.engine_args import (
 from kvserve.entrypoint import setup_process
 from kvserve.plan.cli import add_plan_parser
 from kvserve.quality.cli import add_quality_parser
+from kvserve.router.command import add_router_parser
 from kvserve.server.command import add_serve_parser
 from kvserve.sim.cli import add_simulate_parser
 from kvserve.sim.tune_cli import add_tune_parser
@@ -93,6 +95,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
     handlers["generate"] = cmd_generate
 
     handlers["serve"] = add_serve_parser(sub)
+    handlers["router"] = add_router_parser(sub)
     handlers["bench"] = add_bench_parser(sub)
     handlers["plan"] = add_plan_parser(sub)
     handlers["simulate"] = add_simulate_parser(sub)

@@ -565,6 +565,74 @@ class KVTransferConfig:
         return cls(**value)
 
 
+EVENT_PUBLISHERS = ("null", "zmq")
+
+
+@dataclass(slots=True)
+class KVEventsConfig:
+    """KV cache events (vLLM's ``kv_events_config`` fields): what the block pool and the offload
+    tiers hold, published as stored / removed / cleared batches on vLLM's wire format
+    (:mod:`kvserve.kv.events`), so a router written for vLLM reads them.
+
+    ``endpoint``: the PUB socket (bound when it holds ``*``, ``::``, ``ipc://`` or
+    ``inproc://``, else connected, as in vLLM; a ``*`` port binds a free one, logged at
+    start); ``replay_endpoint``: the ROUTER socket a subscriber asks for missed batches from a
+    sequence number; ``buffer_steps``: batches kept for replay; ``hwm``: the PUB socket's
+    high-water mark; ``topic``: the first frame of every message."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "zmq"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise ConfigError("kv_events_config.enable_kv_cache_events: must be true or false")
+        if self.publisher not in EVENT_PUBLISHERS:
+            raise ConfigError(f"kv_events_config.publisher: must be one of "
+                              f"{', '.join(EVENT_PUBLISHERS)}, got {self.publisher!r}")  # fmt: skip
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"kv_events_config.{name}: must be an integer >= 1, got {v!r}")
+        for name in ("endpoint", "replay_endpoint"):
+            v = getattr(self, name)
+            if v is None and name == "replay_endpoint":
+                continue
+            if not isinstance(v, str) or "://" not in v:
+                raise ConfigError(f"kv_events_config.{name}: must be a ZMQ endpoint such as "
+                                  f"'tcp://*:5557', got {v!r}")  # fmt: skip
+        if not isinstance(self.topic, str):
+            raise ConfigError(f"kv_events_config.topic: must be a string, got {self.topic!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher != "null"
+
+    @classmethod
+    def from_any(cls, value: Any) -> KVEventsConfig:
+        """From a KVEventsConfig, a dict, or a JSON object text (the CLI's form)."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ConfigError(f"kv_events_config: not JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"kv_events_config: expected a JSON object, got {value!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"kv_events_config: unknown field(s) {', '.join(unknown)}; "
+                              f"known: {', '.join(sorted(known))}")  # fmt: skip
+        return cls(**value)
+
+
 # uni: the model runs in the engine's process; mp: in worker processes the engine drives.
 EXECUTOR_BACKENDS = ("uni", "mp")
 
@@ -691,8 +759,19 @@ class EngineConfig:
                   "tiers' included"},
     )  # fmt: skip
 
+    kv_events_config: KVEventsConfig = field(
+        default_factory=KVEventsConfig,
+        metadata={"json": True, "metavar": "JSON",
+                  "help": "KV cache events, as vLLM's: '{\"enable_kv_cache_events\": true, "
+                  "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
+                  "\"replay_endpoint\": \"tcp://*:5558\", \"buffer_steps\": 10000, "
+                  "\"hwm\": 100000, \"topic\": \"\"}': the blocks the pool and the offload "
+                  "tiers store and remove, on vLLM's wire format (docs/router.md)"},
+    )  # fmt: skip
+
     def __post_init__(self) -> None:
         self.kv_transfer_config = KVTransferConfig.from_any(self.kv_transfer_config or {})
+        self.kv_events_config = KVEventsConfig.from_any(self.kv_events_config or {})
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not isinstance(self.seed, int):

@@ -105,8 +105,8 @@ _TABLE = (
     VLLMArg("--max-lora-rank", UNSUPPORTED, _NO_LORA),
     VLLMArg("--speculative-config", UNSUPPORTED, "no speculative decoding"),
     VLLMArg("--limit-mm-per-prompt", NOT_APPLICABLE, "kvserve serves text-only models"),
-    VLLMArg("--kv-events-config", PLANNED, planned="KV cache events on vLLM's wire format"),
-    VLLMArg("--prefix-caching-hash-algo", UNSUPPORTED, "the block hash is fixed"),
+    VLLMArg("--prefix-caching-hash-algo", UNSUPPORTED, "the block hash is fixed: SHA-256 "
+            "chains (docs/router.md)"),
     VLLMArg("--async-scheduling", UNSUPPORTED, "the scheduler plans each step after the one "
             "before it finished"),
     VLLMArg("--disable-sliding-window", UNSUPPORTED, "sliding-window layers always attend "

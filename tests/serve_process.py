@@ -31,9 +31,14 @@ class ServeProcess:
     """
 
     def __init__(
-        self, args: list[str], env: dict[str, str] | None = None, start_timeout: float = 120
+        self,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        start_timeout: float = 120,
+        port: int = 0,
     ) -> None:
-        cmd = [sys.executable, "-m", "kvserve.cli", "serve", *args, "--port", "0"]
+        """``port``: 0 for a free one; a fixed one to restart a server at the same URL."""
+        cmd = [sys.executable, "-m", "kvserve.cli", "serve", *args, "--port", str(port)]
         env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                      text=True, cwd=REPO, env=env)  # fmt: skip

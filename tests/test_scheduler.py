@@ -115,6 +115,12 @@ class FakeKV:
     def restore_ops(self, ops) -> None:
         pass
 
+    def enable_events(self, medium) -> None:
+        pass
+
+    def take_events(self):
+        return []
+
     def tier_candidates(self, request, num_hit_blocks):
         return []
 

@@ -320,7 +320,7 @@ def test_a_saved_gpu_profile_sizes_the_pool_as_its_gpu(tmp_path, llama8b):
     gpu = get_gpu("h100-sxm")
     edited = replace(gpu_profile(gpu), tier_bandwidth={"redis": 1e10})
     args = Namespace(gpu=None, profile=str(edited.save(tmp_path / "what-if.json")), tp=1,
-                     replicas=1, gpu_memory_utilization=0.9)  # fmt: skip
+                     replicas=1, gpu_memory_utilization=0.9, router="round_robin")  # fmt: skip
     target = sim_target(args, {"model": llama8b})
     assert target.gpu == gpu
     plan = capacity(arch_from_config(SEED_8B), "bfloat16", gpu.memory_bytes, 32768)

@@ -54,8 +54,8 @@ def run_tune(workload: str, n: int, space: dict, reports: list[str], gpu: str = 
     kw = dict(model=model or default_model(), dtype="bfloat16")
     g = get_gpu(gpu)
 
-    def make_target(e: dict, tp: int, replicas: int) -> SimTarget:
-        return SimTarget(e, gpu_profile(g), g, tp, replicas)
+    def make_target(e: dict, tp: int, replicas: int, router: str = "round_robin") -> SimTarget:
+        return SimTarget(e, gpu_profile(g), g, tp, replicas, router=router)
 
     base = make_target(kw, 1, 1)
     count, max_len = token_counter(base)

@@ -28,12 +28,14 @@ from kvserve.connectors.prefix import PrefixPayload, PrefixTransferConnector
 from kvserve.engine.bandwidth import BandwidthMeter
 from kvserve.engine.core import Clock, EngineCore, EngineDeadError
 from kvserve.engine.inputs import InputProcessor, PromptType
+from kvserve.engine.kv_events import make_publisher
 from kvserve.engine.offload import apply_policies, build_offload
 from kvserve.engine.outputs import OutputProcessor, RequestFamily
 from kvserve.engine.sizing import model_fingerprint, num_kv_blocks
 from kvserve.engine.startup_log import StartupSummary
 from kvserve.engine.stats import EngineStats
 from kvserve.executor import Executor, RunnerExecutor, make_executor
+from kvserve.kv.events import device_medium
 from kvserve.kv.formats import (
     canonical_kv_format,
     kv_bytes_per_token,
@@ -210,6 +212,19 @@ class LLMEngine:
             self.core.step_hooks.append(
                 lambda core: meter.record(core.last_step, core.last_step_seconds)
             )
+        # KV events (kvserve.engine.kv_events): what the pool and the tiers hold, after
+        # each step, for a router.
+        self.kv_events = make_publisher(config.kv_events_config)
+        if self.kv_events is not None:
+            try:
+                self.kv.enable_events(device_medium(config.device))
+            except ConfigError:
+                self.kv_events.shutdown()
+                raise
+            if self.offload is not None:
+                self.offload.enable_events(self.block_size)
+            self.kv_events.publish_cleared()
+            self.core.step_hooks.append(lambda core: self.publish_kv_events())
         self.outputs = OutputProcessor(self.tokenizer, self.core.finish_request)
         self._ids = itertools.count()
         self.startup_summary = StartupSummary(
@@ -350,6 +365,9 @@ class LLMEngine:
         """Stop the offload worker (queued stores are written first, for a bounded time) and
         the executor's workers."""
         try:
+            if self.kv_events is not None:
+                self.publish_kv_events()
+                self.kv_events.shutdown()
             if self.connector is not None:
                 self.connector.shutdown()  # the offload tiers flush their queued stores
             elif self.offload is not None:
@@ -416,7 +434,18 @@ class LLMEngine:
         )
 
     def reset_prefix_cache(self) -> bool:
-        return self.kv.reset_prefix_cache()
+        done = self.kv.reset_prefix_cache()
+        self.publish_kv_events()
+        return done
+
+    def publish_kv_events(self) -> None:
+        """Publish the pool's and the tiers' events since the last call (one batch)."""
+        if self.kv_events is None:
+            return
+        events = self.kv.take_events()
+        if self.offload is not None:
+            events += self.offload.take_events()
+        self.kv_events.publish(events)
 
     def replace_storage(self, wrap: Callable[[KVStorage], KVStorage]) -> None:
         """Swap the KV storage for ``wrap(storage)`` (test-only corruptions, instrumented

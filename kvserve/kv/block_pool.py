@@ -7,13 +7,16 @@ out for new content. Conservation: free + cached-free + in-use = total, always.
 
 The pool records the two transitions others must hear about, as data: blocks whose last
 reference went (``freed``) and cached blocks handed out for new content (``evicted``, with
-their hashes). The KV manager drains both into each step's record.
+their hashes). The KV manager drains both into each step's record. With KV events on
+(``events`` a list), an eviction is also a ``BlockRemoved`` and a reset ``AllBlocksCleared``
+(:mod:`kvserve.kv.events`); the manager adds the ``BlockStored``, which need the tokens.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from kvserve.kv.events import AllBlocksCleared, KVCacheEvent, removed
 from kvserve.kv.hashing import BlockHash
 
 
@@ -90,6 +93,9 @@ class BlockPool:
         self.num_evictions = 0
         self.freed: list[int] = []
         self.evicted: list[tuple[int, BlockHash]] = []
+        # KV events since the last take (None: not recorded); ``medium`` names this pool.
+        self.events: list[KVCacheEvent] | None = None
+        self.medium = "GPU"
 
     # -- queries ------------------------------------------------------------------
     @property
@@ -143,14 +149,16 @@ class BlockPool:
                 self.free_queue.append(block)
                 self.freed.append(block.block_id)
 
-    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
-        """Register a full, computed block under its hash (first writer wins)."""
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
+        """Register a full, computed block under its hash (first writer wins); whether it
+        was registered now."""
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         if block_hash in self.cached:
-            return  # an identical block is already cached; this one stays private
+            return False  # an identical block is already cached; this one stays private
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        return True
 
     def _evict(self, block: KVCacheBlock) -> None:
         """Drop a cached-free block's hash as it is handed out for new content."""
@@ -160,6 +168,8 @@ class BlockPool:
         self.num_cached_free -= 1
         self.num_evictions += 1
         self.evicted.append((block.block_id, block.block_hash))
+        if self.events is not None and self.cached.get(block.block_hash) is None:
+            removed(self.events, block.block_hash, self.medium)
         block.block_hash = None
         block.hits = 0
 
@@ -171,6 +181,8 @@ class BlockPool:
             block.block_hash = None
         self.cached.clear()
         self.num_cached_free = 0
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
         return True
 
     def check_invariants(self) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kvserve.config import ConfigError
 from kvserve.kv.block_pool import BlockPool, KVCacheBlock
 from kvserve.kv.hashing import BlockHash
 from kvserve.kv.layer_groups import LayerGroups
@@ -300,6 +301,15 @@ class GroupedKVCacheManager:
 
     def restore_ops(self, ops: KVOps) -> None:
         self.subs[0].restore_ops(ops)
+
+    def enable_events(self, medium: str) -> None:
+        raise ConfigError(
+            "kv_events_config: not with per-group block tables (a hybrid sliding-window "
+            "model); start the engine with disable_hybrid_kv_cache_manager"
+        )
+
+    def take_events(self) -> list[Any]:
+        return []
 
     # -- connectors (not served: a load or store would have to cover every group) ------------------
     def tier_candidates(self, request: KVRequest, num_hit_blocks: int) -> list[BlockHash]:

@@ -32,9 +32,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvserve.kv.block_pool import BlockPool, KVCacheBlock
+from kvserve.kv.events import BlockStored, KVCacheEvent
 from kvserve.kv.hashing import BlockHash, extend_block_hashes, root_hash
 from kvserve.kv.ops import KVOps
 from kvserve.kv.request_view import KVRequest
+
+
+def chain_salt(request: KVRequest) -> str | None:
+    """What a request's first block hash folds in: its cache salt (the tenant's), and its
+    retention policy's, whose K/V differ from the exact ones (a chain of its own)."""
+    salt = request.cache_salt
+    policy = request.retention.salt if request.retention is not None else None
+    if policy is not None:
+        salt = f"{salt or ''}\0{policy}"
+    return salt
 
 
 def cdiv(a: int, b: int) -> int:
@@ -136,16 +147,12 @@ class KVCacheManager:
 
     # -- prefix lookups ----------------------------------------------------------------------
     def block_hashes(self, request: KVRequest) -> list[BlockHash]:
-        salt = request.cache_salt
-        policy = request.retention.salt if request.retention is not None else None
-        if policy is not None:  # its K/V depend on the policy: a chain of its own
-            salt = f"{salt or ''}\0{policy}"
         extend_block_hashes(
             request.block_hashes,
             request.all_token_ids,
             self.block_size,
             self.root,
-            salt,
+            chain_salt(request),
         )
         return request.block_hashes
 
@@ -397,17 +404,66 @@ class KVCacheManager:
         if full <= self.num_cached_blocks.get(request.request_id, 0):
             return  # the common decode step: no block filled since the last call
         n_full, unpublished = self._unpublished(request, request.num_computed_tokens)
-        for block, h in unpublished:
-            self.pool.cache_block(block, h)
+        if self.pool.events is None:
+            for _, block, h in unpublished:
+                self.pool.cache_block(block, h)
+        else:
+            self._cache_and_record(request, unpublished)
         if n_full > self.num_cached_blocks.get(request.request_id, 0):
             self.num_cached_blocks[request.request_id] = n_full
 
+    def _cache_and_record(
+        self, request: KVRequest, unpublished: list[tuple[int, KVCacheBlock, BlockHash]]
+    ) -> None:
+        """Cache the blocks and record a ``BlockStored`` per run of consecutive chain blocks
+        that were registered now (a block whose twin is already cached stays private)."""
+        events = self.pool.events
+        assert events is not None
+        run: list[int] = []
+        for i, block, h in unpublished:
+            if self.pool.cache_block(block, h):
+                if run and run[-1] != i - 1:
+                    events.append(self._stored(request, run))
+                    run = []
+                run.append(i)
+        if run:
+            events.append(self._stored(request, run))
+
+    def _stored(self, request: KVRequest, run: list[int]) -> BlockStored:
+        hashes, bs, lo = request.block_hashes, self.block_size, run[0]
+        extra: list[tuple | None] | None = None
+        salt = chain_salt(request)
+        if lo == 0 and salt is not None:
+            extra = [(salt,)] + [None] * (len(run) - 1)
+        return BlockStored(
+            block_hashes=[hashes[i] for i in run],
+            parent_block_hash=hashes[lo - 1] if lo else None,
+            token_ids=list(request.all_token_ids[lo * bs : (run[-1] + 1) * bs]),
+            block_size=bs,
+            lora_id=None,
+            medium=self.pool.medium,
+            extra_keys=extra,
+        )
+
+    def enable_events(self, medium: str) -> None:
+        """Record KV events (:mod:`kvserve.kv.events`) for :meth:`take_events`."""
+        self.pool.events, self.pool.medium = [], medium
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events since the last call ([] when not recording)."""
+        events = self.pool.events
+        if not events:
+            return []
+        self.pool.events = []
+        return events
+
     def _unpublished(
         self, request: KVRequest, num_tokens: int
-    ) -> tuple[int, list[tuple[KVCacheBlock, BlockHash]]]:
+    ) -> tuple[int, list[tuple[int, KVCacheBlock, BlockHash]]]:
         """The full blocks the request's first ``num_tokens`` tokens fill and that it has not
-        published yet (block, hash), and how many full blocks that is in all. A compacted
-        cache is nobody's prefix; a dropped block was published before it went."""
+        published yet (index in the chain, block, hash), and how many full blocks that is in
+        all. A compacted cache is nobody's prefix; a dropped block was published before it
+        went."""
         blocks = self.req_blocks.get(request.request_id)
         if not self.enable_caching or not blocks or request.cache_offset:
             return 0, []
@@ -416,7 +472,7 @@ class KVCacheManager:
         if n_full <= start:
             return n_full, []
         hashes = self.block_hashes(request)
-        return n_full, [(blocks[i], hashes[i]) for i in range(start, n_full)
+        return n_full, [(i, blocks[i], hashes[i]) for i in range(start, n_full)
                         if blocks[i] is not self._null]  # fmt: skip
 
     def free(self, request: KVRequest) -> None:
@@ -516,7 +572,7 @@ class KVCacheManager:
         request fills and that it will publish (write-through stores them after the step's
         forward pass, so a prefix is below before anything evicts it)."""
         _, blocks = self._unpublished(request, request.num_computed_tokens + num_new_tokens)
-        return [(b.block_id, h) for b, h in blocks]
+        return [(b.block_id, h) for _, b, h in blocks]
 
     # -- moving cached prefixes between pools ------------------------------------------------
     def reserve_for_import(self, hashes: Sequence[BlockHash]) -> PrefixImport:
@@ -549,8 +605,11 @@ class KVCacheManager:
 
     def publish_import(self, imp: PrefixImport) -> None:
         """Register imported blocks under their hashes and leave every block cached-free."""
-        for block, h, _ in imp.new:
-            self.pool.cache_block(block, h)
+        stored = [h for block, h, _ in imp.new if self.pool.cache_block(block, h)]
+        if stored and self.pool.events is not None:  # known by hash only, as a tier's
+            self.pool.events.append(
+                BlockStored(stored, None, [], self.block_size, None, self.pool.medium)
+            )
         self.cancel_import(imp)
 
     def cancel_import(self, imp: PrefixImport) -> None:

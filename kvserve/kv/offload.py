@@ -38,6 +38,7 @@ from typing import Any, Protocol
 import torch
 
 from kvserve.kernels.openmp import serial_thread
+from kvserve.kv.events import TIER_MEDIUM, BlockStored, KVCacheEvent, removed
 from kvserve.kv.hashing import BlockHash
 from kvserve.kv.storage import BlockPayload
 from kvserve.kv.tier_entry import EntryError, decode_entry, encode_entry
@@ -155,6 +156,10 @@ class OffloadTiers(Protocol):
 
     def close(self) -> None: ...
 
+    def enable_events(self, block_size: int) -> None: ...
+
+    def take_events(self) -> list[KVCacheEvent]: ...
+
 
 class KVOffload:
     """The tiers, their worker thread, and the counters; one per engine."""
@@ -206,8 +211,47 @@ class KVOffload:
         self._probe_tier: Tier | None = None  # the tier that held the last probe's hit
         self._gauges: dict[str, tuple[int, int]] = {}
         self._gauges_at = float("-inf")
+        self._events: list[KVCacheEvent] | None = None  # see enable_events
+        self._event_block_size = 0
         self._thread = threading.Thread(target=self._work, name="kvserve-offload", daemon=True)
         self._thread.start()
+
+    # -- KV events --------------------------------------------------------------------------
+    def enable_events(self, block_size: int) -> None:
+        """Record what each tier stores and evicts as KV events (kvserve.kv.events), medium
+        CPU_TIER, DISK or REDIS, for :meth:`take_events`. Entries are known by hash only."""
+        with self._lock:
+            self._events, self._event_block_size = [], block_size
+            for t in self.tiers:
+                t.evicted_keys = []
+
+    def take_events(self) -> list[KVCacheEvent]:
+        with self._lock:
+            events = self._events
+            if not events:
+                return []
+            self._events = []
+            return events
+
+    def _record(self, tier: Tier, stored_key: bytes | None) -> None:
+        """After a put or delete on ``tier``: its evictions, then the stored entry."""
+        if self._events is None:
+            return
+        n = len(self.namespace)
+        medium = TIER_MEDIUM.get(tier.name, tier.name.upper())
+        with self._lock:
+            events = self._events
+            gone, tier.evicted_keys = tier.evicted_keys or [], []
+            for key in gone:
+                removed(events, key[n:], medium)
+            if stored_key is None:
+                return
+            last = events[-1] if events else None
+            if isinstance(last, BlockStored) and last.medium == medium and not last.token_ids:
+                last.block_hashes.append(stored_key[n:])
+            else:
+                bs = self._event_block_size
+                events.append(BlockStored([stored_key[n:]], None, [], bs, None, medium))
 
     # -- keys -------------------------------------------------------------------------------
     def key(self, block_hash: BlockHash) -> bytes:
@@ -473,6 +517,7 @@ class KVOffload:
                     continue
                 self._ok(tier)
                 self._remember(key)
+                self._record(tier, key if stored else None)
                 if stored:
                     c = self.counters[tier.name]
                     c.stored += 1
@@ -544,9 +589,11 @@ class KVOffload:
             c.seconds_up += time.perf_counter() - t0
             for faster in missed_in:
                 try:
-                    faster.put(key, bytes(data))
+                    stored = faster.put(key, bytes(data))
                 except TierError as e:
                     self._failed(faster, e.reason)
+                else:
+                    self._record(faster, key if stored else None)
             return payload
         return None
 
@@ -555,3 +602,7 @@ class KVOffload:
             tier.delete(key)
         except TierError as e:
             self._failed(tier, e.reason)
+        else:
+            if tier.evicted_keys is not None:
+                tier.evicted_keys.append(key)  # a corrupt entry dropped: gone as an eviction
+            self._record(tier, None)

@@ -47,6 +47,9 @@ class Tier(ABC):
             raise ValueError(f"{self.size_flag}: capacity must be >= 1 byte, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self.num_evictions = 0
+        # Keys this tier evicted since the owner last took them (None: not recorded; the
+        # KV events' BlockRemoved). A Redis tier evicts on the server and cannot name them.
+        self.evicted_keys: list[bytes] | None = None
         self._lock = threading.Lock()
 
     @abstractmethod
@@ -100,9 +103,11 @@ class HostTier(Tier):
             if len(data) > self.capacity_bytes or key in self._entries:
                 return False
             while self._used + len(data) > self.capacity_bytes:
-                _, old = self._entries.popitem(last=False)
+                gone, old = self._entries.popitem(last=False)
                 self._used -= len(old)
                 self.num_evictions += 1
+                if self.evicted_keys is not None:
+                    self.evicted_keys.append(gone)
             self._entries[key] = data
             self._used += len(data)
             return True
@@ -285,6 +290,8 @@ class DiskTier(Tier):
             key, size = self._index.popitem(last=False)
             self._used -= size
             self.num_evictions += 1
+            if self.evicted_keys is not None:
+                self.evicted_keys.append(key)
             _unlink(self.path_of(key))
 
     @property

@@ -31,6 +31,7 @@ from kvserve.engine_args import (
     model_arg,
 )
 from kvserve.kernels.openmp import usable_cpus
+from kvserve.sim.fleet import SIM_POLICIES
 
 DEFAULT_SIM_DIR = Path("reports") / "sim"
 
@@ -51,6 +52,9 @@ def add_sim_target_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per replica")
     g.add_argument("--replicas", type=int, default=1, help="engine replicas behind a balancer")
+    g.add_argument("--router", default="round_robin", choices=SIM_POLICIES,
+                   help="how requests are dealt to the replicas: a kvserve router policy, or "
+                   "oracle (each replica's cache asked directly)")  # fmt: skip
     g.add_argument(
         "--gpu-memory-utilization",
         type=float,
@@ -135,7 +139,8 @@ def sim_target(args: argparse.Namespace, kw: dict[str, Any]) -> Any:
             "profile: give --gpu NAME (its shipped profile) or --profile FILE (written by "
             "kvserve simulate --calibrate on the machine to model)"
         )
-    return SimTarget(kw, profile, gpu, args.tp, args.replicas, args.gpu_memory_utilization)
+    return SimTarget(kw, profile, gpu, args.tp, args.replicas, args.gpu_memory_utilization,
+                     router=args.router)  # fmt: skip
 
 
 def _calibrate(args: argparse.Namespace, kw: dict[str, Any]) -> int:
@@ -252,6 +257,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             f"simulated {model_name(model_arg(args), kw['model'])} on {target.profile.device}"
             + (f" (pool of {target.gpu.name})" if target.gpu else "")
             + f", tp {target.tp}, {target.replicas} replica(s), {sim.num_blocks} blocks each"
+            + (f", routed by {target.router}" if target.replicas > 1 else "")
         )
         s["load"] = load.describe()
         s["seed"] = args.seed + i
@@ -260,6 +266,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             "gpu": target.gpu.key if target.gpu else None,
             "tp": target.tp,
             "replicas": target.replicas,
+            "router": target.router,
             "num_blocks": sim.num_blocks,
             "steps": sum(x.runner.steps for x in sims),
             "busy_s": sum(x.runner.busy_s for x in sims),

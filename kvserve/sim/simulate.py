@@ -54,6 +54,7 @@ from kvserve.plan.gpus import GPU
 from kvserve.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvserve.sched.request import FINISHED_STATUSES, SamplingParams
 from kvserve.sim.cost import ModelShape, Profile, ShapeCache, step_features
+from kvserve.sim.fleet import IDLE, check_policy, routed_fleet
 from kvserve.sim.tiers import SERVER_TIERS, ModelledBlocks, SimOffload, modelled_tiers
 
 
@@ -207,6 +208,9 @@ class SimTarget:
     replicas: int = 1
     gpu_memory_utilization: float = 0.9
     label: str = "simulated engine"
+    # How requests are dealt to the replicas: a policy of kvserve.router.policies, or
+    # "oracle" (each engine's pool asked directly); see kvserve.sim.fleet.
+    router: str = "round_robin"
 
     def __post_init__(self) -> None:
         for name in ("tp", "replicas"):
@@ -217,6 +221,7 @@ class SimTarget:
             raise ValueError(
                 f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        check_policy(self.router)
         if self.tp > 1 and self.gpu is None:
             raise ValueError("tp: tensor parallelism is simulated on a --gpu only")
 
@@ -407,6 +412,13 @@ class _Replica:
         self._params: dict[int, SamplingParams] = {}  # by max_tokens
         self._sent = 0
         self.records: list[RequestRecord] = []
+        # Fed by a router (kvserve.sim.fleet): more requests may come while ``open``; each
+        # final record is reported to ``on_finish`` (its index in the share); prompts come
+        # already tokenized (``routed_ids``, by index).
+        self.open = False
+        self.on_finish: Callable[[int], None] | None = None
+        self.routed_ids: dict[int, list[int]] = {}
+        self._due: list[tuple[float, int]] = []
 
     def _add(
         self, rid: str, req: BenchRequest, rec: RequestRecord, ids: list[int] | None = None
@@ -466,6 +478,7 @@ class _Replica:
             due = [(t0 + s, i) for i, s in enumerate(sends)]
             queued = []
         heapq.heapify(due)
+        self._due = due
         cap = concurrency if concurrency else math.inf
         inflight: dict[str, int] = {}
         backlog: list[int] = []  # arrived, waiting for an in-flight slot
@@ -475,7 +488,7 @@ class _Replica:
             if not self._send(i, when, requests, records, inflight) and sends is None and queued:
                 heapq.heappush(due, (when, queued.pop()))  # refused: the user sends the next
 
-        while due or backlog or inflight:
+        while due or backlog or inflight or self.open:
             yield
             while backlog and len(inflight) < cap:  # a slot freed at the last step's end
                 send(backlog.pop(0), clock.now)
@@ -500,6 +513,9 @@ class _Replica:
                     clock.now = max(clock.now, due[0][0])
                     continue
                 if not backlog:
+                    if self.open:
+                        yield IDLE  # nothing to do until the router sends more
+                        continue
                     break
             before = core.num_steps
             updated = core.step()
@@ -531,12 +547,24 @@ class _Replica:
                 if sends is None and queued:  # the user sends its next request now
                     heapq.heappush(due, (clock.now, queued.pop()))
 
+    def push(self, share: list[BenchRequest], req: BenchRequest, ids: list[int],
+             when: float) -> None:  # fmt: skip
+        """A router's request for this replica, sent at ``when`` (it joins ``share``, the
+        list :meth:`steps` replays)."""
+        i = len(share)
+        share.append(req)
+        self.records.append(None)  # type: ignore[arg-type]
+        self.routed_ids[i] = ids
+        heapq.heappush(self._due, (when, i))
+
     def _done(self, i: int, rec: RequestRecord) -> None:
         """Record ``i`` is final (its send time still on the replay's clock)."""
         if self.sink is not None:
             self.sink.add(i, rec, self._t0)
         if self.on_done is not None:
             self.on_done(rec.success)
+        if self.on_finish is not None:
+            self.on_finish(i)
 
     def _send(
         self,
@@ -553,7 +581,9 @@ class _Replica:
         rec.send_time = when
         self._sent += 1
         rid = f"sim-{self._sent}"
-        ids = requests.token_ids(i) if isinstance(requests, EncodedWorkload) else None
+        ids = self.routed_ids.pop(i, None)
+        if ids is None and isinstance(requests, EncodedWorkload):
+            ids = requests.token_ids(i)
         if self._add(rid, r, rec, ids):
             inflight[rid] = i
             return True
@@ -625,7 +655,9 @@ def simulate_load(
     def one(k: int, report: Callable[[bool], None] | None) -> _ReplicaRun:
         return _run_replica(target, trace, k, report)
 
-    if target.replicas > 1 and shares_tiers(target):
+    if target.replicas > 1 and target.router != "round_robin":
+        runs = _run_routed(target, trace, progress)
+    elif target.replicas > 1 and shares_tiers(target):
         runs = _run_fleet(target, trace, progress)
     elif jobs > 1 and target.replicas > 1:
         runs = fork_map(lambda k: one(k, None).detached(), range(target.replicas), jobs)
@@ -702,6 +734,7 @@ class _Share:
     t0: float
     before: dict[str, float]
     steps: Iterator[None]
+    share: list[BenchRequest] = field(default_factory=list)  # a routed replica's, as fed
 
 
 def _prepare(
@@ -710,9 +743,10 @@ def _prepare(
     trace: _Trace,
     k: int,
     progress: Callable[[bool], None] | None,
+    routed: bool = False,
 ) -> _Share:
-    """Replica ``k``'s share of the trace (every ``replicas``-th request from ``k``), after
-    its warm-up requests, one at a time."""
+    """Replica ``k``'s share of the trace (every ``replicas``-th request from ``k``; none
+    yet when ``routed``: a router feeds it), after its warm-up requests, one at a time."""
     from kvserve.bench.engine_target import engine_snapshot
 
     requests, load, offsets = trace.requests, trace.load, trace.offsets
@@ -733,6 +767,9 @@ def _prepare(
     cap = load.concurrency
     if cap is not None and target.replicas > 1:
         cap = max(1, math.ceil(cap / target.replicas))
+    if routed:
+        fed: list[BenchRequest] = []
+        return _Share(sim, rep, [], t0, before, rep.steps(fed, [], cap, t0), fed)
     return _Share(sim, rep, mine, t0, before, rep.steps(share, sends, cap, t0))
 
 
@@ -775,22 +812,10 @@ def _run_fleet(
     replica furthest behind in virtual time stepping next, so that a block one replica
     stores is a hit for another from the moment it was stored (to a step's resolution), and
     the server answers their loads one at a time, in the order they were asked."""
-    sims = [build_engine(target) for _ in range(target.replicas)]
-    first = sims[0].offload
-    for sim in sims[1:]:
-        tiers = sim.offload.tiers  # type: ignore[union-attr]
-        for i, tier in enumerate(tiers):
-            if tier.name in SHARED_TIERS:
-                tiers[i] = first.tiers[i]  # type: ignore[union-attr]
+    sims = _fleet_engines(target)
     with _no_collections():
         shares = [_prepare(sim, target, trace, k, progress) for k, sim in enumerate(sims)]
-        # The replay's timeline starts at each replica's end of warm-up (the warm-ups, one
-        # request at a time and not measured, leave the server idle).
-        for sh in shares:
-            sh.sim.offload.epoch = sh.t0  # type: ignore[union-attr]
-            for tier in sh.sim.offload.tiers:  # type: ignore[union-attr]
-                if tier.free_at is not None:
-                    tier.free_at = -math.inf
+        _start_shared_tiers(target, shares)
         ready = [(0.0, k) for k in range(len(shares))]
         while ready:
             _, k = heapq.heappop(ready)
@@ -798,6 +823,54 @@ def _run_fleet(
             if next(sh.steps, _DONE) is _DONE:
                 continue
             heapq.heappush(ready, (sh.sim.clock.now - sh.t0, k))
+        return [_finish(sh) for sh in shares]
+
+
+def _fleet_engines(target: SimTarget) -> list[SimEngine]:
+    """The replicas' engines; those behind one Redis tier share one modelled tier object."""
+    sims = [build_engine(target) for _ in range(target.replicas)]
+    if not shares_tiers(target):
+        return sims
+    first = sims[0].offload
+    for sim in sims[1:]:
+        tiers = sim.offload.tiers  # type: ignore[union-attr]
+        for i, tier in enumerate(tiers):
+            if tier.name in SHARED_TIERS:
+                tiers[i] = first.tiers[i]  # type: ignore[union-attr]
+    return sims
+
+
+def _start_shared_tiers(target: SimTarget, shares: list[_Share]) -> None:
+    """The replay's timeline starts at each replica's end of warm-up (the warm-ups, one
+    request at a time and not measured, leave a shared server idle)."""
+    if not shares_tiers(target):
+        return
+    for sh in shares:
+        sh.sim.offload.epoch = sh.t0  # type: ignore[union-attr]
+        for tier in sh.sim.offload.tiers:  # type: ignore[union-attr]
+            if tier.free_at is not None:
+                tier.free_at = -math.inf
+
+
+def _run_routed(
+    target: SimTarget, trace: _Trace, progress: Callable[[bool], None] | None
+) -> list[_ReplicaRun]:
+    """Replicas behind ``target.router`` (:mod:`kvserve.sim.fleet`): one timeline, each
+    request routed when it is sent, from the replicas' state then."""
+    sims = _fleet_engines(target)
+    requests = trace.requests
+
+    def encode(req: BenchRequest, i: int) -> list[int]:
+        if isinstance(requests, EncodedWorkload):
+            return requests.token_ids(i)
+        return sims[0].encode(req.prompt)
+
+    with _no_collections():
+        shares = [_prepare(sim, target, trace, k, progress, routed=True)
+                  for k, sim in enumerate(sims)]  # fmt: skip
+        _start_shared_tiers(target, shares)
+        routed_fleet(shares, requests, trace.offsets, trace.load.concurrency, target.router,
+                     encode)  # fmt: skip
         return [_finish(sh) for sh in shares]
 
 

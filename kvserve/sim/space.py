@@ -15,6 +15,7 @@ from kvserve.config import ConfigError, EngineConfig, parse_bytes
 from kvserve.config_fields import default_of
 from kvserve.engine_args import parse_tokens
 from kvserve.kv.formats import KV_CACHE_DTYPES
+from kvserve.sim.fleet import SIM_POLICIES
 
 
 def _bool(s: str) -> bool:
@@ -57,8 +58,10 @@ DIMENSIONS: dict[str, tuple[Callable[[str], Any], tuple[Any, ...]]] = {
     "admission": (str, ("greedy", "projected")),
     "replicas": (int, (1, 2)),
     "tp": (int, (1, 2)),
+    # How the replicas are routed (kvserve.router.policies): searched only when asked.
+    "router": (str, ("round_robin",)),
 }
-TARGET_KEYS = ("replicas", "tp")  # the others are engine flags
+TARGET_KEYS = ("replicas", "tp", "router")  # the others are engine flags
 
 
 def default_space(pinned: set[str] = frozenset()) -> dict[str, tuple[Any, ...]]:
@@ -103,6 +106,10 @@ def parse_search(items: list[str] | None) -> dict[str, tuple[Any, ...]]:
                 raise ValueError(
                     f"search: kv_cache_dtype: unknown {bad}; known: {', '.join(KV_CACHE_DTYPES)}"
                 )
+        if name == "router":
+            bad = [v for v in parsed if v not in SIM_POLICIES]
+            if bad:
+                raise ValueError(f"search: router: unknown {bad}; known: {', '.join(SIM_POLICIES)}")
         if name == "kv_offload_cpu":
             for v in parsed:
                 if v is not None:

@@ -328,5 +328,11 @@ class SimOffload:
     def flush(self, timeout_s: float = 10.0) -> bool:
         return True  # stores are visible at once
 
+    def enable_events(self, block_size: int) -> None:
+        """Modelled tiers publish no KV events (the simulator has no subscriber)."""
+
+    def take_events(self) -> list[Any]:
+        return []
+
     def close(self) -> None:
         pass

@@ -158,7 +158,7 @@ class TuneResult:
 
 def tune(
     engine_kwargs: dict[str, Any],
-    make_target: Callable[[dict[str, Any], int, int], SimTarget],
+    make_target: Callable[[dict[str, Any], int, int, str], SimTarget],
     requests: list[BenchRequest],
     load: LoadSpec,
     seed: int,
@@ -170,7 +170,7 @@ def tune(
     on_trial: Callable[[Trial], None] | None = None,
     jobs: int = 1,
 ) -> TuneResult:
-    """Coordinate descent over ``space``; ``make_target(engine kwargs, tp, replicas)``.
+    """Coordinate descent over ``space``; ``make_target(engine kwargs, tp, replicas, router)``.
     ``jobs`` > 1 simulates the rest of a pass's candidates at once in that many forked
     processes; the descent then reads them in its own order, so the result is the same."""
     if not isinstance(jobs, int) or jobs < 1:
@@ -190,7 +190,8 @@ def tune(
         if trial.excluded is None:
             kw = {**engine_kwargs, **{n: v for n, v in settings.items() if n not in TARGET_KEYS}}
             try:
-                target = make_target(kw, settings.get("tp", 1), settings.get("replicas", 1))
+                target = make_target(kw, settings.get("tp", 1), settings.get("replicas", 1),
+                                     settings.get("router", "round_robin"))  # fmt: skip
                 res, _ = simulate_load(target, requests, load, seed)
             except (ConfigError, PlanError, ValueError, NotImplementedError) as e:
                 trial.excluded = f"cannot run: {e}"
@@ -304,7 +305,11 @@ def serve_command(model: str, settings: dict[str, Any]) -> str:
             parts.append(f"{flag} {v}")
     line = " ".join(parts)
     if settings.get("replicas", 1) > 1:
-        line += f"\n# run {settings['replicas']} replicas behind a load balancer"
+        router = settings.get("router", "round_robin")
+        line += (
+            f"\n# run {settings['replicas']} replicas behind kvserve router "
+            f"--routing-logic {router}"
+        )
     return line
 
 

@@ -161,12 +161,15 @@ def cmd_tune(args: argparse.Namespace) -> int:
     )
     base = sim_target(args, kw)
 
-    def make_target(engine: dict[str, Any], tp: int, replicas: int) -> SimTarget:
-        # A dimension not searched is the flag's: --tp and --replicas.
+    def make_target(
+        engine: dict[str, Any], tp: int, replicas: int, router: str = "round_robin"
+    ) -> SimTarget:
+        # A dimension not searched is the flag's: --tp, --replicas and --router.
         tp = tp if "tp" in space else args.tp
         replicas = replicas if "replicas" in space else args.replicas
+        router = router if "router" in space else args.router
         return SimTarget(engine, base.profile, base.gpu, tp, replicas,
-                         args.gpu_memory_utilization)  # fmt: skip
+                         args.gpu_memory_utilization, router=router)  # fmt: skip
 
     count, max_len = token_counter(base)
     reqs = make_workload(workload_spec(args, args.seed, max_len), count)

@@ -1,0 +1,333 @@
+"""Cache-aware routing over real replicas: every policy of ``kvserve router`` and an oracle on
+one llm-d-shaped trace, with the simulator's prediction beside.
+
+N ``kvserve serve`` replicas of the bundled model on loopback, each pinned to one core and
+publishing KV events; the router in this process in front of them. The trace is llm-d's shape
+scaled to the machine: ``customers`` long shared contexts, each asked by ``users`` users (a
+context plus a short question of their own), in a seeded random order at a Poisson rate; each
+replica's pool is sized so the contexts are ``--kv-demand`` (0.7) of the replicas' pools
+together: they fit when each context lives on one replica, not when every replica needs them
+all. Each policy gets fresh replicas (cold caches). The oracle is the precise policy reading
+an index that has caught up (it waits for the event streams to go quiet before deciding).
+
+Per policy: prefix-cache hit rate (cached / prompt tokens the replicas reported), TTFT p90,
+output tokens/s, and the routing decision's p99. With ``--sim-profile`` (a profile from
+``kvserve simulate --calibrate`` on this machine, one thread), the simulator replays the same
+trace on the same pools through the same policy objects, at N and at ``--sim-replicas`` (the
+trace scaled with them).
+
+    .venv/bin/python -m benchmarks.routing [--quick] [--replicas N] [--sim-profile FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import emit, table, wait_ready
+
+REPO = Path(__file__).resolve().parent.parent
+POLICIES = ("oracle", "prefix", "prefix_approx", "round_robin", "least_load")
+WORDS = ("cache block model server request queue latency market price river stone cloud "
+         "paper garden window table light music number letter").split()  # fmt: skip
+
+
+def make_trace(tok: Any, customers: int, context: int, users: int, question: int,
+               seed: int) -> list[tuple[int, str]]:  # fmt: skip
+    """(customer, prompt) per request: a customer's context (about ``context`` tokens) and a
+    user's question (about ``question``), in a seeded random order."""
+    rng = random.Random(seed)
+
+    def text(n_tokens: int, tag: str) -> str:
+        words: list[str] = []
+        while len(tok.encode(" ".join(words))) < n_tokens:
+            words += [f"{rng.choice(WORDS)}{tag}" for _ in range(8)]
+        return " ".join(words)
+
+    contexts = [text(context, f"c{c}") for c in range(customers)]
+    out = [(c, contexts[c] + " question: " + text(question, f"u{c}x{u}"))
+           for c in range(customers) for u in range(users)]  # fmt: skip
+    rng.shuffle(out)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Replicas:
+    """N ``kvserve serve`` processes, replica i pinned to core i % cpus, events on ipc."""
+
+    def __init__(self, n: int, serve_args: list[str], tmp: str) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.specs: list[str] = []
+        cores = sorted(os.sched_getaffinity(0))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        for i in range(n):
+            port = free_port()
+            ev, rp = f"ipc://{tmp}/ev{i}", f"ipc://{tmp}/rp{i}"
+            cfg = json.dumps({"enable_kv_cache_events": True, "endpoint": ev,
+                              "replay_endpoint": rp})  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "kvserve.cli",
+                "serve",
+                *serve_args,
+                "--port",
+                str(port),
+                "--kv-events-config",
+                cfg,
+                "--disable-access-log",
+                "--log-level",
+                "warning",
+            ]
+            core = cores[i % len(cores)]
+            self.procs.append(subprocess.Popen(
+                cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                preexec_fn=lambda c=core: os.sched_setaffinity(0, {c})))  # fmt: skip
+            self.specs.append(f"http://127.0.0.1:{port},{ev},{rp}")
+        for p, spec in zip(self.procs, self.specs, strict=True):
+            wait_ready(int(spec.split(",")[0].rsplit(":", 1)[1]), 300, p)
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
+
+
+class Router:
+    """The router's app under uvicorn in a thread of this process."""
+
+    def __init__(self, specs: list[str], policy: str, tokenizer: str) -> None:
+        import uvicorn
+
+        from kvserve.model.tokenizer import Tokenizer
+        from kvserve.router.app import Replica, RouterState, build_app, parse_replica
+        from kvserve.router.index import PrefixIndex
+        from kvserve.router.policies import make_policy
+        from kvserve.server.tenants import TenantResolver
+
+        reps = [Replica(f"r{i}", *parse_replica(s)) for i, s in enumerate(specs)]
+        index = PrefixIndex(len(reps))
+        name = "prefix" if policy == "oracle" else policy
+        self.state = RouterState(reps, make_policy(name, index=index), index,
+                                 TenantResolver.from_args(None, None),
+                                 Tokenizer(Path(tokenizer), ()),
+                                 settle_s=0.02 if policy == "oracle" else 0.0)  # fmt: skip
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(build_app(self.state), log_level="warning",
+                                                    access_log=False))  # fmt: skip
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)  # fmt: skip
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the router did not start")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+async def drive(url: str, trace: list[tuple[int, str]], rate: float, max_tokens: int,
+                seed: int) -> list[dict[str, Any]]:  # fmt: skip
+    """Open loop: each request at its Poisson arrival, streamed; TTFT, tokens and hits."""
+    import httpx
+
+    rng = random.Random(seed)
+    gaps = [rng.expovariate(rate) for _ in trace]
+    out: list[dict[str, Any]] = []
+    async with httpx.AsyncClient(timeout=600) as client:
+
+        async def one(delay: float, prompt: str) -> None:
+            await asyncio.sleep(delay)
+            body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                    "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}  # fmt: skip
+            t0 = time.perf_counter()
+            rec: dict[str, Any] = {"send": t0, "ok": False}
+            async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    data = json.loads(line[6:])
+                    if "ttft" not in rec and data.get("choices"):
+                        rec["ttft"] = time.perf_counter() - t0
+                    if data.get("usage"):
+                        u = data["usage"]
+                        rec.update(ok=True, prompt=u["prompt_tokens"],
+                                   out=u["completion_tokens"],
+                                   cached=u["prompt_tokens_details"]["cached_tokens"])  # fmt: skip
+            rec["end"] = time.perf_counter()
+            out.append(rec)
+
+        at, tasks = 0.0, []
+        for (_, prompt), gap in zip(trace, gaps, strict=True):
+            at += gap
+            tasks.append(one(at, prompt))
+        await asyncio.gather(*tasks)
+    return out
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, math.ceil(q * len(xs)) - 1)]
+
+
+def figures(recs: list[dict[str, Any]]) -> dict[str, Any]:
+    ok = [r for r in recs if r["ok"]]
+    span = max(r["end"] for r in ok) - min(r["send"] for r in ok) if ok else 0.0
+    return {
+        "hit_rate": sum(r["cached"] for r in ok) / max(1, sum(r["prompt"] for r in ok)),
+        "ttft_p90_s": pct([r["ttft"] for r in ok if "ttft" in r], 0.9),
+        "output_tok_s": sum(r["out"] for r in ok) / span if span else 0.0,
+        "failed": len(recs) - len(ok),
+    }
+
+
+def simulate(profile_file: str, replicas: int, serve_kw: dict[str, Any], trace: list,
+             rate: float, max_tokens: int, seed: int, tok: Any) -> dict[str, dict]:  # fmt: skip
+    from kvserve.bench.metrics import percentile
+    from kvserve.bench.runner import LoadSpec
+    from kvserve.bench.workloads import BenchRequest
+    from kvserve.sim.cost import Profile
+    from kvserve.sim.simulate import SimTarget, simulate_load
+
+    reqs = [BenchRequest(i, "chat", p, max_tokens, len(tok.encode(p)), f"c{c}")
+            for i, (c, p) in enumerate(trace)]  # fmt: skip
+    out = {}
+    for policy in POLICIES:
+        target = SimTarget(dict(serve_kw), Profile.load(profile_file), replicas=replicas,
+                           router=policy)  # fmt: skip
+        res, _ = simulate_load(target, reqs, LoadSpec(rate), seed)
+        ok = [r for r in res.records if r.success]
+        out[policy] = {
+            "hit_rate": sum(r.cached_tokens for r in ok) / max(1, sum(r.prompt_tokens for r in ok)),
+            "ttft_p90_s": percentile([r.ttft for r in ok if r.ttft is not None], 90)
+            if ok
+            else None,
+            "output_tok_s": sum(r.output_tokens for r in ok) / res.duration,
+        }
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a small trace (a smoke run)")
+    p.add_argument("--replicas", type=int, default=min(2, len(os.sched_getaffinity(0))))
+    p.add_argument("--customers", type=int, default=None)
+    p.add_argument("--context-tokens", type=int, default=None)
+    p.add_argument("--users", type=int, default=None)
+    p.add_argument("--question-tokens", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--rate", type=float, default=None, help="requests per second")
+    p.add_argument("--kv-demand", type=float, default=0.7)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--sim-profile", default=None, help="a calibrated profile: the simulator's "
+                   "prediction beside the real figures")  # fmt: skip
+    p.add_argument("--sim-replicas", default="8,32")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    bad = [x for x in a.policies.split(",") if x not in POLICIES]
+    if bad:
+        p.error(f"--policies: unknown {bad}; known: {', '.join(POLICIES)}")
+    if a.replicas < 1:
+        p.error(f"--replicas: must be >= 1, got {a.replicas}")
+    if not 0 < a.kv_demand <= 1:
+        p.error(f"--kv-demand: must be in (0, 1], got {a.kv_demand}")
+    quick = a.quick
+    customers = a.customers or (4 if quick else 12) * a.replicas // 2
+    context = a.context_tokens or (256 if quick else 1536)
+    users = a.users or (4 if quick else 8)
+    max_tokens = a.max_tokens or (8 if quick else 32)
+    rate = a.rate or (2.0 if quick else 3.0)
+
+    from kvserve.engine_args import default_model
+    from kvserve.model.tokenizer import Tokenizer
+
+    model = default_model()
+    tok = Tokenizer(Path(model), ())
+    trace = make_trace(tok, customers, context, users, a.question_tokens, a.seed)
+    bs = a.block_size
+    ctx_blocks = customers * math.ceil(context / bs)
+    one_request = math.ceil((context + a.question_tokens + max_tokens + 64) / bs)
+    pool = max(math.ceil(ctx_blocks / (a.kv_demand * a.replicas)), 4 * one_request)
+    max_len = 2 * (context + a.question_tokens + max_tokens + 64)
+    serve_kw = dict(model=model, dtype="float32", block_size=bs, num_gpu_blocks=pool,
+                    max_model_len=max_len)  # fmt: skip
+    serve_args = ["--model", model, "--dtype", "float32", "--block-size", str(bs),
+                  "--num-gpu-blocks", str(pool), "--max-model-len", str(max_len),
+                  "--served-model-name", "m"]  # fmt: skip
+    print(
+        f"# {a.replicas} replicas x {pool} blocks of {bs}; {customers} customers x "
+        f"{context}-token contexts x {users} users = {len(trace)} requests at {rate}/s; "
+        f"contexts are {ctx_blocks / (pool * a.replicas):.0%} of the pools",
+        flush=True,
+    )
+    real: dict[str, dict[str, Any]] = {}
+    decision_p99: dict[str, float | None] = {}
+    for policy in a.policies.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            reps = Replicas(a.replicas, serve_args, tmp)
+            router = None
+            try:
+                router = Router(reps.specs, policy, model)
+                recs = asyncio.run(drive(router.url, trace, rate, max_tokens, a.seed))
+                real[policy] = figures(recs)
+                times = list(router.state.decision_times)
+                decision_p99[policy] = (pct(times, 0.99) or 0.0) * 1000
+            finally:
+                if router is not None:
+                    router.close()
+                reps.close()
+        print(f"# {policy}: {real[policy]}", flush=True)
+    rows = [{"policy": k, **v, "decision_p99_ms": decision_p99[k]} for k, v in real.items()]
+    print(table(rows, ["policy", "hit_rate", "ttft_p90_s", "output_tok_s", "failed",
+                       "decision_p99_ms"]))  # fmt: skip
+    sim: dict[str, Any] | None = None
+    if a.sim_profile:
+        sim = {str(a.replicas): simulate(a.sim_profile, a.replicas, serve_kw, trace, rate,
+                                         max_tokens, a.seed, tok)}  # fmt: skip
+        for n in [int(x) for x in a.sim_replicas.split(",") if x]:
+            scale = max(1, n // a.replicas)
+            big = make_trace(tok, customers * scale, context, users, a.question_tokens, a.seed)
+            sim[str(n)] = simulate(a.sim_profile, n, serve_kw, big, rate * scale, max_tokens,
+                                   a.seed, tok)  # fmt: skip
+    emit({
+        "benchmark": "routing", "replicas": a.replicas, "requests": len(trace),
+        "policies": real,
+        "decision_p99_ms": decision_p99.get("prefix"),
+        "decision_p99_ms_by_policy": decision_p99,
+        "sim": sim,
+    })  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,348 @@
+"""Routing policies: which replica serves a request. One object per policy, the same objects
+for ``kvserve router`` (real replicas) and ``kvserve simulate --router`` (modelled ones).
+
+A policy sees the request (its prompt tokens, the salt that partitions the prefix cache, a
+session key) and the router's view of each replica's load (requests and prompt blocks in
+flight, whether it is healthy) and returns a :class:`Decision`. The prefix policies also ask a
+:class:`PrefixScorer` how much of the prompt each replica holds:
+
+- ``prefix`` (precise): the :class:`~kvserve.router.index.PrefixIndex` built from the
+  replicas' KV events, each block credited by its medium.
+- ``prefix_approx``: the router's own routing history (SGLang's approximate tree): a
+  replica is assumed to hold the prompts it was sent, up to a capacity, least recently sent
+  forgotten first. For replicas that publish no events.
+
+Both use NVIDIA Dynamo's cost: ``overlap_weight * (prompt blocks the replica must compute)
++ (the blocks it would hold: the distinct prompt blocks in flight on it, and this prompt's
+that it lacks)``, the lowest wins (a block of a prompt in flight counts as held by its
+replica: it will be, before its event comes); and SGLang's imbalance guard: when the
+busiest replica has more than ``balance_abs`` requests more than the idlest *and* more than
+``balance_rel`` times as many, the request goes to the least loaded one whatever the cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvserve.kv.hashing import BlockHash, extend_block_hashes
+from kvserve.router.index import PrefixIndex
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    """What a policy knows of a request."""
+
+    token_ids: Sequence[int] = ()
+    salt: str | None = None  # the prefix-cache partition (the tenant's cache salt)
+    session: str | None = None  # a session header, or the request's ``user``
+    chain: list[BlockHash] | None = None  # the router's own block keys, made once (chain_of)
+
+
+@dataclass(slots=True)
+class ReplicaLoad:
+    """The router's view of one replica."""
+
+    healthy: bool = True
+    requests: int = 0  # in flight from this router
+    blocks: int = 0  # prompt blocks of those requests (Dynamo's decode blocks)
+
+
+@dataclass(slots=True)
+class Decision:
+    replica: int
+    policy: str
+    hit_blocks: int = 0  # prompt blocks the policy expects the replica to hold
+    balanced: bool = False  # the imbalance guard overrode the cache score
+    scores: list[float] = field(default_factory=list)  # cost per replica (prefix policies)
+
+
+class NoReplicaError(RuntimeError):
+    """No healthy replica to route to."""
+
+
+def _healthy(loads: Sequence[ReplicaLoad]) -> list[int]:
+    out = [i for i, ld in enumerate(loads) if ld.healthy]
+    if not out:
+        raise NoReplicaError("no healthy replica")
+    return out
+
+
+class RoutingPolicy(ABC):
+    name: str = ""
+
+    @abstractmethod
+    def choose(self, req: RouteRequest, loads: Sequence[ReplicaLoad]) -> Decision: ...
+
+    def routed(self, req: RouteRequest, replica: int) -> None:  # noqa: B027 - optional hook
+        """The request went to ``replica`` (the prefix policies remember it)."""
+
+    def finished(self, req: RouteRequest, replica: int) -> None:  # noqa: B027 - optional hook
+        """The request ended on ``replica`` (served, failed or cut)."""
+
+
+class RoundRobin(RoutingPolicy):
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = itertools.count()
+
+    def choose(self, req: RouteRequest, loads: Sequence[ReplicaLoad]) -> Decision:
+        healthy = _healthy(loads)
+        return Decision(healthy[next(self._next) % len(healthy)], self.name)
+
+
+def least_loaded(loads: Sequence[ReplicaLoad], turn: int = 0) -> int:
+    """Fewest requests in flight, then fewest blocks; ties rotate with ``turn``."""
+    healthy = _healthy(loads)
+    k = len(healthy)
+    order = [healthy[(turn + j) % k] for j in range(k)]
+    return min(order, key=lambda i: (loads[i].requests, loads[i].blocks))
+
+
+class LeastLoad(RoutingPolicy):
+    name = "least_load"
+
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    def choose(self, req: RouteRequest, loads: Sequence[ReplicaLoad]) -> Decision:
+        return Decision(least_loaded(loads, next(self._turn)), self.name)
+
+
+class Session(RoutingPolicy):
+    """A session sticks to one replica (rendezvous hashing over the healthy ones, so a dead
+    replica moves only its own sessions); a request with no session goes to the least loaded."""
+
+    name = "session"
+
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    def choose(self, req: RouteRequest, loads: Sequence[ReplicaLoad]) -> Decision:
+        if req.session is None:
+            return Decision(least_loaded(loads, next(self._turn)), self.name)
+        key = req.session.encode()
+
+        def weight(i: int) -> bytes:
+            return hashlib.sha256(key + b"\0" + str(i).encode()).digest()
+
+        return Decision(max(_healthy(loads), key=weight), self.name)
+
+
+class PrefixScorer(Protocol):
+    """Per replica: (leading prompt blocks it holds, their credited blocks)."""
+
+    block_size: int | None
+
+    def match(self, req: RouteRequest, num_replicas: int) -> list[tuple[int, float]]: ...
+
+
+class EventScorer:
+    """The precise scorer: the index of the replicas' KV events."""
+
+    def __init__(self, index: PrefixIndex) -> None:
+        self.index = index
+
+    @property
+    def block_size(self) -> int | None:
+        return self.index.block_size
+
+    def match(self, req: RouteRequest, num_replicas: int) -> list[tuple[int, float]]:
+        chain = self.index.chain(req.token_ids, req.salt)
+        if not chain:
+            return [(0, 0.0)] * num_replicas
+        return [self.index.overlap(r, chain) for r in range(num_replicas)]
+
+
+ROUTER_ROOT = BlockHash(hashlib.sha256(b"kvserve-router-history").digest())
+
+
+def chain_of(req: RouteRequest, block_size: int) -> list[BlockHash]:
+    """The router's own keys for the request's full blocks (salted as the replicas salt them,
+    rooted apart from theirs), made once per request."""
+    if req.chain is None:
+        req.chain = []
+        extend_block_hashes(req.chain, list(req.token_ids), block_size, ROUTER_ROOT, req.salt)
+    return req.chain
+
+
+class InFlight:
+    """The blocks of the prompts in flight on each replica: they will be cached there once
+    computed, before any event says so. A burst of requests sharing a new prefix would else
+    look cold everywhere and be spread; Dynamo counts its active sequences' blocks the same
+    way."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.held: list[dict[bytes, int]] = []
+
+    def blocks(self, r: int) -> dict[bytes, int]:
+        while len(self.held) <= r:
+            self.held.append({})
+        return self.held[r]
+
+    def add(self, req: RouteRequest, r: int) -> None:
+        held = self.blocks(r)
+        for h in chain_of(req, self.block_size):
+            held[h] = held.get(h, 0) + 1
+
+    def remove(self, req: RouteRequest, r: int) -> None:
+        held = self.blocks(r)
+        for h in chain_of(req, self.block_size):
+            n = held.get(h, 0) - 1
+            if n > 0:
+                held[h] = n
+            else:
+                held.pop(h, None)
+
+    def overlap(self, req: RouteRequest, r: int) -> int:
+        held, n = self.blocks(r), 0
+        for h in chain_of(req, self.block_size):
+            if h not in held:
+                break
+            n += 1
+        return n
+
+
+class HistoryScorer:
+    """The approximate scorer: each replica is assumed to hold the blocks of the prompts it
+    was sent, at most ``capacity_blocks`` of them (least recently sent forgotten first)."""
+
+    def __init__(self, block_size: int = 16, capacity_blocks: int = 1 << 16) -> None:
+        self.block_size: int | None = block_size
+        self.capacity_blocks = capacity_blocks
+        self.sent: list[OrderedDict[bytes, None]] = []
+
+    def _chain(self, req: RouteRequest) -> list[BlockHash]:
+        assert self.block_size is not None
+        return chain_of(req, self.block_size)
+
+    def match(self, req: RouteRequest, num_replicas: int) -> list[tuple[int, float]]:
+        while len(self.sent) < num_replicas:
+            self.sent.append(OrderedDict())
+        chain = self._chain(req)
+        out = []
+        for r in range(num_replicas):
+            sent, n = self.sent[r], 0
+            for h in chain:
+                if h not in sent:
+                    break
+                n += 1
+            out.append((n, float(n)))
+        return out
+
+    def remember(self, req: RouteRequest, replica: int) -> None:
+        while len(self.sent) <= replica:
+            self.sent.append(OrderedDict())
+        sent = self.sent[replica]
+        for h in self._chain(req):
+            sent[h] = None
+            sent.move_to_end(h)
+        while len(sent) > self.capacity_blocks:
+            sent.popitem(last=False)
+
+    def forget(self, replica: int) -> None:
+        if replica < len(self.sent):
+            self.sent[replica].clear()
+
+
+class PrefixPolicy(RoutingPolicy):
+    """Dynamo's cost over a scorer, behind SGLang's imbalance guard."""
+
+    name = "prefix"
+
+    def __init__(
+        self,
+        scorer: PrefixScorer,
+        name: str = "prefix",
+        overlap_weight: float = 1.0,
+        balance_abs: int = 16,
+        balance_rel: float = 1.5,
+        block_size: int = 16,
+    ) -> None:
+        """``block_size``: the replicas', until the scorer has learned it."""
+        self.scorer = scorer
+        self.block_size = block_size
+        self.name = name
+        self.overlap_weight = overlap_weight
+        self.balance_abs = balance_abs
+        self.balance_rel = balance_rel
+        self._turn = itertools.count()
+        # Blocks of the prompts in flight per replica: the load term (distinct blocks, as
+        # Dynamo counts its active blocks), and for the precise scorers, which learn a block
+        # only once it is computed, blocks about to be cached.
+        self.inflight = InFlight(block_size)
+        self._precise = not isinstance(scorer, HistoryScorer)
+
+    def choose(self, req: RouteRequest, loads: Sequence[ReplicaLoad]) -> Decision:
+        healthy = _healthy(loads)
+        turn = next(self._turn)
+        busiest = max(loads[i].requests for i in healthy)
+        idlest = min(loads[i].requests for i in healthy)
+        if busiest - idlest > self.balance_abs and busiest > self.balance_rel * idlest:
+            return Decision(least_loaded(loads, turn), self.name, balanced=True)
+        bs = self.inflight.block_size = self.scorer.block_size or self.block_size
+        n_blocks = len(req.token_ids) // bs
+        matches = self.scorer.match(req, len(loads))
+        inflight = self.inflight
+        if self._precise:
+            for i in healthy:
+                pending = inflight.overlap(req, i)
+                if pending > matches[i][0]:
+                    matches[i] = (pending, max(matches[i][1], float(pending)))
+        costs = [float("inf")] * len(loads)
+        for i in healthy:
+            # Dynamo: prefill blocks weighted, plus the decode blocks the replica would hold
+            # (those in flight, and this prompt's that it lacks).
+            decode = len(inflight.blocks(i)) + n_blocks - matches[i][0]
+            costs[i] = self.overlap_weight * (n_blocks - matches[i][1]) + decode
+        k = len(healthy)
+        order = [healthy[(turn + j) % k] for j in range(k)]  # ties rotate
+        best = min(order, key=lambda i: (costs[i], loads[i].requests))
+        return Decision(best, self.name, hit_blocks=matches[best][0], scores=costs)
+
+    def routed(self, req: RouteRequest, replica: int) -> None:
+        if isinstance(self.scorer, HistoryScorer):
+            self.scorer.remember(req, replica)
+        self.inflight.block_size = self.scorer.block_size or self.block_size
+        self.inflight.add(req, replica)
+
+    def finished(self, req: RouteRequest, replica: int) -> None:
+        self.inflight.remove(req, replica)
+
+
+POLICIES = ("round_robin", "least_load", "session", "prefix", "prefix_approx")
+
+
+def make_policy(
+    name: str,
+    index: PrefixIndex | None = None,
+    block_size: int = 16,
+    approx_capacity_blocks: int = 1 << 16,
+    scorer: PrefixScorer | None = None,
+    **prefix_kw: float,
+) -> RoutingPolicy:
+    """The policy named ``name``; ``prefix`` reads ``index`` (or ``scorer``: an oracle's)."""
+    simple: dict[str, Callable[[], RoutingPolicy]] = {
+        "round_robin": RoundRobin, "least_load": LeastLoad, "session": Session,
+    }  # fmt: skip
+    if name in simple:
+        return simple[name]()
+    if name == "prefix":
+        if scorer is None:
+            if index is None:
+                raise ValueError("router: the prefix policy needs the replicas' KV events")
+            scorer = EventScorer(index)
+        return PrefixPolicy(scorer, "prefix", block_size=block_size,
+                            **prefix_kw)  # type: ignore[arg-type]  # fmt: skip
+    if name == "prefix_approx":
+        history = HistoryScorer(block_size, approx_capacity_blocks)
+        return PrefixPolicy(history, "prefix_approx", block_size=block_size,
+                            **prefix_kw)  # type: ignore[arg-type]  # fmt: skip
+    raise ValueError(f"router: policy must be one of {', '.join(POLICIES)}, got {name!r}")
