@@ -29,6 +29,17 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 SHARED = [(5 * i + 7) % 200 + 3 for i in range(3 * BS)]  # three full blocks
 PROMPT_A = SHARED + [(3 * i + 1) % 200 + 3 for i in range(BS + 3)]  # 4 full + a partial
 PROMPT_B = SHARED + [(7 * i + 2) % 200 + 3 for i in range(2 * BS + 5)]  # 5 full + a partial
+
+
+@pytest.fixture(autouse=True)
+def no_bandwidth_probe(monkeypatch):
+    """Each engine measures the memory's peak bandwidth at start (half a second); nothing
+    here reads it, and these tests build many engines."""
+    from kvserve.worker.worker import Worker
+
+    monkeypatch.setattr(Worker, "measure_peak_bandwidth", lambda self: 1e10)
+
+
 FORMATS = ["float32", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8", "kivi4", "kivi2"]
 
 
@@ -133,9 +144,7 @@ def test_a_dead_prefill_engine_is_noticed_within_a_second(checkpoint, make_llm, 
     assert_idle(d)
 
 
-def test_a_lease_that_expires_frees_the_blocks_and_a_late_decode_recomputes(
-    checkpoint, make_llm
-):
+def test_a_lease_that_expires_frees_the_blocks_and_a_late_decode_recomputes(checkpoint, make_llm):
     ckpt = checkpoint("llama_gqa")
     want = reference(make_llm, ckpt, [PROMPT_A])[0]
     p, d = engines(make_llm, ckpt, lease_s=0.2)

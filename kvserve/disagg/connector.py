@@ -40,7 +40,6 @@ from kvserve.disagg import wire
 from kvserve.disagg.transport import Fetch, KVClient, KVServer, Releaser
 from kvserve.sched.request import RequestStatus
 
-
 # A read may arrive before the step that starts its hold (the answer that names the blocks
 # leaves after the step that finished the request): an unknown request is refused after this.
 UNKNOWN_GRACE_S = 1.0

@@ -219,6 +219,9 @@ def _tags(
         raise bad_request("priority", f"has no effect under --scheduling-policy "
                           f"{state.scheduling_policy}; the server must be started with "
                           "--scheduling-policy priority")  # fmt: skip
+    if req.kv_transfer_params is not None and not state.loop.engine.connector:
+        raise bad_request("kv_transfer_params", "not supported by this server: it runs no KV "
+                          "connector (start it with --kv-transfer-config)")  # fmt: skip
     try:
         check_request_params(req.kv_transfer_params)
     except BadTransferParams as e:
