@@ -101,7 +101,7 @@ def test_disaggregated_tokens_equal_colocated_and_only_missing_blocks_travel(
     assert d.engine.stats().prefill_tokens_computed_total == 0
     assert dw.client is not None and p.engine.connector.counters["holds"] == 2
     assert_idle(p, d)
-    assert d.engine.connector.stats()["failures"] == {}
+    assert d.engine.stats().kv_transfer["failures"] == {}
 
 
 @pytest.mark.parametrize(
@@ -121,7 +121,7 @@ def test_a_mismatched_peer_is_refused_naming_the_field(checkpoint, make_llm, dec
     params = dict(first.kv_transfer_params, remote_block_hashes=None)  # (the model's hashes differ)
     out = decode([p.engine, d.engine], d.engine, "a", PROMPT_A, GREEDY, params)
     assert out.error is not None and "handshake refused" in out.error and f"{field}:" in out.error
-    assert d.engine.connector.stats()["failures"] == {"handshake": 1}
+    assert d.engine.stats().kv_transfer["failures"] == {"handshake": 1}
     assert_idle(p, d)
 
 
@@ -140,7 +140,7 @@ def test_a_dead_prefill_engine_is_noticed_within_a_second(checkpoint, make_llm, 
         assert out.num_transferred_tokens == 0
     else:
         assert "unreachable" in out.error and "kv_load_failure_policy: fail" in out.error
-    assert d.engine.connector.stats()["failures"] == {"peer_unreachable": 1}
+    assert d.engine.stats().kv_transfer["failures"] == {"peer_unreachable": 1}
     assert_idle(d)
 
 
@@ -155,7 +155,7 @@ def test_a_lease_that_expires_frees_the_blocks_and_a_late_decode_recomputes(chec
     assert worker_side(p)._holds == {}
     out = decode([p.engine, d.engine], d.engine, "a", PROMPT_A, GREEDY, first.kv_transfer_params)
     assert out.error is None and out.outputs[0].token_ids == want  # recomputed locally
-    assert d.engine.connector.stats()["failures"] == {"lease_expired": 1}
+    assert d.engine.stats().kv_transfer["failures"] == {"lease_expired": 1}
     assert_idle(p, d)
 
 
@@ -251,7 +251,7 @@ def test_random_faults_lose_nothing_and_leak_nothing(checkpoint, make_llm):
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
     assert outcomes.get("exact", 0) >= 10 and set(outcomes) <= {"exact", "aborted"}
     # The faults happened, and each was noticed for what it was.
-    fails = d.engine.connector.stats()["failures"]
+    fails = d.engine.stats().kv_transfer["failures"]
     assert {"timeout", "lease_expired", "peer_unreachable"} <= set(fails), fails
     _, out = pd(p, d, "last", PROMPT_A)  # both keep serving
     assert out.outputs[0].token_ids == want[0]

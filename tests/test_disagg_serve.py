@@ -74,6 +74,13 @@ def test_proxy_prefill_and_decode_processes_give_the_colocated_text(checkpoint, 
         # The second request's full blocks are in the decode engine's prefix cache: cached,
         # and only the partial block travels.
         assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == n_prompt // 8 * 8
+        metrics = httpx.get(d.url + "/metrics", timeout=10).text
+        got = {line.split(" ")[0]: float(line.split(" ")[1]) for line in metrics.splitlines()
+               if line.startswith("kvserve:kv_transfer")}  # fmt: skip
+        n_blocks = -(-n_prompt // 8)
+        assert got['kvserve:kv_transfer_blocks_total{direction="received"}'] == n_blocks + 1
+        assert got['kvserve:kv_transfer_bytes_total{direction="received"}'] > 0
+        assert got["kvserve:kv_transfers_total"] == 2
         # A decode engine that is gone: a clear error, not a hang or a silent recompute.
         assert d.stop() == 0
         r = asyncio.run(_one(build_app(Proxy([p.url], [d.url])), body))

@@ -246,8 +246,8 @@ class KVServeConnector(KVConnector):
         }
 
     def stats(self) -> dict[str, Any]:
-        return {**self.counters, "failures": dict(self.failures),
-                "leases_held": self.leases_held}  # fmt: skip
+        return {"kv_transfer": {**self.counters, "failures": dict(self.failures),
+                                "leases_held": self.leases_held}}  # fmt: skip
 
     # -- worker side -------------------------------------------------------------------------
     def register_kv_caches(self, storage: Any) -> None:
