@@ -24,8 +24,45 @@ import zmq
 
 from kvserve.disagg import wire
 
-POLL_MS = 5
+POLL_MS = 50  # the longest a thread sleeps: work from other threads wakes it at once
 PING_INTERVAL_S = 0.2
+
+
+class _Waker:
+    """Wakes a thread blocked in ``zmq.Poller.poll`` from any other thread: an inproc PULL
+    socket in the poller, and a PUSH socket per waking thread."""
+
+    def __init__(self, ctx: Any) -> None:
+        self._ctx = ctx
+        self.addr = f"inproc://kvserve-wake-{id(self)}"
+        self.sock = ctx.socket(zmq.PULL)
+        self.sock.bind(self.addr)
+        self._local = threading.local()
+        self._pushes: list[Any] = []
+
+    def wake(self) -> None:
+        push = getattr(self._local, "sock", None)
+        if push is None:
+            push = self._local.sock = self._ctx.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 0)
+            push.connect(self.addr)
+            self._pushes.append(push)
+        try:
+            push.send(b"", zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # a wake-up is already pending, or the thread has stopped
+
+    def drain(self) -> None:
+        while True:
+            try:
+                self.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+
+    def close(self) -> None:
+        for s in self._pushes:
+            s.close(0)
+        self.sock.close(0)
 
 
 class KVServer:
@@ -50,6 +87,7 @@ class KVServer:
             self._sock.bind(f"tcp://{host}:{port}")
             self.port = port
         self.refused_hellos = 0
+        self._waker = _Waker(self._ctx)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-server", daemon=True)
         self._thread.start()
@@ -64,12 +102,17 @@ class KVServer:
     def send(self, peer: bytes, msg: wire.Message, frames: list[Any] = ()) -> None:
         """Queue an answer (any thread)."""
         self._outbox.append([peer, wire.encode(msg), *frames])
+        self._waker.wake()
 
     def _run(self) -> None:
         sock, poller = self._sock, zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        poller.register(self._waker.sock, zmq.POLLIN)
         while not self._stop.is_set():
-            if poller.poll(POLL_MS):
+            ready = dict(poller.poll(POLL_MS))
+            if self._waker.sock in ready:
+                self._waker.drain()
+            if sock in ready:
                 while True:
                     try:
                         parts = sock.recv_multipart(zmq.NOBLOCK)
@@ -79,6 +122,7 @@ class KVServer:
             while self._outbox:
                 sock.send_multipart(self._outbox.popleft(), copy=False)
         sock.close(0)
+        self._waker.close()
 
     def _handle(self, peer: bytes, data: bytes) -> None:
         try:
@@ -105,7 +149,10 @@ class KVServer:
             self.inbox.append((peer, msg, time.monotonic()))
 
     def close(self) -> None:
+        if self._stop.is_set():
+            return
         self._stop.set()
+        self._waker.wake()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=2.0)
 
@@ -160,6 +207,7 @@ class KVClient:
         self._peers: dict[tuple[str, int], _Peer] = {}
         self._ids = itertools.count(1)
         self._pings = itertools.count(1)
+        self._waker = _Waker(self._ctx)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-client", daemon=True)
         self._thread.start()
@@ -167,12 +215,15 @@ class KVClient:
     # -- any thread ---------------------------------------------------------------------------
     def fetch(self, job: Fetch) -> None:
         self._jobs.append(("fetch", job))
+        self._waker.wake()
 
     def cancel(self, request_id: str) -> None:
         self._jobs.append(("cancel", request_id))
+        self._waker.wake()
 
     def release(self, host: str, port: int, remote_request_id: str) -> None:
         self._jobs.append(("release", (host, port, remote_request_id)))
+        self._waker.wake()
 
     # -- the client's thread -----------------------------------------------------------------
     def _peer(self, host: str, port: int) -> _Peer:
@@ -278,27 +329,30 @@ class KVClient:
                 p.sock.send(wire.encode(wire.Ping(next(self._pings))))
 
     def _run(self) -> None:
-        poller_socks: dict[Any, tuple[str, int]] = {}
         while not self._stop.is_set():
             self._take_jobs()
             poller = zmq.Poller()
-            poller_socks = {p.sock: key for key, p in self._peers.items()}
-            for s in poller_socks:
+            poller.register(self._waker.sock, zmq.POLLIN)
+            socks = {p.sock: key for key, p in self._peers.items()}
+            for s in socks:
                 poller.register(s, zmq.POLLIN)
-            if poller_socks:
-                ready = dict(poller.poll(POLL_MS))
-                for s in ready:
-                    key = poller_socks[s]
-                    if key in self._peers:
-                        self._receive(key, self._peers[key])
-            else:
-                time.sleep(POLL_MS / 1000)
+            busy = any(p.queued or p.inflight for p in self._peers.values())
+            ready = dict(poller.poll(int(PING_INTERVAL_S * 500) if busy else POLL_MS))
+            for s in ready:
+                if s is self._waker.sock:
+                    self._waker.drain()
+                elif socks[s] in self._peers:
+                    self._receive(socks[s], self._peers[socks[s]])
             self._heartbeat(time.monotonic())
         for p in self._peers.values():
             p.sock.close(0)
+        self._waker.close()
 
     def close(self) -> None:
+        if self._stop.is_set():
+            return
         self._stop.set()
+        self._waker.wake()
         if self._thread.is_alive():
             self._thread.join(timeout=2.0)
 
