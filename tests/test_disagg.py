@@ -66,8 +66,8 @@ def pd(p, d, rid, prompt, params=GREEDY):
                          first.kv_transfer_params)  # fmt: skip
 
 
-def assert_idle(*llms):
-    settle([x.engine for x in llms])
+def assert_idle(*llms, timeout_s=30.0):
+    settle([x.engine for x in llms], timeout_s)
     for x in llms:
         assert x.engine.kv.num_used_blocks == 0
         x.engine.kv.check_invariants()
@@ -126,6 +126,29 @@ def test_a_mismatched_peer_is_refused_naming_the_field(checkpoint, make_llm, dec
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_an_answer_for_other_tokens_is_not_pulled(checkpoint, make_llm, policy):
+    """The decode engine's own block hashes (here under another cache salt) must match the
+    prefill engine's: otherwise nothing is pulled and the failure policy applies."""
+    ckpt = checkpoint("llama_gqa")
+    want = reference(make_llm, ckpt, [PROMPT_A])[0]
+    p, d = engines(make_llm, ckpt, policy=policy)
+    first = prefill(p.engine, "a", PROMPT_A, GREEDY)
+    d.engine.add_request("a", {"prompt_token_ids": PROMPT_A, "cache_salt": "other tenant"},
+                         GREEDY, tags=_tags(first.kv_transfer_params))  # fmt: skip
+    out = None
+    while out is None:
+        out = next((o for o in d.engine.step() if o.finished), None)
+    if policy == "recompute":
+        assert out.error is None and out.outputs[0].token_ids == want
+        assert out.num_transferred_tokens == 0
+    else:
+        assert "block hash mismatch" in out.error
+    assert d.engine.stats().kv_transfer["failures"] == {"hash_mismatch": 1}
+    assert d.engine.stats().kv_transfer.get("blocks_received", 0) == 0
+    assert_idle(p, d, timeout_s=5.0)  # released at once, long before the hold's 30 s lease
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_a_dead_prefill_engine_is_noticed_within_a_second(checkpoint, make_llm, policy):
     ckpt = checkpoint("llama_gqa")
     want = reference(make_llm, ckpt, [PROMPT_A])[0]
@@ -169,9 +192,7 @@ def test_aborts_on_either_side_release_both_sides_blocks(checkpoint, make_llm):
                          tags=_tags(first.kv_transfer_params))  # fmt: skip
     d.engine.step()
     d.engine.abort_request("a")
-    t0 = time.monotonic()
-    assert_idle(p, d)
-    assert time.monotonic() - t0 < 5.0
+    assert_idle(p, d, timeout_s=5.0)  # long before the 60 s lease
     # The prefill side aborts before its first token: nothing is held or handed out.
     p.engine.add_request("b", {"prompt_token_ids": PROMPT_B}, GREEDY.clone(max_tokens=1),
                          tags=_tags({"do_remote_decode": True}))  # fmt: skip

@@ -75,7 +75,8 @@ class KVServeConnector(KVConnector):
         self.read_timeout_s = float(extra.get("read_timeout_s", self.lease))
         self.model_dir = config.model
         # scheduler side
-        self._asked: dict[str, tuple[kp.RemotePrefill, list[int], list[int]]] = {}
+        # request -> (where to pull from, or why it cannot be; block indices; first tokens)
+        self._asked: dict[str, tuple[kp.RemotePrefill | str, list[int], list[int]]] = {}
         self._sends: dict[str, list[int]] = {}
         self._recvs: dict[str, dict[str, Any]] = {}
         self._cancels: list[str] = []
@@ -106,9 +107,15 @@ class KVServeConnector(KVConnector):
             self._releaser = Releaser()
         self._releaser.release(remote.host, remote.port, remote.request_id)
 
-    def _fail_early(self, rid: str, error: str) -> None:
-        self.failures[_reason_key(error)] += 1
-        self._reasons[rid] = error
+    def _fail_early(self, request: Any, num_computed: int, error: str) -> tuple[int, bool]:
+        """Answers that cannot be pulled fail as a load that never arrives, so the scheduler
+        applies kv_load_failure_policy to them like to any other failed pull."""
+        end = request.num_prompt_tokens - 1
+        if num_computed >= end:
+            self.failures[_reason_key(error)] += 1
+            return 0, False
+        self._asked[request.request_id] = (error, [], [])
+        return end - num_computed, True
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -120,8 +127,7 @@ class KVServeConnector(KVConnector):
         try:
             remote = kp.remote_prefill(params, rid)
         except kp.BadTransferParams as e:
-            self._fail_early(rid, str(e))
-            return 0, False
+            return self._fail_early(request, num_computed_tokens, str(e))
         bs, p = self.block_size, request.num_prompt_tokens
         why = None
         if remote.num_tokens is not None and remote.num_tokens != p:
@@ -135,9 +141,8 @@ class KVServeConnector(KVConnector):
             if ours[:n] != remote.block_hashes[:n]:
                 why = "block hash mismatch: the prefill engine hashed other tokens or salt"
         if why is not None:
-            self._fail_early(rid, why)
             self._release(remote)
-            return 0, False
+            return self._fail_early(request, num_computed_tokens, why)
         simple = (not request.forks and request.output_logprobs is None
                   and request.sampling_params.structured_outputs is None
                   and request.prompt_logits is None)  # fmt: skip
@@ -155,6 +160,9 @@ class KVServeConnector(KVConnector):
     ) -> None:
         rid = request.request_id
         remote, indices, inject = self._asked.pop(rid)
+        if isinstance(remote, str):  # failed before it started (see _fail_early)
+            self._recvs[rid] = {"error": remote, "block_ids": list(block_ids)}
+            return
         if len(block_ids) != len(indices):
             raise RuntimeError(f"{rid}: {len(block_ids)} blocks for {len(indices)} to load")
         self._recvs[rid] = {"host": remote.host, "port": remote.port,
@@ -170,9 +178,9 @@ class KVServeConnector(KVConnector):
         self._asked.pop(rid, None)
         self._inject.pop(rid, None)
         self._started.pop(rid, None)
-        if self._recvs.pop(rid, None) is not None:  # never reached the workers
-            remote = kp.remote_prefill(request.kv_transfer_params, rid)
-            self._release(remote)
+        recv = self._recvs.pop(rid, None)
+        if recv is not None and "error" not in recv:  # never reached the workers
+            self._release(kp.remote_prefill(request.kv_transfer_params, rid))
         elif rid in self._fetched:
             self._cancels.append(rid)  # the workers drop the fetch (when they next step)
             self._release(kp.remote_prefill(request.kv_transfer_params, rid))
@@ -274,6 +282,11 @@ class KVServeConnector(KVConnector):
             self._fetching.pop(rid, None)
             client.cancel(rid)
         for rid, f in metadata["recv"].items():
+            if "error" in f:  # nothing to pull: reported failed with this step
+                self._received.add(rid)
+                self._invalid.update(f["block_ids"])
+                self._wstats.setdefault("failed", {})[rid] = f["error"]
+                continue
             self._fetching[rid] = f
             client.fetch(Fetch(rid, f["host"], f["port"], f["remote_request_id"], f["indices"]))
 
