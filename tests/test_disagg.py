@@ -125,24 +125,17 @@ def test_a_mismatched_peer_is_refused_naming_the_field(checkpoint, make_llm, dec
     assert_idle(p, d)
 
 
-@pytest.mark.parametrize("policy", ["recompute", "fail"])
-def test_an_answer_for_other_tokens_is_not_pulled(checkpoint, make_llm, policy):
+def test_an_answer_for_other_tokens_is_not_pulled(checkpoint, make_llm):
     """The decode engine's own block hashes (here under another cache salt) must match the
     prefill engine's: otherwise nothing is pulled and the failure policy applies."""
     ckpt = checkpoint("llama_gqa")
-    want = reference(make_llm, ckpt, [PROMPT_A])[0]
-    p, d = engines(make_llm, ckpt, policy=policy)
+    p, d = engines(make_llm, ckpt, policy="fail")
     first = prefill(p.engine, "a", PROMPT_A, GREEDY)
     d.engine.add_request("a", {"prompt_token_ids": PROMPT_A, "cache_salt": "other tenant"},
                          GREEDY, tags=_tags(first.kv_transfer_params))  # fmt: skip
-    out = None
-    while out is None:
-        out = next((o for o in d.engine.step() if o.finished), None)
-    if policy == "recompute":
-        assert out.error is None and out.outputs[0].token_ids == want
-        assert out.num_transferred_tokens == 0
-    else:
-        assert "block hash mismatch" in out.error
+    outs = [o for _ in range(50) for o in d.engine.step() if o.finished]
+    out = outs[0]
+    assert "block hash mismatch" in out.error and out.outputs[0].token_ids == []
     assert d.engine.stats().kv_transfer["failures"] == {"hash_mismatch": 1}
     assert d.engine.stats().kv_transfer.get("blocks_received", 0) == 0
     assert_idle(p, d, timeout_s=5.0)  # released at once, long before the hold's 30 s lease
@@ -229,11 +222,11 @@ def test_random_faults_lose_nothing_and_leak_nothing(checkpoint, make_llm):
     ckpt = checkpoint("llama_gqa")
     prompts = [PROMPT_A, PROMPT_B]
     want = reference(make_llm, ckpt, prompts)
-    p, d = engines(make_llm, ckpt, lease_s=1.0, read_timeout_s=0.5)
+    p, d = engines(make_llm, ckpt, lease_s=0.6, read_timeout_s=0.3, heartbeat_timeout_s=0.5)
     pw, rng = worker_side(p), random.Random(64)
     served = pw.server
     outcomes: dict[str, int] = {}
-    for run in range(16):
+    for run in range(24):
         fault = FAULTS[run % len(FAULTS)] if run < len(FAULTS) else rng.choice(FAULTS)
         k = rng.randrange(2)
         rid = f"r{run}"
@@ -270,7 +263,7 @@ def test_random_faults_lose_nothing_and_leak_nothing(checkpoint, make_llm):
         served.inbox = inbox
         assert_idle(p, d)
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
-    assert outcomes.get("exact", 0) >= 10 and set(outcomes) <= {"exact", "aborted"}
+    assert outcomes.get("exact", 0) >= 15 and set(outcomes) <= {"exact", "aborted"}
     # The faults happened, and each was noticed for what it was.
     fails = d.engine.stats().kv_transfer["failures"]
     assert {"timeout", "lease_expired", "peer_unreachable"} <= set(fails), fails

@@ -81,6 +81,13 @@ def test_proxy_prefill_and_decode_processes_give_the_colocated_text(checkpoint, 
         assert got['kvserve:kv_transfer_blocks_total{direction="received"}'] == n_blocks + 1
         assert got['kvserve:kv_transfer_bytes_total{direction="received"}'] > 0
         assert got["kvserve:kv_transfers_total"] == 2
+        # n and stop strings pass through (n > 1: the decode engine samples every sequence
+        # itself, from the last prompt token on).
+        text = want.outputs[0].text
+        stop = text[len(text) // 2 : len(text) // 2 + 3]
+        r = asyncio.run(_one(build_app(Proxy([p.url], [d.url])), {**body, "n": 2, "stop": [stop]}))
+        assert r.status_code == 200, r.text
+        assert [c["text"] for c in r.json()["choices"]] == [text[: text.index(stop)]] * 2
         # A decode engine that is gone: a clear error, not a hang or a silent recompute.
         assert d.stop() == 0
         r = asyncio.run(_one(build_app(Proxy([p.url], [d.url])), body))

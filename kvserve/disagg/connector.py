@@ -277,6 +277,7 @@ class KVServeConnector(KVConnector):
         now = time.monotonic()
         for rid, ids in metadata["send"].items():
             self._holds[rid] = (ids, now + self.lease)
+            self.server.ended.discard(rid)  # (an id used again)
         client = self.client
         for rid in metadata["cancel"]:  # (the scheduler side released the peer)
             self._fetching.pop(rid, None)
