@@ -88,6 +88,11 @@ def test_proxy_prefill_and_decode_processes_give_the_colocated_text(checkpoint, 
         r = asyncio.run(_one(build_app(Proxy([p.url], [d.url])), {**body, "n": 2, "stop": [stop]}))
         assert r.status_code == 200, r.text
         assert [c["text"] for c in r.json()["choices"]] == [text[: text.index(stop)]] * 2
+        # A malformed answer is the client's 400, naming the field.
+        bad = {**body, "kv_transfer_params": {"do_remote_prefill": True, "remote_port": 1}}
+        r = httpx.post(d.url + "/v1/completions", json=bad, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
+        assert "kv_transfer_params.remote_host" in r.json()["error"]["message"]
         # A decode engine that is gone: a clear error, not a hang or a silent recompute.
         assert d.stop() == 0
         r = asyncio.run(_one(build_app(Proxy([p.url], [d.url])), body))
