@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from typing import Any
 import zmq
 
 from kvserve.disagg import wire
+
+log = logging.getLogger("kvserve.disagg")
 
 POLL_MS = 50  # the longest a thread sleeps: work from other threads wakes it at once
 PING_INTERVAL_S = 0.2
@@ -109,20 +112,27 @@ class KVServer:
         poller.register(sock, zmq.POLLIN)
         poller.register(self._waker.sock, zmq.POLLIN)
         while not self._stop.is_set():
-            ready = dict(poller.poll(POLL_MS))
-            if self._waker.sock in ready:
-                self._waker.drain()
-            if sock in ready:
-                while True:
-                    try:
-                        parts = sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._handle(parts[0], parts[1])
-            while self._outbox:
-                sock.send_multipart(self._outbox.popleft(), copy=False)
+            try:
+                self._once(sock, poller)
+            except Exception:  # one bad message must not end the side channel
+                log.exception("KV side channel: server loop")
         sock.close(0)
         self._waker.close()
+
+    def _once(self, sock: Any, poller: Any) -> None:
+        ready = dict(poller.poll(POLL_MS))
+        if self._waker.sock in ready:
+            self._waker.drain()
+        if sock in ready:
+            while True:
+                try:
+                    parts = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if len(parts) >= 2:
+                    self._handle(parts[0], parts[1])
+        while self._outbox:
+            sock.send_multipart(self._outbox.popleft(), copy=False)
 
     def _handle(self, peer: bytes, data: bytes) -> None:
         try:
@@ -177,6 +187,7 @@ class FetchResult:
     error: str | None = None
     nbytes: int = 0
     seconds: float = 0.0
+    frames: Any = None  # the memory the payload's tensors view, kept until it is imported
 
 
 @dataclass
@@ -308,7 +319,7 @@ class KVClient:
                     continue
                 self.results.append(FetchResult(f.request_id, payload,
                                                 nbytes=wire.payload_bytes(frames),
-                                                seconds=now - f.started))  # fmt: skip
+                                                seconds=now - f.started, frames=parts))  # fmt: skip
 
     def _heartbeat(self, now: float) -> None:
         for key, p in list(self._peers.items()):
@@ -330,23 +341,29 @@ class KVClient:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._take_jobs()
-            poller = zmq.Poller()
-            poller.register(self._waker.sock, zmq.POLLIN)
-            socks = {p.sock: key for key, p in self._peers.items()}
-            for s in socks:
-                poller.register(s, zmq.POLLIN)
-            busy = any(p.queued or p.inflight for p in self._peers.values())
-            ready = dict(poller.poll(int(PING_INTERVAL_S * 500) if busy else POLL_MS))
-            for s in ready:
-                if s is self._waker.sock:
-                    self._waker.drain()
-                elif socks[s] in self._peers:
-                    self._receive(socks[s], self._peers[socks[s]])
-            self._heartbeat(time.monotonic())
+            try:
+                self._once()
+            except Exception:  # a bug here must not strand every fetch: say so, go on
+                log.exception("KV side channel: client loop")
         for p in self._peers.values():
             p.sock.close(0)
         self._waker.close()
+
+    def _once(self) -> None:
+        self._take_jobs()
+        poller = zmq.Poller()
+        poller.register(self._waker.sock, zmq.POLLIN)
+        socks = {p.sock: key for key, p in self._peers.items()}
+        for s in socks:
+            poller.register(s, zmq.POLLIN)
+        busy = any(p.queued or p.inflight for p in self._peers.values())
+        ready = dict(poller.poll(int(PING_INTERVAL_S * 500) if busy else POLL_MS))
+        for s in ready:
+            if s is self._waker.sock:
+                self._waker.drain()
+            elif socks[s] in self._peers:
+                self._receive(socks[s], self._peers[socks[s]])
+        self._heartbeat(time.monotonic())
 
     def close(self) -> None:
         if self._stop.is_set():

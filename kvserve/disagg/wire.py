@@ -11,6 +11,7 @@ front).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import msgspec
@@ -100,8 +101,13 @@ def _pack(obj: Any, frames: list[memoryview]) -> Any:
 def _unpack(obj: Any, frames: list[Any]) -> Any:
     if isinstance(obj, dict):
         if "__tensor__" in obj:
-            raw = bytearray(frames[obj["__tensor__"]])  # writable: torch shares it
-            flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, torch.uint8)
+            raw = frames[obj["__tensor__"]]
+            if len(raw):
+                with warnings.catch_warnings():  # read-only memory: only ever read (imported)
+                    warnings.simplefilter("ignore", UserWarning)
+                    flat = torch.frombuffer(raw, dtype=torch.uint8)
+            else:
+                flat = torch.empty(0, dtype=torch.uint8)
             return flat.view(getattr(torch, obj["dtype"])).reshape(obj["shape"])
         return {k: _unpack(v, frames) for k, v in obj.items()}
     if isinstance(obj, list):
@@ -124,6 +130,8 @@ def pack_payload(payload: BlockPayload) -> tuple[dict[str, Any], list[memoryview
 
 
 def unpack_payload(desc: dict[str, Any], frames: list[Any]) -> BlockPayload:
+    """The payload, its tensors over ``frames``' memory (no copy: the caller keeps the frames
+    alive until the blocks are imported, and nothing writes to them)."""
     return BlockPayload(
         identity=desc["identity"],
         num_blocks=desc["num_blocks"],
