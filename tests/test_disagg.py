@@ -197,6 +197,23 @@ def test_aborts_on_either_side_release_both_sides_blocks(checkpoint, make_llm):
     assert_idle(p, d)
 
 
+def test_a_decode_engine_that_dies_mid_pull_leaves_nothing_held(checkpoint, make_llm):
+    """The prefill engine's hold ends with its lease when the reader is gone for good, and
+    the prefill engine serves on."""
+    ckpt = checkpoint("llama_gqa")
+    p, d = engines(make_llm, ckpt, lease_s=0.5)
+    first = prefill(p.engine, "a", PROMPT_A, GREEDY)
+    d.engine.add_request("a", {"prompt_token_ids": PROMPT_A}, GREEDY,
+                         tags=_tags(first.kv_transfer_params))  # fmt: skip
+    d.engine.step()  # the pull starts
+    d.engine.shutdown()  # ... and the decode engine is gone
+    assert_idle(p, timeout_s=5.0)
+    assert p.engine.stats().kv_transfer["leases_expired"] == 1  # no release ever came
+    second = prefill(p.engine, "b", PROMPT_B, GREEDY)
+    assert second.kv_transfer_params["remote_num_tokens"] == len(PROMPT_B)
+    assert_idle(p, timeout_s=5.0)
+
+
 def _tags(params):
     from kvserve.sched.request import RequestTags
 
