@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> None:
          "period": 4.0,
          "seconds": a.seconds or (40.0 if a.quick else 180.0)}  # fmt: skip
     w["max_len"] = w["long_prompt"] + 256
-    same, gbps = identical_and_bandwidth(model, 512 if a.quick else 2048, a.quick)
+    same, gbps = identical_and_bandwidth(model, 2048 if a.quick else 4096, a.quick)
     fr = faults(model, a.fault_runs if a.fault_runs is not None else (50 if a.quick else 1000))
     print(f"faults: {fr}", flush=True)
     summary: dict[str, Any] = {"identical": same, "transfer_gbps": gbps, "faults": fr,
