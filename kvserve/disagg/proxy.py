@@ -26,7 +26,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvserve.disagg.proxy_cli import POLICIES
+from kvserve.disagg import PROXY_POLICIES as POLICIES
 
 log = logging.getLogger("kvserve.proxy")
 

@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-POLICIES = ("round_robin", "least_loaded")
+from kvserve.disagg import PROXY_POLICIES as POLICIES
 
 
 def add_proxy_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
