@@ -8,8 +8,10 @@ on either side, and a seeded run of random faults after which both pools are idl
 
 from __future__ import annotations
 
+import json
 import random
 import time
+from pathlib import Path
 
 import pytest
 
@@ -227,6 +229,16 @@ def test_kv_transfer_config_roles_and_the_builtin_connector():
         KVTransferConfig(kv_connector="KVServeConnector", kv_role="prefill")
     with pytest.raises(ConfigError, match=r"kv_port: must be an integer in \[0, 65535\]"):
         KVTransferConfig(kv_connector="KVServeConnector", kv_port=70000)
+
+
+def test_a_hybrid_model_is_refused_at_start_naming_the_way_out(checkpoint, make_llm, tmp_path):
+    src = Path(checkpoint("qwen2", sliding_window=24, num_layers=2))
+    for f in src.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(cfg | {"max_window_layers": 1}))
+    with pytest.raises(ConfigError, match="--disable-hybrid-kv-cache-manager"):
+        make_llm(str(tmp_path), kv_transfer_config=transfer_config("kv_consumer", free_port()))
 
 
 FAULTS = ("none", "drop_read", "delay_read", "drop_release", "abort_decode", "abort_prefill",

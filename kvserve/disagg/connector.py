@@ -56,6 +56,21 @@ def _reason_key(error: str) -> str:
     return "other"
 
 
+def _refuse_hybrid(config: Any) -> None:
+    """A hybrid model (full and sliding-window layers) keeps a block table per layer group;
+    its blocks are not handed over yet: refuse at start rather than move the wrong bytes."""
+    from kvserve.config import ConfigError, ModelConfig
+    from kvserve.kv.layer_groups import LayerGroups
+
+    cc = config.cache
+    if cc.disable_hybrid_kv_cache_manager or cc.kv_offload:
+        return
+    if LayerGroups.of(ModelConfig.from_pretrained(config.model).layer_windows) is not None:
+        raise ConfigError("kv_connector: KVServeConnector does not hand over a hybrid model's "
+                          "per-layer-group blocks; start the engines with "
+                          "--disable-hybrid-kv-cache-manager")  # fmt: skip
+
+
 class KVServeConnector(KVConnector):
     loads_finish_on_workers = True
 
@@ -74,6 +89,7 @@ class KVServeConnector(KVConnector):
         self.heartbeat_timeout_s = float(extra.get("heartbeat_timeout_s", 1.0))
         self.read_timeout_s = float(extra.get("read_timeout_s", self.lease))
         self.model_dir = config.model
+        _refuse_hybrid(config)  # (on the worker side first: before any thread starts)
         # scheduler side
         # request -> (where to pull from, or why it cannot be; block indices; first tokens)
         self._asked: dict[str, tuple[kp.RemotePrefill | str, list[int], list[int]]] = {}
