@@ -231,6 +231,13 @@ def test_kv_transfer_config_roles_and_the_builtin_connector():
         KVTransferConfig(kv_connector="KVServeConnector", kv_port=70000)
 
 
+def test_a_kv_port_in_use_is_refused_naming_it(checkpoint, make_llm):
+    port = free_port()
+    make_llm(checkpoint("llama_gqa"), kv_transfer_config=transfer_config("kv_producer", port))
+    with pytest.raises(ConfigError, match=f"kv_port: cannot listen on 127.0.0.1:{port}"):
+        make_llm(checkpoint("llama_gqa"), kv_transfer_config=transfer_config("kv_producer", port))
+
+
 def test_a_hybrid_model_is_refused_at_start_naming_the_way_out(checkpoint, make_llm, tmp_path):
     src = Path(checkpoint("qwen2", sliding_window=24, num_layers=2))
     for f in src.iterdir():

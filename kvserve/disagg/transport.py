@@ -23,6 +23,7 @@ from typing import Any
 
 import zmq
 
+from kvserve.config import ConfigError
 from kvserve.disagg import wire
 
 log = logging.getLogger("kvserve.disagg")
@@ -84,11 +85,15 @@ class KVServer:
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        if port == 0:
-            self.port = self._sock.bind_to_random_port(f"tcp://{host}")
-        else:
-            self._sock.bind(f"tcp://{host}:{port}")
-            self.port = port
+        try:
+            if port == 0:
+                self.port = self._sock.bind_to_random_port(f"tcp://{host}")
+            else:
+                self._sock.bind(f"tcp://{host}:{port}")
+                self.port = port
+        except zmq.ZMQError as e:
+            self._sock.close(0)
+            raise ConfigError(f"kv_port: cannot listen on {host}:{port}: {e}") from None
         self.refused_hellos = 0
         self._waker = _Waker(self._ctx)
         self._stop = threading.Event()
