@@ -1,5 +1,5 @@
-"""``kvserve`` command line: generate, serve, router, bench, plan, simulate, tune, quality and
-download."""
+"""``kvserve`` command line: generate, serve, router, proxy, bench, plan, simulate, tune,
+quality and download."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 # kvserve.engine_args, so none of them imports this module back.
 from kvserve import __version__
 from kvserve.bench.cli import add_bench_parser
+from kvserve.disagg.proxy_cli import add_proxy_parser
 from kvserve.download import add_download_parser
 from kvserve.engine_args import (
     add_engine_args,
@@ -96,6 +97,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
 
     handlers["serve"] = add_serve_parser(sub)
     handlers["router"] = add_router_parser(sub)
+    handlers["proxy"] = add_proxy_parser(sub)
     handlers["bench"] = add_bench_parser(sub)
     handlers["plan"] = add_plan_parser(sub)
     handlers["simulate"] = add_simulate_parser(sub)

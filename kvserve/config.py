@@ -515,6 +515,11 @@ class SchedulerConfig:
 
 
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
+# vLLM's kv_role values: a prefill engine produces KV, a decode engine consumes it, kv_both does
+# either (per request, as its kv_transfer_params say).
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+# Connectors built in under a name (no kv_connector_module_path needed): name -> module.
+BUILTIN_CONNECTORS = {"KVServeConnector": "kvserve.disagg.connector"}
 
 
 @dataclass(slots=True)
@@ -528,6 +533,12 @@ class KVTransferConfig:
     kv_connector_module_path: str | None = None
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
     kv_load_failure_policy: str = "recompute"
+    # Disaggregated prefill/decode (kvserve.disagg): this engine's role, its id in the
+    # kv_transfer_params it hands out, and where its KV side channel listens.
+    kv_role: str | None = None
+    engine_id: str | None = None
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 14579
 
     def __post_init__(self) -> None:
         if self.kv_load_failure_policy not in LOAD_FAILURE_POLICIES:
@@ -537,10 +548,20 @@ class KVTransferConfig:
             )
         if self.kv_connector_module_path is not None and not self.kv_connector:
             raise ConfigError("kv_connector: give the class name with kv_connector_module_path")
-        if self.kv_connector is not None and not self.kv_connector_module_path:
+        if self.kv_role is not None and self.kv_role not in KV_ROLES:
+            raise ConfigError(f"kv_role: must be one of {', '.join(KV_ROLES)}, "
+                              f"got {self.kv_role!r}")  # fmt: skip
+        port = self.kv_port
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ConfigError(f"kv_port: must be an integer in [0, 65535], got {port!r}")
+        if (
+            self.kv_connector is not None
+            and not self.kv_connector_module_path
+            and self.kv_connector not in BUILTIN_CONNECTORS
+        ):
             raise ConfigError(
                 f"kv_connector_module_path: the module to import {self.kv_connector!r} from "
-                "(no connector is built in under that name)"
+                f"(built in: {', '.join(BUILTIN_CONNECTORS)})"
             )
         if not isinstance(self.kv_connector_extra_config, dict):
             raise ConfigError("kv_connector_extra_config: must be a JSON object")

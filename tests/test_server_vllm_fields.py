@@ -588,7 +588,8 @@ HONOURED = {
 REFUSED = {
     "functions": Refused([{"name": "f"}], ([],)),
     "function_call": Refused("auto", ("none",)),
-    "kv_transfer_params": Refused({"do_remote_prefill": True}, planned=True),
+    # Honoured by a server with a KV connector (tests/test_disagg_serve.py); this one has none.
+    "kv_transfer_params": Refused({"do_remote_prefill": True}),
     "reasoning_effort": Refused("low"),
     "thinking_token_budget": Refused(64),
     "include_reasoning": Refused(False, (True,)),

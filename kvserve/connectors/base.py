@@ -59,11 +59,14 @@ class KVConnectorOutput:
     finished_recving: set[str] = field(default_factory=set)  # their loads landed
     invalid_block_ids: set[int] = field(default_factory=set)  # blocks whose load failed
     num_payloads: int = 0  # payloads waiting for the scheduler side (take_scheduler_payloads)
+    # vLLM's field: what a connector's worker side measured (counters are summed on merge;
+    # a dict value is merged key by key).
+    kv_connector_stats: dict[str, Any] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(
             self.finished_sending or self.finished_recving or self.invalid_block_ids
-            or self.num_payloads
+            or self.num_payloads or self.kv_connector_stats
         )  # fmt: skip
 
     def merge(self, other: KVConnectorOutput) -> None:
@@ -71,6 +74,12 @@ class KVConnectorOutput:
         self.finished_recving |= other.finished_recving
         self.invalid_block_ids |= other.invalid_block_ids
         self.num_payloads += other.num_payloads
+        mine = self.kv_connector_stats
+        for k, v in other.kv_connector_stats.items():
+            if isinstance(v, dict):
+                mine[k] = {**mine.get(k, {}), **v}
+            else:
+                mine[k] = mine.get(k, 0) + v
 
 
 @dataclass(slots=True)
@@ -109,9 +118,24 @@ class KVConnector:
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         """Tokens past ``num_computed_tokens`` this connector can load for ``request`` (a
-        multiple of the block size; None: not known yet, ask again), and whether the load is
-        asynchronous (the request waits for it)."""
+        multiple of the block size, or up to the prompt's end; None: not known yet, ask
+        again), and whether the load is asynchronous (the request waits for it)."""
         return 0, False
+
+    def load_is_cache_hit(self, request: Any) -> bool:
+        """Whether ``request``'s loaded tokens count as prefix-cache hits (an offload tier's)
+        or are reported apart as transferred (a peer engine's prefill)."""
+        return True
+
+    def load_failure_reason(self, request: Any) -> str | None:
+        """Why ``request``'s load failed, if the connector knows (put in its error)."""
+        return None
+
+    def landed_output_tokens(self, request: Any) -> list[int]:
+        """Output tokens a peer already sampled for ``request``, appended when its whole load
+        lands (only if the load covers every token the request has): the request goes on
+        decoding from them instead of computing its last prompt token again."""
+        return []
 
     def update_state_after_alloc(
         self, request: Any, block_ids: list[int], num_external_tokens: int
@@ -200,6 +224,11 @@ class KVConnector:
         """Requests whose sends and whose receives completed since the last call;
         ``finished_req_ids`` finished in the scheduler since then."""
         return set(), set()
+
+    def get_kv_connector_stats(self) -> dict[str, Any] | None:
+        """What the worker side measured since the last call (vLLM's hook), for the step's
+        report."""
+        return None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call (their content is not to be trusted)."""

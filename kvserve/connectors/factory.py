@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import importlib
 
-from kvserve.config import ConfigError, EngineConfig
+from kvserve.config import BUILTIN_CONNECTORS, ConfigError, EngineConfig
 from kvserve.connectors.base import KVConnector, Role
 from kvserve.connectors.multi import MultiConnector
 from kvserve.connectors.offload import OffloadConnector
@@ -20,14 +20,15 @@ def user_connector_class(config: EngineConfig) -> type[KVConnector] | None:
     tc = config.kv_transfer_config
     if not tc.kv_connector:
         return None
+    path = tc.kv_connector_module_path or BUILTIN_CONNECTORS.get(tc.kv_connector, "")
     try:
-        module = importlib.import_module(tc.kv_connector_module_path or "")
+        module = importlib.import_module(path)
     except ImportError as e:
         raise ConfigError(f"kv_connector_module_path: cannot import "
                           f"{tc.kv_connector_module_path!r}: {e}") from None  # fmt: skip
     cls = getattr(module, tc.kv_connector, None)
     if not (isinstance(cls, type) and issubclass(cls, KVConnector)):
-        raise ConfigError(f"kv_connector: {tc.kv_connector!r} in {tc.kv_connector_module_path!r} "
+        raise ConfigError(f"kv_connector: {tc.kv_connector!r} in {path!r} "
                           "is not a kvserve.connectors.base.KVConnector")  # fmt: skip
     return cls
 

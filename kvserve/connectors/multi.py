@@ -74,6 +74,24 @@ class MultiConnector(KVConnector):
             out.update(c.take_finished_loads(wait))
         return out
 
+    def load_is_cache_hit(self, request: Any) -> bool:
+        c = self._loader.get(request.request_id)
+        return c.load_is_cache_hit(request) if c is not None else True
+
+    def load_failure_reason(self, request: Any) -> str | None:
+        c = self._loader.get(request.request_id)
+        return c.load_failure_reason(request) if c is not None else None
+
+    def landed_output_tokens(self, request: Any) -> list[int]:
+        c = self._loader.get(request.request_id)
+        return c.landed_output_tokens(request) if c is not None else []
+
+    def get_kv_connector_stats(self) -> dict[str, Any] | None:
+        out = KVConnectorOutput()
+        for c in self._with("get_kv_connector_stats"):
+            out.merge(KVConnectorOutput(kv_connector_stats=c.get_kv_connector_stats() or {}))
+        return out.kv_connector_stats
+
     def cancel_load(self, request: Any) -> None:
         c = self._loader.pop(request.request_id, None)
         if c is not None:

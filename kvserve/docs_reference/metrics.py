@@ -71,6 +71,8 @@ CONDITIONS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("With an offload tier (`--kv-offload-cpu`, `--kv-offload-disk` or `--kv-offload-redis`)",
      {"kv_offload": {"cpu": _Tier()}}),
     ("With projected admission (`--admission projected`)", {"admission": AdmissionStats()}),
+    ("With disaggregated prefill/decode (`--kv-transfer-config` naming `KVServeConnector`)",
+     {"kv_transfer": {"leases_held": 0, "failures": {"timeout": 0}}}),
 )  # fmt: skip
 
 

@@ -93,6 +93,7 @@ class EngineCore:
             children.append(child)
         if req.wants_prompt_logits:
             children[0].prompt_logits = []
+        children[0].kv_transfer_params = req.kv_transfer_params
         children[0].forks = children[1:]
         self.scheduler.add_request(children[0])
         self.families[req.request_id] = children

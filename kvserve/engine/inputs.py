@@ -34,6 +34,7 @@ class EngineCoreRequest:
     retention: RetentionSpec | None = None
     priority: int = 0
     workload_class: WorkloadClass | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class InputProcessor:
@@ -166,7 +167,8 @@ class InputProcessor:
         if priority is None:
             priority = wclass.priority if wclass is not None else 0
         return EngineCoreRequest(request_id, text, ids, params, max_tokens, arrival_time, salt,
-                                 wants, retention, priority, wclass)  # fmt: skip
+                                 wants, retention, priority, wclass,
+                                 tags.kv_transfer_params)  # fmt: skip
 
     def check_token_ids(self, params: SamplingParams) -> None:
         """Token ids in the sampling parameters must name tokens of this model: a logits

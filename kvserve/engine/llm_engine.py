@@ -420,6 +420,7 @@ class LLMEngine:
             window_freed_blocks=getattr(kv, "window_freed_blocks", 0),
             kv_offload=self.offload.stats() if self.offload is not None else {},
             tier_hit_tokens=loads.hit_tokens if loads is not None else 0,
+            kv_transfer=connected.get("kv_transfer", {}),
             tier_loads_abandoned=loads.abandoned if loads is not None else 0,
             tier_loads_skipped=connected.get("skipped", 0),
             preempted_tokens_restored=st.preempted_tokens_restored,

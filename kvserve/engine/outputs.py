@@ -164,6 +164,7 @@ def build_output(family: RequestFamily) -> RequestOutput | None:
         finished=done,
         metrics=first.metrics,
         num_cached_tokens=max(first.num_cached_tokens, 0),
+        num_transferred_tokens=first.num_transferred_tokens,
         prompt_logprobs=prompt_lp,
         prompt_logits=prompt_logits,
         error=errors[0] if errors else None,
@@ -171,7 +172,7 @@ def build_output(family: RequestFamily) -> RequestOutput | None:
         num_seen_tokens=seen,
         refusal=first.refusal,
         workload_class=first.workload_class.name if first.workload_class is not None else None,
-        kv_transfer_params=first.kv_transfer_params,
+        kv_transfer_params=first.kv_transfer_params if first.is_finished else None,
     )
 
 

@@ -38,6 +38,9 @@ class EngineStats:
     # requests got back (device or tier hits) or recomputed when admitted again.
     kv_offload: dict[str, dict[str, Any]] = field(default_factory=dict)
     tier_hit_tokens: int = 0
+    # Disaggregated prefill/decode (kvserve.disagg): the connector's counters, failures by
+    # reason and leases held; empty without one.
+    kv_transfer: dict[str, Any] = field(default_factory=dict)
     tier_loads_abandoned: int = 0
     tier_loads_skipped: int = 0  # tier hits computed instead: loading was estimated slower
     preempted_tokens_restored: int = 0

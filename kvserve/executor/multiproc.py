@@ -169,6 +169,7 @@ def _worker_main(
         except (EOFError, OSError):
             return  # the engine is gone: nothing will ask again
         if method == "shutdown":
+            worker.shutdown()
             return
         try:
             result = call_worker(worker, method, args, kwargs)

@@ -25,6 +25,9 @@ class UniProcExecutor(Executor):
     ) -> list[Any]:
         return [call_worker(self.driver_worker, method, args, kwargs or {})]
 
+    def shutdown(self) -> None:
+        self.driver_worker.shutdown()
+
 
 class RunnerExecutor(Executor):
     """Steps executed by a custom runner (the simulator's cost model, a test's fake): there is

@@ -11,9 +11,10 @@ would recompute what the connector holds. The newest holder goes first. A releas
 asks the connector again when it is next considered, but not in the step that released it
 (two holders would otherwise take each other's blocks forever).
 
-When a load completes, the blocks before the first one that failed count as computed. The
-rest follow ``kv_load_failure_policy``: ``recompute`` leaves them in the table to be computed
-like any other; ``fail`` finishes the request with an error (vLLM's two policies).
+When a load completes, the blocks before the first one that failed count as computed (a load
+that ends at the prompt's end may end in a partial block: then its tokens, not its blocks,
+count). The rest follow ``kv_load_failure_policy``: ``recompute`` leaves them in the table to
+be computed like any other; ``fail`` finishes the request with an error (vLLM's two policies).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class ConnectorLoads:
             )
         req.num_computed_tokens = len(computed) * kv.block_size
         req.load_block_ids = kv.block_ids(req)[len(computed) :]
+        req.load_num_tokens = num
         req.loading = True
         self.holders.append(req)
         self.connector.update_state_after_alloc(req, req.load_block_ids, num)
@@ -81,11 +83,13 @@ class ConnectorLoads:
         arrived: dict[str, int],
         invalid: set[int],
         fail: Callable[[Request, str], None],
-    ) -> None:
+    ) -> list[Request]:
         """Loads that completed (request id -> blocks that arrived, the rest failed; blocks in
         ``invalid`` failed too): their blocks count as computed up to the first failed one.
-        ``fail(request, message)`` finishes a request under the ``fail`` policy."""
+        ``fail(request, message)`` finishes a request under the ``fail`` policy. Returns the
+        requests whose whole load arrived."""
         bs = self.kv.block_size
+        whole: list[Request] = []
         for rid, n in arrived.items():
             req = requests.get(rid)
             if req is None or not req.loading:
@@ -99,13 +103,23 @@ class ConnectorLoads:
             if j < len(ids):
                 self.failed_blocks += len(ids) - j
                 if self.failure_policy == "fail":
+                    why = self.connector.load_failure_reason(req)
                     fail(req, f"kv load failed: {len(ids) - j} of {len(ids)} blocks did not "
-                              "arrive (kv_load_failure_policy: fail)")  # fmt: skip
+                              f"arrive{f' ({why})' if why else ''} "
+                              "(kv_load_failure_policy: fail)")  # fmt: skip
                     continue
-            req.num_computed_tokens += j * bs
+            tokens = req.load_num_tokens if j == len(ids) else j * bs
             if req.num_cached_tokens < 0:
-                req.num_cached_tokens = req.num_computed_tokens
-            self._landed[rid] = j * bs  # counted once the request runs (a release undoes it)
+                # A peer's prefill is transferred, not a cache hit (usage reports it apart).
+                hits = self.connector.load_is_cache_hit(req)
+                req.num_cached_tokens = req.num_computed_tokens + (tokens if hits else 0)
+            if not self.connector.load_is_cache_hit(req):
+                req.num_transferred_tokens = tokens
+            req.num_computed_tokens += tokens
+            self._landed[rid] = tokens  # counted once the request runs (a release undoes it)
+            if j == len(ids):
+                whole.append(req)
+        return whole
 
     def stalled(self, req: Request) -> bool:
         """Nothing runs and ``req`` does not fit: free a holder's blocks for it, unless a load

@@ -187,8 +187,14 @@ class RequestTags:
     workload_class: str | None = None
     tenant: str | None = None
     user: str | None = None
+    # vLLM's disaggregation protocol (kvserve.disagg): {"do_remote_decode": true} on a prefill
+    # engine; the prefill engine's answer on a decode engine.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        kp = self.kv_transfer_params
+        if kp is not None and not isinstance(kp, dict):
+            raise _bad("kv_transfer_params", f"must be a JSON object, got {kp!r}")
         p = self.priority
         if p is not None:
             lo, hi = PRIORITY_RANGE
@@ -296,6 +302,8 @@ class Request:
         "cache_offset",
         "loading",
         "load_block_ids",
+        "load_num_tokens",
+        "num_transferred_tokens",
         "kv_transfer_params",
     )
 
@@ -364,7 +372,10 @@ class Request:
         # then waits, holding the fresh blocks they go to (kvserve.sched.kv_loads).
         self.loading = False
         self.load_block_ids: list[int] = []
-        # What the connectors said when it finished (where a peer can fetch its KV), or None.
+        self.load_num_tokens = 0  # tokens the load covers (its last block may be partial)
+        self.num_transferred_tokens = 0  # prompt tokens a peer engine computed (not cache hits)
+        # What the request came with (vLLM's disaggregation protocol), then what the
+        # connectors said when it finished (where a peer can fetch its KV), or None.
         self.kv_transfer_params: dict[str, Any] | None = None
 
     @property
@@ -440,6 +451,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    # Prompt tokens whose KV a peer engine computed and sent (disaggregated prefill): apart
+    # from num_cached_tokens, which counts only this engine's prefix-cache hits.
+    num_transferred_tokens: int = 0
     # vLLM shape: None for the first token, then {token_id: logprob} per prompt position.
     prompt_logprobs: list[dict[int, float] | None] | None = None
     # [num_prompt_tokens, vocab] log-probs (row i predicts token i + 1; the last row the first

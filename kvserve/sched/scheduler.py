@@ -105,7 +105,8 @@ class Scheduler:
         # Finished requests whose blocks a connector holds (delay_free): id -> (request, the
         # clock time its lease ends); their blocks go when the workers report them sent.
         self.held: dict[str, tuple[Request, float]] = {}
-        self._failed_loads: list[Request] = []  # failed by kv_load_failure_policy: fail
+        # Failed by kv_load_failure_policy: fail, or given a peer's tokens: out next step.
+        self._failed_loads: list[Request] = []
         self._invalid_blocks: set[int] = set()  # reported failed, their request not landed
         self._now = 0.0
 
@@ -184,7 +185,8 @@ class Scheduler:
                 idle = not self.running  # only loads can make progress now
                 landed = self.connector.take_finished_loads(idle)
                 if landed:
-                    loads.land(self.requests, landed, set(), self._fail_load)
+                    whole = loads.land(self.requests, landed, set(), self._fail_load)
+                    self._take_peer_tokens(whole, now)
 
         # 1. Running requests, oldest first; preempt from the newest end when blocks run out.
         # Without a retention policy or a model window (most requests) the retention steps
@@ -466,6 +468,8 @@ class Scheduler:
             delay, req.kv_transfer_params = self.connector.request_finished(
                 req, self.kv.block_ids(req)
             )
+        else:
+            req.kv_transfer_params = None  # what it came with is not an answer
         if delay:
             self.held[req.request_id] = (req, self._now + self.connector.lease_s)
             self.stats.held_for_transfer += 1
@@ -500,7 +504,8 @@ class Scheduler:
                 if r is not None and r.loading:
                     arrived[rid] = len(r.load_block_ids)
                     judged += r.load_block_ids
-            self.loads.land(self.requests, arrived, self._invalid_blocks, self._fail_load)
+            whole = self.loads.land(self.requests, arrived, self._invalid_blocks, self._fail_load)
+            self._take_peer_tokens(whole, self._now)
             self._invalid_blocks.difference_update(judged)  # a later load may reuse them
 
     def _fail_load(self, req: Request, error: str) -> None:
@@ -513,6 +518,26 @@ class Scheduler:
         self.finish_requests(failed, RequestStatus.FINISHED_ERROR)
         req.forks = []
         self._failed_loads += failed
+
+    def _take_peer_tokens(self, landed: list[Request], now: float) -> None:
+        """Requests whose whole load landed take the output tokens the peer sampled (a
+        disaggregated prefill's first token): they come out of the next step with them."""
+        for req in landed:
+            tokens = self.connector.landed_output_tokens(req)
+            if not tokens or req.num_computed_tokens != req.num_tokens or req.num_output_tokens:
+                continue
+            m = req.metrics
+            m.first_token_time = now
+            self.stats.prompt_tokens_total += req.num_prompt_tokens
+            for t in tokens:
+                req.all_token_ids.append(t)
+                m.token_times.append(now)
+                self.stats.generation_tokens_total += 1
+                if check_stop(req, t, self.max_model_len):
+                    m.finished_time = now
+                    self._finish(req, req.status)
+                    break
+            self._failed_loads.append(req)  # out with the next step's outputs
 
     def _expire_holds(self, now: float) -> None:
         """Holds whose lease ran out: the peer never reported them sent; free the blocks."""

@@ -87,7 +87,46 @@ class _EngineCollector(Collector):
             value=s.window_freed_blocks,
         )
         yield from _offload_metrics(s)
+        yield from _transfer_metrics(s)
         yield from _admission_metrics(s)
+
+
+def _transfer_metrics(s: Any) -> Iterator[Metric]:
+    """Disaggregated prefill/decode (kvserve.disagg): what moved between engines, as vLLM's
+    NixlConnector counts it (its ``nixl_bytes_transferred``, ``nixl_xfer_time_seconds``,
+    ``nixl_num_failed_transfers``, ``nixl_num_kv_expired_reqs``), per direction."""
+    t = s.kv_transfer
+    if not t:
+        return
+    for name, doc, keys in (
+        ("kv_transfer_bytes", "KV bytes sent to or received from another engine.",
+         ("bytes_sent", "bytes_received")),
+        ("kv_transfer_blocks", "KV blocks sent to or received from another engine.",
+         ("blocks_sent", "blocks_received")),
+    ):  # fmt: skip
+        m = CounterMetricFamily(PREFIX + name, doc, labels=["direction"])
+        for key in keys:
+            m.add_metric([key.split("_")[1]], float(t.get(key, 0)))
+        yield m
+    yield CounterMetricFamily(PREFIX + "kv_transfer_seconds",
+                              "Seconds decode engines spent pulling KV (request to arrival).",
+                              value=float(t.get("transfer_seconds", 0.0)))  # fmt: skip
+    yield CounterMetricFamily(PREFIX + "kv_transfers", "Pulls of KV that completed.",
+                              value=float(t.get("transfers", 0)))  # fmt: skip
+    failures = CounterMetricFamily(
+        PREFIX + "kv_transfer_failures",
+        "Pulls of KV that failed, by reason (handled by kv_load_failure_policy).",
+        labels=["reason"],
+    )
+    for reason, n in sorted(t.get("failures", {}).items()):
+        failures.add_metric([reason], n)
+    yield failures
+    yield GaugeMetricFamily(PREFIX + "kv_transfer_leases_held",
+                            "Finished requests whose blocks a prefill engine holds for a "
+                            "decode engine to read.", value=t.get("leases_held", 0))  # fmt: skip
+    yield CounterMetricFamily(PREFIX + "kv_transfer_leases_expired",
+                              "Holds whose lease ended before a decode engine released them.",
+                              value=float(t.get("leases_expired", 0)))  # fmt: skip
 
 
 def _admission_metrics(s: Any) -> Iterator[Metric]:

@@ -82,6 +82,9 @@ class _SamplingFields(StructuredFields):
     # and kvserve's workload class by name (--workload-classes).
     priority: int | None = None
     workload_class: str | None = None
+    # vLLM's disaggregated prefill/decode protocol (kvserve.disagg.params): the answer of a
+    # request sent with {"do_remote_decode": true} carries where its KV can be pulled from.
+    kv_transfer_params: dict[str, Any] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -84,7 +84,6 @@ REFUSED: dict[str, Refused] = {
     "stream_interval": _refused("every engine step's tokens are streamed", 1),
     "suffix": _refused("fill-in-the-middle is not implemented", ""),
     # Serving features kvserve does not have.
-    "kv_transfer_params": _refused("disaggregated prefill/decode is planned"),
     "ec_transfer_params": _refused(_MULTIMODAL),
     "vllm_xargs": _refused("there are no custom request extensions", {}),
     "session_id": _refused("requests carry no session state"),

@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvserve.disagg.params import BadTransferParams, check_request_params
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.sched.request import (
     InvalidRequestError,
@@ -95,6 +96,9 @@ def _usage(
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+    moved = sum(o.num_transferred_tokens for o in finals or () if o is not None)
+    if moved:  # kvserve extension: prompt tokens a prefill engine computed (not cache hits)
+        usage["kv_transfer"] = {"transferred_tokens": moved}
     kept = [o for o in finals or () if o is not None and o.num_seen_tokens is not None]
     if kept:  # kvserve extension: what a retention policy kept of what the requests saw
         usage["kv_retention"] = {
@@ -215,8 +219,16 @@ def _tags(
         raise bad_request("priority", f"has no effect under --scheduling-policy "
                           f"{state.scheduling_policy}; the server must be started with "
                           "--scheduling-policy priority")  # fmt: skip
+    if req.kv_transfer_params is not None and not state.loop.engine.connector:
+        raise bad_request("kv_transfer_params", "not supported by this server: it runs no KV "
+                          "connector (start it with --kv-transfer-config)")  # fmt: skip
     try:
-        return RequestTags(req.priority, req.workload_class, tenant, req.user)
+        check_request_params(req.kv_transfer_params)
+    except BadTransferParams as e:
+        raise bad_request("kv_transfer_params", str(e)) from None
+    try:
+        return RequestTags(req.priority, req.workload_class, tenant, req.user,
+                           req.kv_transfer_params)  # fmt: skip
     except InvalidRequestError as e:
         raise api_error_from_invalid(e, {}) from None
 
@@ -285,7 +297,10 @@ def _final_body(job: Job, finals: list[RequestOutput]) -> dict[str, Any]:
             choices.append(job.choice(i * n + c.index, c, delta=False))
     prompt = sum(len(p) for p in job.prompt_ids)
     cached = sum(o.num_cached_tokens for o in finals)
-    return job.envelope(choices, usage=_usage(prompt, completion, cached, finals), **job.head())
+    extra = job.head()
+    if finals and finals[0].kv_transfer_params:  # vLLM's place: the response's top level
+        extra["kv_transfer_params"] = finals[0].kv_transfer_params
+    return job.envelope(choices, usage=_usage(prompt, completion, cached, finals), **extra)
 
 
 async def _disconnected(raw: Request) -> None:

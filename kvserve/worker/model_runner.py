@@ -130,6 +130,7 @@ class ModelRunner:
         sent, received = connector.get_finished(set(sched.finished_req_ids))
         report = KVConnectorOutput(sent, received, connector.get_block_ids_with_load_errors(),
                                    connector.num_scheduler_payloads())  # fmt: skip
+        report.kv_connector_stats = connector.get_kv_connector_stats() or {}
         out.kv_connector_output = report if report else None
         connector.clear_connector_metadata()
 

@@ -88,6 +88,11 @@ class Worker:
     def import_blocks(self, block_ids: list[int], payload: BlockPayload) -> None:
         self.storage.import_blocks(block_ids, payload)
 
+    def shutdown(self) -> None:
+        """Release the connectors' threads and sockets (a side channel's port)."""
+        if self.connector is not None:
+            self.connector.shutdown()
+
     def wrap_storage(self, wrap: Callable[[KVStorage], KVStorage]) -> None:
         """Swap the storage for ``wrap(storage)`` (instrumented or corrupted storages in
         tests and the quality gate); only while no request holds blocks."""

@@ -1,0 +1,359 @@
+"""Disaggregated prefill/decode against one colocated engine on the same cores.
+
+    python -m benchmarks.pd --quick      # a few minutes
+    python -m benchmarks.pd              # the full run
+
+Four parts, each a key of the JSON line the script ends with:
+
+- ``identical``: a prefill engine and a decode engine (in this process) give a colocated
+  engine's greedy tokens, token for token, in every KV format;
+- ``transfer_gbps``: bytes over seconds of the decode engine's pulls of a long prompt on
+  loopback (per format; ``bfloat16`` is the headline);
+- the pd-burst workload over HTTP: steady decoding streams (short prompts, long outputs) and
+  bursts of long prompts; one ``kvserve serve`` on both cores against a prefill engine pinned
+  to the first core and a decode engine pinned to the second behind ``kvserve proxy``.
+  ``itl_p99_ratio`` is the colocated ITL p99 over the disaggregated one (above 1: the
+  disaggregated deployment's streams stall less); ``ttft`` (the bursts' p50 and p99) and
+  output ``throughput`` are reported beside it as measured;
+- ``faults``: seeded runs of the faults the tests inject (dropped, delayed reads and
+  releases, expired leases, dead peers, aborts on either side); ``lost`` counts requests that
+  ended neither with the colocated tokens nor with a clear error, ``leaked_blocks`` blocks
+  still in use once both engines settled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+from benchmarks.common import REPO, bench_model, emit, random_prompts, vocab_size, wait_ready
+
+FORMATS = ["bfloat16", "float32", "fp8_e4m3", "fp8_e5m2", "int8", "kivi4", "kivi2"]
+BS = 16
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tc(role: str, port: int, **extra: Any) -> dict[str, Any]:
+    return {"kv_connector": "KVServeConnector", "kv_role": role, "kv_port": port,
+            "kv_connector_extra_config": extra}  # fmt: skip
+
+
+# -- in-process pairs -----------------------------------------------------------------------
+def _pair(model: str, kv_dtype: str, dtype: str, blocks: int, **extra: Any) -> tuple[Any, Any]:
+    from kvserve import LLM
+
+    common = dict(dtype=dtype, block_size=BS, num_gpu_blocks=blocks, kv_cache_dtype=kv_dtype)
+    p = LLM(model, **common, kv_transfer_config=tc("kv_producer", free_port(), **extra))
+    d = LLM(model, **common, enable_prefix_caching=True,
+            kv_transfer_config=tc("kv_consumer", free_port(), **extra))  # fmt: skip
+    return p, d
+
+
+def _prefill(engine: Any, rid: str, prompt: list[int], params: Any) -> Any:
+    from kvserve.sched.request import RequestTags
+
+    engine.add_request(rid, {"prompt_token_ids": prompt}, params.clone(max_tokens=1),
+                       tags=RequestTags(kv_transfer_params={"do_remote_decode": True}))  # fmt: skip
+    while True:
+        for o in engine.step():
+            if o.request_id == rid and o.finished:
+                return o
+
+
+def _decode(p: Any, d: Any, rid: str, prompt: list[int], params: Any, kvp: Any,
+            abort_after: int | None = None, timeout_s: float = 60.0) -> Any:  # fmt: skip
+    from kvserve.sched.request import RequestTags
+
+    d.add_request(rid, {"prompt_token_ids": prompt}, params,
+                  tags=RequestTags(kv_transfer_params=kvp))  # fmt: skip
+    steps, deadline = 0, time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(0.0002)
+        if p.has_unfinished_requests():
+            p.step()
+        steps += 1
+        if abort_after is not None and steps >= abort_after:
+            d.abort_request(rid)
+            return None
+        for o in d.step():
+            if o.request_id == rid and o.finished:
+                return o
+    raise RuntimeError(f"{rid}: no answer in {timeout_s} s")
+
+
+def _settle(*engines: Any, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(e.has_unfinished_requests() for e in engines):
+        time.sleep(0.0005)
+        for e in engines:
+            if e.has_unfinished_requests():
+                e.step()
+
+
+def identical_and_bandwidth(model: str, prompt_len: int, quick: bool) -> tuple[bool, dict]:
+    """Tokens through a pair against a colocated engine, and the pulls' bandwidth, per format."""
+    from kvserve import LLM, SamplingParams
+
+    g = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    warm, prompt = random_prompts(2, prompt_len, prompt_len, vocab_size(model), seed=3)
+    path = bench_model(model)
+    blocks = 4 * (prompt_len // BS + 8)
+    same, gbps = True, {}
+    for fmt in FORMATS[:3] if quick else FORMATS:
+        dtype = "bfloat16" if fmt == "bfloat16" else "float32"
+        c = LLM(path, dtype=dtype, block_size=BS, num_gpu_blocks=blocks, kv_cache_dtype=fmt)
+        c.generate([warm], g)  # as the pair: fp8 pools calibrate their scales on the first
+        want = c.generate([prompt], g)[0].outputs[0].token_ids
+        c.engine.shutdown()
+        p, d = _pair(path, fmt, dtype, blocks)
+        kvp = _prefill(p.engine, "w", warm, g).kv_transfer_params  # connect, fault pages in
+        _decode(p.engine, d.engine, "w", warm, g, kvp)
+        _settle(p.engine, d.engine)
+        t0 = dict(d.engine.stats().kv_transfer)
+        kvp = _prefill(p.engine, "x", prompt, g).kv_transfer_params
+        out = _decode(p.engine, d.engine, "x", prompt, g, kvp)
+        same = same and out.outputs[0].token_ids == want
+        _settle(p.engine, d.engine)
+        t = d.engine.stats().kv_transfer
+        nbytes = t["bytes_received"] - t0["bytes_received"]
+        secs = t["transfer_seconds"] - t0["transfer_seconds"]
+        gbps[fmt] = round(nbytes / secs / 1e9, 3)
+        print(f"{fmt:10s} identical={out.outputs[0].token_ids == want} "
+              f"{nbytes / 2**20:.1f} MiB in {secs * 1e3:.1f} ms -> {gbps[fmt]} GB/s",
+              flush=True)  # fmt: skip
+        p.engine.shutdown()
+        d.engine.shutdown()
+    return same, gbps
+
+
+FAULTS = ("none", "drop_read", "delay_read", "drop_release", "abort_decode", "expire_lease",
+          "kill_peer")  # fmt: skip
+
+
+def faults(model: str, runs: int, seed: int = 64) -> dict[str, int]:
+    """Seeded fault runs on one pair; every request must end exact or with a clear error."""
+    from kvserve import LLM, SamplingParams
+
+    g = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    path, rng = bench_model(model), random.Random(seed)
+    prompts = random_prompts(4, 40, 120, vocab_size(model), seed=seed)
+    c = LLM(path, dtype="float32", block_size=BS, num_gpu_blocks=64)
+    want = [o.outputs[0].token_ids for o in c.generate(prompts, g)]
+    c.engine.shutdown()
+    p, d = _pair(path, "float32", "float32", 64, lease_s=1.0, read_timeout_s=0.5)
+    pe, de = p.engine, d.engine
+    server = pe.executor.driver_worker.connector.server
+    lost = leaked = 0
+    for run in range(runs):
+        fault, k, rid = rng.choice(FAULTS), rng.randrange(len(prompts)), f"f{run}"
+        kvp = _prefill(pe, rid, prompts[k], g).kv_transfer_params
+        inbox = server.inbox
+        if fault in ("drop_read", "delay_read", "drop_release"):
+            server.inbox = _Lossy(inbox, "Release" if fault == "drop_release" else "Read",
+                                  fault == "delay_read", rng)  # fmt: skip
+        if fault == "expire_lease":
+            pe.step()
+            holds = pe.executor.driver_worker.connector._holds
+            holds[rid] = (holds[rid][0], 0.0)
+        if fault == "kill_peer":
+            kvp = dict(kvp, remote_port=free_port())
+        abort = rng.randrange(1, 4) if fault == "abort_decode" else None
+        out = _decode(pe, de, rid, prompts[k], g, kvp, abort_after=abort)
+        server.inbox = inbox
+        if out is not None and out.error is None and out.outputs[0].token_ids != want[k]:
+            lost += 1
+        elif out is not None and out.error is not None and "kv load failed" not in out.error:
+            lost += 1
+        _settle(pe, de)
+        leaked += pe.kv.num_used_blocks + de.kv.num_used_blocks
+    pe.shutdown()
+    de.shutdown()
+    return {"runs": runs, "lost": lost, "leaked_blocks": leaked}
+
+
+class _Lossy:
+    def __init__(self, inner: Any, kind: str, delay: bool, rng: random.Random) -> None:
+        self.inner, self.kind, self.delay, self.rng = inner, kind, delay, rng
+
+    def append(self, item: Any) -> None:
+        if type(item[1]).__name__ == self.kind:
+            if not self.delay:
+                return
+            time.sleep(self.rng.uniform(0.0, 0.05))
+        self.inner.append(item)
+
+    def __bool__(self) -> bool:
+        return bool(self.inner)
+
+    def popleft(self) -> Any:
+        return self.inner.popleft()
+
+    def extendleft(self, items: Any) -> None:
+        self.inner.extendleft(items)
+
+
+# -- the pd-burst workload over HTTP --------------------------------------------------------
+def _serve(model: str, cpus: set[int], args: list[str]) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = {**os.environ, "KVSERVE_CPU_OMP_THREADS_BIND": "auto", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "kvserve.cli", "serve", model, "--port", str(port),
+           "--disable-access-log", *args]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL,
+                            preexec_fn=lambda: os.sched_setaffinity(0, cpus))  # fmt: skip
+    wait_ready(port, proc=proc)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _proxy(prefill: str, decode: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvserve.cli", "proxy", "--prefill", prefill, "--decode",
+           decode, "--port", str(port)]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    wait_ready(port, proc=proc)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+async def _stream(client: Any, url: str, prompt: list[int], max_tokens: int) -> list[float]:
+    """Arrival times of a streamed completion's chunks (the send time first)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    times = [time.perf_counter()]
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                if '"error"' in line:
+                    raise RuntimeError(line)
+                times.append(time.perf_counter())
+    return times
+
+
+async def burst_workload(url: str, w: dict[str, Any], vocab: int) -> dict[str, float]:
+    import httpx
+
+    rng = random.Random(7)
+    itl: list[float] = []
+    ttft: list[float] = []
+    tokens = 0
+    async with httpx.AsyncClient(timeout=600) as client:
+        warm = [[rng.randrange(vocab) for _ in range(n)] for n in (w["long_prompt"], 32)]
+        await asyncio.gather(*(_stream(client, url, p, 8) for p in warm))  # compile, fault in
+        stop_at = time.perf_counter() + w["seconds"]
+
+        async def steady(i: int) -> None:
+            nonlocal tokens
+            while time.perf_counter() < stop_at:
+                prompt = [rng.randrange(vocab) for _ in range(w["short_prompt"])]
+                t = await _stream(client, url, prompt, w["decode_tokens"])
+                itl.extend(b - a for a, b in zip(t[2:], t[3:], strict=False))
+                tokens += len(t) - 1
+
+        async def bursts() -> None:
+            nonlocal tokens
+            await asyncio.sleep(w["period"] / 2)
+            while time.perf_counter() < stop_at - w["period"] / 2:
+                prompts = [[rng.randrange(vocab) for _ in range(w["long_prompt"])]
+                           for _ in range(w["burst"])]  # fmt: skip
+                outs = await asyncio.gather(*(_stream(client, url, p, w["burst_tokens"])
+                                              for p in prompts))  # fmt: skip
+                for t in outs:
+                    ttft.append(t[1] - t[0])
+                    tokens += len(t) - 1
+                await asyncio.sleep(w["period"])
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(steady(i) for i in range(w["streams"])), bursts())
+        wall = time.perf_counter() - t0
+    q = statistics.quantiles
+    return {"itl_p99_ms": q(itl, n=100)[98] * 1e3, "itl_p50_ms": statistics.median(itl) * 1e3,
+            "ttft_p50_s": statistics.median(ttft), "ttft_p99_s": q(ttft, n=100)[98],
+            "throughput_tok_s": tokens / wall}  # fmt: skip
+
+
+def pd_burst(model: str, w: dict[str, Any], dtype: str) -> dict[str, Any]:
+    path, vocab = bench_model(model), vocab_size(model)
+    base = ["--dtype", dtype, "--block-size", str(BS), "--max-model-len", str(w["max_len"]),
+            "--enable-prefix-caching"]  # fmt: skip
+    out: dict[str, Any] = {}
+    procs: list[subprocess.Popen] = []
+    try:
+        proc, url = _serve(path, {0, 1}, base)
+        procs.append(proc)
+        out["colocated"] = asyncio.run(burst_workload(url, w, vocab))
+        proc.terminate()
+        proc.wait(30)
+        kv_port = free_port()
+        pp, purl = _serve(path, {0}, [*base, "--kv-transfer-config",
+                                      json.dumps(tc("kv_producer", kv_port))])  # fmt: skip
+        procs.append(pp)
+        dp, durl = _serve(path, {1}, [*base, "--kv-transfer-config",
+                                      json.dumps(tc("kv_consumer", free_port()))])  # fmt: skip
+        procs.append(dp)
+        xp, xurl = _proxy(purl, durl)
+        procs.append(xp)
+        out["disaggregated"] = asyncio.run(burst_workload(xurl, w, vocab))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+    for name, r in out.items():
+        print(f"{name:14s} " + "  ".join(f"{k} {v:.3f}" for k, v in r.items()), flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a few minutes: fewer formats, runs")
+    ap.add_argument("--model", default=None, help="benchmark model (default 5m quick, else 50m)")
+    ap.add_argument("--dtype", default="bfloat16", help="the served engines' dtype")
+    ap.add_argument("--fault-runs", type=int, default=None, help="default 50 quick, else 1000")
+    ap.add_argument("--seconds", type=float, default=None, help="pd-burst duration per setup")
+    ap.add_argument("--long-prompt", type=int, default=None, help="pd-burst's long prompts")
+    ap.add_argument("--skip-burst", action="store_true", help="no pd-burst (a smoke run)")
+    a = ap.parse_args(argv)
+    model = a.model or ("5m" if a.quick else "50m")
+    w = {"streams": 4, "short_prompt": 32, "decode_tokens": 128, "burst": 4,
+         "long_prompt": a.long_prompt or (1024 if a.quick else 2048), "burst_tokens": 4,
+         "period": 4.0,
+         "seconds": a.seconds or (40.0 if a.quick else 180.0)}  # fmt: skip
+    w["max_len"] = w["long_prompt"] + 256
+    same, gbps = identical_and_bandwidth(model, 2048 if a.quick else 4096, a.quick)
+    fr = faults(model, a.fault_runs if a.fault_runs is not None else (50 if a.quick else 1000))
+    print(f"faults: {fr}", flush=True)
+    summary: dict[str, Any] = {"identical": same, "transfer_gbps": gbps, "faults": fr,
+                               "model": model}  # fmt: skip
+    if not a.skip_burst:
+        r = pd_burst(model, w, a.dtype)
+        col, dis = r["colocated"], r["disaggregated"]
+        summary["itl_p99_ratio"] = round(col["itl_p99_ms"] / dis["itl_p99_ms"], 3)
+        summary["ttft"] = {k: {"p50_s": v["ttft_p50_s"], "p99_s": v["ttft_p99_s"]}
+                           for k, v in r.items()}  # fmt: skip
+        summary["throughput_tok_s"] = {k: v["throughput_tok_s"] for k, v in r.items()}
+        summary["itl_p99_ms"] = {k: v["itl_p99_ms"] for k, v in r.items()}
+    else:
+        summary["itl_p99_ratio"] = None
+    emit(summary)
+
+
+if __name__ == "__main__":
+    main()
