@@ -1,0 +1,378 @@
+"""Paged attention in Triton that reads every KV format in place: one kernel family for decode
+rows and short chunks over a cached context, the format a compile-time switch.
+
+The shape is vLLM's "unified attention": a program serves one KV head of a tile of queries of
+one sequence, the tile's queries times the head's ``G`` query heads packed as the ``M``
+dimension of the matrix products, so a grouped-query model reads each key once per group
+rather than once per query head. Keys are visited ``TILE_N`` at a time through the block table
+(a tile may span blocks, so any block size works), with an online softmax; long contexts split
+their key range over ``NUM_SPLITS`` programs whose partial results a second kernel merges.
+
+The formats (``FMT``), each decoded in registers right after its load (float32 from there on,
+which is also what Triton's interpreter needs: it has no bf16 arithmetic):
+
+- ``DENSE``: float32 / bfloat16 / float16 blocks;
+- ``FP8``: e4m3 / e5m2 codes with one scale per KV head, folded into the query (keys) and
+  into the output (values);
+- ``INT8``: codes with one float16 scale per token and head, applied to the scores (keys)
+  and to the probabilities (values);
+- ``KIVI``: packed 4- or 2-bit codes; keys per channel over a block (compact scale and zero
+  codes against three float32 numbers per block and head), values per token over groups of
+  channels; blocks that own a residual slot are read from the full-precision residual. Keys
+  are stored in a Hadamard-rotated basis, so their scores take the query rotated once by the
+  caller (``qr``), and the residual's (unrotated) keys the plain query.
+
+Retention is runtime data: per-sequence windows beside the layer's window (a query at cache
+entry ``c`` sees ``(c - w, c]``), so one compiled variant serves every request. Nothing here
+synchronises with the host or allocates: grid sizes come from host-known shapes and the split
+workspace is the caller's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+DENSE, FP8, INT8, KIVI = 0, 1, 2, 3
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _find_seq(q_start_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
+    """The sequence whose query tiles include tile ``pid``: sequence ``i``'s tiles start at
+    ``q_start[i] // BLOCK_Q + i`` (at least as many tiles as it needs, never overlapping)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(q_start_ptr + mid).to(tl.int32) // BLOCK_Q + mid
+        if first <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _unpack(byte_ptrs, d, mask, BITS: tl.constexpr):
+    """Codes of channel ``d`` from bytes packing ``8 // BITS`` channels, lowest first."""
+    per: tl.constexpr = 8 // BITS
+    packed = tl.load(byte_ptrs, mask=mask, other=0).to(tl.int32)
+    return ((packed >> ((d % per) * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+
+
+@triton.jit
+def _dot(a, b, like_ptr, DOT_F32: tl.constexpr):
+    """``a @ b`` with float32 accumulation: exact float32 products (no TF32) for a float32
+    model, else in the query's own 16-bit dtype on the tensor cores."""
+    if DOT_F32:
+        return tl.dot(a, b, input_precision="ieee")
+    lp = like_ptr.dtype.element_ty
+    return tl.dot(a.to(lp), b.to(lp))
+
+
+@triton.jit
+def paged_attention_kernel(
+    out_ptr, q_ptr, qr_ptr,
+    k_ptr, v_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr,
+    res_map_ptr, rk_ptr, rv_ptr,
+    tables_ptr, q_start_ptr, q_len_ptr, ctx_ptr, windows_ptr,
+    part_acc_ptr, part_ml_ptr,
+    num_seqs, layer_window, qk_scale, block_size,
+    s_qt, s_qh, s_ot, s_oh,
+    s_kb, s_kh, s_kt, s_vb, s_vh, s_vt,
+    s_ksb, s_ksh, s_ksx, s_vsb, s_vsh, s_vst,
+    s_kzb, s_kzh, s_rb, s_rh, s_rt,
+    s_tab,
+    FMT: tl.constexpr, HEAD_DIM: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HAS_WINDOWS: tl.constexpr, BITS: tl.constexpr, VGROUP: tl.constexpr, E5M2: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):  # fmt: skip
+    """One (query tile, KV head, key split). Shapes: q/out ``[T, H, D]``; per-sequence
+    ``q_start``, ``q_len``, ``ctx`` (cache entries before the sequence's first query),
+    ``windows`` (0: none); tables ``[B, max_blocks]``. The strides name each format's tensors:
+    codes (``k``/``v``), scales (``ks``/``vs``: fp8 ``[KVH]``, int8 ``[rows, KVH, bs]``, KIVI
+    key metadata ``[rows, KVH, 2, D]`` and value scales ``[rows, KVH, bs, D / VGROUP]``),
+    zeros (``kz``/``vz``: KIVI's key base ``[rows, KVH, 3]`` and value zeros) and KIVI's
+    residual (``res_map`` ``[rows]``, ``rk``/``rv`` ``[slots, KVH, bs, D]``)."""
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = _find_seq(q_start_ptr, pid, num_seqs, BLOCK_Q)
+    q0 = tl.load(q_start_ptr + seq).to(tl.int32)
+    n_q = tl.load(q_len_ptr + seq).to(tl.int32)
+    ctx = tl.load(ctx_ptr + seq).to(tl.int32)
+    tile = pid - (q0 // BLOCK_Q + seq)
+    if tile * BLOCK_Q >= n_q:
+        return
+
+    m = tl.arange(0, BLOCK_M)
+    qi = tile * BLOCK_Q + m // G  # query within the sequence's rows
+    row_ok = (m < BLOCK_Q * G) & (qi < n_q)
+    head = kvh * G + m % G
+    tok = q0 + qi
+    d = tl.arange(0, HEAD_DIM)
+    q_off = tok[:, None] * s_qt + head[:, None] * s_qh + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None], other=0.0).to(tl.float32) * qk_scale
+    if FMT == KIVI:
+        qr = tl.load(qr_ptr + q_off, mask=row_ok[:, None], other=0.0).to(tl.float32) * qk_scale
+    if FMT == FP8:
+        q = q * tl.load(ks_ptr + kvh)
+    pos = ctx + qi  # each query's cache entry
+
+    # The window: the tighter of the layer's and the sequence's (0: none).
+    w = layer_window
+    if HAS_WINDOWS:
+        sw = tl.load(windows_ptr + seq)
+        w = tl.where((sw > 0) & ((w <= 0) | (sw < w)), sw, w)
+    last = ctx + tl.minimum(n_q, (tile + 1) * BLOCK_Q) - 1
+    kv_start = tl.where(w > 0, tl.maximum(ctx + tile * BLOCK_Q - w + 1, 0), 0)
+    t_begin = kv_start // TILE_N
+    t_end = (last + TILE_N) // TILE_N
+    per_split = (t_end - t_begin + NUM_SPLITS - 1) // NUM_SPLITS
+    t_lo = t_begin + split * per_split
+    t_hi = tl.minimum(t_end, t_lo + per_split)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    j0 = tl.arange(0, TILE_N)
+    for t in range(t_lo, t_hi):
+        j = t * TILE_N + j0
+        key_ok = j <= last
+        page = tl.load(tables_ptr + seq * s_tab + j // block_size, mask=key_ok, other=0)
+        page = page.to(tl.int64)
+        off = j % block_size
+        kbase = page[:, None] * s_kb + kvh * s_kh + off[:, None] * s_kt
+        vbase = page[:, None] * s_vb + kvh * s_vh + off[:, None] * s_vt
+        lm = key_ok[:, None]
+        if FMT == KIVI:
+            per: tl.constexpr = 8 // BITS
+            res = tl.load(res_map_ptr + page, mask=key_ok, other=-1)
+            in_res = res >= 0
+            rbase = res.to(tl.int64)[:, None] * s_rb + kvh * s_rh + off[:, None] * s_rt
+            rmask = lm & in_res[:, None]
+            qmask = lm & (res < 0)[:, None]
+            # keys: code * scale + zero per channel of the block, in the rotated basis
+            kc = _unpack(k_ptr + kbase + d[None, :] // per, d[None, :], qmask, BITS)
+            mbase = page[:, None] * s_ksb + kvh * s_ksh + d[None, :]
+            zc = tl.load(ks_ptr + mbase, mask=qmask, other=0).to(tl.float32)
+            sc = tl.load(ks_ptr + mbase + s_ksx, mask=qmask, other=0).to(tl.float32)
+            zb = page * s_kzb + kvh * s_kzh
+            z0 = tl.load(kz_ptr + zb, mask=key_ok, other=0.0)
+            zstep = tl.load(kz_ptr + zb + 1, mask=key_ok, other=0.0)
+            smax = tl.load(kz_ptr + zb + 2, mask=key_ok, other=0.0)
+            kq = kc * (smax[:, None] * tl.exp2(-sc / 8.0)) + (z0[:, None] + zc * zstep[:, None])
+            kq = tl.where(qmask, kq, 0.0)
+            kr = tl.load(rk_ptr + rbase + d[None, :], mask=rmask, other=0.0).to(tl.float32)
+            s = _dot(qr, tl.trans(kq), q_ptr, DOT_F32) + _dot(q, tl.trans(kr), q_ptr, DOT_F32)
+            vc = _unpack(v_ptr + vbase + d[None, :] // per, d[None, :], qmask, BITS)
+            gb = page[:, None] * s_vsb + kvh * s_vsh + off[:, None] * s_vst + d[None, :] // VGROUP
+            vsc = tl.load(vs_ptr + gb, mask=qmask, other=0.0).to(tl.float32)
+            vz = tl.load(vz_ptr + gb, mask=qmask, other=0.0).to(tl.float32)
+            vr = tl.load(rv_ptr + rbase + d[None, :], mask=rmask, other=0.0).to(tl.float32)
+            v = tl.where(rmask, vr, tl.where(qmask, vc * vsc + vz, 0.0))
+        else:
+            k = tl.load(k_ptr + kbase + d[None, :], mask=lm, other=0)
+            v = tl.load(v_ptr + vbase + d[None, :], mask=lm, other=0)
+            if FMT == FP8:
+                if E5M2:
+                    k = k.to(tl.float8e5, bitcast=True)
+                    v = v.to(tl.float8e5, bitcast=True)
+                else:
+                    k = k.to(tl.float8e4nv, bitcast=True)
+                    v = v.to(tl.float8e4nv, bitcast=True)
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+            if FMT == INT8:
+                sidx = page * s_ksb + kvh * s_ksh + off * s_ksx
+                k_s = tl.load(ks_ptr + sidx, mask=key_ok, other=0.0).to(tl.float32)
+                v_s = tl.load(vs_ptr + sidx, mask=key_ok, other=0.0).to(tl.float32)
+            s = _dot(q, tl.trans(k), q_ptr, DOT_F32)
+            if FMT == INT8:
+                s = s * k_s[None, :]
+
+        seen = row_ok[:, None] & key_ok[None, :] & (j[None, :] <= pos[:, None])
+        seen &= (w <= 0) | (j[None, :] > pos[:, None] - w)
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if FMT == INT8:
+            p = p * v_s[None, :]
+        acc = acc * alpha[:, None] + _dot(p, v, q_ptr, DOT_F32)
+        m_i = m_new
+
+    if FMT == FP8:
+        acc = acc * tl.load(vs_ptr + kvh)
+    if NUM_SPLITS == 1:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_off = tok[:, None] * s_ot + head[:, None] * s_oh + d[None, :]
+        tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        # partials [T, H, S, D] and (max, sum) [T, H, S, 2], merged by merge_splits_kernel
+        num_heads = tl.num_programs(1) * G
+        slot = (tok * num_heads + head) * NUM_SPLITS + split
+        tl.store(part_acc_ptr + slot[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_ml_ptr + slot * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + slot * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def merge_splits_kernel(
+    out_ptr, part_acc_ptr, part_ml_ptr, num_heads, s_ot, s_oh,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):  # fmt: skip
+    """One (query row, head): the splits' partial sums rescaled to their common maximum."""
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    sp = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, HEAD_DIM)
+    slot = (tok * num_heads + head) * NUM_SPLITS + sp
+    m_s = tl.load(part_ml_ptr + slot * 2)
+    l_s = tl.load(part_ml_ptr + slot * 2 + 1)
+    m_all = tl.max(m_s, 0)
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    scale = tl.exp2(m_s - m_safe)
+    acc = tl.load(part_acc_ptr + slot[:, None] * HEAD_DIM + d[None, :])
+    o = tl.sum(acc * scale[:, None], 0)
+    denom = tl.sum(l_s * scale, 0)
+    o = o / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + tok * s_ot + head * s_oh + d, o.to(out_ptr.dtype.element_ty))
+
+
+# -- launching -------------------------------------------------------------------------------
+TILE_N = 32  # keys per step of the loop (a tile may span blocks of any size)
+NUM_WARPS = 4
+
+
+@dataclass(slots=True)
+class PagedCache:
+    """One layer's tensors of a KV format, as the kernel reads them (see
+    :func:`paged_attention_kernel` for their shapes); the attention backend builds it from a
+    storage, so this module knows no storage class."""
+
+    fmt: int
+    k: torch.Tensor
+    v: torch.Tensor
+    ks: torch.Tensor | None = None
+    vs: torch.Tensor | None = None
+    kz: torch.Tensor | None = None
+    vz: torch.Tensor | None = None
+    res_map: torch.Tensor | None = None
+    rk: torch.Tensor | None = None
+    rv: torch.Tensor | None = None
+    rotation: torch.Tensor | None = None  # KIVI: keys stored as k @ R; scores take q @ R
+    bits: int = 0
+    vgroup: int = 1
+    e5m2: bool = False
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[2]
+
+
+def _strides(t: torch.Tensor | None, n: int) -> list[int]:
+    return [0] * n if t is None else list(t.stride()[:n])
+
+
+def block_m(group: int) -> int:
+    """Rows of one program's matrix products: a query tile times the group's query heads."""
+    return max(16, triton.next_power_of_2(group))
+
+
+def choose_splits(programs: int, max_keys: int, device: torch.device) -> int:
+    """Key splits per program (a power of two): enough programs to fill the GPU twice over,
+    never splits shorter than 256 keys. One on a CPU (the interpreter runs programs one by
+    one)."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = min(-(-2 * sms // max(programs, 1)), max(1, max_keys // 256), 16)
+    return 1 << (want.bit_length() - 1)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    cache: PagedCache,
+    out: torch.Tensor,
+    q_start: torch.Tensor,
+    q_len: torch.Tensor,
+    ctx: torch.Tensor,
+    tables: torch.Tensor,
+    windows: torch.Tensor | None,
+    layer_window: int | None,
+    num_rows: int,
+    block_q: int,
+    num_splits: int | None = None,
+    workspace: torch.Tensor | None = None,
+) -> None:
+    """Attention of rows ``[0, num_rows)`` of ``q`` ``[T, H, D]`` into ``out``: sequence ``i``
+    owns rows ``q_start[i] .. + q_len[i]`` (contiguous, ascending), at cache entries
+    ``ctx[i] ..``, over its blocks ``tables[i]``; ``windows`` ``[B]`` (0: none) beside the
+    layer's window. ``block_q``: queries per program (1 for decode rows). ``workspace``: float32
+    of at least :func:`workspace_numel` elements when splitting."""
+    b = tables.shape[0]
+    heads, dim = q.shape[1], q.shape[2]
+    kvh = cache.k.shape[1]
+    g = heads // kvh
+    bm = block_m(g)
+    block_q = max(1, min(block_q, bm // g))
+    tiles = num_rows // block_q + b
+    if num_splits is None:
+        num_splits = choose_splits(tiles * kvh, tables.shape[1] * cache.block_size, q.device)
+    qr = q
+    if cache.rotation is not None:
+        qr = (q[:num_rows].float() @ cache.rotation).to(q.dtype)
+    acc = ml = q
+    if num_splits > 1:
+        assert workspace is not None and workspace.numel() >= workspace_numel(q, num_splits)
+        n = num_rows * heads * num_splits
+        acc, ml = workspace[: n * dim], workspace[n * dim : n * (dim + 2)]
+    dummy = cache.k
+    ks = cache.ks if cache.ks is not None else dummy
+    vs = cache.vs if cache.vs is not None else dummy
+    kz = cache.kz if cache.kz is not None else dummy
+    vz = cache.vz if cache.vz is not None else dummy
+    res_map = cache.res_map if cache.res_map is not None else tables
+    rk = cache.rk if cache.rk is not None else dummy
+    rv = cache.rv if cache.rv is not None else dummy
+    ks_strides = _strides(cache.ks, 3) if cache.fmt in (INT8, KIVI) else [0, 0, 0]
+    vs_strides = _strides(cache.vs, 3) if cache.fmt in (INT8, KIVI) else [0, 0, 0]
+    paged_attention_kernel[(tiles, kvh, num_splits)](
+        out, q, qr, cache.k, cache.v, ks, vs, kz, vz, res_map, rk, rv,
+        tables, q_start, q_len, ctx, windows if windows is not None else q_len,
+        acc, ml,
+        b, layer_window or 0, dim**-0.5 * LOG2E, cache.block_size,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        *_strides(cache.k, 3), *_strides(cache.v, 3), *ks_strides, *vs_strides,
+        *_strides(cache.kz if cache.fmt == KIVI else None, 2), *_strides(cache.rk, 3),
+        tables.stride(0),
+        FMT=cache.fmt, HEAD_DIM=dim, G=g, BLOCK_M=bm, BLOCK_Q=block_q, TILE_N=TILE_N,
+        NUM_SPLITS=num_splits, HAS_WINDOWS=windows is not None, BITS=cache.bits,
+        VGROUP=cache.vgroup, E5M2=cache.e5m2, DOT_F32=q.dtype == torch.float32 or _interpreting(),
+        num_warps=NUM_WARPS,
+    )  # fmt: skip
+    if num_splits > 1:
+        merge_splits_kernel[(num_rows, heads)](
+            out, acc, ml, heads, out.stride(0), out.stride(1),
+            HEAD_DIM=dim, NUM_SPLITS=num_splits, num_warps=NUM_WARPS,
+        )  # fmt: skip
+
+
+def workspace_numel(q: torch.Tensor, num_splits: int) -> int:
+    """float32 elements of the split workspace for ``q``'s rows: partial outputs and their
+    (max, sum) pairs."""
+    return q.shape[0] * q.shape[1] * num_splits * (q.shape[2] + 2)
+
+
+def _interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``): no 16-bit
+    arithmetic there, so every product is taken in float32."""
+    return bool(triton.knobs.runtime.interpret)
