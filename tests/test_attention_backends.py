@@ -212,8 +212,21 @@ def compacted(r: SimpleNamespace) -> list[torch.Tensor]:
 
 
 # -- every backend against the torch backend -------------------------------------------------
-@pytest.mark.parametrize("fmt, mode", cases())
-@pytest.mark.parametrize("backend", [b for b in ATTENTION_BACKENDS if b != "torch"])
+# Triton's kernels run in its interpreter here (slow): every format without retention and a
+# window, the declining paths once; tests/test_triton_attention.py covers the rest.
+TRITON_CASES = {(f, "none") for f in FORMATS} | {
+    ("float32", "window"), ("kivi2", "window"), ("bfloat16", "layer_window"),
+    ("float32", "sinks"), ("float32", "h2o"),
+}  # fmt: skip
+
+
+def backend_cases() -> list:
+    return [pytest.param(b, *c.values, id=f"{b}-{c.id}")
+            for b in ATTENTION_BACKENDS if b != "torch"
+            for c in cases() if b != "triton" or tuple(c.values) in TRITON_CASES]  # fmt: skip
+
+
+@pytest.mark.parametrize("backend, fmt, mode", backend_cases())
 def test_backend_matches_the_torch_backend(backend, fmt, mode):
     """Outputs of every row of both steps within the pair's tolerance; SnapKV's and H2O's
     compacted blocks equal (the same entries chosen, their codes copied bit for bit); H2O's
@@ -389,7 +402,7 @@ def test_unknown_or_misplaced_backend_is_a_config_error_naming_the_field(tmp_pat
     from kvserve.worker.model_runner import build_runner
 
     with pytest.raises(ConfigError, match=r"attention_backend: must be one of auto, torch, "
-                                          r"cpu, got 'nope'"):  # fmt: skip
+                                          r"cpu, triton, got 'nope'"):  # fmt: skip
         LLM(resolve_model(None), attention_backend="nope")
     # a backend that does not run on the device is refused before anything is loaded
     refused = r"attention_backend: 'cpu' does not run on cuda devices; there, choose one of"
