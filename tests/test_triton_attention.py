@@ -90,14 +90,16 @@ def run(backend, fmt: str, bs: int, heads: int, kv_heads: int, layer_window, key
     return backend.forward(q, k, v, 0, st, meta, layer_window)
 
 
-def launches(monkeypatch) -> list[int]:  # noqa: ANN001
-    """The format of each kernel launch, recorded."""
+def launches(monkeypatch, rows: list | None = None) -> list[int]:  # noqa: ANN001
+    """The format of each kernel launch, recorded (and in ``rows``, its rows and sequences)."""
     seen: list[int] = []
     real = ta.paged_attention
 
-    def spy(q, cache, *args, **kw):  # noqa: ANN001, ANN202
+    def spy(q, cache, out, q_start, q_len, ctx, tables, *args, **kw):  # noqa: ANN001, ANN202
         seen.append(cache.fmt)
-        return real(q, cache, *args, **kw)
+        if rows is not None:
+            rows.append((args[2], tables.shape[0]))
+        return real(q, cache, out, q_start, q_len, ctx, tables, *args, **kw)
 
     monkeypatch.setattr(ta, "paged_attention", spy)
     return seen
@@ -151,3 +153,29 @@ def test_the_backend_runs_on_a_cpu_only_under_the_interpreter(monkeypatch):
     with pytest.raises(ConfigError, match="attention_backend: 'triton' does not run on cpu"):
         resolve_backend("triton", cpu)
     assert resolve_backend("triton", torch.device("cuda")) == "triton"
+
+
+def test_llm_greedy_tokens_through_triton_equal_the_torch_backend(make_llm, monkeypatch):
+    """The bundled model in float32 through ``LLM(..., attention_backend="triton")`` under the
+    interpreter: chunked prefill (later chunks attend over the cached ones in the kernel's
+    paged group), then decode steps; tokens equal the torch backend's."""
+    from kvserve import SamplingParams
+    from kvserve.model.resolve import resolve_model
+    from tests.conftest import prompts_of_lengths
+
+    rows: list[tuple[int, int]] = []
+    seen = launches(monkeypatch, rows)
+    shared = prompts_of_lengths([14], vocab=4096, seed=3)[0]
+    prompts = [shared + p for p in prompts_of_lengths([2, 7], vocab=4096, seed=4)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    tokens = {}
+    for backend in ("torch", "triton"):
+        llm = make_llm(resolve_model(None), device="cpu", dtype="float32",
+                       attention_backend=backend, max_num_seqs=2, block_size=16,
+                       max_num_batched_tokens=16)  # fmt: skip
+        assert llm.engine.executor.driver_worker.runner.attention.name == backend
+        tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert tokens["triton"] == tokens["torch"]
+    assert all(len(t) == 4 for t in tokens["torch"])
+    assert seen and set(seen) == {ta.DENSE}
+    assert any(n > b for n, b in rows)  # a chunk of several queries went through the kernel
