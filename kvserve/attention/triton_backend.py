@@ -137,6 +137,22 @@ class TritonBackend(TorchBackend):
                            num_rows, bq, splits, self.workspace(q, splits))  # fmt: skip
 
     # -- the hooks -------------------------------------------------------------------------
+    def write_kv(self, layer, storage, slot_mapping, k, v) -> bool:  # noqa: ANN001
+        """Dense, fp8 (once the layer's scales are calibrated: calibration reads the first
+        prefill's amax on the host) and int8; KIVI's block-wise write is the storage's."""
+        kind = type(storage)
+        if kind not in (DenseKVStorage, Fp8KVStorage, Int8KVStorage):
+            return False
+        if kind is Fp8KVStorage and not storage.calibrated[layer]:
+            return False
+        cache = paged_cache(storage, layer)
+        if cache is None:
+            return False
+        from kvserve.kernels.triton_kv_write import kv_write
+
+        kv_write(cache, slot_mapping, k, v)
+        return True
+
     def decode(self, layer, q, storage, block_tables, seq_lens, window, seq_windows):  # noqa: ANN001, ANN201
         cache = paged_cache(storage, layer)
         if cache is None:

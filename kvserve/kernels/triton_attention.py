@@ -318,6 +318,34 @@ def paged_attention(
     ``ctx[i] ..``, over its blocks ``tables[i]``; ``windows`` ``[B]`` (0: none) beside the
     layer's window. ``block_q``: queries per program (1 for decode rows). ``workspace``: float32
     of at least :func:`workspace_numel` elements when splitting."""
+    launches = attention_launches(q, cache, out, q_start, q_len, ctx, tables, windows,
+                                  layer_window, num_rows, block_q, num_splits, workspace)  # fmt: skip
+    for kernel, grid, args, meta in launches:
+        kernel[grid](*args, **meta, num_warps=NUM_WARPS)
+
+
+Launch = tuple  # (kernel, grid, positional args, constexprs)
+
+
+def attention_launches(
+    q: torch.Tensor,
+    cache: PagedCache,
+    out: torch.Tensor,
+    q_start: torch.Tensor,
+    q_len: torch.Tensor,
+    ctx: torch.Tensor,
+    tables: torch.Tensor,
+    windows: torch.Tensor | None,
+    layer_window: int | None,
+    num_rows: int,
+    block_q: int,
+    num_splits: int | None = None,
+    workspace: torch.Tensor | None = None,
+    dot_f32: bool | None = None,
+) -> list[Launch]:
+    """The kernel launches of :func:`paged_attention`, as data: what it runs, and what the
+    ahead-of-time compile test compiles (``dot_f32``: float32 products; by default for a
+    float32 query or under the interpreter)."""
     b = tables.shape[0]
     heads, dim = q.shape[1], q.shape[2]
     kvh = cache.k.shape[1]
@@ -327,6 +355,8 @@ def paged_attention(
     tiles = num_rows // block_q + b
     if num_splits is None:
         num_splits = choose_splits(tiles * kvh, tables.shape[1] * cache.block_size, q.device)
+    if dot_f32 is None:
+        dot_f32 = q.dtype == torch.float32 or _interpreting()
     qr = q
     if cache.rotation is not None:
         qr = (q[:num_rows].float() @ cache.rotation).to(q.dtype)
@@ -345,7 +375,7 @@ def paged_attention(
     rv = cache.rv if cache.rv is not None else dummy
     ks_strides = _strides(cache.ks, 3) if cache.fmt in (INT8, KIVI) else [0, 0, 0]
     vs_strides = _strides(cache.vs, 3) if cache.fmt in (INT8, KIVI) else [0, 0, 0]
-    paged_attention_kernel[(tiles, kvh, num_splits)](
+    args = [
         out, q, qr, cache.k, cache.v, ks, vs, kz, vz, res_map, rk, rv,
         tables, q_start, q_len, ctx, windows if windows is not None else q_len,
         acc, ml,
@@ -354,16 +384,16 @@ def paged_attention(
         *_strides(cache.k, 3), *_strides(cache.v, 3), *ks_strides, *vs_strides,
         *_strides(cache.kz if cache.fmt == KIVI else None, 2), *_strides(cache.rk, 3),
         tables.stride(0),
-        FMT=cache.fmt, HEAD_DIM=dim, G=g, BLOCK_M=bm, BLOCK_Q=block_q, TILE_N=TILE_N,
-        NUM_SPLITS=num_splits, HAS_WINDOWS=windows is not None, BITS=cache.bits,
-        VGROUP=cache.vgroup, E5M2=cache.e5m2, DOT_F32=q.dtype == torch.float32 or _interpreting(),
-        num_warps=NUM_WARPS,
-    )  # fmt: skip
+    ]  # fmt: skip
+    meta = dict(FMT=cache.fmt, HEAD_DIM=dim, G=g, BLOCK_M=bm, BLOCK_Q=block_q, TILE_N=TILE_N,
+                NUM_SPLITS=num_splits, HAS_WINDOWS=windows is not None, BITS=cache.bits,
+                VGROUP=cache.vgroup, E5M2=cache.e5m2, DOT_F32=dot_f32)  # fmt: skip
+    launches: list[Launch] = [(paged_attention_kernel, (tiles, kvh, num_splits), args, meta)]
     if num_splits > 1:
-        merge_splits_kernel[(num_rows, heads)](
-            out, acc, ml, heads, out.stride(0), out.stride(1),
-            HEAD_DIM=dim, NUM_SPLITS=num_splits, num_warps=NUM_WARPS,
-        )  # fmt: skip
+        merge = [out, acc, ml, heads, out.stride(0), out.stride(1)]
+        launches.append((merge_splits_kernel, (num_rows, heads), merge,
+                         dict(HEAD_DIM=dim, NUM_SPLITS=num_splits)))  # fmt: skip
+    return launches
 
 
 def workspace_numel(q: torch.Tensor, num_splits: int) -> int:

@@ -1,0 +1,158 @@
+"""Ahead-of-time compilation of every Triton kernel variant the backend launches, for GPUs this
+machine need not have: ``python -m kvserve.kernels.triton_aot [--arch 90 80]`` prints one JSON
+line per (variant, architecture) and exits non-zero when any fails to compile or needs more
+shared memory than the target gives one block.
+
+Triton compiles for a :class:`~triton.backends.compiler.GPUTarget` without a driver (the PTX
+assembler ships in its wheel), so CPU-only CI catches what the interpreter cannot: code that
+does not lower to the GPU (layouts, dtype conversions, dot shapes) and tiles too large for
+shared memory. The launches are built by the same function that launches them
+(:func:`~kvserve.kernels.triton_attention.attention_launches`) over tensors on the ``meta``
+device, so the compiled signatures are the launched ones.
+
+Run it without ``TRITON_INTERPRET`` (under the interpreter ``triton.jit`` builds no compilable
+functions); the test does so in a subprocess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Iterator
+
+import torch
+
+from kvserve.kernels import triton_attention as ta
+from kvserve.kernels import triton_kv_write as tw
+
+# Shared memory one block may use (the opt-in maximum), by compute capability.
+SHARED_LIMIT = {90: 227 * 1024, 80: 163 * 1024}
+_TYPES = {
+    torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.uint8: "u8",
+    torch.int8: "i8", torch.int64: "i64", torch.int32: "i32",
+}  # fmt: skip
+META = torch.device("meta")
+
+
+def _t(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=META)
+
+
+def _cache(fmt: str, dtype: torch.dtype, kvh: int, d: int, bs: int = 16, rows: int = 64):  # noqa: ANN202
+    """A :class:`PagedCache` of format ``fmt`` on the meta device."""
+    shape = (rows, kvh, bs, d)
+    if fmt == "dense":
+        return ta.PagedCache(ta.DENSE, _t(*shape, dtype=dtype), _t(*shape, dtype=dtype))
+    if fmt.startswith("fp8"):
+        u8 = _t(*shape, dtype=torch.uint8)
+        return ta.PagedCache(ta.FP8, u8, u8, ks=_t(kvh, dtype=torch.float32),
+                             vs=_t(kvh, dtype=torch.float32), e5m2=fmt == "fp8_e5m2")  # fmt: skip
+    if fmt == "int8":
+        i8, s = _t(*shape, dtype=torch.int8), _t(rows, kvh, bs, dtype=torch.float16)
+        return ta.PagedCache(ta.INT8, i8, i8, ks=s, vs=s)
+    bits = int(fmt.removeprefix("kivi"))
+    group = 64 if bits == 4 else 32
+    codes = _t(rows, kvh, bs, d * bits // 8, dtype=torch.uint8)
+    vsz = _t(rows, kvh, bs, d // group, dtype=torch.float16)
+    res = _t(8, kvh, bs, d, dtype=dtype)
+    return ta.PagedCache(
+        ta.KIVI, codes, codes, ks=_t(rows, kvh, 2, d, dtype=torch.uint8), vs=vsz,
+        kz=_t(rows, kvh, 3, dtype=torch.float32), vz=vsz, res_map=_t(rows, dtype=torch.int64),
+        rk=res, rv=res, rotation=_t(d, d, dtype=torch.float32), bits=bits, vgroup=group,
+    )  # fmt: skip
+
+
+def attention_variants() -> Iterator[tuple[str, list]]:
+    """(name, launches) for each variant: every format and compute dtype at head size 128 and
+    8 query heads per KV head, decode rows and the paged group, with and without split-KV,
+    head size 256 where registers and shared memory are tightest."""
+    b, kvh, g = 8, 8, 8
+    cases = [("dense", dt, 128, 1, 1) for dt in (torch.float32, torch.bfloat16, torch.float16)]
+    cases += [(f, torch.bfloat16, 128, 1, 1) for f in ("fp8_e4m3", "fp8_e5m2", "int8")]
+    cases += [(f, torch.bfloat16, 128, 1, 1) for f in ("kivi4", "kivi2")]
+    cases += [("dense", torch.bfloat16, 128, 64, 1), ("dense", torch.bfloat16, 128, 1, 16)]
+    cases += [("dense", torch.bfloat16, 256, 1, 1), ("kivi4", torch.bfloat16, 256, 1, 1)]
+    cases += [("kivi4", torch.float32, 128, 1, 4)]
+    for fmt, dt, d, block_q, splits in cases:
+        rows = b * block_q
+        q = _t(rows, kvh * g, d, dtype=dt)
+        i64 = _t(b, dtype=torch.int64)
+        ws = _t(ta.workspace_numel(q, splits), dtype=torch.float32)
+        launches = ta.attention_launches(
+            q, _cache(fmt, dt, kvh, d), q, i64, i64, i64, _t(b, 32, dtype=torch.int64),
+            _t(b, dtype=torch.int32), 0, rows, block_q, splits, ws, dt == torch.float32,
+        )  # fmt: skip
+        name = f"attention-{fmt}-{str(dt).removeprefix('torch.')}-d{d}-q{block_q}-s{splits}"
+        yield name, launches
+
+
+def write_variants() -> Iterator[tuple[str, list]]:
+    """(name, launches) of the KV write kernels: each format and compute dtype."""
+    t, kvh, d = 16, 8, 128
+    for fmt, dt in [("dense", torch.bfloat16), ("dense", torch.float32),
+                    ("fp8_e4m3", torch.bfloat16), ("fp8_e5m2", torch.bfloat16),
+                    ("int8", torch.bfloat16), ("int8", torch.float32)]:  # fmt: skip
+        cache = _cache(fmt, dt, kvh, d)
+        x = _t(t, kvh, d, dtype=dt)
+        launches = tw.write_launches(cache, _t(t, dtype=torch.int64), x, x)
+        yield f"write-{fmt}-{str(dt).removeprefix('torch.')}", launches
+
+
+def signature(kernel, args: list, constexprs: dict) -> tuple[dict, dict]:  # noqa: ANN001
+    """Triton's signature of a launch: each argument's type by name, constexprs by name."""
+    names = kernel.arg_names
+    sig: dict[str, str] = {}
+    for name, a in zip(names, args, strict=False):
+        if isinstance(a, torch.Tensor):
+            sig[name] = "*" + _TYPES[a.dtype]
+        elif isinstance(a, bool):
+            sig[name] = "i1"
+        elif isinstance(a, int):
+            sig[name] = "i32"
+        else:
+            sig[name] = "fp32"
+    for name in constexprs:
+        sig[name] = "constexpr"
+    return sig, dict(constexprs)
+
+
+def compile_all(archs: list[int]) -> list[dict]:
+    """Compile every variant for each architecture; one record per (variant, kernel, arch)."""
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    records = []
+    for name, launches in [*attention_variants(), *write_variants()]:
+        for kernel, _grid, args, constexprs in launches:
+            sig, consts = signature(kernel, args, constexprs)
+            for arch in archs:
+                rec = {"variant": name, "kernel": kernel.fn.__name__, "arch": f"sm_{arch}"}
+                start = time.perf_counter()
+                try:
+                    src = ASTSource(fn=kernel, signature=sig, constexprs=consts)
+                    k = triton_compile(src, target=GPUTarget("cuda", arch, 32),
+                                       options={"num_warps": ta.NUM_WARPS})  # fmt: skip
+                    rec.update(ok=k.metadata.shared <= SHARED_LIMIT[arch],
+                               shared=k.metadata.shared, limit=SHARED_LIMIT[arch])  # fmt: skip
+                except Exception as e:  # noqa: BLE001 - the record says what failed
+                    rec.update(ok=False, error=f"{type(e).__name__}: {str(e)[:2000]}")
+                rec["seconds"] = round(time.perf_counter() - start, 2)
+                records.append(rec)
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", type=int, nargs="+", default=[90, 80], choices=sorted(SHARED_LIMIT))
+    args = p.parse_args(argv)
+    records = compile_all(args.arch)
+    for r in records:
+        print(json.dumps(r))
+    return 0 if records and all(r["ok"] for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
