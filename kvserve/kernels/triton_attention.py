@@ -37,6 +37,8 @@ import triton
 import triton.language as tl
 
 DENSE, FP8, INT8, KIVI = 0, 1, 2, 3
+# The same, as the kernels see them (a kernel reads only constexpr globals).
+_DENSE, _FP8, _INT8, _KIVI = (tl.constexpr(f) for f in (DENSE, FP8, INT8, KIVI))
 LOG2E = 1.4426950408889634
 
 
@@ -62,6 +64,19 @@ def _unpack(byte_ptrs, d, mask, BITS: tl.constexpr):
     per: tl.constexpr = 8 // BITS
     packed = tl.load(byte_ptrs, mask=mask, other=0).to(tl.int32)
     return ((packed >> ((d % per) * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+
+
+@triton.jit
+def _fp8_value(code, E5M2: tl.constexpr):
+    """The value of fp8 bytes, through float16 bits (exact, and without the float8 types that
+    sm_80 lacks): an e5m2 byte is the top byte of a float16; an e4m3 byte's exponent and
+    mantissa sit 7 bits up in one, worth 2**8 times less than the code says (bias 15 vs 7),
+    subnormals included."""
+    c = code.to(tl.int16)
+    if E5M2:
+        return (c << 8).to(tl.float16, bitcast=True).to(tl.float32)
+    h = (((c & 0x80) << 8) | ((c & 0x7F) << 7)).to(tl.float16, bitcast=True)
+    return h.to(tl.float32) * 256.0
 
 
 @triton.jit
@@ -118,9 +133,9 @@ def paged_attention_kernel(
     d = tl.arange(0, HEAD_DIM)
     q_off = tok[:, None] * s_qt + head[:, None] * s_qh + d[None, :]
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None], other=0.0).to(tl.float32) * qk_scale
-    if FMT == KIVI:
+    if FMT == _KIVI:
         qr = tl.load(qr_ptr + q_off, mask=row_ok[:, None], other=0.0).to(tl.float32) * qk_scale
-    if FMT == FP8:
+    if FMT == _FP8:
         q = q * tl.load(ks_ptr + kvh)
     pos = ctx + qi  # each query's cache entry
 
@@ -150,7 +165,7 @@ def paged_attention_kernel(
         kbase = page[:, None] * s_kb + kvh * s_kh + off[:, None] * s_kt
         vbase = page[:, None] * s_vb + kvh * s_vh + off[:, None] * s_vt
         lm = key_ok[:, None]
-        if FMT == KIVI:
+        if FMT == _KIVI:
             per: tl.constexpr = 8 // BITS
             res = tl.load(res_map_ptr + page, mask=key_ok, other=-1)
             in_res = res >= 0
@@ -179,21 +194,17 @@ def paged_attention_kernel(
         else:
             k = tl.load(k_ptr + kbase + d[None, :], mask=lm, other=0)
             v = tl.load(v_ptr + vbase + d[None, :], mask=lm, other=0)
-            if FMT == FP8:
-                if E5M2:
-                    k = k.to(tl.float8e5, bitcast=True)
-                    v = v.to(tl.float8e5, bitcast=True)
-                else:
-                    k = k.to(tl.float8e4nv, bitcast=True)
-                    v = v.to(tl.float8e4nv, bitcast=True)
+            if FMT == _FP8:
+                k = _fp8_value(k, E5M2)
+                v = _fp8_value(v, E5M2)
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-            if FMT == INT8:
+            if FMT == _INT8:
                 sidx = page * s_ksb + kvh * s_ksh + off * s_ksx
                 k_s = tl.load(ks_ptr + sidx, mask=key_ok, other=0.0).to(tl.float32)
                 v_s = tl.load(vs_ptr + sidx, mask=key_ok, other=0.0).to(tl.float32)
             s = _dot(q, tl.trans(k), q_ptr, DOT_F32)
-            if FMT == INT8:
+            if FMT == _INT8:
                 s = s * k_s[None, :]
 
         seen = row_ok[:, None] & key_ok[None, :] & (j[None, :] <= pos[:, None])
@@ -204,12 +215,12 @@ def paged_attention_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if FMT == INT8:
+        if FMT == _INT8:
             p = p * v_s[None, :]
         acc = acc * alpha[:, None] + _dot(p, v, q_ptr, DOT_F32)
         m_i = m_new
 
-    if FMT == FP8:
+    if FMT == _FP8:
         acc = acc * tl.load(vs_ptr + kvh)
     if NUM_SPLITS == 1:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

@@ -22,10 +22,19 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels.triton_attention import DENSE, FP8, INT8, NUM_WARPS, PagedCache
+from kvserve.kernels.triton_attention import (
+    _DENSE,
+    _FP8,
+    _INT8,
+    DENSE,
+    FP8,
+    INT8,
+    NUM_WARPS,
+    PagedCache,
+)
 
-FP16_MAX = 65504.0
-FP16_TINY = 2.0**-24
+FP16_MAX = tl.constexpr(65504.0)
+FP16_TINY = tl.constexpr(2.0**-24)
 
 
 @triton.jit
@@ -58,15 +67,18 @@ def _fp8_code(y, E5M2: tl.constexpr):
 
 
 @triton.jit
-def _quantize_row(x, scale_ptr, FMT: tl.constexpr, E5M2: tl.constexpr, kvh):
-    """(codes, int8 scale) of one row ``x`` (float32); the scale is 0 for other formats."""
-    x = tl.where(x != x, 0.0, x)  # NaN
-    if FMT == FP8:
-        fmax: tl.constexpr = 57344.0 if E5M2 else 448.0
-        y = tl.math.div_rn(x, tl.load(scale_ptr + kvh))
-        y = tl.where(y != y, 0.0, y)
-        y = tl.minimum(tl.maximum(y, -fmax), fmax)
-        return _fp8_code(y, E5M2), 0.0
+def _fp8_row(x, scale, E5M2: tl.constexpr):
+    """fp8 codes of one row ``x`` (float32): ``x / scale``, NaN to 0, saturated."""
+    fmax: tl.constexpr = 57344.0 if E5M2 else 448.0
+    y = tl.math.div_rn(tl.where(x != x, 0.0, x), scale)
+    y = tl.minimum(tl.maximum(tl.where(y != y, 0.0, y), -fmax), fmax)
+    return _fp8_code(y, E5M2)
+
+
+@triton.jit
+def _int8_row(x):
+    """int8 codes and the float16 scale of one row ``x`` (float32)."""
+    x = tl.where(x != x, 0.0, x)
     x = tl.where(tl.abs(x) == float("inf"), tl.where(x > 0, FP16_MAX, -FP16_MAX), x)
     x = tl.minimum(tl.maximum(x, -127.0 * FP16_MAX), 127.0 * FP16_MAX)
     amax = tl.max(tl.abs(x), 0)
@@ -75,8 +87,7 @@ def _quantize_row(x, scale_ptr, FMT: tl.constexpr, E5M2: tl.constexpr, kvh):
     bits = h.to(tl.int16, bitcast=True)
     h = tl.where(h.to(tl.float32) < s, (bits + 1).to(tl.float16, bitcast=True), h)
     y = _round_half_even(tl.math.div_rn(x, h.to(tl.float32)))
-    codes = tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int8)
-    return codes, h
+    return tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int8), h
 
 
 @triton.jit
@@ -97,18 +108,20 @@ def kv_write_kernel(
     k = tl.load(k_ptr + t * s_kt + h * s_kh + d)
     v = tl.load(v_ptr + t * s_vt + h * s_vh + d)
     dst = blk * s_cb + h * s_ch + off * s_ct + d
-    if FMT == DENSE:
+    if FMT == _DENSE:
         tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty))
         tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty))
+    elif FMT == _FP8:
+        tl.store(kc_ptr + dst, _fp8_row(k.to(tl.float32), tl.load(ks_ptr + h), E5M2))
+        tl.store(vc_ptr + dst, _fp8_row(v.to(tl.float32), tl.load(vs_ptr + h), E5M2))
     else:
-        kq, k_s = _quantize_row(k.to(tl.float32), ks_ptr, FMT, E5M2, h)
-        vq, v_s = _quantize_row(v.to(tl.float32), vs_ptr, FMT, E5M2, h)
+        kq, k_s = _int8_row(k.to(tl.float32))
+        vq, v_s = _int8_row(v.to(tl.float32))
+        sdst = blk * s_sb + h * s_sh + off * s_st
         tl.store(kc_ptr + dst, kq)
         tl.store(vc_ptr + dst, vq)
-        if FMT == INT8:
-            sdst = blk * s_sb + h * s_sh + off * s_st
-            tl.store(ks_ptr + sdst, k_s)
-            tl.store(vs_ptr + sdst, v_s)
+        tl.store(ks_ptr + sdst, k_s)
+        tl.store(vs_ptr + sdst, v_s)
 
 
 def write_launches(
