@@ -58,8 +58,8 @@ def test_fp8_is_written_by_the_storage_until_its_scales_are_calibrated():
     assert not TritonBackend().write_kv(0, st, torch.arange(4), k, k)
     st.write(0, torch.arange(4), k, k)  # calibrates
     assert TritonBackend().write_kv(0, st, torch.arange(4, 8), k, k)
-    assert not TritonBackend().write_kv(0, make_kv_storage("kivi4", 1, POOL, BS, KVH, D,
-                                                          torch.float32), torch.arange(4), k, k)  # fmt: skip
+    kivi = make_kv_storage("kivi4", 1, POOL, BS, KVH, D, torch.float32)
+    assert not TritonBackend().write_kv(0, kivi, torch.arange(4), k, k)
 
 
 @triton.jit

@@ -329,8 +329,10 @@ def paged_attention(
     ``ctx[i] ..``, over its blocks ``tables[i]``; ``windows`` ``[B]`` (0: none) beside the
     layer's window. ``block_q``: queries per program (1 for decode rows). ``workspace``: float32
     of at least :func:`workspace_numel` elements when splitting."""
-    launches = attention_launches(q, cache, out, q_start, q_len, ctx, tables, windows,
-                                  layer_window, num_rows, block_q, num_splits, workspace)  # fmt: skip
+    launches = attention_launches(
+        q, cache, out, q_start, q_len, ctx, tables, windows, layer_window, num_rows, block_q,
+        num_splits, workspace,
+    )  # fmt: skip
     for kernel, grid, args, meta in launches:
         kernel[grid](*args, **meta, num_warps=NUM_WARPS)
 

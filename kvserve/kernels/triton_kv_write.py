@@ -25,7 +25,6 @@ import triton.language as tl
 from kvserve.kernels.triton_attention import (
     _DENSE,
     _FP8,
-    _INT8,
     DENSE,
     FP8,
     INT8,
