@@ -10,7 +10,9 @@
    datasheet peak, sequences x tokens per second; and the ``torch`` backend's decode on the
    same storage and rows.
 
-``--dry-run`` parses the arguments and prints the plan without touching a GPU.
+``--dry-run`` parses the arguments and prints the plan without touching a GPU; ``--device cpu``
+runs the whole script on tiny sizes under Triton's interpreter (``TRITON_INTERPRET=1``), to
+check the script itself where no GPU is.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ HEADS, KV_HEADS, D, BS = 32, 8, 128, 16
 # bf16 rounding of the output either way (vLLM's kernel tests take 1.5e-2 / 1e-2).
 TOL = (1.5e-2, 1e-2)
 H100_PEAK = 3.35e12  # bytes/s, H100 SXM datasheet
+DEV = torch.device("cuda")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -40,11 +43,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--formats", nargs="+", default=FORMATS, choices=FORMATS)
     p.add_argument("--iters", type=int, default=20, help="timed calls per measurement")
+    p.add_argument("--check-batch", type=int, default=64, help="rows of the kernel checks")
+    p.add_argument("--check-context", type=int, default=1000, help="their context")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--peak", type=float, default=H100_PEAK, help="datasheet bytes/s")
     p.add_argument("--dry-run", action="store_true", help="print the plan; touch no GPU")
     args = p.parse_args(argv)
-    if args.batch < 1 or any(c < 1 for c in args.contexts) or args.iters < 1:
-        p.error("--batch, --contexts and --iters must be >= 1")
+    if min(args.batch, *args.contexts, args.iters, args.check_batch, args.check_context) < 1:
+        p.error("--batch, --contexts, --iters, --check-batch and --check-context must be >= 1")
     return args
 
 
@@ -67,8 +73,13 @@ def versions() -> dict:
 
 def timed(fn, iters: int) -> float:  # noqa: ANN001
     """Median seconds per call of ``fn`` on the current stream (CUDA events)."""
-    for _ in range(3):
+    for _ in range(3 if DEV.type == "cuda" else 1):
         fn()
+    if DEV.type == "cpu":
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - start) / iters
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
@@ -83,7 +94,7 @@ def timed(fn, iters: int) -> float:  # noqa: ANN001
 
 def copy_bandwidth(iters: int) -> float:
     """Bytes moved (read + written) per second by a 1 GiB device-to-device copy."""
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    src = torch.empty(2**30 if DEV.type == "cuda" else 2**24, dtype=torch.uint8, device=DEV)
     dst = torch.empty_like(src)
     return 2 * src.numel() / timed(lambda: dst.copy_(src), iters)
 
@@ -94,7 +105,7 @@ def filled(fmt: str, batch: int, ctx: int, seed: int = 0):  # noqa: ANN202
     decode rows' queries."""
     from kvserve.kv.formats import make_kv_storage
 
-    dev = torch.device("cuda")
+    dev = DEV
     blocks = -(-ctx // BS)
     dt = torch.float16 if fmt == "float16" else torch.bfloat16
     st = make_kv_storage(fmt, 1, batch * blocks, BS, KV_HEADS, D, dt, dev, max_num_seqs=batch)
@@ -128,9 +139,10 @@ def torch_decode(st, q, tables, lens, windows=None):  # noqa: ANN001, ANN201
     return o.reshape(q.shape)
 
 
-def check_kernels(formats: list[str]) -> list[dict]:
-    """Each format's triton decode against the torch backend's at batch 64 x 1k (windows on
-    every other row), once more with four key splits forced; the write kernels bit for bit."""
+def check_kernels(formats: list[str], batch: int, ctx: int) -> list[dict]:
+    """Each format's triton decode against the torch backend's at ``batch`` x ``ctx`` (a
+    window of 30 % of the context on every other row), once more with four key splits forced;
+    the write kernels bit for bit."""
     from kvserve.attention.triton_backend import TritonBackend, paged_cache
     from kvserve.kernels import triton_attention as ta
     from kvserve.kernels.triton_kv_write import kv_write
@@ -139,8 +151,9 @@ def check_kernels(formats: list[str]) -> list[dict]:
     out = []
     backend = TritonBackend()
     for fmt in formats:
-        st, tables, lens, q = filled(fmt, 64, 1000, seed=1)
-        windows = torch.where(torch.arange(64, device="cuda") % 2 == 0, 0, 300).int()
+        st, tables, lens, q = filled(fmt, batch, ctx, seed=1)
+        rows = torch.arange(batch, device=DEV)
+        windows = torch.where(rows % 2 == 0, 0, max(1, ctx * 3 // 10)).int()
         want = torch_decode(st, q, tables, lens, windows)
         rec = {"check": "decode", "format": fmt}
         for splits in (None, 4):
@@ -159,11 +172,12 @@ def check_kernels(formats: list[str]) -> list[dict]:
         del st
     for fmt in ("bfloat16", "fp8_e4m3", "fp8_e5m2", "int8"):
         dt = torch.bfloat16
-        a = make_kv_storage(fmt, 1, 512, BS, KV_HEADS, D, dt, "cuda")
-        b = make_kv_storage(fmt, 1, 512, BS, KV_HEADS, D, dt, "cuda")
-        slots = torch.randperm(512 * BS, device="cuda")[:4096]
-        k = torch.randn(4096, KV_HEADS, D, device="cuda", dtype=dt) * 3
-        v = torch.randn(4096, KV_HEADS, D, device="cuda", dtype=dt)
+        n = 4096 if DEV.type == "cuda" else 64
+        a = make_kv_storage(fmt, 1, n // 8, BS, KV_HEADS, D, dt, DEV)
+        b = make_kv_storage(fmt, 1, n // 8, BS, KV_HEADS, D, dt, DEV)
+        slots = torch.randperm(n // 8 * BS, device=DEV)[:n]
+        k = torch.randn(n, KV_HEADS, D, device=DEV, dtype=dt) * 3
+        v = torch.randn(n, KV_HEADS, D, device=DEV, dtype=dt)
         for s in (a, b):
             s.write(0, slots[:64], k[:64], v[:64])  # fp8: the same calibration
         a.write(0, slots, k, v)
@@ -197,7 +211,8 @@ def bandwidth(formats: list[str], batch: int, contexts: list[int], iters: int,
                 "speedup_vs_torch": t_torch / t_kernel,
             })  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
-            torch.cuda.empty_cache()
+            if DEV.type == "cuda":
+                torch.cuda.empty_cache()
     return rows
 
 
@@ -216,13 +231,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(json.dumps({"plan": plan}))
         return 0
-    if not torch.cuda.is_available():
+    global DEV
+    DEV = torch.device(args.device)
+    if DEV.type == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device", file=sys.stderr)
         return 2
     start = time.time()
     result: dict = {"plan": plan, "versions": versions()}
     result["copy_bytes_per_s"] = copy_bw = copy_bandwidth(args.iters)
-    result["checks"] = check_kernels(args.formats)
+    result["checks"] = check_kernels(args.formats, args.check_batch, args.check_context)
     result["bandwidth"] = bandwidth(args.formats, args.batch, args.contexts, args.iters,
                                     copy_bw, args.peak)  # fmt: skip
     by = {(r["format"], r["context"]): r for r in result["bandwidth"]}

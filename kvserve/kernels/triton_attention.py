@@ -30,6 +30,7 @@ workspace is the caller's.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -304,9 +305,14 @@ def choose_splits(programs: int, max_keys: int, device: torch.device) -> int:
     one)."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _num_sms(device.index)
     want = min(-(-2 * sms // max(programs, 1)), max(1, max_keys // 256), 16)
     return 1 << (want.bit_length() - 1)
+
+
+@functools.cache
+def _num_sms(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def paged_attention(
