@@ -212,11 +212,11 @@ def compacted(r: SimpleNamespace) -> list[torch.Tensor]:
 
 
 # -- every backend against the torch backend -------------------------------------------------
-# Triton's kernels run in its interpreter here (slow): every format without retention and a
-# window, the declining paths once; tests/test_triton_attention.py covers the rest.
-TRITON_CASES = {(f, "none") for f in FORMATS} | {
-    ("float32", "window"), ("kivi2", "window"), ("bfloat16", "layer_window"),
-    ("float32", "sinks"), ("float32", "h2o"),
+# Triton's kernels run in its interpreter here (slow): one format of each kind without
+# retention, windows, the declining path (sinks) once; tests/test_triton_attention.py covers
+# every format, block sizes, head groupings and split-KV.
+TRITON_CASES = {(f, "none") for f in ("float32", "bfloat16", "fp8_e4m3", "int8", "kivi4")} | {
+    ("float32", "window"), ("kivi2", "window"), ("float32", "sinks"),
 }  # fmt: skip
 
 

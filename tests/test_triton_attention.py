@@ -108,12 +108,12 @@ def launches(monkeypatch, rows: list | None = None) -> list[int]:  # noqa: ANN00
 TOL = {"float32": (2e-5, 1e-4), "bfloat16": (1.5e-2, 1e-2)}
 QUANT_TOL = (1e-4, 1e-4)  # the same decoded values: float32 rounding
 FORMATS = ["float32", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8", "kivi4", "kivi2"]
-CASES = [pytest.param(f, 16, 4, 2, None, 1, id=f"{f}-bs16") for f in FORMATS] + [
+CASES = [pytest.param(f, 16, 4, 2, None, 1, id=f"{f}-bs16") for f in FORMATS if f != "fp8_e5m2"] + [
     pytest.param("float32", 8, 6, 2, 24, 1, id="float32-bs8-gqa3-layerwindow"),
-    pytest.param("bfloat16", 32, 4, 4, None, 4, id="bfloat16-bs32-mha-split4"),
+    pytest.param("bfloat16", 32, 4, 4, None, 2, id="bfloat16-bs32-mha-split2"),
     pytest.param("int8", 8, 4, 1, None, 1, id="int8-bs8-mqa"),
     pytest.param("kivi4", 8, 4, 2, 24, 2, id="kivi4-bs8-layerwindow-split2"),
-    pytest.param("fp8_e4m3", 16, 8, 2, None, 4, id="fp8_e4m3-bs16-gqa4-split4"),
+    pytest.param("fp8_e5m2", 16, 8, 2, None, 4, id="fp8_e5m2-bs16-gqa4-split4"),
 ]
 
 
@@ -167,7 +167,7 @@ def test_llm_greedy_tokens_through_triton_equal_the_torch_backend(make_llm, monk
     seen = launches(monkeypatch, rows)
     shared = prompts_of_lengths([14], vocab=4096, seed=3)[0]
     prompts = [shared + p for p in prompts_of_lengths([2, 7], vocab=4096, seed=4)]
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     tokens = {}
     for backend in ("torch", "triton"):
         llm = make_llm(resolve_model(None), device="cpu", dtype="float32",
@@ -176,6 +176,6 @@ def test_llm_greedy_tokens_through_triton_equal_the_torch_backend(make_llm, monk
         assert llm.engine.executor.driver_worker.runner.attention.name == backend
         tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert tokens["triton"] == tokens["torch"]
-    assert all(len(t) == 4 for t in tokens["torch"])
+    assert all(len(t) == 3 for t in tokens["torch"])
     assert seen and set(seen) == {ta.DENSE}
     assert any(n > b for n, b in rows)  # a chunk of several queries went through the kernel

@@ -12,8 +12,8 @@ float16 scale rounded up. Formats:
 - ``INT8``: symmetric absmax per (token, head): scale ``amax / 127`` rounded up to a float16,
   codes ``round(x / scale)`` clamped to ``[-127, 127]``.
 
-Slots below zero are skipped (padding). Graph-safe: the grid is ``[T, KVH]`` from shapes, no
-host synchronisation, no allocation.
+Slots below zero are skipped (padding). Graph-safe: the grid is ``[T / BLOCK_T, KVH]`` from
+shapes, no host synchronisation, no allocation.
 """
 
 from __future__ import annotations
@@ -76,51 +76,56 @@ def _fp8_row(x, scale, E5M2: tl.constexpr):
 
 @triton.jit
 def _int8_row(x):
-    """int8 codes and the float16 scale of one row ``x`` (float32)."""
+    """int8 codes and the float16 scale of each row of ``x`` ``[rows, D]`` (float32)."""
     x = tl.where(x != x, 0.0, x)
     x = tl.where(tl.abs(x) == float("inf"), tl.where(x > 0, FP16_MAX, -FP16_MAX), x)
     x = tl.minimum(tl.maximum(x, -127.0 * FP16_MAX), 127.0 * FP16_MAX)
-    amax = tl.max(tl.abs(x), 0)
+    amax = tl.max(tl.abs(x), 1)
     s = tl.minimum(tl.maximum(tl.math.div_rn(amax, 127.0), FP16_TINY), FP16_MAX)
     h = s.to(tl.float16)
     bits = h.to(tl.int16, bitcast=True)
     h = tl.where(h.to(tl.float32) < s, (bits + 1).to(tl.float16, bitcast=True), h)
-    y = _round_half_even(tl.math.div_rn(x, h.to(tl.float32)))
+    y = _round_half_even(tl.math.div_rn(x, h.to(tl.float32)[:, None]))
     return tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int8), h
 
 
 @triton.jit
 def kv_write_kernel(
     slot_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
-    block_size, s_kt, s_kh, s_vt, s_vh, s_cb, s_ch, s_ct, s_sb, s_sh, s_st,
-    FMT: tl.constexpr, HEAD_DIM: tl.constexpr, E5M2: tl.constexpr,
+    num_tokens, block_size, s_kt, s_kh, s_vt, s_vh, s_cb, s_ch, s_ct, s_sb, s_sh, s_st,
+    FMT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, E5M2: tl.constexpr,
 ):  # fmt: skip
-    """One (token, KV head): its K and V rows into their block, in the format's codes."""
-    t = tl.program_id(0)
+    """``BLOCK_T`` tokens of one KV head: their K and V rows into their blocks, in the
+    format's codes."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1)
-    slot = tl.load(slot_ptr + t)
-    if slot < 0:
-        return
+    slot = tl.load(slot_ptr + t, mask=t < num_tokens, other=-1)
+    ok = (slot >= 0)[:, None]
     blk = slot // block_size
     off = slot % block_size
-    d = tl.arange(0, HEAD_DIM)
-    k = tl.load(k_ptr + t * s_kt + h * s_kh + d)
-    v = tl.load(v_ptr + t * s_vt + h * s_vh + d)
-    dst = blk * s_cb + h * s_ch + off * s_ct + d
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    k = tl.load(k_ptr + t[:, None] * s_kt + h * s_kh + d, mask=ok, other=0.0)
+    v = tl.load(v_ptr + t[:, None] * s_vt + h * s_vh + d, mask=ok, other=0.0)
+    dst = blk[:, None] * s_cb + h * s_ch + off[:, None] * s_ct + d
     if FMT == _DENSE:
-        tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty))
-        tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty))
+        tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=ok)
+        tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=ok)
     elif FMT == _FP8:
-        tl.store(kc_ptr + dst, _fp8_row(k.to(tl.float32), tl.load(ks_ptr + h), E5M2))
-        tl.store(vc_ptr + dst, _fp8_row(v.to(tl.float32), tl.load(vs_ptr + h), E5M2))
+        kq = _fp8_row(k.to(tl.float32), tl.load(ks_ptr + h), E5M2)
+        vq = _fp8_row(v.to(tl.float32), tl.load(vs_ptr + h), E5M2)
+        tl.store(kc_ptr + dst, kq, mask=ok)
+        tl.store(vc_ptr + dst, vq, mask=ok)
     else:
         kq, k_s = _int8_row(k.to(tl.float32))
         vq, v_s = _int8_row(v.to(tl.float32))
         sdst = blk * s_sb + h * s_sh + off * s_st
-        tl.store(kc_ptr + dst, kq)
-        tl.store(vc_ptr + dst, vq)
-        tl.store(ks_ptr + sdst, k_s)
-        tl.store(vs_ptr + sdst, v_s)
+        tl.store(kc_ptr + dst, kq, mask=ok)
+        tl.store(vc_ptr + dst, vq, mask=ok)
+        tl.store(ks_ptr + sdst, k_s, mask=slot >= 0)
+        tl.store(vs_ptr + sdst, v_s, mask=slot >= 0)
+
+
+BLOCK_T = 16  # tokens per program
 
 
 def write_launches(
@@ -133,11 +138,11 @@ def write_launches(
     ks = cache.ks if cache.ks is not None else cache.k
     vs = cache.vs if cache.vs is not None else cache.v
     s_s = list(cache.ks.stride()[:3]) if cache.fmt == INT8 else [0, 0, 0]
-    args = [slots, k, v, cache.k, cache.v, ks, vs, cache.block_size,
+    args = [slots, k, v, cache.k, cache.v, ks, vs, k.shape[0], cache.block_size,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             *cache.k.stride()[:3], *s_s]  # fmt: skip
-    meta = dict(FMT=cache.fmt, HEAD_DIM=k.shape[2], E5M2=cache.e5m2)
-    return [(kv_write_kernel, (k.shape[0], k.shape[1]), args, meta)]
+    meta = dict(FMT=cache.fmt, HEAD_DIM=k.shape[2], BLOCK_T=BLOCK_T, E5M2=cache.e5m2)
+    return [(kv_write_kernel, (triton.cdiv(k.shape[0], BLOCK_T), k.shape[1]), args, meta)]
 
 
 def kv_write(cache: PagedCache, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
