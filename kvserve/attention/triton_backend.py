@@ -7,14 +7,16 @@ What it serves, call by call:
 - decode rows of every format (dense, fp8, int8, KIVI with its residual and rotation),
   straight from the blocks through the block table, per-sequence windows included;
 - the paged group (decode rows and short chunks over a cached context) of the dense formats,
-  whose cached entries are exactly the chunk's fresh K/V; a lossy format's chunk attends its
+  whose cached entries are exactly the chunk's fresh K/V, with retention's extras there:
+  StreamingLLM's sinks (scored with the queries rotated back) and H2O's attention mass (a
+  second pass over the keys adds each entry's probability); a lossy format's chunk attends its
   own fresh K/V on the reference path, as the reference defines it;
 - the KV write of the dense, fp8 and int8 formats (:mod:`kvserve.kernels.triton_kv_write`),
   one kernel per layer driven by the slot mapping; KIVI's block-wise write stays the
   storage's.
 
-Prefill chunks that start a sequence, long chunks, StreamingLLM's sinks and H2O's mass take
-the reference paths (``serves_retention`` is False). It runs on CUDA, and on a CPU only under
+Prefill chunks that start a sequence, long chunks and the lossy formats' retention rows take
+the reference paths. It runs on CUDA, and on a CPU only under
 Triton's interpreter (``TRITON_INTERPRET=1``, for tests: it is slow). ``auto`` does not pick it
 yet: it picks it once the kernels have passed their tests on a GPU.
 
@@ -126,6 +128,8 @@ class TritonBackend(TorchBackend):
         self, q: torch.Tensor, cache: PagedCache, out: torch.Tensor, q_start: torch.Tensor,
         q_len: torch.Tensor, ctx: torch.Tensor, tables: torch.Tensor,
         windows: torch.Tensor | None, window: int | None, num_rows: int, block_q: int,
+        sinks: torch.Tensor | None = None, q_back: torch.Tensor | None = None,
+        votes: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:  # fmt: skip
         from kvserve.kernels import triton_attention as ta
 
@@ -133,8 +137,11 @@ class TritonBackend(TorchBackend):
         bq = max(1, min(block_q, ta.block_m(heads // kvh) // (heads // kvh)))
         splits = ta.choose_splits((num_rows // bq + tables.shape[0]) * kvh,
                                   tables.shape[1] * cache.block_size, q.device)  # fmt: skip
+        if votes is not None:
+            splits = 1
         ta.paged_attention(q, cache, out, q_start, q_len, ctx, tables, windows, window,
-                           num_rows, bq, splits, self.workspace(q, splits))  # fmt: skip
+                           num_rows, bq, splits, self.workspace(q, splits), sinks, q_back,
+                           votes)  # fmt: skip
 
     # -- the hooks -------------------------------------------------------------------------
     def write_kv(self, layer, storage, slot_mapping, k, v) -> bool:  # noqa: ANN001
@@ -169,12 +176,17 @@ class TritonBackend(TorchBackend):
         self, layer: int, q: torch.Tensor, storage: KVStorage, group: PagedGroup,
         window: int | None, out: torch.Tensor, q_back: torch.Tensor | None,
     ) -> bool:  # fmt: skip
-        if type(storage) is not DenseKVStorage or group.sinks is not None or group.votes:
+        if type(storage) is not DenseKVStorage:
             return False
         cache = paged_cache(storage, layer)
         if cache is None:
             return False
+        votes = None if group.votes is None else group.votes.of_layer(layer)
         self._attend(q, cache, out, group.q_start, group.q_len, group.ctx_len,
-                     group.block_tables, group.windows, window, group.num_rows,
-                     1 << 30)  # fmt: skip
+                     group.block_tables, group.windows, window, group.num_rows, 1 << 30,
+                     group.sinks, q_back, votes)  # fmt: skip
         return True
+
+    def serves_retention(self, storage: KVStorage) -> bool:
+        """The dense formats' group takes StreamingLLM's sinks and H2O's mass."""
+        return type(storage) is DenseKVStorage and paged_cache(storage, 0) is not None

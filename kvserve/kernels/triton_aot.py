@@ -66,27 +66,32 @@ def _cache(fmt: str, dtype: torch.dtype, kvh: int, d: int, bs: int = 16, rows: i
 
 def attention_variants(full: bool = False) -> Iterator[tuple[str, list]]:
     """(name, launches) for each variant: every format and compute dtype at head size 128 and
-    8 query heads per KV head (decode rows), split-KV with its merge kernel; with ``full``
+    8 query heads per KV head (decode rows), split-KV with its merge kernel, the dense
+    group's StreamingLLM sinks and H2O mass; with ``full``
     also the paged group's query tiles, head size 256 (registers and shared memory at their
     tightest) and float32 KIVI with splits, which take CI minutes to compile."""
     b, kvh, g = 8, 8, 8
-    cases = [("dense", dt, 128, 1, 1) for dt in (torch.float32, torch.bfloat16, torch.float16)]
-    cases += [(f, torch.bfloat16, 128, 1, 1) for f in ("fp8_e4m3", "fp8_e5m2", "int8")]
-    cases += [(f, torch.bfloat16, 128, 1, 1) for f in ("kivi4", "kivi2")]
-    cases += [("dense", torch.bfloat16, 128, 1, 16)]
+    bf16 = torch.bfloat16
+    cases = [("dense", dt, 128, 1, 1, False) for dt in (torch.float32, bf16, torch.float16)]
+    cases += [(f, bf16, 128, 1, 1, False) for f in ("fp8_e4m3", "fp8_e5m2", "int8")]
+    cases += [(f, bf16, 128, 1, 1, False) for f in ("kivi4", "kivi2")]
+    cases += [("dense", bf16, 128, 1, 16, False), ("dense", bf16, 128, 64, 1, True)]
     if full:
-        cases += [("dense", torch.bfloat16, 128, 64, 1), ("dense", torch.bfloat16, 256, 1, 1)]
-        cases += [("kivi4", torch.bfloat16, 256, 1, 1), ("kivi4", torch.float32, 128, 1, 4)]
-    for fmt, dt, d, block_q, splits in cases:
+        cases += [("dense", bf16, 128, 64, 1, False), ("dense", bf16, 256, 1, 1, False)]
+        cases += [("kivi4", bf16, 256, 1, 1, False), ("kivi4", torch.float32, 128, 1, 4, False)]
+    for fmt, dt, d, block_q, splits, retention in cases:
         rows = b * block_q
         q = _t(rows, kvh * g, d, dtype=dt)
         i64 = _t(b, dtype=torch.int64)
         ws = _t(ta.workspace_numel(q, splits), dtype=torch.float32)
+        i32 = _t(b, dtype=torch.int32)
         launches = ta.attention_launches(
-            q, _cache(fmt, dt, kvh, d), q, i64, i64, i64, _t(b, 32, dtype=torch.int64),
-            _t(b, dtype=torch.int32), 0, rows, block_q, splits, ws, dt == torch.float32,
+            q, _cache(fmt, dt, kvh, d), q, i64, i64, i64, _t(b, 32, dtype=torch.int64), i32,
+            0, rows, block_q, splits, ws, dt == torch.float32, i32 if retention else None,
+            q if retention else None, (i64, i64) if retention else None,
         )  # fmt: skip
         name = f"attention-{fmt}-{str(dt).removeprefix('torch.')}-d{d}-q{block_q}-s{splits}"
+        name += "-sinks-votes" if retention else ""
         yield name, launches
 
 

@@ -96,9 +96,10 @@ def paged_attention_kernel(
     k_ptr, v_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr,
     res_map_ptr, rk_ptr, rv_ptr,
     tables_ptr, q_start_ptr, q_len_ptr, ctx_ptr, windows_ptr,
+    sinks_ptr, qb_ptr, vote_ptrs_ptr, vote_strides_ptr,
     part_acc_ptr, part_ml_ptr,
     num_seqs, layer_window, qk_scale, block_size,
-    s_qt, s_qh, s_ot, s_oh,
+    s_qt, s_qh, s_ot, s_oh, s_bt, s_bh,
     s_kb, s_kh, s_kt, s_vb, s_vh, s_vt,
     s_ksb, s_ksh, s_ksx, s_vsb, s_vsh, s_vst,
     s_kzb, s_kzh, s_rb, s_rh, s_rt,
@@ -106,7 +107,7 @@ def paged_attention_kernel(
     FMT: tl.constexpr, HEAD_DIM: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HAS_WINDOWS: tl.constexpr, BITS: tl.constexpr, VGROUP: tl.constexpr, E5M2: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_VOTES: tl.constexpr,
 ):  # fmt: skip
     """One (query tile, KV head, key split). Shapes: q/out ``[T, H, D]``; per-sequence
     ``q_start``, ``q_len``, ``ctx`` (cache entries before the sequence's first query),
@@ -114,7 +115,13 @@ def paged_attention_kernel(
     codes (``k``/``v``), scales (``ks``/``vs``: fp8 ``[KVH]``, int8 ``[rows, KVH, bs]``, KIVI
     key metadata ``[rows, KVH, 2, D]`` and value scales ``[rows, KVH, bs, D / VGROUP]``),
     zeros (``kz``/``vz``: KIVI's key base ``[rows, KVH, 3]`` and value zeros) and KIVI's
-    residual (``res_map`` ``[rows]``, ``rk``/``rv`` ``[slots, KVH, bs, D]``)."""
+    residual (``res_map`` ``[rows]``, ``rk``/``rv`` ``[slots, KVH, bs, D]``).
+
+    StreamingLLM (``HAS_SINKS``, dense formats): ``sinks`` ``[B]`` first cache entries each
+    sequence keeps besides its window, scored with its queries rotated back (``qb``, rows as
+    ``q``). H2O (``HAS_VOTES``, dense, one split): per sequence the address and row stride of
+    a float32 ``[KVH, entries]`` buffer (0: none) to which each entry's probability, summed
+    over the tile's queries and the KV head's query heads, is added."""
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -138,6 +145,11 @@ def paged_attention_kernel(
         qr = tl.load(qr_ptr + q_off, mask=row_ok[:, None], other=0.0).to(tl.float32) * qk_scale
     if FMT == _FP8:
         q = q * tl.load(ks_ptr + kvh)
+    n_sink = 0
+    if HAS_SINKS:
+        n_sink = tl.load(sinks_ptr + seq)
+        qb_off = tok[:, None] * s_bt + head[:, None] * s_bh + d[None, :]
+        qb = tl.load(qb_ptr + qb_off, mask=row_ok[:, None], other=0.0).to(tl.float32) * qk_scale
     pos = ctx + qi  # each query's cache entry
 
     # The window: the tighter of the layer's and the sequence's (0: none).
@@ -147,17 +159,22 @@ def paged_attention_kernel(
         w = tl.where((sw > 0) & ((w <= 0) | (sw < w)), sw, w)
     last = ctx + tl.minimum(n_q, (tile + 1) * BLOCK_Q) - 1
     kv_start = tl.where(w > 0, tl.maximum(ctx + tile * BLOCK_Q - w + 1, 0), 0)
-    t_begin = kv_start // TILE_N
+    # Tiles: the sinks' before the window's (none without sinks), then the window's; the
+    # splits share them out in that order.
+    sink_tiles = (tl.minimum(n_sink, kv_start) + TILE_N - 1) // TILE_N
+    t_begin = tl.maximum(kv_start // TILE_N, sink_tiles)
     t_end = (last + TILE_N) // TILE_N
-    per_split = (t_end - t_begin + NUM_SPLITS - 1) // NUM_SPLITS
-    t_lo = t_begin + split * per_split
-    t_hi = tl.minimum(t_end, t_lo + per_split)
+    n_tiles = sink_tiles + tl.maximum(t_end - t_begin, 0)
+    per_split = (n_tiles + NUM_SPLITS - 1) // NUM_SPLITS
+    t_lo = split * per_split
+    t_hi = tl.minimum(n_tiles, t_lo + per_split)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     j0 = tl.arange(0, TILE_N)
-    for t in range(t_lo, t_hi):
+    for i in range(t_lo, t_hi):
+        t = tl.where(i < sink_tiles, i, t_begin + i - sink_tiles)
         j = t * TILE_N + j0
         key_ok = j <= last
         page = tl.load(tables_ptr + seq * s_tab + j // block_size, mask=key_ok, other=0)
@@ -205,11 +222,15 @@ def paged_attention_kernel(
                 k_s = tl.load(ks_ptr + sidx, mask=key_ok, other=0.0).to(tl.float32)
                 v_s = tl.load(vs_ptr + sidx, mask=key_ok, other=0.0).to(tl.float32)
             s = _dot(q, tl.trans(k), q_ptr, DOT_F32)
+            if HAS_SINKS:
+                if t * TILE_N < n_sink:
+                    s_back = _dot(qb, tl.trans(k), q_ptr, DOT_F32)
+                    s = tl.where(j[None, :] < n_sink, s_back, s)
             if FMT == _INT8:
                 s = s * k_s[None, :]
 
         seen = row_ok[:, None] & key_ok[None, :] & (j[None, :] <= pos[:, None])
-        seen &= (w <= 0) | (j[None, :] > pos[:, None] - w)
+        seen &= (w <= 0) | (j[None, :] > pos[:, None] - w) | (j[None, :] < n_sink)
         s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -220,6 +241,31 @@ def paged_attention_kernel(
             p = p * v_s[None, :]
         acc = acc * alpha[:, None] + _dot(p, v, q_ptr, DOT_F32)
         m_i = m_new
+
+    if HAS_VOTES:  # a second pass over the same keys, with the final max and sum
+        vote_at = tl.load(vote_ptrs_ptr + seq)
+        if vote_at != 0:
+            vote = vote_at.to(tl.pointer_type(tl.float32)) + kvh * tl.load(vote_strides_ptr + seq)
+            m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
+            inv_l = 1.0 / tl.where(l_i > 0, l_i, 1.0)
+            for i in range(t_lo, t_hi):
+                t = tl.where(i < sink_tiles, i, t_begin + i - sink_tiles)
+                j = t * TILE_N + j0
+                key_ok = j <= last
+                page = tl.load(tables_ptr + seq * s_tab + j // block_size, mask=key_ok, other=0)
+                kbase = page.to(tl.int64)[:, None] * s_kb + kvh * s_kh
+                kbase += (j % block_size)[:, None] * s_kt
+                k = tl.load(k_ptr + kbase + d[None, :], mask=key_ok[:, None], other=0)
+                k = k.to(tl.float32)
+                s = _dot(q, tl.trans(k), q_ptr, DOT_F32)
+                if HAS_SINKS:
+                    if t * TILE_N < n_sink:
+                        s_back = _dot(qb, tl.trans(k), q_ptr, DOT_F32)
+                        s = tl.where(j[None, :] < n_sink, s_back, s)
+                seen = row_ok[:, None] & key_ok[None, :] & (j[None, :] <= pos[:, None])
+                seen &= (w <= 0) | (j[None, :] > pos[:, None] - w) | (j[None, :] < n_sink)
+                p = tl.where(seen, tl.exp2(s - m_fin[:, None]), 0.0) * inv_l[:, None]
+                tl.atomic_add(vote + j, tl.sum(p, 0), mask=key_ok)
 
     if FMT == _FP8:
         acc = acc * tl.load(vs_ptr + kvh)
@@ -329,6 +375,9 @@ def paged_attention(
     block_q: int,
     num_splits: int | None = None,
     workspace: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    q_back: torch.Tensor | None = None,
+    votes: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Attention of rows ``[0, num_rows)`` of ``q`` ``[T, H, D]`` into ``out``: sequence ``i``
     owns rows ``q_start[i] .. + q_len[i]`` (contiguous, ascending), at cache entries
@@ -337,7 +386,7 @@ def paged_attention(
     of at least :func:`workspace_numel` elements when splitting."""
     launches = attention_launches(
         q, cache, out, q_start, q_len, ctx, tables, windows, layer_window, num_rows, block_q,
-        num_splits, workspace,
+        num_splits, workspace, None, sinks, q_back, votes,
     )  # fmt: skip
     for kernel, grid, args, meta in launches:
         kernel[grid](*args, **meta, num_warps=NUM_WARPS)
@@ -361,10 +410,15 @@ def attention_launches(
     num_splits: int | None = None,
     workspace: torch.Tensor | None = None,
     dot_f32: bool | None = None,
+    sinks: torch.Tensor | None = None,
+    q_back: torch.Tensor | None = None,
+    votes: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> list[Launch]:
     """The kernel launches of :func:`paged_attention`, as data: what it runs, and what the
     ahead-of-time compile test compiles (``dot_f32``: float32 products; by default for a
-    float32 query or under the interpreter)."""
+    float32 query or under the interpreter). ``sinks`` with ``q_back`` (StreamingLLM) and
+    ``votes`` (H2O's mass buffers: addresses and row strides per sequence) are for the dense
+    formats; with votes the keys are not split."""
     b = tables.shape[0]
     heads, dim = q.shape[1], q.shape[2]
     kvh = cache.k.shape[1]
@@ -374,6 +428,10 @@ def attention_launches(
     tiles = num_rows // block_q + b
     if num_splits is None:
         num_splits = choose_splits(tiles * kvh, tables.shape[1] * cache.block_size, q.device)
+    if votes is not None:
+        num_splits = 1
+    if (sinks is not None or votes is not None) and cache.fmt != DENSE:
+        raise ValueError("paged attention: sinks and votes are served for dense formats only")
     if dot_f32 is None:
         dot_f32 = q.dtype == torch.float32 or _interpreting()
     qr = q
@@ -397,16 +455,20 @@ def attention_launches(
     args = [
         out, q, qr, cache.k, cache.v, ks, vs, kz, vz, res_map, rk, rv,
         tables, q_start, q_len, ctx, windows if windows is not None else q_len,
+        sinks if sinks is not None else q_len, q_back if q_back is not None else q,
+        *(votes if votes is not None else (q_len, q_len)),
         acc, ml,
         b, layer_window or 0, dim**-0.5 * LOG2E, cache.block_size,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        *_strides(q_back, 2),
         *_strides(cache.k, 3), *_strides(cache.v, 3), *ks_strides, *vs_strides,
         *_strides(cache.kz if cache.fmt == KIVI else None, 2), *_strides(cache.rk, 3),
         tables.stride(0),
     ]  # fmt: skip
     meta = dict(FMT=cache.fmt, HEAD_DIM=dim, G=g, BLOCK_M=bm, BLOCK_Q=block_q, TILE_N=TILE_N,
                 NUM_SPLITS=num_splits, HAS_WINDOWS=windows is not None, BITS=cache.bits,
-                VGROUP=cache.vgroup, E5M2=cache.e5m2, DOT_F32=dot_f32)  # fmt: skip
+                VGROUP=cache.vgroup, E5M2=cache.e5m2, DOT_F32=dot_f32,
+                HAS_SINKS=sinks is not None, HAS_VOTES=votes is not None)  # fmt: skip
     launches: list[Launch] = [(paged_attention_kernel, (tiles, kvh, num_splits), args, meta)]
     if num_splits > 1:
         merge = [out, acc, ml, heads, out.stride(0), out.stride(1)]
