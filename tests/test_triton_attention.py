@@ -70,7 +70,8 @@ def run(backend, fmt: str, bs: int, heads: int, kv_heads: int, layer_window, key
     sm = torch.tensor([s for t, (c, n, _) in zip(tables, SEQS, strict=True)
                        for s in slots(t, c, n, bs)])  # fmt: skip
     t = len(sm)
-    q = torch.randn(t, heads, D, generator=g).to(dt)
+    # q as the model hands it over: a view into a wider projection (rows not contiguous)
+    q = torch.randn(t, heads + 2, D, generator=g).to(dt)[:, 1:-1]
     k, v = kv(t)
     meta = AttentionMetadata(slot_mapping=sm, block_size=bs, num_decode=nd)
     meta.decode_block_tables = padded(tables[:nd], st.null_block)

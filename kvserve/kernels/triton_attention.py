@@ -99,7 +99,7 @@ def paged_attention_kernel(
     sinks_ptr, qb_ptr, vote_ptrs_ptr, vote_strides_ptr,
     part_acc_ptr, part_ml_ptr,
     num_seqs, layer_window, qk_scale, block_size,
-    s_qt, s_qh, s_ot, s_oh, s_bt, s_bh,
+    s_qt, s_qh, s_ot, s_oh, s_bt, s_bh, s_rqt, s_rqh,
     s_kb, s_kh, s_kt, s_vb, s_vh, s_vt,
     s_ksb, s_ksh, s_ksx, s_vsb, s_vsh, s_vst,
     s_kzb, s_kzh, s_rb, s_rh, s_rt,
@@ -142,7 +142,8 @@ def paged_attention_kernel(
     q_off = tok[:, None] * s_qt + head[:, None] * s_qh + d[None, :]
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None], other=0.0).to(tl.float32) * qk_scale
     if FMT == _KIVI:
-        qr = tl.load(qr_ptr + q_off, mask=row_ok[:, None], other=0.0).to(tl.float32) * qk_scale
+        qr_off = tok[:, None] * s_rqt + head[:, None] * s_rqh + d[None, :]
+        qr = tl.load(qr_ptr + qr_off, mask=row_ok[:, None], other=0.0).to(tl.float32) * qk_scale
     if FMT == _FP8:
         q = q * tl.load(ks_ptr + kvh)
     n_sink = 0
@@ -436,7 +437,7 @@ def attention_launches(
         dot_f32 = q.dtype == torch.float32 or _interpreting()
     qr = q
     if cache.rotation is not None:
-        qr = (q[:num_rows].float() @ cache.rotation).to(q.dtype)
+        qr = q[:num_rows].float() @ cache.rotation  # float32: rounded once, in the kernel
     acc = ml = q
     if num_splits > 1:
         assert workspace is not None and workspace.numel() >= workspace_numel(q, num_splits)
@@ -460,7 +461,7 @@ def attention_launches(
         acc, ml,
         b, layer_window or 0, dim**-0.5 * LOG2E, cache.block_size,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        *_strides(q_back, 2),
+        *_strides(q_back, 2), *_strides(qr, 2),
         *_strides(cache.k, 3), *_strides(cache.v, 3), *ks_strides, *vs_strides,
         *_strides(cache.kz if cache.fmt == KIVI else None, 2), *_strides(cache.rk, 3),
         tables.stride(0),
