@@ -180,3 +180,18 @@ def test_llm_greedy_tokens_through_triton_equal_the_torch_backend(make_llm, monk
     assert all(len(t) == 3 for t in tokens["torch"])
     assert seen and set(seen) == {ta.DENSE}
     assert any(n > b for n, b in rows)  # a chunk of several queries went through the kernel
+
+
+def test_without_triton_every_call_declines_to_the_reference(monkeypatch):
+    """Named on a machine without Triton, the backend still runs: the reference does it all."""
+    from kvserve.attention import triton_backend
+    from kvserve.kv.formats import make_kv_storage as make
+
+    monkeypatch.setattr(triton_backend, "HAVE_TRITON", False)
+    backend = TritonBackend()
+    st = make("float32", 1, 4, 16, 2, D, torch.float32)
+    q, k = torch.randn(1, 4, D), torch.randn(1, 2, D)
+    assert not backend.write_kv(0, st, torch.tensor([0]), k, k)
+    assert backend.decode(0, q, st, torch.tensor([[0]]), torch.tensor([1]), None, None) is None
+    assert not backend.serves_retention(st)
+    assert not TritonBackend.available(torch.device("cuda"))

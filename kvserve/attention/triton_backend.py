@@ -41,9 +41,14 @@ if TYPE_CHECKING:
     from kvserve.kernels.triton_attention import PagedCache
 
 
+# Whether Triton can be imported: without it (a CPU install without the test extra) a backend
+# named ``triton`` on CUDA declines every call, and the reference runs.
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
+
 def interpreting() -> bool:
     """Whether Triton is installed and set to run kernels in its interpreter."""
-    if importlib.util.find_spec("triton") is None:
+    if not HAVE_TRITON:
         return False
     import triton
 
@@ -52,10 +57,13 @@ def interpreting() -> bool:
 
 def paged_cache(st: KVStorage, layer: int) -> PagedCache | None:
     """The kernel's view of one layer of ``st``; None for a storage class or geometry the
-    kernel does not read (head sizes that are not a power of two from 16 to 256)."""
+    kernel does not read (head sizes that are not a power of two from 16 to 256), or when
+    Triton is not installed."""
+    d = st.head_dim
+    if not HAVE_TRITON:
+        return None
     from kvserve.kernels import triton_attention as ta
 
-    d = st.head_dim
     if d < 16 or d > 256 or d & (d - 1):
         return None
     kind = type(st)
@@ -98,7 +106,7 @@ class TritonBackend(TorchBackend):
 
     @classmethod
     def available(cls, device: torch.device) -> bool:
-        return cls.runs_on(device) and importlib.util.find_spec("triton") is not None
+        return cls.runs_on(device) and HAVE_TRITON
 
     # -- buffers kept across calls (nothing is allocated per call once they have grown) --------
     def workspace(self, q: torch.Tensor, num_splits: int) -> torch.Tensor | None:
