@@ -22,7 +22,9 @@ from kvserve.attention.torch_backend import TorchBackend
 from kvserve.attention.triton_backend import TritonBackend
 from kvserve.kernels import triton_attention as ta
 from kvserve.kv.formats import make_kv_storage
+from tests.conftest import TEST_DEVICE
 
+DEV = torch.device(TEST_DEVICE)  # cpu: the interpreter; cuda: compiled kernels
 D, POOL = 64, 48
 # (cached entries before the step, new tokens, retention window): two decode rows, then chunks
 SEQS = [(37, 1, 0), (20, 1, 9), (50, 13, 0), (9, 6, 7)]
@@ -50,17 +52,17 @@ def run(backend, fmt: str, bs: int, heads: int, kv_heads: int, layer_window, key
     """Both steps through ``backend`` on a fresh storage; the second step's output."""
     seed = 0
     dt = compute_dtype(fmt)
-    st = make_kv_storage(fmt, 1, POOL, bs, kv_heads, D, dt)
+    st = make_kv_storage(fmt, 1, POOL, bs, kv_heads, D, dt, DEV)
     tables = tables_for(bs, seed)
     g = torch.Generator().manual_seed(seed + 1)
 
     def kv(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k = (torch.randn(n, kv_heads, D, generator=g) * key_std + 0.5).to(dt)
-        return k, torch.randn(n, kv_heads, D, generator=g).to(dt)
+        k = (torch.randn(n, kv_heads, D, generator=g) * key_std + 0.5).to(DEV, dt)
+        return k, torch.randn(n, kv_heads, D, generator=g).to(DEV, dt)
 
     # step 1: the cached context, written as prefills
     sm = torch.tensor([s for t, (c, _, _) in zip(tables, SEQS, strict=True)
-                       for s in slots(t, 0, c, bs)])  # fmt: skip
+                       for s in slots(t, 0, c, bs)], device=DEV)  # fmt: skip
     k, v = kv(len(sm))
     st.begin_step(sm)
     st.write(0, sm, k, v)
@@ -68,24 +70,26 @@ def run(backend, fmt: str, bs: int, heads: int, kv_heads: int, layer_window, key
     # step 2: decode rows, then chunks; all of them in the paged group
     nd = sum(1 for _, n, _ in SEQS if n == 1)
     sm = torch.tensor([s for t, (c, n, _) in zip(tables, SEQS, strict=True)
-                       for s in slots(t, c, n, bs)])  # fmt: skip
+                       for s in slots(t, c, n, bs)], device=DEV)  # fmt: skip
     t = len(sm)
     # q as the model hands it over: a view into a wider projection (rows not contiguous)
-    q = torch.randn(t, heads + 2, D, generator=g).to(dt)[:, 1:-1]
+    q = torch.randn(t, heads + 2, D, generator=g).to(DEV, dt)[:, 1:-1]
     k, v = kv(t)
     meta = AttentionMetadata(slot_mapping=sm, block_size=bs, num_decode=nd)
-    meta.decode_block_tables = padded(tables[:nd], st.null_block)
-    meta.decode_seq_lens = torch.tensor([c + 1 for c, _, _ in SEQS[:nd]])
-    meta.decode_windows = torch.tensor([w for _, _, w in SEQS[:nd]], dtype=torch.int32)
-    starts = torch.tensor([0, *[n for _, n, _ in SEQS]]).cumsum(0)[:-1]
+    meta.decode_block_tables = padded(tables[:nd], st.null_block).to(DEV)
+    meta.decode_seq_lens = torch.tensor([c + 1 for c, _, _ in SEQS[:nd]], device=DEV)
+    meta.decode_windows = torch.tensor([w for _, _, w in SEQS[:nd]], dtype=torch.int32,
+                                       device=DEV)  # fmt: skip
+    starts = torch.tensor([0, *[n for _, n, _ in SEQS]], device=DEV).cumsum(0)[:-1]
     for i in range(nd, len(SEQS)):
         c, n, w = SEQS[i]
-        table = torch.tensor(tables[i][: -(-(c + n) // bs)])
+        table = torch.tensor(tables[i][: -(-(c + n) // bs)], device=DEV)
         meta.prefills.append(PrefillChunk(int(starts[i]), n, c, table, True, w))
     meta.paged = PagedGroup(
-        num_rows=t, q_start=starts, q_len=torch.tensor([n for _, n, _ in SEQS]),
-        ctx_len=torch.tensor([c for c, _, _ in SEQS]), block_tables=padded(tables, st.null_block),
-        windows=torch.tensor([w for _, _, w in SEQS], dtype=torch.int32),
+        num_rows=t, q_start=starts, q_len=torch.tensor([n for _, n, _ in SEQS], device=DEV),
+        ctx_len=torch.tensor([c for c, _, _ in SEQS], device=DEV),
+        block_tables=padded(tables, st.null_block).to(DEV),
+        windows=torch.tensor([w for _, _, w in SEQS], dtype=torch.int32, device=DEV),
     )  # fmt: skip
     st.begin_step(sm)
     return backend.forward(q, k, v, 0, st, meta, layer_window)
@@ -140,6 +144,7 @@ def test_triton_matches_the_torch_backend(monkeypatch, fmt, bs, heads, kv_heads,
         torch.testing.assert_close(got[:nd], exact[:nd], atol=1.5e-1, rtol=0)
 
 
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the interpreter's switch, on a CPU")
 def test_the_backend_runs_on_a_cpu_only_under_the_interpreter(monkeypatch):
     import triton
 
@@ -171,7 +176,7 @@ def test_llm_greedy_tokens_through_triton_equal_the_torch_backend(make_llm, monk
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     tokens = {}
     for backend in ("torch", "triton"):
-        llm = make_llm(resolve_model(None), device="cpu", dtype="float32",
+        llm = make_llm(resolve_model(None), dtype="float32",
                        attention_backend=backend, max_num_seqs=2, block_size=16,
                        max_num_batched_tokens=16)  # fmt: skip
         assert llm.engine.executor.driver_worker.runner.attention.name == backend

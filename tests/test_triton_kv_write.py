@@ -14,7 +14,9 @@ import triton.language as tl
 from kvserve.attention.triton_backend import TritonBackend, paged_cache
 from kvserve.kernels.triton_kv_write import _fp8_code, kv_write
 from kvserve.kv.formats import make_kv_storage
+from tests.conftest import TEST_DEVICE
 
+DEV = torch.device(TEST_DEVICE)  # cpu: the interpreter; cuda: compiled kernels
 BS, KVH, D, POOL = 16, 2, 64, 8
 
 
@@ -26,13 +28,13 @@ def raw(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", ["float32", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8"])
 def test_the_write_kernel_stores_the_storages_codes(fmt):
     dt = torch.bfloat16 if fmt == "bfloat16" else torch.float32
-    want = make_kv_storage(fmt, 1, POOL, BS, KVH, D, dt)
-    got = make_kv_storage(fmt, 1, POOL, BS, KVH, D, dt)
+    want = make_kv_storage(fmt, 1, POOL, BS, KVH, D, dt, DEV)
+    got = make_kv_storage(fmt, 1, POOL, BS, KVH, D, dt, DEV)
     g = torch.Generator().manual_seed(3)
     n = 24
-    slots = torch.randperm(POOL * BS, generator=g)[:n]
-    k = (torch.randn(n, KVH, D, generator=g) * 3).to(dt)
-    v = torch.randn(n, KVH, D, generator=g).to(dt)
+    slots = torch.randperm(POOL * BS, generator=g)[:n].to(DEV)
+    k = (torch.randn(n, KVH, D, generator=g) * 3).to(DEV, dt)
+    v = torch.randn(n, KVH, D, generator=g).to(DEV, dt)
     first = (k[:2].float() * 0.01).to(dt), (v[:2].float() * 0.01).to(dt)
     for st in (want, got):  # fp8: both calibrate on the same first write
         st.write(0, slots[:2], *first)
@@ -47,7 +49,7 @@ def test_the_write_kernel_stores_the_storages_codes(fmt):
         assert torch.equal(raw(got.block_tensors()[name][0]), raw(ts[0])), name
     # padding slots (-1) are skipped
     before = [raw(t[0]).clone() for t in got.block_tensors().values()]
-    kv_write(paged_cache(got, 0), torch.full((n,), -1), k * 2, v * 2)
+    kv_write(paged_cache(got, 0), torch.full((n,), -1, device=DEV), k * 2, v * 2)
     for b, t in zip(before, got.block_tensors().values(), strict=True):
         assert torch.equal(b, raw(t[0]))
 
@@ -80,7 +82,7 @@ def test_fp8_rounding_equals_torchs_cast(dtype):
     up, down = torch.tensor(1e30), torch.tensor(0.0)
     x = torch.cat([vals, mids, mids.nextafter(up), mids.nextafter(down),
                    torch.rand(2000, generator=torch.Generator().manual_seed(0)) * top])  # fmt: skip
-    x = torch.cat([x, -x, torch.tensor([0.0, -0.0])]).clamp(-top, top)
-    out = torch.empty(len(x), dtype=torch.uint8)
+    x = torch.cat([x, -x, torch.tensor([0.0, -0.0])]).clamp(-top, top).to(DEV)
+    out = torch.empty(len(x), dtype=torch.uint8, device=DEV)
     _codes[(triton.cdiv(len(x), 4096),)](x, out, len(x), dtype == torch.float8_e5m2)
     assert torch.equal(out, x.to(dtype).view(torch.uint8))
