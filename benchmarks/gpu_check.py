@@ -1,9 +1,12 @@
 """The Triton backend on a GPU, in one run writing one JSON (``benchmarks/gpu_check.sh``).
 
 1. versions (torch, triton, CUDA, the card) and the measured device-to-device copy bandwidth;
-2. the kernels at GPU sizes: each format's decode through the ``triton`` backend against the
-   ``torch`` backend (gather + SDPA) over the same stored codes, windows on half the rows, a
-   forced split-KV, and the write kernels against the storages' writes, bit for bit;
+2. the kernel tests (``tests/test_triton_attention.py``, ``tests/test_triton_kv_write.py``)
+   compiled on CUDA (``KVSERVE_TEST_DEVICE=cuda``), greedy tokens of the bundled model in
+   float32 through ``triton`` against ``torch`` among them; then the kernels at GPU sizes:
+   each format's decode through the ``triton`` backend against the ``torch`` backend (gather +
+   SDPA) over the same stored codes, windows on half the rows, a forced split-KV, and the
+   write kernels against the storages' writes, bit for bit;
 3. decode bandwidth per format at batch ``--batch`` x contexts ``--contexts`` (one layer of a
    Llama-8B-shaped model: 32 query heads, 8 KV heads, head size 128, bf16): the kernel alone,
    bytes of KV read per second as a share of the measured copy bandwidth and of the
@@ -46,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--check-batch", type=int, default=64, help="rows of the kernel checks")
     p.add_argument("--check-context", type=int, default=1000, help="their context")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--no-pytest", action="store_true", help="leave the kernel tests out")
     p.add_argument("--peak", type=float, default=H100_PEAK, help="datasheet bytes/s")
     p.add_argument("--dry-run", action="store_true", help="print the plan; touch no GPU")
     args = p.parse_args(argv)
@@ -188,6 +192,23 @@ def check_kernels(formats: list[str], batch: int, ctx: int) -> list[dict]:
     return out
 
 
+def kernel_tests(device: str) -> dict:
+    """The Triton tests on ``device`` (compiled kernels on cuda): exit status and summary."""
+    import os
+
+    env = {**os.environ, "KVSERVE_TEST_DEVICE": device,
+           "TRITON_INTERPRET": "1" if device == "cpu" else "0"}  # fmt: skip
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short",
+           "tests/test_triton_attention.py", "tests/test_triton_kv_write.py"]  # fmt: skip
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    except subprocess.TimeoutExpired:
+        return {"check": "pytest", "ok": False, "tail": "timed out after 240 s"}
+    tail = (proc.stdout + proc.stderr)[-3000:]
+    return {"check": "pytest", "ok": proc.returncode == 0, "returncode": proc.returncode,
+            "tail": tail}  # fmt: skip
+
+
 def kv_bytes(st, batch: int, ctx: int) -> int:  # noqa: ANN001
     """Bytes of stored KV (codes and metadata) the decode of ``batch`` x ``ctx`` reads."""
     return int(st.nbytes() / st.num_blocks * -(-ctx // BS) * batch)
@@ -239,7 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     start = time.time()
     result: dict = {"plan": plan, "versions": versions()}
     result["copy_bytes_per_s"] = copy_bw = copy_bandwidth(args.iters)
-    result["checks"] = check_kernels(args.formats, args.check_batch, args.check_context)
+    result["checks"] = [] if args.no_pytest else [kernel_tests(args.device)]
+    print(json.dumps({k: v for k, v in result["checks"][0].items() if k != "tail"})
+          if result["checks"] else "{}", flush=True)  # fmt: skip
+    result["checks"] += check_kernels(args.formats, args.check_batch, args.check_context)
     result["bandwidth"] = bandwidth(args.formats, args.batch, args.contexts, args.iters,
                                     copy_bw, args.peak)  # fmt: skip
     by = {(r["format"], r["context"]): r for r in result["bandwidth"]}
