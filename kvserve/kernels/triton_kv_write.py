@@ -22,15 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels.triton_attention import (
-    _DENSE,
-    _FP8,
-    DENSE,
-    FP8,
-    INT8,
-    NUM_WARPS,
-    PagedCache,
-)
+from kvserve.kernels.triton_attention import DENSE, FP8, INT8, NUM_WARPS, PagedCache
+from kvserve.kernels.triton_attention_kernels import _DENSE, _FP8
 
 FP16_MAX = tl.constexpr(65504.0)
 FP16_TINY = tl.constexpr(2.0**-24)
