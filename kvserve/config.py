@@ -760,9 +760,10 @@ class EngineConfig:
     attention_backend: str | None = field(
         default=None,
         metadata={"help": "how attention is computed: 'torch' (gather + SDPA, the reference, "
-                  "any device) or 'cpu' (kvserve's C kernels, the reference wherever one "
-                  "declines); 'auto' or none picks by device: 'cpu' on a CPU where the "
-                  "kernels build, else 'torch'",
+                  "any device), 'cpu' (kvserve's C kernels, the reference wherever one "
+                  "declines) or 'triton' (GPU kernels that read every KV format in place; "
+                  "CUDA, or a CPU under TRITON_INTERPRET=1 for tests); 'auto' or none picks by "
+                  "device: 'cpu' on a CPU where the kernels build, else 'torch'",
                   "choices": "kvserve.attention.registry:ATTENTION_BACKEND_CHOICES"},
     )  # fmt: skip
     cache: CacheConfig = field(default_factory=CacheConfig)

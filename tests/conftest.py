@@ -18,6 +18,11 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 # Where make_llm's engines (and the exactness tests' transformers reference) run: cpu in CI;
 # KVSERVE_TEST_DEVICE=cuda runs the same tests on a GPU, as a smoke test of the device paths.
 TEST_DEVICE = envs.KVSERVE_TEST_DEVICE
+# The triton attention backend's tests run its kernels in Triton's interpreter when the tests
+# run on the CPU (and on CUDA, compiled, with KVSERVE_TEST_DEVICE=cuda); the variable must be
+# set before Triton compiles (decorates) anything.
+if TEST_DEVICE == "cpu" or not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # name -> make_random_checkpoint kwargs
 CHECKPOINTS = {

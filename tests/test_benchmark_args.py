@@ -40,3 +40,27 @@ def test_kv_tiers_names_an_unknown_tier(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--tiers: unknown tape; choose from device, cpu, disk, redis" in err
+
+
+def test_gpu_check_parses_its_arguments_and_its_shell_script_is_valid(capsys):
+    """benchmarks/gpu_check.sh runs only where a GPU is: here its bash parses and the Python
+    part reads its arguments, refuses bad ones naming them, and prints its plan."""
+    import json
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from benchmarks import gpu_check
+
+    script = Path(gpu_check.__file__).with_suffix(".sh")
+    bash = shutil.which("bash")
+    assert bash is not None
+    assert subprocess.run([bash, "-n", str(script)], timeout=30).returncode == 0
+    assert gpu_check.main(["--dry-run", "--contexts", "1024", "4096", "--formats", "kivi4"]) == 0
+    plan = json.loads(capsys.readouterr().out)["plan"]
+    assert plan["contexts"] == [1024, 4096] and plan["formats"] == ["kivi4"]
+    assert plan["batch"] == 64
+    with pytest.raises(SystemExit) as e:
+        gpu_check.main(["--batch", "0"])
+    assert e.value.code == 2
+    assert "--batch, --contexts, --iters" in capsys.readouterr().err

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 ATTENTION_BACKENDS: dict[str, str] = {
     "torch": "kvserve.attention.torch_backend:TorchBackend",
     "cpu": "kvserve.attention.cpu_backend:CpuBackend",
+    "triton": "kvserve.attention.triton_backend:TritonBackend",
 }
 AUTO = "auto"
 # The CLI's choices.

@@ -305,7 +305,7 @@ class ModelRunner:
             meta.paged = _paged_group(group_rows, null, dev)
             if voting:
                 heads = self.storage.num_kv_heads
-                meta.paged.votes = _group_votes(voting, len(group_rows), heads, 2 * bs)
+                meta.paged.votes = _group_votes(voting, len(group_rows), heads, 2 * bs, dev)
         if observed:
             meta.observed = ObservedDecode(
                 torch.tensor([r for r, *_ in observed], device=dev),
@@ -363,10 +363,12 @@ def padded_tables(tables: list[list[int]], null: int) -> np.ndarray:
 
 
 def _group_votes(
-    voting: list[tuple[int, int, int, list]], num_rows: int, heads: int, spare: int
-) -> GroupVotes:
+    voting: list[tuple[int, int, int, list]], num_rows: int, heads: int, spare: int,
+    dev: torch.device,
+) -> GroupVotes:  # fmt: skip
     """Each H2O row's mass, per layer, grown by zero columns for the chunk's new entries (the
-    kernel adds every entry's share in place), with the addresses the kernel writes to."""
+    kernel adds every entry's share in place), with the addresses the kernel writes to; all on
+    the device the kernel runs on."""
     layers = len(voting[0][3])
     ptrs = np.zeros((layers, num_rows), dtype=np.int64)
     strides = np.zeros((layers, num_rows), dtype=np.int64)
@@ -375,13 +377,15 @@ def _group_votes(
         for layer in range(layers):
             prev = mass[layer]
             assert (prev is None and c == 0) or (prev is not None and prev.shape[1] == c)
-            m = mass[layer] = _grown(prev, c + n, heads, spare)
+            m = mass[layer] = _grown(prev, c + n, heads, spare, dev)
             ptrs[layer, row], strides[layer, row] = m.data_ptr(), m.stride(0)
             keep.append(m)
-    return GroupVotes(torch.from_numpy(ptrs), torch.from_numpy(strides), keep)
+    return GroupVotes(torch.from_numpy(ptrs).to(dev), torch.from_numpy(strides).to(dev), keep)
 
 
-def _grown(prev: torch.Tensor | None, size: int, heads: int, spare: int) -> torch.Tensor:
+def _grown(
+    prev: torch.Tensor | None, size: int, heads: int, spare: int, dev: torch.device
+) -> torch.Tensor:
     """``prev`` [KVH, entries] (None: no entries yet) as a view of ``size`` columns whose new
     ones are zero: a view of the buffer an earlier step grew (its columns past the view were
     zeroed and are written only through such views), else a new buffer with ``spare`` columns
@@ -392,9 +396,8 @@ def _grown(prev: torch.Tensor | None, size: int, heads: int, spare: int) -> torc
         and prev.data_ptr() == base.data_ptr() and prev.stride() == base.stride()
     ):  # fmt: skip
         return base[:, :size]
-    buf = torch.zeros(heads, size + spare, dtype=torch.float32)
+    buf = torch.zeros(heads, size + spare, dtype=torch.float32, device=dev)
     if prev is not None:
-        buf = buf.to(prev.device)
         buf[:, : prev.shape[1]] = prev
     return buf[:, :size]
 
