@@ -52,12 +52,6 @@ def add_sim_target_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per replica")
     g.add_argument("--replicas", type=int, default=1, help="engine replicas behind a balancer")
     g.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.9,
-        help="with --gpu: fraction of its memory for weights and KV, as vLLM's flag",
-    )
-    g.add_argument(
         "--jobs",
         type=int,
         default=None,
