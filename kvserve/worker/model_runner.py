@@ -47,6 +47,13 @@ from kvserve.model.resolve import resolve_model
 from kvserve.sample.sampler import Sampler, SamplingState
 from kvserve.sched.output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from kvserve.structured.compiler import engine_grammar_compiler
+from kvserve.worker.cuda_graphs import (
+    CudaGraphRunner,
+    DecodeInputs,
+    build_cuda_graphs,
+    is_pure_decode,
+    use_cuda_graphs,
+)
 from kvserve.worker.memory_profile import size_gpu_pool
 
 log = logging.getLogger("kvserve.worker")
@@ -78,6 +85,7 @@ class ModelRunner:
         self.num_blocks = 0  # the pool's blocks, set by build_runner
         self.memory_budget = ""  # the GPU pool's arithmetic, where build_runner sized it
         self.cuda_graphs = ""  # the captured decode batch sizes (kvserve.worker.cuda_graphs)
+        self.graphs: CudaGraphRunner | None = None  # CUDA graphs of decode steps
         self.device = device
         self.states: dict[str, SamplingState] = {}
         # The compute team's threads each on a core of their own while a step runs
@@ -163,24 +171,16 @@ class ModelRunner:
                 self._connector_report(sched, out)
             return out
         items = self._order(sched.seqs)
-        input_ids, positions, meta = self._prepare(items)
-        if self.layer_groups is not None:
-            meta.by_layer = self._group_metas(items, meta)
-        if self.connector is not None and self.connector.layer_wise:
-            for m in meta.by_layer or (meta,):
-                m.layer_connector = self.connector
-        self.storage.begin_step(meta.slot_mapping)
         rows, spans, sampling = self._output_rows(items)
-        # only the rows read below leave the last layer (``hidden[i]`` is token ``rows[i]``);
-        # a decode step reads every row in order and selects none
-        keep = None
-        if len(rows) != len(input_ids) or rows != list(range(len(rows))):
-            keep = torch.tensor(rows, dtype=torch.long, device=self.device)
         ids = [rid for i in sampling for rid in items[i].sample_ids]
         states = [self.states[rid] for rid in ids]
         # the processors' plan before the forward pass: a grammar's mask fills beside it
         plan = self.sampler.plan(states) if states else None
-        hidden = self.model(input_ids, positions, self.storage, meta, keep)
+        graphed = self._replay(items)  # a pure-decode step in a CUDA graph, else None
+        if graphed is not None:
+            hidden, logits = graphed
+        else:
+            hidden, logits = self._forward(items, rows), None
         if self.connector is not None:
             self._connector_report(sched, out)
         for s in items:  # the forks of an H2O request start from its mass
@@ -190,7 +190,8 @@ class ModelRunner:
 
         if not rows:
             return out
-        logits = self.model.logits(hidden)
+        if logits is None:
+            logits = self.model.logits(hidden)
         for rid, start, n in spans:
             out.prompt_logits[rid] = torch.log_softmax(logits[start : start + n], dim=-1)
         if ids:
@@ -203,6 +204,40 @@ class ModelRunner:
             out.logprobs = sampled.logprobs
             out.sampled_logprobs = sampled.sampled_logprobs
         return out
+
+    def _forward(self, items: list[ScheduledSeq], rows: list[int]) -> torch.Tensor:
+        """The eager forward pass: hidden states of the ``rows`` the step reads."""
+        input_ids, positions, meta = self._prepare(items)
+        if self.layer_groups is not None:
+            meta.by_layer = self._group_metas(items, meta)
+        if self.connector is not None and self.connector.layer_wise:
+            for m in meta.by_layer or (meta,):
+                m.layer_connector = self.connector
+        self.storage.begin_step(meta.slot_mapping)
+        # only the rows read below leave the last layer (``hidden[i]`` is token ``rows[i]``);
+        # a decode step reads every row in order and selects none
+        keep = None
+        if len(rows) != len(input_ids) or rows != list(range(len(rows))):
+            keep = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return self.model(input_ids, positions, self.storage, meta, keep)
+
+    def _replay(self, items: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Hidden states and logits of a pure-decode step from its CUDA graph, or None: no
+        graphs (a CPU, --enforce-eager), a mixed step, or a batch past the largest size."""
+        graphs = self.graphs
+        if graphs is None or not is_pure_decode(
+            items, self.layer_groups is not None,
+            self.connector is not None and self.connector.layer_wise,
+        ):  # fmt: skip
+            return None
+        batch = graphs.batch
+        if batch.storage is not self.storage:  # a wrapped storage must see every write
+            return None
+        if batch.windows is None and any(s.window for s in items):
+            return None  # captured without retention windows
+        inputs = DecodeInputs.from_seqs(items, self.block_size, batch.null,
+                                        batch.block_tables.shape[1])  # fmt: skip
+        return graphs.run(inputs)
 
     @staticmethod
     def _output_rows(
@@ -373,6 +408,9 @@ def build_runner(config: EngineConfig, num_blocks: int | None, max_model_len: in
     else:
         runner = ModelRunner(model, make_storage(num_blocks), sampler, device, groups, attention)
     runner.num_blocks = num_blocks
+    if use_cuda_graphs(device, config.enforce_eager):
+        runner.graphs = build_cuda_graphs(runner, config, max_model_len)
+        runner.cuda_graphs = runner.graphs.describe() if runner.graphs else "none (eager)"
     return runner
 
 
