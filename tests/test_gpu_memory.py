@@ -131,3 +131,28 @@ def test_worker_sizes_its_pool_from_the_profile(checkpoint, monkeypatch):
     want = int((0.8 * GIB - 0.75 * GIB - fixed) // block)
     assert runner.num_blocks == runner.storage.num_blocks == want
     assert "0.8 (gpu_memory_utilization)" in runner.memory_budget
+
+
+def test_an_engine_takes_the_pool_its_worker_sized(checkpoint, monkeypatch, make_llm, caplog):
+    """The engine's side on a CPU: where the sizing leaves the pool to the worker (as on
+    CUDA), the KV manager gets the worker's count, the log the arithmetic, and greedy output
+    is the same as with a pool sized up front."""
+    from kvserve import SamplingParams
+    from kvserve.engine import llm_engine
+
+    def fake_measure(device, utilization, block_bytes, fixed_bytes, run_profile):
+        run_profile()
+        return GpuMemoryBudget(40 * block_bytes, 1.0, 0, 0, 0, block_bytes)
+
+    model = checkpoint("llama_gqa")
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
+    sp = SamplingParams(temperature=0, max_tokens=6)
+    ref = [o.outputs[0].token_ids for o in make_llm(model, num_gpu_blocks=40).generate(prompts, sp)]
+    monkeypatch.setattr(llm_engine, "num_kv_blocks", lambda *a, **k: None)
+    monkeypatch.setattr(memory_profile, "measure_gpu_budget", fake_measure)
+    with caplog.at_level("INFO", logger="kvserve"):
+        llm = make_llm(model, max_num_batched_tokens=64)
+    assert llm.engine.num_blocks == llm.engine.kv.num_blocks == 40
+    assert "KV pool on cpu: 0.00 GiB x 1 (gpu_memory_utilization)" in caplog.text
+    assert "= 40 blocks of" in caplog.text
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == ref

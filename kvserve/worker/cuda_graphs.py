@@ -11,13 +11,15 @@ lives in a static buffer the replay reads:
   slot, and attend that one entry (length 1, a table of null blocks), so they touch no real
   block and stay finite; the captured graph zeroes the null block again after the forward,
   keeping the storage's promise that it reads as zeros;
-* block tables have a fixed width (the blocks of ``max_model_len``), padded with the null
-  block; attention masks stop at each row's length, so the padding is never attended.
+* block tables have a fixed width (the blocks of ``max_model_len``, at most
+  :data:`MAX_GRAPH_CONTEXT` tokens' worth), padded with the null block; attention masks stop
+  at each row's length, so the padding is never attended.
 
-Mixed steps (prefill chunks), retention that needs more than the plain paged path, hybrid
-models' per-group tables and layer-wise connectors run eagerly. Everything above the
-:class:`CudaGraphRunner` is pure and runs on a CPU (CI tests it there); the runner itself is
-built only on CUDA and without ``enforce_eager``.
+Mixed steps (prefill chunks), sequences past the tables' width, retention that needs more
+than the plain paged path, hybrid models' per-group tables and layer-wise connectors run
+eagerly. Everything but :class:`CudaGraphRunner` is device-neutral and CI tests it on a CPU
+against the runner's eager path; the graph runner is built only on CUDA and without
+``enforce_eager``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ from kvserve.worker.step_buffers import StepBuffers
 log = logging.getLogger("kvserve.worker")
 
 MAX_CAPTURE_SIZE = 256  # vLLM's largest default capture size
+# Cache entries a captured step's block tables reach at most: the torch backend gathers a
+# table's whole width, so a width of max_model_len's blocks would make every replay (and the
+# capture's memory) that of the longest sequence. Longer sequences' steps run eagerly.
+MAX_GRAPH_CONTEXT = 4096
 
 
 def default_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -265,7 +271,7 @@ def build_cuda_graphs(runner, config, max_model_len: int) -> CudaGraphRunner | N
                     storage.format_name)  # fmt: skip
         return None
     sizes = capture_sizes(config.scheduler.max_num_seqs, config.cuda_graph_sizes)
-    width = -(-max_model_len // storage.block_size)
+    width = -(-min(max_model_len, MAX_GRAPH_CONTEXT) // storage.block_size)
     windowed = bool(config.cache.kv_retention)
     batch = StaticDecodeBatch(runner.model, storage, sizes[-1], width, runner.device, windowed)
     graphs = CudaGraphRunner(batch, sizes)

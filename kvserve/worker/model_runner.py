@@ -223,7 +223,8 @@ class ModelRunner:
 
     def _replay(self, items: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Hidden states and logits of a pure-decode step from its CUDA graph, or None: no
-        graphs (a CPU, --enforce-eager), a mixed step, or a batch past the largest size."""
+        graphs (a CPU, --enforce-eager), a mixed step, a batch past the largest size or a
+        sequence past the tables' width."""
         graphs = self.graphs
         if graphs is None or not is_pure_decode(
             items, self.layer_groups is not None,
@@ -235,8 +236,10 @@ class ModelRunner:
             return None
         if batch.windows is None and any(s.window for s in items):
             return None  # captured without retention windows
-        inputs = DecodeInputs.from_seqs(items, self.block_size, batch.null,
-                                        batch.block_tables.shape[1])  # fmt: skip
+        width = batch.block_tables.shape[1]
+        if any(len(s.block_ids) > width for s in items):
+            return None  # a sequence past the captured tables' width
+        inputs = DecodeInputs.from_seqs(items, self.block_size, batch.null, width)
         return graphs.run(inputs)
 
     @staticmethod
