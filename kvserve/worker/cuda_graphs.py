@@ -224,7 +224,6 @@ class CudaGraphRunner:
     :meth:`run` pads a batch to its bucket, copies it in and replays."""
 
     def __init__(self, batch: StaticDecodeBatch, sizes: tuple[int, ...]) -> None:
-        assert batch.token_ids.device.type == "cuda", "CUDA graphs are built only on CUDA"
         self.batch, self.sizes = batch, sizes
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -233,6 +232,7 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         """Largest size first, sharing one memory pool (vLLM's order)."""
+        assert self.batch.token_ids.device.type == "cuda", "CUDA graphs are captured on CUDA"
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.sizes):
