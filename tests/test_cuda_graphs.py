@@ -181,9 +181,10 @@ def test_mixed_and_special_steps_stay_eager():
 
 
 def test_the_runner_replays_decode_steps_and_matches_eager_generation(checkpoint, make_llm):
-    """The runner's replay path end to end on a CPU: each "graph" replays by running the
+    """The runner's replay path end to end. On a CPU each "graph" replays by running the
     static buffers' forward, so the padding, staging, bucket choice and the runner's sampling
-    from the replayed logits are exercised; greedy output equals the eager engine's."""
+    from the replayed logits are exercised; with KVSERVE_TEST_DEVICE=cuda the engine captures
+    real graphs. Either way greedy output equals the eager engine's (float32)."""
     from types import SimpleNamespace
 
     from kvserve import SamplingParams
@@ -192,9 +193,14 @@ def test_the_runner_replays_decode_steps_and_matches_eager_generation(checkpoint
     model = checkpoint("llama_gqa")
     prompts = [[5, 6, 7, 8, 9], [11, 12, 13], [40, 41, 42, 43, 44, 45, 46]]
     sps = [SamplingParams(temperature=0, max_tokens=n) for n in (9, 3, 6)]  # batches shrink
-    ref = [o.outputs[0].token_ids for o in make_llm(model).generate(prompts, sps)]
-    llm = make_llm(model)
+    eager = make_llm(model, dtype="float32", enforce_eager=True, max_num_seqs=4)
+    ref = [o.outputs[0].token_ids for o in eager.generate(prompts, sps)]
+    llm = make_llm(model, dtype="float32", max_num_seqs=4)
     runner = llm.engine.executor.driver_worker.runner
+    if runner.device.type == "cuda":  # real capture: sizes 1, 2, 4 for max_num_seqs 4
+        assert runner.graphs is not None and runner.graphs.sizes == (1, 2, 4)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, sps)] == ref
+        return
     batch = StaticDecodeBatch(runner.model, runner.storage, 4, WIDTH, torch.device("cpu"), False)
     graphs = CudaGraphRunner(batch, (1, 2, 4))
     replayed = []
