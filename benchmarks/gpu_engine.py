@@ -16,6 +16,7 @@ CUDA) and the graphs' capture report. Ends with one JSON line.
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 from pathlib import Path
 from typing import Any
@@ -135,7 +136,9 @@ def run_engine(args: argparse.Namespace, path: str, kv: str, mode: str,
     if profiled is not None:
         row["device_ms_per_step"] = profiled * 1e3
         row["host_ms_per_step"] = max(0.0, step - profiled) * 1e3
+    engine.shutdown()  # the next run sizes its pool from what this one leaves: nothing
     del llm, engine
+    gc.collect()
     if args.device == "cuda":
         torch.cuda.empty_cache()
     return row
