@@ -66,7 +66,8 @@ def num_kv_blocks(
 ) -> int | None:
     """``num_gpu_blocks`` as given; else the blocks ``kv_cache_memory`` holds after the
     format's fixed bytes; else, on CUDA, None: the worker sizes the pool from the memory its
-    profiling forward leaves under ``gpu_memory_utilization`` (:class:`GpuMemoryBudget`);
+    profiling forward leaves under ``gpu_memory_utilization``
+    (:class:`~kvserve.kv.gpu_budget.GpuMemoryBudget`);
     else (a CPU) enough for ``max_num_seqs`` full-length sequences, capped at 4 GiB."""
     if cc.num_gpu_blocks is not None:
         return cc.num_gpu_blocks
