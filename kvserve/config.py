@@ -46,6 +46,26 @@ def user_cache_dir() -> Path:
     )
 
 
+def parse_capture_sizes(value: str | list[int] | tuple[int, ...]) -> str:
+    """``cuda_graph_sizes`` as its canonical text (sorted, distinct, comma-separated) from
+    text such as ``"1,2,4"`` or a list of integers; each size an integer in [1, 1024]."""
+    items = value.split(",") if isinstance(value, str) else list(value)
+    sizes = set()
+    for x in items:
+        try:
+            n = int(str(x).strip())
+        except ValueError:
+            n = 0
+        if isinstance(x, bool) or not 1 <= n <= 1024:
+            raise ConfigError(
+                f"cuda_graph_sizes: each size must be an integer in [1, 1024], got {value!r}"
+            )
+        sizes.add(n)
+    if not sizes:
+        raise ConfigError(f"cuda_graph_sizes: give at least one size, got {value!r}")
+    return ",".join(str(n) for n in sorted(sizes))
+
+
 def parse_bytes(value: int | float | str, field_name: str = "kv_cache_memory") -> int:
     """Parse ``2GiB``, ``512 MiB``, ``1.5GB``, ``1e9`` or a plain integer into bytes."""
     if isinstance(value, bool):
@@ -255,12 +275,21 @@ class CacheConfig:
     num_gpu_blocks: int | None = field(
         default=None,
         metadata={"help": "KV blocks in the pool (None: as many as --kv-cache-memory holds, "
-                  "else enough for --max-num-seqs full-length sequences, at most 4 GiB)"},
+                  "else on CUDA what --gpu-memory-utilization leaves, else enough for "
+                  "--max-num-seqs full-length sequences, at most 4 GiB)"},
     )  # fmt: skip
     kv_cache_memory: int | str | None = field(
         default=None,
         metadata={"help": "bytes for the KV pool, e.g. 2GiB", "metavar": "SIZE", "unit": "bytes"},
     )
+    gpu_memory_utilization: float = field(
+        default=0.9,
+        metadata={"help": "CUDA: fraction of the GPU's memory for weights, activations and "
+                  "the KV pool, in (0, 1]; the pool gets what a profiling forward at "
+                  "--max-num-batched-tokens leaves (vLLM's); ignored on a CPU and with "
+                  "--num-gpu-blocks or --kv-cache-memory; kvserve plan and simulate --gpu "
+                  "apply it to the card's memory less the weights", "metavar": "FRACTION"},
+    )  # fmt: skip
     kv_cache_dtype: str = field(
         default="auto",
         metadata={"help": "KV storage format (auto: the compute dtype); the fp8, int8 and "
@@ -375,6 +404,9 @@ class CacheConfig:
             raise ConfigError(f"num_gpu_blocks: must be an integer >= 1, got {self.num_gpu_blocks}")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, int | float) or not 0 < u <= 1:
+            raise ConfigError(f"gpu_memory_utilization: must be in (0, 1], got {u!r}")
         if not isinstance(self.kv_cache_prefault, bool):
             raise ConfigError(f"kv_cache_prefault: must be true or false, got "
                               f"{self.kv_cache_prefault!r}")  # fmt: skip
@@ -754,6 +786,18 @@ class EngineConfig:
     device: str = field(
         default="cpu", metadata={"help": "torch device of the model and the KV pool"}
     )
+    enforce_eager: bool = field(
+        default=False,
+        metadata={"help": "CUDA: run every step eagerly, capturing no CUDA graphs (vLLM's); "
+                  "a CPU always runs eagerly"},
+    )  # fmt: skip
+    cuda_graph_sizes: str | None = field(
+        default=None,
+        metadata={"help": "CUDA: the decode batch sizes captured in CUDA graphs, e.g. "
+                  "'1,2,4,8' (None: vLLM's 1, 2, 4, then multiples of 8 up to "
+                  "--max-num-seqs, at most 256); a larger batch runs eagerly",
+                  "metavar": "SIZES"},
+    )  # fmt: skip
     seed: int = field(default=0, metadata={"help": "seed of the sampler's random generator"})
     # The name is checked against the registry and the device when the engine is built
     # (this module sits below the registry).
@@ -801,6 +845,8 @@ class EngineConfig:
         if self.revision is not None and (not isinstance(self.revision, str)
                                           or not self.revision.strip()):  # fmt: skip
             raise ConfigError(f"revision: must be a branch, tag or commit, got {self.revision!r}")
+        if self.cuda_graph_sizes is not None:
+            self.cuda_graph_sizes = parse_capture_sizes(self.cuda_graph_sizes)
         if self.attention_backend is not None and (
             not isinstance(self.attention_backend, str) or not self.attention_backend
         ):

@@ -66,8 +66,6 @@ _NO_CORS = "kvserve sends no CORS headers; add them at a reverse proxy in front 
 
 _TABLE = (
     # -- vLLM's EngineArgs: the engine, so also LLM(...) keywords ---------------------------
-    VLLMArg("--gpu-memory-utilization", PLANNED, "the KV pool's bytes, e.g. 4GiB",
-            "--kv-cache-memory", planned="a KV pool sized from a GPU's free memory"),
     VLLMArg("--kv-cache-memory-bytes", USE, "the same setting; sizes such as 4GiB",
             "--kv-cache-memory"),
     VLLMArg("--num-gpu-blocks-override", USE, "KV blocks in the pool", "--num-gpu-blocks"),
@@ -86,10 +84,9 @@ _TABLE = (
             aliases=("-dp",)),
     VLLMArg("--enable-expert-parallel", NOT_APPLICABLE, "kvserve serves dense models (Llama, "
             "Qwen2, Mistral), not mixtures of experts", aliases=("-ep",)),
-    VLLMArg("--enforce-eager", PLANNED, "kvserve runs eagerly today: drop the flag",
-            planned="CUDA graphs for decode, which the flag will turn off"),
-    VLLMArg("--compilation-config", NOT_APPLICABLE, "kvserve compiles no model code "
-            "(no torch.compile, no CUDA graphs)"),
+    VLLMArg("--compilation-config", USE, "kvserve compiles no model code (no "
+            "torch.compile); the decode batch sizes its CUDA graphs capture are",
+            "--cuda-graph-sizes"),
     VLLMArg("--quantization", UNSUPPORTED, "weights are computed dense (a GGUF file's are "
             "dequantized at load); --kv-cache-dtype quantizes the KV cache", aliases=("-q",)),
     VLLMArg("--trust-remote-code", NOT_APPLICABLE, "kvserve runs only its own model code "

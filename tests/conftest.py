@@ -161,6 +161,9 @@ def make_llm():
 
     def build(model: str, **kwargs):
         kwargs.setdefault("device", TEST_DEVICE)
+        if kwargs["device"] == "cuda" and "num_gpu_blocks" not in kwargs:
+            # a pool per engine, not 0.9 of the card each: a test holds several engines
+            kwargs.setdefault("kv_cache_memory", "512MiB")
         llm = LLM(model, **kwargs)
         engines.append(llm.engine)
         return llm

@@ -194,10 +194,10 @@ def test_tune_search_reads_lengths_as_the_flags_do():
 # naming what to use instead, not "unrecognized arguments". (The hub flags --revision,
 # --download-dir and --hf-token belong with hub model ids and are left out here.)
 VLLM_FLAGS_KVSERVE_LACKS = [
-    "--gpu-memory-utilization", "--kv-cache-memory-bytes", "--num-gpu-blocks-override",
+    "--kv-cache-memory-bytes", "--num-gpu-blocks-override",
     "--swap-space", "--cpu-offload-gb", "--kv-offloading-backend", "--tensor-parallel-size",
     "-tp", "--pipeline-parallel-size", "-pp", "--data-parallel-size", "-dp",
-    "--enable-expert-parallel", "--enforce-eager", "--compilation-config", "--quantization",
+    "--enable-expert-parallel", "--compilation-config", "--quantization",
     "-q", "--trust-remote-code", "--tokenizer-mode", "--load-format", "--max-logprobs",
     "--enable-lora", "--max-loras", "--max-lora-rank", "--speculative-config",
     "--limit-mm-per-prompt", "--prefix-caching-hash-algo",
@@ -219,7 +219,8 @@ VLLM_FLAGS_KVSERVE_HAS = [
     "--kv-events-config",
     "--distributed-executor-backend", "--attention-backend", "--kv-offloading-size",
     "--host", "--port", "--api-key", "--served-model-name",
-    "--enable-auto-tool-choice", "--tool-call-parser",
+    "--enable-auto-tool-choice", "--tool-call-parser", "--gpu-memory-utilization",
+    "--enforce-eager",
 ]  # fmt: skip
 
 
@@ -246,15 +247,16 @@ def test_the_table_covers_vllms_common_flags_and_names_real_equivalents():
 @pytest.mark.parametrize(
     "argv, expected",
     [
-        (["serve", "--gpu-memory-utilization", "0.9"],
-         "--gpu-memory-utilization is planned (a KV pool sized from a GPU's free memory) and "
-         "not supported by kvserve yet; use --kv-cache-memory"),
+        (["serve", "--data-parallel-size", "2"],
+         "--data-parallel-size is planned (a cache-aware router over replicas) and "
+         "not supported by kvserve yet"),
         (["serve", "smollm2", "--tensor-parallel-size", "2"],
          "--tensor-parallel-size is planned (tensor parallelism)"),
         (["serve", "-tp", "2"], "--tensor-parallel-size is planned (tensor parallelism)"),
         (["generate", "--swap-space=4"],
          "--swap-space is not supported by kvserve; use --kv-offload-cpu"),
-        (["bench", "kvserve-ref", "--enforce-eager"], "--enforce-eager is planned"),
+        (["bench", "kvserve-ref", "--compilation-config={}"],
+         "--compilation-config is not supported by kvserve; use --cuda-graph-sizes"),
         (["serve", "--trust-remote-code"], "--trust-remote-code is not applicable to kvserve"),
         (["serve", "--uvicorn-log-level", "debug"],
          "--uvicorn-log-level is not supported by kvserve; use --log-level"),
@@ -284,7 +286,7 @@ def test_every_kind_of_answer_is_in_the_table():
 @pytest.mark.parametrize(
     "kwargs, must",
     [
-        ({"gpu_memory_utilization": 0.9}, ["gpu_memory_utilization", "kv_cache_memory="]),
+        ({"compilation_config": {}}, ["compilation_config", "cuda_graph_sizes="]),
         ({"tensor_parallel_size": 2}, ["tensor_parallel_size", "planned (tensor parallelism)"]),
         ({"swap_space": 4}, ["swap_space", "kv_offload_cpu="]),
         ({"max_num_seq": 8}, ["max_num_seq", "did you mean 'max_num_seqs'"]),

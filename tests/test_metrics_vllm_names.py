@@ -207,8 +207,6 @@ NOT_MEASURED = {
 # Labels of vllm:cache_config_info kvserve has no value for.
 NOT_MEASURED_LABELS = {
     "vllm:cache_config_info": {
-        "gpu_memory_utilization": "kvserve sizes its pool in bytes or blocks, not a share of "
-        "device memory",
         "prefix_caching_hash_algo": "kvserve's block hash (SHA-256 over its own encoding) is "
         "none of vLLM's algorithms",
         "num_cpu_blocks": "kvserve's host tier is sized in bytes (--kv-offload-cpu)",

@@ -120,15 +120,24 @@ class LLMEngine:
             kv_name, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, model_dtype,
             block_size=self.block_size,
         )  # fmt: skip
-        self.num_blocks = num_kv_blocks(cc, sc, mc, kv_name, self.dtype, self.max_model_len,
-                                        self.bytes_per_token)  # fmt: skip
+        # None on CUDA: the worker sizes the pool after its profiling forward (WorkerInfo)
+        num_blocks = num_kv_blocks(cc, sc, mc, kv_name, self.dtype, self.max_model_len,
+                                   self.bytes_per_token, self.device)  # fmt: skip
 
         self.executor: Executor
         if runner is None:
-            self.executor = make_executor(config, self.num_blocks, self.max_model_len)
+            self.executor = make_executor(config, num_blocks, self.max_model_len)
         else:
             self.executor = RunnerExecutor(runner)
         info = self.worker_info = self.executor.info
+        if num_blocks is None:  # a runner given on CUDA without a pool size: none to ask
+            if info is None:
+                raise ConfigError("num_gpu_blocks: give it (or kv_cache_memory) with a runner")
+            num_blocks = info.num_blocks
+            log.info("KV pool on %s: %s", info.device, info.memory_budget)
+        if info is not None and info.cuda_graphs:
+            log.info("CUDA graphs: %s", info.cuda_graphs)
+        self.num_blocks: int = num_blocks
         layout, partial_cap = kv_name, None
         if info is not None:
             layout, partial_cap = info.kv_layout, info.partial_block_capacity

@@ -62,10 +62,13 @@ def num_kv_blocks(
     compute_dtype: torch.dtype,
     max_model_len: int,
     bytes_per_token: float,
-) -> int:
+    device: torch.device | None = None,
+) -> int | None:
     """``num_gpu_blocks`` as given; else the blocks ``kv_cache_memory`` holds after the
-    format's fixed bytes; else enough for ``max_num_seqs`` full-length sequences, capped at
-    4 GiB."""
+    format's fixed bytes; else, on CUDA, None: the worker sizes the pool from the memory its
+    profiling forward leaves under ``gpu_memory_utilization``
+    (:class:`~kvserve.kv.gpu_budget.GpuMemoryBudget`);
+    else (a CPU) enough for ``max_num_seqs`` full-length sequences, capped at 4 GiB."""
     if cc.num_gpu_blocks is not None:
         return cc.num_gpu_blocks
     block_bytes = bytes_per_token * cc.block_size
@@ -82,5 +85,7 @@ def num_kv_blocks(
                 "lower max_num_seqs (KIVI keeps one full-precision block per sequence)"
             )
         return n
+    if device is not None and device.type == "cuda":
+        return None
     want = sc.max_num_seqs * cdiv(max_model_len, cc.block_size)
     return max(1, min(want, int(DEFAULT_KV_CACHE_MEMORY // block_bytes)))

@@ -31,6 +31,7 @@ from typing import Any
 from kvserve.config import SUPPORTED_ARCHITECTURES, CacheConfig, ModelConfig
 from kvserve.config_fields import default_of
 from kvserve.kv.formats import KV_CACHE_DTYPES
+from kvserve.kv.gpu_budget import GpuMemoryBudget
 
 DENSE_DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0}
 SAFETENSORS_DTYPE_BYTES = {
@@ -339,8 +340,10 @@ def capacity(
     """KV capacity of a ``tp``-GPU replica: memory x utilization minus this rank's weight
     shard, counted in whole blocks; the concurrency ceiling at ``context`` tokens each.
 
-    Activations, CUDA graphs and allocator slack are not subtracted (the formula excludes them,
-    as the seed says); ``gpu_memory_utilization`` is the margin that leaves room for them."""
+    The engine's own rule (:class:`~kvserve.kv.gpu_budget.GpuMemoryBudget`) without the
+    terms only a run measures: activations, CUDA graphs and memory outside torch are not
+    subtracted (the formula excludes them, as the seed says); ``gpu_memory_utilization`` is
+    the margin that leaves room for them."""
     if context < 1:
         raise PlanError(f"context: must be >= 1 token, got {context}")
     if tp < 1:
@@ -350,8 +353,9 @@ def capacity(
     per_gpu = bytes_per_token(spec, kv_cache_dtype, tp)
     whole = bytes_per_token(spec, kv_cache_dtype, 1)
     weights = spec.weight_bytes(weight_dtype)
-    budget = memory_bytes * gpu_memory_utilization - weights / tp
-    blocks = blocks_for(budget, per_gpu, block_size)
+    gpu = GpuMemoryBudget(memory_bytes, gpu_memory_utilization, weights / tp, 0, 0,
+                          per_gpu * block_size)  # fmt: skip
+    budget, blocks = gpu.kv_budget_bytes, gpu.num_blocks
     seq_blocks = math.ceil(context / block_size)
     frac = window_fraction(spec, context)
     seq_blocks_wa = max(1, math.ceil(context * frac / block_size))

@@ -94,14 +94,7 @@ def add_plan_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
         default=None,
         help="concurrent sequences (default: the concurrency ceiling)",
     )
-    add_setting_flags(p, ["block_size"])
-    p.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.9,
-        help="fraction of GPU memory for weights and KV (vLLM's flag); the rest is left "
-        "for activations",
-    )
+    add_setting_flags(p, ["block_size", "gpu_memory_utilization"])
     p.add_argument("--gpu-hour-cost", type=float, default=None, help="$ per GPU-hour")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(

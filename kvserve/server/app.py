@@ -259,6 +259,7 @@ def build_state(
         "block_size": str(engine.block_size),
         "cache_dtype": engine.kv_cache_dtype,
         "num_gpu_blocks": str(engine.num_blocks),
+        "gpu_memory_utilization": str(engine.config.cache.gpu_memory_utilization),
         "enable_prefix_caching": str(engine.config.cache.enable_prefix_caching),
         "max_model_len": str(engine.max_model_len),
         "kv_retention": engine.retention.text() if engine.retention else "none",

@@ -56,12 +56,6 @@ def add_sim_target_args(p: argparse.ArgumentParser) -> None:
                    help="how requests are dealt to the replicas: a kvserve router policy, or "
                    "oracle (each replica's cache asked directly)")  # fmt: skip
     g.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.9,
-        help="with --gpu: fraction of its memory for weights and KV, as vLLM's flag",
-    )
-    g.add_argument(
         "--jobs",
         type=int,
         default=None,

@@ -37,6 +37,7 @@ from kvserve.connectors.base import KVConnector, KVConnectorOutput
 from kvserve.kernels.allocator import tune_host_allocator
 from kvserve.kernels.openmp import ThreadBinding
 from kvserve.kv.formats import canonical_kv_format, make_kv_storage
+from kvserve.kv.gpu_budget import gpu_num_blocks
 from kvserve.kv.layer_groups import LayerGroups, engine_layer_groups
 from kvserve.kv.storage import KVStorage
 from kvserve.model.dtype import choose_dtype, is_gguf_dir
@@ -46,6 +47,14 @@ from kvserve.model.resolve import resolve_model
 from kvserve.sample.sampler import Sampler, SamplingState
 from kvserve.sched.output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from kvserve.structured.compiler import engine_grammar_compiler
+from kvserve.worker.cuda_graphs import (
+    CudaGraphRunner,
+    DecodeInputs,
+    build_cuda_graphs,
+    is_pure_decode,
+    use_cuda_graphs,
+)
+from kvserve.worker.memory_profile import size_gpu_pool
 
 log = logging.getLogger("kvserve.worker")
 
@@ -72,7 +81,11 @@ class ModelRunner:
         self._group_of = layer_groups.group_of if layer_groups is not None else ()
         self.storage = storage
         self.sampler = sampler
-        self.block_size = storage.block_size
+        self.block_size = storage.block_size if storage is not None else 0
+        self.num_blocks = 0  # the pool's blocks, set by build_runner
+        self.memory_budget = ""  # the GPU pool's arithmetic, where build_runner sized it
+        self.cuda_graphs = ""  # the captured decode batch sizes (kvserve.worker.cuda_graphs)
+        self.graphs: CudaGraphRunner | None = None  # CUDA graphs of decode steps
         self.device = device
         self.states: dict[str, SamplingState] = {}
         # The compute team's threads each on a core of their own while a step runs
@@ -82,6 +95,11 @@ class ModelRunner:
         self.mass: dict[str, list[torch.Tensor | None]] = {}
         # The worker side of the KV connectors (kvserve.connectors.base; set by the worker)
         self.connector: KVConnector | None = None
+
+    def set_storage(self, storage: KVStorage) -> None:
+        """The pool the runner reads and writes (the profiling run's, then the real one)."""
+        self.storage = storage
+        self.block_size = storage.block_size
 
     @staticmethod
     def _order(seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:
@@ -154,24 +172,16 @@ class ModelRunner:
                 self._connector_report(sched, out)
             return out
         items = self._order(sched.seqs)
-        input_ids, positions, meta = self._prepare(items)
-        if self.layer_groups is not None:
-            meta.by_layer = self._group_metas(items, meta)
-        if self.connector is not None and self.connector.layer_wise:
-            for m in meta.by_layer or (meta,):
-                m.layer_connector = self.connector
-        self.storage.begin_step(meta.slot_mapping)
         rows, spans, sampling = self._output_rows(items)
-        # only the rows read below leave the last layer (``hidden[i]`` is token ``rows[i]``);
-        # a decode step reads every row in order and selects none
-        keep = None
-        if len(rows) != len(input_ids) or rows != list(range(len(rows))):
-            keep = torch.tensor(rows, dtype=torch.long, device=self.device)
         ids = [rid for i in sampling for rid in items[i].sample_ids]
         states = [self.states[rid] for rid in ids]
         # the processors' plan before the forward pass: a grammar's mask fills beside it
         plan = self.sampler.plan(states) if states else None
-        hidden = self.model(input_ids, positions, self.storage, meta, keep)
+        graphed = self._replay(items)  # a pure-decode step in a CUDA graph, else None
+        if graphed is not None:
+            hidden, logits = graphed
+        else:
+            hidden, logits = self._forward(items, rows), None
         if self.connector is not None:
             self._connector_report(sched, out)
         for s in items:  # the forks of an H2O request start from its mass
@@ -181,7 +191,8 @@ class ModelRunner:
 
         if not rows:
             return out
-        logits = self.model.logits(hidden)
+        if logits is None:
+            logits = self.model.logits(hidden)
         for rid, start, n in spans:
             out.prompt_logits[rid] = torch.log_softmax(logits[start : start + n], dim=-1)
         if ids:
@@ -194,6 +205,43 @@ class ModelRunner:
             out.logprobs = sampled.logprobs
             out.sampled_logprobs = sampled.sampled_logprobs
         return out
+
+    def _forward(self, items: list[ScheduledSeq], rows: list[int]) -> torch.Tensor:
+        """The eager forward pass: hidden states of the ``rows`` the step reads."""
+        input_ids, positions, meta = self._prepare(items)
+        if self.layer_groups is not None:
+            meta.by_layer = self._group_metas(items, meta)
+        if self.connector is not None and self.connector.layer_wise:
+            for m in meta.by_layer or (meta,):
+                m.layer_connector = self.connector
+        self.storage.begin_step(meta.slot_mapping)
+        # only the rows read below leave the last layer (``hidden[i]`` is token ``rows[i]``);
+        # a decode step reads every row in order and selects none
+        keep = None
+        if len(rows) != len(input_ids) or rows != list(range(len(rows))):
+            keep = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return self.model(input_ids, positions, self.storage, meta, keep)
+
+    def _replay(self, items: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Hidden states and logits of a pure-decode step from its CUDA graph, or None: no
+        graphs (a CPU, --enforce-eager), a mixed step, a batch past the largest size or a
+        sequence past the tables' width."""
+        graphs = self.graphs
+        if graphs is None or not is_pure_decode(
+            items, self.layer_groups is not None,
+            self.connector is not None and self.connector.layer_wise,
+        ):  # fmt: skip
+            return None
+        batch = graphs.batch
+        if batch.storage is not self.storage:  # a wrapped storage must see every write
+            return None
+        if batch.windows is None and any(s.window for s in items):
+            return None  # captured without retention windows
+        width = batch.block_tables.shape[1]
+        if any(len(s.block_ids) > width for s in items):
+            return None  # a sequence past the captured tables' width
+        inputs = DecodeInputs.from_seqs(items, self.block_size, batch.null, width)
+        return graphs.run(inputs)
 
     @staticmethod
     def _output_rows(
@@ -321,10 +369,11 @@ class ModelRunner:
         return input_ids, positions, meta
 
 
-def build_runner(config: EngineConfig, num_blocks: int, max_model_len: int) -> ModelRunner:
+def build_runner(config: EngineConfig, num_blocks: int | None, max_model_len: int) -> ModelRunner:
     """The model, its KV storage of ``num_blocks`` blocks and a sampler, from an engine
     config: what an engine builds in-process, and what a worker in another process builds
-    from the same config to execute the engine's steps."""
+    from the same config to execute the engine's steps. ``num_blocks`` None (CUDA): as many
+    as the memory left after a profiling forward holds under ``gpu_memory_utilization``."""
     model_dir = Path(resolve_model(config.model, config.revision))
     mc = ModelConfig.from_pretrained(model_dir)
     dtype = choose_dtype(config.dtype, mc, config.device, is_gguf_dir(model_dir)).dtype
@@ -341,17 +390,32 @@ def build_runner(config: EngineConfig, num_blocks: int, max_model_len: int) -> M
     groups = engine_layer_groups(
         mc.layer_windows, kv_name, cc.kv_offload, cc.disable_hybrid_kv_cache_manager
     )
-    pool_blocks = num_blocks * groups.num_groups if groups is not None else num_blocks
-    storage = make_kv_storage(
-        kv_name, mc.num_hidden_layers, pool_blocks, cc.block_size, mc.num_key_value_heads,
-        mc.head_dim, dtype, device, max_num_seqs=min(sc.max_num_seqs, num_blocks),
-        k_scales=k_scales, v_scales=v_scales,
-        layer_slots=groups.slot_of if groups is not None else None,
-    )  # fmt: skip
+
+    def make_storage(num_blocks: int) -> KVStorage:
+        pool_blocks = num_blocks * groups.num_groups if groups is not None else num_blocks
+        return make_kv_storage(
+            kv_name, mc.num_hidden_layers, pool_blocks, cc.block_size, mc.num_key_value_heads,
+            mc.head_dim, dtype, device, max_num_seqs=min(sc.max_num_seqs, num_blocks),
+            k_scales=k_scales, v_scales=v_scales,
+            layer_slots=groups.slot_of if groups is not None else None,
+        )  # fmt: skip
+
     sampler = Sampler(mc.vocab_size, config.seed, device,
                       grammar_compiler=engine_grammar_compiler(config, model_dir, mc))  # fmt: skip
     log.info("attention backend: %s", attention.name)
-    return ModelRunner(model, storage, sampler, device, groups, attention)
+    if num_blocks is None:  # CUDA: the pool is what the profiling forward leaves
+        runner = ModelRunner(model, None, sampler, device, groups, attention)
+        budget = size_gpu_pool(runner, make_storage, config, mc, kv_name, dtype, max_model_len)
+        num_blocks = gpu_num_blocks(budget)
+        runner.memory_budget = budget.describe()
+        runner.set_storage(make_storage(num_blocks))
+    else:
+        runner = ModelRunner(model, make_storage(num_blocks), sampler, device, groups, attention)
+    runner.num_blocks = num_blocks
+    if use_cuda_graphs(device, config.enforce_eager):
+        runner.graphs = build_cuda_graphs(runner, config, max_model_len)
+        runner.cuda_graphs = runner.graphs.describe() if runner.graphs else "none (eager)"
+    return runner
 
 
 def padded_tables(tables: list[list[int]], null: int) -> np.ndarray:

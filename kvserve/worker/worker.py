@@ -36,12 +36,17 @@ class WorkerInfo:
     # commit to, so another pool's entries are never read as this one's.
     storage_identity: dict[str, Any] = field(default_factory=dict)
     pool_state: dict[str, Any] = field(default_factory=dict)
+    num_blocks: int = 0  # the pool's blocks (sized here on CUDA from the profiling forward)
+    memory_budget: str = ""  # the GPU pool's arithmetic (GpuMemoryBudget.describe), if sized here
+    cuda_graphs: str = ""  # the captured batch sizes and the capture time ("" when eager)
 
 
 class Worker:
     def __init__(
-        self, config: EngineConfig, num_blocks: int, max_model_len: int, rank: int = 0
+        self, config: EngineConfig, num_blocks: int | None, max_model_len: int, rank: int = 0
     ) -> None:
+        """``num_blocks``: None on CUDA sizes the pool from the memory the profiling forward
+        leaves (:mod:`kvserve.worker.memory_profile`)."""
         self.rank = rank
         self.runner: ModelRunner = build_runner(config, num_blocks, max_model_len)
         # The worker side of the engine's KV connectors (None: no connector moves KV).
@@ -69,6 +74,9 @@ class Worker:
             pins_host_memory=st.host_copies.pins,
             storage_identity=st.identity(),
             pool_state=st.pool_state(),
+            num_blocks=self.runner.num_blocks,
+            memory_budget=self.runner.memory_budget,
+            cuda_graphs=self.runner.cuda_graphs,
         )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
