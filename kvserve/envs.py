@@ -63,10 +63,13 @@ _CPU_LIST = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*")
 
 
 def _cpu_binding(name: str, raw: str) -> str:
-    """auto, nobind or a CPU list"""
+    """auto, nobind, a CPU list, or one CPU list per tensor-parallel rank joined by |"""
     mode = raw.strip()
-    if mode not in ("auto", "nobind") and not _CPU_LIST.fullmatch(mode.replace(" ", "")):
-        raise ValueError(f"{name}: {raw!r} is not auto, nobind or a CPU list like 0-3,8")
+    if mode not in ("auto", "nobind") and not all(
+        _CPU_LIST.fullmatch(part.replace(" ", "")) for part in mode.split("|")
+    ):
+        raise ValueError(f"{name}: {raw!r} is not auto, nobind or a CPU list like 0-3,8 (or "
+                         "one list per tensor-parallel rank, 0-3|4-7)")  # fmt: skip
     return mode
 
 
@@ -145,7 +148,9 @@ VARIABLES: dict[str, EnvVar] = {
         EnvVar("KVSERVE_CPU_OMP_THREADS_BIND", _cpu_binding, "auto",
                "How a CPU engine pins its compute threads during a step (vLLM's "
                "VLLM_CPU_OMP_THREADS_BIND): auto, one logical CPU per physical core of those "
-               "the process may use; nobind; or a CPU list such as 0-3,8; default auto."),
+               "the process may use; nobind; or a CPU list such as 0-3,8; with tensor parallelism, "
+               "auto gives each rank its own share of the cores, and 0-3|4-7 names each "
+               "rank's list; default auto."),
         # Server
         EnvVar("KVSERVE_TENANT_SECRET", _secret, None,
                "The server's secret under which tenants' prefix-cache salts are derived (16+ "

@@ -77,8 +77,6 @@ _TABLE = (
             "(--kv-offload-cpu offloads KV blocks)"),
     VLLMArg("--kv-offloading-backend", USE, "kvserve's tiers are --kv-offload-cpu, "
             "--kv-offload-disk and --kv-offload-redis", "--kv-offload-cpu"),
-    VLLMArg("--tensor-parallel-size", PLANNED, "kvserve plan and kvserve simulate model it "
-            "with --tp", planned="tensor parallelism", aliases=("-tp",)),
     VLLMArg("--pipeline-parallel-size", UNSUPPORTED, "a model runs on one device, "
             "not split by layers", aliases=("-pp",)),
     VLLMArg("--data-parallel-size", PLANNED, "meanwhile run several `kvserve serve` behind "

@@ -104,7 +104,7 @@ BIND_ENV = "KVSERVE_CPU_OMP_THREADS_BIND"
 _bound = threading.local()  # per thread: its home CPUs, and the CPUs its pool is pinned to
 
 
-def _parse_cpus(text: str) -> list[int]:
+def parse_cpus(text: str) -> list[int]:
     """A CPU list as Linux writes it ("0-3,8,10-11")."""
     cpus: list[int] = []
     for part in text.split(","):
@@ -115,7 +115,7 @@ def _parse_cpus(text: str) -> list[int]:
     return cpus
 
 
-def _one_per_core(cpus: set[int]) -> list[int]:
+def one_per_core(cpus: set[int]) -> list[int]:
     """``cpus`` with one logical CPU per physical core first (the lowest of each core's
     siblings, by package and core), then the other siblings; sorted where the topology is
     not readable."""
@@ -157,18 +157,20 @@ class ThreadBinding:
         ``0-3``) for a team of ``threads`` (torch's), or None where there is nothing to bind:
         not a CPU device, one thread, more threads than CPUs, not Linux. Raises ValueError,
         naming the variable, for a list it cannot use."""
-        mode = envs.KVSERVE_CPU_OMP_THREADS_BIND
+        # one list per tensor-parallel rank (0-3|4-7): a rank is given its own list alone
+        # (kvserve.distributed.placement); an engine of one rank takes the first
+        mode = envs.KVSERVE_CPU_OMP_THREADS_BIND.split("|")[0]
         n = torch.get_num_threads() if threads is None else threads
         linux = sys.platform.startswith("linux")
         if mode == "nobind" or str(device) != "cpu" or n < 2 or not linux:
             if mode not in ("auto", "nobind"):
-                _parse_cpus(mode)  # still refuse a malformed value
+                parse_cpus(mode)  # still refuse a malformed value
             return None
         home = os.sched_getaffinity(0)
         if mode == "auto":
-            cpus = _one_per_core(home)
+            cpus = one_per_core(home)
             return cls(cpus[:n]) if len(cpus) >= n else None
-        cpus = list(dict.fromkeys(_parse_cpus(mode)))  # in the list's order, once each
+        cpus = list(dict.fromkeys(parse_cpus(mode)))  # in the list's order, once each
         outside = sorted(set(cpus) - home)
         if outside:
             raise ValueError(f"{BIND_ENV}: CPUs {outside} are not among those this process may "

@@ -40,6 +40,7 @@ from kvserve.kv.formats import canonical_kv_format, make_kv_storage
 from kvserve.kv.layer_groups import LayerGroups, engine_layer_groups
 from kvserve.kv.storage import KVStorage
 from kvserve.model.dtype import choose_dtype, is_gguf_dir
+from kvserve.model.layers import QKVParallelLinear, TensorParallelGroup
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import load_kv_scales, load_model
 from kvserve.model.resolve import resolve_model
@@ -320,10 +321,17 @@ class ModelRunner:
         return input_ids, positions, meta
 
 
-def build_runner(config: EngineConfig, num_blocks: int, max_model_len: int) -> ModelRunner:
+def build_runner(
+    config: EngineConfig,
+    num_blocks: int,
+    max_model_len: int,
+    tp: TensorParallelGroup | None = None,
+) -> ModelRunner:
     """The model, its KV storage of ``num_blocks`` blocks and a sampler, from an engine
     config: what an engine builds in-process, and what a worker in another process builds
-    from the same config to execute the engine's steps."""
+    from the same config to execute the engine's steps. With ``tp``, one rank's: its shard of
+    the model and a pool of its KV heads (the sampler is the same on every rank, so that
+    every rank draws the same tokens from the same gathered logits)."""
     model_dir = Path(resolve_model(config.model, config.revision))
     mc = ModelConfig.from_pretrained(model_dir)
     dtype = choose_dtype(config.dtype, mc, config.device, is_gguf_dir(model_dir)).dtype
@@ -333,16 +341,18 @@ def build_runner(config: EngineConfig, num_blocks: int, max_model_len: int) -> M
         tune_host_allocator()
     cc, sc = config.cache, config.scheduler
     kv_name = canonical_kv_format(cc.kv_cache_dtype, str(dtype).removeprefix("torch."))
-    model = load_model(model_dir, mc, dtype, device, max_model_len)
+    model = load_model(model_dir, mc, dtype, device, max_model_len, tp)
     k_scales = v_scales = None
     if kv_name.startswith("fp8") and not cc.calculate_kv_scales:
         k_scales, v_scales = load_kv_scales(model_dir, mc)
+        qkv = model.layers[0].qkv_proj
+        k_scales, v_scales = _rank_heads(k_scales, qkv), _rank_heads(v_scales, qkv)
     groups = engine_layer_groups(
         mc.layer_windows, kv_name, cc.kv_offload, cc.disable_hybrid_kv_cache_manager
     )
     pool_blocks = num_blocks * groups.num_groups if groups is not None else num_blocks
     storage = make_kv_storage(
-        kv_name, mc.num_hidden_layers, pool_blocks, cc.block_size, mc.num_key_value_heads,
+        kv_name, mc.num_hidden_layers, pool_blocks, cc.block_size, model.layers[0].num_kv_heads,
         mc.head_dim, dtype, device, max_num_seqs=min(sc.max_num_seqs, num_blocks),
         k_scales=k_scales, v_scales=v_scales,
         layer_slots=groups.slot_of if groups is not None else None,
@@ -351,6 +361,15 @@ def build_runner(config: EngineConfig, num_blocks: int, max_model_len: int) -> M
                       grammar_compiler=engine_grammar_compiler(config, model_dir, mc))  # fmt: skip
     log.info("attention backend: %s", attention.name)
     return ModelRunner(model, storage, sampler, device, groups, attention)
+
+
+def _rank_heads(scales: torch.Tensor | None, qkv: QKVParallelLinear) -> torch.Tensor | None:
+    """A checkpoint's per-KV-head scales ``[layers, heads]``: this rank's heads' columns (a
+    single scale per layer serves every rank as it is)."""
+    if scales is None or scales.shape[1] == 1 or qkv.tp.world_size == 1:
+        return scales
+    first = (qkv.tp.rank // qkv.num_kv_head_replicas) * qkv.num_kv_heads
+    return scales[:, first : first + qkv.num_kv_heads].contiguous()
 
 
 def padded_tables(tables: list[list[int]], null: int) -> np.ndarray:

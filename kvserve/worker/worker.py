@@ -14,9 +14,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from kvserve.config import EngineConfig
 from kvserve.connectors.factory import worker_connector
+from kvserve.distributed import DistributedInit, init_distributed, place_rank
 from kvserve.kv.storage import BlockPayload, KVStorage
+from kvserve.model.layers import TensorParallelGroup
 from kvserve.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvserve.worker.bandwidth import measure_peak_bandwidth, weight_bytes_read
 from kvserve.worker.model_runner import ModelRunner, build_runner
@@ -39,11 +43,21 @@ class WorkerInfo:
 
 
 class Worker:
+    """One rank's model shard, KV pool and runner; ``tp``: its tensor-parallel group (None:
+    one rank), which the process that hosts the worker joined first
+    (:func:`join_tensor_parallel_group`)."""
+
     def __init__(
-        self, config: EngineConfig, num_blocks: int, max_model_len: int, rank: int = 0
+        self,
+        config: EngineConfig,
+        num_blocks: int,
+        max_model_len: int,
+        rank: int = 0,
+        tp: TensorParallelGroup | None = None,
     ) -> None:
         self.rank = rank
-        self.runner: ModelRunner = build_runner(config, num_blocks, max_model_len)
+        self.tp = tp
+        self.runner: ModelRunner = build_runner(config, num_blocks, max_model_len, tp)
         # The worker side of the engine's KV connectors (None: no connector moves KV).
         self.connector = worker_connector(config)
         if self.connector is not None:
@@ -72,7 +86,16 @@ class Worker:
         )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute_model(scheduler_output)
+        """The step's output; every rank samples the same tokens, and only rank 0's whole
+        output goes back (another rank's carries its connectors' report alone)."""
+        out = self.runner.execute_model(scheduler_output)
+        if self.rank:
+            return ModelRunnerOutput(kv_connector_output=out.kv_connector_output)
+        return out
+
+    def kv_pool_bytes(self) -> int:
+        """The bytes of this rank's KV pool."""
+        return self.storage.nbytes()
 
     def prefault(self) -> int:
         """Fault the pool's pages in now; the bytes touched."""
@@ -107,6 +130,20 @@ class Worker:
         if complete:
             _wait_payloads(out)
         return out
+
+
+def join_tensor_parallel_group(
+    config: EngineConfig, rank: int, dist_init: DistributedInit | None, place: bool = True
+) -> TensorParallelGroup | None:
+    """Join this process, rank ``rank``, to the group ``dist_init`` describes (None or one
+    rank: no group); first, where ``place`` says the ranks share this machine, confine it to
+    its share of the CPUs (:func:`~kvserve.distributed.place_rank`)."""
+    if dist_init is None or dist_init.world_size == 1:
+        return None
+    if place:
+        place_rank(rank, dist_init.world_size, config.device)
+    comm = init_distributed(dist_init, rank, torch.device(config.device))
+    return TensorParallelGroup(rank, dist_init.world_size, comm)
 
 
 def _wait_payloads(obj: Any) -> None:

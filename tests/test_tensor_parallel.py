@@ -1,0 +1,200 @@
+"""Tensor parallelism: two ranks against one.
+
+With real ranks (two worker processes of the ``mp`` executor joined by a gloo group on a
+loopback port), greedy tokens in float32 equal the single-rank engine's on the three
+architectures of the exactness tests (a GQA Llama, Qwen2 with its QKV bias, an MQA Llama
+whose one KV head every rank replicates), through chunked prefill and preemption; each
+rank's pool holds only its KV heads, bytes given by the KV formula. Killing one rank fails
+the engine naming that rank and leaves no process behind.
+
+Every KV format runs on two ranks in threads of this process (the parallel-layer tests'
+fake communicator, so no process start-up per format): the per-rank storage is the code
+under test there, and the single-rank engine in the same format is the reference.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.config import ConfigError
+from kvserve.engine.core import EngineDeadError
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.executor import Executor
+from kvserve.executor.abstract import call_worker
+from kvserve.kernels.openmp import serial_thread
+from kvserve.llm import engine_config
+from kvserve.worker.worker import Worker
+from tests.test_parallel_layers import FakeGroup
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+# Two prompts longer than the step's token budget (chunked prefill), and more KV than the
+# pool holds at once (preemption).
+PROMPTS = [[(7 * i + j) % 300 + 3 for i in range(n)] for j, n in enumerate((70, 9, 130, 41))]
+SMALL_POOL = dict(dtype="float32", num_gpu_blocks=24, block_size=8, max_num_batched_tokens=48,
+                  max_model_len=256)  # fmt: skip
+FLOAT32_BYTES = 4
+
+
+def tokens(llm: LLM, prompts: list[Any] = PROMPTS) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+def pool_bytes_formula(name: str, kv_heads: int, blocks: int) -> int:
+    """K and V of ``kv_heads`` heads, for every layer and slot, in float32 (the KV formula)."""
+    from tests.conftest import CHECKPOINTS  # not at import: a worker that unpickles a
+
+    # function of this module must not run conftest's torch.set_num_threads
+    cfg = CHECKPOINTS[name]
+    head_dim = 64 // cfg["num_heads"]  # make_random_checkpoint's hidden size over its heads
+    return 2 * 2 * kv_heads * head_dim * blocks * SMALL_POOL["block_size"] * FLOAT32_BYTES
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen2", "llama_mqa"])
+def test_two_gloo_ranks_give_the_single_rank_tokens(checkpoint, make_llm, name):
+    ckpt = checkpoint(name)
+    one = make_llm(ckpt, **SMALL_POOL)
+    two = make_llm(ckpt, tensor_parallel_size=2, **SMALL_POOL)
+    assert two.engine.config.parallel.distributed_executor_backend == "mp"
+    pids = two.engine.executor.worker_pids
+    assert len(pids) == 2 and os.getpid() not in pids
+    want, got = tokens(one), tokens(two)
+    assert got == want
+    # each rank computes on its own share of this process's CPUs
+    cpus = two.engine.executor.collective_rpc(_cpus_and_threads)
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert not cpus[0][0] & cpus[1][0]
+        assert all(c <= os.sched_getaffinity(0) and n == len(c) for c, n in cpus), cpus
+    # prompts longer than the step's budget were chunked, and the small pool preempted
+    for llm in (one, two):
+        assert llm.engine.scheduler.num_preemptions > 0
+    # each rank's pool holds its KV heads: half the single rank's where the two KV heads
+    # divide, the whole (replicated) where the model has one
+    (whole,) = one.engine.executor.collective_rpc("kv_pool_bytes")
+    per_rank = two.engine.executor.collective_rpc("kv_pool_bytes")
+    from tests.conftest import CHECKPOINTS
+
+    total_kv_heads = CHECKPOINTS[name]["num_kv_heads"]
+    assert whole == pool_bytes_formula(name, total_kv_heads, 24)
+    assert per_rank == [pool_bytes_formula(name, max(1, total_kv_heads // 2), 24)] * 2
+    if total_kv_heads == 2:
+        assert per_rank == [whole // 2] * 2
+    else:
+        assert per_rank == [whole] * 2
+    if name == "llama_gqa":  # this engine's last use: one rank killed (saves a start-up)
+        kill_a_rank_and_check_the_engine_fails_by_name(two.engine)
+
+
+def _cpus_and_threads(worker: Worker) -> tuple[set[int], int]:
+    import torch
+
+    return os.sched_getaffinity(0), torch.get_num_threads()
+
+
+def test_each_rank_gets_its_share_of_the_cpus(monkeypatch):
+    from kvserve.distributed.placement import rank_cpus
+
+    home = {0, 1, 2, 3}
+    monkeypatch.setenv("KVSERVE_CPU_OMP_THREADS_BIND", "auto")
+    shares = [rank_cpus(r, 2, home) for r in range(2)]
+    assert sorted(shares[0] + shares[1]) == [0, 1, 2, 3] and not set(shares[0]) & set(shares[1])
+    assert rank_cpus(0, 8, home) is None  # fewer CPUs than ranks: nothing to place
+    monkeypatch.setenv("KVSERVE_CPU_OMP_THREADS_BIND", "3|0-1")  # vLLM's per-rank form
+    assert rank_cpus(0, 2, home) == [3] and rank_cpus(1, 2, home) == [0, 1]
+    with pytest.raises(ValueError, match="2 CPU list.* for 3 tensor-parallel ranks"):
+        rank_cpus(0, 3, home)
+    monkeypatch.setenv("KVSERVE_CPU_OMP_THREADS_BIND", "nobind")
+    assert rank_cpus(1, 2, home) is None
+
+
+def test_heads_that_do_not_divide_are_refused_before_any_rank_starts(checkpoint):
+    ckpt = checkpoint("llama_gqa")  # 4 attention heads
+    with pytest.raises(ConfigError, match="num_attention_heads: 4 is not divisible by "
+                       "tensor_parallel_size 3"):  # fmt: skip
+        LLM(ckpt, tensor_parallel_size=3)
+    with pytest.raises(ConfigError, match="tensor_parallel_size: must be an integer"):
+        LLM(ckpt, tensor_parallel_size=0)
+
+
+def kill_a_rank_and_check_the_engine_fails_by_name(engine: LLMEngine) -> None:
+    """The surviving rank's collective loses its peer; the engine names the dead rank, not
+    the survivor's echo, fails every request in flight, and stops the survivor."""
+    rank0, rank1 = engine.executor.worker_pids
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    for i, p in enumerate(PROMPTS[:2]):
+        engine.add_request(str(i), p, params)
+    engine.step()
+    os.kill(rank1, signal.SIGKILL)
+    t0 = time.monotonic()
+    finished = {}
+    while engine.has_unfinished_requests() and time.monotonic() - t0 < 10:
+        for o in engine.step():
+            if o.finished:
+                finished[o.request_id] = o
+    assert time.monotonic() - t0 < 10
+    assert set(finished) == {"0", "1"}
+    for o in finished.values():
+        assert o.error is not None
+        assert f"worker 1 (pid {rank1}) was killed by SIGKILL" in o.error, o.error
+    assert engine.kv.num_used_blocks == 0
+    with pytest.raises(EngineDeadError, match="worker 1"):
+        engine.add_request("late", [5, 6, 7], GREEDY)
+    engine.shutdown()
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{rank0}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{rank0}"), "the surviving rank outlived the engine"
+
+
+class ThreadRanks(Executor):
+    """``world_size`` workers in threads of this process, each a rank of one fake group."""
+
+    def __init__(self, config: Any, num_blocks: int, max_model_len: int, world_size: int) -> None:
+        group = FakeGroup(world_size)
+        self.pool = ThreadPoolExecutor(world_size, initializer=serial_thread)
+        self.workers = [Worker(config, num_blocks, max_model_len, r, group.rank(r))
+                        for r in range(world_size)]  # fmt: skip
+        self.info = self.workers[0].info()
+
+    def execute_model(self, scheduler_output: Any) -> Any:
+        return self.collective_rpc("execute_model", (scheduler_output,))[0]
+
+    def collective_rpc(self, method: Any, args: tuple = (), kwargs: dict | None = None) -> list:
+        futures = [self.pool.submit(call_worker, w, method, args, kwargs or {})
+                   for w in self.workers]  # fmt: skip
+        return [f.result(timeout=120) for f in futures]
+
+    def shutdown(self) -> None:
+        self.pool.shutdown()
+
+
+@pytest.mark.parametrize(
+    "kv_cache_dtype", ["bfloat16", "fp8_e4m3", "fp8_e5m2", "int8", "kivi4", "kivi2"]
+)
+def test_every_kv_format_holds_each_ranks_heads(checkpoint, make_llm, kv_cache_dtype,
+                                                monkeypatch):  # fmt: skip
+    monkeypatch.setenv("KVSERVE_CPU_OMP_THREADS_BIND", "nobind")
+    ckpt = checkpoint("llama_gqa")
+    settings = dict(SMALL_POOL, num_gpu_blocks=64, kv_cache_dtype=kv_cache_dtype)
+    one = make_llm(ckpt, **settings)
+    want = tokens(one, PROMPTS[:2])
+    config = engine_config(ckpt, tensor_parallel_size=2, device="cpu", **settings)
+    ranks = ThreadRanks(config, 64, 256, 2)
+    engine = LLMEngine(config, runner=ranks)
+    try:
+        two = LLM.__new__(LLM)  # an LLM over the engine on the threads' ranks
+        two.engine = engine
+        assert tokens(two, PROMPTS[:2]) == want
+        (whole,) = one.engine.executor.collective_rpc("kv_pool_bytes")
+        assert ranks.collective_rpc("kv_pool_bytes") == [whole // 2] * 2
+        engine.kv.check_invariants()
+        assert engine.kv.num_used_blocks == 0
+    finally:
+        engine.shutdown()
+        ranks.shutdown()
