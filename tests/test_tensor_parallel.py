@@ -30,7 +30,7 @@ from kvserve.executor import Executor
 from kvserve.executor.abstract import call_worker
 from kvserve.kernels.openmp import serial_thread
 from kvserve.llm import engine_config
-from kvserve.worker.worker import Worker
+from kvserve.worker.worker import Worker, WorkerInfo
 from tests.test_parallel_layers import FakeGroup
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -160,7 +160,7 @@ class ThreadRanks(Executor):
         self.pool = ThreadPoolExecutor(world_size, initializer=serial_thread)
         self.workers = [Worker(config, num_blocks, max_model_len, r, group.rank(r))
                         for r in range(world_size)]  # fmt: skip
-        self.info = self.workers[0].info()
+        self.info = WorkerInfo.of_ranks([w.info() for w in self.workers])
 
     def execute_model(self, scheduler_output: Any) -> Any:
         return self.collective_rpc("execute_model", (scheduler_output,))[0]
@@ -174,27 +174,62 @@ class ThreadRanks(Executor):
         self.pool.shutdown()
 
 
+@pytest.fixture
+def thread_tp(monkeypatch):
+    """thread_tp(model, **settings) -> an LLM whose engine runs two ranks in threads."""
+    monkeypatch.setenv("KVSERVE_CPU_OMP_THREADS_BIND", "nobind")
+    built = []
+
+    def build(model: str, **settings: Any) -> LLM:
+        config = engine_config(model, tensor_parallel_size=2, device="cpu", **settings)
+        ranks = ThreadRanks(config, settings["num_gpu_blocks"], settings["max_model_len"], 2)
+        llm = LLM.__new__(LLM)  # an LLM over an engine on the threads' ranks
+        llm.engine = LLMEngine(config, runner=ranks)
+        built.append((llm.engine, ranks))
+        return llm
+
+    yield build
+    for engine, ranks in built:
+        if engine.offload is not None:
+            engine.offload.flush()
+        engine.shutdown()
+        ranks.shutdown()
+        engine.kv.check_invariants()
+        assert engine.kv.num_used_blocks == 0
+
+
 @pytest.mark.parametrize(
     "kv_cache_dtype", ["bfloat16", "fp8_e4m3", "fp8_e5m2", "int8", "kivi4", "kivi2"]
 )
-def test_every_kv_format_holds_each_ranks_heads(checkpoint, make_llm, kv_cache_dtype,
-                                                monkeypatch):  # fmt: skip
-    monkeypatch.setenv("KVSERVE_CPU_OMP_THREADS_BIND", "nobind")
+def test_every_kv_format_holds_each_ranks_heads(checkpoint, make_llm, thread_tp, kv_cache_dtype):
     ckpt = checkpoint("llama_gqa")
     settings = dict(SMALL_POOL, num_gpu_blocks=64, kv_cache_dtype=kv_cache_dtype)
     one = make_llm(ckpt, **settings)
-    want = tokens(one, PROMPTS[:2])
-    config = engine_config(ckpt, tensor_parallel_size=2, device="cpu", **settings)
-    ranks = ThreadRanks(config, 64, 256, 2)
-    engine = LLMEngine(config, runner=ranks)
-    try:
-        two = LLM.__new__(LLM)  # an LLM over the engine on the threads' ranks
-        two.engine = engine
-        assert tokens(two, PROMPTS[:2]) == want
-        (whole,) = one.engine.executor.collective_rpc("kv_pool_bytes")
-        assert ranks.collective_rpc("kv_pool_bytes") == [whole // 2] * 2
-        engine.kv.check_invariants()
-        assert engine.kv.num_used_blocks == 0
-    finally:
-        engine.shutdown()
-        ranks.shutdown()
+    two = thread_tp(ckpt, **settings)
+    assert tokens(two, PROMPTS[:2]) == tokens(one, PROMPTS[:2])
+    (whole,) = one.engine.executor.collective_rpc("kv_pool_bytes")
+    assert two.engine.executor.collective_rpc("kv_pool_bytes") == [whole // 2] * 2
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "kivi4"])
+def test_an_evicted_prefix_comes_back_from_the_host_tier_to_each_rank(
+    checkpoint, make_llm, thread_tp, kv_cache_dtype
+):
+    """A prefix pushed out of every rank's pool is stored once (the ranks' heads in one
+    entry) and loaded back, each rank taking its heads: the single rank's tokens before and
+    after, and as many tokens from the tier. (KIVI's reloaded prefix is quantized where the
+    first run still held full-precision rows: its second run differs from its first, alike
+    on one rank and two.)"""
+    from tests.test_kv_offload import evict_and_return, prompts_of_lengths
+
+    ckpt = checkpoint("llama_gqa")
+    settings = dict(dtype="float32", num_gpu_blocks=24, block_size=16, max_model_len=512,
+                    kv_offload_cpu="4MiB", kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+    prompt, *flood = prompts_of_lengths([200, 200, 200, 200], vocab=320, seed=5)
+    runs = [evict_and_return(llm, prompt, flood)
+            for llm in (make_llm(ckpt, **settings), thread_tp(ckpt, **settings))]  # fmt: skip
+    assert runs[1] == runs[0]  # tokens before and after the tier, and the tokens it served
+    first, second, cached = runs[0]
+    assert cached > 0
+    if kv_cache_dtype == "auto":  # lossless: the tier gives back the very bytes
+        assert second == first

@@ -45,6 +45,7 @@ from kvserve.kv.hashing import BlockHash
 from kvserve.kv.layer_groups import engine_layer_groups
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.offload import OffloadTiers
+from kvserve.kv.rank_payloads import merge_values
 from kvserve.kv.storage import BlockPayload, KVStorage
 from kvserve.model.dtype import choose_dtype, is_gguf_dir
 from kvserve.model.layers import check_tensor_parallel, kv_head_split
@@ -177,7 +178,8 @@ class LLMEngine:
             apply_policies(offload, cc)
             self.offload = offload
         else:
-            self.offload = build_offload(cc, info, self.kv.root, self.bytes_per_token)
+            # a tier holds every rank's bytes of a block
+            self.offload = build_offload(cc, info, self.kv.root, self.bytes_per_token * tp)
         if self.offload is not None:
             self.kv.write_through_hits = self.offload.write_through_hits
         # The connectors that move KV bytes each step (the offload tiers, the user's), and
@@ -336,7 +338,7 @@ class LLMEngine:
         return self._prefix_connector("import_prefix").import_prefix(payload)
 
     def _export_blocks(self, block_ids: list[int]) -> BlockPayload:
-        return self.executor.collective_rpc("export_blocks", (block_ids,))[0]
+        return merge_values(self.executor.collective_rpc("export_blocks", (block_ids,)))
 
     def _import_blocks(self, block_ids: list[int], blocks: BlockPayload) -> None:
         self.executor.collective_rpc("import_blocks", (block_ids, blocks))

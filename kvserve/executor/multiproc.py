@@ -31,6 +31,7 @@ from kvserve.distributed import DistributedInit, free_port
 from kvserve.distributed.communicator import backend_for
 from kvserve.executor.abstract import Executor, Method, WorkerDiedError, WorkerError, call_worker
 from kvserve.sched.output import ModelRunnerOutput, SchedulerOutput
+from kvserve.worker.worker import WorkerInfo
 
 log = logging.getLogger("kvserve.executor")
 
@@ -72,7 +73,7 @@ class MultiprocExecutor(Executor):
         except BaseException:
             _stop(self._procs, self._conns)
             raise
-        self.info = infos[0]
+        self.info = WorkerInfo.of_ranks(infos)
 
     @property
     def worker_pids(self) -> list[int]:

@@ -10,6 +10,7 @@ the model or the storage itself.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ import torch
 from kvserve.config import EngineConfig
 from kvserve.connectors.factory import worker_connector
 from kvserve.distributed import DistributedInit, init_distributed, place_rank
+from kvserve.kv.rank_payloads import merge_identity, rank_value
 from kvserve.kv.storage import BlockPayload, KVStorage
 from kvserve.model.layers import TensorParallelGroup
 from kvserve.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -40,6 +42,21 @@ class WorkerInfo:
     # commit to, so another pool's entries are never read as this one's.
     storage_identity: dict[str, Any] = field(default_factory=dict)
     pool_state: dict[str, Any] = field(default_factory=dict)
+
+    @staticmethod
+    def of_ranks(infos: list[WorkerInfo]) -> WorkerInfo:
+        """The engine's view of a tensor-parallel group's workers: rank 0's facts (its
+        weights and pool are each rank's share), with the identity and pool state of the
+        merged payloads the ranks' blocks travel as."""
+        first = infos[0]
+        if len(infos) == 1:
+            return first
+        pool = {"ranks": [i.pool_state for i in infos]} if first.pool_state else {}
+        return dataclasses.replace(
+            first,
+            storage_identity=merge_identity(first.storage_identity, len(infos)),
+            pool_state=pool,
+        )
 
 
 class Worker:
@@ -93,6 +110,13 @@ class Worker:
             return ModelRunnerOutput(kv_connector_output=out.kv_connector_output)
         return out
 
+    def _own(self, value: Any) -> Any:
+        """This rank's part of the payloads in ``value`` (every rank's, merged by the engine:
+        :mod:`kvserve.kv.rank_payloads`)."""
+        if self.tp is None:
+            return value
+        return rank_value(value, self.rank, self.tp.world_size)
+
     def kv_pool_bytes(self) -> int:
         """The bytes of this rank's KV pool."""
         return self.storage.nbytes()
@@ -109,7 +133,7 @@ class Worker:
         return self.storage.export_blocks(block_ids).wait()
 
     def import_blocks(self, block_ids: list[int], payload: BlockPayload) -> None:
-        self.storage.import_blocks(block_ids, payload)
+        self.storage.import_blocks(block_ids, self._own(payload))
 
     def wrap_storage(self, wrap: Callable[[KVStorage], KVStorage]) -> None:
         """Swap the storage for ``wrap(storage)`` (instrumented or corrupted storages in
@@ -121,7 +145,7 @@ class Worker:
     # -- the KV connectors' channel (kvserve.connectors.base) ----------------------------------
     def receive_kv_connector_payloads(self, payloads: Any) -> None:
         """Bytes the connectors' scheduler side sends for the next step (loaded blocks)."""
-        self.connector.receive_worker_payloads(payloads)
+        self.connector.receive_worker_payloads(self._own(payloads))
 
     def take_kv_connector_payloads(self, complete: bool) -> Any:
         """Bytes the connectors produced for their scheduler side (exported blocks);
