@@ -88,7 +88,9 @@ def test_two_gloo_ranks_give_the_single_rank_tokens(checkpoint, make_llm, name):
     else:
         assert per_rank == [whole] * 2
     if name == "llama_gqa":  # this engine's last use: one rank killed (saves a start-up)
-        kill_a_rank_and_check_the_engine_fails_by_name(two.engine)
+        kill_a_rank_and_check_the_engine_fails_by_name(
+            two.engine, pids, "worker 1 (pid {pid}) was killed by SIGKILL"
+        )
 
 
 def _cpus_and_threads(worker: Worker) -> tuple[set[int], int]:
@@ -122,10 +124,13 @@ def test_heads_that_do_not_divide_are_refused_before_any_rank_starts(checkpoint)
         LLM(ckpt, tensor_parallel_size=0)
 
 
-def kill_a_rank_and_check_the_engine_fails_by_name(engine: LLMEngine) -> None:
-    """The surviving rank's collective loses its peer; the engine names the dead rank, not
-    the survivor's echo, fails every request in flight, and stops the survivor."""
-    rank0, rank1 = engine.executor.worker_pids
+def kill_a_rank_and_check_the_engine_fails_by_name(
+    engine: LLMEngine, pids: list[int], message: str
+) -> None:
+    """The surviving rank's collective loses its peer; the engine names the dead rank
+    (``message``, ``{pid}`` rank 1's), not the survivor's echo, fails every request in
+    flight, and stops the survivor."""
+    rank0, rank1 = pids
     params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
     for i, p in enumerate(PROMPTS[:2]):
         engine.add_request(str(i), p, params)
@@ -141,7 +146,7 @@ def kill_a_rank_and_check_the_engine_fails_by_name(engine: LLMEngine) -> None:
     assert set(finished) == {"0", "1"}
     for o in finished.values():
         assert o.error is not None
-        assert f"worker 1 (pid {rank1}) was killed by SIGKILL" in o.error, o.error
+        assert message.format(pid=rank1) in o.error, o.error
     assert engine.kv.num_used_blocks == 0
     with pytest.raises(EngineDeadError, match="worker 1"):
         engine.add_request("late", [5, 6, 7], GREEDY)
@@ -233,3 +238,25 @@ def test_an_evicted_prefix_comes_back_from_the_host_tier_to_each_rank(
     assert cached > 0
     if kv_cache_dtype == "auto":  # lossless: the tier gives back the very bytes
         assert second == first
+
+
+def test_ray_actors_as_ranks_give_the_single_rank_tokens(checkpoint, make_llm):
+    """vLLM's --distributed-executor-backend ray on a local two-CPU cluster: one actor per
+    rank, the same gloo group, the single-rank engine's tokens; a killed actor is named."""
+    import ray  # the test extras install it
+
+    ckpt = checkpoint("qwen2")
+    settings = dict(SMALL_POOL, num_gpu_blocks=64)
+    want = tokens(make_llm(ckpt, **settings), PROMPTS[:3])
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        two = make_llm(ckpt, tensor_parallel_size=2, distributed_executor_backend="ray",
+                       **settings)  # fmt: skip
+        assert len(set(two.engine.executor.pids)) == 2
+        assert os.getpid() not in two.engine.executor.pids
+        assert tokens(two, PROMPTS[:3]) == want
+        kill_a_rank_and_check_the_engine_fails_by_name(
+            two.engine, two.engine.executor.pids, "worker 1 (Ray actor) died"
+        )
+    finally:
+        ray.shutdown()
