@@ -84,7 +84,7 @@ class RayExecutor(Executor):
         self._dead: str | None = None
         world_size = config.parallel.tensor_parallel_size
         if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False)
+            ray.init(log_to_driver=False)  # Ray reads RAY_ADDRESS itself: a cluster, else local
         gpu = config.device.startswith("cuda")
         bundle = {"GPU": 1.0} if gpu else {"CPU": 1.0}
         try:
