@@ -566,8 +566,9 @@ class KVTransferConfig:
 
 
 # uni: the model runs in the engine's process; mp: in worker processes the engine drives;
-# ray: in Ray actors, one per device, on a Ray cluster (the optional extra kvserve[ray]).
-EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+# ray: in Ray actors, one per device, on a Ray cluster (the optional extra kvserve[ray]);
+# external_launcher: every process of a torchrun launch runs the whole engine as one rank.
+EXECUTOR_BACKENDS = ("uni", "mp", "ray", "external_launcher")
 
 
 @dataclass(slots=True)
@@ -579,7 +580,9 @@ class ParallelConfig:
         default="uni",
         metadata={"help": "uni: the model runs in the engine's process; mp: in worker "
                   "processes the engine sends each step to; ray: in Ray actors, one per "
-                  "device (kvserve[ray]); with --tensor-parallel-size above 1, uni means mp "
+                  "device (kvserve[ray]); external_launcher: each process of a torchrun "
+                  "launch (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) is one rank running "
+                  "the same requests; with --tensor-parallel-size above 1, uni means mp "
                   "(vLLM's flag)",
                   "choices": EXECUTOR_BACKENDS},
     )  # fmt: skip

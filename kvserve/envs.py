@@ -151,6 +151,24 @@ VARIABLES: dict[str, EnvVar] = {
                "the process may use; nobind; or a CPU list such as 0-3,8; with tensor parallelism, "
                "auto gives each rank its own share of the cores, and 0-3|4-7 names each "
                "rank's list; default auto."),
+        # A torchrun launch (--distributed-executor-backend external_launcher): torchrun's own
+        EnvVar("RANK", _count, None,
+               "torchrun's: this process's rank among all of the launch's, the engine's "
+               "tensor-parallel rank under external_launcher; unset: not launched so."),
+        EnvVar("WORLD_SIZE", _positive, None,
+               "torchrun's: the launch's process count, which must equal "
+               "--tensor-parallel-size under external_launcher."),
+        EnvVar("LOCAL_RANK", _count, None,
+               "torchrun's: the rank among this machine's processes (its GPU, cuda:LOCAL_RANK; "
+               "its share of the CPUs); unset: RANK."),
+        EnvVar("LOCAL_WORLD_SIZE", _positive, None,
+               "torchrun's: the processes on this machine, which share its CPUs; unset: "
+               "WORLD_SIZE."),
+        EnvVar("MASTER_ADDR", _text, "127.0.0.1",
+               "torchrun's: the host of rank 0, where the group meets; default 127.0.0.1."),
+        EnvVar("MASTER_PORT", _positive, None,
+               "torchrun's: the port on MASTER_ADDR where the group meets; required under "
+               "external_launcher."),
         # Server
         EnvVar("KVSERVE_TENANT_SECRET", _secret, None,
                "The server's secret under which tenants' prefix-cache salts are derived (16+ "

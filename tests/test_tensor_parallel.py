@@ -99,7 +99,7 @@ def _cpus_and_threads(worker: Worker) -> tuple[set[int], int]:
     return os.sched_getaffinity(0), torch.get_num_threads()
 
 
-def test_each_rank_gets_its_share_of_the_cpus(monkeypatch):
+def test_each_rank_gets_its_own_cpus_and_gpu(monkeypatch):
     from kvserve.distributed.placement import rank_cpus
 
     home = {0, 1, 2, 3}
@@ -113,6 +113,40 @@ def test_each_rank_gets_its_share_of_the_cpus(monkeypatch):
         rank_cpus(0, 3, home)
     monkeypatch.setenv("KVSERVE_CPU_OMP_THREADS_BIND", "nobind")
     assert rank_cpus(1, 2, home) is None
+    # on CUDA, "cuda" means one GPU per rank; a device with an index is every rank's
+    from kvserve.distributed import rank_device
+
+    assert [rank_device("cuda", r, 2) for r in range(2)] == ["cuda:0", "cuda:1"]
+    assert rank_device("cuda:3", 1, 2) == "cuda:3" and rank_device("cpu", 1, 2) == "cpu"
+
+
+def test_a_torchrun_launch_is_read_from_torchruns_environment(checkpoint, monkeypatch):
+    """external_launcher takes its rank and group from torchrun's variables; a launch of
+    another size, or no launch, is refused naming what is wrong."""
+    from kvserve.executor.external import torchrun_init
+
+    config = engine_config(checkpoint("llama_gqa"), tensor_parallel_size=2,
+                           distributed_executor_backend="external_launcher")  # fmt: skip
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ConfigError, match="runs under torchrun, which sets RANK"):
+        torchrun_init(config)
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "10.0.0.7",
+           "MASTER_PORT": "29511"}  # fmt: skip
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    rank, local, init = torchrun_init(config)
+    assert (rank, local, init.init_method, init.world_size, init.backend) == (
+        3,
+        1,
+        "tcp://10.0.0.7:29511",
+        2,
+        "gloo",
+    )
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match="tensor_parallel_size: 2, but torchrun launched "
+                       "WORLD_SIZE 4"):  # fmt: skip
+        torchrun_init(config)
 
 
 def test_heads_that_do_not_divide_are_refused_before_any_rank_starts(checkpoint):

@@ -7,7 +7,7 @@ from kvserve.distributed.communicator import (
     free_port,
     init_distributed,
 )
-from kvserve.distributed.placement import place_rank
+from kvserve.distributed.placement import place_rank, rank_device
 
 __all__ = [
     "DistributedInit",
@@ -15,4 +15,5 @@ __all__ = [
     "free_port",
     "init_distributed",
     "place_rank",
+    "rank_device",
 ]

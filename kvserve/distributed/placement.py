@@ -47,6 +47,15 @@ def rank_cpus(rank: int, world_size: int, home: set[int]) -> list[int] | None:
     return sorted(ordered[rank * share : (rank + 1) * share])
 
 
+def rank_device(device: str, local_rank: int, world_size: int) -> str:
+    """The device of a rank among ``world_size`` on one machine: ``cuda`` without an index
+    means one GPU per rank (``cuda:LOCAL_RANK``); anything else is every rank's as given."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None and world_size > 1:
+        return f"cuda:{local_rank}"
+    return device
+
+
 def place_rank(rank: int, world_size: int, device: str) -> list[int] | None:
     """Confine this process (rank ``rank`` of ``world_size`` on one machine) to its CPUs and
     size its compute team to them; the CPUs, or None where it placed nothing. Call it first

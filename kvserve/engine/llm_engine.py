@@ -121,7 +121,7 @@ class LLMEngine:
         tp = config.parallel.tensor_parallel_size
         check_tensor_parallel(mc.num_attention_heads, mc.num_key_value_heads,
                               mc.intermediate_size, tp)  # fmt: skip
-        self.kv_heads_per_rank = kv_heads = kv_head_split(mc.num_key_value_heads, tp)[0]
+        kv_heads = kv_head_split(mc.num_key_value_heads, tp)[0]
         self.bytes_per_token = kv_bytes_per_token(
             kv_name, mc.num_hidden_layers, kv_heads, mc.head_dim, model_dtype,
             block_size=self.block_size,

@@ -24,6 +24,10 @@ def make_executor(config: EngineConfig, num_blocks: int, max_model_len: int) -> 
         from kvserve.executor.multiproc import MultiprocExecutor
 
         return MultiprocExecutor(config, num_blocks, max_model_len)
+    if backend == "external_launcher":
+        from kvserve.executor.external import ExternalLauncherExecutor
+
+        return ExternalLauncherExecutor(config, num_blocks, max_model_len)
     if backend == "ray":
         from kvserve.executor.ray import RayExecutor
 

@@ -16,6 +16,7 @@ A program that starts an ``mp`` engine at import time must guard it with ``if __
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -27,7 +28,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from kvserve.config import EngineConfig
-from kvserve.distributed import DistributedInit, free_port
+from kvserve.distributed import DistributedInit, free_port, rank_device
 from kvserve.distributed.communicator import backend_for
 from kvserve.executor.abstract import Executor, Method, WorkerDiedError, WorkerError, call_worker
 from kvserve.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -191,6 +192,9 @@ def _worker_main(
     from kvserve.worker.worker import Worker, join_tensor_parallel_group
 
     try:
+        if dist_init is not None:  # one GPU per rank where the config names just "cuda"
+            device = rank_device(config.device, rank, dist_init.world_size)
+            config = dataclasses.replace(config, device=device)
         tp = join_tensor_parallel_group(config, rank, dist_init)
         worker = Worker(config, num_blocks, max_model_len, rank, tp)
         _reply(conn, "ok", worker.info())

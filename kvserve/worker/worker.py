@@ -71,9 +71,13 @@ class Worker:
         max_model_len: int,
         rank: int = 0,
         tp: TensorParallelGroup | None = None,
+        merged_payloads: bool = True,
     ) -> None:
         self.rank = rank
         self.tp = tp
+        # whether the engine hands this rank every rank's KV payloads merged (one engine over
+        # the ranks) or its own alone (an engine per rank: external_launcher)
+        self.merged_payloads = merged_payloads
         self.runner: ModelRunner = build_runner(config, num_blocks, max_model_len, tp)
         # The worker side of the engine's KV connectors (None: no connector moves KV).
         self.connector = worker_connector(config)
@@ -113,7 +117,7 @@ class Worker:
     def _own(self, value: Any) -> Any:
         """This rank's part of the payloads in ``value`` (every rank's, merged by the engine:
         :mod:`kvserve.kv.rank_payloads`)."""
-        if self.tp is None:
+        if self.tp is None or not self.merged_payloads:
             return value
         return rank_value(value, self.rank, self.tp.world_size)
 
