@@ -157,7 +157,7 @@ VARIABLES: dict[str, EnvVar] = {
                "tensor-parallel rank under external_launcher; unset: not launched so."),
         EnvVar("WORLD_SIZE", _positive, None,
                "torchrun's: the launch's process count, which must equal "
-               "--tensor-parallel-size under external_launcher."),
+               "--tensor-parallel-size under external_launcher; unset: not launched so."),
         EnvVar("LOCAL_RANK", _count, None,
                "torchrun's: the rank among this machine's processes (its GPU, cuda:LOCAL_RANK; "
                "its share of the CPUs); unset: RANK."),
@@ -167,8 +167,8 @@ VARIABLES: dict[str, EnvVar] = {
         EnvVar("MASTER_ADDR", _text, "127.0.0.1",
                "torchrun's: the host of rank 0, where the group meets; default 127.0.0.1."),
         EnvVar("MASTER_PORT", _positive, None,
-               "torchrun's: the port on MASTER_ADDR where the group meets; required under "
-               "external_launcher."),
+               "torchrun's: the port on MASTER_ADDR where the group meets, required under "
+               "external_launcher; unset: not launched so."),
         # Server
         EnvVar("KVSERVE_TENANT_SECRET", _secret, None,
                "The server's secret under which tenants' prefix-cache salts are derived (16+ "
@@ -192,6 +192,14 @@ NATIVE_VARIABLES: dict[str, str] = {
     "KVSERVE_QUANT_SCALAR": "Set to anything: the quantized-KV attention kernel takes its "
     "portable path instead of AVX-512 (tests compare the two); default unset.",
 }
+
+
+def set_for_process(name: str, value: str, only_if_unset: bool = False) -> None:
+    """Set ``name`` for this process and those it starts: what a tensor-parallel rank tells
+    its own libraries (its CPU list for the thread binding, gloo's loopback interface)."""
+    if only_if_unset and os.environ.get(name):
+        return
+    os.environ[name] = value
 
 
 def __getattr__(name: str) -> Any:

@@ -15,13 +15,13 @@ stops answering without closing its socket).
 from __future__ import annotations
 
 import datetime
-import os
 import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from kvserve import envs
 from kvserve.config import ConfigError
 
 COLLECTIVE_TIMEOUT_S = 120.0
@@ -83,7 +83,7 @@ def init_distributed(
         raise RuntimeError("this process already belongs to a torch.distributed group")
     if init.backend == "gloo" and init.master_addr in ("127.0.0.1", "localhost"):
         # gloo binds the interface its host name resolves to; on one machine that is loopback
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        envs.set_for_process("GLOO_SOCKET_IFNAME", "lo", only_if_unset=True)
     if init.backend == "nccl":
         torch.cuda.set_device(device)
     dist.init_process_group(

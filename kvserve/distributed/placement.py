@@ -74,5 +74,5 @@ def place_rank(rank: int, world_size: int, device: str) -> list[int] | None:
     torch.set_num_threads(len(cpus))
     # the binding inside the rank reads the variable: give it this rank's list alone
     if envs.KVSERVE_CPU_OMP_THREADS_BIND != "auto":
-        os.environ[BIND_ENV] = ",".join(map(str, cpus))
+        envs.set_for_process(BIND_ENV, ",".join(map(str, cpus)))
     return cpus
