@@ -1,8 +1,8 @@
 """Which CPUs a tensor-parallel rank computes on.
 
-On one machine the ranks share its cores: each rank takes a disjoint share (one logical CPU
-per physical core first, the hyperthread siblings after), runs as many compute threads as its
-share has CPUs, and its :class:`~kvserve.kernels.openmp.ThreadBinding` pins them there. Ranks
+On one machine the ranks share its cores: each rank takes a disjoint share of whole physical
+cores (a core's hyperthread siblings stay with it), runs one compute thread per core of its
+share, and its :class:`~kvserve.kernels.openmp.ThreadBinding` pins them there. Ranks
 that overlapped would each spin their OpenMP team on the other's cores, and every all-reduce
 would wait for the slower one. ``KVSERVE_CPU_OMP_THREADS_BIND=0-3|4-7`` names each rank's list
 instead (vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` form); ``nobind`` leaves the threads to the OS.
@@ -16,7 +16,7 @@ import sys
 import torch
 
 from kvserve import envs
-from kvserve.kernels.openmp import BIND_ENV, one_per_core, parse_cpus
+from kvserve.kernels.openmp import BIND_ENV, parse_cpus, physical_cores
 
 
 def rank_cpus(rank: int, world_size: int, home: set[int]) -> list[int] | None:
@@ -40,11 +40,13 @@ def rank_cpus(rank: int, world_size: int, home: set[int]) -> list[int] | None:
         return cpus
     if mode != "auto":  # one list for the whole engine: each rank a share of it
         home = set(parse_cpus(mode)) & home
-    ordered = one_per_core(home)
-    share = len(ordered) // world_size
+    cores = physical_cores(home)  # whole cores to each rank: siblings never split
+    if len(cores) < world_size:  # fewer cores than ranks: the logical CPUs, one each
+        cores = [[c] for c in sorted(home)]
+    share = len(cores) // world_size
     if share < 1:
         return None
-    return sorted(ordered[rank * share : (rank + 1) * share])
+    return sorted(c for core in cores[rank * share : (rank + 1) * share] for c in core)
 
 
 def rank_device(device: str, local_rank: int, world_size: int) -> str:
@@ -71,7 +73,10 @@ def place_rank(rank: int, world_size: int, device: str) -> list[int] | None:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
         return None
     os.sched_setaffinity(0, cpus)
-    torch.set_num_threads(len(cpus))
+    # one compute thread per physical core of the share (the binding's own rule), or per
+    # CPU of a list given by name
+    explicit = envs.KVSERVE_CPU_OMP_THREADS_BIND != "auto"
+    torch.set_num_threads(len(cpus) if explicit else len(physical_cores(set(cpus))))
     # the binding inside the rank reads the variable: give it this rank's list alone
     if envs.KVSERVE_CPU_OMP_THREADS_BIND != "auto":
         envs.set_for_process(BIND_ENV, ",".join(map(str, cpus)))

@@ -115,27 +115,27 @@ def parse_cpus(text: str) -> list[int]:
     return cpus
 
 
-def one_per_core(cpus: set[int]) -> list[int]:
-    """``cpus`` with one logical CPU per physical core first (the lowest of each core's
-    siblings, by package and core), then the other siblings; sorted where the topology is
+def physical_cores(cpus: set[int]) -> list[list[int]]:
+    """``cpus`` grouped by physical core (by package and core id), each core's siblings in
+    order, the cores in the order of their lowest CPU; one CPU a core where the topology is
     not readable."""
     top = Path("/sys/devices/system/cpu")
-    keyed = []
+    cores: dict[tuple[int, int], list[int]] = {}
     try:
         for c in sorted(cpus):
             t = top / f"cpu{c}" / "topology"
             pkg = int((t / "physical_package_id").read_text())
-            keyed.append(((pkg, int((t / "core_id").read_text())), c))
+            cores.setdefault((pkg, int((t / "core_id").read_text())), []).append(c)
     except (OSError, ValueError):
-        return sorted(cpus)
-    first: dict[tuple[int, int], int] = {}
-    rest = []
-    for core, c in keyed:
-        if core in first:
-            rest.append(c)
-        else:
-            first[core] = c
-    return sorted(first.values()) + rest
+        return [[c] for c in sorted(cpus)]
+    return sorted(cores.values())
+
+
+def one_per_core(cpus: set[int]) -> list[int]:
+    """``cpus`` with one logical CPU per physical core first (the lowest of each core's
+    siblings), then the other siblings; sorted where the topology is not readable."""
+    cores = physical_cores(cpus)
+    return sorted(c[0] for c in cores) + [s for c in cores for s in c[1:]]
 
 
 class ThreadBinding:
