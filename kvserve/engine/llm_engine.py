@@ -178,8 +178,9 @@ class LLMEngine:
             apply_policies(offload, cc)
             self.offload = offload
         else:
-            # a tier holds every rank's bytes of a block
-            self.offload = build_offload(cc, info, self.kv.root, self.bytes_per_token * tp)
+            # a tier holds every rank's bytes of a block (under torchrun, this process's rank's)
+            ranks = 1 if config.parallel.distributed_executor_backend == "external_launcher" else tp
+            self.offload = build_offload(cc, info, self.kv.root, self.bytes_per_token * ranks)
         if self.offload is not None:
             self.kv.write_through_hits = self.offload.write_through_hits
         # The connectors that move KV bytes each step (the offload tiers, the user's), and
