@@ -1,15 +1,17 @@
-"""Tensor parallelism: two ranks against one.
+"""Tensor parallelism: two ranks against one (the single-rank engine, itself equal to
+transformers in test_exactness.py, is the reference throughout).
 
 With real ranks (two worker processes of the ``mp`` executor joined by a gloo group on a
 loopback port), greedy tokens in float32 equal the single-rank engine's on the three
 architectures of the exactness tests (a GQA Llama, Qwen2 with its QKV bias, an MQA Llama
 whose one KV head every rank replicates), through chunked prefill and preemption; each
 rank's pool holds only its KV heads, bytes given by the KV formula. Killing one rank fails
-the engine naming that rank and leaves no process behind.
+the engine naming that rank and leaves no process behind. The Ray backend, on a local
+two-CPU cluster, gives the same tokens and names a killed actor.
 
-Every KV format runs on two ranks in threads of this process (the parallel-layer tests'
-fake communicator, so no process start-up per format): the per-rank storage is the code
-under test there, and the single-rank engine in the same format is the reference.
+Every KV format, and a prefix brought back from the host tier, run on two ranks in threads
+of this process (the parallel-layer tests' fake communicator, so no process start-up per
+case): the per-rank storage and the ranks' merged payloads are the code under test there.
 """
 
 from __future__ import annotations
@@ -48,9 +50,10 @@ def tokens(llm: LLM, prompts: list[Any] = PROMPTS) -> list[list[int]]:
 
 def pool_bytes_formula(name: str, kv_heads: int, blocks: int) -> int:
     """K and V of ``kv_heads`` heads, for every layer and slot, in float32 (the KV formula)."""
-    from tests.conftest import CHECKPOINTS  # not at import: a worker that unpickles a
+    # imported here, not at module level: a worker that unpickles a function of this module
+    # must not run conftest's torch.set_num_threads
+    from tests.conftest import CHECKPOINTS
 
-    # function of this module must not run conftest's torch.set_num_threads
     cfg = CHECKPOINTS[name]
     head_dim = 64 // cfg["num_heads"]  # make_random_checkpoint's hidden size over its heads
     return 2 * 2 * kv_heads * head_dim * blocks * SMALL_POOL["block_size"] * FLOAT32_BYTES

@@ -100,7 +100,7 @@ class RayExecutor(Executor):
                 )
                 self._actors.append(actor_cls.options(
                     num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0,
-                    scheduling_strategy=strategy, name=None,
+                    scheduling_strategy=strategy,
                 ).remote())  # fmt: skip
             where = self._get([a.rendezvous.remote() for a in self._actors])
             addr, port, _ = where[0]  # rank 0's node hosts the group's rendezvous
