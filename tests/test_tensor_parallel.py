@@ -35,7 +35,7 @@ from kvserve.llm import engine_config
 from kvserve.worker.worker import Worker, WorkerInfo
 from tests.test_parallel_layers import FakeGroup
 
-GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 # Two prompts longer than the step's token budget (chunked prefill), and more KV than the
 # pool holds at once (preemption).
 PROMPTS = [[(7 * i + j) % 300 + 3 for i in range(n)] for j, n in enumerate((70, 9, 130, 41))]
@@ -266,14 +266,16 @@ def test_an_evicted_prefix_comes_back_from_the_host_tier_to_each_rank(
     from tests.test_kv_offload import evict_and_return, prompts_of_lengths
 
     ckpt = checkpoint("llama_gqa")
-    settings = dict(dtype="float32", num_gpu_blocks=24, block_size=16, max_model_len=512,
+    settings = dict(dtype="float32", num_gpu_blocks=12, block_size=16, max_model_len=256,
                     kv_offload_cpu="4MiB", kv_cache_dtype=kv_cache_dtype)  # fmt: skip
-    prompt, *flood = prompts_of_lengths([200, 200, 200, 200], vocab=320, seed=5)
-    runs = [evict_and_return(llm, prompt, flood)
-            for llm in (make_llm(ckpt, **settings), thread_tp(ckpt, **settings))]  # fmt: skip
+    prompt, *flood = prompts_of_lengths([100, 100, 100, 100], vocab=320, seed=5)
+    llms = [make_llm(ckpt, **settings), thread_tp(ckpt, **settings)]
+    runs = [evict_and_return(llm, prompt, flood) for llm in llms]
     assert runs[1] == runs[0]  # tokens before and after the tier, and the tokens it served
     first, second, cached = runs[0]
     assert cached > 0
+    for llm in llms:  # the cached tokens came back from the tier, not the pool
+        assert llm.engine.stats().tier_hit_tokens == cached
     if kv_cache_dtype == "auto":  # lossless: the tier gives back the very bytes
         assert second == first
 
