@@ -130,6 +130,11 @@ class Worker:
         return self.storage.prefault()
 
     def measure_peak_bandwidth(self) -> float:
+        """The device's peak read bandwidth; under one engine over the ranks, measured by rank
+        0 alone (the figure the engine reads), so that the ranks of one machine do not
+        measure each other's contention."""
+        if self.rank and self.merged_payloads:
+            return 0.0
         return measure_peak_bandwidth(self.storage.device)
 
     def export_blocks(self, block_ids: list[int]) -> BlockPayload:
