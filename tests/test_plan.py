@@ -332,3 +332,26 @@ def test_validate_windows_fails_with_one_table(checkpoint, tmp_path, monkeypatch
     assert not w.ok and w.engine_bytes > w.predicted_bytes + w.slack_bytes
     rc = main(["plan", path, "--validate", "--validate-memory", "8MiB", "--json"])
     assert rc == 1
+
+
+def test_tensor_parallel_all_reduce_bytes_hand_computed(tmp_path, capsys):
+    """Two all-reduces per layer of the batch's bf16 hidden states, a ring moving
+    2 (tp - 1) / tp of them per GPU: 2 x 32 layers x 8 tokens x 4096 x 2 bytes = 4 MiB, of
+    which tp 2 moves 4 MiB x 2 x 1/2 = 4 MiB per GPU; over H100 SXM NVLink (450 GB/s one way)
+    that is 4,194,304 / 450e9 s. vLLM's -tp spelling of the flag."""
+    (tmp_path / "config.json").write_text(json.dumps(SEED))
+    rc = main(["plan", str(tmp_path / "config.json"), "-tp", "2", "--batch", "8",
+               "--context", "4096", "--gpu", "h100-sxm", "--json"])  # fmt: skip
+    assert rc == 0
+    p = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    a = p["allreduce"]
+    assert p["tp"] == 2 and a["link"] == "nvlink"
+    assert a["bytes_per_step_per_gpu"] == 4 * 1024**2
+    assert a["time_per_step_s"] == pytest.approx(4 * 1024**2 / 450e9)
+    assert p["kv_bytes_per_token_per_gpu"] == 131072 / 2  # each GPU holds 4 of the 8 KV heads
+    # a measured link instead: PCIe-class 25 GB/s, tp 4 moves 2 x 3/4 of the volume
+    p = plan(arch_from_config(SEED), "l40s", tp=4, batch=8, context=4096, link_bandwidth=25)
+    assert p["allreduce"]["link"] == "given"
+    assert p["allreduce"]["bytes_per_step_per_gpu"] == 4 * 1024**2 * 2 * 3 / 4
+    assert p["allreduce"]["time_per_step_s"] == pytest.approx(6 * 1024**2 / 25e9)
+    assert plan(arch_from_config(SEED), "l40s", tp=2)["allreduce"]["link"] == "pcie4"

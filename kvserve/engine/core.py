@@ -25,6 +25,7 @@ from kvserve.connectors.base import KVConnector
 from kvserve.engine.inputs import EngineCoreRequest
 from kvserve.executor import Executor, RunnerExecutor, WorkerDiedError
 from kvserve.kv.interface import KVManager
+from kvserve.kv.rank_payloads import merge_values
 from kvserve.sched.output import ModelRunnerOutput, Runner, SchedulerOutput
 from kvserve.sched.request import FINISHED_STATUSES, Request, RequestStatus
 from kvserve.sched.scheduler import Scheduler
@@ -171,7 +172,8 @@ class EngineCore:
         report = out.kv_connector_output
         if report is not None and report.num_payloads:
             complete = executor.remote  # bytes that cross a process boundary must be final
-            saved = executor.collective_rpc("take_kv_connector_payloads", (complete,))[0]
+            # a tensor-parallel engine's ranks each saved their heads: one payload per block
+            saved = merge_values(executor.collective_rpc("take_kv_connector_payloads", (complete,)))
             connector.receive_scheduler_payloads(saved)
         return out
 

@@ -47,8 +47,10 @@ from kvserve.kv.hashing import BlockHash
 from kvserve.kv.layer_groups import engine_layer_groups
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.offload import OffloadTiers
+from kvserve.kv.rank_payloads import merge_values
 from kvserve.kv.storage import BlockPayload, KVStorage
 from kvserve.model.dtype import choose_dtype, is_gguf_dir
+from kvserve.model.layers import check_tensor_parallel, kv_head_split
 from kvserve.model.resolve import resolve_model
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.sched.output import Runner
@@ -70,7 +72,7 @@ class LLMEngine:
     def __init__(
         self,
         config: EngineConfig,
-        runner: Runner | None = None,
+        runner: Runner | Executor | None = None,
         clock: Clock | None = None,
         offload: OffloadTiers | None = None,
     ) -> None:
@@ -116,17 +118,25 @@ class LLMEngine:
             self.retention.validate(cc.block_size, any(mc.layer_windows), kv_name,
                                     self.kv_entry_copy)  # fmt: skip
         self.block_size = cc.block_size
+        # With tensor parallelism each rank's pool holds its KV heads: the pool's figures
+        # (its bytes per token, the blocks kv_cache_memory buys) are one rank's.
+        tp = config.parallel.tensor_parallel_size
+        check_tensor_parallel(mc.num_attention_heads, mc.num_key_value_heads,
+                              mc.intermediate_size, tp)  # fmt: skip
+        kv_heads = kv_head_split(mc.num_key_value_heads, tp)[0]
         self.bytes_per_token = kv_bytes_per_token(
-            kv_name, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, model_dtype,
+            kv_name, mc.num_hidden_layers, kv_heads, mc.head_dim, model_dtype,
             block_size=self.block_size,
         )  # fmt: skip
         # None on CUDA: the worker sizes the pool after its profiling forward (WorkerInfo)
         num_blocks = num_kv_blocks(cc, sc, mc, kv_name, self.dtype, self.max_model_len,
-                                   self.bytes_per_token, self.device)  # fmt: skip
+                                   self.bytes_per_token, self.device, kv_heads)  # fmt: skip
 
         self.executor: Executor
         if runner is None:
             self.executor = make_executor(config, num_blocks, self.max_model_len)
+        elif isinstance(runner, Executor):  # workers of the caller's own (a test's ranks)
+            self.executor = runner
         else:
             self.executor = RunnerExecutor(runner)
         info = self.worker_info = self.executor.info
@@ -179,7 +189,9 @@ class LLMEngine:
             apply_policies(offload, cc)
             self.offload = offload
         else:
-            self.offload = build_offload(cc, info, self.kv.root, self.bytes_per_token)
+            # a tier holds every rank's bytes of a block (under torchrun, this process's rank's)
+            ranks = 1 if config.parallel.distributed_executor_backend == "external_launcher" else tp
+            self.offload = build_offload(cc, info, self.kv.root, self.bytes_per_token * ranks)
         if self.offload is not None:
             self.kv.write_through_hits = self.offload.write_through_hits
         # The connectors that move KV bytes each step (the offload tiers, the user's), and
@@ -238,7 +250,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.startup_summary = StartupSummary(
             given, str(model_dir), self.num_blocks, self.block_size, self.bytes_per_token,
-            kv_fixed_bytes(kv_name, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
+            kv_fixed_bytes(kv_name, mc.num_hidden_layers, kv_heads, mc.head_dim,
                            self.dtype, self.block_size, sc.max_num_seqs),
             self.max_model_len, sc.max_num_seqs, kv_name,
             "auto: the compute dtype" if cc.kv_cache_dtype == "auto" else "--kv-cache-dtype",
@@ -351,7 +363,7 @@ class LLMEngine:
         return self._prefix_connector("import_prefix").import_prefix(payload)
 
     def _export_blocks(self, block_ids: list[int]) -> BlockPayload:
-        return self.executor.collective_rpc("export_blocks", (block_ids,))[0]
+        return merge_values(self.executor.collective_rpc("export_blocks", (block_ids,)))
 
     def _import_blocks(self, block_ids: list[int], blocks: BlockPayload) -> None:
         self.executor.collective_rpc("import_blocks", (block_ids, blocks))

@@ -63,18 +63,22 @@ def num_kv_blocks(
     max_model_len: int,
     bytes_per_token: float,
     device: torch.device | None = None,
+    num_kv_heads: int | None = None,
 ) -> int | None:
     """``num_gpu_blocks`` as given; else the blocks ``kv_cache_memory`` holds after the
     format's fixed bytes; else, on CUDA, None: the worker sizes the pool from the memory its
     profiling forward leaves under ``gpu_memory_utilization``
     (:class:`~kvserve.kv.gpu_budget.GpuMemoryBudget`);
-    else (a CPU) enough for ``max_num_seqs`` full-length sequences, capped at 4 GiB."""
+    else (a CPU) enough for ``max_num_seqs`` full-length sequences, capped at 4 GiB.
+    ``num_kv_heads``: the KV heads one tensor-parallel rank's pool holds (None: the model's),
+    since each rank's pool gets the memory."""
     if cc.num_gpu_blocks is not None:
         return cc.num_gpu_blocks
     block_bytes = bytes_per_token * cc.block_size
     if cc.kv_cache_memory is not None:
         n = pool_num_blocks(
-            cc.kv_cache_memory, kv_format, mc.num_hidden_layers, mc.num_key_value_heads,
+            cc.kv_cache_memory, kv_format, mc.num_hidden_layers,
+            num_kv_heads or mc.num_key_value_heads,
             mc.head_dim, str(compute_dtype).removeprefix("torch."), cc.block_size,
             sc.max_num_seqs,
         )  # fmt: skip

@@ -19,8 +19,17 @@ __all__ = [
 
 def make_executor(config: EngineConfig, num_blocks: int, max_model_len: int) -> Executor:
     """The executor ``config.parallel.distributed_executor_backend`` names."""
-    if config.parallel.distributed_executor_backend == "mp":
+    backend = config.parallel.distributed_executor_backend
+    if backend == "mp":
         from kvserve.executor.multiproc import MultiprocExecutor
 
         return MultiprocExecutor(config, num_blocks, max_model_len)
+    if backend == "external_launcher":
+        from kvserve.executor.external import ExternalLauncherExecutor
+
+        return ExternalLauncherExecutor(config, num_blocks, max_model_len)
+    if backend == "ray":
+        from kvserve.executor.ray import RayExecutor
+
+        return RayExecutor(config, num_blocks, max_model_len)
     return UniProcExecutor(config, num_blocks, max_model_len)

@@ -16,6 +16,7 @@ A program that starts an ``mp`` engine at import time must guard it with ``if __
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -27,20 +28,28 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from kvserve.config import EngineConfig
+from kvserve.distributed import DistributedInit, free_port, rank_device
+from kvserve.distributed.communicator import backend_for
 from kvserve.executor.abstract import Executor, Method, WorkerDiedError, WorkerError, call_worker
 from kvserve.sched.output import ModelRunnerOutput, SchedulerOutput
+from kvserve.worker.worker import WorkerInfo
 
 log = logging.getLogger("kvserve.executor")
 
 SHUTDOWN_TIMEOUT_S = 5.0
+# After a rank's error, how long to wait for another rank's death to explain it.
+ERROR_GRACE_S = 0.5
 
 
 class MultiprocExecutor(Executor):
     remote = True
 
-    def __init__(
-        self, config: EngineConfig, num_blocks: int, max_model_len: int, world_size: int = 1
-    ) -> None:
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
+        world_size = config.parallel.tensor_parallel_size
+        dist_init = None
+        if world_size > 1:  # the ranks meet on a free loopback port of this machine
+            dist_init = DistributedInit(world_size, "127.0.0.1", free_port(),
+                                        backend_for(config.device))  # fmt: skip
         ctx = mp.get_context("spawn")
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
@@ -50,7 +59,7 @@ class MultiprocExecutor(Executor):
                 parent, child = ctx.Pipe(duplex=True)
                 proc = ctx.Process(
                     target=_worker_main,
-                    args=(child, config, num_blocks, max_model_len, rank),
+                    args=(child, config, num_blocks, max_model_len, rank, dist_init),
                     name=f"kvserve-worker-{rank}",
                     daemon=True,
                 )
@@ -59,13 +68,13 @@ class MultiprocExecutor(Executor):
                 self._procs.append(proc)
                 self._conns.append(parent)
             self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns)
-            infos = [self._receive(rank) for rank in range(world_size)]
+            infos = self._receive_all()
             for rank, proc in enumerate(self._procs):
                 log.info("worker %d: pid %d", rank, proc.pid)
         except BaseException:
             _stop(self._procs, self._conns)
             raise
-        self.info = infos[0]
+        self.info = WorkerInfo.of_ranks(infos)
 
     @property
     def worker_pids(self) -> list[int]:
@@ -85,7 +94,7 @@ class MultiprocExecutor(Executor):
                 conn.send_bytes(message)
             except OSError:  # a closed pipe: the worker is gone
                 raise self._died(rank) from None
-        return [self._receive(rank) for rank in range(len(self._conns))]
+        return self._receive_all()
 
     def check_health(self) -> None:
         if self._dead is not None:
@@ -98,23 +107,43 @@ class MultiprocExecutor(Executor):
         self._finalizer()
 
     # -- the engine's side of a call ---------------------------------------------------------
-    def _receive(self, rank: int) -> Any:
-        """The worker's reply to the call it was sent; raises WorkerDiedError as soon as the
-        worker's process ends without one."""
-        conn, proc = self._conns[rank], self._procs[rank]
-        while True:
-            ready = wait([conn, proc.sentinel])
-            if conn in ready:
-                try:
-                    kind, value = pickle.loads(conn.recv_bytes())
-                except (EOFError, OSError):
-                    raise self._died(rank) from None
-                break
-            if proc.sentinel in ready:
+    def _receive_all(self) -> list[Any]:
+        """Every worker's reply to the call it was sent, in rank order. Raises
+        WorkerDiedError as soon as any worker's process ends: the ranks of a tensor-parallel
+        group wait on each other, so a dead rank is the cause, and a survivor's error (a
+        collective that lost its peer) only its echo."""
+        pending = dict(enumerate(self._conns))
+        replies: dict[int, tuple[str, Any]] = {}
+        while pending:
+            sentinels = {self._procs[rank].sentinel: rank for rank in pending}
+            ready = wait([*pending.values(), *sentinels])
+            for rank, conn in list(pending.items()):
+                if conn in ready:
+                    try:
+                        replies[rank] = pickle.loads(conn.recv_bytes())
+                    except (EOFError, OSError):
+                        raise self._died(rank) from None
+                    del pending[rank]
+                    if replies[rank][0] == "error" and len(self._procs) > 1:
+                        self._check_peers(ERROR_GRACE_S, pending)
+            for obj in ready:
+                if obj in sentinels and sentinels[obj] in pending:
+                    raise self._died(sentinels[obj])
+        for rank in range(len(self._conns)):
+            kind, value = replies[rank]
+            if kind == "error":
+                raise WorkerError(f"worker {rank}: {value}")
+        return [replies[rank][1] for rank in range(len(self._conns))]
+
+    def _check_peers(self, grace_s: float, pending: dict[int, Connection]) -> None:
+        """Raise WorkerDiedError for a worker of ``pending`` that ends within ``grace_s``
+        with no reply sent."""
+        if not pending:
+            return
+        ended = wait([self._procs[rank].sentinel for rank in pending], timeout=grace_s)
+        for rank, conn in pending.items():
+            if self._procs[rank].sentinel in ended and not conn.poll():
                 raise self._died(rank)
-        if kind == "error":
-            raise WorkerError(f"worker {rank}: {value}")
-        return value
 
     def _died(self, rank: int) -> WorkerDiedError:
         proc = self._procs[rank]
@@ -152,13 +181,22 @@ def _stop(procs: list[Any], conns: list[Connection]) -> None:
 
 # -- the worker process ----------------------------------------------------------------------
 def _worker_main(
-    conn: Connection, config: EngineConfig, num_blocks: int, max_model_len: int, rank: int
+    conn: Connection,
+    config: EngineConfig,
+    num_blocks: int,
+    max_model_len: int,
+    rank: int,
+    dist_init: DistributedInit | None,
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from kvserve.worker.worker import Worker
+    from kvserve.worker.worker import Worker, join_tensor_parallel_group
 
     try:
-        worker = Worker(config, num_blocks, max_model_len, rank)
+        if dist_init is not None:  # one GPU per rank where the config names just "cuda"
+            device = rank_device(config.device, rank, dist_init.world_size)
+            config = dataclasses.replace(config, device=device)
+        tp = join_tensor_parallel_group(config, rank, dist_init)
+        worker = Worker(config, num_blocks, max_model_len, rank, tp)
         _reply(conn, "ok", worker.info())
     except BaseException as e:  # noqa: BLE001 - the engine reports it and stops the process
         _reply(conn, "error", f"could not start: {type(e).__name__}: {e}")

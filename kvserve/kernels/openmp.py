@@ -104,7 +104,7 @@ BIND_ENV = "KVSERVE_CPU_OMP_THREADS_BIND"
 _bound = threading.local()  # per thread: its home CPUs, and the CPUs its pool is pinned to
 
 
-def _parse_cpus(text: str) -> list[int]:
+def parse_cpus(text: str) -> list[int]:
     """A CPU list as Linux writes it ("0-3,8,10-11")."""
     cpus: list[int] = []
     for part in text.split(","):
@@ -115,27 +115,27 @@ def _parse_cpus(text: str) -> list[int]:
     return cpus
 
 
-def _one_per_core(cpus: set[int]) -> list[int]:
-    """``cpus`` with one logical CPU per physical core first (the lowest of each core's
-    siblings, by package and core), then the other siblings; sorted where the topology is
+def physical_cores(cpus: set[int]) -> list[list[int]]:
+    """``cpus`` grouped by physical core (by package and core id), each core's siblings in
+    order, the cores in the order of their lowest CPU; one CPU a core where the topology is
     not readable."""
     top = Path("/sys/devices/system/cpu")
-    keyed = []
+    cores: dict[tuple[int, int], list[int]] = {}
     try:
         for c in sorted(cpus):
             t = top / f"cpu{c}" / "topology"
             pkg = int((t / "physical_package_id").read_text())
-            keyed.append(((pkg, int((t / "core_id").read_text())), c))
+            cores.setdefault((pkg, int((t / "core_id").read_text())), []).append(c)
     except (OSError, ValueError):
-        return sorted(cpus)
-    first: dict[tuple[int, int], int] = {}
-    rest = []
-    for core, c in keyed:
-        if core in first:
-            rest.append(c)
-        else:
-            first[core] = c
-    return sorted(first.values()) + rest
+        return [[c] for c in sorted(cpus)]
+    return sorted(cores.values())
+
+
+def one_per_core(cpus: set[int]) -> list[int]:
+    """``cpus`` with one logical CPU per physical core first (the lowest of each core's
+    siblings), then the other siblings; sorted where the topology is not readable."""
+    cores = physical_cores(cpus)
+    return sorted(c[0] for c in cores) + [s for c in cores for s in c[1:]]
 
 
 class ThreadBinding:
@@ -157,18 +157,20 @@ class ThreadBinding:
         ``0-3``) for a team of ``threads`` (torch's), or None where there is nothing to bind:
         not a CPU device, one thread, more threads than CPUs, not Linux. Raises ValueError,
         naming the variable, for a list it cannot use."""
-        mode = envs.KVSERVE_CPU_OMP_THREADS_BIND
+        # one list per tensor-parallel rank (0-3|4-7): a rank is given its own list alone
+        # (kvserve.distributed.placement); an engine of one rank takes the first
+        mode = envs.KVSERVE_CPU_OMP_THREADS_BIND.split("|")[0]
         n = torch.get_num_threads() if threads is None else threads
         linux = sys.platform.startswith("linux")
         if mode == "nobind" or str(device) != "cpu" or n < 2 or not linux:
             if mode not in ("auto", "nobind"):
-                _parse_cpus(mode)  # still refuse a malformed value
+                parse_cpus(mode)  # still refuse a malformed value
             return None
         home = os.sched_getaffinity(0)
         if mode == "auto":
-            cpus = _one_per_core(home)
+            cpus = one_per_core(home)
             return cls(cpus[:n]) if len(cpus) >= n else None
-        cpus = list(dict.fromkeys(_parse_cpus(mode)))  # in the list's order, once each
+        cpus = list(dict.fromkeys(parse_cpus(mode)))  # in the list's order, once each
         outside = sorted(set(cpus) - home)
         if outside:
             raise ValueError(f"{BIND_ENV}: CPUs {outside} are not among those this process may "

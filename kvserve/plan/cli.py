@@ -33,8 +33,8 @@ from kvserve.plan.capacity import (
     format_table,
     load_arch,
 )
-from kvserve.plan.cost import decode_roofline, usd_per_million
-from kvserve.plan.gpus import GPUS, get_gpu
+from kvserve.plan.cost import decode_allreduce, decode_roofline, usd_per_million
+from kvserve.plan.gpus import GPUS, get_gpu, link_between_ranks
 from kvserve.plan.validate import validate, validate_windows
 
 
@@ -73,7 +73,16 @@ def add_plan_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
         help=f"one of {', '.join(GPUS)}, or custom:MEM_GIB:BW_TBS:BF16_TFLOPS",
     )
     p.add_argument("--list-gpus", action="store_true", help="print the GPU table with sources")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per replica")
+    p.add_argument("--tensor-parallel-size", "-tp", "--tp", dest="tp", type=int, default=1,
+                   help="tensor-parallel GPUs per replica (vLLM's flag)")  # fmt: skip
+    p.add_argument(
+        "--link-bandwidth",
+        type=float,
+        default=None,
+        metavar="GB/S",
+        help="one-direction GB/s between the ranks, measured (default: the part's NVLink, "
+        "else PCIe x16)",
+    )
     add_setting_flags(p, ["kv_cache_dtype"])
     p.add_argument(
         "--dtype",
@@ -126,6 +135,7 @@ def plan(
     gpu_memory_utilization: float = 0.9,
     gpu_hour_cost: float | None = None,
     weight_dtype: str | None = None,
+    link_bandwidth: float | None = None,
 ) -> dict[str, Any]:
     """Every figure ``kvserve plan`` prints, as one JSON-ready dict."""
     gpu = get_gpu(gpu_name)
@@ -162,6 +172,11 @@ def plan(
     roof1 = decode_roofline(
         spec, gpu, main.kv_bytes_per_token_per_gpu, main.weight_bytes, 1, context, tp
     )
+    link, link_bw = link_between_ranks(gpu.key)
+    if link_bandwidth is not None:
+        link, link_bw = "given", link_bandwidth * 1e9
+    step_s = batch / roof.tokens_per_s
+    allreduce = decode_allreduce(spec, batch, tp, link, link_bw, step_s)
     ok, missing = format_table(spec, tp)
     formats = {}
     for fmt in ok:
@@ -196,6 +211,7 @@ def plan(
         "formats_not_implemented": missing,
         "roofline": asdict(roof),
         "roofline_batch_1": asdict(roof1),
+        "allreduce": asdict(allreduce),
         "gpu_hour_cost": gpu_hour_cost,
         "usd_per_million_tokens": None,
         "usd_per_million_tokens_batch_1": None,
@@ -252,6 +268,14 @@ def print_plan(p: dict[str, Any], model: str, file: Any = sys.stdout) -> None:
             f"({r['bound']}-bound; step reads {human_bytes(r['weight_bytes_read'])} weights + "
             f"{human_bytes(r['kv_bytes_read'])} KV per GPU){cost}"
         )
+    a = p["allreduce"]
+    if a["tp"] > 1:
+        lines.append(
+            f"all-reduce tp {a['tp']} over {a['link']} at "
+            f"{a['link_bandwidth_bytes_per_s'] / 1e9:g} GB/s: "
+            f"{human_bytes(a['bytes_per_step_per_gpu'])} per GPU per decode step, "
+            f"{a['time_per_step_s'] * 1e6:,.1f} us ({a['share_of_step']:.1%} of the step)"
+        )
     lines.append("formats    per token / per sequence / max concurrent sequences:")
     for fmt, f in p["formats"].items():
         lines.append(
@@ -285,6 +309,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         gpu_memory_utilization=args.gpu_memory_utilization,
         gpu_hour_cost=args.gpu_hour_cost,
         weight_dtype=args.dtype,
+        link_bandwidth=args.link_bandwidth,
     )
     p["model"] = str(args.model)
     status = 0

@@ -81,6 +81,36 @@ def decode_roofline(
     )
 
 
+@dataclass(slots=True)
+class AllReduce:
+    """The tensor-parallel all-reduces of one decode step, per GPU, over the link between
+    ranks: two per layer of the batch's hidden states (after attention's output projection
+    and after the MLP's down projection), in the activations' dtype, each a ring that sends
+    (and receives) ``2 (tp - 1) / tp`` of the volume from every GPU."""
+
+    tp: int
+    link: str
+    link_bandwidth_bytes_per_s: float
+    bytes_per_step_per_gpu: float
+    time_per_step_s: float
+    share_of_step: float  # of the roofline step time plus the all-reduces
+
+
+def decode_allreduce(
+    spec: ArchSpec, batch: int, tp: int, link: str, bandwidth: float, step_s: float
+) -> AllReduce:
+    """:class:`AllReduce` for ``batch`` decode tokens on ``tp`` GPUs joined by ``link`` at
+    ``bandwidth`` bytes/s one way, beside a step of ``step_s`` seconds."""
+    if bandwidth <= 0:
+        raise ValueError(f"link bandwidth: must be > 0 bytes/s, got {bandwidth}")
+    act = 4 if spec.torch_dtype == "float32" else 2  # activations: the compute dtype
+    volume = 2 * spec.num_layers * batch * spec.hidden_size * act
+    per_gpu = volume * 2 * (tp - 1) / tp
+    t = per_gpu / bandwidth
+    share = t / (t + step_s) if t + step_s > 0 else 0.0
+    return AllReduce(tp, link, bandwidth, per_gpu, t, share)
+
+
 def usd_per_million(tokens_per_s: float, gpu_hour_cost: float, gpus: int = 1) -> float | None:
     """Dollars per million tokens at a sustained rate on ``gpus`` accelerators billed at
     ``gpu_hour_cost`` each per hour; None when nothing was produced (infinitely expensive)."""

@@ -84,3 +84,22 @@ def get_gpu(spec: str) -> GPU:
     if key not in GPUS:
         raise ValueError(f"gpu: unknown {spec!r}; known: {', '.join(GPUS)} or custom:...")
     return GPUS[key]
+
+
+# NVLink per-GPU one-direction bandwidth by part (bytes/s), from the same datasheets (NVLink
+# 900 GB/s both ways on H100/H200 SXM, 600 on A100 SXM and H100 NVL; Infinity Fabric 896 GB/s
+# on MI300X/MI325X); a part not listed talks over PCIe.
+INTERCONNECT = {
+    "h100-sxm": 450e9, "h200": 450e9, "a100-80gb": 300e9, "a100-40gb": 300e9,
+    "h100-nvl": 300e9, "mi300x": 448e9, "mi325x": 448e9,
+}  # fmt: skip
+# PCIe x16 one-direction peaks: Gen5 on the Hopper and MI300 parts, Gen4 on the others.
+PCIE_GEN5 = ("h100-sxm", "h100-pcie", "h100-nvl", "h200", "mi300x", "mi325x")
+
+
+def link_between_ranks(gpu_key: str) -> tuple[str, float]:
+    """(link name, one-direction bytes/s per GPU) that tensor-parallel ranks of ``gpu_key``
+    all-reduce over: NVLink where the part has it, else PCIe x16."""
+    if gpu_key in INTERCONNECT:
+        return "nvlink", INTERCONNECT[gpu_key]
+    return ("pcie5", 64e9) if gpu_key in PCIE_GEN5 else ("pcie4", 32e9)

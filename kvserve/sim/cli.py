@@ -50,7 +50,8 @@ def add_sim_target_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="cost-model profile JSON (from --calibrate, or a shipped GPU's)",
     )
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per replica")
+    g.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel GPUs per replica (as --tensor-parallel-size)")  # fmt: skip
     g.add_argument("--replicas", type=int, default=1, help="engine replicas behind a balancer")
     g.add_argument("--router", default="round_robin", choices=SIM_POLICIES,
                    help="how requests are dealt to the replicas: a kvserve router policy, or "
@@ -133,7 +134,12 @@ def sim_target(args: argparse.Namespace, kw: dict[str, Any]) -> Any:
             "profile: give --gpu NAME (its shipped profile) or --profile FILE (written by "
             "kvserve simulate --calibrate on the machine to model)"
         )
-    return SimTarget(kw, profile, gpu, args.tp, args.replicas, args.gpu_memory_utilization,
+    tp, given = args.tp, kw.get("tensor_parallel_size", 1)
+    if tp > 1 and given > 1 and tp != given:
+        raise ValueError(f"tp: --tp {tp} and --tensor-parallel-size {given} disagree")
+    tp = max(tp, given)
+    kw["tensor_parallel_size"] = tp  # the engine checks the model splits over tp ranks
+    return SimTarget(kw, profile, gpu, tp, args.replicas, args.gpu_memory_utilization,
                      router=args.router)  # fmt: skip
 
 

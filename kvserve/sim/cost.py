@@ -44,7 +44,7 @@ from kvserve.config import CacheConfig
 from kvserve.config_fields import default_of
 from kvserve.model.linear_ops import GEMM_NAMES
 from kvserve.plan.capacity import ArchSpec, bytes_per_token
-from kvserve.plan.gpus import GPU
+from kvserve.plan.gpus import GPU, PCIE_GEN5, link_between_ranks
 from kvserve.sched.output import SchedulerOutput
 
 PROFILE_VERSION = 1
@@ -529,7 +529,6 @@ GPU_FACTORS = dict(
 # (PCIe Gen4, ~6 GB/s sequential read, ~100 us a request). Redis: a 25 GbE network, ~2.5
 # GB/s after framing, ~0.5 ms a pipelined round trip. A tier's entries reach the GPU through
 # host memory, so a slower tier's figure includes the PCIe hop's (it is much the faster).
-PCIE_GEN5 = ("h100-sxm", "h100-pcie", "h100-nvl", "h200", "mi300x", "mi325x")
 TIER_LATENCY_S = {"cpu": 1e-5, "disk": 1e-4, "redis": 5e-4}
 
 
@@ -537,13 +536,6 @@ def gpu_tier_links(gpu_key: str) -> dict[str, float]:
     """Bytes/s of a tier load into one GPU of ``gpu_key`` (see above), by tier name."""
     pcie = (64e9 if gpu_key in PCIE_GEN5 else 32e9) * 0.8
     return {"cpu": pcie, "disk": 6e9, "redis": 2.5e9}
-
-
-# NVLink per-GPU one-direction bandwidth by part (bytes/s); PCIe parts get PCIe 5 x16.
-INTERCONNECT = {
-    "h100-sxm": 450e9, "h200": 450e9, "a100-80gb": 300e9, "a100-40gb": 300e9,
-    "h100-nvl": 300e9, "mi300x": 448e9, "mi325x": 448e9,
-}  # fmt: skip
 
 
 def gpu_profile(gpu: GPU) -> Profile:
@@ -554,7 +546,7 @@ def gpu_profile(gpu: GPU) -> Profile:
         peak_bandwidth=gpu.bandwidth_bytes_per_s,
         source=f"peaks: {gpu.source}; factors: typical serving-engine efficiencies "
         "(kvserve.sim.cost.GPU_FACTORS), not calibrated on this part",
-        interconnect_bandwidth=INTERCONNECT.get(gpu.key, 64e9),
+        interconnect_bandwidth=link_between_ranks(gpu.key)[1],
         tier_bandwidth=gpu_tier_links(gpu.key),
         tier_latency_s=dict(TIER_LATENCY_S),
         # An evicted block's copy out runs on a copy stream beside the forward pass; what

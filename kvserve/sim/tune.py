@@ -290,9 +290,12 @@ def why_lost(t: Trial, best: Trial, slo: dict[str, float]) -> str:
     return "; ".join(reasons)
 
 
-def serve_command(model: str, settings: dict[str, Any]) -> str:
+def serve_command(model: str, settings: dict[str, Any], tp: int = 1) -> str:
     """The ``kvserve serve`` line that runs a configuration (one replica's)."""
     parts = ["kvserve serve", model]
+    tp = settings.get("tp", tp)
+    if tp > 1:
+        parts.append(f"--tensor-parallel-size {tp}")
     engine = settings_of(EngineConfig)
     for name, v in settings.items():
         if name not in engine or v is None:
@@ -313,26 +316,22 @@ def serve_command(model: str, settings: dict[str, Any]) -> str:
     return line
 
 
-def why_not_runnable(model: str, settings: dict[str, Any], tp: int = 1) -> list[str]:
+def why_not_runnable(model: str, settings: dict[str, Any]) -> list[str]:
     """Why the ``kvserve serve`` line of a configuration cannot start as it is (none: it
-    can): a model given as a bare config.json has no weights, and tensor parallelism is
-    simulated only."""
+    can): a model given as a bare config.json has no weights."""
     reasons = []
     model_dir = Path(model_dir_of(model))
     if checkpoint_bytes(model_dir) is None:
         reasons.append(f"{model_dir} holds no weights (a config.json alone); put the "
                        "checkpoint's safetensors beside it")  # fmt: skip
-    if settings.get("tp", tp) > 1:
-        reasons.append(f"tp={settings.get('tp', tp)} is simulated only: kvserve serves on one "
-                       "device per replica (tensor parallelism is planned)")  # fmt: skip
     return reasons
 
 
 def recommendation(model: str, settings: dict[str, Any], tp: int = 1) -> str:
     """The winner as the command that runs it, or, when it cannot start as it is
     (:func:`why_not_runnable`), as a plan that says why."""
-    indented = "\n".join("  " + x for x in serve_command(model, settings).splitlines())
-    reasons = why_not_runnable(model, settings, tp)
+    indented = "\n".join("  " + x for x in serve_command(model, settings, tp).splitlines())
+    reasons = why_not_runnable(model, settings)
     if not reasons:
         return f"run it:\n{indented}"
     why = "".join(f"\n  - {r}" for r in reasons)

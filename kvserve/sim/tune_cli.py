@@ -224,8 +224,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         ],
         "best": best.settings if best else None,
         "recommendation": None if best is None else {
-            "serve": serve_command(kw["model"], best.settings),
-            "cannot_start": why_not_runnable(kw["model"], best.settings, args.tp),
+            "serve": serve_command(kw["model"], best.settings, args.tp),
+            "cannot_start": why_not_runnable(kw["model"], best.settings),
         },
     }  # fmt: skip
     from kvserve.bench.report import write_json

@@ -41,6 +41,7 @@ from kvserve.kv.gpu_budget import gpu_num_blocks
 from kvserve.kv.layer_groups import LayerGroups, engine_layer_groups
 from kvserve.kv.storage import KVStorage
 from kvserve.model.dtype import choose_dtype, is_gguf_dir
+from kvserve.model.layers import QKVParallelLinear, TensorParallelGroup
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import load_kv_scales, load_model
 from kvserve.model.resolve import resolve_model
@@ -369,11 +370,19 @@ class ModelRunner:
         return input_ids, positions, meta
 
 
-def build_runner(config: EngineConfig, num_blocks: int | None, max_model_len: int) -> ModelRunner:
+def build_runner(
+    config: EngineConfig,
+    num_blocks: int | None,
+    max_model_len: int,
+    tp: TensorParallelGroup | None = None,
+) -> ModelRunner:
     """The model, its KV storage of ``num_blocks`` blocks and a sampler, from an engine
     config: what an engine builds in-process, and what a worker in another process builds
     from the same config to execute the engine's steps. ``num_blocks`` None (CUDA): as many
-    as the memory left after a profiling forward holds under ``gpu_memory_utilization``."""
+    as the memory left after a profiling forward holds under ``gpu_memory_utilization``.
+    With ``tp``, one rank's: its shard of the model and a pool of its KV heads (the sampler is
+    the same on every rank, so that every rank draws the same tokens from the same gathered
+    logits)."""
     model_dir = Path(resolve_model(config.model, config.revision))
     mc = ModelConfig.from_pretrained(model_dir)
     dtype = choose_dtype(config.dtype, mc, config.device, is_gguf_dir(model_dir)).dtype
@@ -383,10 +392,12 @@ def build_runner(config: EngineConfig, num_blocks: int | None, max_model_len: in
         tune_host_allocator()
     cc, sc = config.cache, config.scheduler
     kv_name = canonical_kv_format(cc.kv_cache_dtype, str(dtype).removeprefix("torch."))
-    model = load_model(model_dir, mc, dtype, device, max_model_len)
+    model = load_model(model_dir, mc, dtype, device, max_model_len, tp)
     k_scales = v_scales = None
     if kv_name.startswith("fp8") and not cc.calculate_kv_scales:
         k_scales, v_scales = load_kv_scales(model_dir, mc)
+        qkv = model.layers[0].qkv_proj
+        k_scales, v_scales = _rank_heads(k_scales, qkv), _rank_heads(v_scales, qkv)
     groups = engine_layer_groups(
         mc.layer_windows, kv_name, cc.kv_offload, cc.disable_hybrid_kv_cache_manager
     )
@@ -394,8 +405,9 @@ def build_runner(config: EngineConfig, num_blocks: int | None, max_model_len: in
     def make_storage(num_blocks: int) -> KVStorage:
         pool_blocks = num_blocks * groups.num_groups if groups is not None else num_blocks
         return make_kv_storage(
-            kv_name, mc.num_hidden_layers, pool_blocks, cc.block_size, mc.num_key_value_heads,
-            mc.head_dim, dtype, device, max_num_seqs=min(sc.max_num_seqs, num_blocks),
+            kv_name, mc.num_hidden_layers, pool_blocks, cc.block_size,
+            model.layers[0].num_kv_heads, mc.head_dim, dtype, device,
+            max_num_seqs=min(sc.max_num_seqs, num_blocks),
             k_scales=k_scales, v_scales=v_scales,
             layer_slots=groups.slot_of if groups is not None else None,
         )  # fmt: skip
@@ -416,6 +428,15 @@ def build_runner(config: EngineConfig, num_blocks: int | None, max_model_len: in
         runner.graphs = build_cuda_graphs(runner, config, max_model_len)
         runner.cuda_graphs = runner.graphs.describe() if runner.graphs else "none (eager)"
     return runner
+
+
+def _rank_heads(scales: torch.Tensor | None, qkv: QKVParallelLinear) -> torch.Tensor | None:
+    """A checkpoint's per-KV-head scales ``[layers, heads]``: this rank's heads' columns (a
+    single scale per layer serves every rank as it is)."""
+    if scales is None or scales.shape[1] == 1 or qkv.tp.world_size == 1:
+        return scales
+    first = (qkv.tp.rank // qkv.num_kv_head_replicas) * qkv.num_kv_heads
+    return scales[:, first : first + qkv.num_kv_heads].contiguous()
 
 
 def padded_tables(tables: list[list[int]], null: int) -> np.ndarray:

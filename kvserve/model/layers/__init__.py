@@ -12,7 +12,13 @@ from kvserve.model.layers.linear import (
     default_weight_loader,
 )
 from kvserve.model.layers.mlp import MLP
-from kvserve.model.layers.parallel_state import SINGLE_RANK, Communicator, TensorParallelGroup
+from kvserve.model.layers.parallel_state import (
+    SINGLE_RANK,
+    Communicator,
+    TensorParallelGroup,
+    check_tensor_parallel,
+    kv_head_split,
+)
 from kvserve.model.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from kvserve.model.linear_ops import TorchOps
 
@@ -42,6 +48,8 @@ __all__ = [
     "RowParallelLinear",
     "TensorParallelGroup",
     "VocabParallelEmbedding",
+    "check_tensor_parallel",
     "default_weight_loader",
+    "kv_head_split",
     "set_linear_ops",
 ]

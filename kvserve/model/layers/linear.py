@@ -22,8 +22,12 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from kvserve.config import ConfigError
-from kvserve.model.layers.parallel_state import SINGLE_RANK, TensorParallelGroup, divide
+from kvserve.model.layers.parallel_state import (
+    SINGLE_RANK,
+    TensorParallelGroup,
+    divide,
+    kv_head_split,
+)
 from kvserve.model.linear_ops import TorchOps
 
 
@@ -189,17 +193,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         ws = tp.world_size
         self.head_size = head_size
         self.num_heads = divide(total_num_heads, ws, "num_attention_heads")
-        if ws >= total_num_kv_heads:
-            if ws % total_num_kv_heads:
-                raise ConfigError(
-                    f"tensor_parallel_size: {ws} is not a multiple of num_key_value_heads "
-                    f"{total_num_kv_heads} (each KV head is replicated on as many ranks)"
-                )
-            self.num_kv_heads = 1
-            self.num_kv_head_replicas = ws // total_num_kv_heads
-        else:
-            self.num_kv_heads = divide(total_num_kv_heads, ws, "num_key_value_heads")
-            self.num_kv_head_replicas = 1
+        self.num_kv_heads, self.num_kv_head_replicas = kv_head_split(total_num_kv_heads, ws)
         self.q_size = self.num_heads * head_size
         self.kv_size = self.num_kv_heads * head_size
         out = (self.q_size + 2 * self.kv_size) * ws

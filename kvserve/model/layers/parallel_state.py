@@ -70,3 +70,27 @@ def divide(total: int, world_size: int, field: str) -> int:
     if total % world_size:
         raise ConfigError(f"{field}: {total} is not divisible by tensor_parallel_size {world_size}")
     return total // world_size
+
+
+def kv_head_split(total_kv_heads: int, world_size: int) -> tuple[int, int]:
+    """(KV heads each rank holds, ranks that hold each KV head): the heads divided over the
+    ranks, or, with more ranks than heads, each head replicated on ``world_size /
+    total_kv_heads`` ranks (vLLM's rule). Refused with both numbers where neither divides."""
+    if world_size >= total_kv_heads:
+        if world_size % total_kv_heads:
+            raise ConfigError(
+                f"tensor_parallel_size: {world_size} is not a multiple of num_key_value_heads "
+                f"{total_kv_heads} (each KV head is replicated on as many ranks)"
+            )
+        return 1, world_size // total_kv_heads
+    return divide(total_kv_heads, world_size, "num_key_value_heads"), 1
+
+
+def check_tensor_parallel(
+    num_attention_heads: int, num_key_value_heads: int, intermediate_size: int, world_size: int
+) -> None:
+    """Refuse, before any rank starts, a model that ``world_size`` ranks cannot split: its
+    attention heads, its KV heads (divided or replicated) and its MLP features must divide."""
+    divide(num_attention_heads, world_size, "num_attention_heads")
+    kv_head_split(num_key_value_heads, world_size)
+    divide(intermediate_size, world_size, "intermediate_size")
