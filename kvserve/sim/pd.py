@@ -150,10 +150,11 @@ def check_roles(target: Any) -> None:
                 "--prefill-replicas and --decode-replicas with it"
             )
         return
-    for name, v, other in (("prefill_replicas", p, "decode"), ("decode_replicas", d, "prefill")):
+    for name, v in (("prefill_replicas", p), ("decode_replicas", d)):
         if v == 0:
+            flag = "--" + name.replace("_", "-")
             raise ValueError(f"{name}: a disaggregated deployment needs >= 1 replica of each "
-                             f"role; give it with --{other}-replicas")  # fmt: skip
+                             f"role; give {flag} too")  # fmt: skip
     if target.replicas != 1:
         raise ValueError("replicas: counts colocated engines; with --prefill-replicas and "
                          "--decode-replicas leave it out")  # fmt: skip
@@ -167,7 +168,7 @@ def check_roles(target: Any) -> None:
             "kv_transfer_config: the simulator sets the replicas' connector itself with "
             "--prefill-replicas/--decode-replicas; leave it out"
         )
-    offload = [k for k, v in kw.items() if k.startswith("kv_offload") and v]
+    offload = [k for k in ("kv_offload_cpu", "kv_offload_disk", "kv_offload_redis") if kw.get(k)]
     if offload:
         raise ValueError(f"{offload[0]}: offload tiers are not modelled with "
                          "--prefill-replicas/--decode-replicas")  # fmt: skip
