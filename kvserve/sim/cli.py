@@ -34,6 +34,7 @@ from kvserve.kernels.openmp import usable_cpus
 from kvserve.sim.fleet import SIM_POLICIES
 
 DEFAULT_SIM_DIR = Path("reports") / "sim"
+ROLE_FLAGS = ("prefill_replicas", "decode_replicas", "kv_transfer_bandwidth")
 
 
 def add_sim_target_args(p: argparse.ArgumentParser) -> None:
@@ -151,11 +152,9 @@ def sim_target(args: argparse.Namespace, kw: dict[str, Any]) -> Any:
             "profile: give --gpu NAME (its shipped profile) or --profile FILE (written by "
             "kvserve simulate --calibrate on the machine to model)"
         )
+    roles = {k: getattr(args, k) for k in ROLE_FLAGS if hasattr(args, k)}  # simulate's own
     return SimTarget(kw, profile, gpu, args.tp, args.replicas, args.gpu_memory_utilization,
-                     router=args.router,
-                     prefill_replicas=getattr(args, "prefill_replicas", 0),
-                     decode_replicas=getattr(args, "decode_replicas", 0),
-                     kv_transfer_bandwidth=getattr(args, "kv_transfer_bandwidth", None))  # fmt: skip
+                     router=args.router, **roles)  # fmt: skip
 
 
 def _calibrate(args: argparse.Namespace, kw: dict[str, Any]) -> int:
