@@ -894,6 +894,15 @@ def _run_routed(
         return [_finish(sh) for sh in shares]
 
 
+def simulate_feed(
+    target: SimTarget, feed: Feed, temperature: float = 0.0, sample_every: float = 0.5
+) -> tuple[RunResult, list[SimEngine]]:
+    """``feed``'s requests (:class:`kvserve.sim.pd.Feed`: who sends what when, such as a
+    benchmark's own workload) on ``target``'s replicas, disaggregated or colocated."""
+    trace = _Trace([], LoadSpec(), None, None, temperature, sample_every)
+    return run_disaggregated(target, trace, feed)
+
+
 def run_disaggregated(
     target: SimTarget,
     trace: _Trace,
