@@ -121,3 +121,38 @@ def test_the_cli_refuses_with_the_flag_named(tmp_path, capsys):
     assert main([*base, "--prefill-replicas", "1", "--decode-replicas", "1",
                  "--kv-transfer-bandwidth", "1e9", "--kv-offload-cpu", "1GiB"]) == 2  # fmt: skip
     assert "kv_offload_cpu: offload tiers are not modelled" in capsys.readouterr().err
+    assert main([*base, "--prefill-replicas", "1", "--decode-replicas", "1",
+                 "--kv-transfer-bandwidth", "1e9", "--concurrency", "2",
+                 "--request-rate", "5"]) == 2  # fmt: skip
+    assert "concurrency: an in-flight cap" in capsys.readouterr().err
+
+
+def test_the_benchmarks_burst_feed_sends_as_its_http_client_does():
+    """benchmarks/pd.py's pd-burst on the simulator: streams send their next request when the
+    last one ends, until ``seconds``; the first burst at period/2, each next one ``period``
+    after the last of its requests ends, none from ``seconds`` - period/2 on."""
+    from benchmarks.pd import BurstFeed
+    from kvserve.sim.simulate import simulate_feed
+
+    w = {"streams": 2, "short_prompt": 8, "decode_tokens": 6, "burst": 3, "long_prompt": 40,
+         "burst_tokens": 2, "period": 0.4, "seconds": 3.0}  # fmt: skip
+    t = target(prefill_replicas=1, decode_replicas=1, kv_transfer_bandwidth=100 * BW)
+    res, _ = simulate_feed(t, BurstFeed(w, 1000))
+    recs = res.records
+    assert all(r.success for r in recs)
+    bursts = sorted({round(r.send_time, 9) for r in recs if r.kind == "burst"})
+    assert bursts[0] == pytest.approx(w["period"] / 2)
+    for prev, nxt in zip(bursts, bursts[1:], strict=False):
+        ends = [r.send_time + r.e2e for r in recs
+                if r.kind == "burst" and round(r.send_time, 9) == prev]  # fmt: skip
+        assert len(ends) == w["burst"]
+        assert nxt == pytest.approx(max(ends) + w["period"])
+    assert len(bursts) >= 2 and bursts[-1] < w["seconds"] - w["period"] / 2
+    steady = sorted((r.send_time, r.send_time + r.e2e) for r in recs if r.kind == "steady")
+    starts = [s for s, _ in steady]
+    ends = [e for _, e in steady]
+    assert starts[: w["streams"]] == [0.0] * w["streams"]
+    # every later send is some earlier request's end, and none comes after ``seconds``
+    for s in starts[w["streams"] :]:
+        assert min(abs(s - e) for e in ends) < 1e-9 and s < w["seconds"]
+    assert max(ends) >= w["seconds"]

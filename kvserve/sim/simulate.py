@@ -914,7 +914,8 @@ def run_disaggregated(
     ``target`` is not disaggregated (the same replay, to compare the two). Returns the
     records and the engines, prefill ones first."""
     if trace.offsets is not None and trace.load.concurrency is not None:
-        raise ValueError("max_concurrency: an in-flight cap is not modelled with "
+        raise ValueError("concurrency: an in-flight cap on an open loop (--concurrency "
+                         "with --request-rate) is not modelled with "
                          "--prefill-replicas/--decode-replicas")  # fmt: skip
     n_pre = target.prefill_replicas
     n_dec = target.decode_replicas if target.disaggregated else target.replicas
