@@ -9,6 +9,7 @@ with messages naming them."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -68,6 +69,21 @@ def test_ttft_is_prefill_plus_transfer_and_decode_steps_hold_no_prefill():
     assert dec.runner.steps == 2 * (out - 1)
     assert dec.runner.busy_s == pytest.approx(2 * (out - 1) * (OVERHEAD + PER_TOKEN))
     assert pre.runner.steps == 2
+
+
+def test_the_import_into_the_decode_pool_lengthens_the_step_it_lands_in():
+    copy = 1e-7  # seconds per byte of a pool copy (the profile's export cost)
+    sim = build_engine(target())
+    n = len(sim.encode(PROMPT))
+    nbytes = math.ceil(n / BS) * BS * sim.shape.kv_bytes_per_token
+    t = SimTarget(dict(KW), replace(profile(), offload_export_s_per_byte=copy),
+                  prefill_replicas=1, decode_replicas=1, kv_transfer_bandwidth=BW)  # fmt: skip
+    res, _ = simulate_load(t, [BenchRequest(0, "chat", PROMPT, 3, n)], LoadSpec(concurrency=1))
+    (rec,) = res.records
+    prefill = OVERHEAD + PREFILL + PER_TOKEN * n
+    assert rec.ttft == pytest.approx(prefill + nbytes / BW, rel=1e-9)  # stamped as it lands
+    step = OVERHEAD + PER_TOKEN
+    assert rec.itl == pytest.approx([step + nbytes * copy, step], rel=1e-9)
 
 
 def test_the_colocated_replay_through_the_driver_equals_the_plain_one():

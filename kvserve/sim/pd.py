@@ -11,7 +11,10 @@ time per decode replica, in the order asked), land at the start of the first ste
 arrived, and the request goes on decoding from the prefill's first token. So the decode
 replica computes no prompt token, its steps hold decode work only, and its prefix cache holds
 the landed blocks for the requests after. TTFT is prefill queue + prefill + transfer (+ the
-decode step under way when the blocks arrive); ITL comes from the decode replicas' steps.
+decode step under way when the blocks arrive); ITL comes from the decode replicas' steps,
+the step that imports landed blocks into the pool longer by the copy (the profile's
+``offload_export_s_per_byte``: the same copy as an export, the other way). The bandwidth is
+the decode side's measured pull rate, which includes the prefill side's export.
 
 Not modelled: the prefill side's lease (its blocks are freed when its first token is out,
 not when the decode side has read them), the proxy's own time and the control messages.
@@ -45,6 +48,9 @@ class SimTransferConnector(KVConnector):
         self.clock: Any = None
         self.bandwidth = math.inf  # bytes/s
         self.block_bytes = 0.0
+        # The import into the pool, on the engine's thread as the blocks land (the real
+        # connector's worker does it between steps): seconds per byte.
+        self.import_s_per_byte = 0.0
         self.link_free_at = 0.0
         self._remote: dict[str, tuple[int, float]] = {}  # rid -> (first token, prefilled at)
         self._asked: set[str] = set()
@@ -104,6 +110,8 @@ class SimTransferConnector(KVConnector):
                 self._cancelled.discard(rid)
                 continue
             out[rid] = n
+        if out and self.import_s_per_byte:
+            self.clock.advance(sum(out.values()) * self.block_bytes * self.import_s_per_byte)
         return out
 
     def cancel_load(self, request: Any) -> None:
