@@ -291,8 +291,8 @@ def run_pd(
         leg = pick(pre or dec)
         if ids is None:
             ids = leg.share.sim.encode(req.prompt)
-        ids_of[n] = ids
         if pre:
+            ids_of[n] = ids  # for the decode leg
             push(leg, n, replace(req, max_tokens=1), ids, t)
         else:
             push(leg, n, req, ids, t)
@@ -313,7 +313,9 @@ def run_pd(
             rec = sh.rep.records[i]
             ids = ids_of.pop(n)
             if not rec.success or req.max_tokens <= 1:  # its answer is the prefill's
-                final(n, _relative(rec, sh.t0), send_t, leg.elapsed())
+                rel = _relative(rec, sh.t0)
+                rel.max_tokens = req.max_tokens
+                final(n, rel, send_t, leg.elapsed())
                 return
             done = rec.send_time + rec.ttft - sh.t0  # its first token, on the timeline
             d = pick(dec)
