@@ -19,6 +19,10 @@ Four parts, each a key of the JSON line the script ends with:
   releases, expired leases, dead peers, aborts on either side); ``lost`` counts requests that
   ended neither with the colocated tokens nor with a clear error, ``leaked_blocks`` blocks
   still in use once both engines settled.
+
+With ``--profile`` (a calibrated profile), the simulator's prediction of the same pd-burst
+run joins them: ``sim_itl_p99_s`` and ``sim_ttft_p50_s`` per deployment (kvserve.sim.pd),
+the transfers at the bandwidth measured here for ``--dtype``'s format.
 """
 
 from __future__ import annotations
