@@ -19,6 +19,10 @@ Four parts, each a key of the JSON line the script ends with:
   releases, expired leases, dead peers, aborts on either side); ``lost`` counts requests that
   ended neither with the colocated tokens nor with a clear error, ``leaked_blocks`` blocks
   still in use once both engines settled.
+
+With ``--profile`` (a calibrated profile), the simulator's prediction of the same pd-burst
+run joins them: ``sim_itl_p99_s`` and ``sim_ttft_p50_s`` per deployment (kvserve.sim.pd),
+the transfers at the bandwidth measured here for ``--dtype``'s format.
 """
 
 from __future__ import annotations
@@ -321,6 +325,81 @@ def pd_burst(model: str, w: dict[str, Any], dtype: str) -> dict[str, Any]:
     return out
 
 
+# -- the simulator's prediction of pd-burst --------------------------------------------------
+class BurstFeed:
+    """pd-burst as :func:`burst_workload` sends it, for the simulator (kvserve.sim.pd.Feed):
+    ``streams`` closed-loop users of short prompts until ``seconds``, and from ``period``/2
+    a burst of ``burst`` long prompts, the next one ``period`` after the last one ends."""
+
+    def __init__(self, w: dict[str, Any], vocab: int, seed: int = 7) -> None:
+        self.w, self.vocab, self.rng = w, vocab, random.Random(seed)
+        self.n = 0
+        self.open_burst = 0
+
+    def _req(self, kind: str, prompt_len: int, max_tokens: int) -> tuple[Any, list[int]]:
+        from kvserve.bench.workloads import BenchRequest
+
+        self.n += 1
+        ids = [self.rng.randrange(3, self.vocab) for _ in range(prompt_len)]
+        return BenchRequest(self.n, kind, "", max_tokens, prompt_len), ids
+
+    def _burst(self, t: float) -> list[tuple[float, Any, list[int]]]:
+        w = self.w
+        if t >= w["seconds"] - w["period"] / 2:
+            return []
+        self.open_burst = w["burst"]
+        return [(t, *self._req("burst", w["long_prompt"], w["burst_tokens"]))
+                for _ in range(w["burst"])]  # fmt: skip
+
+    def start(self) -> list[tuple[float, Any, list[int]]]:
+        w = self.w
+        steady = [(0.0, *self._req("steady", w["short_prompt"], w["decode_tokens"]))
+                  for _ in range(w["streams"])]  # fmt: skip
+        return steady + self._burst(w["period"] / 2)
+
+    def done(self, req: Any, rec: Any, now: float) -> list[tuple[float, Any, list[int]]]:
+        w = self.w
+        if req.kind == "steady":
+            if now >= w["seconds"]:
+                return []
+            return [(now, *self._req("steady", w["short_prompt"], w["decode_tokens"]))]
+        self.open_burst -= 1
+        return self._burst(now + w["period"]) if self.open_burst == 0 else []
+
+
+def predict(model: str, w: dict[str, Any], dtype: str, profile: str, split_profile: str,
+            bandwidth: float) -> dict[str, dict[str, float]]:  # fmt: skip
+    """The simulator's ITL p99 (steady streams, as :func:`burst_workload` counts it) and
+    TTFT p50 (bursts) of pd-burst: one colocated engine under ``profile`` (calibrated on
+    both cores), a prefill and a decode engine under ``split_profile`` (one core each) with
+    the decode side pulling at ``bandwidth`` bytes/s."""
+    from kvserve.sim.cost import Profile
+    from kvserve.sim.simulate import SimTarget, simulate_feed
+
+    kw = {"model": bench_model(model), "dtype": dtype, "block_size": BS,
+          "max_model_len": w["max_len"], "enable_prefix_caching": True}  # fmt: skip
+    targets = {
+        "colocated": SimTarget(kw, Profile.load(profile)),
+        "disaggregated": SimTarget(kw, Profile.load(split_profile), prefill_replicas=1,
+                                   decode_replicas=1, kv_transfer_bandwidth=bandwidth),
+    }  # fmt: skip
+    out: dict[str, dict[str, float]] = {}
+    for name, target in targets.items():
+        res, _ = simulate_feed(target, BurstFeed(w, vocab_size(model)))
+        recs = [r for r in res.records if r.success]
+        itl = [x for r in recs if r.kind == "steady" for x in r.itl[1:]]
+        # A transferred request's first token reaches the client with the outputs of the
+        # decode step it landed in, when that step's next token is stamped; the engine (and
+        # so the simulator) stamps it when it lands.
+        late = name == "disaggregated"
+        ttft = [r.ttft + (r.itl[0] if late and r.itl else 0.0) for r in recs if r.kind == "burst"]
+        out[name] = {"sim_itl_p99_s": statistics.quantiles(itl, n=100)[98],
+                     "sim_ttft_p50_s": statistics.median(ttft)}  # fmt: skip
+        print(f"{name:14s} simulated: itl_p99_ms {out[name]['sim_itl_p99_s'] * 1e3:.3f}  "
+              f"ttft_p50_s {out[name]['sim_ttft_p50_s']:.3f}", flush=True)  # fmt: skip
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a few minutes: fewer formats, runs")
@@ -330,6 +409,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seconds", type=float, default=None, help="pd-burst duration per setup")
     ap.add_argument("--long-prompt", type=int, default=None, help="pd-burst's long prompts")
     ap.add_argument("--skip-burst", action="store_true", help="no pd-burst (a smoke run)")
+    ap.add_argument("--profile", default=None,
+                    help="a calibrated profile (kvserve simulate --calibrate on both cores): "
+                    "also print the simulator's prediction of pd-burst")  # fmt: skip
+    ap.add_argument("--split-profile", default=None,
+                    help="the profile of an engine on one core, for the disaggregated "
+                    "prediction (default: --profile)")  # fmt: skip
+    ap.add_argument("--kv-transfer-bandwidth", type=float, default=None,
+                    help="bytes/s for the prediction's transfers (default: the measured "
+                    "transfer_gbps of --dtype's format)")  # fmt: skip
     a = ap.parse_args(argv)
     model = a.model or ("5m" if a.quick else "50m")
     w = {"streams": 4, "short_prompt": 32, "decode_tokens": 128, "burst": 4,
@@ -352,6 +440,11 @@ def main(argv: list[str] | None = None) -> None:
         summary["itl_p99_ms"] = {k: v["itl_p99_ms"] for k, v in r.items()}
     else:
         summary["itl_p99_ratio"] = None
+    if a.profile:
+        bw = a.kv_transfer_bandwidth or gbps.get(a.dtype, 0.0) * 1e9
+        sim = predict(model, w, a.dtype, a.profile, a.split_profile or a.profile, bw)
+        for key in ("sim_itl_p99_s", "sim_ttft_p50_s"):
+            summary[key] = {k: v[key] for k, v in sim.items()}
     emit(summary)
 
 

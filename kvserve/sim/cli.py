@@ -34,6 +34,7 @@ from kvserve.kernels.openmp import usable_cpus
 from kvserve.sim.fleet import SIM_POLICIES
 
 DEFAULT_SIM_DIR = Path("reports") / "sim"
+ROLE_FLAGS = ("prefill_replicas", "decode_replicas", "kv_transfer_bandwidth")
 
 
 def add_sim_target_args(p: argparse.ArgumentParser) -> None:
@@ -76,6 +77,18 @@ def add_simulate_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
         "--calibrate runs the real engine on this machine and fits the model's factors.",
     )
     add_sim_target_args(p)
+    d = p.add_argument_group("disaggregated prefill/decode (kvserve proxy over prefill and "
+                             "decode engines)")  # fmt: skip
+    d.add_argument("--prefill-replicas", type=int, default=0,
+                   help="prefill engines: each request's prompt runs on one (its first token "
+                   "too), then decodes on a decode engine; 0 (default): colocated replicas "
+                   "(--replicas)")  # fmt: skip
+    d.add_argument("--decode-replicas", type=int, default=0,
+                   help="decode engines, which pull each prompt's KV blocks their prefix "
+                   "cache lacks; give with --prefill-replicas")  # fmt: skip
+    d.add_argument("--kv-transfer-bandwidth", type=float, default=None,
+                   help="bytes/s of a decode engine's pulls (one at a time), in the pool's KV "
+                   "format; measure it with benchmarks/pd.py (transfer_gbps)")  # fmt: skip
     c = p.add_argument_group("calibration")
     c.add_argument(
         "--calibrate",
@@ -139,8 +152,9 @@ def sim_target(args: argparse.Namespace, kw: dict[str, Any]) -> Any:
         raise ValueError(f"tp: --tp {tp} and --tensor-parallel-size {given} disagree")
     tp = max(tp, given)
     kw["tensor_parallel_size"] = tp  # the engine checks the model splits over tp ranks
+    roles = {k: getattr(args, k) for k in ROLE_FLAGS if hasattr(args, k)}  # simulate's own
     return SimTarget(kw, profile, gpu, tp, args.replicas, args.gpu_memory_utilization,
-                     router=args.router)  # fmt: skip
+                     router=args.router, **roles)  # fmt: skip
 
 
 def _calibrate(args: argparse.Namespace, kw: dict[str, Any]) -> int:
@@ -229,7 +243,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         spec = workload_spec(args, args.seed + i, max_len)
         # A spare core makes (and tokenizes) a lone replica's requests while it replays,
         # and encodes its records for the JSON file as they finish.
-        streamed = jobs > 1 and not side_by_side and target.replicas == 1 and can_fork()
+        streamed = (jobs > 1 and not side_by_side and target.replicas == 1
+                    and not target.disaggregated and can_fork())  # fmt: skip
         reqs = stream_workload(target, spec) if streamed else make_workload(spec, count)
         if streamed and sweep_label is None:
             encoders.append(RecordEncoder(out_dir))
@@ -256,7 +271,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         s["target"] = (
             f"simulated {model_name(model_arg(args), kw['model'])} on {target.profile.device}"
             + (f" (pool of {target.gpu.name})" if target.gpu else "")
-            + f", tp {target.tp}, {target.replicas} replica(s), {sim.num_blocks} blocks each"
+            + f", tp {target.tp}, "
+            + (
+                f"{target.prefill_replicas} prefill + {target.decode_replicas} decode replica(s) "
+                f"pulling at {target.kv_transfer_bandwidth / 1e9:g} GB/s"
+                if target.disaggregated
+                else f"{target.replicas} replica(s)"
+            )
+            + f", {sim.num_blocks} blocks each"
             + (f", routed by {target.router}" if target.replicas > 1 else "")
         )
         s["load"] = load.describe()
@@ -267,6 +289,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             "tp": target.tp,
             "replicas": target.replicas,
             "router": target.router,
+            "prefill_replicas": target.prefill_replicas,
+            "decode_replicas": target.decode_replicas,
+            "kv_transfer_bandwidth": target.kv_transfer_bandwidth,
             "num_blocks": sim.num_blocks,
             "steps": sum(x.runner.steps for x in sims),
             "busy_s": sum(x.runner.busy_s for x in sims),

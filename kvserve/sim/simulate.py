@@ -25,7 +25,7 @@ import math
 import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import chain
 from pathlib import Path
 from types import SimpleNamespace
@@ -55,6 +55,7 @@ from kvserve.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvserve.sched.request import FINISHED_STATUSES, SamplingParams
 from kvserve.sim.cost import ModelShape, Profile, ShapeCache, step_features
 from kvserve.sim.fleet import IDLE, check_policy, routed_fleet
+from kvserve.sim.pd import Feed, TraceFeed, check_roles, run_pd, transfer_config
 from kvserve.sim.tiers import SERVER_TIERS, ModelledBlocks, SimOffload, modelled_tiers
 
 
@@ -211,12 +212,18 @@ class SimTarget:
     # How requests are dealt to the replicas: a policy of kvserve.router.policies, or
     # "oracle" (each engine's pool asked directly); see kvserve.sim.fleet.
     router: str = "round_robin"
+    # Disaggregated prefill/decode (kvserve.sim.pd): replicas of each role (0: colocated
+    # engines), and the decode side's pull rate in bytes/s.
+    prefill_replicas: int = 0
+    decode_replicas: int = 0
+    kv_transfer_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "replicas"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: must be an integer >= 1, got {v!r}")
+        check_roles(self)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}"
@@ -226,8 +233,13 @@ class SimTarget:
             raise ValueError("tp: tensor parallelism is simulated on a --gpu only")
 
     @property
+    def disaggregated(self) -> bool:
+        return self.prefill_replicas > 0
+
+    @property
     def gpus(self) -> int:
-        return self.tp * self.replicas
+        n = self.prefill_replicas + self.decode_replicas if self.disaggregated else self.replicas
+        return self.tp * n
 
 
 @dataclass(slots=True)
@@ -418,6 +430,7 @@ class _Replica:
         self.open = False
         self.on_finish: Callable[[int], None] | None = None
         self.routed_ids: dict[int, list[int]] = {}
+        self.on_send: Callable[[str, int], None] | None = None  # (engine's id, share index)
         self._due: list[tuple[float, int]] = []
 
     def _add(
@@ -581,6 +594,8 @@ class _Replica:
         rec.send_time = when
         self._sent += 1
         rid = f"sim-{self._sent}"
+        if self.on_send is not None:
+            self.on_send(rid, i)
         ids = self.routed_ids.pop(i, None)
         if ids is None and isinstance(requests, EncodedWorkload):
             ids = requests.token_ids(i)
@@ -651,6 +666,11 @@ def simulate_load(
     )
 
     trace = _Trace(requests, load, offsets, warmup, temperature, sample_every, records_to)
+    if target.disaggregated:
+        if records_to is not None:
+            raise ValueError("records_to: a disaggregated run's records are made at its end")
+        feed = TraceFeed(requests, offsets, load.concurrency)
+        return run_disaggregated(target, trace, feed, progress)
 
     def one(k: int, report: Callable[[bool], None] | None) -> _ReplicaRun:
         return _run_replica(target, trace, k, report)
@@ -872,6 +892,63 @@ def _run_routed(
         routed_fleet(shares, requests, trace.offsets, trace.load.concurrency, target.router,
                      encode)  # fmt: skip
         return [_finish(sh) for sh in shares]
+
+
+def simulate_feed(
+    target: SimTarget, feed: Feed, temperature: float = 0.0, sample_every: float = 0.5
+) -> tuple[RunResult, list[SimEngine]]:
+    """``feed``'s requests (:class:`kvserve.sim.pd.Feed`: who sends what when, such as a
+    benchmark's own workload) on ``target``'s replicas, disaggregated or colocated."""
+    trace = _Trace([], LoadSpec(), None, None, temperature, sample_every)
+    return run_disaggregated(target, trace, feed)
+
+
+def run_disaggregated(
+    target: SimTarget,
+    trace: _Trace,
+    feed: Feed,
+    progress: Callable[[bool], None] | None = None,
+) -> tuple[RunResult, list[SimEngine]]:
+    """``feed`` on ``target.prefill_replicas`` prefill and ``target.decode_replicas`` decode
+    engines (:mod:`kvserve.sim.pd`), or on ``target.replicas`` colocated ones when
+    ``target`` is not disaggregated (the same replay, to compare the two). Returns the
+    records and the engines, prefill ones first."""
+    if trace.offsets is not None and trace.load.concurrency is not None:
+        raise ValueError("concurrency: an in-flight cap on an open loop (--concurrency "
+                         "with --request-rate) is not modelled with "
+                         "--prefill-replicas/--decode-replicas")  # fmt: skip
+    n_pre = target.prefill_replicas
+    n_dec = target.decode_replicas if target.disaggregated else target.replicas
+    pre = [build_engine(target) for _ in range(n_pre)]
+    dtarget = target
+    if target.disaggregated:
+        kw = {**target.engine_kwargs, "kv_transfer_config": transfer_config()}
+        dtarget = replace(target, engine_kwargs=kw, prefill_replicas=0, decode_replicas=0,
+                          kv_transfer_bandwidth=None)  # fmt: skip
+    dec = [build_engine(dtarget) for _ in range(n_dec)]
+    for sim in dec if target.disaggregated else ():
+        conn = sim.engine.connector
+        conn.clock = sim.clock
+        conn.bandwidth = float(target.kv_transfer_bandwidth)  # type: ignore[arg-type]
+        conn.block_bytes = sim.shape.kv_bytes_per_token * sim.engine.block_size
+        conn.import_s_per_byte = target.profile.offload_export_s_per_byte
+    with _no_collections():
+        shares = [_prepare(sim, target, trace, k, progress, routed=True)
+                  for k, sim in enumerate(pre + dec)]  # fmt: skip
+        for sh in shares[:n_pre]:
+            sh.rep.on_done = None  # a request is done when its decode is
+        records = run_pd(shares[:n_pre], shares[n_pre:], feed)
+        runs = [_finish(sh) for sh in shares]
+    n = len(runs)
+    before: dict[str, float] = {}
+    after: dict[str, float] = {}
+    samples: list[dict[str, float]] = []
+    for run in runs:
+        _merge(before, run.before, n)
+        _merge(after, run.after, n)
+        samples += run.samples
+    end = max(run.duration for run in runs)
+    return RunResult(records, max(end, 1e-9), before, after, samples), pre + dec
 
 
 _DONE = object()
