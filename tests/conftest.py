@@ -13,7 +13,9 @@ import torch
 from kvserve import envs
 from kvserve.model.synthetic import make_random_checkpoint
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# One compute thread per test process when pytest-xdist runs two of them (`make test`), so
+# the two together use the two cores rather than spinning four threads on them.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.cpu_count() or 1))
 
 # Where make_llm's engines (and the exactness tests' transformers reference) run: cpu in CI;
 # KVSERVE_TEST_DEVICE=cuda runs the same tests on a GPU, as a smoke test of the device paths.

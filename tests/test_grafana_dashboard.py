@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvserve import LLM
 from kvserve.server.app import BackgroundServer, build_state
 from kvserve.server.tenants import TenantResolver
+from tests.disagg_helpers import free_port, transfer_config
 from tests.test_server import wait_idle
 
 REPO = Path(__file__).resolve().parent.parent
@@ -121,12 +122,13 @@ def test_dashboard_covers_what_the_issue_asks_for():
 
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
-    """A server with every optional family on: an offload tier, projected admission and a
-    workload class file."""
+    """A server with every optional family on: an offload tier, projected admission, a
+    workload class file and a disaggregation connector."""
     path = tmp_path_factory.mktemp("classes") / "classes.json"
     path.write_text(json.dumps(CLASSES))
     llm = LLM(checkpoint("llama_gqa"), max_model_len=256, dtype="float32", max_num_seqs=8,
-              kv_offload_cpu="8MiB", admission="projected", workload_classes=str(path))  # fmt: skip
+              kv_offload_cpu="8MiB", admission="projected", workload_classes=str(path),
+              kv_transfer_config=transfer_config("kv_both", free_port()))  # fmt: skip
     state = build_state(llm.engine, [MODEL], TenantResolver({}), max_queue=16)
     with BackgroundServer(state) as srv:
         yield srv

@@ -29,8 +29,9 @@ from kvserve.server.metrics import ServerMetrics
 
 # The keys kvserve.server.app.build_state describes the KV cache by (a live server's /metrics
 # is compared with this page by tests/test_grafana_dashboard.py).
-CACHE_INFO_KEYS = ("block_size", "cache_dtype", "num_gpu_blocks", "enable_prefix_caching",
-                   "max_model_len", "kv_retention", "kv_layer_groups")  # fmt: skip
+CACHE_INFO_KEYS = ("block_size", "cache_dtype", "num_gpu_blocks", "gpu_memory_utilization",
+                   "enable_prefix_caching", "max_model_len", "kv_retention",
+                   "kv_layer_groups")  # fmt: skip
 
 INTRO = """\
 # Metrics reference

@@ -161,6 +161,8 @@ class RouterState:
         r = self.replicas[i]
         if not r.load.healthy:
             log.info("replica %s (%s) is back", r.name, r.url)
+            if self.subscriber is not None:
+                self.subscriber.resync(i)
         r.load.healthy = True
         self.metrics.healthy.labels(r.name).set(1)
 

@@ -36,6 +36,7 @@ class _Stream:
         self.replay_endpoint = replay
         self.last_seq = -1
         self.reset = False
+        self.resync = False  # ask the replay socket for what came since, without a new batch
 
 
 class EventSubscriber:
@@ -71,6 +72,15 @@ class EventSubscriber:
         if s is not None:
             s.reset = True
 
+    def resync(self, replica: int) -> None:
+        """The replica is back: ask its replay socket now for every batch since the last one
+        applied (from 0 after :meth:`reset`). Without this a restarted replica's first
+        batches, published before this socket reconnected, would stay unknown until its next
+        batch revealed the gap."""
+        s = self.streams.get(replica)
+        if s is not None:
+            s.resync = True
+
     def _run(self) -> None:
         poller = zmq.Poller()
         by_socket = {}
@@ -90,6 +100,13 @@ class EventSubscriber:
                     log.warning("replica %d sent a malformed event message", r)
                     continue
                 self._receive(r, int.from_bytes(seq_bytes, "big"), payload)
+            for r, s in self.streams.items():
+                if s.resync:
+                    s.resync = False
+                    if s.reset:
+                        s.reset = False
+                        s.last_seq = -1
+                    self._replay(r, s, None)
         for s in self.streams.values():
             s.sub.close(linger=0)
         self.ctx.term()
@@ -107,12 +124,13 @@ class EventSubscriber:
             self._apply(r, payload)
             s.last_seq = seq
 
-    def _replay(self, r: int, s: _Stream, upto: int) -> None:
-        """Ask for batches ``last_seq + 1 .. upto - 1``."""
+    def _replay(self, r: int, s: _Stream, upto: int | None) -> None:
+        """Ask for batches ``last_seq + 1 .. upto - 1`` (None: every one the replica keeps)."""
         if s.replay_endpoint is None:
-            log.warning("replica %d skipped events %d..%d and has no replay socket",
-                        r, s.last_seq + 1, upto - 1)  # fmt: skip
-            s.last_seq = upto - 1
+            if upto is not None:
+                log.warning("replica %d skipped events %d..%d and has no replay socket",
+                            r, s.last_seq + 1, upto - 1)  # fmt: skip
+                s.last_seq = upto - 1
             return
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -129,13 +147,13 @@ class EventSubscriber:
                 seq = int.from_bytes(frames[1], "big", signed=True)
                 if seq < 0:
                     break
-                if seq == s.last_seq + 1 and seq < upto:
+                if seq == s.last_seq + 1 and (upto is None or seq < upto):
                     self._apply(r, frames[2])
                     s.last_seq = seq
                     self.num_replayed += 1
         finally:
             sock.close(linger=0)
-        if s.last_seq < upto - 1:
+        if upto is not None and s.last_seq < upto - 1:
             log.warning("replica %d's replay lacks events %d..%d; its index may be stale",
                         r, s.last_seq + 1, upto - 1)  # fmt: skip
             s.last_seq = upto - 1
