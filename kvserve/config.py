@@ -554,6 +554,25 @@ KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 BUILTIN_CONNECTORS = {"KVServeConnector": "kvserve.disagg.connector"}
 
 
+def json_object_fields(value: Any, cls: type, name: str) -> dict[str, Any]:
+    """A JSON-object setting (a dict, or its text as the CLI gives it) as keyword arguments of
+    the dataclass ``cls``: refused, naming the setting ``name``, when it is not an object or
+    names a field ``cls`` lacks."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ConfigError(f"{name}: not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{name}: expected a JSON object, got {value!r}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ConfigError(f"{name}: unknown field(s) {', '.join(unknown)}; "
+                          f"known: {', '.join(sorted(known))}")  # fmt: skip
+    return value
+
+
 @dataclass(slots=True)
 class KVTransferConfig:
     """A KV connector of the user's (vLLM's ``kv_transfer_config`` fields): a class named in
@@ -603,19 +622,7 @@ class KVTransferConfig:
         """From a KVTransferConfig, a dict, or a JSON object text (the CLI's form)."""
         if isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise ConfigError(f"kv_transfer_config: not JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ConfigError(f"kv_transfer_config: expected a JSON object, got {value!r}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ConfigError(f"kv_transfer_config: unknown field(s) {', '.join(unknown)}; "
-                              f"known: {', '.join(sorted(known))}")  # fmt: skip
-        return cls(**value)
+        return cls(**json_object_fields(value, cls, "kv_transfer_config"))
 
 
 EVENT_PUBLISHERS = ("null", "zmq")
@@ -671,19 +678,7 @@ class KVEventsConfig:
         """From a KVEventsConfig, a dict, or a JSON object text (the CLI's form)."""
         if isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise ConfigError(f"kv_events_config: not JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ConfigError(f"kv_events_config: expected a JSON object, got {value!r}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ConfigError(f"kv_events_config: unknown field(s) {', '.join(unknown)}; "
-                              f"known: {', '.join(sorted(known))}")  # fmt: skip
-        return cls(**value)
+        return cls(**json_object_fields(value, cls, "kv_events_config"))
 
 
 # uni: the model runs in the engine's process; mp: in worker processes the engine drives;
