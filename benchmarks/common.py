@@ -7,6 +7,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -158,3 +159,17 @@ def emit(summary: dict[str, Any]) -> None:
     """The last line of every benchmark: one JSON object of headline figures."""
     sys.stdout.flush()
     print(json.dumps(summary, sort_keys=True))
+
+
+def run_json_child(
+    argv: list[str], env: dict[str, str], timeout: float = 3600
+) -> dict[str, Any] | None:
+    """Run a benchmark's child process from the repository root and return the last JSON
+    object it printed (None, with its stderr's tail printed, when it failed or printed none)."""
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO,
+                          timeout=timeout)  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode or not lines:
+        print(f"{argv[1:4]} failed (rc {proc.returncode}): {proc.stderr[-2000:]}", flush=True)
+        return None
+    return json.loads(lines[-1])

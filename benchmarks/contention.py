@@ -26,7 +26,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO, bench_model, emit, median, random_prompts, table, vocab_size
+from benchmarks.common import (
+    bench_model,
+    emit,
+    median,
+    random_prompts,
+    run_json_child,
+    table,
+    vocab_size,
+)
 
 BUSY = [sys.executable, "-c", "while True: pass"]
 
@@ -55,15 +63,6 @@ def child(model: str, prompt_file: str, max_tokens: int, dtype: str) -> None:
                 busy.wait()
         out[f"{phase}_tok_s"] = sum(len(r.outputs[0].token_ids) for r in res) / wall
     print(json.dumps(out))
-
-
-def run(argv: list[str], env: dict[str, str]) -> dict[str, Any] | None:
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO, timeout=1800)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode or not lines:
-        print(f"{argv[1:3]} failed (rc {proc.returncode}): {proc.stderr[-2000:]}", flush=True)
-        return None
-    return json.loads(lines[-1])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -109,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for rnd in range(args.rounds):
             for name, (cmd, cenv) in engines.items():
-                res = run(cmd, cenv)
+                res = run_json_child(cmd, cenv, timeout=1800)
                 if res is not None:
                     got[name].append(res)
                     print(f"round {rnd + 1} {name}: {res}", flush=True)

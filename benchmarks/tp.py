@@ -20,14 +20,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO, bench_model, emit, median, random_prompts, table, vocab_size
+from benchmarks.common import (
+    bench_model,
+    emit,
+    median,
+    random_prompts,
+    run_json_child,
+    table,
+    vocab_size,
+)
 
 
 def _time_collectives(worker: Any) -> None:
@@ -81,15 +88,6 @@ def child(model: str, prompt_file: str, max_tokens: int, dtype: str, tp: int) ->
     }
     llm.shutdown()
     print(json.dumps(out))
-
-
-def run(argv: list[str], env: dict[str, str]) -> dict[str, Any] | None:
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO, timeout=3600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode or not lines:
-        print(f"{argv[1:4]} failed (rc {proc.returncode}): {proc.stderr[-2000:]}", flush=True)
-        return None
-    return json.loads(lines[-1])
 
 
 def rank_lists(world_size: int) -> str:
@@ -148,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             for rnd in range(args.rounds):
                 for name, (cmd, cenv) in engines.items():
-                    res = run(cmd, cenv)
+                    res = run_json_child(cmd, cenv, timeout=3600)
                     if res is not None:
                         got[name].append(res)
                         brief = {k: v for k, v in res.items() if k != "tokens"}
