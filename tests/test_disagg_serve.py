@@ -11,6 +11,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 
 from kvserve import SamplingParams
 from kvserve.disagg.proxy import Proxy, build_app
@@ -97,3 +98,23 @@ def test_proxy_prefill_and_decode_processes_give_the_colocated_text(checkpoint, 
         assert d.stop() == 0
         r = asyncio.run(_one(build_app(Proxy([p.url], [d.url])), body))
         assert r.status_code == 502 and "decode engine" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--prefill", "127.0.0.1:8001", "--decode", "http://127.0.0.1:8002"],
+         "argument --prefill: expected an engine's base URL (http://HOST:PORT), got "
+         "'127.0.0.1:8001'"),
+        (["--prefill", "http://127.0.0.1:8001", "--decode", "http://127.0.0.1:8002",
+          "--timeout", "0"], "argument --timeout: expected seconds > 0, got '0'"),
+        (["--prefill", "http://127.0.0.1:8001"], "the following arguments are required: --decode"),
+    ],
+)  # fmt: skip
+def test_proxy_refuses_bad_flags_naming_them(argv, expected, capsys):
+    from kvserve.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["proxy", *argv])
+    assert e.value.code == 2
+    assert expected in capsys.readouterr().err

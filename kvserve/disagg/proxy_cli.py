@@ -9,6 +9,23 @@ from typing import Any
 from kvserve.disagg import PROXY_POLICIES as POLICIES
 
 
+def url(text: str) -> str:
+    if not text.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"expected an engine's base URL (http://HOST:PORT), "
+                                         f"got {text!r}")  # fmt: skip
+    return text.rstrip("/")
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
+    return value
+
+
 def add_proxy_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
     p = sub.add_parser("proxy", help="an OpenAI-compatible front for disaggregated prefill "
                        "and decode engines (vLLM's kv_transfer_params protocol)")  # fmt: skip
@@ -16,6 +33,7 @@ def add_proxy_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
         "--prefill",
         nargs="+",
         required=True,
+        type=url,
         metavar="URL",
         help="base URLs of prefill engines (kv_role kv_producer or kv_both)",
     )
@@ -23,6 +41,7 @@ def add_proxy_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
         "--decode",
         nargs="+",
         required=True,
+        type=url,
         metavar="URL",
         help="base URLs of decode engines (kv_role kv_consumer or kv_both)",
     )
@@ -34,7 +53,7 @@ def add_proxy_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: a free one)")
-    p.add_argument("--timeout", type=float, default=600.0,
+    p.add_argument("--timeout", type=positive_float, default=600.0,
                    help="seconds a call to an engine may take")  # fmt: skip
     return cmd_proxy
 
