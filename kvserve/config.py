@@ -48,8 +48,10 @@ def user_cache_dir() -> Path:
 
 def parse_capture_sizes(value: str | list[int] | tuple[int, ...]) -> str:
     """``cuda_graph_sizes`` as its canonical text (sorted, distinct, comma-separated) from
-    text such as ``"1,2,4"`` or a list of integers; each size an integer in [1, 1024]."""
-    items = value.split(",") if isinstance(value, str) else list(value)
+    text such as ``"1,2,4"``, a list of integers, or the words of vLLM's space-separated flag
+    (``--cuda-graph-sizes 1 2 4``); each size an integer in [1, 1024]."""
+    words = [value] if isinstance(value, str) else list(value)
+    items = [x for w in words for x in (w.split(",") if isinstance(w, str) else [w])]
     sizes = set()
     for x in items:
         try:
@@ -811,9 +813,10 @@ class EngineConfig:
     cuda_graph_sizes: str | None = field(
         default=None,
         metadata={"help": "CUDA: the decode batch sizes captured in CUDA graphs, e.g. "
-                  "'1,2,4,8' (None: vLLM's 1, 2, 4, then multiples of 8 up to "
-                  "--max-num-seqs, at most 256); a larger batch runs eagerly",
-                  "metavar": "SIZES"},
+                  "'1 2 4 8' (vLLM's form) or '1,2,4,8' (None: vLLM's 1, 2, 4, "
+                  "then multiples of 8 up to --max-num-seqs, at most 256); a larger batch "
+                  "runs eagerly",
+                  "metavar": "N", "nargs": "+"},
     )  # fmt: skip
     seed: int = field(default=0, metadata={"help": "seed of the sampler's random generator"})
     # The name is checked against the registry and the device when the engine is built

@@ -174,6 +174,8 @@ def _add_flag(g: Any, s: Setting) -> None:
         kw["help"] += UNIT_HELP.get(s.unit or "", "")
         kw["choices"] = s.choices()
         kw["metavar"] = s.metavar or ("TOKENS" if s.unit == "tokens" else None)
+        if "nargs" in s.field.metadata:  # a list flag, vLLM's form: --cuda-graph-sizes 1 2 4
+            kw["nargs"] = s.field.metadata["nargs"]
     action = g.add_argument(s.flag, *s.aliases, **kw)
     if "%(default)" not in (action.help or ""):  # BooleanOptionalAction adds its own
         action.help = f"{action.help} (default: %(default)s)".lstrip()

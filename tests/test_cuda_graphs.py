@@ -4,11 +4,14 @@ path, on a CPU in float32; padded rows write only the null block), and eager on 
 
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
 import pytest
 import torch
 
 from kvserve.config import ConfigError, EngineConfig
+from kvserve.engine_args import add_engine_args
 from kvserve.llm import engine_config
 from kvserve.sched.output import ScheduledSeq
 from kvserve.worker.cuda_graphs import (
@@ -49,6 +52,23 @@ def test_cuda_graph_sizes_setting_is_canonical_and_checked():
     for bad in ("0", "1,x", "2000", "", [True]):
         with pytest.raises(ConfigError, match=r"cuda_graph_sizes: "):
             EngineConfig(model="m", cuda_graph_sizes=bad)
+
+
+def test_cuda_graph_sizes_flag_takes_vllms_space_separated_list():
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    for argv, want in ((["--cuda-graph-sizes", "8", "2", "1"], "1,2,8"),
+                       (["--cuda-graph-sizes", "4,1"], "1,4")):  # fmt: skip
+        args = p.parse_args(argv)
+        assert (
+            EngineConfig(model="m", cuda_graph_sizes=args.cuda_graph_sizes).cuda_graph_sizes == want
+        )
+    assert p.parse_args([]).cuda_graph_sizes is None
+    with pytest.raises(ConfigError, match=r"cuda_graph_sizes: .*\[1, 1024\]"):
+        EngineConfig(
+            model="m",
+            cuda_graph_sizes=p.parse_args(["--cuda-graph-sizes", "2", "0"]).cuda_graph_sizes,
+        )
 
 
 def test_bucket_is_the_smallest_size_that_holds_the_batch():
