@@ -8,6 +8,10 @@ down (its index entries dropped) and the request goes to the next choice; once a
 started a request, a failure is the client's: a 502 in OpenAI's error shape, or for a stream
 an ``error`` event then ``[DONE]``. A background task checks every replica's ``/health``;
 one that passes again is routed to again and its events re-learned (from its replay socket).
+
+Everything that reads or changes the routing state (the policy, the event index, the loads)
+runs on the event loop, so none of it takes a lock: the event subscriber's thread only decodes,
+and the loop applies its batches in short slices between requests.
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -90,25 +93,32 @@ class RouterState:
         self.replicas = replicas
         self.policy = policy
         self.index = index
-        self.lock = threading.Lock()
         self.tenants = tenants
         self.tokenizer = tokenizer
         self.session_header = session_header.lower()
         self.health_interval_s = health_interval_s
         self.request_timeout_s = request_timeout_s
         self.metrics = RouterMetrics([r.name for r in replicas])
-        ends = [(i, r.events, r.replay) for i, r in enumerate(replicas) if r.events]
-        self.subscriber = EventSubscriber(index, self.lock, ends, topic) if ends else None
+        self.topic = topic
+        self.subscriber: EventSubscriber | None = None  # started on the loop (start())
         self.client: httpx.AsyncClient | None = None
         self.settle_s = settle_s
         self.decision_times: deque[float] = deque(maxlen=100_000)  # seconds, most recent
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Subscribe to the replicas' events, applied on ``loop`` (the one serving requests)."""
+        ends = [(i, r.events, r.replay) for i, r in enumerate(self.replicas) if r.events]
+        if ends and self.subscriber is None:
+            self.subscriber = EventSubscriber(self.index, ends, loop, self.topic)
 
     async def settle(self) -> None:
         sub = self.subscriber
         if sub is None or self.settle_s <= 0:
             return
         deadline = time.monotonic() + 20 * self.settle_s
-        while time.monotonic() < deadline and time.monotonic() - sub.last_batch_at < self.settle_s:
+        while time.monotonic() < deadline and (
+            not sub.idle or time.monotonic() - sub.last_batch_at < self.settle_s
+        ):
             await asyncio.sleep(self.settle_s / 4)
 
     # -- a request's routing key ---------------------------------------------------------------
@@ -226,11 +236,10 @@ async def relay(state: RouterState, raw: Request, path: str, chat: bool) -> Resp
                 for i, ld in enumerate(loads)]  # fmt: skip
         t0 = time.perf_counter()
         try:
-            with state.lock:
-                d = state.policy.choose(req, view)
-                # At once, not when the answer starts (a non-streamed one starts when done):
-                # the prompt's blocks count as the replica's while it computes them.
-                state.policy.routed(req, d.replica)
+            d = state.policy.choose(req, view)
+            # At once, not when the answer starts (a non-streamed one starts when done):
+            # the prompt's blocks count as the replica's while it computes them.
+            state.policy.routed(req, d.replica)
         except NoReplicaError:
             return _error(503, "no healthy replica to serve the request")
         took = time.perf_counter() - t0
@@ -243,8 +252,7 @@ async def relay(state: RouterState, raw: Request, path: str, chat: bool) -> Resp
         m.blocks_in_flight.labels(rep.name).set(rep.load.blocks)
 
         def release(rep: Replica = rep, k: int = d.replica) -> None:
-            with state.lock:
-                state.policy.finished(req, k)
+            state.policy.finished(req, k)
             rep.load.requests -= 1
             rep.load.blocks -= n_blocks
             m.in_flight.labels(rep.name).dec()
@@ -328,6 +336,7 @@ def build_app(state: RouterState) -> FastAPI:
         limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
         timeout = httpx.Timeout(state.request_timeout_s, connect=2.0)
         state.client = httpx.AsyncClient(limits=limits, timeout=timeout)
+        state.start(asyncio.get_running_loop())
         task = asyncio.create_task(state.health_loop())
         try:
             yield
@@ -375,9 +384,8 @@ def build_app(state: RouterState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        with state.lock:
-            for i, r in enumerate(state.replicas):
-                state.metrics.index_blocks.labels(r.name).set(state.index.num_blocks(i))
+        for i, r in enumerate(state.replicas):
+            state.metrics.index_blocks.labels(r.name).set(state.index.num_blocks(i))
         return Response(generate_latest(state.metrics.registry),
                         media_type="text/plain; version=0.0.4")  # fmt: skip
 

@@ -1,29 +1,89 @@
-"""The router's KV-event subscriber: one SUB socket per replica, read by one thread, applied to
-the :class:`~kvserve.router.index.PrefixIndex` under a lock the policies share.
+"""The router's KV-event subscriber: one SUB socket per replica, read by one thread; the
+batches it decodes are applied to the :class:`~kvserve.router.index.PrefixIndex` on the
+router's event loop, in slices of at most ``SLICE_BLOCKS`` blocks.
+
+Why the loop and not the thread: the policies read the index on the loop. Applied by the
+thread under a shared lock, a routing decision would wait for a whole batch (and, once the lock
+is free, for the thread to hand back the GIL and for the OS to wake the loop's thread); applied
+on the loop between requests, the index needs no lock and a decision waits at most for the
+slice in progress: after each slice the drain goes to the back of the loop's queue, behind
+every request that became ready meanwhile. The thread keeps only what must not block the
+loop: the sockets, decoding, sequence numbers and the replay requests.
 
 Gaps are filled from the replica's replay socket (a DEALER speaking REQ's envelope: a REQ
 socket takes only the first of the many replies a replay sends). A sequence number lower than
 expected means the replica restarted (its numbers begin again at 0, its first batch is
 ``AllBlocksCleared``): what it held is forgotten and its stream is replayed from 0.
-:meth:`EventSubscriber.reset` does the same when a health check finds a replica gone.
+:meth:`EventSubscriber.reset` does the same when a health check finds a replica gone; batches
+of the replica still waiting to be applied then are dropped with it (each carries the
+replica's generation at decoding).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import zmq
 
-from kvserve.kv.events import KVEventBatch
+from kvserve.kv.events import BlockRemoved, BlockStored, KVEventBatch
 from kvserve.router.index import PrefixIndex
 
 log = logging.getLogger("kvserve.router")
 
 REPLAY_TIMEOUT_MS = 2000
+# Blocks applied per turn of the event loop: a decision waits at most for this many.
+SLICE_BLOCKS = 128
+
+
+@dataclass(slots=True)
+class _Pending:
+    replica: int
+    generation: int
+    events: deque[Any] | None  # None: forget what the replica holds (it restarted)
+
+
+def _blocks(ev: Any) -> int:
+    return len(ev.block_hashes) if isinstance(ev, BlockStored | BlockRemoved) else 1
+
+
+def _split(ev: Any, k: int) -> tuple[Any, Any]:
+    """``ev``'s first ``k`` blocks, and the rest (a stored chain's rest follows its head)."""
+    if isinstance(ev, BlockRemoved):
+        return (BlockRemoved(ev.block_hashes[:k], ev.medium),
+                BlockRemoved(ev.block_hashes[k:], ev.medium))  # fmt: skip
+    bs, hashes, toks, extra = ev.block_size, ev.block_hashes, ev.token_ids, ev.extra_keys
+
+    def part(lo: int, hi: int | None, parent: bytes | None) -> BlockStored:
+        return BlockStored(hashes[lo:hi], parent, toks[lo * bs : None if hi is None else hi * bs],
+                           bs, ev.lora_id, ev.medium, ev.lora_name,
+                           None if extra is None else extra[lo:hi])  # fmt: skip
+
+    return part(0, k, ev.parent_block_hash), part(k, None, hashes[k - 1])
+
+
+def take_slice(events: deque[Any], budget: int) -> tuple[list[Any], int]:
+    """Pop events from the front of ``events`` worth at most ``budget`` blocks (splitting the
+    one that would exceed it); returns them and the blocks they hold."""
+    out: list[Any] = []
+    used = 0
+    while events and used < budget:
+        n = _blocks(events[0])
+        if used + n <= budget:
+            out.append(events.popleft())
+            used += n
+        else:
+            head, events[0] = _split(events[0], budget - used)
+            out.append(head)
+            used = budget
+    return out, used
 
 
 class _Stream:
@@ -40,34 +100,51 @@ class _Stream:
 
 
 class EventSubscriber:
-    """Reads every replica's events into ``index`` until :meth:`close`."""
+    """Reads every replica's events and applies them to ``index`` on ``loop``, until
+    :meth:`close`. Every method but the thread's is called on ``loop``."""
 
     def __init__(
         self,
         index: PrefixIndex,
-        lock: threading.Lock,
-        endpoints: list[tuple[int, str, str | None]],
+        endpoints: Sequence[tuple[int, str, str | None]],
+        loop: asyncio.AbstractEventLoop,
         topic: str = "",
-        on_batch: Callable[[int], None] | None = None,
+        slice_blocks: int = SLICE_BLOCKS,
+        start: bool = True,
     ) -> None:
-        """``endpoints``: (replica, PUB endpoint, replay endpoint or None) per replica."""
-        self.index, self.lock = index, lock
-        self.ctx = zmq.Context()
+        """``endpoints``: (replica, PUB endpoint, replay endpoint or None) per replica.
+        ``start=False``: no sockets or thread (batches come from :meth:`submit` only)."""
+        self.index, self.loop = index, loop
+        self.slice_blocks = slice_blocks
         self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        self.streams = {r: _Stream(self.ctx, ep, rp, topic) for r, ep, rp in endpoints}
-        self.on_batch = on_batch
-        self.num_batches = 0
-        self.num_replayed = 0
+        self.pending: deque[_Pending] = deque()  # appended by the thread, popped on the loop
+        self.generation: dict[int, int] = {r: 0 for r, _, _ in endpoints}
+        self._draining = False
+        self.num_batches = 0  # applied
+        self.num_replayed = 0  # fetched from a replay socket
         self.last_batch_at = 0.0  # time.monotonic() of the last batch applied
-        self._running = True
-        self._thread = threading.Thread(target=self._run, name="kvserve-router-events",
-                                        daemon=True)  # fmt: skip
-        self._thread.start()
+        self.slice_seconds: deque[float] = deque(maxlen=100_000)  # each slice's apply time
+        self._running = start
+        self.ctx = zmq.Context() if start else None
+        self.streams = ({r: _Stream(self.ctx, ep, rp, topic) for r, ep, rp in endpoints}
+                        if self.ctx is not None else {})  # fmt: skip
+        self._thread: threading.Thread | None = None
+        if start:
+            self._thread = threading.Thread(target=self._run, name="kvserve-router-events",
+                                            daemon=True)  # fmt: skip
+            self._thread.start()
 
+    @property
+    def idle(self) -> bool:
+        """Every batch received has been applied."""
+        return not self.pending
+
+    # -- on the loop ---------------------------------------------------------------------------
     def reset(self, replica: int) -> None:
-        """The replica went away: forget its blocks now, replay its stream from 0 later."""
-        with self.lock:
-            self.index.drop_replica(replica)
+        """The replica went away: forget its blocks now, and any of its batches not yet
+        applied; replay its stream from 0 later."""
+        self.generation[replica] = self.generation.get(replica, 0) + 1
+        self.index.drop_replica(replica)
         s = self.streams.get(replica)
         if s is not None:
             s.reset = True
@@ -81,6 +158,49 @@ class EventSubscriber:
         if s is not None:
             s.resync = True
 
+    def _kick(self) -> None:
+        if not self._draining:
+            self._draining = True
+            self._drain()
+
+    def _drain(self) -> None:
+        """Apply one slice; if batches remain, come back after what else is ready."""
+        t0 = time.perf_counter()
+        budget, index = self.slice_blocks, self.index
+        while budget > 0 and self.pending:
+            item = self.pending[0]
+            if item.generation != self.generation.get(item.replica, 0):
+                self.pending.popleft()  # the replica was reset since: stale
+                continue
+            if item.events is None:
+                index.drop_replica(item.replica)
+                self.pending.popleft()
+                budget -= 1
+                continue
+            events, used = take_slice(item.events, budget)
+            index.apply(item.replica, events)
+            budget -= max(1, used)
+            if not item.events:
+                self.pending.popleft()
+                self.num_batches += 1
+                self.last_batch_at = time.monotonic()
+        self.slice_seconds.append(time.perf_counter() - t0)
+        if self.pending:
+            self.loop.call_soon(self._drain)
+        else:
+            self._draining = False
+
+    # -- from any thread -----------------------------------------------------------------------
+    def submit(self, replica: int, events: Sequence[Any] | None) -> None:
+        """Queue a decoded batch (None: forget the replica's blocks) for the loop to apply."""
+        gen = self.generation.get(replica, 0)
+        self.pending.append(_Pending(replica, gen, None if events is None else deque(events)))
+        try:
+            self.loop.call_soon_threadsafe(self._kick)
+        except RuntimeError:  # the loop is closed: the router is stopping
+            pass
+
+    # -- the thread ----------------------------------------------------------------------------
     def _run(self) -> None:
         poller = zmq.Poller()
         by_socket = {}
@@ -109,6 +229,7 @@ class EventSubscriber:
                     self._replay(r, s, None)
         for s in self.streams.values():
             s.sub.close(linger=0)
+        assert self.ctx is not None
         self.ctx.term()
 
     def _receive(self, r: int, seq: int, payload: bytes) -> None:
@@ -116,12 +237,11 @@ class EventSubscriber:
         if s.reset or seq < s.last_seq + 1:  # restarted (or found gone): from 0 again
             s.reset = False
             s.last_seq = -1
-            with self.lock:
-                self.index.drop_replica(r)
+            self.submit(r, None)
         if seq > s.last_seq + 1:
             self._replay(r, s, seq)
         if seq == s.last_seq + 1:
-            self._apply(r, payload)
+            self._decode(r, payload)
             s.last_seq = seq
 
     def _replay(self, r: int, s: _Stream, upto: int | None) -> None:
@@ -132,6 +252,7 @@ class EventSubscriber:
                             r, s.last_seq + 1, upto - 1)  # fmt: skip
                 s.last_seq = upto - 1
             return
+        assert self.ctx is not None
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         try:
@@ -148,7 +269,7 @@ class EventSubscriber:
                 if seq < 0:
                     break
                 if seq == s.last_seq + 1 and (upto is None or seq < upto):
-                    self._apply(r, frames[2])
+                    self._decode(r, frames[2])
                     s.last_seq = seq
                     self.num_replayed += 1
         finally:
@@ -158,19 +279,15 @@ class EventSubscriber:
                         r, s.last_seq + 1, upto - 1)  # fmt: skip
             s.last_seq = upto - 1
 
-    def _apply(self, r: int, payload: bytes) -> None:
+    def _decode(self, r: int, payload: bytes) -> None:
         try:
             batch = self.decoder.decode(payload)
         except msgspec.DecodeError:
             log.warning("replica %d sent an event batch that does not decode", r)
             return
-        with self.lock:
-            self.index.apply(r, batch.events)
-        self.num_batches += 1
-        self.last_batch_at = time.monotonic()
-        if self.on_batch is not None:
-            self.on_batch(r)
+        self.submit(r, batch.events)
 
     def close(self) -> None:
         self._running = False
-        self._thread.join(timeout=2)
+        if self._thread is not None:
+            self._thread.join(timeout=2)
