@@ -10,14 +10,16 @@ an ``error`` event then ``[DONE]``. A background task checks every replica's ``/
 one that passes again is routed to again and its events re-learned (from its replay socket).
 
 Everything that reads or changes the routing state (the policy, the event index, the loads)
-runs on the event loop, so none of it takes a lock: the event subscriber's thread only decodes,
-and the loop applies its batches in short slices between requests.
+runs on the event loop, in one thread, so none of it takes a lock or waits for the GIL: the
+event subscriber reads its sockets on the loop too, and applies batches in short slices
+between requests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import time
@@ -106,7 +108,13 @@ class RouterState:
         self.decision_times: deque[float] = deque(maxlen=100_000)  # seconds, most recent
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Subscribe to the replicas' events, applied on ``loop`` (the one serving requests)."""
+        """Subscribe to the replicas' events, applied on ``loop`` (the one serving requests).
+
+        Everything loaded so far (the web framework, the tokenizer) lives as long as the
+        router: frozen out of the garbage collector's reach, a full collection, which may
+        fall inside a routing decision, scans only what came after."""
+        gc.collect()
+        gc.freeze()
         ends = [(i, r.events, r.replay) for i, r in enumerate(self.replicas) if r.events]
         if ends and self.subscriber is None:
             self.subscriber = EventSubscriber(self.index, ends, loop, self.topic)
@@ -180,11 +188,15 @@ class RouterState:
         assert self.client is not None
 
         async def one(i: int, r: Replica) -> None:
-            try:
-                resp = await self.client.get(r.url + "/health", timeout=2.0)
-                ok, why = resp.status_code == 200, f"/health answered {resp.status_code}"
-            except httpx.HTTPError as e:
-                ok, why = False, f"{type(e).__name__}"
+            # Twice on a transport error: a kept-alive connection the replica closed as it
+            # was reused fails once, and a replica marked down loses its index.
+            for _ in range(2):
+                try:
+                    resp = await self.client.get(r.url + "/health", timeout=2.0)
+                    ok, why = resp.status_code == 200, f"/health answered {resp.status_code}"
+                    break
+                except httpx.HTTPError as e:
+                    ok, why = False, f"{type(e).__name__}"
             self.mark_up(i) if ok else self.mark_down(i, why)
 
         await asyncio.gather(*(one(i, r) for i, r in enumerate(self.replicas)))
@@ -194,9 +206,9 @@ class RouterState:
             await self.check_health()
             await asyncio.sleep(self.health_interval_s)
 
-    def close(self) -> None:
+    async def aclose(self) -> None:
         if self.subscriber is not None:
-            self.subscriber.close()
+            await self.subscriber.aclose()
 
 
 def _error(status: int, message: str, code: str | None = None) -> JSONResponse:
@@ -343,7 +355,7 @@ def build_app(state: RouterState) -> FastAPI:
         finally:
             task.cancel()
             await state.client.aclose()
-            state.close()
+            await state.aclose()
 
     app = FastAPI(title="kvserve router", lifespan=lifespan)
 

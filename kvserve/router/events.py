@@ -1,14 +1,15 @@
-"""The router's KV-event subscriber: one SUB socket per replica, read by one thread; the
-batches it decodes are applied to the :class:`~kvserve.router.index.PrefixIndex` on the
-router's event loop, in slices of at most ``SLICE_BLOCKS`` blocks.
+"""The router's KV-event subscriber: one SUB socket per replica, read by a task on the
+router's event loop, and the batches applied to the
+:class:`~kvserve.router.index.PrefixIndex` on that loop in slices of at most
+``SLICE_BLOCKS`` blocks.
 
-Why the loop and not the thread: the policies read the index on the loop. Applied by the
-thread under a shared lock, a routing decision would wait for a whole batch (and, once the lock
-is free, for the thread to hand back the GIL and for the OS to wake the loop's thread); applied
-on the loop between requests, the index needs no lock and a decision waits at most for the
-slice in progress: after each slice the drain goes to the back of the loop's queue, behind
-every request that became ready meanwhile. The thread keeps only what must not block the
-loop: the sockets, decoding, sequence numbers and the replay requests.
+Why no thread: the policies read the index on the loop. A thread applying batches under a
+shared lock makes a decision wait for a whole batch; a thread that only decodes still shares
+the GIL, and on a machine whose cores the replicas keep busy, a thread preempted while it holds
+the GIL stalls the loop for a scheduler's time slice (milliseconds) in the middle of a decision.
+On the loop, the sockets are read between requests, the index needs no lock, and a decision
+waits at most for the slice in progress: after each slice the drain goes to the back of the
+loop's queue, behind every request that became ready meanwhile.
 
 Gaps are filled from the replica's replay socket (a DEALER speaking REQ's envelope: a REQ
 socket takes only the first of the many replies a replay sends). A sequence number lower than
@@ -22,8 +23,8 @@ replica's generation at decoding).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -32,6 +33,7 @@ from typing import Any
 
 import msgspec
 import zmq
+import zmq.asyncio
 
 from kvserve.kv.events import BlockRemoved, BlockStored, KVEventBatch
 from kvserve.router.index import PrefixIndex
@@ -87,7 +89,8 @@ def take_slice(events: deque[Any], budget: int) -> tuple[list[Any], int]:
 
 
 class _Stream:
-    def __init__(self, ctx: zmq.Context, endpoint: str, replay: str | None, topic: str) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, replay: str | None,
+                 topic: str) -> None:  # fmt: skip
         self.sub = ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt(zmq.RECONNECT_IVL, 100)
@@ -101,7 +104,7 @@ class _Stream:
 
 class EventSubscriber:
     """Reads every replica's events and applies them to ``index`` on ``loop``, until
-    :meth:`close`. Every method but the thread's is called on ``loop``."""
+    :meth:`aclose`. Made, and every method called, on ``loop``."""
 
     def __init__(
         self,
@@ -113,33 +116,28 @@ class EventSubscriber:
         start: bool = True,
     ) -> None:
         """``endpoints``: (replica, PUB endpoint, replay endpoint or None) per replica.
-        ``start=False``: no sockets or thread (batches come from :meth:`submit` only)."""
+        ``start=False``: no sockets or reader (batches come from :meth:`submit` only)."""
         self.index, self.loop = index, loop
         self.slice_blocks = slice_blocks
         self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        self.pending: deque[_Pending] = deque()  # appended by the thread, popped on the loop
+        self.pending: deque[_Pending] = deque()
         self.generation: dict[int, int] = {r: 0 for r, _, _ in endpoints}
         self._draining = False
         self.num_batches = 0  # applied
         self.num_replayed = 0  # fetched from a replay socket
         self.last_batch_at = 0.0  # time.monotonic() of the last batch applied
         self.slice_seconds: deque[float] = deque(maxlen=100_000)  # each slice's apply time
-        self._running = start
-        self.ctx = zmq.Context() if start else None
+        self.ctx = zmq.asyncio.Context() if start else None
         self.streams = ({r: _Stream(self.ctx, ep, rp, topic) for r, ep, rp in endpoints}
                         if self.ctx is not None else {})  # fmt: skip
-        self._thread: threading.Thread | None = None
-        if start:
-            self._thread = threading.Thread(target=self._run, name="kvserve-router-events",
-                                            daemon=True)  # fmt: skip
-            self._thread.start()
+        self._wake = asyncio.Event()  # a resync was asked for
+        self._task = loop.create_task(self._run()) if start else None
 
     @property
     def idle(self) -> bool:
         """Every batch received has been applied."""
         return not self.pending
 
-    # -- on the loop ---------------------------------------------------------------------------
     def reset(self, replica: int) -> None:
         """The replica went away: forget its blocks now, and any of its batches not yet
         applied; replay its stream from 0 later."""
@@ -157,11 +155,17 @@ class EventSubscriber:
         s = self.streams.get(replica)
         if s is not None:
             s.resync = True
+            self._wake.set()
 
-    def _kick(self) -> None:
+    # -- applying ------------------------------------------------------------------------------
+    def submit(self, replica: int, events: Sequence[Any] | None) -> None:
+        """Queue a decoded batch (None: forget the replica's blocks); it is applied in slices,
+        the first once the requests ready now have run."""
+        gen = self.generation.get(replica, 0)
+        self.pending.append(_Pending(replica, gen, None if events is None else deque(events)))
         if not self._draining:
             self._draining = True
-            self._drain()
+            self.loop.call_soon(self._drain)
 
     def _drain(self) -> None:
         """Apply one slice; if batches remain, come back after what else is ready."""
@@ -190,61 +194,59 @@ class EventSubscriber:
         else:
             self._draining = False
 
-    # -- from any thread -----------------------------------------------------------------------
-    def submit(self, replica: int, events: Sequence[Any] | None) -> None:
-        """Queue a decoded batch (None: forget the replica's blocks) for the loop to apply."""
-        gen = self.generation.get(replica, 0)
-        self.pending.append(_Pending(replica, gen, None if events is None else deque(events)))
-        try:
-            self.loop.call_soon_threadsafe(self._kick)
-        except RuntimeError:  # the loop is closed: the router is stopping
-            pass
-
-    # -- the thread ----------------------------------------------------------------------------
-    def _run(self) -> None:
-        poller = zmq.Poller()
+    # -- reading -------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        poller = zmq.asyncio.Poller()
         by_socket = {}
         for r, s in self.streams.items():
             poller.register(s.sub, zmq.POLLIN)
             by_socket[s.sub] = r
-        while self._running:
-            try:
-                ready = dict(poller.poll(100))
-            except zmq.ZMQError:
-                break
-            for sock in ready:
-                r = by_socket[sock]
-                try:
-                    _, seq_bytes, payload = sock.recv_multipart()
-                except ValueError:
-                    log.warning("replica %d sent a malformed event message", r)
-                    continue
-                self._receive(r, int.from_bytes(seq_bytes, "big"), payload)
-            for r, s in self.streams.items():
-                if s.resync:
-                    s.resync = False
-                    if s.reset:
-                        s.reset = False
-                        s.last_seq = -1
-                    self._replay(r, s, None)
-        for s in self.streams.values():
-            s.sub.close(linger=0)
-        assert self.ctx is not None
-        self.ctx.term()
+        wake = asyncio.ensure_future(self._wake.wait())
+        try:
+            while True:
+                polled = asyncio.ensure_future(poller.poll(1000))
+                await asyncio.wait((polled, wake), return_when=asyncio.FIRST_COMPLETED)
+                ready = polled.result() if polled.done() else []
+                if not polled.done():
+                    polled.cancel()
+                for sock, _ in ready:
+                    r = by_socket[sock]
+                    # Everything queued on this socket now, then the others get a turn.
+                    for _ in range(64):
+                        try:
+                            frames = await sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        if len(frames) != 3:
+                            log.warning("replica %d sent a malformed event message", r)
+                            continue
+                        await self._receive(r, int.from_bytes(frames[1], "big"), frames[2])
+                if wake.done():
+                    self._wake.clear()
+                    wake = asyncio.ensure_future(self._wake.wait())
+                for r, s in self.streams.items():
+                    if s.resync:
+                        s.resync = False
+                        if s.reset:
+                            s.reset = False
+                            s.last_seq = -1
+                        await self._replay(r, s, None)
+        finally:
+            wake.cancel()
 
-    def _receive(self, r: int, seq: int, payload: bytes) -> None:
+    async def _receive(self, r: int, seq: int, payload: bytes) -> None:
         s = self.streams[r]
         if s.reset or seq < s.last_seq + 1:  # restarted (or found gone): from 0 again
             s.reset = False
             s.last_seq = -1
             self.submit(r, None)
         if seq > s.last_seq + 1:
-            self._replay(r, s, seq)
+            await self._replay(r, s, seq)
         if seq == s.last_seq + 1:
             self._decode(r, payload)
             s.last_seq = seq
 
-    def _replay(self, r: int, s: _Stream, upto: int | None) -> None:
+    async def _replay(self, r: int, s: _Stream, upto: int | None) -> None:
         """Ask for batches ``last_seq + 1 .. upto - 1`` (None: every one the replica keeps)."""
         if s.replay_endpoint is None:
             if upto is not None:
@@ -257,12 +259,12 @@ class EventSubscriber:
         sock.setsockopt(zmq.LINGER, 0)
         try:
             sock.connect(s.replay_endpoint)
-            sock.send_multipart((b"", (s.last_seq + 1).to_bytes(8, "big")))
+            await sock.send_multipart((b"", (s.last_seq + 1).to_bytes(8, "big")))
             deadline = time.monotonic() + REPLAY_TIMEOUT_MS / 1000
             while time.monotonic() < deadline:
-                if not sock.poll(REPLAY_TIMEOUT_MS):
+                if not await sock.poll(REPLAY_TIMEOUT_MS):
                     break
-                frames = sock.recv_multipart()
+                frames = await sock.recv_multipart()
                 if len(frames) != 3:
                     break
                 seq = int.from_bytes(frames[1], "big", signed=True)
@@ -287,7 +289,14 @@ class EventSubscriber:
             return
         self.submit(r, batch.events)
 
-    def close(self) -> None:
-        self._running = False
-        if self._thread is not None:
-            self._thread.join(timeout=2)
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, zmq.ZMQError):
+                await self._task
+            self._task = None
+        for s in self.streams.values():
+            s.sub.close(linger=0)
+        if self.ctx is not None:
+            self.ctx.term()
+            self.ctx = None
