@@ -333,8 +333,13 @@ def main() -> None:
             sim[str(n)] = simulate(a.sim_profile, n, serve_kw, big, rate * scale, max_tokens,
                                    a.seed, tok)  # fmt: skip
         sim["error"] = sim_error(sim[str(a.replicas)], real)
+        # The curve's other rates at N replicas, and the simulator's error at each.
+        sim["curve"] = {}
+        for r in rates[1:]:
+            at = simulate(a.sim_profile, a.replicas, serve_kw, trace, r, max_tokens, a.seed, tok)
+            sim["curve"][f"{r:g}"] = {"sim": at, "error": sim_error(at, curve[f"{r:g}"])}
         print(table([{"replicas": n, "policy": k, **v} for n, res in sim.items()
-                     if n != "error" for k, v in res.items()],
+                     if n not in ("error", "curve") for k, v in res.items()],
                     ["replicas", "policy", "hit_rate", "ttft_p90_s", "output_tok_s"]))  # fmt: skip
     emit({
         "benchmark": "routing", "replicas": a.replicas, "requests": len(trace), "rate": rate,
