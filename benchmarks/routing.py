@@ -72,7 +72,7 @@ def free_port() -> int:
 class Replicas:
     """N ``kvserve serve`` processes, replica i pinned to core i % cpus, events on ipc."""
 
-    def __init__(self, n: int, serve_args: list[str], tmp: str) -> None:
+    def __init__(self, n: int, serve_args: list[str], tmp: str, nice: int = 0) -> None:
         self.procs: list[subprocess.Popen] = []
         self.specs: list[str] = []
         cores = sorted(os.sched_getaffinity(0))
@@ -99,7 +99,8 @@ class Replicas:
             core = cores[i % len(cores)]
             self.procs.append(subprocess.Popen(
                 cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                preexec_fn=lambda c=core: os.sched_setaffinity(0, {c})))  # fmt: skip
+                preexec_fn=lambda c=core: (os.sched_setaffinity(0, {c}),
+                                           os.nice(nice))))  # fmt: skip
             self.specs.append(f"http://127.0.0.1:{port},{ev},{rp}")
         for p, spec in zip(self.procs, self.specs, strict=True):
             wait_ready(int(spec.split(",")[0].rsplit(":", 1)[1]), 300, p)
@@ -273,6 +274,9 @@ def main() -> None:
     p.add_argument("--sim-profile", default=None, help="a calibrated profile: the simulator's "
                    "prediction beside the real figures")  # fmt: skip
     p.add_argument("--sim-replicas", default="8,32")
+    p.add_argument("--replica-nice", type=int, default=0, help="the replicas' niceness: > 0 "
+                   "serves the router first when they keep every core busy, as a core of its "
+                   "own would")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     bad = [x for x in a.policies.split(",") if x not in POLICIES]
@@ -343,6 +347,7 @@ def main() -> None:
                     ["replicas", "policy", "hit_rate", "ttft_p90_s", "output_tok_s"]))  # fmt: skip
     emit({
         "benchmark": "routing", "replicas": a.replicas, "requests": len(trace), "rate": rate,
+        "replica_nice": a.replica_nice,
         "policies": {k: {f: v[f] for f in FIGURES} for k, v in real.items()},
         "decision_p99_ms": real.get("prefix", {}).get("decision_p99_ms"),
         "decision_p99_ms_by_policy": {k: v["decision_p99_ms"] for k, v in real.items()},
@@ -361,7 +366,7 @@ def run_rate(a: argparse.Namespace, rate: float, trace: list, serve_args: list[s
     out: dict[str, dict[str, Any]] = {}
     for policy in a.policies.split(","):
         with tempfile.TemporaryDirectory() as tmp:
-            reps = Replicas(a.replicas, serve_args, tmp)
+            reps = Replicas(a.replicas, serve_args, tmp, a.replica_nice)
             router = None
             try:
                 router = Router(reps.specs, policy, model)

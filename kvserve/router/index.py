@@ -44,8 +44,11 @@ def first_key(salt: str | None) -> bytes:
     return b"\0salt\0" + (b"\1" + str(salt).encode() if salt is not None else b"")
 
 
-def edge_key(parent: bytes, tokens: Sequence[int]) -> bytes:
-    return b"%d:%b%b" % (len(parent), parent, array("q", tokens).tobytes())
+def edge_key(parent: bytes, tokens: Sequence[int] | bytes) -> bytes:
+    """The key of the edge ``parent`` -> block: the parent's key (length-prefixed) and the
+    block's token ids as little-endian int64 (or those bytes, already packed)."""
+    packed = tokens if isinstance(tokens, bytes) else array("q", tokens).tobytes()
+    return b"%d:%b%b" % (len(parent), parent, packed)
 
 
 class PrefixIndex:
@@ -138,8 +141,9 @@ class PrefixIndex:
         out: list[bytes] = []
         parent: Any = first_key(salt)
         edges = self.edges
-        for lo in range(0, len(token_ids) - bs + 1, bs):
-            h = edges.get(edge_key(parent, token_ids[lo : lo + bs]))
+        packed, step = array("q", token_ids).tobytes(), 8 * bs  # packed once, sliced per block
+        for lo in range(0, len(packed) - step + 1, step):
+            h = edges.get(edge_key(parent, packed[lo : lo + step]))
             if h is None:
                 break
             out.append(h)
