@@ -374,6 +374,8 @@ def run_rate(a: argparse.Namespace, rate: float, trace: list, serve_args: list[s
                 res = figures(recs)
                 res["decision_p99_ms"] = (pct(list(router.state.decision_times), 0.99)
                                           or 0.0) * 1000  # fmt: skip
+                res["decision_cpu_p99_ms"] = (pct(list(router.state.decision_cpu_times), 0.99)
+                                              or 0.0) * 1000  # fmt: skip
                 sub = router.state.subscriber
                 if sub is not None:
                     res["index_slice_p99_ms"] = (pct(list(sub.slice_seconds), 0.99)
@@ -386,7 +388,8 @@ def run_rate(a: argparse.Namespace, rate: float, trace: list, serve_args: list[s
         print(f"# rate {rate:g}/s {policy}: {out[policy]}", flush=True)
     rows = [{"rate": rate, "policy": k, **v} for k, v in out.items()]
     print(table(rows, ["rate", "policy", "hit_rate", "ttft_p90_s", "output_tok_s", "failed",
-                       "decision_p99_ms", "index_slice_p99_ms"]), flush=True)  # fmt: skip
+                       "decision_p99_ms", "decision_cpu_p99_ms", "index_slice_p99_ms"]),
+          flush=True)  # fmt: skip
     pre, rr, ll = out.get("prefix"), out.get("round_robin"), out.get("least_load")
     if pre and rr and pre["ttft_p90_s"] and rr["ttft_p90_s"]:
         pre["ttft_p90_vs_round_robin"] = rr["ttft_p90_s"] / pre["ttft_p90_s"]

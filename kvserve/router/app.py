@@ -106,6 +106,8 @@ class RouterState:
         self.client: httpx.AsyncClient | None = None
         self.settle_s = settle_s
         self.decision_times: deque[float] = deque(maxlen=100_000)  # seconds, most recent
+        # The same decisions' CPU time: the wall time less any wait for a core.
+        self.decision_cpu_times: deque[float] = deque(maxlen=100_000)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Subscribe to the replicas' events, applied on ``loop`` (the one serving requests).
@@ -246,7 +248,7 @@ async def relay(state: RouterState, raw: Request, path: str, chat: bool) -> Resp
     while True:
         view = [ReplicaLoad(ld.healthy and i not in tried, ld.requests, ld.blocks)
                 for i, ld in enumerate(loads)]  # fmt: skip
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             d = state.policy.choose(req, view)
             # At once, not when the answer starts (a non-streamed one starts when done):
@@ -257,6 +259,7 @@ async def relay(state: RouterState, raw: Request, path: str, chat: bool) -> Resp
         took = time.perf_counter() - t0
         m.decision_seconds.observe(took)
         state.decision_times.append(took)
+        state.decision_cpu_times.append(time.thread_time() - c0)
         rep = state.replicas[d.replica]
         rep.load.requests += 1
         rep.load.blocks += n_blocks
