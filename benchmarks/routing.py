@@ -72,7 +72,7 @@ def free_port() -> int:
 class Replicas:
     """N ``kvserve serve`` processes, replica i pinned to core i % cpus, events on ipc."""
 
-    def __init__(self, n: int, serve_args: list[str], tmp: str) -> None:
+    def __init__(self, n: int, serve_args: list[str], tmp: str, nice: int = 0) -> None:
         self.procs: list[subprocess.Popen] = []
         self.specs: list[str] = []
         cores = sorted(os.sched_getaffinity(0))
@@ -99,7 +99,8 @@ class Replicas:
             core = cores[i % len(cores)]
             self.procs.append(subprocess.Popen(
                 cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                preexec_fn=lambda c=core: os.sched_setaffinity(0, {c})))  # fmt: skip
+                preexec_fn=lambda c=core: (os.sched_setaffinity(0, {c}),
+                                           os.nice(nice))))  # fmt: skip
             self.specs.append(f"http://127.0.0.1:{port},{ev},{rp}")
         for p, spec in zip(self.procs, self.specs, strict=True):
             wait_ready(int(spec.split(",")[0].rsplit(":", 1)[1]), 300, p)
@@ -155,13 +156,15 @@ class Router:
 
 async def drive(url: str, trace: list[tuple[int, str]], rate: float, max_tokens: int,
                 seed: int) -> list[dict[str, Any]]:  # fmt: skip
-    """Open loop: each request at its Poisson arrival, streamed; TTFT, tokens and hits."""
+    """Open loop: each request at its arrival (the schedule ``kvserve bench`` and the
+    simulator draw for this rate and seed), streamed; TTFT, tokens and hits."""
     import httpx
 
-    rng = random.Random(seed)
-    gaps = [rng.expovariate(rate) for _ in trace]
+    from kvserve.bench.workloads import arrival_times
+
     out: list[dict[str, Any]] = []
-    async with httpx.AsyncClient(timeout=600) as client:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
 
         async def one(delay: float, prompt: str) -> None:
             await asyncio.sleep(delay)
@@ -185,12 +188,27 @@ async def drive(url: str, trace: list[tuple[int, str]], rate: float, max_tokens:
             rec["end"] = time.perf_counter()
             out.append(rec)
 
-        at, tasks = 0.0, []
-        for (_, prompt), gap in zip(trace, gaps, strict=True):
-            at += gap
-            tasks.append(one(at, prompt))
-        await asyncio.gather(*tasks)
+        sends = arrival_times(len(trace), rate, 1.0, seed)
+        pairs = zip(trace, sends, strict=True)
+        await asyncio.gather(*(one(at, prompt) for (_, prompt), at in pairs))
     return out
+
+
+def drive_elsewhere(url: str, trace: list[tuple[int, str]], rate: float, max_tokens: int,
+                    seed: int) -> list[dict[str, Any]]:  # fmt: skip
+    """:func:`drive` in a process of its own: sharing the router's process, the client's
+    thread would hold the GIL while the router decides (a real router has its process to
+    itself), and the decision times would measure the benchmark's client."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_drive_sync, url, trace, rate, max_tokens, seed).result()
+
+
+def _drive_sync(url: str, trace: list[tuple[int, str]], rate: float, max_tokens: int,
+                seed: int) -> list[dict[str, Any]]:  # fmt: skip
+    return asyncio.run(drive(url, trace, rate, max_tokens, seed))
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -246,13 +264,19 @@ def main() -> None:
     p.add_argument("--users", type=int, default=None)
     p.add_argument("--question-tokens", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--rate", type=float, default=None, help="requests per second")
+    p.add_argument("--rate", type=float, default=None, help="requests per second (the JSON "
+                   "line's policies, and the simulator's trace)")  # fmt: skip
+    p.add_argument("--rates", default="", help="more rates, comma-separated: every policy at "
+                   "each too, in the JSON line's curve")  # fmt: skip
     p.add_argument("--kv-demand", type=float, default=0.7)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--sim-profile", default=None, help="a calibrated profile: the simulator's "
                    "prediction beside the real figures")  # fmt: skip
     p.add_argument("--sim-replicas", default="8,32")
+    p.add_argument("--replica-nice", type=int, default=0, help="the replicas' niceness: > 0 "
+                   "serves the router first when they keep every core busy, as a core of its "
+                   "own would")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     bad = [x for x in a.policies.split(",") if x not in POLICIES]
@@ -268,6 +292,13 @@ def main() -> None:
     users = a.users or (4 if quick else 8)
     max_tokens = a.max_tokens or (8 if quick else 32)
     rate = a.rate or (2.0 if quick else 3.0)
+    try:
+        extra = [float(x) for x in a.rates.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--rates: expected comma-separated numbers, got {a.rates!r}")
+    if any(not x > 0 for x in [rate, *extra]):
+        p.error("--rate, --rates: every rate must be > 0")
+    rates = [rate, *[x for x in extra if x != rate]]
 
     from kvserve.engine_args import default_model
     from kvserve.model.tokenizer import Tokenizer
@@ -287,30 +318,15 @@ def main() -> None:
                   "--served-model-name", "m"]  # fmt: skip
     print(
         f"# {a.replicas} replicas x {pool} blocks of {bs}; {customers} customers x "
-        f"{context}-token contexts x {users} users = {len(trace)} requests at {rate}/s; "
+        f"{context}-token contexts x {users} users = {len(trace)} requests at "
+        f"{', '.join(f'{r:g}' for r in rates)}/s; "
         f"contexts are {ctx_blocks / (pool * a.replicas):.0%} of the pools",
         flush=True,
     )
-    real: dict[str, dict[str, Any]] = {}
-    decision_p99: dict[str, float | None] = {}
-    for policy in a.policies.split(","):
-        with tempfile.TemporaryDirectory() as tmp:
-            reps = Replicas(a.replicas, serve_args, tmp)
-            router = None
-            try:
-                router = Router(reps.specs, policy, model)
-                recs = asyncio.run(drive(router.url, trace, rate, max_tokens, a.seed))
-                real[policy] = figures(recs)
-                times = list(router.state.decision_times)
-                decision_p99[policy] = (pct(times, 0.99) or 0.0) * 1000
-            finally:
-                if router is not None:
-                    router.close()
-                reps.close()
-        print(f"# {policy}: {real[policy]}", flush=True)
-    rows = [{"policy": k, **v, "decision_p99_ms": decision_p99[k]} for k, v in real.items()]
-    print(table(rows, ["policy", "hit_rate", "ttft_p90_s", "output_tok_s", "failed",
-                       "decision_p99_ms"]))  # fmt: skip
+    curve: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in rates:
+        curve[f"{r:g}"] = run_rate(a, r, trace, serve_args, model, max_tokens)
+    real = curve[f"{rate:g}"]
     sim: dict[str, Any] | None = None
     if a.sim_profile:
         sim = {str(a.replicas): simulate(a.sim_profile, a.replicas, serve_kw, trace, rate,
@@ -320,13 +336,81 @@ def main() -> None:
             big = make_trace(tok, customers * scale, context, users, a.question_tokens, a.seed)
             sim[str(n)] = simulate(a.sim_profile, n, serve_kw, big, rate * scale, max_tokens,
                                    a.seed, tok)  # fmt: skip
+        sim["error"] = sim_error(sim[str(a.replicas)], real)
+        # The curve's other rates at N replicas, and the simulator's error at each.
+        sim["curve"] = {}
+        for r in rates[1:]:
+            at = simulate(a.sim_profile, a.replicas, serve_kw, trace, r, max_tokens, a.seed, tok)
+            sim["curve"][f"{r:g}"] = {"sim": at, "error": sim_error(at, curve[f"{r:g}"])}
+        print(table([{"replicas": n, "policy": k, **v} for n, res in sim.items()
+                     if n not in ("error", "curve") for k, v in res.items()],
+                    ["replicas", "policy", "hit_rate", "ttft_p90_s", "output_tok_s"]))  # fmt: skip
     emit({
-        "benchmark": "routing", "replicas": a.replicas, "requests": len(trace),
-        "policies": real,
-        "decision_p99_ms": decision_p99.get("prefix"),
-        "decision_p99_ms_by_policy": decision_p99,
+        "benchmark": "routing", "replicas": a.replicas, "requests": len(trace), "rate": rate,
+        "replica_nice": a.replica_nice,
+        "policies": {k: {f: v[f] for f in FIGURES} for k, v in real.items()},
+        "decision_p99_ms": real.get("prefix", {}).get("decision_p99_ms"),
+        "decision_p99_ms_by_policy": {k: v["decision_p99_ms"] for k, v in real.items()},
+        "index_slice_p99_ms": real.get("prefix", {}).get("index_slice_p99_ms"),
+        "curve": curve,
         "sim": sim,
     })  # fmt: skip
+
+
+FIGURES = ("hit_rate", "ttft_p90_s", "output_tok_s", "failed")
+
+
+def run_rate(a: argparse.Namespace, rate: float, trace: list, serve_args: list[str],
+             model: str, max_tokens: int) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """Every policy at one rate, each on fresh replicas; the targets' ratios beside."""
+    out: dict[str, dict[str, Any]] = {}
+    for policy in a.policies.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            reps = Replicas(a.replicas, serve_args, tmp, a.replica_nice)
+            router = None
+            try:
+                router = Router(reps.specs, policy, model)
+                recs = drive_elsewhere(router.url, trace, rate, max_tokens, a.seed)
+                res = figures(recs)
+                res["decision_p99_ms"] = (pct(list(router.state.decision_times), 0.99)
+                                          or 0.0) * 1000  # fmt: skip
+                res["decision_cpu_p99_ms"] = (pct(list(router.state.decision_cpu_times), 0.99)
+                                              or 0.0) * 1000  # fmt: skip
+                sub = router.state.subscriber
+                if sub is not None:
+                    res["index_slice_p99_ms"] = (pct(list(sub.slice_seconds), 0.99)
+                                                 or 0.0) * 1000  # fmt: skip
+                out[policy] = res
+            finally:
+                if router is not None:
+                    router.close()
+                reps.close()
+        print(f"# rate {rate:g}/s {policy}: {out[policy]}", flush=True)
+    rows = [{"rate": rate, "policy": k, **v} for k, v in out.items()]
+    print(table(rows, ["rate", "policy", "hit_rate", "ttft_p90_s", "output_tok_s", "failed",
+                       "decision_p99_ms", "decision_cpu_p99_ms", "index_slice_p99_ms"]),
+          flush=True)  # fmt: skip
+    pre, rr, ll = out.get("prefix"), out.get("round_robin"), out.get("least_load")
+    if pre and rr and pre["ttft_p90_s"] and rr["ttft_p90_s"]:
+        pre["ttft_p90_vs_round_robin"] = rr["ttft_p90_s"] / pre["ttft_p90_s"]
+    if pre and ll and ll["output_tok_s"]:
+        pre["output_tok_s_vs_least_load"] = pre["output_tok_s"] / ll["output_tok_s"]
+    return out
+
+
+def sim_error(sim: dict[str, dict], real: dict[str, dict]) -> dict[str, dict[str, float]]:
+    """Per policy and figure: (simulated - real) / real (hit rate: the difference in points)."""
+    out: dict[str, dict[str, float]] = {}
+    for k, r in real.items():
+        s = sim.get(k)
+        if s is None:
+            continue
+        e: dict[str, float] = {"hit_rate_points": s["hit_rate"] - r["hit_rate"]}
+        for f in ("ttft_p90_s", "output_tok_s"):
+            if s.get(f) and r.get(f):
+                e[f] = s[f] / r[f] - 1
+        out[k] = e
+    return out
 
 
 if __name__ == "__main__":

@@ -8,15 +8,20 @@ down (its index entries dropped) and the request goes to the next choice; once a
 started a request, a failure is the client's: a 502 in OpenAI's error shape, or for a stream
 an ``error`` event then ``[DONE]``. A background task checks every replica's ``/health``;
 one that passes again is routed to again and its events re-learned (from its replay socket).
+
+Everything that reads or changes the routing state (the policy, the event index, the loads)
+runs on the event loop, in one thread, so none of it takes a lock or waits for the GIL: the
+event subscriber reads its sockets on the loop too, and applies batches in short slices
+between requests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -90,25 +95,40 @@ class RouterState:
         self.replicas = replicas
         self.policy = policy
         self.index = index
-        self.lock = threading.Lock()
         self.tenants = tenants
         self.tokenizer = tokenizer
         self.session_header = session_header.lower()
         self.health_interval_s = health_interval_s
         self.request_timeout_s = request_timeout_s
         self.metrics = RouterMetrics([r.name for r in replicas])
-        ends = [(i, r.events, r.replay) for i, r in enumerate(replicas) if r.events]
-        self.subscriber = EventSubscriber(index, self.lock, ends, topic) if ends else None
+        self.topic = topic
+        self.subscriber: EventSubscriber | None = None  # started on the loop (start())
         self.client: httpx.AsyncClient | None = None
         self.settle_s = settle_s
         self.decision_times: deque[float] = deque(maxlen=100_000)  # seconds, most recent
+        # The same decisions' CPU time: the wall time less any wait for a core.
+        self.decision_cpu_times: deque[float] = deque(maxlen=100_000)
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Subscribe to the replicas' events, applied on ``loop`` (the one serving requests).
+
+        Everything loaded so far (the web framework, the tokenizer) lives as long as the
+        router: frozen out of the garbage collector's reach, a full collection, which may
+        fall inside a routing decision, scans only what came after."""
+        gc.collect()
+        gc.freeze()
+        ends = [(i, r.events, r.replay) for i, r in enumerate(self.replicas) if r.events]
+        if ends and self.subscriber is None:
+            self.subscriber = EventSubscriber(self.index, ends, loop, self.topic)
 
     async def settle(self) -> None:
         sub = self.subscriber
         if sub is None or self.settle_s <= 0:
             return
         deadline = time.monotonic() + 20 * self.settle_s
-        while time.monotonic() < deadline and time.monotonic() - sub.last_batch_at < self.settle_s:
+        while time.monotonic() < deadline and (
+            not sub.idle or time.monotonic() - sub.last_batch_at < self.settle_s
+        ):
             await asyncio.sleep(self.settle_s / 4)
 
     # -- a request's routing key ---------------------------------------------------------------
@@ -170,11 +190,15 @@ class RouterState:
         assert self.client is not None
 
         async def one(i: int, r: Replica) -> None:
-            try:
-                resp = await self.client.get(r.url + "/health", timeout=2.0)
-                ok, why = resp.status_code == 200, f"/health answered {resp.status_code}"
-            except httpx.HTTPError as e:
-                ok, why = False, f"{type(e).__name__}"
+            # Twice on a transport error: a kept-alive connection the replica closed as it
+            # was reused fails once, and a replica marked down loses its index.
+            for _ in range(2):
+                try:
+                    resp = await self.client.get(r.url + "/health", timeout=2.0)
+                    ok, why = resp.status_code == 200, f"/health answered {resp.status_code}"
+                    break
+                except httpx.HTTPError as e:
+                    ok, why = False, f"{type(e).__name__}"
             self.mark_up(i) if ok else self.mark_down(i, why)
 
         await asyncio.gather(*(one(i, r) for i, r in enumerate(self.replicas)))
@@ -184,9 +208,9 @@ class RouterState:
             await self.check_health()
             await asyncio.sleep(self.health_interval_s)
 
-    def close(self) -> None:
+    async def aclose(self) -> None:
         if self.subscriber is not None:
-            self.subscriber.close()
+            await self.subscriber.aclose()
 
 
 def _error(status: int, message: str, code: str | None = None) -> JSONResponse:
@@ -224,18 +248,18 @@ async def relay(state: RouterState, raw: Request, path: str, chat: bool) -> Resp
     while True:
         view = [ReplicaLoad(ld.healthy and i not in tried, ld.requests, ld.blocks)
                 for i, ld in enumerate(loads)]  # fmt: skip
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
-            with state.lock:
-                d = state.policy.choose(req, view)
-                # At once, not when the answer starts (a non-streamed one starts when done):
-                # the prompt's blocks count as the replica's while it computes them.
-                state.policy.routed(req, d.replica)
+            d = state.policy.choose(req, view)
+            # At once, not when the answer starts (a non-streamed one starts when done):
+            # the prompt's blocks count as the replica's while it computes them.
+            state.policy.routed(req, d.replica)
         except NoReplicaError:
             return _error(503, "no healthy replica to serve the request")
         took = time.perf_counter() - t0
         m.decision_seconds.observe(took)
         state.decision_times.append(took)
+        state.decision_cpu_times.append(time.thread_time() - c0)
         rep = state.replicas[d.replica]
         rep.load.requests += 1
         rep.load.blocks += n_blocks
@@ -243,8 +267,7 @@ async def relay(state: RouterState, raw: Request, path: str, chat: bool) -> Resp
         m.blocks_in_flight.labels(rep.name).set(rep.load.blocks)
 
         def release(rep: Replica = rep, k: int = d.replica) -> None:
-            with state.lock:
-                state.policy.finished(req, k)
+            state.policy.finished(req, k)
             rep.load.requests -= 1
             rep.load.blocks -= n_blocks
             m.in_flight.labels(rep.name).dec()
@@ -328,13 +351,14 @@ def build_app(state: RouterState) -> FastAPI:
         limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
         timeout = httpx.Timeout(state.request_timeout_s, connect=2.0)
         state.client = httpx.AsyncClient(limits=limits, timeout=timeout)
+        state.start(asyncio.get_running_loop())
         task = asyncio.create_task(state.health_loop())
         try:
             yield
         finally:
             task.cancel()
             await state.client.aclose()
-            state.close()
+            await state.aclose()
 
     app = FastAPI(title="kvserve router", lifespan=lifespan)
 
@@ -375,9 +399,8 @@ def build_app(state: RouterState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        with state.lock:
-            for i, r in enumerate(state.replicas):
-                state.metrics.index_blocks.labels(r.name).set(state.index.num_blocks(i))
+        for i, r in enumerate(state.replicas):
+            state.metrics.index_blocks.labels(r.name).set(state.index.num_blocks(i))
         return Response(generate_latest(state.metrics.registry),
                         media_type="text/plain; version=0.0.4")  # fmt: skip
 

@@ -15,10 +15,15 @@ The score of a replica is the request's leading blocks it holds, each credited b
 lies: a block in the device pool saves all its prefill, one in host memory or on disk saves
 it less the load (``TIER_CREDIT``); the walk stops at the first block the replica lacks, as a
 prefix hit does.
+
+The index holds nothing the garbage collector tracks (hash bytes, token-id bytes, a bit mask
+of media per block): it grows to hundreds of thousands of blocks, and tracked objects would
+make each full collection, which may fall inside any routing decision, scan them all.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,12 +35,20 @@ TIER_CREDIT = {"GPU": 1.0, "CPU": 1.0, "CPU_TIER": 0.8, "DISK": 0.5, "REDIS": 0.
 DEFAULT_CREDIT = 0.5
 MAX_EDGES = 1 << 21  # chain edges remembered (oldest forgotten first)
 
-EdgeKey = tuple[Any, tuple[int, ...]]
+EdgeKey = bytes  # the parent's key, then the block's token ids (little-endian int64)
 
 
-def first_key(salt: str | None) -> tuple[str, str | None]:
-    """The parent key of a chain's first block: the salt the chain is partitioned by."""
-    return ("salt", salt)
+def first_key(salt: str | None) -> bytes:
+    """The parent key of a chain's first block: the salt the chain is partitioned by (kept
+    apart from any hash by its length and prefix)."""
+    return b"\0salt\0" + (b"\1" + str(salt).encode() if salt is not None else b"")
+
+
+def edge_key(parent: bytes, tokens: Sequence[int] | bytes) -> bytes:
+    """The key of the edge ``parent`` -> block: the parent's key (length-prefixed) and the
+    block's token ids as little-endian int64 (or those bytes, already packed)."""
+    packed = tokens if isinstance(tokens, bytes) else array("q", tokens).tobytes()
+    return b"%d:%b%b" % (len(parent), parent, packed)
 
 
 class PrefixIndex:
@@ -44,8 +57,31 @@ class PrefixIndex:
     def __init__(self, num_replicas: int = 0, credit: dict[str, float] | None = None) -> None:
         self.credit = dict(TIER_CREDIT if credit is None else credit)
         self.edges: dict[EdgeKey, bytes] = {}
-        self.held: list[dict[bytes, set[str]]] = [{} for _ in range(num_replicas)]
+        # Per replica: block hash -> bit mask of the media holding it (bits: self.media).
+        self.held: list[dict[bytes, int]] = [{} for _ in range(num_replicas)]
         self.block_size: int | None = None
+        self.media: dict[str, int] = {}  # medium -> its bit
+        self._mask_credit: dict[int, float] = {0: 0.0}
+
+    def bit(self, medium: str | None) -> int:
+        name = medium or "GPU"
+        b = self.media.get(name)
+        if b is None:
+            b = self.media[name] = 1 << len(self.media)
+            self._mask_credit = {0: 0.0}
+        return b
+
+    def media_of(self, replica: int, block_hash: bytes) -> set[str]:
+        """The media on which ``replica`` holds the block (empty: none)."""
+        mask = self.held[replica].get(block_hash, 0)
+        return {m for m, b in self.media.items() if mask & b}
+
+    def _credit(self, mask: int) -> float:
+        c = self._mask_credit.get(mask)
+        if c is None:
+            c = max(self.credit.get(m, DEFAULT_CREDIT) for m, b in self.media.items() if mask & b)
+            self._mask_credit[mask] = c
+        return c
 
     def add_replica(self) -> int:
         self.held.append({})
@@ -59,20 +95,22 @@ class PrefixIndex:
             if isinstance(ev, BlockStored):
                 self._stored(held, ev)
             elif isinstance(ev, BlockRemoved):
-                medium = ev.medium or "GPU"
+                keep = ~self.bit(ev.medium)
                 for h in ev.block_hashes:
-                    media = held.get(h)
-                    if media is not None:
-                        media.discard(medium)
-                        if not media:
+                    mask = held.get(h)
+                    if mask is not None:
+                        mask &= keep
+                        if mask:
+                            held[h] = mask
+                        else:
                             del held[h]
             elif isinstance(ev, AllBlocksCleared):
                 held.clear()
 
-    def _stored(self, held: dict[bytes, set[str]], ev: BlockStored) -> None:
-        medium = ev.medium or "GPU"
+    def _stored(self, held: dict[bytes, int], ev: BlockStored) -> None:
+        b = self.bit(ev.medium)
         for h in ev.block_hashes:
-            held.setdefault(h, set()).add(medium)
+            held[h] = held.get(h, 0) | b
         if not ev.token_ids:
             return
         bs = ev.block_size
@@ -84,7 +122,7 @@ class PrefixIndex:
             if parent is None:
                 salt = extra[i][0] if i < len(extra) and extra[i] else None
                 parent = first_key(salt)
-            edges[(parent, tuple(ev.token_ids[i * bs : (i + 1) * bs]))] = h
+            edges[edge_key(parent, ev.token_ids[i * bs : (i + 1) * bs])] = h
             parent = h
         while len(edges) > MAX_EDGES:
             del edges[next(iter(edges))]
@@ -103,8 +141,9 @@ class PrefixIndex:
         out: list[bytes] = []
         parent: Any = first_key(salt)
         edges = self.edges
-        for lo in range(0, len(token_ids) - bs + 1, bs):
-            h = edges.get((parent, tuple(token_ids[lo : lo + bs])))
+        packed, step = array("q", token_ids).tobytes(), 8 * bs  # packed once, sliced per block
+        for lo in range(0, len(packed) - step + 1, step):
+            h = edges.get(edge_key(parent, packed[lo : lo + step]))
             if h is None:
                 break
             out.append(h)
@@ -113,14 +152,14 @@ class PrefixIndex:
 
     def overlap(self, replica: int, chain: Sequence[bytes]) -> tuple[int, float]:
         """(leading blocks of ``chain`` the replica holds, their credited blocks)."""
-        held, credit = self.held[replica], self.credit
+        held, credit = self.held[replica], self._credit
         n, total = 0, 0.0
         for h in chain:
-            media = held.get(h)
-            if not media:
+            mask = held.get(h)
+            if not mask:
                 break
             n += 1
-            total += max(credit.get(m, DEFAULT_CREDIT) for m in media)
+            total += credit(mask)
         return n, total
 
     def num_blocks(self, replica: int) -> int:

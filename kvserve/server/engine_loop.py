@@ -228,6 +228,9 @@ class EngineLoop:
                     self._wake.wait(0.5)
                     self._wake.clear()
                     self.engine.check_health()  # a worker that died while idle: stop now
+                    # What the offload tiers stored after the last step (a write-through
+                    # finishes later): published now, not at the next request's step.
+                    self.engine.publish_kv_events()
                 elif s.step_prefill_tokens + s.step_decode_tokens == 0:
                     time.sleep(0.001)  # nothing schedulable this step: do not spin
         except Exception as e:
