@@ -78,25 +78,8 @@ def _prefill(engine: Any, rid: str, prompt: list[int], params: Any) -> Any:
                 return o
 
 
-def _decode(p: Any, d: Any, rid: str, prompt: list[int], params: Any, kvp: Any,
-            abort_after: int | None = None, timeout_s: float = 60.0) -> Any:  # fmt: skip
-    from kvserve.sched.request import RequestTags
-
-    d.add_request(rid, {"prompt_token_ids": prompt}, params,
-                  tags=RequestTags(kv_transfer_params=kvp))  # fmt: skip
-    steps, deadline = 0, time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        time.sleep(0.0002)
-        if p.has_unfinished_requests():
-            p.step()
-        steps += 1
-        if abort_after is not None and steps >= abort_after:
-            d.abort_request(rid)
-            return None
-        for o in d.step():
-            if o.request_id == rid and o.finished:
-                return o
-    raise RuntimeError(f"{rid}: no answer in {timeout_s} s")
+def _decode(p: Any, d: Any, rid: str, prompt: list[int], params: Any, kvp: Any) -> Any:
+    return _decode_many(p, d, {rid: (prompt, kvp, None)}, params)[rid]
 
 
 def _settle(*engines: Any, timeout_s: float = 60.0) -> None:
@@ -146,10 +129,57 @@ def identical_and_bandwidth(model: str, prompt_len: int, quick: bool) -> tuple[b
 
 FAULTS = ("none", "drop_read", "delay_read", "drop_release", "abort_decode", "expire_lease",
           "kill_peer")  # fmt: skip
+FAULT_BATCH = 8  # runs in flight at once on the pair
+
+
+def _prefill_many(engine: Any, reqs: dict[str, list[int]], params: Any) -> dict[str, Any]:
+    """Prefill ``reqs`` (id -> prompt) together; their answers' kv_transfer_params."""
+    from kvserve.sched.request import RequestTags
+
+    for rid, prompt in reqs.items():
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params.clone(max_tokens=1),
+                           tags=RequestTags(kv_transfer_params={"do_remote_decode": True}))  # fmt: skip
+    kvps: dict[str, Any] = {}
+    while len(kvps) < len(reqs):
+        for o in engine.step():
+            if o.finished:
+                kvps[o.request_id] = o.kv_transfer_params
+    engine.step()  # the step that starts their holds
+    return kvps
+
+
+def _decode_many(p: Any, d: Any, reqs: dict[str, tuple[list[int], Any, int | None]],
+                 params: Any, timeout_s: float = 60.0) -> dict[str, Any]:  # fmt: skip
+    """Decode ``reqs`` (id -> prompt, kv_transfer_params, abort after this many steps or None)
+    together, stepping the prefill engine beside; each one's output, None if aborted."""
+    from kvserve.sched.request import RequestTags
+
+    for rid, (prompt, kvp, _) in reqs.items():
+        d.add_request(rid, {"prompt_token_ids": prompt}, params,
+                      tags=RequestTags(kv_transfer_params=kvp))  # fmt: skip
+    outs: dict[str, Any] = {}
+    steps, deadline = 0, time.monotonic() + timeout_s
+    while len(outs) < len(reqs):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{sorted(set(reqs) - set(outs))}: no answer in {timeout_s} s")
+        time.sleep(0.0002)
+        if p.has_unfinished_requests():
+            p.step()
+        steps += 1
+        for rid, (_, _, abort_after) in reqs.items():
+            if abort_after is not None and steps >= abort_after and rid not in outs:
+                d.abort_request(rid)
+                outs[rid] = None
+        for o in d.step():
+            if o.finished and o.request_id not in outs:
+                outs[o.request_id] = o
+    return outs
 
 
 def faults(model: str, runs: int, seed: int = 64) -> dict[str, int]:
-    """Seeded fault runs on one pair; every request must end exact or with a clear error."""
+    """Seeded fault runs on one live pair, :data:`FAULT_BATCH` at a time (each its own fault,
+    so both engines serve the others while one fails); every request must end exact or with
+    a clear error, and both pools return to idle after each batch."""
     from kvserve import LLM, SamplingParams
 
     g = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -158,30 +188,37 @@ def faults(model: str, runs: int, seed: int = 64) -> dict[str, int]:
     c = LLM(path, dtype="float32", block_size=BS, num_gpu_blocks=64)
     want = [o.outputs[0].token_ids for o in c.generate(prompts, g)]
     c.engine.shutdown()
-    p, d = _pair(path, "float32", "float32", 64, lease_s=1.0, read_timeout_s=0.5)
+    blocks = 16 * FAULT_BATCH  # a batch's prompts, held on the prefill side until released
+    p, d = _pair(path, "float32", "float32", blocks, lease_s=1.0, read_timeout_s=0.5)
     pe, de = p.engine, d.engine
-    server = pe.executor.driver_worker.connector.server
+    connector = pe.executor.driver_worker.connector
+    server = connector.server
     lost = leaked = 0
-    for run in range(runs):
-        fault, k, rid = rng.choice(FAULTS), rng.randrange(len(prompts)), f"f{run}"
-        kvp = _prefill(pe, rid, prompts[k], g).kv_transfer_params
+    for first in range(0, runs, FAULT_BATCH):
+        plan = {}
+        for run in range(first, min(runs, first + FAULT_BATCH)):
+            fault, k = rng.choice(FAULTS), rng.randrange(len(prompts))
+            abort = rng.randrange(1, 4) if fault == "abort_decode" else None
+            plan[f"f{run}"] = (fault, k, abort)
+        kvps = _prefill_many(pe, {rid: prompts[k] for rid, (_, k, _) in plan.items()}, g)
+        reqs = {}
+        for rid, (fault, k, abort) in plan.items():
+            kvp = kvps[rid]
+            if fault == "expire_lease":
+                connector._holds[rid] = (connector._holds[rid][0], 0.0)
+            if fault == "kill_peer":
+                kvp = dict(kvp, remote_port=free_port())
+            reqs[rid] = (prompts[k], kvp, abort)
         inbox = server.inbox
-        if fault in ("drop_read", "delay_read", "drop_release"):
-            server.inbox = _Lossy(inbox, "Release" if fault == "drop_release" else "Read",
-                                  fault == "delay_read", rng)  # fmt: skip
-        if fault == "expire_lease":
-            pe.step()
-            holds = pe.executor.driver_worker.connector._holds
-            holds[rid] = (holds[rid][0], 0.0)
-        if fault == "kill_peer":
-            kvp = dict(kvp, remote_port=free_port())
-        abort = rng.randrange(1, 4) if fault == "abort_decode" else None
-        out = _decode(pe, de, rid, prompts[k], g, kvp, abort_after=abort)
+        server.inbox = _Lossy(inbox, {rid: f for rid, (f, _, _) in plan.items()}, rng)
+        outs = _decode_many(pe, de, reqs, g)
         server.inbox = inbox
-        if out is not None and out.error is None and out.outputs[0].token_ids != want[k]:
-            lost += 1
-        elif out is not None and out.error is not None and "kv load failed" not in out.error:
-            lost += 1
+        for rid, out in outs.items():
+            want_k = want[plan[rid][1]]
+            if out is not None and out.error is None and out.outputs[0].token_ids != want_k:
+                lost += 1
+            elif out is not None and out.error is not None and "kv load failed" not in out.error:
+                lost += 1
         _settle(pe, de)
         leaked += pe.kv.num_used_blocks + de.kv.num_used_blocks
     pe.shutdown()
@@ -190,12 +227,20 @@ def faults(model: str, runs: int, seed: int = 64) -> dict[str, int]:
 
 
 class _Lossy:
-    def __init__(self, inner: Any, kind: str, delay: bool, rng: random.Random) -> None:
-        self.inner, self.kind, self.delay, self.rng = inner, kind, delay, rng
+    """The prefill engine's inbox with each run's fault applied to its own request's
+    messages: ``drop_read`` and ``drop_release`` lose them, ``delay_read`` holds the side
+    channel's thread up to 50 ms before passing a read on."""
+
+    KIND = {"drop_read": "Read", "delay_read": "Read", "drop_release": "Release"}
+
+    def __init__(self, inner: Any, faults: dict[str, str], rng: random.Random) -> None:
+        self.inner, self.faults, self.rng = inner, faults, rng
 
     def append(self, item: Any) -> None:
-        if type(item[1]).__name__ == self.kind:
-            if not self.delay:
+        msg = item[1]
+        fault = self.faults.get(getattr(msg, "request_id", None), "none")
+        if self.KIND.get(fault) == type(msg).__name__:
+            if fault != "delay_read":
                 return
             time.sleep(self.rng.uniform(0.0, 0.05))
         self.inner.append(item)
