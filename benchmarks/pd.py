@@ -137,8 +137,9 @@ def _prefill_many(engine: Any, reqs: dict[str, list[int]], params: Any) -> dict[
     from kvserve.sched.request import RequestTags
 
     for rid, prompt in reqs.items():
+        tags = RequestTags(kv_transfer_params={"do_remote_decode": True})
         engine.add_request(rid, {"prompt_token_ids": prompt}, params.clone(max_tokens=1),
-                           tags=RequestTags(kv_transfer_params={"do_remote_decode": True}))  # fmt: skip
+                           tags=tags)  # fmt: skip
     kvps: dict[str, Any] = {}
     while len(kvps) < len(reqs):
         for o in engine.step():

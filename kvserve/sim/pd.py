@@ -121,9 +121,8 @@ class SimTransferConnector(KVConnector):
                 fresh += sum(1 for b in ids if b not in self.touched)
                 self.touched.update(ids)
         if out:
-            nbytes = sum(out.values()) * self.block_bytes
-            self.clock.advance(nbytes * self.import_s_per_byte
-                               + fresh * self.block_bytes * self.first_touch_s_per_byte)  # fmt: skip
+            copy = sum(out.values()) * self.block_bytes * self.import_s_per_byte
+            self.clock.advance(copy + fresh * self.block_bytes * self.first_touch_s_per_byte)
         return out
 
     def cancel_load(self, request: Any) -> None:
