@@ -3,7 +3,7 @@
     python -m benchmarks.pd --quick      # a few minutes
     python -m benchmarks.pd              # the full run
 
-Four parts, each a key of the JSON line the script ends with:
+Five parts, each a key of the JSON line the script ends with:
 
 - ``identical``: a prefill engine and a decode engine (in this process) give a colocated
   engine's greedy tokens, token for token, in every KV format;
@@ -14,15 +14,18 @@ Four parts, each a key of the JSON line the script ends with:
   to the first core and a decode engine pinned to the second behind ``kvserve proxy``.
   ``itl_p99_ratio`` is the colocated ITL p99 over the disaggregated one (above 1: the
   disaggregated deployment's streams stall less); ``ttft`` (the bursts' p50 and p99) and
-  output ``throughput`` are reported beside it as measured;
+  output ``throughput`` are reported beside it as measured, and ITL p99.9 (``itl_p999_ms``);
 - ``faults``: seeded runs of the faults the tests inject (dropped, delayed reads and
-  releases, expired leases, dead peers, aborts on either side); ``lost`` counts requests that
-  ended neither with the colocated tokens nor with a clear error, ``leaked_blocks`` blocks
-  still in use once both engines settled.
-
-With ``--profile`` (a calibrated profile), the simulator's prediction of the same pd-burst
-run joins them: ``sim_itl_p99_s`` and ``sim_ttft_p50_s`` per deployment (kvserve.sim.pd),
-the transfers at the bandwidth measured here for ``--dtype``'s format.
+  releases, expired leases, dead peers, aborts on either side), eight at a time on one live
+  pair, each run its own fault; ``lost`` counts requests that ended neither with the
+  colocated tokens nor with a clear error, ``leaked_blocks`` blocks still in use once both
+  engines settled after each eight;
+- ``sim``: the simulator's prediction of the same pd-burst run (kvserve.sim.pd) against the
+  measured ITL p99 and TTFT p50 of each deployment, with the relative error. Its profiles
+  are calibrated here first (``kvserve simulate --calibrate`` on both cores for the
+  colocated engine, on the second core alone for the prefill and decode engines; or
+  ``--profile``/``--split-profile``), its transfers run at the bandwidth measured here for
+  ``--dtype``'s format.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from benchmarks.common import REPO, bench_model, emit, random_prompts, vocab_size, wait_ready
@@ -330,7 +334,8 @@ async def burst_workload(url: str, w: dict[str, Any], vocab: int) -> dict[str, f
         await asyncio.gather(*(steady(i) for i in range(w["streams"])), bursts())
         wall = time.perf_counter() - t0
     q = statistics.quantiles
-    return {"itl_p99_ms": q(itl, n=100)[98] * 1e3, "itl_p50_ms": statistics.median(itl) * 1e3,
+    return {"itl_p99_ms": q(itl, n=100)[98] * 1e3, "itl_p999_ms": q(itl, n=1000)[998] * 1e3,
+            "itl_p50_ms": statistics.median(itl) * 1e3,
             "ttft_p50_s": statistics.median(ttft), "ttft_p99_s": q(ttft, n=100)[98],
             "throughput_tok_s": tokens / wall}  # fmt: skip
 
@@ -439,11 +444,30 @@ def predict(model: str, w: dict[str, Any], dtype: str, profile: str, split_profi
         # so the simulator) stamps it when it lands.
         late = name == "disaggregated"
         ttft = [r.ttft + (r.itl[0] if late and r.itl else 0.0) for r in recs if r.kind == "burst"]
-        out[name] = {"sim_itl_p99_s": statistics.quantiles(itl, n=100)[98],
-                     "sim_ttft_p50_s": statistics.median(ttft)}  # fmt: skip
-        print(f"{name:14s} simulated: itl_p99_ms {out[name]['sim_itl_p99_s'] * 1e3:.3f}  "
-              f"ttft_p50_s {out[name]['sim_ttft_p50_s']:.3f}", flush=True)  # fmt: skip
+        out[name] = {"itl_p99_ms": statistics.quantiles(itl, n=100)[98] * 1e3,
+                     "ttft_p50_s": statistics.median(ttft)}  # fmt: skip
+        print(f"{name:14s} simulated: itl_p99_ms {out[name]['itl_p99_ms']:.3f}  "
+              f"ttft_p50_s {out[name]['ttft_p50_s']:.3f}", flush=True)  # fmt: skip
     return out
+
+
+def calibrate(model: str, dtype: str, cpus: set[int], out: Path) -> str:
+    """``kvserve simulate --calibrate`` (its default workload) pinned to ``cpus``, as the
+    served engines are: a profile of this machine's steps on that many cores."""
+    cmd = [sys.executable, "-m", "kvserve.cli", "simulate", bench_model(model), "--calibrate",
+           "--dtype", dtype, "--block-size", str(BS), "--enable-prefix-caching",
+           "--profile-output", str(out)]  # fmt: skip
+    subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, check=True,
+                   preexec_fn=lambda: os.sched_setaffinity(0, cpus))  # fmt: skip
+    return str(out)
+
+
+def against(sim: dict[str, dict[str, float]], measured: dict[str, dict[str, float]]) -> dict:
+    """Predicted against measured, per deployment and figure, with the relative error."""
+    return {name: {k: {"predicted": round(v, 4), "measured": round(measured[name][k], 4),
+                       "error": round(v / measured[name][k] - 1, 3)}
+                   for k, v in figures.items()}
+            for name, figures in sim.items()}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -455,9 +479,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seconds", type=float, default=None, help="pd-burst duration per setup")
     ap.add_argument("--long-prompt", type=int, default=None, help="pd-burst's long prompts")
     ap.add_argument("--skip-burst", action="store_true", help="no pd-burst (a smoke run)")
+    ap.add_argument(
+        "--no-sim",
+        action="store_true",
+        help="no simulator prediction of pd-burst (and no calibration)",
+    )
     ap.add_argument("--profile", default=None,
-                    help="a calibrated profile (kvserve simulate --calibrate on both cores): "
-                    "also print the simulator's prediction of pd-burst")  # fmt: skip
+                    help="a calibrated profile (kvserve simulate --calibrate on both cores) "
+                    "for the prediction (default: calibrate here, on both cores and on the "
+                    "second core alone)")  # fmt: skip
     ap.add_argument("--split-profile", default=None,
                     help="the profile of an engine on one core, for the disaggregated "
                     "prediction (default: --profile)")  # fmt: skip
@@ -484,13 +514,18 @@ def main(argv: list[str] | None = None) -> None:
                            for k, v in r.items()}  # fmt: skip
         summary["throughput_tok_s"] = {k: v["throughput_tok_s"] for k, v in r.items()}
         summary["itl_p99_ms"] = {k: v["itl_p99_ms"] for k, v in r.items()}
+        summary["itl_p999_ms"] = {k: v["itl_p999_ms"] for k, v in r.items()}
     else:
         summary["itl_p99_ratio"] = None
-    if a.profile:
+    if not (a.no_sim or a.skip_burst or a.profile):
+        out = REPO / "reports" / "sim"
+        out.mkdir(parents=True, exist_ok=True)
+        a.profile = calibrate(model, a.dtype, {0, 1}, out / f"pd-{model}-2cpu.json")
+        a.split_profile = calibrate(model, a.dtype, {1}, out / f"pd-{model}-1cpu.json")
+    if a.profile and not (a.no_sim or a.skip_burst):
         bw = a.kv_transfer_bandwidth or gbps.get(a.dtype, 0.0) * 1e9
         sim = predict(model, w, a.dtype, a.profile, a.split_profile or a.profile, bw)
-        for key in ("sim_itl_p99_s", "sim_ttft_p50_s"):
-            summary[key] = {k: v[key] for k, v in sim.items()}
+        summary["sim"] = against(sim, r)
     emit(summary)
 
 
