@@ -80,7 +80,7 @@ class KVServer:
         self.engine_id = engine_id
         self.on_inbox = on_inbox
         self.handshake = handshake  # {"model": ..., **storage identity}
-        # (peer, message, arrival time) for the step thread
+        # (peer, message, arrival time) for the owner (see on_inbox)
         self.inbox: collections.deque[tuple[bytes, Any, float]] = collections.deque()
         # Requests whose hold ended (read, released, expired): a read of one is refused from
         # this thread at once, even while the engine is idle and takes no steps.
