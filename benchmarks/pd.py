@@ -3,7 +3,7 @@
     python -m benchmarks.pd --quick      # a few minutes
     python -m benchmarks.pd              # the full run
 
-Four parts, each a key of the JSON line the script ends with:
+Five parts, each a key of the JSON line the script ends with:
 
 - ``identical``: a prefill engine and a decode engine (in this process) give a colocated
   engine's greedy tokens, token for token, in every KV format;
@@ -14,15 +14,18 @@ Four parts, each a key of the JSON line the script ends with:
   to the first core and a decode engine pinned to the second behind ``kvserve proxy``.
   ``itl_p99_ratio`` is the colocated ITL p99 over the disaggregated one (above 1: the
   disaggregated deployment's streams stall less); ``ttft`` (the bursts' p50 and p99) and
-  output ``throughput`` are reported beside it as measured;
+  output ``throughput`` are reported beside it as measured, and ITL p99.9 (``itl_p999_ms``);
 - ``faults``: seeded runs of the faults the tests inject (dropped, delayed reads and
-  releases, expired leases, dead peers, aborts on either side); ``lost`` counts requests that
-  ended neither with the colocated tokens nor with a clear error, ``leaked_blocks`` blocks
-  still in use once both engines settled.
-
-With ``--profile`` (a calibrated profile), the simulator's prediction of the same pd-burst
-run joins them: ``sim_itl_p99_s`` and ``sim_ttft_p50_s`` per deployment (kvserve.sim.pd),
-the transfers at the bandwidth measured here for ``--dtype``'s format.
+  releases, expired leases, dead peers, aborts on either side), eight at a time on one live
+  pair, each run its own fault; ``lost`` counts requests that ended neither with the
+  colocated tokens nor with a clear error, ``leaked_blocks`` blocks still in use once both
+  engines settled after each eight;
+- ``sim``: the simulator's prediction of the same pd-burst run (kvserve.sim.pd) against the
+  measured ITL p99 and TTFT p50 of each deployment, with the relative error. Its profiles
+  are calibrated here first (``kvserve simulate --calibrate`` on both cores for the
+  colocated engine, on the second core alone for the prefill and decode engines; or
+  ``--profile``/``--split-profile``), its transfers run at the bandwidth measured here for
+  ``--dtype``'s format.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from benchmarks.common import REPO, bench_model, emit, random_prompts, vocab_size, wait_ready
@@ -78,25 +82,8 @@ def _prefill(engine: Any, rid: str, prompt: list[int], params: Any) -> Any:
                 return o
 
 
-def _decode(p: Any, d: Any, rid: str, prompt: list[int], params: Any, kvp: Any,
-            abort_after: int | None = None, timeout_s: float = 60.0) -> Any:  # fmt: skip
-    from kvserve.sched.request import RequestTags
-
-    d.add_request(rid, {"prompt_token_ids": prompt}, params,
-                  tags=RequestTags(kv_transfer_params=kvp))  # fmt: skip
-    steps, deadline = 0, time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        time.sleep(0.0002)
-        if p.has_unfinished_requests():
-            p.step()
-        steps += 1
-        if abort_after is not None and steps >= abort_after:
-            d.abort_request(rid)
-            return None
-        for o in d.step():
-            if o.request_id == rid and o.finished:
-                return o
-    raise RuntimeError(f"{rid}: no answer in {timeout_s} s")
+def _decode(p: Any, d: Any, rid: str, prompt: list[int], params: Any, kvp: Any) -> Any:
+    return _decode_many(p, d, {rid: (prompt, kvp, None)}, params)[rid]
 
 
 def _settle(*engines: Any, timeout_s: float = 60.0) -> None:
@@ -146,10 +133,58 @@ def identical_and_bandwidth(model: str, prompt_len: int, quick: bool) -> tuple[b
 
 FAULTS = ("none", "drop_read", "delay_read", "drop_release", "abort_decode", "expire_lease",
           "kill_peer")  # fmt: skip
+FAULT_BATCH = 8  # runs in flight at once on the pair
+
+
+def _prefill_many(engine: Any, reqs: dict[str, list[int]], params: Any) -> dict[str, Any]:
+    """Prefill ``reqs`` (id -> prompt) together; their answers' kv_transfer_params."""
+    from kvserve.sched.request import RequestTags
+
+    for rid, prompt in reqs.items():
+        tags = RequestTags(kv_transfer_params={"do_remote_decode": True})
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params.clone(max_tokens=1),
+                           tags=tags)  # fmt: skip
+    kvps: dict[str, Any] = {}
+    while len(kvps) < len(reqs):
+        for o in engine.step():
+            if o.finished:
+                kvps[o.request_id] = o.kv_transfer_params
+    engine.step()  # the step that starts their holds
+    return kvps
+
+
+def _decode_many(p: Any, d: Any, reqs: dict[str, tuple[list[int], Any, int | None]],
+                 params: Any, timeout_s: float = 60.0) -> dict[str, Any]:  # fmt: skip
+    """Decode ``reqs`` (id -> prompt, kv_transfer_params, abort after this many steps or None)
+    together, stepping the prefill engine beside; each one's output, None if aborted."""
+    from kvserve.sched.request import RequestTags
+
+    for rid, (prompt, kvp, _) in reqs.items():
+        d.add_request(rid, {"prompt_token_ids": prompt}, params,
+                      tags=RequestTags(kv_transfer_params=kvp))  # fmt: skip
+    outs: dict[str, Any] = {}
+    steps, deadline = 0, time.monotonic() + timeout_s
+    while len(outs) < len(reqs):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{sorted(set(reqs) - set(outs))}: no answer in {timeout_s} s")
+        time.sleep(0.0002)
+        if p.has_unfinished_requests():
+            p.step()
+        steps += 1
+        for rid, (_, _, abort_after) in reqs.items():
+            if abort_after is not None and steps >= abort_after and rid not in outs:
+                d.abort_request(rid)
+                outs[rid] = None
+        for o in d.step():
+            if o.finished and o.request_id not in outs:
+                outs[o.request_id] = o
+    return outs
 
 
 def faults(model: str, runs: int, seed: int = 64) -> dict[str, int]:
-    """Seeded fault runs on one pair; every request must end exact or with a clear error."""
+    """Seeded fault runs on one live pair, :data:`FAULT_BATCH` at a time (each its own fault,
+    so both engines serve the others while one fails); every request must end exact or with
+    a clear error, and both pools return to idle after each batch."""
     from kvserve import LLM, SamplingParams
 
     g = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -158,30 +193,37 @@ def faults(model: str, runs: int, seed: int = 64) -> dict[str, int]:
     c = LLM(path, dtype="float32", block_size=BS, num_gpu_blocks=64)
     want = [o.outputs[0].token_ids for o in c.generate(prompts, g)]
     c.engine.shutdown()
-    p, d = _pair(path, "float32", "float32", 64, lease_s=1.0, read_timeout_s=0.5)
+    blocks = 16 * FAULT_BATCH  # a batch's prompts, held on the prefill side until released
+    p, d = _pair(path, "float32", "float32", blocks, lease_s=1.0, read_timeout_s=0.5)
     pe, de = p.engine, d.engine
-    server = pe.executor.driver_worker.connector.server
+    connector = pe.executor.driver_worker.connector
+    server = connector.server
     lost = leaked = 0
-    for run in range(runs):
-        fault, k, rid = rng.choice(FAULTS), rng.randrange(len(prompts)), f"f{run}"
-        kvp = _prefill(pe, rid, prompts[k], g).kv_transfer_params
+    for first in range(0, runs, FAULT_BATCH):
+        plan = {}
+        for run in range(first, min(runs, first + FAULT_BATCH)):
+            fault, k = rng.choice(FAULTS), rng.randrange(len(prompts))
+            abort = rng.randrange(1, 4) if fault == "abort_decode" else None
+            plan[f"f{run}"] = (fault, k, abort)
+        kvps = _prefill_many(pe, {rid: prompts[k] for rid, (_, k, _) in plan.items()}, g)
+        reqs = {}
+        for rid, (fault, k, abort) in plan.items():
+            kvp = kvps[rid]
+            if fault == "expire_lease":
+                connector._holds[rid] = (connector._holds[rid][0], 0.0)
+            if fault == "kill_peer":
+                kvp = dict(kvp, remote_port=free_port())
+            reqs[rid] = (prompts[k], kvp, abort)
         inbox = server.inbox
-        if fault in ("drop_read", "delay_read", "drop_release"):
-            server.inbox = _Lossy(inbox, "Release" if fault == "drop_release" else "Read",
-                                  fault == "delay_read", rng)  # fmt: skip
-        if fault == "expire_lease":
-            pe.step()
-            holds = pe.executor.driver_worker.connector._holds
-            holds[rid] = (holds[rid][0], 0.0)
-        if fault == "kill_peer":
-            kvp = dict(kvp, remote_port=free_port())
-        abort = rng.randrange(1, 4) if fault == "abort_decode" else None
-        out = _decode(pe, de, rid, prompts[k], g, kvp, abort_after=abort)
+        server.inbox = _Lossy(inbox, {rid: f for rid, (f, _, _) in plan.items()}, rng)
+        outs = _decode_many(pe, de, reqs, g)
         server.inbox = inbox
-        if out is not None and out.error is None and out.outputs[0].token_ids != want[k]:
-            lost += 1
-        elif out is not None and out.error is not None and "kv load failed" not in out.error:
-            lost += 1
+        for rid, out in outs.items():
+            want_k = want[plan[rid][1]]
+            if out is not None and out.error is None and out.outputs[0].token_ids != want_k:
+                lost += 1
+            elif out is not None and out.error is not None and "kv load failed" not in out.error:
+                lost += 1
         _settle(pe, de)
         leaked += pe.kv.num_used_blocks + de.kv.num_used_blocks
     pe.shutdown()
@@ -190,12 +232,20 @@ def faults(model: str, runs: int, seed: int = 64) -> dict[str, int]:
 
 
 class _Lossy:
-    def __init__(self, inner: Any, kind: str, delay: bool, rng: random.Random) -> None:
-        self.inner, self.kind, self.delay, self.rng = inner, kind, delay, rng
+    """The prefill engine's inbox with each run's fault applied to its own request's
+    messages: ``drop_read`` and ``drop_release`` lose them, ``delay_read`` holds the side
+    channel's thread up to 50 ms before passing a read on."""
+
+    KIND = {"drop_read": "Read", "delay_read": "Read", "drop_release": "Release"}
+
+    def __init__(self, inner: Any, faults: dict[str, str], rng: random.Random) -> None:
+        self.inner, self.faults, self.rng = inner, faults, rng
 
     def append(self, item: Any) -> None:
-        if type(item[1]).__name__ == self.kind:
-            if not self.delay:
+        msg = item[1]
+        fault = self.faults.get(getattr(msg, "request_id", None), "none")
+        if self.KIND.get(fault) == type(msg).__name__:
+            if fault != "delay_read":
                 return
             time.sleep(self.rng.uniform(0.0, 0.05))
         self.inner.append(item)
@@ -284,7 +334,8 @@ async def burst_workload(url: str, w: dict[str, Any], vocab: int) -> dict[str, f
         await asyncio.gather(*(steady(i) for i in range(w["streams"])), bursts())
         wall = time.perf_counter() - t0
     q = statistics.quantiles
-    return {"itl_p99_ms": q(itl, n=100)[98] * 1e3, "itl_p50_ms": statistics.median(itl) * 1e3,
+    return {"itl_p99_ms": q(itl, n=100)[98] * 1e3, "itl_p999_ms": q(itl, n=1000)[998] * 1e3,
+            "itl_p50_ms": statistics.median(itl) * 1e3,
             "ttft_p50_s": statistics.median(ttft), "ttft_p99_s": q(ttft, n=100)[98],
             "throughput_tok_s": tokens / wall}  # fmt: skip
 
@@ -393,11 +444,30 @@ def predict(model: str, w: dict[str, Any], dtype: str, profile: str, split_profi
         # so the simulator) stamps it when it lands.
         late = name == "disaggregated"
         ttft = [r.ttft + (r.itl[0] if late and r.itl else 0.0) for r in recs if r.kind == "burst"]
-        out[name] = {"sim_itl_p99_s": statistics.quantiles(itl, n=100)[98],
-                     "sim_ttft_p50_s": statistics.median(ttft)}  # fmt: skip
-        print(f"{name:14s} simulated: itl_p99_ms {out[name]['sim_itl_p99_s'] * 1e3:.3f}  "
-              f"ttft_p50_s {out[name]['sim_ttft_p50_s']:.3f}", flush=True)  # fmt: skip
+        out[name] = {"itl_p99_ms": statistics.quantiles(itl, n=100)[98] * 1e3,
+                     "ttft_p50_s": statistics.median(ttft)}  # fmt: skip
+        print(f"{name:14s} simulated: itl_p99_ms {out[name]['itl_p99_ms']:.3f}  "
+              f"ttft_p50_s {out[name]['ttft_p50_s']:.3f}", flush=True)  # fmt: skip
     return out
+
+
+def calibrate(model: str, dtype: str, cpus: set[int], out: Path) -> str:
+    """``kvserve simulate --calibrate`` (its default workload) pinned to ``cpus``, as the
+    served engines are: a profile of this machine's steps on that many cores."""
+    cmd = [sys.executable, "-m", "kvserve.cli", "simulate", bench_model(model), "--calibrate",
+           "--dtype", dtype, "--block-size", str(BS), "--enable-prefix-caching",
+           "--profile-output", str(out)]  # fmt: skip
+    subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, check=True,
+                   preexec_fn=lambda: os.sched_setaffinity(0, cpus))  # fmt: skip
+    return str(out)
+
+
+def against(sim: dict[str, dict[str, float]], measured: dict[str, dict[str, float]]) -> dict:
+    """Predicted against measured, per deployment and figure, with the relative error."""
+    return {name: {k: {"predicted": round(v, 4), "measured": round(measured[name][k], 4),
+                       "error": round(v / measured[name][k] - 1, 3)}
+                   for k, v in figures.items()}
+            for name, figures in sim.items()}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -409,9 +479,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seconds", type=float, default=None, help="pd-burst duration per setup")
     ap.add_argument("--long-prompt", type=int, default=None, help="pd-burst's long prompts")
     ap.add_argument("--skip-burst", action="store_true", help="no pd-burst (a smoke run)")
+    ap.add_argument(
+        "--no-sim",
+        action="store_true",
+        help="no simulator prediction of pd-burst (and no calibration)",
+    )
     ap.add_argument("--profile", default=None,
-                    help="a calibrated profile (kvserve simulate --calibrate on both cores): "
-                    "also print the simulator's prediction of pd-burst")  # fmt: skip
+                    help="a calibrated profile (kvserve simulate --calibrate on both cores) "
+                    "for the prediction (default: calibrate here, on both cores and on the "
+                    "second core alone)")  # fmt: skip
     ap.add_argument("--split-profile", default=None,
                     help="the profile of an engine on one core, for the disaggregated "
                     "prediction (default: --profile)")  # fmt: skip
@@ -438,13 +514,18 @@ def main(argv: list[str] | None = None) -> None:
                            for k, v in r.items()}  # fmt: skip
         summary["throughput_tok_s"] = {k: v["throughput_tok_s"] for k, v in r.items()}
         summary["itl_p99_ms"] = {k: v["itl_p99_ms"] for k, v in r.items()}
+        summary["itl_p999_ms"] = {k: v["itl_p999_ms"] for k, v in r.items()}
     else:
         summary["itl_p99_ratio"] = None
-    if a.profile:
+    if not (a.no_sim or a.skip_burst or a.profile):
+        out = REPO / "reports" / "sim"
+        out.mkdir(parents=True, exist_ok=True)
+        a.profile = calibrate(model, a.dtype, {0, 1}, out / f"pd-{model}-2cpu.json")
+        a.split_profile = calibrate(model, a.dtype, {1}, out / f"pd-{model}-1cpu.json")
+    if a.profile and not (a.no_sim or a.skip_burst):
         bw = a.kv_transfer_bandwidth or gbps.get(a.dtype, 0.0) * 1e9
         sim = predict(model, w, a.dtype, a.profile, a.split_profile or a.profile, bw)
-        for key in ("sim_itl_p99_s", "sim_ttft_p50_s"):
-            summary[key] = {k: v[key] for k, v in sim.items()}
+        summary["sim"] = against(sim, r)
     emit(summary)
 
 

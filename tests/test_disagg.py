@@ -106,6 +106,23 @@ def test_disaggregated_tokens_equal_colocated_and_only_missing_blocks_travel(
     assert d.engine.stats().kv_transfer["failures"] == {}
 
 
+def test_a_read_is_served_while_the_prefill_engine_takes_no_step(checkpoint, make_llm):
+    """A prefill engine busy in a long step (a chunk of the next prompt) must not hold a
+    decode engine's read until that step ends: here it takes no step at all after the one
+    that begins the hold, and the decode engine still gets every block and the tokens."""
+    ckpt = checkpoint("llama_gqa")
+    (want,) = reference(make_llm, ckpt, [PROMPT_A])
+    p, d = engines(make_llm, ckpt, read_timeout_s=5.0)
+    first = prefill(p.engine, "a", PROMPT_A, GREEDY)
+    p.engine.step()  # the step that begins the hold
+    out = decode([d.engine], d.engine, "a", PROMPT_A, GREEDY, first.kv_transfer_params,
+                 timeout_s=4.0)  # fmt: skip
+    assert out.error is None and out.outputs[0].token_ids == want
+    assert out.num_transferred_tokens == len(PROMPT_A)
+    assert d.engine.stats().kv_transfer["failures"] == {}
+    assert_idle(p, d)
+
+
 @pytest.mark.parametrize(
     "decode_kw, field",
     [({"kv_cache_dtype": "bfloat16"}, "dtypes"), ({}, "model")],

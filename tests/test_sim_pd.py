@@ -86,6 +86,28 @@ def test_the_import_into_the_decode_pool_lengthens_the_step_it_lands_in():
     assert rec.itl == pytest.approx([step + nbytes * copy, step], rel=1e-9)
 
 
+@pytest.mark.parametrize("prefault", [False, True])
+def test_an_import_into_blocks_never_written_pays_their_first_touch(prefault):
+    """A CPU pool's pages are faulted in on first write: the real import into fresh blocks
+    pays that inside the step it lands in, unless the pool was faulted in at start."""
+    copy, touch = 1e-7, 3e-7  # seconds per byte: the copy, and a first write's page faults
+    sim = build_engine(target())
+    # a prompt whose decode tokens stay in its last (imported) block: no step writes a
+    # block of its own for the first time
+    prompts = (" ".join(f"w{i}" for i in range(k)) for k in range(20, 60))
+    prompt = next(p for p in prompts if 1 <= len(sim.encode(p)) % BS <= 12)
+    n = len(sim.encode(prompt))
+    nbytes = math.ceil(n / BS) * BS * sim.shape.kv_bytes_per_token
+    prof = replace(profile(), offload_export_s_per_byte=copy, first_touch_s_per_byte=touch)
+    t = SimTarget({**KW, "kv_cache_prefault": prefault}, prof, prefill_replicas=1,
+                  decode_replicas=1, kv_transfer_bandwidth=BW)  # fmt: skip
+    res, _ = simulate_load(t, [BenchRequest(0, "chat", prompt, 3, n)], LoadSpec(concurrency=1))
+    (rec,) = res.records
+    step = OVERHEAD + PER_TOKEN
+    landing = step + nbytes * copy + (0.0 if prefault else nbytes * touch)
+    assert rec.itl == pytest.approx([landing, step], rel=1e-9)
+
+
 def test_the_colocated_replay_through_the_driver_equals_the_plain_one():
     reqs = [BenchRequest(i, "chat", f"{PROMPT} q{i} " + "x " * (3 * i), 3 + i % 4, 0)
             for i in range(8)]  # fmt: skip

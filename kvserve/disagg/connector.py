@@ -16,10 +16,15 @@ Who does what:
   hold, what to release; a request that is aborted or finishes on either side releases the
   other side's blocks (a decode engine's abort sends a release; a prefill engine's abort
   never holds).
-- The worker side owns the bytes. A prefill engine's worker serves reads in its step thread
-  (only that thread touches the pool, so a lease ends between reads, never during one); a
-  decode engine's worker fetches in a background thread and imports in its step thread, then
-  releases the prefill engine's hold. A prefill peer that stops answering heartbeats fails
+- The worker side owns the bytes. A prefill engine's worker serves a read as it arrives, from
+  the side channel's thread, when its pool is in host memory: a held block is never written
+  (its request is finished, and a prefix-cache hit only reads it), so the copy can run beside
+  a step, and a read does not wait out the prefill step under way (a whole chunk of a long
+  prompt). One lock orders reads against the ends of holds (release, lease), which the step
+  thread decides: a lease ends between two reads, never during one. A device pool's reads
+  are served in the step thread, whose stream the copies follow. A decode engine's worker
+  fetches in a background thread and imports in its step thread, then releases the prefill
+  engine's hold. A prefill peer that stops answering heartbeats fails
   its fetches within ``heartbeat_timeout_s`` (1 s): the scheduler then recomputes the blocks
   or fails the request, as ``kv_load_failure_policy`` says.
 
@@ -29,6 +34,7 @@ Options (``kv_connector_extra_config``): ``lease_s`` (30), ``heartbeat_timeout_s
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -40,8 +46,9 @@ from kvserve.disagg import wire
 from kvserve.disagg.transport import Fetch, KVClient, KVServer, Releaser
 from kvserve.sched.request import RequestStatus
 
-# A read may arrive before the step that starts its hold (the answer that names the blocks
-# leaves after the step that finished the request): an unknown request is refused after this.
+# A read or a release may arrive before the step that starts its hold (the answer that names
+# the blocks leaves after the step that finished the request): an unknown request is refused
+# (a release of one dropped) after this.
 UNKNOWN_GRACE_S = 1.0
 
 
@@ -110,6 +117,9 @@ class KVServeConnector(KVConnector):
         self.server: KVServer | None = None
         self.client: KVClient | None = None
         self._holds: dict[str, tuple[list[int], float]] = {}
+        # Reads, hold ends and the worker's counters, between the step thread and the side
+        # channel's (which serves reads as they arrive from a host-memory pool).
+        self._lock = threading.RLock()
         self._fetching: dict[str, dict[str, Any]] = {}
         self._sent: set[str] = set()
         self._received: set[str] = set()
@@ -282,7 +292,8 @@ class KVServeConnector(KVConnector):
 
         handshake = {"model": model_fingerprint(Path(self.model_dir)), **storage.identity()}
         if self.produces:
-            self.server = KVServer(self.host, self.port, self.engine_id, handshake)
+            on_inbox = self._serve_reads if storage.device.type == "cpu" else None
+            self.server = KVServer(self.host, self.port, self.engine_id, handshake, on_inbox)
         if self.consumes:
             self.client = KVClient(self.engine_id, handshake, self.heartbeat_timeout_s,
                                    self.read_timeout_s)  # fmt: skip
@@ -291,9 +302,13 @@ class KVServeConnector(KVConnector):
         if not metadata:
             return
         now = time.monotonic()
-        for rid, ids in metadata["send"].items():
-            self._holds[rid] = (ids, now + self.lease)
-            self.server.ended.discard(rid)  # (an id used again)
+        if metadata["send"]:
+            with self._lock:
+                for rid, ids in metadata["send"].items():
+                    self._holds[rid] = (ids, now + self.lease)
+                    self.server.ended.discard(rid)  # (an id used again)
+                if self.server.on_inbox is not None:
+                    self._serve_reads()  # reads that came before their hold began
         client = self.client
         for rid in metadata["cancel"]:  # (the scheduler side released the peer)
             self._fetching.pop(rid, None)
@@ -308,23 +323,50 @@ class KVServeConnector(KVConnector):
             client.fetch(Fetch(rid, f["host"], f["port"], f["remote_request_id"], f["indices"]))
 
     def _count(self, key: str, n: float = 1) -> None:
-        self._wstats[key] = self._wstats.get(key, 0) + n
+        with self._lock:
+            self._wstats[key] = self._wstats.get(key, 0) + n
+
+    def _end_hold(self, rid: str) -> None:
+        """(under the lock) ``rid``'s blocks may go: reported sent with the next step."""
+        del self._holds[rid]
+        self._sent.add(rid)
+        self.server.end(rid)
 
     def _serve(self) -> None:
-        """Answer the reads and releases that arrived, then end the leases that ran out."""
+        """(step thread) Answer the reads and releases that arrived, then end the leases that
+        ran out."""
+        with self._lock:
+            self._serve_reads()
+            now = time.monotonic()
+            for rid, (_, until) in list(self._holds.items()):
+                if now >= until:
+                    self._end_hold(rid)
+                    self._count("leases_expired")
+
+    def _serve_reads(self) -> None:
+        """(either thread) Answer the reads and releases in the inbox. A read of a hold whose
+        lease ran out ends it and is refused; one of a hold not begun yet waits for it."""
+        with self._lock:
+            self._serve_inbox(time.monotonic())
+
+    def _serve_inbox(self, now: float) -> None:
         server = self.server
-        now = time.monotonic()
         later = []
         while server.inbox:
             peer, msg, at = server.inbox.popleft()
-            if isinstance(msg, wire.Release):
-                if self._holds.pop(msg.request_id, None) is not None:
-                    self._sent.add(msg.request_id)
-                    server.end(msg.request_id)
+            if not isinstance(msg, wire.Read | wire.Release):
                 continue
-            if not isinstance(msg, wire.Read):
+            if isinstance(msg, wire.Release):
+                if msg.request_id in self._holds:
+                    self._end_hold(msg.request_id)
+                elif msg.request_id not in server.ended and now - at < UNKNOWN_GRACE_S:
+                    later.append((peer, msg, at))  # (its hold begins with the next step)
                 continue
             hold = self._holds.get(msg.request_id)
+            if hold is not None and now >= hold[1]:
+                self._end_hold(msg.request_id)
+                self._count("leases_expired")
+                hold = None
             if hold is None and msg.request_id not in server.ended and now - at < UNKNOWN_GRACE_S:
                 later.append((peer, msg, at))  # its hold may start in the next step
                 continue
@@ -343,12 +385,6 @@ class KVServeConnector(KVConnector):
             self._count("bytes_sent", wire.payload_bytes(frames))
             self._count("blocks_sent", len(msg.indices))
         server.inbox.extendleft(reversed(later))
-        for rid, (_, until) in list(self._holds.items()):
-            if now >= until:
-                del self._holds[rid]
-                self._sent.add(rid)
-                server.end(rid)
-                self._count("leases_expired")
 
     def _import(self) -> None:
         """Place the fetches that arrived; every one, good or failed, releases its peer."""
@@ -380,8 +416,9 @@ class KVServeConnector(KVConnector):
             self._serve()
         if self.client is not None:
             self._import()
-        sent, received = self._sent, self._received
-        self._sent, self._received = set(), set()
+        with self._lock:
+            sent, received = self._sent, self._received
+            self._sent, self._received = set(), set()
         return sent, received
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -389,7 +426,8 @@ class KVServeConnector(KVConnector):
         return out
 
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
-        out, self._wstats = self._wstats, {}
+        with self._lock:
+            out, self._wstats = self._wstats, {}
         return out or None
 
     def shutdown(self) -> None:

@@ -1,9 +1,9 @@
 """The KV side channel's two ends, each a thread that owns its ZMQ sockets.
 
 :class:`KVServer` (a prefill engine's worker) answers hellos and heartbeats at once, from its
-own thread, so a busy engine still looks alive; reads and releases go to an inbox the worker
-drains in its step thread (only that thread touches the KV pool, and a lease can only end
-between two reads, never during one), and answers leave through an outbox.
+own thread, so a busy engine still looks alive; reads and releases go to an inbox its owner
+drains (the worker: see :mod:`kvserve.disagg.connector` for which thread, and why a lease can
+only end between two reads, never during one), and answers leave through an outbox.
 
 :class:`KVClient` (a decode engine's worker) fetches blocks from any number of prefill
 engines: it says hello once per peer, pings every peer it waits on, and gives up on a peer
@@ -70,12 +70,17 @@ class _Waker:
 
 
 class KVServer:
-    """A ROUTER socket on ``host:port`` (port 0: a free one, see :attr:`port`)."""
+    """A ROUTER socket on ``host:port`` (port 0: a free one, see :attr:`port`).
 
-    def __init__(self, host: str, port: int, engine_id: str, handshake: dict[str, Any]) -> None:
+    ``on_inbox`` (optional) is called from this thread after each message it puts in the
+    inbox: an owner that can serve reads outside its step thread drains the inbox there."""
+
+    def __init__(self, host: str, port: int, engine_id: str, handshake: dict[str, Any],
+                 on_inbox: Any = None) -> None:  # fmt: skip
         self.engine_id = engine_id
+        self.on_inbox = on_inbox
         self.handshake = handshake  # {"model": ..., **storage identity}
-        # (peer, message, arrival time) for the step thread
+        # (peer, message, arrival time) for the owner (see on_inbox)
         self.inbox: collections.deque[tuple[bytes, Any, float]] = collections.deque()
         # Requests whose hold ended (read, released, expired): a read of one is refused from
         # this thread at once, even while the engine is idle and takes no steps.
@@ -162,6 +167,8 @@ class KVServer:
             self._sock.send_multipart([peer, wire.encode(reply)])
         else:
             self.inbox.append((peer, msg, time.monotonic()))
+            if self.on_inbox is not None:
+                self.on_inbox()
 
     def close(self) -> None:
         if self._stop.is_set():

@@ -13,7 +13,8 @@ replica computes no prompt token, its steps hold decode work only, and its prefi
 the landed blocks for the requests after. TTFT is prefill queue + prefill + transfer (+ the
 decode step under way when the blocks arrive); ITL comes from the decode replicas' steps,
 the step that imports landed blocks into the pool longer by the copy (the profile's
-``offload_export_s_per_byte``: the same copy as an export, the other way). The bandwidth is
+``offload_export_s_per_byte``: the same copy as an export, the other way) and, for blocks
+the pool never wrote before, by their page faults (``first_touch_s_per_byte``). The bandwidth is
 the decode side's measured pull rate, which includes the prefill side's export.
 
 Not modelled: the prefill side's lease (its blocks are freed when its first token is out,
@@ -51,10 +52,15 @@ class SimTransferConnector(KVConnector):
         # The import into the pool, on the engine's thread as the blocks land (the real
         # connector's worker does it between steps): seconds per byte.
         self.import_s_per_byte = 0.0
+        # A CPU pool's pages are faulted in on first write (KVStorage.prefault): an import
+        # into blocks never written before pays that too. The runner's set of written blocks
+        # (None: the pool was faulted in at start) and the profile's cost per byte.
+        self.touched: set[int] | None = None
+        self.first_touch_s_per_byte = 0.0
         self.link_free_at = 0.0
         self._remote: dict[str, tuple[int, float]] = {}  # rid -> (first token, prefilled at)
         self._asked: set[str] = set()
-        self._loads: list[tuple[float, str, int]] = []  # (arrives at, rid, blocks)
+        self._loads: list[tuple[float, str, list[int]]] = []  # (arrives at, rid, block ids)
         self._cancelled: set[str] = set()
         self._inject: dict[str, int] = {}
         self.counters = {"transfers": 0, "blocks": 0, "bytes": 0.0, "seconds": 0.0}
@@ -86,7 +92,7 @@ class SimTransferConnector(KVConnector):
         start = max(self.clock.now, self.link_free_at, ready)
         seconds = nbytes / self.bandwidth
         self.link_free_at = start + seconds
-        heapq.heappush(self._loads, (start + seconds, rid, n))
+        heapq.heappush(self._loads, (start + seconds, rid, list(block_ids)))
         self._inject[rid] = first
         c = self.counters
         c["transfers"] += 1
@@ -104,14 +110,19 @@ class SimTransferConnector(KVConnector):
             self.clock.now = loads[0][0]
             return {}
         out: dict[str, int] = {}
+        fresh = 0
         while loads and loads[0][0] <= self.clock.now:
-            _, rid, n = heapq.heappop(loads)
+            _, rid, ids = heapq.heappop(loads)
             if rid in self._cancelled:
                 self._cancelled.discard(rid)
                 continue
-            out[rid] = n
-        if out and self.import_s_per_byte:
-            self.clock.advance(sum(out.values()) * self.block_bytes * self.import_s_per_byte)
+            out[rid] = len(ids)
+            if self.touched is not None:
+                fresh += sum(1 for b in ids if b not in self.touched)
+                self.touched.update(ids)
+        if out:
+            copy = sum(out.values()) * self.block_bytes * self.import_s_per_byte
+            self.clock.advance(copy + fresh * self.block_bytes * self.first_touch_s_per_byte)
         return out
 
     def cancel_load(self, request: Any) -> None:

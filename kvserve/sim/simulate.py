@@ -932,6 +932,8 @@ def run_disaggregated(
         conn.bandwidth = float(target.kv_transfer_bandwidth)  # type: ignore[arg-type]
         conn.block_bytes = sim.shape.kv_bytes_per_token * sim.engine.block_size
         conn.import_s_per_byte = target.profile.offload_export_s_per_byte
+        conn.touched = sim.runner.touched  # (the same set: a step's writes count too)
+        conn.first_touch_s_per_byte = target.profile.first_touch_s_per_byte
     with _no_collections():
         shares = [_prepare(sim, target, trace, k, progress, routed=True)
                   for k, sim in enumerate(pre + dec)]  # fmt: skip
