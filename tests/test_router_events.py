@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import socket
 
+from kvserve.config import KVEventsConfig
+from kvserve.engine.kv_events import ZmqEventPublisher
 from kvserve.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvserve.router.events import EventSubscriber
 from kvserve.router.index import PrefixIndex
@@ -128,3 +130,34 @@ def test_a_reset_drops_the_replicas_batches_not_yet_applied():
     loop.run_until_complete(asyncio.wait_for(main(), 30))
     loop.close()
     assert index.num_blocks(0) == 0 and index.num_blocks(1) == 200
+
+
+def test_a_batch_published_before_the_subscriber_joined_is_caught_up(tmp_path):
+    """A batch no later batch reveals (published before the SUB socket joined, as a restarted
+    replica's first batches are) is fetched from the replay socket once the streams go quiet,
+    instead of staying unknown until the replica publishes again."""
+    pub = ZmqEventPublisher(KVEventsConfig(
+        enable_kv_cache_events=True, endpoint=f"ipc://{tmp_path}/ev",
+        replay_endpoint=f"ipc://{tmp_path}/rp"))  # fmt: skip
+    ev, tokens = chain_event(5)
+    pub.publish([ev])
+    assert pub.flush(5.0)
+    loop = asyncio.new_event_loop()
+    index = PrefixIndex(1)
+    sub = EventSubscriber(index, [(0, pub.endpoint, pub.replay_endpoint)], loop)
+
+    async def learned() -> bool:
+        deadline = loop.time() + 5.0
+        while loop.time() < deadline:
+            if index.overlap(0, index.chain(tokens, "A"))[0] == 5:
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    try:
+        assert loop.run_until_complete(learned())
+        assert sub.num_replayed == 1
+    finally:
+        loop.run_until_complete(sub.aclose())
+        loop.close()
+        pub.shutdown()

@@ -41,6 +41,11 @@ from kvserve.router.index import PrefixIndex
 log = logging.getLogger("kvserve.router")
 
 REPLAY_TIMEOUT_MS = 2000
+# With no event for this long, each replica is asked for what came after its last batch: a
+# batch lost on the way (published before the SUB socket had joined, or dropped at the
+# high-water mark) that no later batch reveals is learned within about this long.
+CATCH_UP_S = 1.0
+CATCH_UP_TIMEOUT_MS = 200
 # Blocks applied per turn of the event loop: a decision waits at most for this many.
 SLICE_BLOCKS = 128
 
@@ -204,7 +209,7 @@ class EventSubscriber:
         wake = asyncio.ensure_future(self._wake.wait())
         try:
             while True:
-                polled = asyncio.ensure_future(poller.poll(1000))
+                polled = asyncio.ensure_future(poller.poll(int(CATCH_UP_S * 1000)))
                 await asyncio.wait((polled, wake), return_when=asyncio.FIRST_COMPLETED)
                 ready = polled.result() if polled.done() else []
                 if not polled.done():
@@ -231,6 +236,8 @@ class EventSubscriber:
                             s.reset = False
                             s.last_seq = -1
                         await self._replay(r, s, None)
+                if not ready and not wake.done():
+                    await self._catch_up()
         finally:
             wake.cancel()
 
@@ -246,7 +253,17 @@ class EventSubscriber:
             self._decode(r, payload)
             s.last_seq = seq
 
-    async def _replay(self, r: int, s: _Stream, upto: int | None) -> None:
+    async def _catch_up(self) -> None:
+        """No event came for :data:`CATCH_UP_S`: ask each replica not known to be gone for
+        anything after its last batch (a lost batch is otherwise found only when a later one
+        shows the gap, and a quiet replica may publish none)."""
+        for r, s in self.streams.items():
+            if not s.reset:
+                await self._replay(r, s, None, CATCH_UP_TIMEOUT_MS)
+
+    async def _replay(
+        self, r: int, s: _Stream, upto: int | None, timeout_ms: int = REPLAY_TIMEOUT_MS
+    ) -> None:
         """Ask for batches ``last_seq + 1 .. upto - 1`` (None: every one the replica keeps)."""
         if s.replay_endpoint is None:
             if upto is not None:
@@ -260,9 +277,9 @@ class EventSubscriber:
         try:
             sock.connect(s.replay_endpoint)
             await sock.send_multipart((b"", (s.last_seq + 1).to_bytes(8, "big")))
-            deadline = time.monotonic() + REPLAY_TIMEOUT_MS / 1000
+            deadline = time.monotonic() + timeout_ms / 1000
             while time.monotonic() < deadline:
-                if not await sock.poll(REPLAY_TIMEOUT_MS):
+                if not await sock.poll(timeout_ms):
                     break
                 frames = await sock.recv_multipart()
                 if len(frames) != 3:
