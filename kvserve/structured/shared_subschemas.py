@@ -70,7 +70,7 @@ def share_repeated_subschemas(schema: dict) -> dict:
     counts: dict[str, int] = {}
     _scan(schema, False, keys, counts)
     shared = {i: k if k is not None and counts[k] > 1 else None for i, k in keys.items()}
-    if not shared:
+    if not any(shared.values()):
         return schema
     taken = set(existing)
     names: dict[str, str] = {}
