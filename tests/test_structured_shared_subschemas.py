@@ -152,3 +152,18 @@ def test_an_error_names_the_schema_as_written(backend):
         b.compile(Params(json=schema))
     assert PREFIX not in str(e.value)
     assert "unclosed" in str(e.value)
+
+
+def test_a_draft7_root_reference_still_resolves(backend):
+    """pydantic v1's shape: a root ``$ref`` into ``definitions``; the shared definitions go to
+    a new ``$defs`` beside it, which llguidance and jsonschema both resolve."""
+    b, Params = backend
+    v1 = {"$schema": "http://json-schema.org/draft-07/schema#", "$ref": "#/definitions/M",
+          "definitions": {"M": {"type": "object", "properties": {"x": LOGIN, "y": LOGIN},
+                                "required": ["x"]}}}  # fmt: skip
+    out = share_repeated_subschemas(v1)
+    assert out["definitions"]["M"]["properties"]["x"]["$ref"].startswith(f"#/$defs/{PREFIX}")
+    for inst, ok in (({"x": "ab"}, True), ({"x": "Ab"}, False), ({"y": "ab"}, False)):
+        assert jsonschema.Draft7Validator(v1).is_valid(inst) is ok
+        assert jsonschema.Draft7Validator(out).is_valid(inst) is ok
+    assert b._compile(Params(json=v1), out).matcher() is not None
