@@ -167,3 +167,10 @@ def test_a_draft7_root_reference_still_resolves(backend):
         assert jsonschema.Draft7Validator(v1).is_valid(inst) is ok
         assert jsonschema.Draft7Validator(out).is_valid(inst) is ok
     assert b._compile(Params(json=v1), out).matcher() is not None
+
+
+def test_a_schema_nested_past_the_stack_is_left_to_the_library():
+    deep: dict = {"type": "string", "format": "uri"}
+    for _ in range(5000):
+        deep = {"type": "array", "items": deep}
+    assert share_repeated_subschemas(deep) is deep

@@ -60,6 +60,13 @@ def share_repeated_subschemas(schema: dict) -> dict:
     """``schema`` with each repeated costly subschema moved to ``$defs`` once and referenced
     where it was; the same object when there is nothing to share or the rewrite would not be
     plainly equivalent (see the module's notes). The input is never modified."""
+    try:
+        return _share(schema)
+    except RecursionError:  # nested past Python's stack: the library judges it as written
+        return schema
+
+
+def _share(schema: dict) -> dict:
     text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
     if sum(text.count(f'"{k}":') for k in _COSTLY) < 2 or _NOT_MOVABLE.search(text):
         return schema
