@@ -5,7 +5,7 @@ Why: llguidance compiles a string's ``format`` or ``pattern`` anew at each place
 with an emptiness check on the regex each time (a ``format: uri`` costs about as much as the
 rest of a small schema), while a ``$ref`` target is compiled once. API-object schemas repeat
 the same field shape many times (every ``*_url`` a ``format: uri`` string, every timestamp a
-``date-time``), so one shared definition per distinct shape takes most of their compile time
+``date-time``), so one shared definition per distinct shape takes much of their compile time
 away. The rewrite changes no accepted output: a ``$ref`` to an identical subschema validates
 exactly what the subschema did.
 
