@@ -1,6 +1,9 @@
 """llguidance (the default): JSON schemas, regexes and Lark grammars compiled by its Earley
 parser over a lazily built token trie. The compile here builds one matcher (which parses the
-grammar and reports errors); each sample's matcher is a ``deep_copy`` of it."""
+grammar and reports errors); each sample's matcher is a ``deep_copy`` of it. A JSON schema's
+repeated ``format``/``pattern`` subschemas go to llguidance as one shared definition each
+(:mod:`kvserve.structured.shared_subschemas`), since it compiles such a regex at every place
+it occurs."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from kvserve.structured.backend import (
     choice_literals,
 )
 from kvserve.structured.params import StructuredOutputsParams
+from kvserve.structured.shared_subschemas import share_repeated_subschemas
 
 
 class LLGuidanceMatcher(Matcher):
@@ -53,7 +57,9 @@ class LLGuidanceBackend(GrammarBackend):
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos)
         self.executor = llguidance.LLExecutor(num_threads=2)
 
-    def grammar_text(self, p: StructuredOutputsParams) -> str:
+    def grammar_text(self, p: StructuredOutputsParams, schema: dict | None = None) -> str:
+        """The grammar llguidance compiles; ``schema``: the JSON schema to use in place of
+        the request's (the same language, rewritten)."""
         kind = p.kind
         if kind in ("json", "json_object"):
             ws = p.whitespace()
@@ -62,7 +68,8 @@ class LLGuidanceBackend(GrammarBackend):
                 if ws is None
                 else {"whitespace_flexible": True, "whitespace_pattern": ws}
             )
-            return llguidance.LLMatcher.grammar_from_json_schema(p.schema(), overrides=options)
+            schema = p.schema() if schema is None else schema
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(p.regex)
         if kind == "choice":
@@ -70,8 +77,20 @@ class LLGuidanceBackend(GrammarBackend):
         return llguidance.LLMatcher.grammar_from_lark(p.grammar)
 
     def compile(self, params: StructuredOutputsParams) -> LLGuidanceGrammar:
+        if params.kind == "json":
+            schema = params.schema()
+            shared = share_repeated_subschemas(schema)
+            if shared is not schema:
+                try:
+                    return self._compile(params, shared)
+                except GrammarError:
+                    pass  # compiled as written below, so an error names the client's schema
+            return self._compile(params, schema)
+        return self._compile(params, None)
+
+    def _compile(self, params: StructuredOutputsParams, schema: dict | None) -> LLGuidanceGrammar:
         try:
-            text = self.grammar_text(params)
+            text = self.grammar_text(params, schema)
         except (ValueError, TypeError, RuntimeError) as e:
             raise GrammarError(str(e)) from None
         # Building the matcher compiles the grammar and reports its errors (a separate
