@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from kvserve import envs
 from kvserve.config import ConfigError
+from kvserve.distributed.shm_communicator import ShmCommunicator, host_identity, shm_supported
 
 COLLECTIVE_TIMEOUT_S = 120.0
 
@@ -73,10 +74,13 @@ class TorchDistCommunicator:
 
 
 def init_distributed(
-    init: DistributedInit, rank: int, device: torch.device
-) -> TorchDistCommunicator:
+    init: DistributedInit, rank: int, device: torch.device, custom_all_reduce: bool = True
+) -> TorchDistCommunicator | ShmCommunicator:
     """Join rank ``rank`` to the group ``init`` describes (once per process) and return the
-    communicator over it. A rank that cannot reach the others within ``timeout_s`` raises."""
+    communicator over it: on a CPU where every rank shares this host and ``custom_all_reduce``
+    (vLLM's ``--disable-custom-all-reduce`` turns it off), the shared-memory one
+    (:mod:`kvserve.distributed.shm_communicator`), else torch.distributed's collectives. A
+    rank that cannot reach the others within ``timeout_s`` raises."""
     if not 0 <= rank < init.world_size:
         raise ConfigError(f"rank: must be in [0, {init.world_size}), got {rank}")
     if dist.is_initialized():
@@ -93,6 +97,11 @@ def init_distributed(
         world_size=init.world_size,
         timeout=datetime.timedelta(seconds=init.timeout_s),
     )
+    if custom_all_reduce and init.world_size > 1 and shm_supported(device):
+        hosts: list[str] = [""] * init.world_size
+        dist.all_gather_object(hosts, host_identity())
+        if len(set(hosts)) == 1:
+            return ShmCommunicator.create(rank, init.world_size, device, init.timeout_s)
     return TorchDistCommunicator(rank, init.world_size, device)
 
 
