@@ -3,9 +3,11 @@
 Every rank of a tensor-parallel engine joins one process group at start: gloo on a CPU,
 NCCL on CUDA, rendezvous at ``tcp://master_addr:master_port`` (a free loopback port that the
 engine picks for workers on its own machine; the Ray executor's rank 0 picks one on its node;
-a torchrun launch names its own). Its parallel modules call :class:`TorchDistCommunicator`,
-which runs the collectives on the group, in the same order on every rank: the model's forward
-pass is the same code on each, so the order holds by construction.
+a torchrun launch names its own). Its parallel modules call a communicator, in the same order
+on every rank (the model's forward pass is the same code on each, so the order holds by
+construction): :class:`TorchDistCommunicator`, the group's own collectives, or, where every
+rank of a CPU group shares one host, the shared-memory
+:class:`~kvserve.distributed.shm_communicator.ShmCommunicator`.
 
 A collective whose peer is gone fails rather than waits: gloo reports a closed connection at
 once, and every collective is bounded by ``timeout_s`` besides (a peer on another machine that
