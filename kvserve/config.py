@@ -711,6 +711,12 @@ class ParallelConfig:
                   "only its KV heads, joined by torch.distributed (gloo on a CPU, NCCL on "
                   "CUDA); the attention heads must divide by N (vLLM's flag)"},
     )  # fmt: skip
+    disable_custom_all_reduce: bool = field(
+        default=False,
+        metadata={"help": "tensor parallelism on a CPU: all-reduce through torch.distributed "
+                  "(gloo) even where every rank shares one host, instead of through shared "
+                  "memory (vLLM's flag)"},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:

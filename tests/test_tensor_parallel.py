@@ -2,12 +2,13 @@
 transformers in test_exactness.py, is the reference throughout).
 
 With real ranks (two worker processes of the ``mp`` executor joined by a gloo group on a
-loopback port), greedy tokens in float32 equal the single-rank engine's on the three
-architectures of the exactness tests (a GQA Llama, Qwen2 with its QKV bias, an MQA Llama
-whose one KV head every rank replicates), through chunked prefill and preemption; each
-rank's pool holds only its KV heads, bytes given by the KV formula. Killing one rank fails
-the engine naming that rank and leaves no process behind. The Ray backend, on a local
-two-CPU cluster, gives the same tokens and names a killed actor.
+loopback port, their collectives through shared memory, or gloo's own where switched off),
+greedy tokens in float32 equal the single-rank engine's on the three architectures of the
+exactness tests (a GQA Llama, Qwen2 with its QKV bias, an MQA Llama whose one KV head every
+rank replicates), through chunked prefill and preemption; each rank's pool holds only its KV
+heads, bytes given by the KV formula. Killing one rank fails the engine naming that rank and
+leaves no process behind. The Ray backend, on a local two-CPU cluster, gives the same tokens
+and names a killed actor.
 
 Every KV format, and a prefix brought back from the host tier, run on two ranks in threads
 of this process (the parallel-layer tests' fake communicator, so no process start-up per
@@ -60,11 +61,15 @@ def pool_bytes_formula(name: str, kv_heads: int, blocks: int) -> int:
 
 
 @pytest.mark.parametrize("name", ["llama_gqa", "qwen2", "llama_mqa"])
-def test_two_gloo_ranks_give_the_single_rank_tokens(checkpoint, make_llm, name):
+def test_two_ranks_give_the_single_rank_tokens(checkpoint, make_llm, name):
     ckpt = checkpoint(name)
     one = make_llm(ckpt, **SMALL_POOL)
-    two = make_llm(ckpt, tensor_parallel_size=2, **SMALL_POOL)
+    # the ranks share this host: shared-memory collectives, or gloo's where switched off
+    gloo = name == "qwen2"
+    two = make_llm(ckpt, tensor_parallel_size=2, disable_custom_all_reduce=gloo, **SMALL_POOL)
     assert two.engine.config.parallel.distributed_executor_backend == "mp"
+    comms = two.engine.executor.collective_rpc(_communicator)
+    assert comms == ["TorchDistCommunicator" if gloo else "ShmCommunicator"] * 2
     pids = two.engine.executor.worker_pids
     assert len(pids) == 2 and os.getpid() not in pids
     want, got = tokens(one), tokens(two)
@@ -94,6 +99,10 @@ def test_two_gloo_ranks_give_the_single_rank_tokens(checkpoint, make_llm, name):
         kill_a_rank_and_check_the_engine_fails_by_name(
             two.engine, pids, "worker 1 (pid {pid}) was killed by SIGKILL"
         )
+
+
+def _communicator(worker: Worker) -> str:
+    return type(worker.tp.communicator).__name__
 
 
 def _cpus_and_threads(worker: Worker) -> tuple[set[int], int]:

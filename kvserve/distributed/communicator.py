@@ -3,9 +3,11 @@
 Every rank of a tensor-parallel engine joins one process group at start: gloo on a CPU,
 NCCL on CUDA, rendezvous at ``tcp://master_addr:master_port`` (a free loopback port that the
 engine picks for workers on its own machine; the Ray executor's rank 0 picks one on its node;
-a torchrun launch names its own). Its parallel modules call :class:`TorchDistCommunicator`,
-which runs the collectives on the group, in the same order on every rank: the model's forward
-pass is the same code on each, so the order holds by construction.
+a torchrun launch names its own). Its parallel modules call a communicator, in the same order
+on every rank (the model's forward pass is the same code on each, so the order holds by
+construction): :class:`TorchDistCommunicator`, the group's own collectives, or, where every
+rank of a CPU group shares one host, the shared-memory
+:class:`~kvserve.distributed.shm_communicator.ShmCommunicator`.
 
 A collective whose peer is gone fails rather than waits: gloo reports a closed connection at
 once, and every collective is bounded by ``timeout_s`` besides (a peer on another machine that
@@ -23,6 +25,7 @@ import torch.distributed as dist
 
 from kvserve import envs
 from kvserve.config import ConfigError
+from kvserve.distributed.shm_communicator import ShmCommunicator, host_identity, shm_supported
 
 COLLECTIVE_TIMEOUT_S = 120.0
 
@@ -73,10 +76,13 @@ class TorchDistCommunicator:
 
 
 def init_distributed(
-    init: DistributedInit, rank: int, device: torch.device
-) -> TorchDistCommunicator:
+    init: DistributedInit, rank: int, device: torch.device, custom_all_reduce: bool = True
+) -> TorchDistCommunicator | ShmCommunicator:
     """Join rank ``rank`` to the group ``init`` describes (once per process) and return the
-    communicator over it. A rank that cannot reach the others within ``timeout_s`` raises."""
+    communicator over it: on a CPU where every rank shares this host and ``custom_all_reduce``
+    (vLLM's ``--disable-custom-all-reduce`` turns it off), the shared-memory one
+    (:mod:`kvserve.distributed.shm_communicator`), else torch.distributed's collectives. A
+    rank that cannot reach the others within ``timeout_s`` raises."""
     if not 0 <= rank < init.world_size:
         raise ConfigError(f"rank: must be in [0, {init.world_size}), got {rank}")
     if dist.is_initialized():
@@ -93,6 +99,11 @@ def init_distributed(
         world_size=init.world_size,
         timeout=datetime.timedelta(seconds=init.timeout_s),
     )
+    if custom_all_reduce and init.world_size > 1 and shm_supported(device):
+        hosts: list[str] = [""] * init.world_size
+        dist.all_gather_object(hosts, host_identity())
+        if len(set(hosts)) == 1:
+            return ShmCommunicator.create(rank, init.world_size, device, init.timeout_s)
     return TorchDistCommunicator(rank, init.world_size, device)
 
 

@@ -22,6 +22,7 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
+import time
 import traceback
 import weakref
 from multiprocessing.connection import Connection, wait
@@ -39,6 +40,9 @@ log = logging.getLogger("kvserve.executor")
 SHUTDOWN_TIMEOUT_S = 5.0
 # After a rank's error, how long to wait for another rank's death to explain it.
 ERROR_GRACE_S = 0.5
+# How long a worker looks for the next call without sleeping (steps come back to back while
+# requests run; an idle engine's workers sleep after this).
+BUSY_LOOP_S = 0.05
 
 
 class MultiprocExecutor(Executor):
@@ -202,6 +206,7 @@ def _worker_main(
         _reply(conn, "error", f"could not start: {type(e).__name__}: {e}")
         return
     while True:
+        _await_call(conn)
         try:
             method, args, kwargs = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
@@ -216,6 +221,17 @@ def _worker_main(
             _reply(conn, "error", f"{type(e).__name__}: {e}")
             continue
         _reply(conn, "ok", result)
+
+
+def _await_call(conn: Connection) -> None:
+    """Poll the pipe, yielding the CPU between looks, for BUSY_LOOP_S after a call (vLLM's
+    shm_broadcast readers do the same for a second), then return to let the caller block.
+    While steps follow each other, a rank that slept between them would pay a wake-up per
+    step (on a virtual machine, a halted vCPU's) and lend its core to any other process;
+    yielding still lets the engine, or a rank that shares the core, run."""
+    deadline = time.monotonic() + BUSY_LOOP_S
+    while not conn.poll(0) and time.monotonic() < deadline:
+        os.sched_yield()
 
 
 def _reply(conn: Connection, kind: str, value: Any) -> None:

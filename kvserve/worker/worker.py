@@ -191,7 +191,8 @@ def join_tensor_parallel_group(
         return None
     if place:
         place_rank(rank, dist_init.world_size, config.device)
-    comm = init_distributed(dist_init, rank, torch.device(config.device))
+    comm = init_distributed(dist_init, rank, torch.device(config.device),
+                            not config.parallel.disable_custom_all_reduce)  # fmt: skip
     return TensorParallelGroup(rank, dist_init.world_size, comm)
 
 

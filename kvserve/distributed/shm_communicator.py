@@ -1,0 +1,201 @@
+"""All-reduce and all-gather through shared memory, for ranks on one host (vLLM's CPU
+``shm`` all-reduce, in its shape: one segment, a buffer and a sequence flag per rank).
+
+Over gloo, each collective of a decode step is a round trip through the loopback TCP stack
+and a wake-up of a thread that sleeps in ``epoll``: on a small model that is most of a step.
+Ranks that share a host can instead meet in memory: every rank copies its tensor into its own
+buffer of one ``/dev/shm`` segment, raises its flag to the collective's sequence number, waits
+until every peer's flag has reached it, and reads the peers' buffers. Each rank sums the
+buffers in rank order, so every rank holds the same bits. Two buffers per rank, alternated by
+the sequence number's parity, keep a fast rank from overwriting data a slow one still reads: a
+rank can only reach collective ``n + 2`` after every peer has raised its flag for ``n + 1``,
+which each does only once it has finished reading ``n``. A tensor larger than a buffer goes in
+chunks, each a collective of its own.
+
+The wait spins for a millisecond (a peer is usually microseconds away: each rank computes on
+its own core, and a rank that slept would pay a wake-up, on a virtual machine a halted vCPU's,
+on every collective), then yields the CPU (a rank that shares its core with the one it
+awaits), then sleeps in short naps (a peer that is slow). It is bounded: every few
+milliseconds it checks that each peer's process still exists (a killed peer: an error naming
+its rank and pid within milliseconds, not a hang) and gives up after ``timeout_s``, as a gloo
+collective does.
+
+The flags are plain stores and loads through Python: ordering them after the data relies on
+x86's total store order, so :func:`shm_supported` offers this path on x86-64 alone.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+# Bytes of one rank's buffer: a chunk of a larger tensor goes through it at a time.
+BUFFER_BYTES = 4 << 20
+# A header slot per rank: its flag (the last sequence number it published) and its pid, on a
+# cache line of its own so that ranks never write the same line.
+SLOT = 64
+SPIN_S = 0.001  # spinning this long before the first yield
+YIELD_S = 0.005  # yielding until this long, then naps
+NAP_S = 50e-6
+PEER_CHECK_S = 0.005  # how often a long wait checks that the peers are alive
+
+
+class PeerGoneError(RuntimeError):
+    """A tensor-parallel peer's process ended while this rank waited for it."""
+
+
+def shm_supported(device: torch.device) -> bool:
+    """Whether the shared-memory path may run here: CPU tensors on x86-64 Linux."""
+    return (
+        device.type == "cpu"
+        and platform.machine().lower() in ("x86_64", "amd64")
+        and Path("/proc/self/stat").exists()
+    )
+
+
+def host_identity() -> str:
+    """What two processes on one host share and two hosts do not: the boot id (and the host
+    name, for a container that shares a kernel but not its /dev/shm)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{platform.node()}/{boot}"
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2 :][:1] not in ("Z", "X")
+
+
+class ShmCommunicator:
+    """The :class:`~kvserve.model.layers.Communicator` of ranks on one host, over a shared
+    segment; built by :meth:`create` on every rank at once (a collective itself)."""
+
+    def __init__(self, rank: int, world_size: int, device: torch.device, path: str,
+                 timeout_s: float, buffer_bytes: int = BUFFER_BYTES) -> None:  # fmt: skip
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.timeout_s = timeout_s
+        self.buffer_bytes = buffer_bytes
+        header = world_size * SLOT
+        size = header + 2 * world_size * buffer_bytes
+        with open(path, "r+b") as f:
+            self._mm = mmap.mmap(f.fileno(), size)
+        self._words = memoryview(self._mm)[:header].cast("q")
+        self._flag = [r * SLOT // 8 for r in range(world_size)]
+        self._peers = [r for r in range(world_size) if r != rank]
+        raw = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self._buffers = [
+            [raw[header + (p * world_size + r) * buffer_bytes :][:buffer_bytes]
+             for r in range(world_size)]
+            for p in range(2)
+        ]  # fmt: skip
+        self._words[self._flag[rank] + 1] = os.getpid()
+        self._seq = 0  # the last collective this rank published
+
+    @classmethod
+    def create(cls, rank: int, world_size: int, device: torch.device, timeout_s: float,
+               buffer_bytes: int = BUFFER_BYTES) -> ShmCommunicator:  # fmt: skip
+        """Every rank of the default process group calls this together: rank 0 makes the
+        segment and names it to the others over the group; once all have mapped it, it is
+        unlinked, so it disappears with the last process that maps it."""
+        path = [""]
+        if rank == 0:
+            where = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+            path[0] = os.path.join(where, f"kvserve-tp-{uuid.uuid4().hex}")
+            size = world_size * SLOT + 2 * world_size * buffer_bytes
+            with open(path[0], "wb") as f:
+                f.truncate(size)
+        dist.broadcast_object_list(path, src=0)
+        try:
+            comm = cls(rank, world_size, device, path[0], timeout_s, buffer_bytes)
+            dist.barrier()  # every rank has mapped it and written its pid
+        finally:
+            if rank == 0:
+                Path(path[0]).unlink(missing_ok=True)
+        return comm
+
+    # -- the collectives ----------------------------------------------------------------------
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of ``x``, in rank order (the same bits on every rank), in place
+        where ``x`` is contiguous."""
+        x = x.contiguous()
+        flat = x.view(-1)
+        step = self.buffer_bytes // x.element_size()
+        for lo in range(0, flat.numel(), step):
+            part = flat[lo : lo + step]
+            views = self._exchange(part)
+            torch.add(views[0], views[1], out=part)
+            for v in views[2:]:
+                part.add_(v)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's ``x`` concatenated along ``dim``, rank 0's first."""
+        x = x.contiguous()
+        flat = x.view(-1)
+        if flat.numel() * x.element_size() <= self.buffer_bytes:
+            views = self._exchange(flat)
+            return torch.cat([v.view(x.shape) for v in views], dim)
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        step = self.buffer_bytes // x.element_size()
+        for lo in range(0, flat.numel(), step):
+            views = self._exchange(flat[lo : lo + step])
+            for part, v in zip(parts, views, strict=True):
+                part.view(-1)[lo : lo + step].copy_(v)
+        return torch.cat(parts, dim)
+
+    def _exchange(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Publish ``flat`` (one buffer's worth at most) and return every rank's, as views
+        of the segment that stay valid until this rank's next exchange but one."""
+        seq = self._seq + 1
+        nbytes = flat.numel() * flat.element_size()
+        buffers = self._buffers[seq & 1]
+        views = [b[:nbytes].view(flat.dtype) for b in buffers]
+        views[self.rank].copy_(flat)
+        self._words[self._flag[self.rank]] = seq  # after the data: x86 keeps store order
+        self._seq = seq
+        self._wait(seq)
+        return views
+
+    def _wait(self, seq: int) -> None:
+        words = self._words
+        waiting = [self._flag[r] for r in self._peers]
+        start = checked = time.perf_counter()
+        while True:
+            waiting = [i for i in waiting if words[i] < seq]
+            if not waiting:
+                return
+            now = time.perf_counter()
+            if now - start < SPIN_S:
+                continue  # the peer computes on a core of its own: it is moments away
+            if now - start < YIELD_S:
+                os.sched_yield()  # a process that shares this core may be the one awaited
+            else:
+                time.sleep(NAP_S)
+            if now - checked >= PEER_CHECK_S:
+                checked = now
+                self._check_peers(waiting, now - start)
+
+    def _check_peers(self, waiting: list[int], waited: float) -> None:
+        for i in waiting:
+            rank, pid = self._flag.index(i), self._words[i + 1]  # every rank wrote its pid
+            if not _alive(pid):
+                raise PeerGoneError(f"tensor-parallel rank {rank} (pid {pid}) is gone; the "
+                                    "collective cannot complete")  # fmt: skip
+        if waited > self.timeout_s:
+            ranks = [self._flag.index(i) for i in waiting]
+            raise TimeoutError(f"tensor-parallel ranks {ranks} did not reach collective "
+                               f"{self._seq} within {self.timeout_s:g} s")  # fmt: skip

@@ -1,0 +1,137 @@
+"""The shared-memory communicator of ranks on one host, against gloo's collectives on the same
+tensors and against a naive sum written here (every rank's tensor is regenerated from its seed
+and summed in rank order, in the tensor's dtype).
+
+The ranks are spawned once (a process start is the cost) and run every case: shapes and
+dtypes, a tensor larger than a buffer (chunked), all-gather along each dim; then one rank
+exits, and the others' next collective must name it within a second. A peer that lives but
+never arrives is a timeout naming it (two communicators of one process over one segment).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import tempfile
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from kvserve.distributed import DistributedInit, free_port, init_distributed
+from kvserve.distributed.communicator import TorchDistCommunicator
+from kvserve.distributed.shm_communicator import PeerGoneError, ShmCommunicator
+
+# (shape, dtype): a decode step's hidden rows, odd sizes, half precision, integers
+CASES = [
+    ((1, 256), torch.float32),
+    ((8, 64), torch.float32),
+    ((3, 7, 5), torch.float32),
+    ((4, 33), torch.bfloat16),
+    ((5, 9), torch.float16),
+    ((17,), torch.int64),
+    ((2, 1000), torch.float32),  # 8,000 bytes: two chunks of the tests' 4 KiB buffers
+]
+BUFFER = 4096
+WORLD = 3  # three ranks on two cores: one shares, so the wait must yield for it
+
+
+def tensor_of(rank: int, case: int) -> torch.Tensor:
+    shape, dtype = CASES[case]
+    g = torch.Generator().manual_seed(1000 * case + rank)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype)
+    return torch.randint(-1000, 1000, shape, generator=g, dtype=dtype)
+
+
+def naive_sum(case: int) -> torch.Tensor:
+    total = tensor_of(0, case).clone()
+    for r in range(1, WORLD):
+        total = total + tensor_of(r, case)
+    return total
+
+
+def _rank(rank: int, port: int, out: Any) -> None:
+    torch.set_num_threads(1)
+    init = DistributedInit(WORLD, "127.0.0.1", port, "gloo", timeout_s=10)
+    comm = init_distributed(init, rank, torch.device("cpu"))
+    gloo = TorchDistCommunicator(rank, WORLD, torch.device("cpu"))
+    small = ShmCommunicator.create(rank, WORLD, torch.device("cpu"), 5.0, buffer_bytes=BUFFER)
+    result: dict[str, Any] = {"chosen": type(comm).__name__, "reduced": [], "gathered": []}
+    for case in range(len(CASES)):
+        x = tensor_of(rank, case)
+        result["reduced"].append(
+            (comm.all_reduce(x.clone()), gloo.all_reduce(x.clone()), small.all_reduce(x.clone()))
+        )
+        dim = case % x.dim()
+        result["gathered"].append(
+            (dim, comm.all_gather(x, dim), gloo.all_gather(x, dim), small.all_gather(x, dim))
+        )
+    if rank == WORLD - 1:
+        out.put((rank, pickle.dumps(result)))  # bytes, not tensors shared by fd
+        out.close()
+        out.join_thread()  # the result is in the pipe before the process goes
+        os._exit(0)  # gone without a word: the others' next collective must say so
+    t0 = time.monotonic()
+    try:
+        small.all_reduce(torch.ones(4))
+        result["ending"] = "no error"
+    except PeerGoneError as e:
+        result["ending"] = str(e)
+    result["ending_s"] = time.monotonic() - t0
+    out.put((rank, pickle.dumps(result)))
+
+
+def run_ranks() -> dict[int, dict[str, Any]]:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    try:
+        results = {r: pickle.loads(b) for r, b in (out.get(timeout=60) for _ in procs)}
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    return results
+
+
+def test_shared_memory_collectives_equal_glooes_and_a_naive_sum():
+    results = run_ranks()
+    assert set(results) == set(range(WORLD))
+    for rank, res in results.items():
+        assert res["chosen"] == "ShmCommunicator", "ranks on one CPU host use shared memory"
+        for case, (shm, gloo, chunked) in enumerate(res["reduced"]):
+            want = naive_sum(case)
+            assert shm.dtype == want.dtype and shm.shape == want.shape
+            assert torch.equal(shm, want), (rank, case)  # rank order, the dtype's rounding
+            assert torch.equal(chunked, want), (rank, case)
+            # gloo may add in another order: equal up to the dtype's rounding
+            tol = 1e-2 if want.element_size() == 2 else 1e-5
+            torch.testing.assert_close(gloo, want, rtol=tol, atol=tol)
+        for case, (dim, shm, gloo, chunked) in enumerate(res["gathered"]):
+            want = torch.cat([tensor_of(r, case) for r in range(WORLD)], dim)
+            assert torch.equal(shm, want) and torch.equal(gloo, want), (rank, case)
+            assert torch.equal(chunked, want), (rank, case)
+    # the last rank exited: named at once, not after the 5 s timeout
+    for rank in range(WORLD - 1):
+        res = results[rank]
+        assert res["ending"].startswith(f"tensor-parallel rank {WORLD - 1} (pid "), res["ending"]
+        assert res["ending_s"] < 1.0, res["ending_s"]
+
+
+def test_a_peer_that_never_arrives_is_a_timeout_naming_it():
+    with tempfile.NamedTemporaryFile(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as f:
+        f.truncate(2 * 64 + 2 * 2 * BUFFER)
+        f.flush()
+        ranks = [ShmCommunicator(r, 2, torch.device("cpu"), f.name, 0.2, BUFFER) for r in (0, 1)]
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"tensor-parallel ranks \[1\] did not reach"):
+            ranks[0].all_reduce(torch.ones(3))
+        assert 0.2 <= time.monotonic() - t0 < 2.0
