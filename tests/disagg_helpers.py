@@ -3,7 +3,6 @@ and the pd benchmark's fault runs share them)."""
 
 from __future__ import annotations
 
-import socket
 import time
 from typing import Any
 
@@ -11,12 +10,6 @@ from kvserve import SamplingParams
 from kvserve.sched.request import RequestTags
 
 BS = 8
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def transfer_config(role: str, port: int, **extra: Any) -> dict[str, Any]:

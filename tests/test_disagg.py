@@ -17,10 +17,10 @@ import pytest
 
 from kvserve import SamplingParams
 from kvserve.config import ConfigError, KVTransferConfig
+from kvserve.distributed import free_port
 from tests.disagg_helpers import (
     BS,
     decode,
-    free_port,
     prefill,
     settle,
     transfer_config,

@@ -15,7 +15,7 @@ import pytest
 
 from kvserve import SamplingParams
 from kvserve.disagg.proxy import Proxy, build_app
-from tests.disagg_helpers import free_port
+from kvserve.distributed import free_port
 from tests.serve_process import ServeProcess
 
 PROMPT = "The quick brown fox jumps over the lazy dog near the quiet river bank today"

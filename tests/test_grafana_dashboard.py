@@ -17,9 +17,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve import LLM
+from kvserve.distributed import free_port
 from kvserve.server.app import BackgroundServer, build_state
 from kvserve.server.tenants import TenantResolver
-from tests.disagg_helpers import free_port, transfer_config
+from tests.disagg_helpers import transfer_config
 from tests.test_server import wait_idle
 
 REPO = Path(__file__).resolve().parent.parent

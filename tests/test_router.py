@@ -18,6 +18,7 @@ import httpx
 import pytest
 import uvicorn
 
+from kvserve.distributed import free_port
 from kvserve.router.app import Replica, RouterState, build_app
 from kvserve.router.index import PrefixIndex
 from kvserve.router.policies import make_policy
@@ -27,12 +28,6 @@ from tests.serve_process import ServeProcess
 
 SECRET = "router-test-secret-0123456789"
 KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RouterThread:
