@@ -336,8 +336,8 @@ class KVServeConnector(KVConnector):
         """(step thread) Answer the reads and releases that arrived, then end the leases that
         ran out."""
         with self._lock:
-            self._serve_reads()
             now = time.monotonic()
+            self._serve_inbox(now)
             for rid, (_, until) in list(self._holds.items()):
                 if now >= until:
                     self._end_hold(rid)

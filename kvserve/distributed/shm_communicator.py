@@ -171,11 +171,11 @@ class ShmCommunicator:
         return views
 
     def _wait(self, seq: int) -> None:
-        words = self._words
-        waiting = [self._flag[r] for r in self._peers]
+        words, flag = self._words, self._flag
+        waiting = self._peers
         start = checked = time.perf_counter()
         while True:
-            waiting = [i for i in waiting if words[i] < seq]
+            waiting = [r for r in waiting if words[flag[r]] < seq]
             if not waiting:
                 return
             now = time.perf_counter()
@@ -190,12 +190,12 @@ class ShmCommunicator:
                 self._check_peers(waiting, now - start)
 
     def _check_peers(self, waiting: list[int], waited: float) -> None:
-        for i in waiting:
-            rank, pid = self._flag.index(i), self._words[i + 1]  # every rank wrote its pid
+        """``waiting``: the ranks whose flag has not reached this collective yet."""
+        for rank in waiting:
+            pid = self._words[self._flag[rank] + 1]  # every rank wrote its pid
             if not _alive(pid):
                 raise PeerGoneError(f"tensor-parallel rank {rank} (pid {pid}) is gone; the "
                                     "collective cannot complete")  # fmt: skip
         if waited > self.timeout_s:
-            ranks = [self._flag.index(i) for i in waiting]
-            raise TimeoutError(f"tensor-parallel ranks {ranks} did not reach collective "
+            raise TimeoutError(f"tensor-parallel ranks {waiting} did not reach collective "
                                f"{self._seq} within {self.timeout_s:g} s")  # fmt: skip
