@@ -103,7 +103,11 @@ def test_disaggregated_tokens_equal_colocated_and_only_missing_blocks_travel(
     assert d.engine.stats().prefill_tokens_computed_total == 0
     assert dw.client is not None and p.engine.connector.counters["holds"] == 2
     assert_idle(p, d)
-    assert d.engine.stats().kv_transfer["failures"] == {}
+    st = d.engine.stats()
+    assert st.kv_transfer["failures"] == {}
+    # Transferred tokens are counted apart from cache hits (vllm #46666 counted them as hits).
+    assert st.kv_transfer["tokens_received"] == len(PROMPT_A) + len(PROMPT_B) - 3 * BS
+    assert st.tier_hit_tokens == 0
 
 
 def test_a_read_is_served_while_the_prefill_engine_takes_no_step(checkpoint, make_llm):

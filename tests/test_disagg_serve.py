@@ -82,6 +82,11 @@ def test_proxy_prefill_and_decode_processes_give_the_colocated_text(checkpoint, 
         assert got['kvserve:kv_transfer_blocks_total{direction="received"}'] == n_blocks + 1
         assert got['kvserve:kv_transfer_bytes_total{direction="received"}'] > 0
         assert got["kvserve:kv_transfers_total"] == 2
+        # the first request's whole prompt and the second's partial block, not cache hits
+        assert got["kvserve:kv_transfer_tokens_total"] == n_prompt + n_prompt % 8
+        hits = [line for line in metrics.splitlines()
+                if line.startswith("kvserve:kv_offload_hit_tokens_total")]  # fmt: skip
+        assert all(float(line.split(" ")[1]) == 0 for line in hits)
         # n and stop strings pass through (n > 1: the decode engine samples every sequence
         # itself, from the last prompt token on).
         text = want.outputs[0].text

@@ -441,7 +441,7 @@ class LLMEngine:
             window_freed_blocks=getattr(kv, "window_freed_blocks", 0),
             kv_offload=self.offload.stats() if self.offload is not None else {},
             tier_hit_tokens=loads.hit_tokens if loads is not None else 0,
-            kv_transfer=connected.get("kv_transfer", {}),
+            kv_transfer=_with_tokens(connected.get("kv_transfer", {}), loads),
             tier_loads_abandoned=loads.abandoned if loads is not None else 0,
             tier_loads_skipped=connected.get("skipped", 0),
             preempted_tokens_restored=st.preempted_tokens_restored,
@@ -475,3 +475,12 @@ class LLMEngine:
         if self.kv.num_used_blocks:
             raise RuntimeError("replace_storage: requests still hold KV blocks")
         self.executor.collective_rpc("wrap_storage", (wrap,))
+
+
+def _with_tokens(transfer: dict[str, Any], loads: Any) -> dict[str, Any]:
+    """The connector's transfer counters with the prompt tokens received from peers beside
+    them: loaded, but counted apart from the tiers' cache hits (``tier_hit_tokens``)."""
+    if not transfer:
+        return transfer
+    received = loads.transferred_tokens if loads is not None else 0
+    return {**transfer, "tokens_received": received}

@@ -39,9 +39,12 @@ class ConnectorLoads:
         self.holders: list[Request] = []  # oldest first
         self._released: list[Request] = []  # ... this step
         self.hit_tokens = 0  # prompt tokens loaded instead of computed (by admitted requests)
+        # prompt tokens a peer engine prefilled and sent (P/D): loaded, but not cache hits
+        self.transferred_tokens = 0
         self.abandoned = 0  # loads given up to free their blocks
         self.failed_blocks = 0  # blocks whose load failed (recomputed or failing their request)
-        self._landed: dict[str, int] = {}  # request id -> tokens its finished load gave it
+        # request id -> (tokens its finished load gave it, whether they are cache hits)
+        self._landed: dict[str, tuple[int, bool]] = {}
 
     @property
     def num_loading(self) -> int:
@@ -109,14 +112,14 @@ class ConnectorLoads:
                               "(kv_load_failure_policy: fail)")  # fmt: skip
                     continue
             tokens = req.load_num_tokens if j == len(ids) else j * bs
+            # A peer's prefill is transferred, not a cache hit (usage reports it apart).
+            hits = self.connector.load_is_cache_hit(req)
             if req.num_cached_tokens < 0:
-                # A peer's prefill is transferred, not a cache hit (usage reports it apart).
-                hits = self.connector.load_is_cache_hit(req)
                 req.num_cached_tokens = req.num_computed_tokens + (tokens if hits else 0)
-            if not self.connector.load_is_cache_hit(req):
+            if not hits:
                 req.num_transferred_tokens = tokens
             req.num_computed_tokens += tokens
-            self._landed[rid] = tokens  # counted once the request runs (a release undoes it)
+            self._landed[rid] = (tokens, hits)  # counted once it runs (a release undoes it)
             if j == len(ids):
                 whole.append(req)
         return whole
@@ -147,9 +150,11 @@ class ConnectorLoads:
     def forget(self, req: Request, admitted: bool = False) -> None:
         """The request was admitted (its loaded tokens count as hits) or finished: it holds
         nothing for a load any more."""
-        landed = self._landed.pop(req.request_id, 0)
-        if admitted:
+        landed, hits = self._landed.pop(req.request_id, (0, True))
+        if admitted and hits:
             self.hit_tokens += landed
+        elif admitted:
+            self.transferred_tokens += landed
         if req in self.holders:
             self.holders.remove(req)
             if req.loading:

@@ -108,6 +108,10 @@ def _transfer_metrics(s: Any) -> Iterator[Metric]:
         for key in keys:
             m.add_metric([key.split("_")[1]], float(t.get(key, 0)))
         yield m
+    yield CounterMetricFamily(PREFIX + "kv_transfer_tokens",
+                              "Prompt tokens a decode engine received from a prefill engine "
+                              "instead of computing them (not prefix-cache hits).",
+                              value=float(t.get("tokens_received", 0)))  # fmt: skip
     yield CounterMetricFamily(PREFIX + "kv_transfer_seconds",
                               "Seconds decode engines spent pulling KV (request to arrival).",
                               value=float(t.get("transfer_seconds", 0.0)))  # fmt: skip
