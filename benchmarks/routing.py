@@ -351,6 +351,8 @@ def main() -> None:
         "policies": {k: {f: v[f] for f in FIGURES} for k, v in real.items()},
         "decision_p99_ms": real.get("prefix", {}).get("decision_p99_ms"),
         "decision_p99_ms_by_policy": {k: v["decision_p99_ms"] for k, v in real.items()},
+        "decision_cpu_p99_ms": real.get("prefix", {}).get("decision_cpu_p99_ms"),
+        "decision_on_core_p99_ms": real.get("prefix", {}).get("decision_on_core_p99_ms"),
         "index_slice_p99_ms": real.get("prefix", {}).get("index_slice_p99_ms"),
         "curve": curve,
         "sim": sim,
@@ -358,6 +360,16 @@ def main() -> None:
 
 
 FIGURES = ("hit_rate", "ttft_p90_s", "output_tok_s", "failed")
+
+
+def on_core(state: Any) -> dict[str, float]:
+    """The decisions' wall p99 over those the OS let run to the end on their core (no
+    involuntary context switch of the router's thread), and the share it interrupted: on a
+    machine where the replicas keep every core busy, the wall p99 is the wait for a core."""
+    walls, cut = list(state.decision_times), list(state.decision_preempted)
+    kept = [w for w, c in zip(walls, cut, strict=True) if not c]
+    return {"decision_on_core_p99_ms": (pct(kept, 0.99) or 0.0) * 1000,
+            "decision_preempted_share": sum(cut) / len(cut) if cut else 0.0}  # fmt: skip
 
 
 def run_rate(a: argparse.Namespace, rate: float, trace: list, serve_args: list[str],
@@ -376,6 +388,7 @@ def run_rate(a: argparse.Namespace, rate: float, trace: list, serve_args: list[s
                                           or 0.0) * 1000  # fmt: skip
                 res["decision_cpu_p99_ms"] = (pct(list(router.state.decision_cpu_times), 0.99)
                                               or 0.0) * 1000  # fmt: skip
+                res.update(on_core(router.state))
                 sub = router.state.subscriber
                 if sub is not None:
                     res["index_slice_p99_ms"] = (pct(list(sub.slice_seconds), 0.99)
@@ -388,7 +401,8 @@ def run_rate(a: argparse.Namespace, rate: float, trace: list, serve_args: list[s
         print(f"# rate {rate:g}/s {policy}: {out[policy]}", flush=True)
     rows = [{"rate": rate, "policy": k, **v} for k, v in out.items()]
     print(table(rows, ["rate", "policy", "hit_rate", "ttft_p90_s", "output_tok_s", "failed",
-                       "decision_p99_ms", "decision_cpu_p99_ms", "index_slice_p99_ms"]),
+                       "decision_p99_ms", "decision_cpu_p99_ms", "decision_on_core_p99_ms",
+                       "decision_preempted_share", "index_slice_p99_ms"]),
           flush=True)  # fmt: skip
     pre, rr, ll = out.get("prefix"), out.get("round_robin"), out.get("least_load")
     if pre and rr and pre["ttft_p90_s"] and rr["ttft_p90_s"]:

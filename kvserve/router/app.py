@@ -22,6 +22,7 @@ import contextlib
 import gc
 import json
 import logging
+import resource
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -49,6 +50,7 @@ from kvserve.server.chat_prompt import render_chat
 from kvserve.server.tenants import TenantResolver
 
 log = logging.getLogger("kvserve.router")
+_RUSAGE_THREAD: int | None = getattr(resource, "RUSAGE_THREAD", None)  # Linux
 
 HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "accept-encoding"}
 
@@ -108,6 +110,9 @@ class RouterState:
         self.decision_times: deque[float] = deque(maxlen=100_000)  # seconds, most recent
         # The same decisions' CPU time: the wall time less any wait for a core.
         self.decision_cpu_times: deque[float] = deque(maxlen=100_000)
+        # Whether the OS took the core away during each (an involuntary context switch of
+        # the router's thread): a wall time that is a wait for the core, not routing work.
+        self.decision_preempted: deque[bool] = deque(maxlen=100_000)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Subscribe to the replicas' events, applied on ``loop`` (the one serving requests).
@@ -248,7 +253,7 @@ async def relay(state: RouterState, raw: Request, path: str, chat: bool) -> Resp
     while True:
         view = [ReplicaLoad(ld.healthy and i not in tried, ld.requests, ld.blocks)
                 for i, ld in enumerate(loads)]  # fmt: skip
-        t0, c0 = time.perf_counter(), time.thread_time()
+        t0, c0, s0 = time.perf_counter(), time.thread_time(), _preemptions()
         try:
             d = state.policy.choose(req, view)
             # At once, not when the answer starts (a non-streamed one starts when done):
@@ -260,6 +265,7 @@ async def relay(state: RouterState, raw: Request, path: str, chat: bool) -> Resp
         m.decision_seconds.observe(took)
         state.decision_times.append(took)
         state.decision_cpu_times.append(time.thread_time() - c0)
+        state.decision_preempted.append(_preemptions() > s0)
         rep = state.replicas[d.replica]
         rep.load.requests += 1
         rep.load.blocks += n_blocks
@@ -405,3 +411,10 @@ def build_app(state: RouterState) -> FastAPI:
                         media_type="text/plain; version=0.0.4")  # fmt: skip
 
     return app
+
+
+def _preemptions() -> int:
+    """Involuntary context switches of this thread so far (0 where the OS does not say)."""
+    if _RUSAGE_THREAD is None:
+        return 0
+    return resource.getrusage(_RUSAGE_THREAD).ru_nivcsw
