@@ -278,6 +278,8 @@ def main() -> None:
                    "serves the router first when they keep every core busy, as a core of its "
                    "own would")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--decisions-out", default=None, help="a directory: every routing "
+                   "decision's wall and CPU time per policy and rate, as JSON")  # fmt: skip
     a = p.parse_args()
     bad = [x for x in a.policies.split(",") if x not in POLICIES]
     if bad:
@@ -362,14 +364,44 @@ def main() -> None:
 FIGURES = ("hit_rate", "ttft_p90_s", "output_tok_s", "failed")
 
 
+def dump_decisions(state: Any, path: Path) -> None:
+    """Every decision's wall and CPU seconds and whether the OS preempted it or it waited."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({
+        "wall_s": list(state.decision_times), "cpu_s": list(state.decision_cpu_times),
+        "preempted": list(state.decision_preempted), "waited": list(state.decision_waited),
+    }))  # fmt: skip
+
+
+def cpu_ticks() -> list[int]:
+    """The machine's CPU time by kind (/proc/stat's first line; empty where there is none)."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return []
+
+
+def steal_share(before: list[int], after: list[int]) -> float | None:
+    """Of the CPU time between two readings, the share the hypervisor gave to other guests
+    (steal: a wait no thread of this machine sees as a context switch)."""
+    if len(before) < 8 or len(after) < 8:
+        return None
+    d = [b - a for a, b in zip(before, after, strict=False)]
+    return d[7] / max(1, sum(d[:8]))
+
+
 def on_core(state: Any) -> dict[str, float]:
-    """The decisions' wall p99 over those the OS let run to the end on their core (no
-    involuntary context switch of the router's thread), and the share it interrupted: on a
-    machine where the replicas keep every core busy, the wall p99 is the wait for a core."""
-    walls, cut = list(state.decision_times), list(state.decision_preempted)
-    kept = [w for w, c in zip(walls, cut, strict=True) if not c]
+    """The decisions' wall p99 over those that ran to the end on their core (no context
+    switch of the router's thread), and the shares the OS preempted and that waited (the GIL,
+    a page): where the replicas keep every core busy, the wall p99 is the wait for a core."""
+    walls = list(state.decision_times)
+    cut, waited = list(state.decision_preempted), list(state.decision_waited)
+    kept = [w for w, c, v in zip(walls, cut, waited, strict=True) if not (c or v)]
+    n = max(1, len(walls))
     return {"decision_on_core_p99_ms": (pct(kept, 0.99) or 0.0) * 1000,
-            "decision_preempted_share": sum(cut) / len(cut) if cut else 0.0}  # fmt: skip
+            "decision_preempted_share": sum(cut) / n,
+            "decision_waited_share": sum(waited) / n}  # fmt: skip
 
 
 def run_rate(a: argparse.Namespace, rate: float, trace: list, serve_args: list[str],
@@ -382,13 +414,17 @@ def run_rate(a: argparse.Namespace, rate: float, trace: list, serve_args: list[s
             router = None
             try:
                 router = Router(reps.specs, policy, model)
+                cpu0 = cpu_ticks()
                 recs = drive_elsewhere(router.url, trace, rate, max_tokens, a.seed)
                 res = figures(recs)
+                res["steal_share"] = steal_share(cpu0, cpu_ticks())
                 res["decision_p99_ms"] = (pct(list(router.state.decision_times), 0.99)
                                           or 0.0) * 1000  # fmt: skip
                 res["decision_cpu_p99_ms"] = (pct(list(router.state.decision_cpu_times), 0.99)
                                               or 0.0) * 1000  # fmt: skip
                 res.update(on_core(router.state))
+                if a.decisions_out:
+                    dump_decisions(router.state, Path(a.decisions_out) / f"{policy}-{rate:g}.json")
                 sub = router.state.subscriber
                 if sub is not None:
                     res["index_slice_p99_ms"] = (pct(list(sub.slice_seconds), 0.99)
@@ -402,7 +438,8 @@ def run_rate(a: argparse.Namespace, rate: float, trace: list, serve_args: list[s
     rows = [{"rate": rate, "policy": k, **v} for k, v in out.items()]
     print(table(rows, ["rate", "policy", "hit_rate", "ttft_p90_s", "output_tok_s", "failed",
                        "decision_p99_ms", "decision_cpu_p99_ms", "decision_on_core_p99_ms",
-                       "decision_preempted_share", "index_slice_p99_ms"]),
+                       "decision_preempted_share", "decision_waited_share",
+                       "steal_share", "index_slice_p99_ms"]),
           flush=True)  # fmt: skip
     pre, rr, ll = out.get("prefix"), out.get("round_robin"), out.get("least_load")
     if pre and rr and pre["ttft_p90_s"] and rr["ttft_p90_s"]:

@@ -110,9 +110,11 @@ class RouterState:
         self.decision_times: deque[float] = deque(maxlen=100_000)  # seconds, most recent
         # The same decisions' CPU time: the wall time less any wait for a core.
         self.decision_cpu_times: deque[float] = deque(maxlen=100_000)
-        # Whether the OS took the core away during each (an involuntary context switch of
-        # the router's thread): a wall time that is a wait for the core, not routing work.
+        # Whether the router's thread left its core during each: the OS took it (an
+        # involuntary context switch) or the thread waited (a voluntary one: the GIL, a
+        # page from disk). Such a wall time is partly a wait, not routing work.
         self.decision_preempted: deque[bool] = deque(maxlen=100_000)
+        self.decision_waited: deque[bool] = deque(maxlen=100_000)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Subscribe to the replicas' events, applied on ``loop`` (the one serving requests).
@@ -253,7 +255,7 @@ async def relay(state: RouterState, raw: Request, path: str, chat: bool) -> Resp
     while True:
         view = [ReplicaLoad(ld.healthy and i not in tried, ld.requests, ld.blocks)
                 for i, ld in enumerate(loads)]  # fmt: skip
-        t0, c0, s0 = time.perf_counter(), time.thread_time(), _preemptions()
+        t0, c0, (v0, i0) = time.perf_counter(), time.thread_time(), _switches()
         try:
             d = state.policy.choose(req, view)
             # At once, not when the answer starts (a non-streamed one starts when done):
@@ -265,7 +267,9 @@ async def relay(state: RouterState, raw: Request, path: str, chat: bool) -> Resp
         m.decision_seconds.observe(took)
         state.decision_times.append(took)
         state.decision_cpu_times.append(time.thread_time() - c0)
-        state.decision_preempted.append(_preemptions() > s0)
+        v1, i1 = _switches()
+        state.decision_preempted.append(i1 > i0)
+        state.decision_waited.append(v1 > v0)
         rep = state.replicas[d.replica]
         rep.load.requests += 1
         rep.load.blocks += n_blocks
@@ -413,8 +417,10 @@ def build_app(state: RouterState) -> FastAPI:
     return app
 
 
-def _preemptions() -> int:
-    """Involuntary context switches of this thread so far (0 where the OS does not say)."""
+def _switches() -> tuple[int, int]:
+    """(voluntary, involuntary) context switches of this thread so far (zeros where the OS
+    does not say)."""
     if _RUSAGE_THREAD is None:
-        return 0
-    return resource.getrusage(_RUSAGE_THREAD).ru_nivcsw
+        return 0, 0
+    r = resource.getrusage(_RUSAGE_THREAD)
+    return r.ru_nvcsw, r.ru_nivcsw
