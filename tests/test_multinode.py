@@ -155,6 +155,61 @@ def test_a_node_that_waits_for_its_peer_gives_up_naming_it(checkpoint, monkeypat
         assert f"no engine at tcp://127.0.0.1:{port + 1} sent the start within 1 s" in text
 
 
+# A bare ZeroMQ peer (no kvserve import: it starts in a blink) that binds or connects, says
+# hello, and then only sleeps; the test stops it with SIGSTOP, so it answers no heartbeat.
+SILENT_PEER = """
+import sys, time, zmq
+s = zmq.Context().socket(zmq.DEALER)
+(s.bind if sys.argv[1] == "bind" else s.connect)(sys.argv[2])
+s.send(b"hello")
+while True:
+    time.sleep(1)
+"""
+
+
+def test_a_channel_whose_peer_stops_answering_heartbeats_is_lost_within_seconds():
+    """Both ends of a node's channel (node 0's binds, a headless node's connects) notice a
+    peer that is alive but silent (stopped: its TCP connection stays open) after the
+    heartbeat timeout, and not before."""
+    import subprocess
+    import sys
+
+    import zmq
+
+    from kvserve.executor.node_link import HEARTBEAT_TIMEOUT_S, NodeLink
+
+    ctx = zmq.Context()
+    ports = [free_port_pair(), free_port_pair()]
+    ours = [NodeLink(ctx, f"tcp://127.0.0.1:{ports[0]}", bind=True)]
+    peers = [subprocess.Popen([sys.executable, "-c", SILENT_PEER, "connect",
+                               f"tcp://127.0.0.1:{ports[0]}"]),
+             subprocess.Popen([sys.executable, "-c", SILENT_PEER, "bind",
+                               f"tcp://127.0.0.1:{ports[1]}"])]  # fmt: skip
+    try:
+        ours.append(NodeLink(ctx, f"tcp://127.0.0.1:{ports[1]}", bind=False))
+        for link in ours:
+            assert link.recv(30) == [b"hello"]
+            assert not link.check() and link.connected
+        for p in peers:
+            p.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        lost_after = [None, None]
+        while None in lost_after and time.monotonic() - t0 < HEARTBEAT_TIMEOUT_S + 5:
+            for i, link in enumerate(ours):
+                if lost_after[i] is None and link.check():
+                    lost_after[i] = time.monotonic() - t0
+            time.sleep(0.05)
+        for t in lost_after:
+            assert t is not None and HEARTBEAT_TIMEOUT_S - 1 < t < HEARTBEAT_TIMEOUT_S + 3, t
+    finally:
+        for p in peers:
+            p.kill()
+            p.wait(timeout=10)
+        for link in ours:
+            link.close()
+        ctx.term()
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

@@ -60,8 +60,10 @@ from kvserve.worker.worker import WorkerInfo
 log = logging.getLogger("kvserve.executor")
 
 # After a rank's error, how long to wait for the other ranks' replies (or a death that
-# explains it) before calling the group out of step.
-ERROR_GRACE_S = 0.5
+# explains it) before calling the group out of step: a peer stuck in a collective never
+# answers, and one that is merely slower than this after its peer raised is taken as stuck
+# too (the grace trades that against how soon a real desync is reported).
+ERROR_GRACE_S = 1.0
 
 
 @dataclass(slots=True)
