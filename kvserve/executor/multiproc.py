@@ -101,6 +101,7 @@ class MultiprocExecutor(Executor):
         self._conns: list[Connection] = []
         self._nodes: list[RemoteNode] = []
         self._dead: str | None = None
+        self._late_death: str | None = None
         self._ctx: zmq.Context | None = zmq.Context() if par.nnodes > 1 else None
         self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._conns,
                                            self._nodes, self._ctx)  # fmt: skip
@@ -114,10 +115,13 @@ class MultiprocExecutor(Executor):
                 self._conns.append(conn)
             for node in self._nodes:
                 node.link.send_obj(START, (config, num_blocks, max_model_len, dist_init))
+            # every wait watches each local rank's pipe and process and each node's channel
             self._poller = zmq.Poller()
-            for rank, proc in enumerate(self._procs):
-                self._poller.register(self._conns[rank].fileno(), zmq.POLLIN)
-                self._poller.register(proc.sentinel, zmq.POLLIN)
+            self._fds = [(conn.fileno(), proc.sentinel)
+                         for conn, proc in zip(self._conns, self._procs, strict=True)]  # fmt: skip
+            for fds in self._fds:
+                for fd in fds:
+                    self._poller.register(fd, zmq.POLLIN)
             for node in self._nodes:
                 node.link.register(self._poller)
             infos = self._receive_all()
@@ -141,6 +145,8 @@ class MultiprocExecutor(Executor):
     ) -> list[Any]:
         if self._dead is not None:
             raise WorkerDiedError(self._dead)
+        if self._late_death is not None:  # a rank that ended after its last reply
+            raise self._fail(self._late_death)
         message = pickle.dumps((method, args, kwargs or {}), pickle.HIGHEST_PROTOCOL)
         for rank, conn in enumerate(self._conns):
             try:
@@ -155,7 +161,9 @@ class MultiprocExecutor(Executor):
     def check_health(self) -> None:
         if self._dead is not None:
             raise WorkerDiedError(self._dead)
-        self._events(0)  # a death between calls raises; no reply is due
+        if self._late_death is not None:  # a rank that ended after its last reply
+            raise self._fail(self._late_death)
+        self._events(set(range(self._world_size)), None)  # a death between calls
 
     def shutdown(self) -> None:
         self._finalizer()
@@ -165,49 +173,72 @@ class MultiprocExecutor(Executor):
         """Every rank's reply to the call it was sent, in rank order. A rank's death raises
         at once (the ranks wait on each other, so a dead rank is the cause, and a survivor's
         error, a collective that lost its peer, only its echo); a rank's error with a peer
-        still silent ERROR_GRACE_S later leaves the group out of step."""
+        still silent ERROR_GRACE_S later leaves the group out of step. A rank that has
+        replied is no longer watched during this call: its collectives are done, so its
+        peers can finish theirs, and its end (a worker that could not start exits after
+        saying why) is the next call's business."""
+        pending = set(range(self._world_size))
         replies: dict[int, tuple[str, Any]] = {}
         error_at: float | None = None
-        while len(replies) < self._world_size:
-            timeout = None
-            if error_at is not None:
-                timeout = max(0.0, error_at + ERROR_GRACE_S - time.monotonic())
-            for rank, reply in self._events(timeout):
-                replies[rank] = reply
-                if reply[0] == "error" and error_at is None:
-                    error_at = time.monotonic()
-            if (len(replies) < self._world_size and error_at is not None
-                    and time.monotonic() >= error_at + ERROR_GRACE_S):  # fmt: skip
-                raise self._fail(self._out_of_step(replies))
+        poller, quiet = self._poller, []
+        try:
+            while pending:
+                timeout = None
+                if error_at is not None:
+                    timeout = max(0, int((error_at + ERROR_GRACE_S - time.monotonic()) * 1000))
+                ready = {fd for fd, _ in poller.poll(timeout)}
+                for rank, reply in self._events(pending, ready):
+                    replies[rank] = reply
+                    pending.discard(rank)
+                    if rank < len(self._procs):  # a local rank: stop watching its pipe
+                        poller.unregister(self._fds[rank][0])
+                        poller.unregister(self._fds[rank][1])
+                        quiet.append(rank)
+                    if reply[0] == "error" and error_at is None:
+                        error_at = time.monotonic()
+                if (pending and error_at is not None
+                        and time.monotonic() >= error_at + ERROR_GRACE_S):  # fmt: skip
+                    raise self._fail(self._out_of_step(replies))
+        finally:
+            for rank in quiet:
+                poller.register(self._fds[rank][0], zmq.POLLIN)
+                poller.register(self._fds[rank][1], zmq.POLLIN)
         for rank in range(self._world_size):
             kind, value = replies[rank]
             if kind == "error":
                 raise WorkerError(f"worker {rank}{self._where(rank)}: {value}")
         return [replies[rank][1] for rank in range(self._world_size)]
 
-    def _events(self, timeout_s: float | None) -> list[tuple[int, tuple[str, Any]]]:
-        """The replies that arrive within ``timeout_s`` (None: until something happens);
-        raises WorkerDiedError for a rank whose process ended or a node that is gone."""
-        self._poller.poll(None if timeout_s is None else int(timeout_s * 1000))
+    def _events(self, pending: set[int], ready: set[Any] | None) -> list[tuple[int, Any]]:
+        """The replies of ``pending`` ranks that have arrived, looking only where the poll
+        found something (``ready``; None: everywhere); raises WorkerDiedError for a pending
+        rank whose process ended or whose node is gone."""
         out = []
         for rank, conn in enumerate(self._conns):
-            if conn.poll(0):
+            if rank not in pending:
+                continue
+            if conn.poll(0) if ready is None else self._fds[rank][0] in ready:
                 try:
                     out.append((rank, pickle.loads(conn.recv_bytes())))
                 except (EOFError, OSError):
                     raise self._fail(self._local_death(rank)) from None
         for node in self._nodes:
             while (msg := node.link.recv(0)) is not None:
-                if msg[0] == REPLY:
-                    out.append((int(msg[1]), pickle.loads(msg[2])))
+                rank = int(msg[1]) if msg[0] in (REPLY, DIED) else -1
+                if msg[0] == REPLY and rank in pending:
+                    out.append((rank, pickle.loads(msg[2])))
                 elif msg[0] == DIED:
-                    rank = int(msg[1])
-                    raise self._fail(f"worker {rank} {msg[2].decode()}{self._where(rank)}; "
-                                     "the engine cannot run more steps")  # fmt: skip
-            if node.link.check():
+                    self._late_death = (f"worker {rank} {msg[2].decode()}{self._where(rank)}; "
+                                        "the engine cannot run more steps")  # fmt: skip
+                    if rank in pending:
+                        raise self._fail(self._late_death)
+            if node.link.check() and pending.intersection(node.ranks):
                 raise self._fail(self._node_gone(node))
+        answered = {rank for rank, _ in out}
         for rank, proc in enumerate(self._procs):
-            if proc.exitcode is not None:
+            if rank not in pending or rank in answered:
+                continue
+            if (ready is None or self._fds[rank][1] in ready) and proc.exitcode is not None:
                 raise self._fail(self._local_death(rank))
         return out
 
