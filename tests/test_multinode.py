@@ -21,6 +21,7 @@ import pytest
 from kvserve import LLM, SamplingParams
 from kvserve.config import ConfigError
 from kvserve.engine_args import engine_kwargs
+from kvserve.executor import WorkerDiedError
 from kvserve.llm import engine_config
 from tests.serve_process import ServeProcess
 
@@ -130,6 +131,34 @@ def test_a_killed_rank_on_another_node_fails_the_engine_naming_rank_and_node(che
         assert wait_exit(node1, 10) == 1, node1.text
         assert f"worker 1 (pid {remote_pid}) was killed by SIGKILL" in node1.drain()
         assert node0.stop() == 0, node0.text
+
+
+def test_a_remote_rank_that_raises_mid_step_fails_the_group_at_once(checkpoint):
+    """Node 0 as an ``LLM`` in this process, node 1 headless: rank 1, on node 1, raises in
+    its step while rank 0 waits for it in a collective; the engine reports it within
+    seconds (not the collective's 120 s), naming rank, node and error, refuses later calls,
+    and node 1 stops its rank and exits 1 saying why."""
+    from tests.test_tensor_parallel import _break_rank_1, _rank
+
+    ckpt = checkpoint("llama_gqa")
+    port = free_port_pair()
+    with ServeProcess(node_args(ckpt, port, 1), ready=None) as node1:
+        llm = LLM(ckpt, dtype="float32", num_gpu_blocks=64, max_model_len=256,
+                  tensor_parallel_size=2, nnodes=2, master_port=port)  # fmt: skip
+        ex = llm.engine.executor
+        assert ex.collective_rpc(_rank) == [0, 1]
+        ex.collective_rpc(_break_rank_1)
+        t0 = time.monotonic()
+        (out,) = llm.generate([PROMPTS[1]], GREEDY)
+        assert time.monotonic() - t0 < 5
+        assert out.error is not None
+        assert "worker 1 on node 1 (" in out.error, out.error
+        assert "raised RuntimeError: injected fault in rank 1's step" in out.error, out.error
+        with pytest.raises(WorkerDiedError, match="out of step"):
+            ex.collective_rpc(_rank)
+        assert wait_exit(node1, 10) == 1, node1.text
+        assert "node 0's engine stopped the group: worker 1 on node 1" in node1.drain()
+        llm.shutdown()
 
 
 def test_a_node_that_waits_for_its_peer_gives_up_naming_it(checkpoint, monkeypatch):
