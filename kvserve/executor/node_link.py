@@ -4,7 +4,9 @@ Node ``r`` (1 <= r < nnodes) talks to node 0 over one pair of ZeroMQ DEALER sock
 node 0 binds ``master_addr:master_port + r``, node ``r`` connects to it (``master_port``
 itself is rank 0's torch.distributed rendezvous). A message is a few frames, the first naming
 its kind; a call and a rank's reply travel as the bytes the local workers' pipes carry (one
-pickle), so node 0 handles a remote rank's reply exactly as a local one's.
+pickle), so node 0 handles a remote rank's reply exactly as a local one's. Nothing
+authenticates a peer and a message is unpickled: the nodes must share a trusted network, as
+torch.distributed's rendezvous requires anyway.
 
 Liveness is ZeroMQ's own: both ends send ZMTP heartbeats every ``HEARTBEAT_IVL_S`` from
 ZeroMQ's I/O thread (so a node busy in a long step still answers them) and drop a connection
