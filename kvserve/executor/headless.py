@@ -66,6 +66,7 @@ def run_headless(config: EngineConfig) -> int:
     link = NodeLink(ctx, endpoint, bind=False)
     procs: list[Any] = []
     conns: list[Connection] = []
+    code = 1
 
     def stop(*_: Any) -> None:
         raise _Stopped
@@ -98,7 +99,9 @@ def run_headless(config: EngineConfig) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        stop_workers(procs, conns, at_once=True)
+        # a clean end asks the ranks to stop (each shuts its worker down); a failed group's
+        # ranks may wait in a collective that will never complete
+        stop_workers(procs, conns, at_once=code != 0)
         link.close(linger_s=1.0)
         ctx.term()
     return code
