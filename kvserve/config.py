@@ -717,6 +717,29 @@ class ParallelConfig:
                   "(gloo) even where every rank shares one host, instead of through shared "
                   "memory (vLLM's flag)"},
     )  # fmt: skip
+    nnodes: int = field(
+        default=1,
+        metadata={"metavar": "K",
+                  "help": "machines the mp backend's tensor-parallel ranks span, "
+                  "tensor_parallel_size / K on each: node 0 runs the engine, every other node "
+                  "runs `kvserve serve ... --headless` with its --node-rank (vLLM's flag)"},
+    )  # fmt: skip
+    node_rank: int = field(
+        default=0,
+        metadata={"help": "this machine's index among --nnodes: 0 runs the engine (vLLM's "
+                  "flag)"},
+    )  # fmt: skip
+    master_addr: str = field(
+        default="127.0.0.1",
+        metadata={"help": "with --nnodes above 1: node 0's address, which every node reaches "
+                  "(vLLM's flag)"},
+    )  # fmt: skip
+    master_port: int | None = field(
+        default=None,
+        metadata={"help": "with --nnodes above 1: node 0's port for the ranks' "
+                  "torch.distributed rendezvous; node r's calls and replies use the next "
+                  "ports, master_port + r (vLLM's flag)"},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
@@ -729,6 +752,35 @@ class ParallelConfig:
             raise ConfigError(f"tensor_parallel_size: must be an integer in [1, 1024], got {tp!r}")
         if tp > 1 and self.distributed_executor_backend == "uni":
             self.distributed_executor_backend = "mp"  # one process holds one rank
+        self._check_nodes()
+
+    def _check_nodes(self) -> None:
+        k, r, tp = self.nnodes, self.node_rank, self.tensor_parallel_size
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= tp:
+            raise ConfigError(f"nnodes: must be an integer in [1, tensor_parallel_size = {tp}], "
+                              f"got {k!r}")  # fmt: skip
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < k:
+            raise ConfigError(f"node_rank: must be an integer in [0, nnodes = {k}), got {r!r}")
+        if k == 1:
+            return
+        if tp % k:
+            raise ConfigError(f"tensor_parallel_size: {tp} ranks do not divide evenly over "
+                              f"nnodes = {k} nodes")  # fmt: skip
+        if self.distributed_executor_backend != "mp":
+            raise ConfigError(f"distributed_executor_backend: nnodes above 1 runs the mp "
+                              f"backend's workers on every node, got "
+                              f"{self.distributed_executor_backend!r}")  # fmt: skip
+        port = self.master_port
+        if port is None:
+            raise ConfigError("master_port: required with nnodes above 1 (node 0's "
+                              "rendezvous port, which every node names)")  # fmt: skip
+        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65536 - k:
+            raise ConfigError(
+                f"master_port: must be an integer in [1, {65536 - k}] (ports "
+                f"master_port to master_port + {k - 1} are used), got {port!r}"
+            )
+        if not self.master_addr:
+            raise ConfigError("master_addr: required with nnodes above 1 (node 0's address)")
 
     @property
     def world_size(self) -> int:

@@ -169,6 +169,11 @@ VARIABLES: dict[str, EnvVar] = {
         EnvVar("MASTER_PORT", _positive, None,
                "torchrun's: the port on MASTER_ADDR where the group meets, required under "
                "external_launcher; unset: not launched so."),
+        # Several machines without Ray (--nnodes)
+        EnvVar("KVSERVE_NODE_WAIT_S", _positive, 300,
+               "Seconds node 0's engine waits for every --headless node to connect, and a "
+               "--headless node waits for node 0's engine, before it exits with an error naming "
+               "what it waited for; default 300."),
         # Server
         EnvVar("KVSERVE_TENANT_SECRET", _secret, None,
                "The server's secret under which tenants' prefix-cache salts are derived (16+ "

@@ -36,8 +36,11 @@ class ServeProcess:
         env: dict[str, str] | None = None,
         start_timeout: float = 120,
         port: int = 0,
+        ready: str | None = r"running on (http://\S+)",
     ) -> None:
-        """``port``: 0 for a free one; a fixed one to restart a server at the same URL."""
+        """``port``: 0 for a free one; a fixed one to restart a server at the same URL.
+        ``ready``: the line that says it serves (its group is the URL); None: do not wait
+        (a ``--headless`` node, which serves no HTTP)."""
         cmd = [sys.executable, "-m", "kvserve.cli", "serve", *args, "--port", str(port)]
         env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
@@ -45,8 +48,11 @@ class ServeProcess:
         self.log: list[str] = []
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
+        self.url = ""
+        if ready is None:
+            return
         try:
-            self.url = self.wait_for(r"running on (http://\S+)", start_timeout).group(1)
+            self.url = self.wait_for(ready, start_timeout).group(1)
         except BaseException:
             self.close()
             raise

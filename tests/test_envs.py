@@ -43,6 +43,7 @@ CASES = {
     "LOCAL_WORLD_SIZE": ("2", 2, "0"),
     "MASTER_ADDR": (" 10.0.0.7 ", "10.0.0.7", None),
     "MASTER_PORT": ("29500", 29500, "0"),
+    "KVSERVE_NODE_WAIT_S": ("30", 30, "0"),
 }
 # Unset: what the code read before the variable had a module of its own.
 UNSET = {
@@ -52,6 +53,7 @@ UNSET = {
     "KVSERVE_AVX512_BF16_DOT": None, "KVSERVE_PREFILL_BF16_DOT": None,
     "KVSERVE_MALLOC_TUNING": True, "KVSERVE_CPU_OMP_THREADS_BIND": "auto",
     "KVSERVE_TENANT_SECRET": None, "KVSERVE_TEST_DEVICE": "cpu", "MASTER_ADDR": "127.0.0.1",
+    "KVSERVE_NODE_WAIT_S": 300,
 }  # fmt: skip
 
 

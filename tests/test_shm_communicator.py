@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from kvserve.distributed import DistributedInit, free_port, init_distributed
 from kvserve.distributed.communicator import TorchDistCommunicator
@@ -135,3 +136,52 @@ def test_a_peer_that_never_arrives_is_a_timeout_naming_it():
         with pytest.raises(TimeoutError, match=r"tensor-parallel ranks \[1\] did not reach"):
             ranks[0].all_reduce(torch.ones(3))
         assert 0.2 <= time.monotonic() - t0 < 2.0
+
+
+def _creator_killed_before_the_barrier(rank: int, port: int, out: Any) -> None:
+    torch.set_num_threads(1)
+    init = DistributedInit(2, "127.0.0.1", port, "gloo", timeout_s=5)
+    init_distributed(init, rank, torch.device("cpu"), custom_all_reduce=False)
+    if rank == 0:
+
+        def killed() -> None:  # between making the segment and the barrier after it
+            with open("/proc/self/maps") as f:
+                mapped = sorted({line.split(None, 5)[-1].strip() for line in f
+                                 if "kvserve-tp" in line})  # fmt: skip
+            out.put((0, mapped))
+            out.close()
+            out.join_thread()
+            os._exit(3)
+
+        dist.barrier = killed
+    try:
+        ShmCommunicator.create(rank, 2, torch.device("cpu"), 5.0, buffer_bytes=BUFFER)
+        out.put((rank, "created"))
+    except Exception as e:  # noqa: BLE001 - the test reports what the survivor saw
+        out.put((rank, type(e).__name__))
+
+
+def test_a_segment_does_not_outlive_a_creator_killed_before_the_barrier():
+    """Rank 0 makes and maps the segment, then dies before the barrier that follows: the
+    segment it mapped has no name left on the file system, and rank 1 fails (it cannot open
+    the segment, or the barrier loses rank 0) instead of building a communicator."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_creator_killed_before_the_barrier, args=(r, port, out))
+             for r in range(2)]  # fmt: skip
+    for p in procs:
+        p.start()
+    try:
+        results = dict(out.get(timeout=60) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    assert procs[0].exitcode == 3
+    mapped = results[0]
+    assert len(mapped) == 1, mapped  # rank 0 had made and mapped the segment
+    assert not os.path.exists(mapped[0]), f"{mapped[0]} outlived its group"
+    assert results[1] != "created"

@@ -29,7 +29,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.config import ConfigError
 from kvserve.engine.core import EngineDeadError
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.executor import Executor
+from kvserve.executor import Executor, WorkerDiedError, WorkerError
 from kvserve.executor.abstract import call_worker
 from kvserve.kernels.openmp import serial_thread
 from kvserve.llm import engine_config
@@ -99,6 +99,8 @@ def test_two_ranks_give_the_single_rank_tokens(checkpoint, make_llm, name):
         kill_a_rank_and_check_the_engine_fails_by_name(
             two.engine, pids, "worker 1 (pid {pid}) was killed by SIGKILL"
         )
+    else:  # one rank raises in a step, under gloo's collectives and shared memory's
+        break_a_rank_and_check_the_group_fails_at_once(two.engine, pids)
 
 
 def _communicator(worker: Worker) -> str:
@@ -202,6 +204,65 @@ def kill_a_rank_and_check_the_engine_fails_by_name(
     while os.path.exists(f"/proc/{rank0}") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not os.path.exists(f"/proc/{rank0}"), "the surviving rank outlived the engine"
+
+
+def _rank(worker: Worker) -> int:
+    return worker.rank
+
+
+def _raise_on_every_rank(worker: Worker) -> None:
+    raise ValueError(f"rank {worker.rank} refuses")
+
+
+def _break_rank_1(worker: Worker) -> None:
+    """Rank 1's next step raises before its first collective; rank 0's waits in it."""
+    if worker.rank == 1:
+
+        def fail(scheduler_output: Any) -> Any:
+            raise RuntimeError("injected fault in rank 1's step")
+
+        worker.runner.execute_model = fail
+
+
+def break_a_rank_and_check_the_group_fails_at_once(engine: LLMEngine, pids: list[int]) -> None:
+    """A call every rank answers, even with an error, fails only itself; a step that one
+    rank leaves with an error while the other waits in a collective fails the engine within
+    seconds (not the collective's 120 s timeout), naming the rank and its error, and stops
+    both ranks."""
+    ex = engine.executor
+    with pytest.raises(WorkerError, match="worker 0: ValueError: rank 0 refuses"):
+        ex.collective_rpc(_raise_on_every_rank)
+    assert ex.collective_rpc(_rank) == [0, 1]
+    ex.collective_rpc(_break_rank_1)
+    engine.add_request("x", PROMPTS[1], GREEDY)
+    t0 = time.monotonic()
+    finished = {}
+    while engine.has_unfinished_requests() and time.monotonic() - t0 < 30:
+        for o in engine.step():
+            if o.finished:
+                finished[o.request_id] = o
+    assert time.monotonic() - t0 < 5
+    error = finished["x"].error
+    assert error is not None
+    assert "worker 1 raised RuntimeError: injected fault in rank 1's step" in error, error
+    assert "out of step" in error, error
+    with pytest.raises(EngineDeadError, match="worker 1 raised"):
+        engine.add_request("late", [5, 6, 7], GREEDY)
+    with pytest.raises(WorkerDiedError, match="worker 1 raised"):
+        ex.collective_rpc(_rank)
+    deadline = time.monotonic() + 10  # both ranks stopped, before the engine's shutdown
+    while any(os.path.exists(f"/proc/{p}/stat") and _running(p) for p in pids):
+        assert time.monotonic() < deadline, "a rank outlived its group's failure"
+        time.sleep(0.05)
+    engine.shutdown()
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 class ThreadRanks(Executor):

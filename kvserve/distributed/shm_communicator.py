@@ -1,16 +1,16 @@
 """All-reduce and all-gather through shared memory, for ranks on one host (vLLM's CPU
 ``shm`` all-reduce, in its shape: one segment, a buffer and a sequence flag per rank).
 
-Over gloo, each collective of a decode step is a round trip through the loopback TCP stack
-and a wake-up of a thread that sleeps in ``epoll``: on a small model that is most of a step.
-Ranks that share a host can instead meet in memory: every rank copies its tensor into its own
-buffer of one ``/dev/shm`` segment, raises its flag to the collective's sequence number, waits
-until every peer's flag has reached it, and reads the peers' buffers. Each rank sums the
-buffers in rank order, so every rank holds the same bits. Two buffers per rank, alternated by
-the sequence number's parity, keep a fast rank from overwriting data a slow one still reads: a
-rank can only reach collective ``n + 2`` after every peer has raised its flag for ``n + 1``,
-which each does only once it has finished reading ``n``. A tensor larger than a buffer goes in
-chunks, each a collective of its own.
+Over gloo, each collective of a decode step is a round trip through the loopback TCP stack and
+a wake-up of a thread that sleeps in ``epoll``: on a small model that is most of a step. Ranks
+that share a host can instead meet in memory: every rank copies its tensor into its own buffer
+of one shared segment (an anonymous memory file), raises its flag to the collective's sequence
+number, waits until every peer's flag has reached it, and reads the peers' buffers. Each rank
+sums the buffers in rank order, so every rank holds the same bits. Two buffers per rank,
+alternated by the sequence number's parity, keep a fast rank from overwriting data a slow one
+still reads: a rank can only reach collective ``n + 2`` after every peer has raised its flag
+for ``n + 1``, which each does only once it has finished reading ``n``. A tensor larger than a
+buffer goes in chunks, each a collective of its own.
 
 The wait spins for a millisecond (a peer is usually microseconds away: each rank computes on
 its own core, and a rank that slept would pay a wake-up, on a virtual machine a halted vCPU's,
@@ -29,9 +29,7 @@ from __future__ import annotations
 import mmap
 import os
 import platform
-import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import torch
@@ -53,17 +51,20 @@ class PeerGoneError(RuntimeError):
 
 
 def shm_supported(device: torch.device) -> bool:
-    """Whether the shared-memory path may run here: CPU tensors on x86-64 Linux."""
+    """Whether the shared-memory path may run here: CPU tensors on x86-64 Linux (with
+    ``memfd_create`` for the segment)."""
     return (
         device.type == "cpu"
         and platform.machine().lower() in ("x86_64", "amd64")
         and Path("/proc/self/stat").exists()
+        and hasattr(os, "memfd_create")
     )
 
 
 def host_identity() -> str:
     """What two processes on one host share and two hosts do not: the boot id (and the host
-    name, for a container that shares a kernel but not its /dev/shm)."""
+    name, for a container that shares a kernel but not its process table, through which the
+    ranks open the segment and watch each other)."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
@@ -109,22 +110,25 @@ class ShmCommunicator:
     def create(cls, rank: int, world_size: int, device: torch.device, timeout_s: float,
                buffer_bytes: int = BUFFER_BYTES) -> ShmCommunicator:  # fmt: skip
         """Every rank of the default process group calls this together: rank 0 makes the
-        segment and names it to the others over the group; once all have mapped it, it is
-        unlinked, so it disappears with the last process that maps it."""
+        segment, an anonymous file (``memfd_create``) that has no name anywhere, and gives
+        the others its path in rank 0's descriptor table (``/proc/PID/fd/N``) over the group;
+        once all have mapped it, rank 0 closes its descriptor. The segment is freed with the
+        last process that maps it, whichever rank dies when: a rank 0 killed before the
+        others opened it leaves nothing behind (their open fails), as a named file in
+        ``/dev/shm`` would."""
         path = [""]
+        fd = -1
         if rank == 0:
-            where = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-            path[0] = os.path.join(where, f"kvserve-tp-{uuid.uuid4().hex}")
-            size = world_size * SLOT + 2 * world_size * buffer_bytes
-            with open(path[0], "wb") as f:
-                f.truncate(size)
-        dist.broadcast_object_list(path, src=0)
+            fd = os.memfd_create("kvserve-tp", os.MFD_CLOEXEC)
+            os.ftruncate(fd, world_size * SLOT + 2 * world_size * buffer_bytes)
+            path[0] = f"/proc/{os.getpid()}/fd/{fd}"
         try:
+            dist.broadcast_object_list(path, src=0)
             comm = cls(rank, world_size, device, path[0], timeout_s, buffer_bytes)
             dist.barrier()  # every rank has mapped it and written its pid
         finally:
-            if rank == 0:
-                Path(path[0]).unlink(missing_ok=True)
+            if fd >= 0:
+                os.close(fd)
         return comm
 
     # -- the collectives ----------------------------------------------------------------------

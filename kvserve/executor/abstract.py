@@ -11,7 +11,9 @@ that takes the worker first.
 An executor whose worker process dies raises :class:`WorkerDiedError` from the call it was in
 (or from :meth:`Executor.check_health` between steps), naming the worker, within the time the
 operating system takes to report a dead process: never a hang. A worker that raises stays
-alive: its error comes back as :class:`WorkerError` and only that call fails.
+alive: its error comes back as :class:`WorkerError` and only that call fails, unless it left
+tensor-parallel peers waiting for it in a collective (the ranks are then out of step, and the
+executor fails with :class:`WorkerDiedError` naming it).
 """
 
 from __future__ import annotations

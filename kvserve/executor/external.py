@@ -10,7 +10,9 @@ same decisions as every other's (scheduling is deterministic in its inputs), its
 its rank's shard and joins the group torchrun's environment names (``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT``; ``LOCAL_RANK`` picks its GPU or its share of the CPUs), and
 every rank samples the same tokens, so every process returns the same outputs. This is the
-launch for clusters without Ray; ``--nnodes`` and the rest are torchrun's flags.
+launch for a program of one's own on clusters without Ray (``--nnodes`` and the rest are
+torchrun's flags here); ``kvserve serve --nnodes`` runs the ``mp`` backend's ranks across
+machines instead (:mod:`kvserve.executor.headless`).
 
 A peer that is lost (its process or its machine) fails a collective: at once where its socket
 closed, else after the group's timeout. The engine then stops with

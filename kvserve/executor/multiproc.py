@@ -1,14 +1,24 @@
 """Workers in processes of their own (vLLM's ``mp`` backend): the engine sends each step.
 
-Each worker is started with ``spawn`` (a fresh interpreter: no inherited threads, locks or
-OpenMP pools, and CUDA may be initialised in it) and builds its model and KV pool from the
-engine's config. The engine and a worker talk over one duplex pipe: a call is one pickled
-message each way. Every wait for a reply also waits on the worker's process sentinel, so a
-worker that dies (killed, out of memory, a crash in a kernel) is reported at once as
-:class:`~kvserve.executor.abstract.WorkerDiedError` naming the worker and how it ended, and the
-executor refuses every later call with the same error. A worker whose engine goes away sees
-its pipe close and exits; a worker ignores SIGINT (a terminal's Ctrl-C reaches the whole
-process group: the engine decides when its workers stop).
+The engine's machine (node 0) runs its ranks as spawned worker processes
+(:mod:`kvserve.executor.worker_process`), one duplex pipe each. With ``--nnodes K`` the
+tensor-parallel ranks span K machines, ``tensor_parallel_size / K`` on each: every other node
+runs ``kvserve serve ... --node-rank r --headless`` (:mod:`kvserve.executor.headless`), which
+starts its own ranks and relays calls and replies over its channel to node 0
+(:mod:`kvserve.executor.node_link`). A call goes to every rank, local or remote, as the same
+pickled message, and every reply, from a pipe or a channel, comes back to one loop
+(:meth:`MultiprocExecutor._receive_all`) with the same ``ok`` / ``error`` meaning.
+
+Failure is an error within seconds, never a hang. Every wait also watches each local worker's
+process sentinel, each node's channel (a node reports a rank whose process ended; a node whose
+process ended or that stops answering heartbeats is a lost connection), so a rank that dies is
+reported at once as :class:`~kvserve.executor.abstract.WorkerDiedError` naming the rank, the
+node and how it ended. A rank that raises while another has not answered within
+``ERROR_GRACE_S`` has left its peers waiting in a collective that will never complete: the
+ranks are out of step, so that too is a :class:`WorkerDiedError` naming the rank and its error,
+not a wait for the collective's own timeout. Either way the executor stops every worker
+(the other nodes' too) and refuses every later call with the same error. A call that every
+rank answers, even with an error, fails only itself.
 
 A program that starts an ``mp`` engine at import time must guard it with ``if __name__ ==
 "__main__":``, as any ``spawn`` user must: the worker imports the program's main module.
@@ -16,72 +26,115 @@ A program that starts an ``mp`` engine at import time must guard it with ``if __
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import multiprocessing as mp
-import os
 import pickle
-import signal
 import time
-import traceback
 import weakref
-from multiprocessing.connection import Connection, wait
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Any
 
-from kvserve.config import EngineConfig
-from kvserve.distributed import DistributedInit, free_port, rank_device
+import zmq
+
+from kvserve import envs
+from kvserve.config import ConfigError, EngineConfig
+from kvserve.distributed import DistributedInit, free_port
 from kvserve.distributed.communicator import backend_for
-from kvserve.executor.abstract import Executor, Method, WorkerDiedError, WorkerError, call_worker
+from kvserve.executor.abstract import Executor, Method, WorkerDiedError, WorkerError
+from kvserve.executor.node_link import (
+    CALL,
+    DIED,
+    HEARTBEAT_TIMEOUT_S,
+    HELLO,
+    REPLY,
+    START,
+    STOP,
+    NodeLink,
+    bind_address,
+    node_port,
+)
+from kvserve.executor.worker_process import RankPlace, how_it_ended, start_worker, stop_workers
 from kvserve.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvserve.worker.worker import WorkerInfo
 
 log = logging.getLogger("kvserve.executor")
 
-SHUTDOWN_TIMEOUT_S = 5.0
-# After a rank's error, how long to wait for another rank's death to explain it.
-ERROR_GRACE_S = 0.5
-# How long a worker looks for the next call without sleeping (steps come back to back while
-# requests run; an idle engine's workers sleep after this).
-BUSY_LOOP_S = 0.05
+# After a rank's error, how long to wait for the other ranks' replies (or a death that
+# explains it) before calling the group out of step: a peer stuck in a collective never
+# answers, and one that is merely slower than this after its peer raised is taken as stuck
+# too (the grace trades that against how soon a real desync is reported).
+ERROR_GRACE_S = 1.0
+
+
+@dataclass(slots=True)
+class RemoteNode:
+    """Another node's ranks, reached over its channel."""
+
+    node_rank: int
+    link: NodeLink
+    ranks: range
+    host: str = "?"
 
 
 class MultiprocExecutor(Executor):
     remote = True
 
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
-        world_size = config.parallel.tensor_parallel_size
+        par = config.parallel
+        if par.node_rank != 0:
+            raise ConfigError(
+                f"node_rank: node {par.node_rank} runs no engine; start it "
+                "with `kvserve serve ... --headless` (node 0 runs the engine)"
+            )
+        world_size = par.tensor_parallel_size
+        local_world = world_size // par.nnodes
         dist_init = None
-        if world_size > 1:  # the ranks meet on a free loopback port of this machine
+        if par.nnodes > 1:  # rank 0, here, hosts the rendezvous every node names
+            assert par.master_port is not None  # ParallelConfig requires it
+            dist_init = DistributedInit(world_size, par.master_addr, par.master_port,
+                                        backend_for(config.device))  # fmt: skip
+        elif world_size > 1:  # the ranks meet on a free loopback port of this machine
             dist_init = DistributedInit(world_size, "127.0.0.1", free_port(),
                                         backend_for(config.device))  # fmt: skip
-        ctx = mp.get_context("spawn")
+        self._world_size = world_size
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
+        self._nodes: list[RemoteNode] = []
         self._dead: str | None = None
+        self._late_death: str | None = None
+        self._ctx: zmq.Context | None = zmq.Context() if par.nnodes > 1 else None
+        self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._conns,
+                                           self._nodes, self._ctx)  # fmt: skip
         try:
-            for rank in range(world_size):
-                parent, child = ctx.Pipe(duplex=True)
-                proc = ctx.Process(
-                    target=_worker_main,
-                    args=(child, config, num_blocks, max_model_len, rank, dist_init),
-                    name=f"kvserve-worker-{rank}",
-                    daemon=True,
-                )
-                proc.start()
-                child.close()  # the worker's end lives in the worker only: EOF when it dies
+            if par.nnodes > 1:
+                self._await_nodes(config, local_world)
+            for rank in range(local_world):
+                place = RankPlace(rank, rank, local_world)
+                proc, conn = start_worker(config, num_blocks, max_model_len, place, dist_init)
                 self._procs.append(proc)
-                self._conns.append(parent)
-            self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns)
+                self._conns.append(conn)
+            for node in self._nodes:
+                node.link.send_obj(START, (config, num_blocks, max_model_len, dist_init))
+            # every wait watches each local rank's pipe and process and each node's channel
+            self._poller = zmq.Poller()
+            self._fds = [(conn.fileno(), proc.sentinel)
+                         for conn, proc in zip(self._conns, self._procs, strict=True)]  # fmt: skip
+            for fds in self._fds:
+                for fd in fds:
+                    self._poller.register(fd, zmq.POLLIN)
+            for node in self._nodes:
+                node.link.register(self._poller)
             infos = self._receive_all()
             for rank, proc in enumerate(self._procs):
                 log.info("worker %d: pid %d", rank, proc.pid)
         except BaseException:
-            _stop(self._procs, self._conns)
+            self._finalizer()
             raise
         self.info = WorkerInfo.of_ranks(infos)
 
     @property
     def worker_pids(self) -> list[int]:
+        """The local workers' pids (node 0's ranks)."""
         return [p.pid for p in self._procs]
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -92,154 +145,193 @@ class MultiprocExecutor(Executor):
     ) -> list[Any]:
         if self._dead is not None:
             raise WorkerDiedError(self._dead)
+        if self._late_death is not None:  # a rank that ended after its last reply
+            raise self._fail(self._late_death)
         message = pickle.dumps((method, args, kwargs or {}), pickle.HIGHEST_PROTOCOL)
         for rank, conn in enumerate(self._conns):
             try:
                 conn.send_bytes(message)
             except OSError:  # a closed pipe: the worker is gone
-                raise self._died(rank) from None
+                raise self._fail(self._local_death(rank)) from None
+        for node in self._nodes:
+            if not node.link.send(CALL, message):  # its connection is gone
+                raise self._fail(self._node_gone(node))
         return self._receive_all()
 
     def check_health(self) -> None:
         if self._dead is not None:
             raise WorkerDiedError(self._dead)
-        for rank, proc in enumerate(self._procs):
-            if not proc.is_alive():
-                raise self._died(rank)
+        if self._late_death is not None:  # a rank that ended after its last reply
+            raise self._fail(self._late_death)
+        self._events(set(range(self._world_size)), None)  # a death between calls
 
     def shutdown(self) -> None:
         self._finalizer()
 
     # -- the engine's side of a call ---------------------------------------------------------
     def _receive_all(self) -> list[Any]:
-        """Every worker's reply to the call it was sent, in rank order. Raises
-        WorkerDiedError as soon as any worker's process ends: the ranks of a tensor-parallel
-        group wait on each other, so a dead rank is the cause, and a survivor's error (a
-        collective that lost its peer) only its echo."""
-        pending = dict(enumerate(self._conns))
+        """Every rank's reply to the call it was sent, in rank order. A rank's death raises
+        at once (the ranks wait on each other, so a dead rank is the cause, and a survivor's
+        error, a collective that lost its peer, only its echo); a rank's error with a peer
+        still silent ERROR_GRACE_S later leaves the group out of step. A rank that has
+        replied is no longer watched during this call: its collectives are done, so its
+        peers can finish theirs, and its end (a worker that could not start exits after
+        saying why) is the next call's business."""
+        pending = set(range(self._world_size))
         replies: dict[int, tuple[str, Any]] = {}
-        while pending:
-            sentinels = {self._procs[rank].sentinel: rank for rank in pending}
-            ready = wait([*pending.values(), *sentinels])
-            for rank, conn in list(pending.items()):
-                if conn in ready:
-                    try:
-                        replies[rank] = pickle.loads(conn.recv_bytes())
-                    except (EOFError, OSError):
-                        raise self._died(rank) from None
-                    del pending[rank]
-                    if replies[rank][0] == "error" and len(self._procs) > 1:
-                        self._check_peers(ERROR_GRACE_S, pending)
-            for obj in ready:
-                if obj in sentinels and sentinels[obj] in pending:
-                    raise self._died(sentinels[obj])
-        for rank in range(len(self._conns)):
+        error_at: float | None = None
+        poller, quiet = self._poller, []
+        try:
+            while pending:
+                timeout = None
+                if error_at is not None:
+                    timeout = max(0, int((error_at + ERROR_GRACE_S - time.monotonic()) * 1000))
+                ready = {fd for fd, _ in poller.poll(timeout)}
+                for rank, reply in self._events(pending, ready):
+                    replies[rank] = reply
+                    pending.discard(rank)
+                    if rank < len(self._procs):  # a local rank: stop watching its pipe
+                        poller.unregister(self._fds[rank][0])
+                        poller.unregister(self._fds[rank][1])
+                        quiet.append(rank)
+                    if reply[0] == "error" and error_at is None:
+                        error_at = time.monotonic()
+                if (pending and error_at is not None
+                        and time.monotonic() >= error_at + ERROR_GRACE_S):  # fmt: skip
+                    raise self._fail(self._out_of_step(replies))
+        finally:
+            for rank in quiet:
+                poller.register(self._fds[rank][0], zmq.POLLIN)
+                poller.register(self._fds[rank][1], zmq.POLLIN)
+        for rank in range(self._world_size):
             kind, value = replies[rank]
             if kind == "error":
-                raise WorkerError(f"worker {rank}: {value}")
-        return [replies[rank][1] for rank in range(len(self._conns))]
+                raise WorkerError(f"worker {rank}{self._where(rank)}: {value}")
+        return [replies[rank][1] for rank in range(self._world_size)]
 
-    def _check_peers(self, grace_s: float, pending: dict[int, Connection]) -> None:
-        """Raise WorkerDiedError for a worker of ``pending`` that ends within ``grace_s``
-        with no reply sent."""
-        if not pending:
-            return
-        ended = wait([self._procs[rank].sentinel for rank in pending], timeout=grace_s)
-        for rank, conn in pending.items():
-            if self._procs[rank].sentinel in ended and not conn.poll():
-                raise self._died(rank)
+    def _events(self, pending: set[int], ready: set[Any] | None) -> list[tuple[int, Any]]:
+        """The replies of ``pending`` ranks that have arrived, looking only where the poll
+        found something (``ready``; None: everywhere); raises WorkerDiedError for a pending
+        rank whose process ended or whose node is gone."""
+        out = []
+        for rank, conn in enumerate(self._conns):
+            if rank not in pending:
+                continue
+            if conn.poll(0) if ready is None else self._fds[rank][0] in ready:
+                try:
+                    out.append((rank, pickle.loads(conn.recv_bytes())))
+                except (EOFError, OSError):
+                    raise self._fail(self._local_death(rank)) from None
+        for node in self._nodes:
+            while (msg := node.link.recv(0)) is not None:
+                rank = int(msg[1]) if msg[0] in (REPLY, DIED) else -1
+                if msg[0] == REPLY and rank in pending:
+                    out.append((rank, pickle.loads(msg[2])))
+                elif msg[0] == DIED:
+                    self._late_death = (f"worker {rank} {msg[2].decode()}{self._where(rank)}; "
+                                        "the engine cannot run more steps")  # fmt: skip
+                    if rank in pending:
+                        raise self._fail(self._late_death)
+            if node.link.check() and pending.intersection(node.ranks):
+                raise self._fail(self._node_gone(node))
+        answered = {rank for rank, _ in out}
+        for rank, proc in enumerate(self._procs):
+            if rank not in pending or rank in answered:
+                continue
+            if (ready is None or self._fds[rank][1] in ready) and proc.exitcode is not None:
+                raise self._fail(self._local_death(rank))
+        return out
 
-    def _died(self, rank: int) -> WorkerDiedError:
+    def _out_of_step(self, replies: dict[int, tuple[str, Any]]) -> str:
+        rank = min(r for r, (kind, _) in replies.items() if kind == "error")
+        silent = [r for r in range(self._world_size) if r not in replies]
+        return (f"worker {rank}{self._where(rank)} raised {replies[rank][1]} while worker(s) "
+                f"{', '.join(map(str, silent))} still waited in the step: the tensor-parallel "
+                "ranks are out of step; the engine cannot run more steps")  # fmt: skip
+
+    def _where(self, rank: int) -> str:
+        for node in self._nodes:
+            if rank in node.ranks:
+                return f" on node {node.node_rank} ({node.host})"
+        return ""
+
+    def _node_gone(self, node: RemoteNode) -> str:
+        return (f"node {node.node_rank} ({node.host}, workers {node.ranks.start}-"
+                f"{node.ranks.stop - 1}) is gone: its kvserve process ended or it answered no "
+                f"heartbeat for {HEARTBEAT_TIMEOUT_S:g} s; the engine cannot run more "
+                "steps")  # fmt: skip
+
+    def _local_death(self, rank: int) -> str:
         proc = self._procs[rank]
-        proc.join(timeout=1.0)
-        code = proc.exitcode
-        if code is None:
-            how = "closed its pipe"
-        elif code < 0:
-            how = f"was killed by {signal.Signals(-code).name}"
-        else:
-            how = f"exited with code {code}"
-        self._dead = f"worker {rank} (pid {proc.pid}) {how}; the engine cannot run more steps"
-        log.error("%s", self._dead)
-        return WorkerDiedError(self._dead)
+        how = how_it_ended(proc)
+        return f"worker {rank} (pid {proc.pid}) {how}; the engine cannot run more steps"
+
+    def _fail(self, message: str) -> WorkerDiedError:
+        """The group cannot run another step: record why, stop every worker (here at once,
+        the other nodes' by telling them why), and return the error to raise."""
+        self._dead = message
+        log.error("%s", message)
+        for proc in self._procs:
+            if proc.exitcode is None:
+                proc.terminate()
+        for node in self._nodes:
+            node.link.send(STOP, message.encode())
+        return WorkerDiedError(message)
+
+    # -- start-up with other nodes -------------------------------------------------------------
+    def _await_nodes(self, config: EngineConfig, local_world: int) -> None:
+        """Bind each other node's channel and wait (KVSERVE_NODE_WAIT_S at most) until every
+        node has said hello with a matching shape."""
+        par = config.parallel
+        assert self._ctx is not None and par.master_port is not None
+        host = bind_address(par.master_addr)
+        for r in range(1, par.nnodes):
+            endpoint = f"tcp://{host}:{node_port(par.master_port, r)}"
+            try:
+                link = NodeLink(self._ctx, endpoint, bind=True)
+            except zmq.ZMQError as e:
+                raise ConfigError(
+                    f"master_port: node {r}'s channel cannot bind {endpoint} "
+                    f"({e}); ports master_port to master_port + "
+                    f"{par.nnodes - 1} must be free on node 0"
+                ) from None
+            ranks = range(r * local_world, (r + 1) * local_world)
+            self._nodes.append(RemoteNode(r, link, ranks))
+        wait_s = envs.KVSERVE_NODE_WAIT_S
+        deadline = time.monotonic() + wait_s
+        for node in self._nodes:
+            msg = node.link.recv(max(0.0, deadline - time.monotonic()))
+            if msg is None:
+                raise ConfigError(
+                    f"nnodes: node {node.node_rank} of {par.nnodes} did not connect to "
+                    f"{node.link.endpoint} within {wait_s} s (KVSERVE_NODE_WAIT_S); start it "
+                    f"with `kvserve serve ... --nnodes {par.nnodes} --node-rank "
+                    f"{node.node_rank} --master-addr {par.master_addr} --master-port "
+                    f"{par.master_port} --headless`")  # fmt: skip
+            hello = pickle.loads(msg[1]) if msg[0] == HELLO else {}
+            node.host = str(hello.get("host", "?"))
+            want = {"node_rank": node.node_rank, "nnodes": par.nnodes,
+                    "tensor_parallel_size": par.tensor_parallel_size}  # fmt: skip
+            got = {k: hello.get(k) for k in want}
+            if got != want:
+                why = (f"nnodes: the node at {node.link.endpoint} ({node.host}) runs "
+                       f"{got}, node 0 expects {want}")  # fmt: skip
+                node.link.send(STOP, why.encode())
+                raise ConfigError(why)
+            log.info("node %d (%s) connected: workers %d-%d", node.node_rank, node.host,
+                     node.ranks.start, node.ranks.stop - 1)  # fmt: skip
 
 
-def _stop(procs: list[Any], conns: list[Connection]) -> None:
-    """Ask every worker to exit, then make sure it has: terminate, then kill, each bounded."""
-    for conn in conns:
+def _shutdown(procs: list[Any], conns: list[Connection], nodes: list[RemoteNode],
+              ctx: zmq.Context | None) -> None:  # fmt: skip
+    """Tell the other nodes to stop, stop the local workers, close the channels."""
+    for node in nodes:
         try:
-            conn.send_bytes(pickle.dumps(("shutdown", (), {})))
-        except (OSError, ValueError):
+            node.link.send(STOP, b"")
+        except zmq.ZMQError:
             pass
-    for proc in procs:
-        proc.join(timeout=SHUTDOWN_TIMEOUT_S)
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(timeout=SHUTDOWN_TIMEOUT_S)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout=SHUTDOWN_TIMEOUT_S)
-    for conn in conns:
-        conn.close()
-
-
-# -- the worker process ----------------------------------------------------------------------
-def _worker_main(
-    conn: Connection,
-    config: EngineConfig,
-    num_blocks: int,
-    max_model_len: int,
-    rank: int,
-    dist_init: DistributedInit | None,
-) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from kvserve.worker.worker import Worker, join_tensor_parallel_group
-
-    try:
-        if dist_init is not None:  # one GPU per rank where the config names just "cuda"
-            device = rank_device(config.device, rank, dist_init.world_size)
-            config = dataclasses.replace(config, device=device)
-        tp = join_tensor_parallel_group(config, rank, dist_init)
-        worker = Worker(config, num_blocks, max_model_len, rank, tp)
-        _reply(conn, "ok", worker.info())
-    except BaseException as e:  # noqa: BLE001 - the engine reports it and stops the process
-        _reply(conn, "error", f"could not start: {type(e).__name__}: {e}")
-        return
-    while True:
-        _await_call(conn)
-        try:
-            method, args, kwargs = pickle.loads(conn.recv_bytes())
-        except (EOFError, OSError):
-            return  # the engine is gone: nothing will ask again
-        if method == "shutdown":
-            worker.shutdown()
-            return
-        try:
-            result = call_worker(worker, method, args, kwargs)
-        except Exception as e:  # noqa: BLE001 - a failed call fails only that call
-            log.debug("worker %d: %s failed\n%s", rank, method, traceback.format_exc())
-            _reply(conn, "error", f"{type(e).__name__}: {e}")
-            continue
-        _reply(conn, "ok", result)
-
-
-def _await_call(conn: Connection) -> None:
-    """Poll the pipe, yielding the CPU between looks, for BUSY_LOOP_S after a call (vLLM's
-    shm_broadcast readers do the same for a second), then return to let the caller block.
-    While steps follow each other, a rank that slept between them would pay a wake-up per
-    step (on a virtual machine, a halted vCPU's) and lend its core to any other process;
-    yielding still lets the engine, or a rank that shares the core, run."""
-    deadline = time.monotonic() + BUSY_LOOP_S
-    while not conn.poll(0) and time.monotonic() < deadline:
-        os.sched_yield()
-
-
-def _reply(conn: Connection, kind: str, value: Any) -> None:
-    try:
-        data = pickle.dumps((kind, value), pickle.HIGHEST_PROTOCOL)
-    except Exception as e:  # noqa: BLE001 - an unpicklable result is the call's failure
-        data = pickle.dumps(("error", f"result not picklable: {type(e).__name__}: {e}"))
-    try:
-        conn.send_bytes(data)
-    except OSError:
-        os._exit(0)  # the engine is gone
+    stop_workers(procs, conns)
+    for node in nodes:
+        node.link.close(linger_s=1.0)
+    if ctx is not None:
+        ctx.term()

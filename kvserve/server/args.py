@@ -82,4 +82,10 @@ def build_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
         "answer or call, and its calls are parsed out of its text",
     )
     g.add_argument("--disable-access-log", action="store_true", help="no log line per HTTP request")
+    g.add_argument(
+        "--headless",
+        action="store_true",
+        help="with --nnodes above 1, on a node other than 0: run this machine's "
+        "tensor-parallel ranks for node 0's engine, with no engine or API server (vLLM's flag)",
+    )
     return p
