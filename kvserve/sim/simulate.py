@@ -82,6 +82,9 @@ class CostModelRunner:
         self.shape: ModelShape | None = None  # set once the engine has resolved its formats
         self.busy_s = 0.0
         self.steps = 0
+        self.sampled = 0  # tokens the last step sampled (each streamed to a client)
+        # Behind a proxy or router: the profile's hop terms apply too (SimTarget.hop)
+        self.hop = False
         self.block_size = default_of(CacheConfig, "block_size")  # the engine's, once built
         # Pool blocks written so far, for a profile that charges first writes (a CPU's)
         self.touched: set[int] | None = set() if profile.first_touch_s_per_byte else None
@@ -127,6 +130,7 @@ class CostModelRunner:
             self.shapes.mark(f)
         dt = self.profile.step_time(f, self.shape)
         ids = [rid for s in scheduler_output.seqs for rid in s.sample_ids]
+        self.sampled = len(ids)
         out = ModelRunnerOutput(ids, [self.token_id] * len(ids), [None] * len(ids))
         meta = scheduler_output.kv_connector_metadata
         if isinstance(meta, OffloadMeta):
@@ -217,6 +221,9 @@ class SimTarget:
     prefill_replicas: int = 0
     decode_replicas: int = 0
     kv_transfer_bandwidth: float | None = None
+    # Whether clients reach the engines through a proxy or router (the profile's hop terms);
+    # None: behind one when there is more than one engine (kvserve proxy, kvserve router).
+    behind_hop: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "replicas"):
@@ -235,6 +242,12 @@ class SimTarget:
     @property
     def disaggregated(self) -> bool:
         return self.prefill_replicas > 0
+
+    @property
+    def hop(self) -> bool:
+        if self.behind_hop is not None:
+            return self.behind_hop
+        return self.disaggregated or self.replicas > 1
 
     @property
     def gpus(self) -> int:
@@ -317,6 +330,7 @@ def build_engine(target: SimTarget) -> SimEngine:
     )
     runner.shape = shape
     runner.block_size = engine.block_size
+    runner.hop = target.hop
     if offload is not None:
         offload.set_geometry(shape.kv_bytes_per_token * engine.block_size, target.tp)
     notes = []
@@ -330,6 +344,9 @@ def build_engine(target: SimTarget) -> SimEngine:
     else:
         encode = HashTokenizer(spec.vocab_size).encode
         notes.append("no tokenizer.json beside the config: one token per word (hashed ids)")
+    if target.profile.calibration and not target.profile.serving_measured:
+        notes.append("the profile has no serving-overhead term (calibrated without --serving):"
+                     " the HTTP front end and any proxy/router hop cost nothing here")  # fmt: skip
     return SimEngine(engine, clock, runner, shape, encode, engine.num_blocks, notes, offload)
 
 
@@ -445,7 +462,9 @@ class _Replica:
             params = self._params[req.max_tokens] = SamplingParams(
                 temperature=self.temperature, max_tokens=req.max_tokens, ignore_eos=True
             )
-        clock.advance(self.sim.runner.profile.request_time(len(ids)))
+        runner = self.sim.runner
+        clock.advance(runner.profile.request_time(len(ids))
+                      + runner.profile.serving_request_time(runner.hop))  # fmt: skip
         try:
             eng.add_request(rid, {"prompt_token_ids": ids}, params, arrival_time=rec.send_time)
         except Exception as e:  # noqa: BLE001 - refused requests are counted, as bench does
@@ -478,7 +497,8 @@ class _Replica:
         replica furthest behind in time. The records are in ``self.records``."""
         eng, clock, offload = self.sim.engine, self.sim.clock, self.sim.offload
         core = eng.core
-        loop_gap = self.sim.runner.profile.loop_gap_s  # the serving loop's time between steps
+        runner = self.sim.runner
+        loop_gap = runner.profile.loop_gap_s  # the serving loop's time between steps
         self._t0 = t0
         # Each record is made when its request is sent (a streamed workload's requests
         # arrive while the replay runs); every request is sent before this ends.
@@ -531,7 +551,12 @@ class _Replica:
                         continue
                     break
             before = core.num_steps
+            ran = runner.steps
             updated = core.step()
+            if runner.steps > ran:
+                # The front end streams the step's tokens (and the hop relays them) on the
+                # engine's cores before its next step: stamped tokens stay as they were.
+                clock.advance(runner.profile.serving_step_time(runner.sampled, runner.hop))
             self._sample(eng)
             if core.num_steps == before and not updated:
                 idle_steps += 1
@@ -924,7 +949,7 @@ def run_disaggregated(
     if target.disaggregated:
         kw = {**target.engine_kwargs, "kv_transfer_config": transfer_config()}
         dtarget = replace(target, engine_kwargs=kw, prefill_replicas=0, decode_replicas=0,
-                          kv_transfer_bandwidth=None)  # fmt: skip
+                          kv_transfer_bandwidth=None, behind_hop=target.hop)  # fmt: skip
     dec = [build_engine(dtarget) for _ in range(n_dec)]
     for sim in dec if target.disaggregated else ():
         conn = sim.engine.connector
