@@ -452,10 +452,11 @@ def predict(model: str, w: dict[str, Any], dtype: str, profile: str, split_profi
 
 
 def calibrate(model: str, dtype: str, cpus: set[int], out: Path) -> str:
-    """``kvserve simulate --calibrate`` (its default workload) pinned to ``cpus``, as the
-    served engines are: a profile of this machine's steps on that many cores."""
+    """``kvserve simulate --calibrate --serving`` (its default workload) pinned to ``cpus``,
+    as the served engines are: a profile of this machine's steps on that many cores, with
+    what serving them over HTTP (and through a hop) costs there."""
     cmd = [sys.executable, "-m", "kvserve.cli", "simulate", bench_model(model), "--calibrate",
-           "--dtype", dtype, "--block-size", str(BS), "--enable-prefix-caching",
+           "--serving", "--dtype", dtype, "--block-size", str(BS), "--enable-prefix-caching",
            "--profile-output", str(out)]  # fmt: skip
     subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, check=True,
                    preexec_fn=lambda: os.sched_setaffinity(0, cpus))  # fmt: skip
@@ -526,6 +527,13 @@ def main(argv: list[str] | None = None) -> None:
         bw = a.kv_transfer_bandwidth or gbps.get(a.dtype, 0.0) * 1e9
         sim = predict(model, w, a.dtype, a.profile, a.split_profile or a.profile, bw)
         summary["sim"] = against(sim, r)
+        from kvserve.sim.cost import SERVING_FIELDS, Profile
+
+        summary["sim_serving"] = {
+            name: {f: getattr(Profile.load(path), f) for f in (*SERVING_FIELDS, "serving_measured")}
+            for name, path in (("colocated", a.profile),
+                               ("disaggregated", a.split_profile or a.profile))
+        }  # fmt: skip
     emit(summary)
 
 

@@ -121,13 +121,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(cmd: list[str], port: int, timeout: float = 180.0) -> subprocess.Popen:
-    """A kvserve command as a child process, once its /health answers."""
+def _start(cmd: list[str], port: int, cpus: set[int], timeout: float = 180.0
+           ) -> subprocess.Popen:  # fmt: skip
+    """A kvserve command as a child process on ``cpus``, once its /health answers."""
     env = {**os.environ, "KVSERVE_CPU_OMP_THREADS_BIND": os.environ.get(
         "KVSERVE_CPU_OMP_THREADS_BIND", "auto")}  # fmt: skip
     proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", *cmd, "--port", str(port)],
-                            env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=lambda: os.sched_setaffinity(0, cpus))  # fmt: skip
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -248,9 +249,18 @@ def measure_serving(kw: dict[str, Any], profile: Profile, vocab: int, seed: int 
     of it), set ``profile``'s serving terms, and return what was measured."""
     engine_gaps, engine_ttft = simulated(kw, profile, vocab)
     procs: list[subprocess.Popen] = []
+    # The server on this process's cores, as the profile's engine ran; the clients and the
+    # router on any core, as a benchmark's clients and its proxy or router run beside pinned
+    # engines.
+    mine = os.sched_getaffinity(0)
+    anywhere = set(range(os.cpu_count() or 1))
     try:
         port = _free_port()
-        procs.append(_start(["serve", *serve_flags(kw), "--disable-access-log"], port))
+        procs.append(_start(["serve", *serve_flags(kw), "--disable-access-log"], port, mine))
+        try:
+            os.sched_setaffinity(0, anywhere)
+        except OSError:
+            anywhere = mine
         url = f"http://127.0.0.1:{port}"
         gaps, ttft = asyncio.run(_measure(url, vocab, seed))
         hop_gaps: dict[int, float] = {}
@@ -258,12 +268,13 @@ def measure_serving(kw: dict[str, Any], profile: Profile, vocab: int, seed: int 
         if hop:
             rport = _free_port()
             procs.append(_start(["router", "--replica", url, "--routing-logic",
-                                 "round_robin"], rport))  # fmt: skip
+                                 "round_robin"], rport, anywhere))  # fmt: skip
             hop_gaps, hop_ttft = asyncio.run(_measure(f"http://127.0.0.1:{rport}", vocab,
                                                       seed + 1))  # fmt: skip
     finally:
         for p in reversed(procs):
             _stop(p)
+        os.sched_setaffinity(0, mine)
     points = [ServingPoint(b, gaps[b], engine_gaps[b]) for b in STREAMS]
     profile.serve_step_s, profile.serve_token_s = fit_serving(points)
     profile.serve_request_s = max(ttft - engine_ttft, 0.0)
