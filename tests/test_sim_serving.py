@@ -1,0 +1,198 @@
+"""The simulator's serving-overhead term (kvserve.sim.serving) against hand-computed times: a
+cost model whose steps take a fixed overhead, a fixed extra for any prompt work and a time per
+token, plus known serving terms, so each request's TTFT and each gap between tokens can be
+written down for a lone engine, one behind a hop and a disaggregated pair; the fit recovers
+terms put into synthetic gaps by a formula; a profile written before the term loads with it
+off and the simulator says so; the flags the calibration serves with parse back to the
+engine's settings."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import replace
+
+import pytest
+
+from kvserve.bench.runner import LoadSpec
+from kvserve.bench.workloads import BenchRequest
+from kvserve.cli import main
+from kvserve.engine_args import default_model
+from kvserve.sim.cost import SERVING_FIELDS, Profile
+from kvserve.sim.serving import ServingPoint, fit_hop, fit_serving, serve_flags
+from kvserve.sim.simulate import SimTarget, build_engine, simulate_load
+
+OVERHEAD, PREFILL, PER_TOKEN = 0.01, 0.05, 0.001  # seconds
+REQ, STEP, TOKEN = 0.004, 0.002, 0.0005  # the front end's terms
+HOP_REQ, HOP_TOKEN = 0.003, 0.0002  # the hop's
+BW = 1e6  # bytes/s
+BS = 16
+KW = dict(model=default_model(), num_gpu_blocks=64, block_size=BS, enable_prefix_caching=True)
+
+
+def profile(**serving: float) -> Profile:
+    # Peaks so high that the roofline terms vanish: a step is overhead + per-token time,
+    # plus PREFILL when it computes any prompt token.
+    return Profile(device="test", peak_flops=1e30, peak_bandwidth=1e30, source="test",
+                   dtype="float32", step_overhead_s=OVERHEAD, per_token_s=PER_TOKEN,
+                   prefill_step_s=PREFILL, **serving)  # fmt: skip
+
+
+SERVING = dict(serve_request_s=REQ, serve_step_s=STEP, serve_token_s=TOKEN,
+               hop_request_s=HOP_REQ, hop_token_s=HOP_TOKEN, serving_measured=True)  # fmt: skip
+
+
+def prompts(n_words: int = 40) -> tuple[list[str], int]:
+    """Two prompts of equal token count with no block in common, and that count."""
+    sim = build_engine(SimTarget(dict(KW), profile()))
+    ps = [" ".join(f"{c}{i}" for i in range(n_words)) for c in "ab"]
+    n = {len(sim.encode(p)) for p in ps}
+    assert len(n) == 1
+    return ps, n.pop()
+
+
+@pytest.mark.parametrize("hop", [False, True])
+def test_two_streams_on_one_engine_pay_the_front_end_per_request_step_and_token(hop):
+    ps, n = prompts()
+    out = 5
+    reqs = [BenchRequest(i, "chat", p, out, n) for i, p in enumerate(ps)]
+    t = SimTarget(dict(KW), profile(**SERVING), behind_hop=hop)
+    res, (sim,) = simulate_load(t, reqs, LoadSpec(concurrency=2), seed=0)
+    a, b = res.records
+    assert a.success and b.success and a.output_tokens == out
+    req = REQ + (HOP_REQ if hop else 0.0)
+    tok = TOKEN + (HOP_TOKEN if hop else 0.0)
+    # Both accepted before the first step (each costs the engine its request terms), then
+    # one step prefills both prompts and samples their first tokens.
+    prefill = OVERHEAD + PREFILL + PER_TOKEN * 2 * n
+    assert a.ttft == pytest.approx(2 * req + prefill, rel=1e-9)
+    assert b.ttft == pytest.approx(2 * req + prefill, rel=1e-9)
+    # Each gap: the front end streams the step's 2 tokens, then a decode step of 2.
+    gap = STEP + 2 * tok + OVERHEAD + 2 * PER_TOKEN
+    assert a.itl == pytest.approx([gap] * (out - 1), rel=1e-9)
+    assert b.itl == pytest.approx([gap] * (out - 1), rel=1e-9)
+    # The steps themselves are the engine's: the term is not model time.
+    assert sim.runner.busy_s == pytest.approx(prefill + (out - 1) * (OVERHEAD + 2 * PER_TOKEN))
+
+
+def test_a_profile_without_the_term_replays_as_before():
+    ps, n = prompts()
+    reqs = [BenchRequest(i, "chat", p, 4, n) for i, p in enumerate(ps)]
+    res, _ = simulate_load(SimTarget(dict(KW), profile()), reqs, LoadSpec(concurrency=2))
+    for r in res.records:
+        assert r.ttft == pytest.approx(OVERHEAD + PREFILL + PER_TOKEN * 2 * n, rel=1e-9)
+        assert r.itl == pytest.approx([OVERHEAD + 2 * PER_TOKEN] * 3, rel=1e-9)
+
+
+def test_routed_replicas_are_behind_the_hop_by_default():
+    assert SimTarget(dict(KW), profile()).hop is False
+    assert SimTarget(dict(KW), profile(), replicas=2, router="least_load").hop is True
+    assert SimTarget(dict(KW), profile(), prefill_replicas=1, decode_replicas=1,
+                     kv_transfer_bandwidth=BW).hop is True  # fmt: skip
+    assert SimTarget(dict(KW), profile(), replicas=2, behind_hop=False).hop is False
+
+
+def test_a_disaggregated_request_pays_each_engines_front_end_and_the_proxy_hop():
+    """Behind kvserve proxy: the prefill engine accepts the request (front end + hop), its
+    step samples the first token; the decode engine accepts it in turn (front end + hop)
+    before it asks for the blocks, so the pull starts that much later; each decode step's
+    token is streamed by the decode engine's front end and relayed by the hop."""
+    ps, n = prompts()
+    out = 4
+    sim = build_engine(SimTarget(dict(KW), profile()))
+    block_bytes = BS * sim.shape.kv_bytes_per_token
+    t = SimTarget(dict(KW), profile(**SERVING), prefill_replicas=1, decode_replicas=1,
+                  kv_transfer_bandwidth=BW)  # fmt: skip
+    res, (pre, dec) = simulate_load(t, [BenchRequest(0, "chat", ps[0], out, n)],
+                                    LoadSpec(concurrency=1))  # fmt: skip
+    (rec,) = res.records
+    assert rec.success and rec.output_tokens == out
+    req = REQ + HOP_REQ
+    prefill = OVERHEAD + PREFILL + PER_TOKEN * n
+    pull = math.ceil(n / BS) * block_bytes / BW
+    assert rec.ttft == pytest.approx(req + prefill + req + pull, rel=1e-9)
+    # The landed token is the prefill's (the decode engine's runner sampled nothing for
+    # it); each later one: the front end's turn after the step before, then a decode step.
+    decode = OVERHEAD + PER_TOKEN
+    first = decode  # the step after the landing: no token streamed by the decode side yet
+    later = STEP + TOKEN + HOP_TOKEN + decode
+    assert rec.itl == pytest.approx([first] + [later] * (out - 2), rel=1e-9)
+
+
+def test_the_fit_recovers_the_terms_put_into_synthetic_gaps():
+    rng = random.Random(5)
+    step, token = 0.0021, 0.00037
+    points = []
+    for b in (1, 2, 4, 8, 16):
+        engine = 0.001 + 0.0003 * b + rng.uniform(0, 0.002)  # any engine-only gap
+        points.append(ServingPoint(b, engine + step + token * b, engine))
+    got = fit_serving(points)
+    assert got == pytest.approx((step, token), rel=1e-9)
+    hop = 0.00011
+    direct = [ServingPoint(p.streams, p.measured_s + hop * p.streams, p.measured_s)
+              for p in points]  # fmt: skip
+    assert fit_hop(direct) == pytest.approx(hop, rel=1e-9)
+
+
+def test_the_fit_keeps_the_terms_non_negative():
+    # gaps that shrink with the stream count: no per-token cost, the mean excess per step
+    pts = [ServingPoint(b, 0.01 + 0.004 - 0.0001 * b, 0.01) for b in (1, 2, 4)]
+    step, token = fit_serving(pts)
+    assert token == 0.0 and step == pytest.approx(0.004 - 0.0001 * 7 / 3, rel=1e-9)
+    # a line through a negative intercept: a slope through 0 instead (least squares)
+    pts = [ServingPoint(b, 0.01 + 0.001 * b - 0.0005, 0.01) for b in (1, 2, 4)]
+    step, token = fit_serving(pts)
+    ys, bs = [0.0005, 0.0015, 0.0035], [1, 2, 4]
+    assert step == 0.0
+    assert token == pytest.approx(sum(b * y for b, y in zip(bs, ys, strict=True)) / 21)
+    assert fit_hop([ServingPoint(2, 0.001, 0.002)]) == 0.0
+
+
+def test_a_profile_written_before_the_term_loads_with_it_off_and_says_so(tmp_path):
+    data = profile().to_json()
+    for name in (*SERVING_FIELDS, "serving_measured"):
+        del data[name]
+    data["calibration"] = {"model": "m", "steps": 10}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    p = Profile.load(path)
+    assert [getattr(p, f) for f in SERVING_FIELDS] == [0.0] * 5 and not p.serving_measured
+    notes = build_engine(SimTarget(dict(KW), p)).notes
+    assert any("no serving-overhead term" in n for n in notes)
+    measured = replace(p, **SERVING)
+    assert not any("serving" in n for n in build_engine(SimTarget(dict(KW), measured)).notes)
+
+
+def test_a_negative_term_is_refused_naming_it(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({**profile().to_json(), "serve_token_s": -1.0}))
+    with pytest.raises(ValueError, match="serve_token_s must be >= 0"):
+        Profile.load(path)
+
+
+def test_the_flags_it_serves_with_parse_back_to_the_engines_settings():
+    import argparse
+
+    from kvserve.engine_args import add_engine_args, add_model_arg, engine_kwargs
+
+    def parse(argv: list[str]) -> dict:
+        p = argparse.ArgumentParser()
+        add_model_arg(p)
+        add_engine_args(p)
+        return engine_kwargs(p.parse_args(argv))
+
+    kw = parse([default_model(), "--dtype", "bfloat16", "--block-size", "32",
+                "--enable-prefix-caching", "--max-model-len", "512",
+                "--kv-transfer-config", '{"kv_connector": "X", "kv_role": "kv_both"}'])  # fmt: skip
+    flags = serve_flags(kw)
+    assert flags[0] == kw["model"]
+    assert parse(flags) == kw
+
+
+def test_serving_without_calibrate_is_refused(tmp_path, capsys):
+    prof = tmp_path / "p.json"
+    profile().save(prof)
+    assert main(["simulate", "--profile", str(prof), "--serving", "--num-prompts", "2",
+                 "--no-plots", "--output-dir", str(tmp_path)]) == 2  # fmt: skip
+    assert "serving: " in capsys.readouterr().err
