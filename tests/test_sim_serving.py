@@ -196,3 +196,27 @@ def test_serving_without_calibrate_is_refused(tmp_path, capsys):
     assert main(["simulate", "--profile", str(prof), "--serving", "--num-prompts", "2",
                  "--no-plots", "--output-dir", str(tmp_path)]) == 2  # fmt: skip
     assert "serving: " in capsys.readouterr().err
+
+
+def test_the_measurement_serves_the_engines_flags_and_fills_the_profile(checkpoint, monkeypatch):
+    """A real kvserve serve of a tiny model and kvserve router in front of it (fewer and
+    shorter streams than a calibration): every figure measured, the terms set, no process
+    left behind (the conftest fixture checks)."""
+    import kvserve.sim.serving as serving
+
+    monkeypatch.setattr(serving, "STREAMS", (1, 2))
+    monkeypatch.setattr(serving, "DECODE_TOKENS", 6)
+    monkeypatch.setattr(serving, "ROUNDS", 1)
+    monkeypatch.setattr(serving, "SOLO", 2)
+    kw = dict(model=checkpoint("llama_gqa"), dtype="float32", num_gpu_blocks=64,
+              max_model_len=128, block_size=BS)  # fmt: skip
+    prof = profile()
+    rep = serving.measure_serving(kw, prof, vocab=256)
+    assert prof.serving_measured and prof.calibration["serving"] is rep
+    for key in ("gap_s", "engine_gap_s", "hop_gap_s"):
+        assert len(rep[key]) == 2 and all(0 < g < 5 for g in rep[key])
+    assert 0 < rep["ttft_s"] < 5 and 0 < rep["hop_ttft_s"] < 5
+    # the replay is the profile's: a lone request's TTFT is one prefill step
+    assert rep["engine_ttft_s"] == pytest.approx(OVERHEAD + PREFILL + PER_TOKEN * 32)
+    assert all(getattr(prof, f) >= 0 for f in SERVING_FIELDS)
+    assert prof.serve_request_s == pytest.approx(max(rep["ttft_s"] - rep["engine_ttft_s"], 0))
