@@ -20,7 +20,7 @@ from kvserve.bench.workloads import BenchRequest
 from kvserve.cli import main
 from kvserve.engine_args import default_model
 from kvserve.sim.cost import SERVING_FIELDS, Profile
-from kvserve.sim.serving import ServingPoint, fit_hop, fit_serving, serve_flags
+from kvserve.sim.serving import ServingPoint, fit_hop, fit_serving, fit_share, serve_flags
 from kvserve.sim.simulate import SimTarget, build_engine, simulate_load
 
 OVERHEAD, PREFILL, PER_TOKEN = 0.01, 0.05, 0.001  # seconds
@@ -52,28 +52,33 @@ def prompts(n_words: int = 40) -> tuple[list[str], int]:
     return ps, n.pop()
 
 
-@pytest.mark.parametrize("hop", [False, True])
-def test_two_streams_on_one_engine_pay_the_front_end_per_request_step_and_token(hop):
+@pytest.mark.parametrize(("hop", "share"), [(False, 1.0), (True, 1.0), (False, 0.25)])
+def test_two_streams_pass_the_front_end_one_at_a_time_and_pay_it_per_step_and_token(hop, share):
     ps, n = prompts()
     out = 5
     reqs = [BenchRequest(i, "chat", p, out, n) for i, p in enumerate(ps)]
-    t = SimTarget(dict(KW), profile(**SERVING), behind_hop=hop)
+    t = SimTarget(dict(KW), profile(**SERVING, serve_request_share=share), behind_hop=hop)
     res, (sim,) = simulate_load(t, reqs, LoadSpec(concurrency=2), seed=0)
     a, b = res.records
     assert a.success and b.success and a.output_tokens == out
-    req = REQ + (HOP_REQ if hop else 0.0)
+    c = REQ + (HOP_REQ if hop else 0.0)
     tok = TOKEN + (HOP_TOKEN if hop else 0.0)
-    # Both accepted before the first step (each costs the engine its request terms), then
-    # one step prefills both prompts and samples their first tokens.
-    prefill = OVERHEAD + PREFILL + PER_TOKEN * 2 * n
-    assert a.ttft == pytest.approx(2 * req + prefill, rel=1e-9)
-    assert b.ttft == pytest.approx(2 * req + prefill, rel=1e-9)
-    # Each gap: the front end streams the step's 2 tokens, then a decode step of 2.
-    gap = STEP + 2 * tok + OVERHEAD + 2 * PER_TOKEN
-    assert a.itl == pytest.approx([gap] * (out - 1), rel=1e-9)
-    assert b.itl == pytest.approx([gap] * (out - 1), rel=1e-9)
+    # The front end takes the two requests one at a time: the first joins the idle engine
+    # after c (costing it nothing: nothing ran), its prompt is prefilled alone; the second
+    # joins at 2c, while the first is in flight, so the engine loses share x c before the
+    # step that prefills it beside the first one's decode.
+    p1 = OVERHEAD + PREFILL + PER_TOKEN * n
+    p2 = OVERHEAD + PREFILL + PER_TOKEN * (n + 1)
+    d2, d1 = OVERHEAD + 2 * PER_TOKEN, OVERHEAD + PER_TOKEN
+    assert a.ttft == pytest.approx(c + p1, rel=1e-9)
+    assert b.ttft == pytest.approx(c + p1 + STEP + tok + share * c + p2, rel=1e-9)
+    # Each gap: the front end streams the step's tokens, then the next step.
+    first = STEP + tok + share * c + p2
+    assert a.itl == pytest.approx([first] + [STEP + 2 * tok + d2] * (out - 2), rel=1e-9)
+    assert b.itl == pytest.approx([STEP + 2 * tok + d2] * (out - 2) + [STEP + 2 * tok + d1],
+                                  rel=1e-9)  # fmt: skip
     # The steps themselves are the engine's: the term is not model time.
-    assert sim.runner.busy_s == pytest.approx(prefill + (out - 1) * (OVERHEAD + 2 * PER_TOKEN))
+    assert sim.runner.busy_s == pytest.approx(p1 + p2 + (out - 2) * d2 + d1)
 
 
 def test_a_profile_without_the_term_replays_as_before():
@@ -94,10 +99,11 @@ def test_routed_replicas_are_behind_the_hop_by_default():
 
 
 def test_a_disaggregated_request_pays_each_engines_front_end_and_the_proxy_hop():
-    """Behind kvserve proxy: the prefill engine accepts the request (front end + hop), its
-    step samples the first token; the decode engine accepts it in turn (front end + hop)
-    before it asks for the blocks, so the pull starts that much later; each decode step's
-    token is streamed by the decode engine's front end and relayed by the hop."""
+    """Behind kvserve proxy: the request reaches the prefill engine through the hop and its
+    front end, its step samples the first token; the decode leg passes them in turn before
+    the decode engine asks for the blocks, so the pull starts that much later (neither engine
+    was busy: neither lost time to them); each decode step's token is streamed by the decode
+    engine's front end and relayed by the hop."""
     ps, n = prompts()
     out = 4
     sim = build_engine(SimTarget(dict(KW), profile()))
@@ -149,9 +155,18 @@ def test_the_fit_keeps_the_terms_non_negative():
     assert fit_hop([ServingPoint(2, 0.001, 0.002)]) == 0.0
 
 
+def test_the_share_is_the_grid_value_whose_replay_meets_the_measured_gap():
+    # a replay whose gap grows with the share by a known line: the nearest grid value
+    def replay(s: float) -> float:
+        return 0.002 + 0.004 * s
+
+    assert fit_share(0.002 + 0.004 * 0.37, replay) == pytest.approx(0.35)
+    assert fit_share(0.0, replay) == 0.0 and fit_share(1.0, replay) == 1.0
+
+
 def test_a_profile_written_before_the_term_loads_with_it_off_and_says_so(tmp_path):
     data = profile().to_json()
-    for name in (*SERVING_FIELDS, "serving_measured"):
+    for name in (*SERVING_FIELDS, "serve_request_share", "serving_measured"):
         del data[name]
     data["calibration"] = {"model": "m", "steps": 10}
     path = tmp_path / "old.json"
@@ -208,6 +223,9 @@ def test_the_measurement_serves_the_engines_flags_and_fills_the_profile(checkpoi
     monkeypatch.setattr(serving, "DECODE_TOKENS", 6)
     monkeypatch.setattr(serving, "ROUNDS", 1)
     monkeypatch.setattr(serving, "SOLO", 2)
+    monkeypatch.setattr(serving, "SHARE_TOKENS", 8)
+    monkeypatch.setattr(serving, "SHARE_INJECT", 2)
+    monkeypatch.setattr(serving, "SHARE_GRID", [0.0, 0.5, 1.0])
     kw = dict(model=checkpoint("llama_gqa"), dtype="float32", num_gpu_blocks=64,
               max_model_len=128, block_size=BS)  # fmt: skip
     prof = profile()
@@ -215,7 +233,8 @@ def test_the_measurement_serves_the_engines_flags_and_fills_the_profile(checkpoi
     assert prof.serving_measured and prof.calibration["serving"] is rep
     for key in ("gap_s", "engine_gap_s", "hop_gap_s"):
         assert len(rep[key]) == 2 and all(0 < g < 5 for g in rep[key])
-    assert 0 < rep["ttft_s"] < 5 and 0 < rep["hop_ttft_s"] < 5
+    assert 0 < rep["ttft_s"] < 5 and 0 < rep["hop_ttft_s"] < 5 and 0 < rep["share_run_gap_s"] < 5
+    assert prof.serve_request_share in (0.0, 0.5, 1.0)
     # the replay is the profile's: a lone request's TTFT is one prefill step
     assert rep["engine_ttft_s"] == pytest.approx(OVERHEAD + PREFILL + PER_TOKEN * 32)
     assert all(getattr(prof, f) >= 0 for f in SERVING_FIELDS)

@@ -363,6 +363,10 @@ class Profile:
     serve_token_s: float = 0.0
     hop_request_s: float = 0.0
     hop_token_s: float = 0.0
+    # The share of a request's front-end (and hop) time that the engine's steps lose when
+    # it arrives while they run (the rest overlaps them); the request joins the engine after
+    # all of it.
+    serve_request_share: float = 1.0
     serving_measured: bool = False
     # Offload tiers (kvserve.sim.tiers), by tier name (cpu, disk, redis): the bytes/s a load
     # moves from the tier into one GPU's pool, and the fixed seconds of each batch of blocks
@@ -508,9 +512,10 @@ class Profile:
             raise ValueError(
                 f"{where}: inline_host_loads must be true or false, got {p.inline_host_loads!r}"
             )
-        share = p.offload_worker_share
-        if not (isinstance(share, int | float) and 0 <= share <= 1):
-            raise ValueError(f"{where}: offload_worker_share must be in [0, 1], got {share!r}")
+        for name in ("offload_worker_share", "serve_request_share"):
+            share = getattr(p, name)
+            if not (isinstance(share, int | float) and 0 <= share <= 1):
+                raise ValueError(f"{where}: {name} must be in [0, 1], got {share!r}")
         for name, positive in (("tier_bandwidth", True), ("tier_latency_s", False)):
             table = getattr(p, name)
             if not isinstance(table, dict):

@@ -13,16 +13,20 @@ replay of the same requests does not:
   of ``b`` sequences plus the front end's work after it. The measured mean gap less the
   simulated one (the engine alone) is fitted to ``serve_step_s + b * serve_token_s``
   (:func:`fit_serving`): a cost per step that streams anything and one per token streamed.
-- A lone request's TTFT less the simulated one: ``serve_request_s``.
+- A lone request's TTFT less the simulated one: ``serve_request_s``. The front end is one
+  event loop: requests pass through it one at a time and join the engine after it. While
+  the engine runs, it loses a share of that time (the rest overlaps its steps):
+  ``serve_request_share``, the value whose replay (:func:`fit_share`) gives the streams'
+  measured mean gap while lone requests are sent one after another beside them.
 - The same through ``kvserve router`` (one replica, round-robin: a pure relay, the same hop
   as ``kvserve proxy``'s decode leg): the gaps' excess over the direct ones is fitted to
   ``b * hop_token_s`` (:func:`fit_hop`), the TTFT's to ``hop_request_s``.
 
 The simulator charges them on the engine's clock (:mod:`kvserve.sim.simulate`): a request's
-terms when it is added, a step's after it, before the next step. That is the measured
-effect where the front end shares the engine's cores (a CPU engine takes every core); it
-is not split into latency and stolen CPU, so a profile measured here is for deployments on
-the same cores, as the profile itself is.
+share of its terms when it joins a running engine, a step's after it, before the next step.
+That is the measured effect where the front end shares the engine's cores (a CPU engine
+takes every core), so a profile measured here is for deployments on the same cores, as the
+profile itself is.
 """
 
 from __future__ import annotations
@@ -50,6 +54,10 @@ PROMPT_TOKENS = 32
 DECODE_TOKENS = 48
 ROUNDS = 3  # rounds of each stream count (the mean of their gaps)
 SOLO = 5  # lone requests for the TTFT (the median)
+# The share's run: SHARE_STREAMS streams decoding SHARE_TOKENS while SHARE_INJECT lone
+# requests (one token each) are sent one after another from the start.
+SHARE_STREAMS, SHARE_TOKENS, SHARE_INJECT = 4, 96, 8
+SHARE_GRID = [i / 20 for i in range(21)]
 
 
 @dataclass(slots=True)
@@ -200,6 +208,84 @@ async def _measure(url: str, vocab: int, seed: int) -> tuple[dict[int, float], f
     return gaps, statistics.median(ttft)
 
 
+async def _measure_share_run(url: str, vocab: int, seed: int) -> float:
+    """The streams' mean token gap in the share's run (:class:`_Injected`), over ROUNDS."""
+    import httpx
+
+    rng = random.Random(seed)
+
+    def prompt() -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(PROMPT_TOKENS)]
+
+    got: list[float] = []
+    async with httpx.AsyncClient(timeout=300) as client:
+
+        async def lone() -> None:
+            for _ in range(SHARE_INJECT):
+                await _stream(client, url, prompt(), 1)
+
+        for _ in range(ROUNDS):
+            outs = await asyncio.gather(
+                *(_stream(client, url, prompt(), SHARE_TOKENS) for _ in range(SHARE_STREAMS)),
+                lone(),
+            )
+            got += [_gap(t) for t in outs[:SHARE_STREAMS]]
+    return statistics.fmean(got)
+
+
+class _Injected:
+    """:func:`_measure_share_run`'s requests for the simulator: ROUNDS rounds of
+    SHARE_STREAMS streams, each beside SHARE_INJECT lone one-token requests sent one after
+    another from its start."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab, self.rng = vocab, random.Random(2)
+        self.left = ROUNDS
+        self.open = 0
+        self.lone = 0
+
+    def _req(self, t: float, kind: str, tokens: int) -> tuple[float, Any, list[int]]:
+        from kvserve.bench.workloads import BenchRequest
+
+        ids = [self.rng.randrange(3, self.vocab) for _ in range(PROMPT_TOKENS)]
+        return t, BenchRequest(0, kind, "", tokens, PROMPT_TOKENS), ids
+
+    def _round(self, t: float) -> list[tuple[float, Any, list[int]]]:
+        self.left -= 1
+        self.open = SHARE_STREAMS + 1
+        self.lone = SHARE_INJECT - 1
+        return [self._req(t, "s", SHARE_TOKENS) for _ in range(SHARE_STREAMS)] + [
+            self._req(t, "lone", 1)
+        ]
+
+    def start(self) -> list[tuple[float, Any, list[int]]]:
+        return self._round(0.0)
+
+    def done(self, req: Any, rec: Any, now: float) -> list[tuple[float, Any, list[int]]]:
+        if req.kind == "lone" and self.lone > 0:
+            self.lone -= 1
+            return [self._req(now, "lone", 1)]
+        self.open -= 1
+        return self._round(now) if self.open == 0 and self.left > 0 else []
+
+
+def fit_share(measured_gap: float, replay: Any) -> float:
+    """``serve_request_share``: the grid value (SHARE_GRID) whose replay's mean stream gap
+    (``replay(share)``) is nearest the measured one."""
+    return min(SHARE_GRID, key=lambda s: abs(replay(s) - measured_gap))
+
+
+def share_gap(kw: dict[str, Any], profile: Profile, vocab: int, share: float) -> float:
+    """The replay's mean stream gap in the share's run, the front end's request time
+    taking ``share`` of the engine's when it runs."""
+    from kvserve.sim.simulate import SimTarget, simulate_feed
+
+    target = SimTarget(dict(kw), replace(profile, serve_request_share=share), behind_hop=False)
+    res, _ = simulate_feed(target, _Injected(vocab))
+    return statistics.fmean(statistics.fmean(r.itl) for r in res.records
+                            if r.success and r.kind == "s")  # fmt: skip
+
+
 class _Lockstep:
     """:func:`_measure`'s requests for the simulator (kvserve.sim.pd.Feed): ``SOLO`` lone
     requests, then ``ROUNDS`` rounds of ``b`` streams started together."""
@@ -263,6 +349,7 @@ def measure_serving(kw: dict[str, Any], profile: Profile, vocab: int, seed: int 
             anywhere = mine
         url = f"http://127.0.0.1:{port}"
         gaps, ttft = asyncio.run(_measure(url, vocab, seed))
+        share_measured = asyncio.run(_measure_share_run(url, vocab, seed + 2))
         hop_gaps: dict[int, float] = {}
         hop_ttft = ttft
         if hop:
@@ -278,6 +365,9 @@ def measure_serving(kw: dict[str, Any], profile: Profile, vocab: int, seed: int 
     points = [ServingPoint(b, gaps[b], engine_gaps[b]) for b in STREAMS]
     profile.serve_step_s, profile.serve_token_s = fit_serving(points)
     profile.serve_request_s = max(ttft - engine_ttft, 0.0)
+    profile.serve_request_share = fit_share(
+        share_measured, lambda s: share_gap(kw, profile, vocab, s)
+    )
     if hop:
         profile.hop_token_s = fit_hop([ServingPoint(b, hop_gaps[b], gaps[b]) for b in STREAMS])
         profile.hop_request_s = max(hop_ttft - ttft, 0.0)
@@ -290,6 +380,7 @@ def measure_serving(kw: dict[str, Any], profile: Profile, vocab: int, seed: int 
         "ttft_s": ttft,
         "engine_ttft_s": engine_ttft,
         "hop_ttft_s": hop_ttft if hop else None,
+        "share_run_gap_s": share_measured,
         "prompt_tokens": PROMPT_TOKENS,
         "decode_tokens": DECODE_TOKENS,
         "cpus": sorted(os.sched_getaffinity(0)),

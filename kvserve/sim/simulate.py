@@ -449,11 +449,22 @@ class _Replica:
         self.routed_ids: dict[int, list[int]] = {}
         self.on_send: Callable[[str, int], None] | None = None  # (engine's id, share index)
         self._due: list[tuple[float, int]] = []
+        # The HTTP front end (the profile's serving request terms): one event loop, so the
+        # requests sent to it pass through it one at a time, each joining the engine when
+        # the front end is done with it: (ready at, send order, engine id, index, ids).
+        self._front: list[tuple[float, int, str, int, list[int] | None]] = []
+        self._front_free = -math.inf
 
     def _add(
-        self, rid: str, req: BenchRequest, rec: RequestRecord, ids: list[int] | None = None
+        self,
+        rid: str,
+        req: BenchRequest,
+        rec: RequestRecord,
+        ids: list[int] | None = None,
+        serving: float = 0.0,
     ) -> bool:
-        """Hand ``req`` to the engine (``ids``: its prompt already tokenized)."""
+        """Hand ``req`` to the engine (``ids``: its prompt already tokenized); ``serving``:
+        the front end's seconds for it that the engine's steps lost."""
         eng, clock = self.sim.engine, self.sim.clock
         if ids is None:
             ids = self.sim.encode(req.prompt)
@@ -462,9 +473,7 @@ class _Replica:
             params = self._params[req.max_tokens] = SamplingParams(
                 temperature=self.temperature, max_tokens=req.max_tokens, ignore_eos=True
             )
-        runner = self.sim.runner
-        clock.advance(runner.profile.request_time(len(ids))
-                      + runner.profile.serving_request_time(runner.hop))  # fmt: skip
+        clock.advance(self.sim.runner.profile.request_time(len(ids)) + serving)
         try:
             eng.add_request(rid, {"prompt_token_ids": ids}, params, arrival_time=rec.send_time)
         except Exception as e:  # noqa: BLE001 - refused requests are counted, as bench does
@@ -521,7 +530,12 @@ class _Replica:
             if not self._send(i, when, requests, records, inflight) and sends is None and queued:
                 heapq.heappush(due, (when, queued.pop()))  # refused: the user sends the next
 
-        while due or backlog or inflight or self.open:
+        front = self._front
+
+        def next_arrival() -> float:
+            return min(due[0][0] if due else math.inf, front[0][0] if front else math.inf)
+
+        while due or backlog or inflight or front or self.open:
             yield
             while backlog and len(inflight) < cap:  # a slot freed at the last step's end
                 send(backlog.pop(0), clock.now)
@@ -533,17 +547,29 @@ class _Replica:
                     send(i, when)
                 else:
                     backlog.append(i)
+            while front and front[0][0] <= clock.now:
+                # Through the front end: the engine's steps lost its time if any ran.
+                _, _, rid, i, ids = heapq.heappop(front)
+                busy = core.has_unfinished_requests()
+                share = self.sim.runner.profile.serve_request_share
+                charge = share * self._serving_cost() if busy else 0.0
+                if not self._add(rid, requests[i], records[i], ids, charge):
+                    inflight.pop(rid, None)
+                    self._done(i, records[i])
+                    if sends is None and queued:
+                        heapq.heappush(due, (clock.now, queued.pop()))
             if not core.has_unfinished_requests():
                 # Every finish comes back from a step; a family gone without one is a bug
                 # elsewhere, recorded rather than waited for (checked only when idle).
-                for fam in list(inflight):
+                waiting = {rid for _, _, rid, _, _ in front}
+                for fam in [f for f in inflight if f not in waiting]:
                     i = inflight.pop(fam)
                     records[i].fail("lost", "the engine dropped the request without a result")
                     self._done(i, records[i])
                     if sends is None and queued:
                         heapq.heappush(due, (clock.now, queued.pop()))
-                if due:
-                    clock.now = max(clock.now, due[0][0])
+                if due or front:
+                    clock.now = max(clock.now, next_arrival())
                     continue
                 if not backlog:
                     if self.open:
@@ -567,8 +593,8 @@ class _Replica:
                     )
                 # Idle until the next arrival, unless a tier load lands first: the engine
                 # waited for it (a little at a time) in the step, so the clock moved.
-                if due and not (offload is not None and offload.num_loading):
-                    clock.now = max(clock.now, due[0][0])
+                if (due or front) and not (offload is not None and offload.num_loading):
+                    clock.now = max(clock.now, next_arrival())
                 continue
             idle_steps = 0
             if loop_gap and core.has_unfinished_requests():
@@ -624,11 +650,22 @@ class _Replica:
         ids = self.routed_ids.pop(i, None)
         if ids is None and isinstance(requests, EncodedWorkload):
             ids = requests.token_ids(i)
+        cost = self._serving_cost()
+        if cost:  # through the front end first, one request at a time
+            ready = max(when, self._front_free) + cost
+            self._front_free = ready
+            heapq.heappush(self._front, (ready, self._sent, rid, i, ids))
+            inflight[rid] = i
+            return True
         if self._add(rid, r, rec, ids):
             inflight[rid] = i
             return True
         self._done(i, rec)
         return False
+
+    def _serving_cost(self) -> float:
+        runner = self.sim.runner
+        return runner.profile.serving_request_time(runner.hop)
 
     def _sample(self, eng: LLMEngine) -> None:
         if self.sim.clock.now >= self._next_sample:
