@@ -529,8 +529,9 @@ def main(argv: list[str] | None = None) -> None:
         summary["sim"] = against(sim, r)
         from kvserve.sim.cost import SERVING_FIELDS, Profile
 
+        fields = (*SERVING_FIELDS, "serve_request_share", "serving_measured")
         summary["sim_serving"] = {
-            name: {f: getattr(Profile.load(path), f) for f in (*SERVING_FIELDS, "serving_measured")}
+            name: {f: getattr(Profile.load(path), f) for f in fields}
             for name, path in (("colocated", a.profile),
                                ("disaggregated", a.split_profile or a.profile))
         }  # fmt: skip

@@ -346,7 +346,10 @@ def main() -> None:
         from kvserve.sim.cost import SERVING_FIELDS, Profile
 
         prof = Profile.load(a.sim_profile)  # its serving terms (all 0 when not measured)
-        sim["serving"] = {f: getattr(prof, f) for f in (*SERVING_FIELDS, "serving_measured")}
+        sim["serving"] = {
+            f: getattr(prof, f)
+            for f in (*SERVING_FIELDS, "serve_request_share", "serving_measured")
+        }
         print(table([{"replicas": n, "policy": k, **v} for n, res in sim.items()
                      if n not in ("error", "curve", "serving") for k, v in res.items()],
                     ["replicas", "policy", "hit_rate", "ttft_p90_s", "output_tok_s"]))  # fmt: skip
