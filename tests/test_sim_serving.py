@@ -81,6 +81,18 @@ def test_two_streams_pass_the_front_end_one_at_a_time_and_pay_it_per_step_and_to
     assert sim.runner.busy_s == pytest.approx(p1 + p2 + (out - 2) * d2 + d1)
 
 
+def test_only_a_fresh_engines_first_request_pays_the_first_request_term():
+    ps, n = prompts()
+    first = 0.2
+    reqs = [BenchRequest(i, "chat", p, 2, n) for i, p in enumerate(ps)]
+    prof = profile(serve_request_s=REQ, serve_first_request_s=first, serving_measured=True)
+    res, _ = simulate_load(SimTarget(dict(KW), prof), reqs, LoadSpec(concurrency=1))
+    a, b = sorted(res.records, key=lambda r: r.send_time)
+    p1 = OVERHEAD + PREFILL + PER_TOKEN * n
+    assert a.ttft == pytest.approx(REQ + first + p1, rel=1e-9)
+    assert b.ttft == pytest.approx(REQ + p1, rel=1e-9)
+
+
 def test_a_profile_without_the_term_replays_as_before():
     ps, n = prompts()
     reqs = [BenchRequest(i, "chat", p, 4, n) for i, p in enumerate(ps)]
@@ -172,7 +184,7 @@ def test_a_profile_written_before_the_term_loads_with_it_off_and_says_so(tmp_pat
     path = tmp_path / "old.json"
     path.write_text(json.dumps(data))
     p = Profile.load(path)
-    assert [getattr(p, f) for f in SERVING_FIELDS] == [0.0] * 5 and not p.serving_measured
+    assert [getattr(p, f) for f in SERVING_FIELDS] == [0.0] * 6 and not p.serving_measured
     notes = build_engine(SimTarget(dict(KW), p)).notes
     assert any("no serving-overhead term" in n for n in notes)
     measured = replace(p, **SERVING)
@@ -239,3 +251,4 @@ def test_the_measurement_serves_the_engines_flags_and_fills_the_profile(checkpoi
     assert rep["engine_ttft_s"] == pytest.approx(OVERHEAD + PREFILL + PER_TOKEN * 32)
     assert all(getattr(prof, f) >= 0 for f in SERVING_FIELDS)
     assert prof.serve_request_s == pytest.approx(max(rep["ttft_s"] - rep["engine_ttft_s"], 0))
+    assert prof.serve_first_request_s == pytest.approx(max(rep["first_ttft_s"] - rep["ttft_s"], 0))

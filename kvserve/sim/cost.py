@@ -66,7 +66,7 @@ OFFLOAD_SECONDS_FIELDS = (
 HOST_SECONDS_FIELDS = ("request_overhead_s", "request_overhead_per_token_s", "loop_gap_s")
 # Serving over HTTP (measured over a real server: kvserve.sim.serving).
 SERVING_FIELDS = ("serve_request_s", "serve_step_s", "serve_token_s", "hop_request_s",
-                  "hop_token_s")  # fmt: skip
+                  "hop_token_s", "serve_first_request_s")  # fmt: skip
 # Fields of profiles whose new-shape term counted step row counts instead of GEMM shapes:
 # read, and the term left off.
 RETIRED_SHAPE_FIELDS = ("new_shape_min_tokens", "shape_cache_rows")
@@ -363,6 +363,9 @@ class Profile:
     serve_token_s: float = 0.0
     hop_request_s: float = 0.0
     hop_token_s: float = 0.0
+    # A fresh server's first request: the one-time work its first steps do (per-shape kernel
+    # state, the allocator's first pages, lazy initialization), past a warm request's time.
+    serve_first_request_s: float = 0.0
     # The share of a request's front-end (and hop) time that the engine's steps lose when
     # it arrives while they run (the rest overlaps them); the request joins the engine after
     # all of it.

@@ -13,6 +13,7 @@ replay of the same requests does not:
   of ``b`` sequences plus the front end's work after it. The measured mean gap less the
   simulated one (the engine alone) is fitted to ``serve_step_s + b * serve_token_s``
   (:func:`fit_serving`): a cost per step that streams anything and one per token streamed.
+- The fresh server's first request's TTFT less a warm one's: ``serve_first_request_s``.
 - A lone request's TTFT less the simulated one: ``serve_request_s``. The front end is one
   event loop: requests pass through it one at a time and join the engine after it. While
   the engine runs, it loses a share of that time (the rest overlaps its steps):
@@ -182,8 +183,9 @@ def _gap(times: list[float]) -> float:
     return (times[-1] - times[1]) / max(len(times) - 2, 1)
 
 
-async def _measure(url: str, vocab: int, seed: int) -> tuple[dict[int, float], float]:
-    """(streams -> mean token gap, median lone TTFT) of the server at ``url``."""
+async def _measure(url: str, vocab: int, seed: int) -> tuple[dict[int, float], float, float]:
+    """(streams -> mean token gap, median lone TTFT, the first request's TTFT) of the
+    server at ``url``."""
     import httpx
 
     rng = random.Random(seed)
@@ -193,6 +195,8 @@ async def _measure(url: str, vocab: int, seed: int) -> tuple[dict[int, float], f
 
     gaps: dict[int, float] = {}
     async with httpx.AsyncClient(timeout=300) as client:
+        t = await _stream(client, url, prompt(), 2)  # the fresh server's first request
+        first = t[1] - t[0]
         await asyncio.gather(*(_stream(client, url, prompt(), 8) for _ in range(max(STREAMS))))
         ttft = []
         for _ in range(SOLO):
@@ -205,7 +209,7 @@ async def _measure(url: str, vocab: int, seed: int) -> tuple[dict[int, float], f
                                               for _ in range(b)))  # fmt: skip
                 got += [_gap(t) for t in outs]
             gaps[b] = statistics.fmean(got)
-    return gaps, statistics.median(ttft)
+    return gaps, statistics.median(ttft), first
 
 
 async def _measure_share_run(url: str, vocab: int, seed: int) -> float:
@@ -348,7 +352,7 @@ def measure_serving(kw: dict[str, Any], profile: Profile, vocab: int, seed: int 
         except OSError:
             anywhere = mine
         url = f"http://127.0.0.1:{port}"
-        gaps, ttft = asyncio.run(_measure(url, vocab, seed))
+        gaps, ttft, first_ttft = asyncio.run(_measure(url, vocab, seed))
         share_measured = asyncio.run(_measure_share_run(url, vocab, seed + 2))
         hop_gaps: dict[int, float] = {}
         hop_ttft = ttft
@@ -356,8 +360,8 @@ def measure_serving(kw: dict[str, Any], profile: Profile, vocab: int, seed: int 
             rport = _free_port()
             procs.append(_start(["router", "--replica", url, "--routing-logic",
                                  "round_robin"], rport, anywhere))  # fmt: skip
-            hop_gaps, hop_ttft = asyncio.run(_measure(f"http://127.0.0.1:{rport}", vocab,
-                                                      seed + 1))  # fmt: skip
+            hop_gaps, hop_ttft, _ = asyncio.run(_measure(f"http://127.0.0.1:{rport}", vocab,
+                                                         seed + 1))  # fmt: skip
     finally:
         for p in reversed(procs):
             _stop(p)
@@ -365,6 +369,7 @@ def measure_serving(kw: dict[str, Any], profile: Profile, vocab: int, seed: int 
     points = [ServingPoint(b, gaps[b], engine_gaps[b]) for b in STREAMS]
     profile.serve_step_s, profile.serve_token_s = fit_serving(points)
     profile.serve_request_s = max(ttft - engine_ttft, 0.0)
+    profile.serve_first_request_s = max(first_ttft - ttft, 0.0)
     profile.serve_request_share = fit_share(
         share_measured, lambda s: share_gap(kw, profile, vocab, s)
     )
@@ -378,6 +383,7 @@ def measure_serving(kw: dict[str, Any], profile: Profile, vocab: int, seed: int 
         "engine_gap_s": [engine_gaps[b] for b in STREAMS],
         "hop_gap_s": [hop_gaps[b] for b in STREAMS] if hop else None,
         "ttft_s": ttft,
+        "first_ttft_s": first_ttft,
         "engine_ttft_s": engine_ttft,
         "hop_ttft_s": hop_ttft if hop else None,
         "share_run_gap_s": share_measured,

@@ -83,6 +83,7 @@ class CostModelRunner:
         self.busy_s = 0.0
         self.steps = 0
         self.sampled = 0  # tokens the last step sampled (each streamed to a client)
+        self.fresh = True  # no request yet: the first pays the profile's first-request term
         # Behind a proxy or router: the profile's hop terms apply too (SimTarget.hop)
         self.hop = False
         self.block_size = default_of(CacheConfig, "block_size")  # the engine's, once built
@@ -473,7 +474,11 @@ class _Replica:
             params = self._params[req.max_tokens] = SamplingParams(
                 temperature=self.temperature, max_tokens=req.max_tokens, ignore_eos=True
             )
-        clock.advance(self.sim.runner.profile.request_time(len(ids)) + serving)
+        runner = self.sim.runner
+        if runner.fresh:
+            serving += runner.profile.serve_first_request_s
+            runner.fresh = False
+        clock.advance(runner.profile.request_time(len(ids)) + serving)
         try:
             eng.add_request(rid, {"prompt_token_ids": ids}, params, arrival_time=rec.send_time)
         except Exception as e:  # noqa: BLE001 - refused requests are counted, as bench does
