@@ -424,14 +424,22 @@ def predict(model: str, w: dict[str, Any], dtype: str, profile: str, split_profi
     TTFT p50 (bursts) of pd-burst: one colocated engine under ``profile`` (calibrated on
     both cores), a prefill and a decode engine under ``split_profile`` (one core each) with
     the decode side pulling at ``bandwidth`` bytes/s."""
+    from dataclasses import replace
+
     from kvserve.sim.cost import Profile
     from kvserve.sim.simulate import SimTarget, simulate_feed
 
     kw = {"model": bench_model(model), "dtype": dtype, "block_size": BS,
           "max_model_len": w["max_len"], "enable_prefix_caching": True}  # fmt: skip
+
+    def warm(path: str) -> Any:
+        # burst_workload's warm-up requests take the fresh servers' first-request cost
+        # before the measured window opens: none of the replayed requests pays it.
+        return replace(Profile.load(path), serve_first_request_s=0.0)
+
     targets = {
-        "colocated": SimTarget(kw, Profile.load(profile)),
-        "disaggregated": SimTarget(kw, Profile.load(split_profile), prefill_replicas=1,
+        "colocated": SimTarget(kw, warm(profile)),
+        "disaggregated": SimTarget(kw, warm(split_profile), prefill_replicas=1,
                                    decode_replicas=1, kv_transfer_bandwidth=bandwidth),
     }  # fmt: skip
     out: dict[str, dict[str, float]] = {}
@@ -452,10 +460,11 @@ def predict(model: str, w: dict[str, Any], dtype: str, profile: str, split_profi
 
 
 def calibrate(model: str, dtype: str, cpus: set[int], out: Path) -> str:
-    """``kvserve simulate --calibrate`` (its default workload) pinned to ``cpus``, as the
-    served engines are: a profile of this machine's steps on that many cores."""
+    """``kvserve simulate --calibrate --serving`` (its default workload) pinned to ``cpus``,
+    as the served engines are: a profile of this machine's steps on that many cores, with
+    what serving them over HTTP (and through a hop) costs there."""
     cmd = [sys.executable, "-m", "kvserve.cli", "simulate", bench_model(model), "--calibrate",
-           "--dtype", dtype, "--block-size", str(BS), "--enable-prefix-caching",
+           "--serving", "--dtype", dtype, "--block-size", str(BS), "--enable-prefix-caching",
            "--profile-output", str(out)]  # fmt: skip
     subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, check=True,
                    preexec_fn=lambda: os.sched_setaffinity(0, cpus))  # fmt: skip
@@ -526,6 +535,14 @@ def main(argv: list[str] | None = None) -> None:
         bw = a.kv_transfer_bandwidth or gbps.get(a.dtype, 0.0) * 1e9
         sim = predict(model, w, a.dtype, a.profile, a.split_profile or a.profile, bw)
         summary["sim"] = against(sim, r)
+        from kvserve.sim.cost import SERVING_FIELDS, Profile
+
+        fields = (*SERVING_FIELDS, "serve_request_share", "serving_measured")
+        summary["sim_serving"] = {
+            name: {f: getattr(Profile.load(path), f) for f in fields}
+            for name, path in (("colocated", a.profile),
+                               ("disaggregated", a.split_profile or a.profile))
+        }  # fmt: skip
     emit(summary)
 
 

@@ -12,9 +12,10 @@ an index that has caught up (it waits for the event streams to go quiet before d
 
 Per policy: prefix-cache hit rate (cached / prompt tokens the replicas reported), TTFT p90,
 output tokens/s, and the routing decision's p99. With ``--sim-profile`` (a profile from
-``kvserve simulate --calibrate`` on this machine, one thread), the simulator replays the same
-trace on the same pools through the same policy objects, at N and at ``--sim-replicas`` (the
-trace scaled with them).
+``kvserve simulate --calibrate --serving`` on this machine, one core), the simulator replays
+the same trace on the same pools through the same policy objects, at N and at
+``--sim-replicas`` (the trace scaled with them), each replica paying the profile's serving
+terms for its front end and the router's hop.
 
     .venv/bin/python -m benchmarks.routing [--quick] [--replicas N] [--sim-profile FILE]
 """
@@ -344,8 +345,15 @@ def main() -> None:
         for r in rates[1:]:
             at = simulate(a.sim_profile, a.replicas, serve_kw, trace, r, max_tokens, a.seed, tok)
             sim["curve"][f"{r:g}"] = {"sim": at, "error": sim_error(at, curve[f"{r:g}"])}
+        from kvserve.sim.cost import SERVING_FIELDS, Profile
+
+        prof = Profile.load(a.sim_profile)  # its serving terms (all 0 when not measured)
+        sim["serving"] = {
+            f: getattr(prof, f)
+            for f in (*SERVING_FIELDS, "serve_request_share", "serving_measured")
+        }
         print(table([{"replicas": n, "policy": k, **v} for n, res in sim.items()
-                     if n not in ("error", "curve") for k, v in res.items()],
+                     if n not in ("error", "curve", "serving") for k, v in res.items()],
                     ["replicas", "policy", "hit_rate", "ttft_p90_s", "output_tok_s"]))  # fmt: skip
     emit({
         "benchmark": "routing", "replicas": a.replicas, "requests": len(trace), "rate": rate,

@@ -96,6 +96,13 @@ def add_simulate_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
         help="run the real engine on the workload, fit the cost model, write --profile-output",
     )
     c.add_argument(
+        "--serving",
+        action="store_true",
+        help="with --calibrate: also measure what serving over HTTP costs (a real kvserve "
+        "serve of the same engine and streaming clients, then kvserve router in front of it) "
+        "and write it into the profile as its serving-overhead terms",
+    )
+    c.add_argument(
         "--profile-output",
         default=None,
         help=f"where --calibrate writes (JSON; default: {DEFAULT_SIM_DIR / 'profile.json'})",
@@ -176,6 +183,18 @@ def _calibrate(args: argparse.Namespace, kw: dict[str, Any]) -> int:
         replace(workload_spec(args, args.seed + 7919, max_len), num_prompts=2), count
     )
     profile, report = calibrate(target, runs, args.seed, warm)
+    if args.serving:
+        from kvserve.sim.serving import measure_serving
+
+        vocab = target.engine.model_config.vocab_size
+        target.engine.shutdown()  # its threads and pool off the cores the server takes
+        measure_serving(kw, profile, vocab, args.seed)
+        print(
+            f"serving over HTTP: {profile.serve_request_s * 1e3:.2f} ms per request, "
+            f"{profile.serve_step_s * 1e3:.2f} ms per step + {profile.serve_token_s * 1e3:.3f} "
+            f"ms per streamed token; a router/proxy hop {profile.hop_request_s * 1e3:.2f} ms "
+            f"per request + {profile.hop_token_s * 1e3:.3f} ms per token"
+        )
     out = Path(args.profile_output or DEFAULT_SIM_DIR / "profile.json")
     profile.save(out)
     print(
@@ -220,6 +239,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     kw = sim_engine_kwargs(args)
     if args.calibrate:
         return _calibrate(args, kw)
+    if args.serving:
+        raise ValueError("serving: measures the serving-overhead terms during --calibrate; "
+                         "give it with --calibrate")  # fmt: skip
     slo = parse_slo(args.slo)
     target = sim_target(args, kw)
     count, max_len = token_counter(target)

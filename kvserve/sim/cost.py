@@ -64,6 +64,9 @@ OFFLOAD_SECONDS_FIELDS = (
 )  # fmt: skip
 # The serving loop's own host time, outside the steps (measured, not fitted).
 HOST_SECONDS_FIELDS = ("request_overhead_s", "request_overhead_per_token_s", "loop_gap_s")
+# Serving over HTTP (measured over a real server: kvserve.sim.serving).
+SERVING_FIELDS = ("serve_request_s", "serve_step_s", "serve_token_s", "hop_request_s",
+                  "hop_token_s", "serve_first_request_s")  # fmt: skip
 # Fields of profiles whose new-shape term counted step row counts instead of GEMM shapes:
 # read, and the term left off.
 RETIRED_SHAPE_FIELDS = ("new_shape_min_tokens", "shape_cache_rows")
@@ -350,6 +353,24 @@ class Profile:
     # handing finished requests back), past the requests it added meanwhile: the step after
     # waits for it.
     loop_gap_s: float = 0.0
+    # Serving over HTTP (kvserve.sim.serving; `kvserve simulate --calibrate --serving`): what
+    # the front end (parsing, detokenizing, one SSE event per token per stream), and a proxy
+    # or router hop in front of it, cost the engine on the cores they share with it. Per
+    # request accepted, per step that streams tokens, per token streamed; the hop's per
+    # request and per token. All 0 in a profile calibrated without it (serving_measured).
+    serve_request_s: float = 0.0
+    serve_step_s: float = 0.0
+    serve_token_s: float = 0.0
+    hop_request_s: float = 0.0
+    hop_token_s: float = 0.0
+    # A fresh server's first request: the one-time work its first steps do (per-shape kernel
+    # state, the allocator's first pages, lazy initialization), past a warm request's time.
+    serve_first_request_s: float = 0.0
+    # The share of a request's front-end (and hop) time that the engine's steps lose when
+    # it arrives while they run (the rest overlaps them); the request joins the engine after
+    # all of it.
+    serve_request_share: float = 1.0
+    serving_measured: bool = False
     # Offload tiers (kvserve.sim.tiers), by tier name (cpu, disk, redis): the bytes/s a load
     # moves from the tier into one GPU's pool, and the fixed seconds of each batch of blocks
     # asked of it; and the step's seconds per byte of blocks exported to the tiers.
@@ -415,6 +436,18 @@ class Profile:
         """Host seconds to accept one request (validation, tokenization) between steps."""
         return self.request_overhead_s + self.request_overhead_per_token_s * prompt_tokens
 
+    def serving_request_time(self, hop: bool) -> float:
+        """Engine seconds a request costs the HTTP front end (and the hop in front of it)."""
+        return self.serve_request_s + (self.hop_request_s if hop else 0.0)
+
+    def serving_step_time(self, tokens: int, hop: bool) -> float:
+        """Engine seconds the front end (and the hop) take after a step that streamed
+        ``tokens`` tokens (one per sequence that sampled), before the next step."""
+        if tokens <= 0:
+            return 0.0
+        per = self.serve_token_s + (self.hop_token_s if hop else 0.0)
+        return self.serve_step_s + per * tokens
+
     # -- files ------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -469,17 +502,23 @@ class Profile:
             n = getattr(p, name)
             if not (isinstance(n, int) and n >= 0):
                 raise ValueError(f"{where}: {name} must be an integer >= 0, got {n!r}")
-        for name in (*SECONDS_FIELDS, *OFFLOAD_SECONDS_FIELDS, *HOST_SECONDS_FIELDS):
+        for name in (*SECONDS_FIELDS, *OFFLOAD_SECONDS_FIELDS, *HOST_SECONDS_FIELDS,
+                     *SERVING_FIELDS):  # fmt: skip
             v = getattr(p, name)
             if not (isinstance(v, int | float) and v >= 0):
                 raise ValueError(f"{where}: {name} must be >= 0 seconds, got {v!r}")
+        if not isinstance(p.serving_measured, bool):
+            raise ValueError(
+                f"{where}: serving_measured must be true or false, got {p.serving_measured!r}"
+            )
         if not isinstance(p.inline_host_loads, bool):
             raise ValueError(
                 f"{where}: inline_host_loads must be true or false, got {p.inline_host_loads!r}"
             )
-        share = p.offload_worker_share
-        if not (isinstance(share, int | float) and 0 <= share <= 1):
-            raise ValueError(f"{where}: offload_worker_share must be in [0, 1], got {share!r}")
+        for name in ("offload_worker_share", "serve_request_share"):
+            share = getattr(p, name)
+            if not (isinstance(share, int | float) and 0 <= share <= 1):
+                raise ValueError(f"{where}: {name} must be in [0, 1], got {share!r}")
         for name, positive in (("tier_bandwidth", True), ("tier_latency_s", False)):
             table = getattr(p, name)
             if not isinstance(table, dict):

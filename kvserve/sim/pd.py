@@ -17,8 +17,10 @@ the step that imports landed blocks into the pool longer by the copy (the profil
 the pool never wrote before, by their page faults (``first_touch_s_per_byte``). The bandwidth is
 the decode side's measured pull rate, which includes the prefill side's export.
 
-Not modelled: the prefill side's lease (its blocks are freed when its first token is out,
-not when the decode side has read them), the proxy's own time and the control messages.
+The HTTP front ends and the proxy's hop are the profile's serving terms, charged by the
+replay on each engine's clock (:mod:`kvserve.sim.serving`; every engine here is behind the
+proxy). Not modelled: the prefill side's lease (its blocks are freed when its first token is
+out, not when the decode side has read them) and the control messages.
 """
 
 from __future__ import annotations

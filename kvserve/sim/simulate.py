@@ -82,6 +82,10 @@ class CostModelRunner:
         self.shape: ModelShape | None = None  # set once the engine has resolved its formats
         self.busy_s = 0.0
         self.steps = 0
+        self.sampled = 0  # tokens the last step sampled (each streamed to a client)
+        self.fresh = True  # no request yet: the first pays the profile's first-request term
+        # Behind a proxy or router: the profile's hop terms apply too (SimTarget.hop)
+        self.hop = False
         self.block_size = default_of(CacheConfig, "block_size")  # the engine's, once built
         # Pool blocks written so far, for a profile that charges first writes (a CPU's)
         self.touched: set[int] | None = set() if profile.first_touch_s_per_byte else None
@@ -127,6 +131,7 @@ class CostModelRunner:
             self.shapes.mark(f)
         dt = self.profile.step_time(f, self.shape)
         ids = [rid for s in scheduler_output.seqs for rid in s.sample_ids]
+        self.sampled = len(ids)
         out = ModelRunnerOutput(ids, [self.token_id] * len(ids), [None] * len(ids))
         meta = scheduler_output.kv_connector_metadata
         if isinstance(meta, OffloadMeta):
@@ -217,6 +222,9 @@ class SimTarget:
     prefill_replicas: int = 0
     decode_replicas: int = 0
     kv_transfer_bandwidth: float | None = None
+    # Whether clients reach the engines through a proxy or router (the profile's hop terms);
+    # None: behind one when there is more than one engine (kvserve proxy, kvserve router).
+    behind_hop: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "replicas"):
@@ -235,6 +243,12 @@ class SimTarget:
     @property
     def disaggregated(self) -> bool:
         return self.prefill_replicas > 0
+
+    @property
+    def hop(self) -> bool:
+        if self.behind_hop is not None:
+            return self.behind_hop
+        return self.disaggregated or self.replicas > 1
 
     @property
     def gpus(self) -> int:
@@ -317,6 +331,7 @@ def build_engine(target: SimTarget) -> SimEngine:
     )
     runner.shape = shape
     runner.block_size = engine.block_size
+    runner.hop = target.hop
     if offload is not None:
         offload.set_geometry(shape.kv_bytes_per_token * engine.block_size, target.tp)
     notes = []
@@ -330,6 +345,9 @@ def build_engine(target: SimTarget) -> SimEngine:
     else:
         encode = HashTokenizer(spec.vocab_size).encode
         notes.append("no tokenizer.json beside the config: one token per word (hashed ids)")
+    if target.profile.calibration and not target.profile.serving_measured:
+        notes.append("the profile has no serving-overhead term (calibrated without --serving):"
+                     " the HTTP front end and any proxy/router hop cost nothing here")  # fmt: skip
     return SimEngine(engine, clock, runner, shape, encode, engine.num_blocks, notes, offload)
 
 
@@ -432,11 +450,22 @@ class _Replica:
         self.routed_ids: dict[int, list[int]] = {}
         self.on_send: Callable[[str, int], None] | None = None  # (engine's id, share index)
         self._due: list[tuple[float, int]] = []
+        # The HTTP front end (the profile's serving request terms): one event loop, so the
+        # requests sent to it pass through it one at a time, each joining the engine when
+        # the front end is done with it: (ready at, send order, engine id, index, ids).
+        self._front: list[tuple[float, int, str, int, list[int] | None]] = []
+        self._front_free = -math.inf
 
     def _add(
-        self, rid: str, req: BenchRequest, rec: RequestRecord, ids: list[int] | None = None
+        self,
+        rid: str,
+        req: BenchRequest,
+        rec: RequestRecord,
+        ids: list[int] | None = None,
+        serving: float = 0.0,
     ) -> bool:
-        """Hand ``req`` to the engine (``ids``: its prompt already tokenized)."""
+        """Hand ``req`` to the engine (``ids``: its prompt already tokenized); ``serving``:
+        the front end's seconds for it that the engine's steps lost."""
         eng, clock = self.sim.engine, self.sim.clock
         if ids is None:
             ids = self.sim.encode(req.prompt)
@@ -445,7 +474,11 @@ class _Replica:
             params = self._params[req.max_tokens] = SamplingParams(
                 temperature=self.temperature, max_tokens=req.max_tokens, ignore_eos=True
             )
-        clock.advance(self.sim.runner.profile.request_time(len(ids)))
+        runner = self.sim.runner
+        if runner.fresh:
+            serving += runner.profile.serve_first_request_s
+            runner.fresh = False
+        clock.advance(runner.profile.request_time(len(ids)) + serving)
         try:
             eng.add_request(rid, {"prompt_token_ids": ids}, params, arrival_time=rec.send_time)
         except Exception as e:  # noqa: BLE001 - refused requests are counted, as bench does
@@ -478,7 +511,8 @@ class _Replica:
         replica furthest behind in time. The records are in ``self.records``."""
         eng, clock, offload = self.sim.engine, self.sim.clock, self.sim.offload
         core = eng.core
-        loop_gap = self.sim.runner.profile.loop_gap_s  # the serving loop's time between steps
+        runner = self.sim.runner
+        loop_gap = runner.profile.loop_gap_s  # the serving loop's time between steps
         self._t0 = t0
         # Each record is made when its request is sent (a streamed workload's requests
         # arrive while the replay runs); every request is sent before this ends.
@@ -501,7 +535,12 @@ class _Replica:
             if not self._send(i, when, requests, records, inflight) and sends is None and queued:
                 heapq.heappush(due, (when, queued.pop()))  # refused: the user sends the next
 
-        while due or backlog or inflight or self.open:
+        front = self._front
+
+        def next_arrival() -> float:
+            return min(due[0][0] if due else math.inf, front[0][0] if front else math.inf)
+
+        while due or backlog or inflight or front or self.open:
             yield
             while backlog and len(inflight) < cap:  # a slot freed at the last step's end
                 send(backlog.pop(0), clock.now)
@@ -513,17 +552,29 @@ class _Replica:
                     send(i, when)
                 else:
                     backlog.append(i)
+            while front and front[0][0] <= clock.now:
+                # Through the front end: the engine's steps lost its time if any ran.
+                _, _, rid, i, ids = heapq.heappop(front)
+                busy = core.has_unfinished_requests()
+                share = self.sim.runner.profile.serve_request_share
+                charge = share * self._serving_cost() if busy else 0.0
+                if not self._add(rid, requests[i], records[i], ids, charge):
+                    inflight.pop(rid, None)
+                    self._done(i, records[i])
+                    if sends is None and queued:
+                        heapq.heappush(due, (clock.now, queued.pop()))
             if not core.has_unfinished_requests():
                 # Every finish comes back from a step; a family gone without one is a bug
                 # elsewhere, recorded rather than waited for (checked only when idle).
-                for fam in list(inflight):
+                waiting = {rid for _, _, rid, _, _ in front}
+                for fam in [f for f in inflight if f not in waiting]:
                     i = inflight.pop(fam)
                     records[i].fail("lost", "the engine dropped the request without a result")
                     self._done(i, records[i])
                     if sends is None and queued:
                         heapq.heappush(due, (clock.now, queued.pop()))
-                if due:
-                    clock.now = max(clock.now, due[0][0])
+                if due or front:
+                    clock.now = max(clock.now, next_arrival())
                     continue
                 if not backlog:
                     if self.open:
@@ -531,7 +582,12 @@ class _Replica:
                         continue
                     break
             before = core.num_steps
+            ran = runner.steps
             updated = core.step()
+            if runner.steps > ran:
+                # The front end streams the step's tokens (and the hop relays them) on the
+                # engine's cores before its next step: stamped tokens stay as they were.
+                clock.advance(runner.profile.serving_step_time(runner.sampled, runner.hop))
             self._sample(eng)
             if core.num_steps == before and not updated:
                 idle_steps += 1
@@ -542,8 +598,8 @@ class _Replica:
                     )
                 # Idle until the next arrival, unless a tier load lands first: the engine
                 # waited for it (a little at a time) in the step, so the clock moved.
-                if due and not (offload is not None and offload.num_loading):
-                    clock.now = max(clock.now, due[0][0])
+                if (due or front) and not (offload is not None and offload.num_loading):
+                    clock.now = max(clock.now, next_arrival())
                 continue
             idle_steps = 0
             if loop_gap and core.has_unfinished_requests():
@@ -599,11 +655,22 @@ class _Replica:
         ids = self.routed_ids.pop(i, None)
         if ids is None and isinstance(requests, EncodedWorkload):
             ids = requests.token_ids(i)
+        cost = self._serving_cost()
+        if cost:  # through the front end first, one request at a time
+            ready = max(when, self._front_free) + cost
+            self._front_free = ready
+            heapq.heappush(self._front, (ready, self._sent, rid, i, ids))
+            inflight[rid] = i
+            return True
         if self._add(rid, r, rec, ids):
             inflight[rid] = i
             return True
         self._done(i, rec)
         return False
+
+    def _serving_cost(self) -> float:
+        runner = self.sim.runner
+        return runner.profile.serving_request_time(runner.hop)
 
     def _sample(self, eng: LLMEngine) -> None:
         if self.sim.clock.now >= self._next_sample:
@@ -924,7 +991,7 @@ def run_disaggregated(
     if target.disaggregated:
         kw = {**target.engine_kwargs, "kv_transfer_config": transfer_config()}
         dtarget = replace(target, engine_kwargs=kw, prefill_replicas=0, decode_replicas=0,
-                          kv_transfer_bandwidth=None)  # fmt: skip
+                          kv_transfer_bandwidth=None, behind_hop=target.hop)  # fmt: skip
     dec = [build_engine(dtarget) for _ in range(n_dec)]
     for sim in dec if target.disaggregated else ():
         conn = sim.engine.connector

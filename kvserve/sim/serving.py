@@ -1,0 +1,395 @@
+"""``kvserve simulate --calibrate --serving``: what serving over HTTP costs the engine.
+
+The step profile times the engine alone, in-process. A served token also passes through the
+HTTP front end (the request parsed, the token detokenized, one SSE event per token per
+stream, the event loop's turn between the engine thread's steps), and through a proxy or
+router when there is one, all on the same cores as the engine's compute threads and under
+the same interpreter lock as its loop. So this measures a real ``kvserve serve`` (the
+calibrated engine's own flags, this process's cores) with real streaming clients and sets
+the profile's serving terms to what the measured latencies have that the profile's own
+replay of the same requests does not:
+
+- ``b`` streams decoding in lockstep, for a few ``b``: each token's gap is one decode step
+  of ``b`` sequences plus the front end's work after it. The measured mean gap less the
+  simulated one (the engine alone) is fitted to ``serve_step_s + b * serve_token_s``
+  (:func:`fit_serving`): a cost per step that streams anything and one per token streamed.
+- The fresh server's first request's TTFT less a warm one's: ``serve_first_request_s``.
+- A lone request's TTFT less the simulated one: ``serve_request_s``. The front end is one
+  event loop: requests pass through it one at a time and join the engine after it. While
+  the engine runs, it loses a share of that time (the rest overlaps its steps):
+  ``serve_request_share``, the value whose replay (:func:`fit_share`) gives the streams'
+  measured mean gap while lone requests are sent one after another beside them.
+- The same through ``kvserve router`` (one replica, round-robin: a pure relay, the same hop
+  as ``kvserve proxy``'s decode leg): the gaps' excess over the direct ones is fitted to
+  ``b * hop_token_s`` (:func:`fit_hop`), the TTFT's to ``hop_request_s``.
+
+The simulator charges them on the engine's clock (:mod:`kvserve.sim.simulate`): a request's
+share of its terms when it joins a running engine, a step's after it, before the next step.
+That is the measured effect where the front end shares the engine's cores (a CPU engine
+takes every core), so a profile measured here is for deployments on the same cores, as the
+profile itself is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from kvserve.sim.cost import Profile
+
+STREAMS = (1, 2, 4, 8)  # lockstep streams per measurement
+PROMPT_TOKENS = 32
+DECODE_TOKENS = 48
+ROUNDS = 3  # rounds of each stream count (the mean of their gaps)
+SOLO = 5  # lone requests for the TTFT (the median)
+# The share's run: SHARE_STREAMS streams decoding SHARE_TOKENS while SHARE_INJECT lone
+# requests (one token each) are sent one after another from the start.
+SHARE_STREAMS, SHARE_TOKENS, SHARE_INJECT = 4, 96, 8
+SHARE_GRID = [i / 20 for i in range(21)]
+
+
+@dataclass(slots=True)
+class ServingPoint:
+    """One stream count's mean token gap, measured and simulated (the engine alone)."""
+
+    streams: int
+    measured_s: float
+    engine_s: float
+
+
+def fit_serving(points: list[ServingPoint]) -> tuple[float, float]:
+    """(``serve_step_s``, ``serve_token_s``): the least-squares line through the gaps'
+    excess over the engine's (measured - simulated) against the stream count, neither
+    below 0 (a negative slope: a constant; a negative intercept: a line through 0)."""
+    if not points:
+        raise ValueError("serving fit: needs at least one stream count")
+    b = np.array([p.streams for p in points], dtype=float)
+    y = np.array([p.measured_s - p.engine_s for p in points])
+    if len(set(b.tolist())) > 1:
+        slope, icpt = np.polyfit(b, y, 1)
+    else:
+        slope, icpt = 0.0, float(y.mean())
+    if slope < 0:
+        return max(float(y.mean()), 0.0), 0.0
+    if icpt < 0:
+        return 0.0, max(float(b @ y / (b @ b)), 0.0)
+    return float(icpt), float(slope)
+
+
+def fit_hop(points: list[ServingPoint]) -> float:
+    """``hop_token_s``: the least-squares slope through 0 of the hop's excess per gap
+    (``measured_s`` through the hop, ``engine_s`` here the direct gap) over the stream
+    count, not below 0."""
+    if not points:
+        raise ValueError("hop fit: needs at least one stream count")
+    b = np.array([p.streams for p in points], dtype=float)
+    y = np.array([p.measured_s - p.engine_s for p in points])
+    return max(float(b @ y / (b @ b)), 0.0)
+
+
+def serve_flags(kw: dict[str, Any]) -> list[str]:
+    """``kvserve serve``'s arguments for the engine ``LLM(**kw)`` builds: the model, then
+    each setting that differs from its default, as its flag."""
+    from kvserve.config_fields import settings_of
+
+    out = [str(kw["model"])]
+    for name, s in settings_of().items():
+        if name == "model" or name not in kw or s.required:
+            continue
+        v = kw[name]
+        if v is None or v == s.default:
+            continue
+        flag = s.flag
+        if isinstance(v, bool):
+            out.append(flag if v else "--no-" + flag.removeprefix("--"))
+        elif isinstance(v, dict):
+            out += [flag, json.dumps(v)]
+        elif isinstance(v, list | tuple):
+            out += [flag, *map(str, v)]
+        else:
+            out += [flag, str(v)]
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(cmd: list[str], port: int, cpus: set[int], timeout: float = 180.0
+           ) -> subprocess.Popen:  # fmt: skip
+    """A kvserve command as a child process on ``cpus``, once its /health answers."""
+    env = {**os.environ, "KVSERVE_CPU_OMP_THREADS_BIND": os.environ.get(
+        "KVSERVE_CPU_OMP_THREADS_BIND", "auto")}  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", *cmd, "--port", str(port)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=lambda: os.sched_setaffinity(0, cpus))  # fmt: skip
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"serving calibration: `kvserve {cmd[0]}` exited with code "
+                               f"{proc.returncode} before it was ready")  # fmt: skip
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    _stop(proc)
+    raise RuntimeError(f"serving calibration: `kvserve {cmd[0]}` not ready in {timeout:.0f} s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def _stream(client: Any, url: str, prompt: list[int], max_tokens: int) -> list[float]:
+    """A streamed completion's chunk arrival times, the send time first."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    times = [time.perf_counter()]
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"serving calibration: HTTP {r.status_code} from {url}")
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                times.append(time.perf_counter())
+    return times
+
+
+def _gap(times: list[float]) -> float:
+    """A stream's mean gap between its tokens (after the first)."""
+    return (times[-1] - times[1]) / max(len(times) - 2, 1)
+
+
+async def _measure(url: str, vocab: int, seed: int) -> tuple[dict[int, float], float, float]:
+    """(streams -> mean token gap, median lone TTFT, the first request's TTFT) of the
+    server at ``url``."""
+    import httpx
+
+    rng = random.Random(seed)
+
+    def prompt() -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(PROMPT_TOKENS)]
+
+    gaps: dict[int, float] = {}
+    async with httpx.AsyncClient(timeout=300) as client:
+        t = await _stream(client, url, prompt(), 2)  # the fresh server's first request
+        first = t[1] - t[0]
+        await asyncio.gather(*(_stream(client, url, prompt(), 8) for _ in range(max(STREAMS))))
+        ttft = []
+        for _ in range(SOLO):
+            t = await _stream(client, url, prompt(), 2)
+            ttft.append(t[1] - t[0])
+        for b in STREAMS:
+            got = []
+            for _ in range(ROUNDS):
+                outs = await asyncio.gather(*(_stream(client, url, prompt(), DECODE_TOKENS)
+                                              for _ in range(b)))  # fmt: skip
+                got += [_gap(t) for t in outs]
+            gaps[b] = statistics.fmean(got)
+    return gaps, statistics.median(ttft), first
+
+
+async def _measure_share_run(url: str, vocab: int, seed: int) -> float:
+    """The streams' mean token gap in the share's run (:class:`_Injected`), over ROUNDS."""
+    import httpx
+
+    rng = random.Random(seed)
+
+    def prompt() -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(PROMPT_TOKENS)]
+
+    got: list[float] = []
+    async with httpx.AsyncClient(timeout=300) as client:
+
+        async def lone() -> None:
+            for _ in range(SHARE_INJECT):
+                await _stream(client, url, prompt(), 1)
+
+        for _ in range(ROUNDS):
+            outs = await asyncio.gather(
+                *(_stream(client, url, prompt(), SHARE_TOKENS) for _ in range(SHARE_STREAMS)),
+                lone(),
+            )
+            got += [_gap(t) for t in outs[:SHARE_STREAMS]]
+    return statistics.fmean(got)
+
+
+class _Injected:
+    """:func:`_measure_share_run`'s requests for the simulator: ROUNDS rounds of
+    SHARE_STREAMS streams, each beside SHARE_INJECT lone one-token requests sent one after
+    another from its start."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab, self.rng = vocab, random.Random(2)
+        self.left = ROUNDS
+        self.open = 0
+        self.lone = 0
+
+    def _req(self, t: float, kind: str, tokens: int) -> tuple[float, Any, list[int]]:
+        from kvserve.bench.workloads import BenchRequest
+
+        ids = [self.rng.randrange(3, self.vocab) for _ in range(PROMPT_TOKENS)]
+        return t, BenchRequest(0, kind, "", tokens, PROMPT_TOKENS), ids
+
+    def _round(self, t: float) -> list[tuple[float, Any, list[int]]]:
+        self.left -= 1
+        self.open = SHARE_STREAMS + 1
+        self.lone = SHARE_INJECT - 1
+        return [self._req(t, "s", SHARE_TOKENS) for _ in range(SHARE_STREAMS)] + [
+            self._req(t, "lone", 1)
+        ]
+
+    def start(self) -> list[tuple[float, Any, list[int]]]:
+        return self._round(0.0)
+
+    def done(self, req: Any, rec: Any, now: float) -> list[tuple[float, Any, list[int]]]:
+        if req.kind == "lone" and self.lone > 0:
+            self.lone -= 1
+            return [self._req(now, "lone", 1)]
+        self.open -= 1
+        return self._round(now) if self.open == 0 and self.left > 0 else []
+
+
+def fit_share(measured_gap: float, replay: Any) -> float:
+    """``serve_request_share``: the grid value (SHARE_GRID) whose replay's mean stream gap
+    (``replay(share)``) is nearest the measured one."""
+    return min(SHARE_GRID, key=lambda s: abs(replay(s) - measured_gap))
+
+
+def share_gap(kw: dict[str, Any], profile: Profile, vocab: int, share: float) -> float:
+    """The replay's mean stream gap in the share's run, the front end's request time
+    taking ``share`` of the engine's when it runs."""
+    from kvserve.sim.simulate import SimTarget, simulate_feed
+
+    target = SimTarget(dict(kw), replace(profile, serve_request_share=share), behind_hop=False)
+    res, _ = simulate_feed(target, _Injected(vocab))
+    return statistics.fmean(statistics.fmean(r.itl) for r in res.records
+                            if r.success and r.kind == "s")  # fmt: skip
+
+
+class _Lockstep:
+    """:func:`_measure`'s requests for the simulator (kvserve.sim.pd.Feed): ``SOLO`` lone
+    requests, then ``ROUNDS`` rounds of ``b`` streams started together."""
+
+    def __init__(self, b: int | None, vocab: int) -> None:
+        self.b, self.vocab, self.rng = b, vocab, random.Random(1)
+        self.left = SOLO if b is None else ROUNDS
+        self.open = 0
+
+    def _round(self, t: float) -> list[tuple[float, Any, list[int]]]:
+        from kvserve.bench.workloads import BenchRequest
+
+        self.left -= 1
+        n, tokens = (1, 2) if self.b is None else (self.b, DECODE_TOKENS)
+        self.open = n
+        return [(t, BenchRequest(0, "s", "", tokens, PROMPT_TOKENS),
+                 [self.rng.randrange(3, self.vocab) for _ in range(PROMPT_TOKENS)])
+                for _ in range(n)]  # fmt: skip
+
+    def start(self) -> list[tuple[float, Any, list[int]]]:
+        return self._round(0.0)
+
+    def done(self, req: Any, rec: Any, now: float) -> list[tuple[float, Any, list[int]]]:
+        self.open -= 1
+        return self._round(now) if self.open == 0 and self.left > 0 else []
+
+
+def simulated(kw: dict[str, Any], profile: Profile, vocab: int) -> tuple[dict[int, float], float]:
+    """:func:`_measure`'s figures as the profile's engine alone gives them (no serving term)."""
+    from kvserve.sim.simulate import SimTarget, simulate_feed
+
+    bare = replace(profile, serve_request_s=0.0, serve_step_s=0.0, serve_token_s=0.0,
+                   hop_request_s=0.0, hop_token_s=0.0, serving_measured=False)  # fmt: skip
+    target = SimTarget(dict(kw), bare, behind_hop=False)
+    res, _ = simulate_feed(target, _Lockstep(None, vocab))
+    ttft = statistics.median(r.ttft for r in res.records if r.success)
+    gaps = {}
+    for b in STREAMS:
+        res, _ = simulate_feed(target, _Lockstep(b, vocab))
+        gaps[b] = statistics.fmean(statistics.fmean(r.itl) for r in res.records if r.success)
+    return gaps, ttft
+
+
+def measure_serving(kw: dict[str, Any], profile: Profile, vocab: int, seed: int = 0,
+                    hop: bool = True) -> dict[str, Any]:  # fmt: skip
+    """Measure a real ``kvserve serve`` of ``kw``'s engine (and ``kvserve router`` in front
+    of it), set ``profile``'s serving terms, and return what was measured."""
+    engine_gaps, engine_ttft = simulated(kw, profile, vocab)
+    procs: list[subprocess.Popen] = []
+    # The server on this process's cores, as the profile's engine ran; the clients and the
+    # router on any core, as a benchmark's clients and its proxy or router run beside pinned
+    # engines.
+    mine = os.sched_getaffinity(0)
+    anywhere = set(range(os.cpu_count() or 1))
+    try:
+        port = _free_port()
+        procs.append(_start(["serve", *serve_flags(kw), "--disable-access-log"], port, mine))
+        try:
+            os.sched_setaffinity(0, anywhere)
+        except OSError:
+            anywhere = mine
+        url = f"http://127.0.0.1:{port}"
+        gaps, ttft, first_ttft = asyncio.run(_measure(url, vocab, seed))
+        share_measured = asyncio.run(_measure_share_run(url, vocab, seed + 2))
+        hop_gaps: dict[int, float] = {}
+        hop_ttft = ttft
+        if hop:
+            rport = _free_port()
+            procs.append(_start(["router", "--replica", url, "--routing-logic",
+                                 "round_robin"], rport, anywhere))  # fmt: skip
+            hop_gaps, hop_ttft, _ = asyncio.run(_measure(f"http://127.0.0.1:{rport}", vocab,
+                                                         seed + 1))  # fmt: skip
+    finally:
+        for p in reversed(procs):
+            _stop(p)
+        os.sched_setaffinity(0, mine)
+    points = [ServingPoint(b, gaps[b], engine_gaps[b]) for b in STREAMS]
+    profile.serve_step_s, profile.serve_token_s = fit_serving(points)
+    profile.serve_request_s = max(ttft - engine_ttft, 0.0)
+    profile.serve_first_request_s = max(first_ttft - ttft, 0.0)
+    profile.serve_request_share = fit_share(
+        share_measured, lambda s: share_gap(kw, profile, vocab, s)
+    )
+    if hop:
+        profile.hop_token_s = fit_hop([ServingPoint(b, hop_gaps[b], gaps[b]) for b in STREAMS])
+        profile.hop_request_s = max(hop_ttft - ttft, 0.0)
+    profile.serving_measured = True
+    report = {
+        "streams": list(STREAMS),
+        "gap_s": [gaps[b] for b in STREAMS],
+        "engine_gap_s": [engine_gaps[b] for b in STREAMS],
+        "hop_gap_s": [hop_gaps[b] for b in STREAMS] if hop else None,
+        "ttft_s": ttft,
+        "first_ttft_s": first_ttft,
+        "engine_ttft_s": engine_ttft,
+        "hop_ttft_s": hop_ttft if hop else None,
+        "share_run_gap_s": share_measured,
+        "prompt_tokens": PROMPT_TOKENS,
+        "decode_tokens": DECODE_TOKENS,
+        "cpus": sorted(os.sched_getaffinity(0)),
+    }
+    profile.calibration["serving"] = report
+    return report
