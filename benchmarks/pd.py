@@ -487,6 +487,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fault-runs", type=int, default=None, help="default 50 quick, else 1000")
     ap.add_argument("--seconds", type=float, default=None, help="pd-burst duration per setup")
     ap.add_argument("--long-prompt", type=int, default=None, help="pd-burst's long prompts")
+    ap.add_argument("--period", type=float, default=4.0, help="pd-burst: seconds from a "
+                    "burst's end to the next burst (how much of the streams' time the bursts "
+                    "take; default 4)")  # fmt: skip
     ap.add_argument("--skip-burst", action="store_true", help="no pd-burst (a smoke run)")
     ap.add_argument(
         "--no-sim",
@@ -504,17 +507,19 @@ def main(argv: list[str] | None = None) -> None:
                     help="bytes/s for the prediction's transfers (default: the measured "
                     "transfer_gbps of --dtype's format)")  # fmt: skip
     a = ap.parse_args(argv)
+    if not a.period > 0:
+        ap.error(f"--period: must be > 0 seconds, got {a.period}")
     model = a.model or ("5m" if a.quick else "50m")
     w = {"streams": 4, "short_prompt": 32, "decode_tokens": 128, "burst": 4,
          "long_prompt": a.long_prompt or (1024 if a.quick else 2048), "burst_tokens": 4,
-         "period": 4.0,
+         "period": a.period,
          "seconds": a.seconds or (40.0 if a.quick else 180.0)}  # fmt: skip
     w["max_len"] = w["long_prompt"] + 256
     same, gbps = identical_and_bandwidth(model, 2048 if a.quick else 4096, a.quick)
     fr = faults(model, a.fault_runs if a.fault_runs is not None else (50 if a.quick else 1000))
     print(f"faults: {fr}", flush=True)
     summary: dict[str, Any] = {"identical": same, "transfer_gbps": gbps, "faults": fr,
-                               "model": model}  # fmt: skip
+                               "model": model, "period_s": w["period"]}  # fmt: skip
     if not a.skip_burst:
         r = pd_burst(model, w, a.dtype)
         col, dis = r["colocated"], r["disaggregated"]
