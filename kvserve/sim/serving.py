@@ -133,10 +133,9 @@ def _free_port() -> int:
 def _start(cmd: list[str], port: int, cpus: set[int], timeout: float = 180.0
            ) -> subprocess.Popen:  # fmt: skip
     """A kvserve command as a child process on ``cpus``, once its /health answers."""
-    env = {**os.environ, "KVSERVE_CPU_OMP_THREADS_BIND": os.environ.get(
-        "KVSERVE_CPU_OMP_THREADS_BIND", "auto")}  # fmt: skip
+    # the child inherits this environment (its thread binding: KVSERVE_CPU_OMP_THREADS_BIND)
     proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", *cmd, "--port", str(port)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             preexec_fn=lambda: os.sched_setaffinity(0, cpus))  # fmt: skip
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
