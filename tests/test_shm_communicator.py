@@ -95,11 +95,7 @@ def run_ranks() -> dict[int, dict[str, Any]]:
     try:
         results = {r: pickle.loads(b) for r, b in (out.get(timeout=60) for _ in procs)}
     finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+        _reap(procs)
     return results
 
 
@@ -175,13 +171,18 @@ def test_a_segment_does_not_outlive_a_creator_killed_before_the_barrier():
     try:
         results = dict(out.get(timeout=60) for _ in procs)
     finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+        _reap(procs)
     assert procs[0].exitcode == 3
     mapped = results[0]
     assert len(mapped) == 1, mapped  # rank 0 had made and mapped the segment
     assert not os.path.exists(mapped[0]), f"{mapped[0]} outlived its group"
     assert results[1] != "created"
+
+
+def _reap(procs: list) -> None:
+    """Every rank's process ended: joined, killed where it outlives its wait (bounded)."""
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
