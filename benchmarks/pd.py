@@ -35,7 +35,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,15 +43,10 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import REPO, bench_model, emit, random_prompts, vocab_size, wait_ready
+from kvserve.distributed import free_port
 
 FORMATS = ["bfloat16", "float32", "fp8_e4m3", "fp8_e5m2", "int8", "kivi4", "kivi2"]
 BS = 16
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tc(role: str, port: int, **extra: Any) -> dict[str, Any]:

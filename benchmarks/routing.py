@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import emit, table, wait_ready
+from kvserve.distributed import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 POLICIES = ("oracle", "prefix", "prefix_approx", "round_robin", "least_load")
@@ -62,12 +63,6 @@ def make_trace(tok: Any, customers: int, context: int, users: int, question: int
            for c in range(customers) for u in range(users)]  # fmt: skip
     rng.shuffle(out)
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Replicas:

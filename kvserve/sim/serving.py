@@ -36,7 +36,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from kvserve.distributed import free_port
 from kvserve.sim.cost import Profile
 
 STREAMS = (1, 2, 4, 8)  # lockstep streams per measurement
@@ -122,12 +122,6 @@ def serve_flags(kw: dict[str, Any]) -> list[str]:
         else:
             out += [flag, str(v)]
     return out
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(cmd: list[str], port: int, cpus: set[int], timeout: float = 180.0
@@ -344,7 +338,7 @@ def measure_serving(kw: dict[str, Any], profile: Profile, vocab: int, seed: int 
     mine = os.sched_getaffinity(0)
     anywhere = set(range(os.cpu_count() or 1))
     try:
-        port = _free_port()
+        port = free_port()
         procs.append(_start(["serve", *serve_flags(kw), "--disable-access-log"], port, mine))
         try:
             os.sched_setaffinity(0, anywhere)
@@ -356,7 +350,7 @@ def measure_serving(kw: dict[str, Any], profile: Profile, vocab: int, seed: int 
         hop_gaps: dict[int, float] = {}
         hop_ttft = ttft
         if hop:
-            rport = _free_port()
+            rport = free_port()
             procs.append(_start(["router", "--replica", url, "--routing-logic",
                                  "round_robin"], rport, anywhere))  # fmt: skip
             hop_gaps, hop_ttft, _ = asyncio.run(_measure(f"http://127.0.0.1:{rport}", vocab,
