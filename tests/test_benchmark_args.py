@@ -64,3 +64,13 @@ def test_gpu_check_parses_its_arguments_and_its_shell_script_is_valid(capsys):
         gpu_check.main(["--batch", "0"])
     assert e.value.code == 2
     assert "--batch, --contexts, --iters" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("period", ["0", "-1"])
+def test_pd_refuses_a_burst_period_that_is_not_positive(capsys, period):
+    from benchmarks import pd
+
+    with pytest.raises(SystemExit) as e:
+        pd.main(["--period", period])
+    assert e.value.code == 2
+    assert f"--period: must be > 0 seconds, got {float(period)}" in capsys.readouterr().err
