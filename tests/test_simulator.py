@@ -800,14 +800,16 @@ def test_a_streamed_workload_raises_the_producers_errors(llama8b):
 ALL_GEMMS = dict.fromkeys(GEMM_NAMES, 1)
 
 
-def test_shape_cache_names_the_gemms_the_real_model_calls():
-    """Against the real engine on the bundled model (float32: every GEMM is oneDNN's), each
+def test_shape_cache_names_the_gemms_the_real_model_calls(monkeypatch):
+    """Against the real engine on the bundled model (float32 with kvserve's AVX-512 kernel
+    off: every GEMM is oneDNN's), each
     step's distinct (GEMM, rows) calls, recorded at the backend's oneDNN entry point, are
     what :meth:`ShapeCache.calls` says for that step's features: decode steps, whole and
     chunked prompts, a chunk that finishes no prompt, and prompts beside decodes."""
     from kvserve.llm import LLM
     from kvserve.model.linear_ops import OneDNNOps
 
+    monkeypatch.setenv("KVSERVE_DISABLE_AVX512_GEMM", "1")
     llm = LLM(model=str(default_model_dir()), dtype="float32", num_gpu_blocks=64,
               max_num_batched_tokens=48)  # fmt: skip
     eng = llm.engine
