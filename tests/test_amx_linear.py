@@ -343,12 +343,13 @@ def test_float32_kernel_matches_a_float64_reference(m, k, n):
 
 
 @needs_avx512
-def test_float32_backend_adopts_a_model_and_gives_it_back(checkpoint):
+def test_float32_backend_adopts_a_model_and_gives_it_back(checkpoint, monkeypatch):
     """A float32 model through the AVX-512 kernel's float32 tiles: every 32-aligned matrix
     in its layout (the rest with oneDNN), the layer ops and the logits within float32
     rounding of plain oneDNN on the same weights, and TorchOps restoring the dense weights
     bit for bit."""
     from kvserve.config import ModelConfig
+    from kvserve.model import linear_ops
     from kvserve.model.loader import load_model
 
     path = checkpoint("llama_gqa", intermediate_size=80)  # the MLP's dims: not 32-aligned
@@ -362,6 +363,11 @@ def test_float32_backend_adopts_a_model_and_gives_it_back(checkpoint):
     res = torch.randn(9, cfg.hidden_size, generator=g)
     ref = OneDNNOps(prepack=False)
     mlp = layer.mlp
+    packed_qkv = torch.ops.mkldnn._reorder_linear_weight(layer.qkv_proj.weight.detach(), 64)
+
+    def ref_linear(rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(rows, packed_qkv, None, "none", [], "")
+
     want = [ref.linear(x, layer.qkv_proj), ref.linear_add(x, layer.o_proj, res),
             ref.swiglu_add(x, mlp.gate_up_proj, mlp.down_proj, res),
             ref.logits(x, model.lm_head)]  # fmt: skip
@@ -376,6 +382,17 @@ def test_float32_backend_adopts_a_model_and_gives_it_back(checkpoint):
     for w, o in zip(want, got, strict=True):
         assert o.dtype == torch.float32
         torch.testing.assert_close(o, w, atol=1e-5, rtol=1e-5)
+    # Prefill-sized steps run oneDNN's float32 GEMM on its own packing: the reference's bits.
+    big = torch.randn(ops.large_step_rows, cfg.hidden_size, generator=g)
+    assert ops.large_step_rows > 9 and "oneDNN" in ops.describe()
+    assert torch.equal(ops.linear(big, layer.qkv_proj), ref_linear(big))
+    # Without room for that packing, the kernel takes every step size.
+    monkeypatch.setattr(linear_ops, "available_memory", lambda: 1)
+    tight = select_ops(torch.device("cpu"), torch.float32)
+    model.set_ops(tight)
+    assert tight.large_step_rows == 0 and "the kernel at every step size" in tight.describe()
+    torch.testing.assert_close(tight.linear(big, layer.qkv_proj), ref_linear(big),
+                               atol=1e-5, rtol=1e-5)  # fmt: skip
     model.set_ops(TorchOps())
     back = dict(model.named_parameters())
     for n, p in dense.items():

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from kvserve.kernels import amx
 from kvserve.model.linear_ops import (
+    FLOAT32_KERNEL_MAX_ROWS,
     KERNEL_WEIGHTS,
     UPCAST_MIN_ROWS,
     UPCAST_MIN_ROWS_AVX512,
@@ -173,15 +174,16 @@ def test_min_rows_from_the_environment(monkeypatch):
     """``KVSERVE_UPCAST_MIN_ROWS`` sets the threshold (0: never) for float32 copies, with
     kvserve's AVX-512 kernel too; AMX, where the CPU has it, comes first; a bad value names
     the variable."""
-    monkeypatch.setenv("KVSERVE_UPCAST_MIN_ROWS", "64")
+    monkeypatch.setenv("KVSERVE_UPCAST_MIN_ROWS", "7")
     ops = select_ops(torch.device("cpu"), torch.bfloat16)
     if AMX:
         assert isinstance(ops, AMXOps)
     else:
-        assert isinstance(ops, UpcastOps) and ops.min_rows == 64 and ops.forced
+        assert isinstance(ops, UpcastOps) and ops.min_rows == 7 and ops.forced
         assert ops.dtype == torch.float32
-    assert not isinstance(select_ops(torch.device("cpu"), torch.float32), UpcastOps)
-    assert large_step_gemm("avx512") == (64, torch.float32)  # the user's setting wins
+    f32 = select_ops(torch.device("cpu"), torch.float32)  # a float32 model's split is fixed
+    assert not isinstance(f32, UpcastOps) or f32.min_rows == FLOAT32_KERNEL_MAX_ROWS != 7
+    assert large_step_gemm("avx512") == (7, torch.float32)  # the user's setting wins
     monkeypatch.setenv("KVSERVE_UPCAST_MIN_ROWS", "0")
     assert large_step_gemm() is None and large_step_gemm("avx512") is None
     assert not isinstance(select_ops(torch.device("cpu"), torch.bfloat16), UpcastOps)

@@ -455,12 +455,19 @@ class UpcastOps(PackedOps):
         kernel: str | None = None,
         dtype: torch.dtype = torch.float32,
         measure_split: bool = False,
+        model_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
-        super().__init__(kernel)
+        super().__init__(kernel, dtype=model_dtype)
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"UpcastOps dtype: float32 or bfloat16, got {dtype}")
+        if model_dtype == torch.float32 and dtype != torch.float32:
+            raise ValueError("UpcastOps: a float32 model's large steps stay float32")
         self.dtype = dtype
-        self.name += "-upcast" if dtype == torch.float32 else "-onednn"
+        # A float32 model (the kernel's float32 tiles for small steps) copies nothing up: its
+        # large steps run oneDNN's float32 GEMM on its own packing of the same values.
+        self.model_dtype = model_dtype
+        if model_dtype == torch.bfloat16:
+            self.name += "-upcast" if dtype == torch.float32 else "-onednn"
         self.min_rows = min_rows
         self.forced = forced
         self.measure_split = measure_split and kernel is not None and dtype == torch.bfloat16
@@ -564,12 +571,18 @@ class UpcastOps(PackedOps):
     def describe(self) -> str:
         if self.skipped is not None:
             need, avail = (b / 2**30 for b in self.skipped)
+            f32 = self.model_dtype == torch.float32
             return (
-                f"{self.name} off: {str(self.dtype).removeprefix('torch.')} copies of the "
+                f"{self.name}{'' if f32 else ' off'}: "
+                f"{'oneDNN packings' if f32 else 'float32 copies'} of the "
                 "weights would take "
                 f"{need:.1f} GiB, over {UPCAST_MEMORY_SHARE:.0%} of the {avail:.1f} GiB "
-                "available (KVSERVE_UPCAST_MIN_ROWS=N makes them anyway); bf16 GEMMs"
-            )
+                "available"
+                + ("; the kernel at every step size" if f32 else
+                   " (KVSERVE_UPCAST_MIN_ROWS=N makes them anyway); bf16 GEMMs")
+            )  # fmt: skip
+        if self.model_dtype == torch.float32:
+            return f"{self.name} (oneDNN's GEMMs in steps of {self.min_rows}+ tokens)"
         if self.dtype == torch.float32:
             return f"{self.name} (float32 GEMMs in steps of {self.min_rows}+ tokens)"
         return f"{self.name} (oneDNN's bf16 GEMMs in steps of {self.min_rows}+ tokens)"
@@ -646,6 +659,10 @@ SPLIT_PROBE_ROWS = (2, 4, 8, 16, 32, 64, 128, 256)
 # of their weights it streams per step: twice the 32 MiB last-level cache of the CPUs seen.
 MODEL_SPLIT_ROWS = (16, 32, 64, 128, 256)
 SPLIT_WEIGHT_BYTES = 64 << 20
+# A float32 model's steps of this many tokens and more run oneDNN's float32 GEMM instead of the
+# AVX-512 kernel's float32 tiles (UpcastOps with model_dtype float32): the row count from
+# which the two measured even on one thread and on two (benchmarks/gemm_dtypes.py's shapes).
+FLOAT32_KERNEL_MAX_ROWS = 64
 # The share of the memory available at load time that the float32 copies may take.
 UPCAST_MEMORY_SHARE = 0.25
 
@@ -745,9 +762,11 @@ def select_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
         if kernel is not None:
             return PackedOps(kernel)
         # float32 decode steps stream the weights too, and the kernel's float32 tiles read
-        # them faster than oneDNN's GEMM (KVSERVE_DISABLE_AVX512_GEMM=1 for A/B).
+        # them faster than oneDNN's GEMM; prefill-sized steps are bound by the multiply-adds,
+        # where oneDNN's blocking is ahead, so they keep it on a packing of their own where
+        # memory allows (KVSERVE_DISABLE_AVX512_GEMM=1 for A/B).
         f32 = prepack and dtype == torch.float32 and not envs.KVSERVE_DISABLE_AVX512_GEMM
         if f32 and amx.avx512_available():
-            return PackedOps("avx512", dtype=torch.float32)
+            return UpcastOps(FLOAT32_KERNEL_MAX_ROWS, kernel="avx512", model_dtype=torch.float32)
         return OneDNNOps(prepack=prepack)
     return TorchOps()
