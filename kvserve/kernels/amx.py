@@ -185,18 +185,14 @@ def linear(
     if x.stride(1) != 1:
         x = x.contiguous()
     y = torch.empty(m, n, dtype=out_dtype)
-    epi, aux, ldaux = EPI_NONE, None, 0
+    epi = EPI_NONE
     if out_dtype == torch.float32:
         assert residual is None and up is None
         epi = EPI_F32
     else:
         assert out_dtype == torch.bfloat16
-    if up is not None:
-        epi = EPI_SWIGLU
-    elif residual is not None:
-        assert residual.shape == (m, n) and residual.dtype == torch.bfloat16
-        residual = residual if residual.stride(1) == 1 else residual.contiguous()
-        epi, aux, ldaux = EPI_ADD, residual.data_ptr(), residual.stride(0)
+    epi, res = _epilogue(epi, (m, n), residual, up, torch.bfloat16)
+    aux, ldaux = (None, 0) if res is None else (res.data_ptr(), res.stride(0))
     b = None if bias is None else bias.float().contiguous()
     nw, eps = (None, 0.0) if norm is None else (norm[0].data_ptr(), norm[1])
     if norm is not None:
@@ -210,6 +206,23 @@ def linear(
     if rc != 0:
         raise RuntimeError(f"{kernel} linear declined x={tuple(x.shape)} w={tuple(wp.shape)}")
     return y
+
+
+def _epilogue(
+    epi: int,
+    shape: tuple[int, int],
+    residual: torch.Tensor | None,
+    up: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> tuple[int, torch.Tensor | None]:
+    """The kernel's epilogue for ``up`` (SwiGLU) or ``residual`` (an add), else ``epi``; and
+    the residual as the kernel reads it (rows contiguous; the caller keeps it alive)."""
+    if up is not None:
+        return EPI_SWIGLU, None
+    if residual is None:
+        return epi, None
+    assert residual.shape == shape and residual.dtype == dtype
+    return EPI_ADD, residual if residual.stride(1) == 1 else residual.contiguous()
 
 
 def _linear_f32(
@@ -228,13 +241,8 @@ def _linear_f32(
     if x.stride(1) != 1:
         x = x.contiguous()
     y = torch.empty(m, n, dtype=torch.float32)
-    epi, aux, ldaux = EPI_NONE, None, 0
-    if up is not None:
-        epi = EPI_SWIGLU
-    elif residual is not None:
-        assert residual.shape == (m, n) and residual.dtype == torch.float32
-        residual = residual if residual.stride(1) == 1 else residual.contiguous()
-        epi, aux, ldaux = EPI_ADD, residual.data_ptr(), residual.stride(0)
+    epi, res = _epilogue(EPI_NONE, (m, n), residual, up, torch.float32)
+    aux, ldaux = (None, 0) if res is None else (res.data_ptr(), res.stride(0))
     b = None if bias is None else bias.float().contiguous()
     rc = lib.kvserve_avx512_linear_f32(
         x.data_ptr(),

@@ -60,6 +60,15 @@ int kvserve_avx512_available(void) { return 1; }
         for (int i = 0; i < MT; i++)                                                          \
             for (int j = 0; j < NT; j++) _mm512_store_ps(c + i * 64 + j * 16, acc[i][j]);     \
     }
+/* acc[i][j] += x pair p of row i times the weight vectors w0[j] (k = 2p), w1[j] (2p + 1). */
+#define FMA_PAIR(MT, NT)                                                                      \
+    for (int i = 0; i < MT; i++) {                                                            \
+        const __m512 a0 = _mm512_set1_ps(xp[2 * i]), a1 = _mm512_set1_ps(xp[2 * i + 1]);      \
+        for (int j = 0; j < NT; j++) {                                                        \
+            acc[i][j] = _mm512_fmadd_ps(a0, w0[j], acc[i][j]);                                \
+            acc[i][j] = _mm512_fmadd_ps(a1, w1[j], acc[i][j]);                                \
+        }                                                                                     \
+    }
 #define FMA_STEP(MT, NT)                                                                      \
     {                                                                                         \
         const __m512i high = _mm512_set1_epi32((int)0xffff0000u);                             \
@@ -70,13 +79,7 @@ int kvserve_avx512_available(void) { return 1; }
             w0[j] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));                            \
             w1[j] = _mm512_castsi512_ps(_mm512_and_si512(v, high));                           \
         }                                                                                     \
-        for (int i = 0; i < MT; i++) {                                                        \
-            const __m512 a0 = _mm512_set1_ps(xp[2 * i]), a1 = _mm512_set1_ps(xp[2 * i + 1]);  \
-            for (int j = 0; j < NT; j++) {                                                    \
-                acc[i][j] = _mm512_fmadd_ps(a0, w0[j], acc[i][j]);                            \
-                acc[i][j] = _mm512_fmadd_ps(a1, w1[j], acc[i][j]);                            \
-            }                                                                                 \
-        }                                                                                     \
+        FMA_PAIR(MT, NT)                                                                      \
     }
 #define TILE(MT, NT) TILE_FN(tile, MT, NT, FMA_STEP)
 
@@ -112,13 +115,7 @@ enum { PREFETCH_FLOATS = 256 };
             w0[j] = _mm512_loadu_ps(wj);                                                      \
             w1[j] = _mm512_loadu_ps(wj + 16);                                                 \
         }                                                                                     \
-        for (int i = 0; i < MT; i++) {                                                        \
-            const __m512 a0 = _mm512_set1_ps(xp[2 * i]), a1 = _mm512_set1_ps(xp[2 * i + 1]);  \
-            for (int j = 0; j < NT; j++) {                                                    \
-                acc[i][j] = _mm512_fmadd_ps(a0, w0[j], acc[i][j]);                            \
-                acc[i][j] = _mm512_fmadd_ps(a1, w1[j], acc[i][j]);                            \
-            }                                                                                 \
-        }                                                                                     \
+        FMA_PAIR(MT, NT)                                                                      \
     }
 #define TILE_F32(MT, NT) TILE_FN(tf32, MT, NT, F32_STEP)
 ALL_TILES(TILE_F32)
