@@ -442,6 +442,10 @@ class UpcastOps(PackedOps):
     the sums differs, as between any two GEMM kernels. The KV cache and the activations stay
     bf16.
 
+    A float32 model (``model_dtype`` float32, ``dtype`` float32) takes the same split without
+    converting anything: small steps on the AVX-512 kernel's float32 tiles, large ones on
+    oneDNN's float32 GEMM over a packing of its own (:func:`select_ops`).
+
     The copies' memory is what the KV pool and other processes would use, and for a large
     model it is large (an 8 B model: 32 GB in float32). Unless ``forced`` (the user set the
     threshold), the copies are made only when they take at most ``UPCAST_MEMORY_SHARE`` of
@@ -661,7 +665,7 @@ MODEL_SPLIT_ROWS = (16, 32, 64, 128, 256)
 SPLIT_WEIGHT_BYTES = 64 << 20
 # A float32 model's steps of this many tokens and more run oneDNN's float32 GEMM instead of the
 # AVX-512 kernel's float32 tiles (UpcastOps with model_dtype float32): the row count from
-# which the two measured even on one thread and on two (benchmarks/gemm_dtypes.py's shapes).
+# which the two measured even, on one thread and on two, on a 576 x 1,536 float32 matrix.
 FLOAT32_KERNEL_MAX_ROWS = 64
 # The share of the memory available at load time that the float32 copies may take.
 UPCAST_MEMORY_SHARE = 0.25
