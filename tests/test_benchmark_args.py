@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import kv_tiers, throughput
+from benchmarks import kv_tiers, throughput, tp
 
 
 @pytest.mark.parametrize(
@@ -22,6 +22,15 @@ def test_throughput_names_the_bad_flag(capsys, argv, message):
         throughput.main(argv)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--repeats", "--rounds", "--max-tokens"])
+def test_tp_names_the_bad_flag(capsys, flag):
+    """benchmarks/tp.py refuses a count below 1 before it builds a model, naming the flag."""
+    with pytest.raises(SystemExit) as e:
+        tp.main([flag, "0"])
+    assert e.value.code == 2
+    assert f"{flag}: must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_throughput_refuses_cuda_where_torch_sees_none(capsys, monkeypatch):

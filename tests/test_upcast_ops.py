@@ -193,6 +193,10 @@ def test_min_rows_from_the_environment(monkeypatch):
             large_step_gemm()
     with pytest.raises(ValueError, match="UpcastOps dtype: float32 or bfloat16, got torch.float16"):
         UpcastOps(64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="a float32 model's large steps stay float32"):
+        UpcastOps(64, kernel="avx512", dtype=torch.bfloat16, model_dtype=torch.float32)
+    with pytest.raises(ValueError, match="PackedOps: float32 runs on the avx512 kernel, not amx"):
+        PackedOps("amx", dtype=torch.float32)
 
 
 @pytest.mark.parametrize(
