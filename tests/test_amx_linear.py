@@ -363,7 +363,9 @@ def test_float32_backend_adopts_a_model_and_gives_it_back(checkpoint, monkeypatc
     res = torch.randn(9, cfg.hidden_size, generator=g)
     ref = OneDNNOps(prepack=False)
     mlp = layer.mlp
-    packed_qkv = torch.ops.mkldnn._reorder_linear_weight(layer.qkv_proj.weight.detach(), 64)
+    packed_qkv = torch.ops.mkldnn._reorder_linear_weight(
+        layer.qkv_proj.weight.detach(), OneDNNOps.PACK_ROWS
+    )
 
     def ref_linear(rows: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(rows, packed_qkv, None, "none", [], "")

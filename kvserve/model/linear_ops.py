@@ -575,16 +575,13 @@ class UpcastOps(PackedOps):
     def describe(self) -> str:
         if self.skipped is not None:
             need, avail = (b / 2**30 for b in self.skipped)
-            f32 = self.model_dtype == torch.float32
-            return (
-                f"{self.name}{'' if f32 else ' off'}: "
-                f"{'oneDNN packings' if f32 else 'float32 copies'} of the "
-                "weights would take "
-                f"{need:.1f} GiB, over {UPCAST_MEMORY_SHARE:.0%} of the {avail:.1f} GiB "
-                "available"
-                + ("; the kernel at every step size" if f32 else
-                   " (KVSERVE_UPCAST_MIN_ROWS=N makes them anyway); bf16 GEMMs")
-            )  # fmt: skip
+            room = (f"of the weights would take {need:.1f} GiB, over "
+                    f"{UPCAST_MEMORY_SHARE:.0%} of the {avail:.1f} GiB available")  # fmt: skip
+            if self.model_dtype == torch.float32:
+                return f"{self.name}: oneDNN packings {room}; the kernel at every step size"
+            copies = f"{str(self.dtype).removeprefix('torch.')} copies"
+            return (f"{self.name} off: {copies} {room} (KVSERVE_UPCAST_MIN_ROWS=N makes them "
+                    "anyway); bf16 GEMMs")  # fmt: skip
         if self.model_dtype == torch.float32:
             return f"{self.name} (oneDNN's GEMMs in steps of {self.min_rows}+ tokens)"
         if self.dtype == torch.float32:
