@@ -201,11 +201,16 @@ def linear(
     rc = fn(x.data_ptr(), x.stride(0), m, k, wp.data_ptr(), None if up is None else up.data_ptr(),
             n, None if b is None else b.data_ptr(), epi, aux, ldaux, y.data_ptr(), n,
             torch.get_num_threads(), nw, eps)  # fmt: skip
+    _check(rc, kernel, x, wp)
+    return y
+
+
+def _check(rc: int, kernel: str, x: torch.Tensor, wp: torch.Tensor) -> None:
+    """A kernel's return code as the error it stands for (0: none)."""
     if rc == 2:
         raise MemoryError(f"{kernel} linear: could not allocate the packed activations")
     if rc != 0:
         raise RuntimeError(f"{kernel} linear declined x={tuple(x.shape)} w={tuple(wp.shape)}")
-    return y
 
 
 def _epilogue(
@@ -260,8 +265,5 @@ def _linear_f32(
         n,
         torch.get_num_threads(),
     )
-    if rc == 2:
-        raise MemoryError("avx512 linear: could not allocate the packed activations")
-    if rc != 0:
-        raise RuntimeError(f"avx512 linear declined x={tuple(x.shape)} w={tuple(wp.shape)}")
+    _check(rc, "avx512", x, wp)
     return y
