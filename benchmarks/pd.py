@@ -534,11 +534,10 @@ def main(argv: list[str] | None = None) -> None:
         bw = a.kv_transfer_bandwidth or gbps.get(a.dtype, 0.0) * 1e9
         sim = predict(model, w, a.dtype, a.profile, a.split_profile or a.profile, bw)
         summary["sim"] = against(sim, r)
-        from kvserve.sim.cost import SERVING_FIELDS, Profile
+        from kvserve.sim.cost import Profile
 
-        fields = (*SERVING_FIELDS, "serve_request_share", "serving_measured")
         summary["sim_serving"] = {
-            name: {f: getattr(Profile.load(path), f) for f in fields}
+            name: Profile.load(path).serving_terms()
             for name, path in (("colocated", a.profile),
                                ("disaggregated", a.split_profile or a.profile))
         }  # fmt: skip

@@ -340,13 +340,9 @@ def main() -> None:
         for r in rates[1:]:
             at = simulate(a.sim_profile, a.replicas, serve_kw, trace, r, max_tokens, a.seed, tok)
             sim["curve"][f"{r:g}"] = {"sim": at, "error": sim_error(at, curve[f"{r:g}"])}
-        from kvserve.sim.cost import SERVING_FIELDS, Profile
+        from kvserve.sim.cost import Profile
 
-        prof = Profile.load(a.sim_profile)  # its serving terms (all 0 when not measured)
-        sim["serving"] = {
-            f: getattr(prof, f)
-            for f in (*SERVING_FIELDS, "serve_request_share", "serving_measured")
-        }
+        sim["serving"] = Profile.load(a.sim_profile).serving_terms()
         print(table([{"replicas": n, "policy": k, **v} for n, res in sim.items()
                      if n not in ("error", "curve", "serving") for k, v in res.items()],
                     ["replicas", "policy", "hit_rate", "ttft_p90_s", "output_tok_s"]))  # fmt: skip

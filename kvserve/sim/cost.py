@@ -531,6 +531,12 @@ class Profile:
                     raise ValueError(f"{where}: {name}[{tier!r}] must be {bound}, got {v!r}")
         return p
 
+    def serving_terms(self) -> dict[str, Any]:
+        """The serving-over-HTTP terms (:data:`SERVING_FIELDS`, all 0 when not measured), the
+        share fitted with them and whether they were measured, as a benchmark reports them."""
+        fields = (*SERVING_FIELDS, "serve_request_share", "serving_measured")
+        return {f: getattr(self, f) for f in fields}
+
     @classmethod
     def load(cls, path: str | Path) -> Profile:
         p = Path(path)

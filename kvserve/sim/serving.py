@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from kvserve.distributed import free_port
-from kvserve.sim.cost import Profile
+from kvserve.sim.cost import SERVING_FIELDS, Profile
 
 STREAMS = (1, 2, 4, 8)  # lockstep streams per measurement
 PROMPT_TOKENS = 32
@@ -176,6 +176,11 @@ def _gap(times: list[float]) -> float:
     return (times[-1] - times[1]) / max(len(times) - 2, 1)
 
 
+def _prompt(rng: random.Random, vocab: int) -> list[int]:
+    """A random prompt of PROMPT_TOKENS ids (the special tokens' first ids left out)."""
+    return [rng.randrange(3, vocab) for _ in range(PROMPT_TOKENS)]
+
+
 async def _measure(url: str, vocab: int, seed: int) -> tuple[dict[int, float], float, float]:
     """(streams -> mean token gap, median lone TTFT, the first request's TTFT) of the
     server at ``url``."""
@@ -184,7 +189,7 @@ async def _measure(url: str, vocab: int, seed: int) -> tuple[dict[int, float], f
     rng = random.Random(seed)
 
     def prompt() -> list[int]:
-        return [rng.randrange(3, vocab) for _ in range(PROMPT_TOKENS)]
+        return _prompt(rng, vocab)
 
     gaps: dict[int, float] = {}
     async with httpx.AsyncClient(timeout=300) as client:
@@ -212,7 +217,7 @@ async def _measure_share_run(url: str, vocab: int, seed: int) -> float:
     rng = random.Random(seed)
 
     def prompt() -> list[int]:
-        return [rng.randrange(3, vocab) for _ in range(PROMPT_TOKENS)]
+        return _prompt(rng, vocab)
 
     got: list[float] = []
     async with httpx.AsyncClient(timeout=300) as client:
@@ -244,8 +249,7 @@ class _Injected:
     def _req(self, t: float, kind: str, tokens: int) -> tuple[float, Any, list[int]]:
         from kvserve.bench.workloads import BenchRequest
 
-        ids = [self.rng.randrange(3, self.vocab) for _ in range(PROMPT_TOKENS)]
-        return t, BenchRequest(0, kind, "", tokens, PROMPT_TOKENS), ids
+        return t, BenchRequest(0, kind, "", tokens, PROMPT_TOKENS), _prompt(self.rng, self.vocab)
 
     def _round(self, t: float) -> list[tuple[float, Any, list[int]]]:
         self.left -= 1
@@ -266,6 +270,13 @@ class _Injected:
         return self._round(now) if self.open == 0 and self.left > 0 else []
 
 
+def _mean_gap(records: list[Any], kind: str | None = None) -> float:
+    """The mean over the successful replayed requests (of ``kind``, if given) of each one's
+    mean token gap."""
+    return statistics.fmean(statistics.fmean(r.itl) for r in records
+                            if r.success and (kind is None or r.kind == kind))  # fmt: skip
+
+
 def fit_share(measured_gap: float, replay: Any) -> float:
     """``serve_request_share``: the grid value (SHARE_GRID) whose replay's mean stream gap
     (``replay(share)``) is nearest the measured one."""
@@ -279,8 +290,7 @@ def share_gap(kw: dict[str, Any], profile: Profile, vocab: int, share: float) ->
 
     target = SimTarget(dict(kw), replace(profile, serve_request_share=share), behind_hop=False)
     res, _ = simulate_feed(target, _Injected(vocab))
-    return statistics.fmean(statistics.fmean(r.itl) for r in res.records
-                            if r.success and r.kind == "s")  # fmt: skip
+    return _mean_gap(res.records, "s")
 
 
 class _Lockstep:
@@ -298,8 +308,7 @@ class _Lockstep:
         self.left -= 1
         n, tokens = (1, 2) if self.b is None else (self.b, DECODE_TOKENS)
         self.open = n
-        return [(t, BenchRequest(0, "s", "", tokens, PROMPT_TOKENS),
-                 [self.rng.randrange(3, self.vocab) for _ in range(PROMPT_TOKENS)])
+        return [(t, BenchRequest(0, "s", "", tokens, PROMPT_TOKENS), _prompt(self.rng, self.vocab))
                 for _ in range(n)]  # fmt: skip
 
     def start(self) -> list[tuple[float, Any, list[int]]]:
@@ -314,15 +323,14 @@ def simulated(kw: dict[str, Any], profile: Profile, vocab: int) -> tuple[dict[in
     """:func:`_measure`'s figures as the profile's engine alone gives them (no serving term)."""
     from kvserve.sim.simulate import SimTarget, simulate_feed
 
-    bare = replace(profile, serve_request_s=0.0, serve_step_s=0.0, serve_token_s=0.0,
-                   hop_request_s=0.0, hop_token_s=0.0, serving_measured=False)  # fmt: skip
+    bare = replace(profile, **dict.fromkeys(SERVING_FIELDS, 0.0), serving_measured=False)
     target = SimTarget(dict(kw), bare, behind_hop=False)
     res, _ = simulate_feed(target, _Lockstep(None, vocab))
     ttft = statistics.median(r.ttft for r in res.records if r.success)
     gaps = {}
     for b in STREAMS:
         res, _ = simulate_feed(target, _Lockstep(b, vocab))
-        gaps[b] = statistics.fmean(statistics.fmean(r.itl) for r in res.records if r.success)
+        gaps[b] = _mean_gap(res.records)
     return gaps, ttft
 
 
