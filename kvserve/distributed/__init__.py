@@ -7,13 +7,14 @@ from kvserve.distributed.communicator import (
     free_port,
     init_distributed,
 )
-from kvserve.distributed.placement import place_rank, rank_device
+from kvserve.distributed.placement import place_local, place_rank, rank_device
 
 __all__ = [
     "DistributedInit",
     "TorchDistCommunicator",
     "free_port",
     "init_distributed",
+    "place_local",
     "place_rank",
     "rank_device",
 ]

@@ -58,6 +58,15 @@ def rank_device(device: str, local_rank: int, world_size: int) -> str:
     return device
 
 
+def place_local(device: str, local_rank: int, local_world: int) -> str:
+    """Place this process as rank ``local_rank`` of the ``local_world`` ranks on this machine
+    (its share of the CPUs, :func:`place_rank`) and return its device (:func:`rank_device`):
+    what every launcher does first in a rank's process. A lone rank is left as it is."""
+    device = rank_device(device, local_rank, local_world)
+    place_rank(local_rank, local_world, device)
+    return device
+
+
 def place_rank(rank: int, world_size: int, device: str) -> list[int] | None:
     """Confine this process (rank ``rank`` of ``world_size`` on one machine) to its CPUs and
     size its compute team to them; the CPUs, or None where it placed nothing. Call it first

@@ -27,7 +27,7 @@ from typing import Any
 
 from kvserve import envs
 from kvserve.config import ConfigError, EngineConfig
-from kvserve.distributed import DistributedInit, rank_device
+from kvserve.distributed import DistributedInit, place_local
 from kvserve.distributed.communicator import backend_for
 from kvserve.executor.abstract import Executor, Method, WorkerDiedError, call_worker
 from kvserve.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -56,12 +56,8 @@ class ExternalLauncherExecutor(Executor):
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
         rank, local, init = torchrun_init(config)
         local_world = envs.LOCAL_WORLD_SIZE or init.world_size
-        config = dataclasses.replace(config, device=rank_device(config.device, local, local_world))
         # placed among this machine's ranks, as the mp executor places its workers
-        place_init = dataclasses.replace(init, world_size=local_world)
-        from kvserve.distributed.placement import place_rank
-
-        place_rank(local, place_init.world_size, config.device)
+        config = dataclasses.replace(config, device=place_local(config.device, local, local_world))
         tp = join_tensor_parallel_group(config, rank, init, place=False)
         self.rank = rank
         # this process's engine moves this rank's KV bytes alone

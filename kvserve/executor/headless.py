@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import pickle
 import platform
 import signal
@@ -44,7 +43,7 @@ from kvserve.executor.node_link import (
     NodeLink,
     node_port,
 )
-from kvserve.executor.worker_process import RankPlace, how_it_ended, start_worker, stop_workers
+from kvserve.executor.worker_process import RankPlace, ended, start_worker, stop_workers
 
 log = logging.getLogger("kvserve.headless")
 
@@ -75,7 +74,7 @@ def run_headless(config: EngineConfig) -> int:
     try:
         link.send_obj(HELLO, {"node_rank": par.node_rank, "nnodes": par.nnodes,
                               "tensor_parallel_size": par.tensor_parallel_size,
-                              "host": platform.node(), "pid": os.getpid()})  # fmt: skip
+                              "host": platform.node()})  # fmt: skip
         start = _await_start(link, par.nnodes, envs.KVSERVE_NODE_WAIT_S)
         if isinstance(start, int):
             return start
@@ -168,8 +167,7 @@ def _relay(link: NodeLink, procs: list[Any], conns: list[Connection], first: int
 
 
 def _died(link: NodeLink, procs: list[Any], first: int, i: int) -> int:
-    proc = procs[i]
-    how = how_it_ended(proc)
-    link.send(DIED, str(first + i).encode(), f"(pid {proc.pid}) {how}".encode())
-    log.error("worker %d (pid %d) %s; stopping this node's workers", first + i, proc.pid, how)
+    how = ended(procs[i])
+    link.send(DIED, str(first + i).encode(), how.encode())
+    log.error("worker %d %s; stopping this node's workers", first + i, how)
     return 1

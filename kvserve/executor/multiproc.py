@@ -53,7 +53,7 @@ from kvserve.executor.node_link import (
     bind_address,
     node_port,
 )
-from kvserve.executor.worker_process import RankPlace, how_it_ended, start_worker, stop_workers
+from kvserve.executor.worker_process import RankPlace, ended, start_worker, stop_workers
 from kvserve.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvserve.worker.worker import WorkerInfo
 
@@ -115,15 +115,12 @@ class MultiprocExecutor(Executor):
                 self._conns.append(conn)
             for node in self._nodes:
                 node.link.send_obj(START, (config, num_blocks, max_model_len, dist_init))
-            # every wait watches each local rank's pipe and process and each node's channel
-            self._poller = zmq.Poller()
+            # every wait watches each waited-for local rank's pipe and process, and each
+            # node's channel and its monitor
             self._fds = [(conn.fileno(), proc.sentinel)
                          for conn, proc in zip(self._conns, self._procs, strict=True)]  # fmt: skip
-            for fds in self._fds:
-                for fd in fds:
-                    self._poller.register(fd, zmq.POLLIN)
-            for node in self._nodes:
-                node.link.register(self._poller)
+            self._node_items = [(sock, zmq.POLLIN) for node in self._nodes
+                                for sock in (node.link.sock, node.link.monitor)]  # fmt: skip
             infos = self._receive_all()
             for rank, proc in enumerate(self._procs):
                 log.info("worker %d: pid %d", rank, proc.pid)
@@ -143,10 +140,7 @@ class MultiprocExecutor(Executor):
     def collective_rpc(
         self, method: Method, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> list[Any]:
-        if self._dead is not None:
-            raise WorkerDiedError(self._dead)
-        if self._late_death is not None:  # a rank that ended after its last reply
-            raise self._fail(self._late_death)
+        self._raise_if_dead()
         message = pickle.dumps((method, args, kwargs or {}), pickle.HIGHEST_PROTOCOL)
         for rank, conn in enumerate(self._conns):
             try:
@@ -159,14 +153,18 @@ class MultiprocExecutor(Executor):
         return self._receive_all()
 
     def check_health(self) -> None:
-        if self._dead is not None:
-            raise WorkerDiedError(self._dead)
-        if self._late_death is not None:  # a rank that ended after its last reply
-            raise self._fail(self._late_death)
+        self._raise_if_dead()
         self._events(set(range(self._world_size)), None)  # a death between calls
 
     def shutdown(self) -> None:
         self._finalizer()
+
+    def _raise_if_dead(self) -> None:
+        """The group's death, as the error every later call gets."""
+        if self._dead is not None:
+            raise WorkerDiedError(self._dead)
+        if self._late_death is not None:  # a rank that ended after its last reply
+            raise self._fail(self._late_death)
 
     # -- the engine's side of a call ---------------------------------------------------------
     def _receive_all(self) -> list[Any]:
@@ -180,29 +178,22 @@ class MultiprocExecutor(Executor):
         pending = set(range(self._world_size))
         replies: dict[int, tuple[str, Any]] = {}
         error_at: float | None = None
-        poller, quiet = self._poller, []
-        try:
-            while pending:
-                timeout = None
-                if error_at is not None:
-                    timeout = max(0, int((error_at + ERROR_GRACE_S - time.monotonic()) * 1000))
-                ready = {fd for fd, _ in poller.poll(timeout)}
-                for rank, reply in self._events(pending, ready):
-                    replies[rank] = reply
-                    pending.discard(rank)
-                    if rank < len(self._procs):  # a local rank: stop watching its pipe
-                        poller.unregister(self._fds[rank][0])
-                        poller.unregister(self._fds[rank][1])
-                        quiet.append(rank)
-                    if reply[0] == "error" and error_at is None:
-                        error_at = time.monotonic()
-                if (pending and error_at is not None
-                        and time.monotonic() >= error_at + ERROR_GRACE_S):  # fmt: skip
-                    raise self._fail(self._out_of_step(replies))
-        finally:
-            for rank in quiet:
-                poller.register(self._fds[rank][0], zmq.POLLIN)
-                poller.register(self._fds[rank][1], zmq.POLLIN)
+        local = len(self._procs)
+        while pending:
+            timeout = -1
+            if error_at is not None:
+                timeout = max(0, int((error_at + ERROR_GRACE_S - time.monotonic()) * 1000))
+            items = [(fd, zmq.POLLIN) for rank in pending if rank < local
+                     for fd in self._fds[rank]] + self._node_items  # fmt: skip
+            ready = {fd for fd, _ in zmq.zmq_poll(items, timeout)}
+            for rank, reply in self._events(pending, ready):
+                replies[rank] = reply
+                pending.discard(rank)
+                if reply[0] == "error" and error_at is None:
+                    error_at = time.monotonic()
+            if (pending and error_at is not None
+                    and time.monotonic() >= error_at + ERROR_GRACE_S):  # fmt: skip
+                raise self._fail(self._out_of_step(replies))
         for rank in range(self._world_size):
             kind, value = replies[rank]
             if kind == "error":
@@ -262,9 +253,7 @@ class MultiprocExecutor(Executor):
                 "steps")  # fmt: skip
 
     def _local_death(self, rank: int) -> str:
-        proc = self._procs[rank]
-        how = how_it_ended(proc)
-        return f"worker {rank} (pid {proc.pid}) {how}; the engine cannot run more steps"
+        return f"worker {rank} {ended(self._procs[rank])}; the engine cannot run more steps"
 
     def _fail(self, message: str) -> WorkerDiedError:
         """The group cannot run another step: record why, stop every worker (here at once,

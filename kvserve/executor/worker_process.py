@@ -23,7 +23,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from kvserve.config import EngineConfig
-from kvserve.distributed import DistributedInit, place_rank, rank_device
+from kvserve.distributed import DistributedInit, place_local
 from kvserve.executor.abstract import call_worker
 
 log = logging.getLogger("kvserve.executor")
@@ -76,6 +76,12 @@ def how_it_ended(proc: Any) -> str:
     return f"exited with code {code}"
 
 
+def ended(proc: Any) -> str:
+    """``(pid P) how it ended`` (:func:`how_it_ended`), for the error and the log line that
+    name a worker's end."""
+    return f"(pid {proc.pid}) {how_it_ended(proc)}"
+
+
 def stop_workers(procs: list[Any], conns: list[Connection], at_once: bool = False) -> None:
     """Ask every worker to exit, then make sure it has: terminate, then kill, each bounded.
     ``at_once``: terminate without asking (a group out of step: its ranks may be waiting in
@@ -114,11 +120,10 @@ def _worker_main(
 
     rank = place.rank
     try:
-        if dist_init is not None:  # one GPU per rank where the config names just "cuda"
-            device = rank_device(config.device, place.local_rank, place.local_world_size)
-            config = dataclasses.replace(config, device=device)
-            # the ranks on this machine split its cores
-            place_rank(place.local_rank, place.local_world_size, config.device)
+        # one GPU per rank where the config names just "cuda"; this machine's ranks split
+        # its cores
+        device = place_local(config.device, place.local_rank, place.local_world_size)
+        config = dataclasses.replace(config, device=device)
         tp = join_tensor_parallel_group(config, rank, dist_init, place=False)
         worker = Worker(config, num_blocks, max_model_len, rank, tp)
         _reply(conn, "ok", worker.info())
