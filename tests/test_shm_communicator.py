@@ -1,6 +1,7 @@
 """The shared-memory communicator of ranks on one host, against gloo's collectives on the same
 tensors and against a naive sum written here (every rank's tensor is regenerated from its seed
-and summed in rank order, in the tensor's dtype).
+and summed in rank order, in the tensor's dtype), through its native call (collectives.c) and
+through its torch ops alone.
 
 The ranks are spawned once (a process start is the cost) and run every case: shapes and
 dtypes, a tensor larger than a buffer (chunked), all-gather along each dim; then one rank
@@ -60,15 +61,19 @@ def _rank(rank: int, port: int, out: Any) -> None:
     comm = init_distributed(init, rank, torch.device("cpu"))
     gloo = TorchDistCommunicator(rank, WORLD, torch.device("cpu"))
     small = ShmCommunicator.create(rank, WORLD, torch.device("cpu"), 5.0, buffer_bytes=BUFFER)
-    result: dict[str, Any] = {"chosen": type(comm).__name__, "reduced": [], "gathered": []}
+    torch_ops = ShmCommunicator.create(rank, WORLD, torch.device("cpu"), 5.0,
+                                       buffer_bytes=BUFFER, native=False)  # fmt: skip
+    shm = (comm, small, torch_ops)
+    result: dict[str, Any] = {"chosen": type(comm).__name__, "reduced": [], "gathered": [],
+                              "native": [c._native is not None for c in shm]}  # fmt: skip
     for case in range(len(CASES)):
         x = tensor_of(rank, case)
         result["reduced"].append(
-            (comm.all_reduce(x.clone()), gloo.all_reduce(x.clone()), small.all_reduce(x.clone()))
+            (gloo.all_reduce(x.clone()), *(c.all_reduce(x.clone()) for c in shm))
         )
         dim = case % x.dim()
         result["gathered"].append(
-            (dim, comm.all_gather(x, dim), gloo.all_gather(x, dim), small.all_gather(x, dim))
+            (dim, gloo.all_gather(x, dim), *(c.all_gather(x, dim) for c in shm))
         )
     if rank == WORLD - 1:
         out.put((rank, pickle.dumps(result)))  # bytes, not tensors shared by fd
@@ -104,18 +109,21 @@ def test_shared_memory_collectives_equal_glooes_and_a_naive_sum():
     assert set(results) == set(range(WORLD))
     for rank, res in results.items():
         assert res["chosen"] == "ShmCommunicator", "ranks on one CPU host use shared memory"
-        for case, (shm, gloo, chunked) in enumerate(res["reduced"]):
+        # this machine builds the native call; the third communicator runs the torch ops
+        assert res["native"] == [True, True, False]
+        for case, (gloo, *shm) in enumerate(res["reduced"]):
             want = naive_sum(case)
-            assert shm.dtype == want.dtype and shm.shape == want.shape
-            assert torch.equal(shm, want), (rank, case)  # rank order, the dtype's rounding
-            assert torch.equal(chunked, want), (rank, case)
+            for got in shm:  # default buffers, 4 KiB buffers (chunked), torch ops
+                assert got.dtype == want.dtype and got.shape == want.shape
+                assert torch.equal(got, want), (rank, case)  # rank order, the dtype's rounding
             # gloo may add in another order: equal up to the dtype's rounding
             tol = 1e-2 if want.element_size() == 2 else 1e-5
             torch.testing.assert_close(gloo, want, rtol=tol, atol=tol)
-        for case, (dim, shm, gloo, chunked) in enumerate(res["gathered"]):
+        for case, (dim, gloo, *shm) in enumerate(res["gathered"]):
             want = torch.cat([tensor_of(r, case) for r in range(WORLD)], dim)
-            assert torch.equal(shm, want) and torch.equal(gloo, want), (rank, case)
-            assert torch.equal(chunked, want), (rank, case)
+            assert torch.equal(gloo, want), (rank, case)
+            for got in shm:
+                assert torch.equal(got, want), (rank, case)
     # the last rank exited: named at once, not after the 5 s timeout
     for rank in range(WORLD - 1):
         res = results[rank]

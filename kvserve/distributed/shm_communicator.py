@@ -20,12 +20,17 @@ milliseconds it checks that each peer's process still exists (a killed peer: an 
 its rank and pid within milliseconds, not a hang) and gives up after ``timeout_s``, as a gloo
 collective does.
 
-The flags are plain stores and loads through Python: ordering them after the data relies on
-x86's total store order, so :func:`shm_supported` offers this path on x86-64 alone.
+One collective is one native call where the kernels are built (:mod:`kvserve.kernels.collectives`:
+the copy in, the flag, the first millisecond's spin and the rank-order sum; a sum of float32 or
+bfloat16, any dtype for the rest); the torch ops below are its reference and the path of other
+dtypes and of a machine with no compiler. Past the spin, Python's wait takes over. The flags
+are plain stores and loads on that path: ordering them after the data relies on x86's total
+store order, so :func:`shm_supported` offers shared memory on x86-64 alone.
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import platform
@@ -34,6 +39,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from kvserve.kernels import collectives
 
 # Bytes of one rank's buffer: a chunk of a larger tensor goes through it at a time.
 BUFFER_BYTES = 4 << 20
@@ -86,7 +93,10 @@ class ShmCommunicator:
     segment; built by :meth:`create` on every rank at once (a collective itself)."""
 
     def __init__(self, rank: int, world_size: int, device: torch.device, path: str,
-                 timeout_s: float, buffer_bytes: int = BUFFER_BYTES) -> None:  # fmt: skip
+                 timeout_s: float, buffer_bytes: int = BUFFER_BYTES,
+                 native: bool = True) -> None:  # fmt: skip
+        """``native``: run each collective through the native call where it is built (False:
+        the torch ops alone, the reference)."""
         self.rank, self.world_size, self.device = rank, world_size, device
         self.timeout_s = timeout_s
         self.buffer_bytes = buffer_bytes
@@ -98,6 +108,12 @@ class ShmCommunicator:
         self._flag = [r * SLOT // 8 for r in range(world_size)]
         self._peers = [r for r in range(world_size) if r != rank]
         raw = torch.frombuffer(self._mm, dtype=torch.uint8)
+        # the native call takes up to 64 ranks (one host's)
+        self._native = collectives.shm_collective() if native and world_size <= 64 else None
+        # the native call's fixed arguments, as one structure: the segment, this rank
+        layout = collectives.ShmLayout(raw.data_ptr(), SLOT, header, buffer_bytes,
+                                       int(SPIN_S * 1e9), rank, world_size)  # fmt: skip
+        self._layout = ctypes.byref(layout)
         self._buffers = [
             [raw[header + (p * world_size + r) * buffer_bytes :][:buffer_bytes]
              for r in range(world_size)]
@@ -108,7 +124,8 @@ class ShmCommunicator:
 
     @classmethod
     def create(cls, rank: int, world_size: int, device: torch.device, timeout_s: float,
-               buffer_bytes: int = BUFFER_BYTES) -> ShmCommunicator:  # fmt: skip
+               buffer_bytes: int = BUFFER_BYTES,
+               native: bool = True) -> ShmCommunicator:  # fmt: skip
         """Every rank of the default process group calls this together: rank 0 makes the
         segment, an anonymous file (``memfd_create``) that has no name anywhere, and gives
         the others its path in rank 0's descriptor table (``/proc/PID/fd/N``) over the group;
@@ -124,7 +141,7 @@ class ShmCommunicator:
             path[0] = f"/proc/{os.getpid()}/fd/{fd}"
         try:
             dist.broadcast_object_list(path, src=0)
-            comm = cls(rank, world_size, device, path[0], timeout_s, buffer_bytes)
+            comm = cls(rank, world_size, device, path[0], timeout_s, buffer_bytes, native)
             dist.barrier()  # every rank has mapped it and written its pid
         finally:
             if fd >= 0:
@@ -135,11 +152,21 @@ class ShmCommunicator:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of ``x``, in rank order (the same bits on every rank), in place
         where ``x`` is contiguous."""
+        code = collectives.SUM_DTYPES.get(x.dtype) if self._native is not None else None
+        if code is not None and x.is_contiguous():  # a decode step's rows: one call
+            nbytes = x.numel() * x.element_size()
+            if nbytes <= self.buffer_bytes:
+                self._native_call(x.data_ptr(), nbytes, code, collectives.REDUCE)
+                return x
         x = x.contiguous()
         flat = x.view(-1)
         step = self.buffer_bytes // x.element_size()
         for lo in range(0, flat.numel(), step):
             part = flat[lo : lo + step]
+            if code is not None:
+                self._native_call(part.data_ptr(), part.numel() * part.element_size(), code,
+                                  collectives.REDUCE)  # fmt: skip
+                continue
             views = self._exchange(part)
             torch.add(views[0], views[1], out=part)
             for v in views[2:]:
@@ -168,16 +195,36 @@ class ShmCommunicator:
         nbytes = flat.numel() * flat.element_size()
         buffers = self._buffers[seq & 1]
         views = [b[:nbytes].view(flat.dtype) for b in buffers]
+        if self._native is not None:
+            self._native_call(flat.data_ptr(), nbytes, 0, 0)
+            return views
         views[self.rank].copy_(flat)
         self._words[self._flag[self.rank]] = seq  # after the data: x86 keeps store order
         self._seq = seq
         self._wait(seq)
         return views
 
-    def _wait(self, seq: int) -> None:
+    def _native_call(self, data: int, nbytes: int, code: int, reduce: int) -> None:
+        """Collective ``self._seq + 1`` through the native call: publish ``nbytes`` at address
+        ``data``, await the peers (a spin of SPIN_S, then :meth:`_wait`), and with ``reduce``
+        sum the ranks' buffers (dtype ``code``) into ``data``."""
+        seq = self._seq = self._seq + 1
+        native = self._native
+        rc = native(self._layout, seq, data, nbytes, code,
+                    collectives.PUBLISH | collectives.AWAIT | reduce)  # fmt: skip
+        if rc == 1:  # a peer is further away than the spin: wait as the reference does
+            self._wait(seq, spun=SPIN_S)
+            if reduce:
+                rc = native(self._layout, seq, data, nbytes, code, reduce)
+        if rc not in (0, 1):
+            raise RuntimeError(f"shared-memory collective {seq}: native call failed ({rc})")
+
+    def _wait(self, seq: int, spun: float = 0.0) -> None:
+        """Until every peer has published ``seq``; ``spun``: seconds already spent spinning."""
         words, flag = self._words, self._flag
         waiting = self._peers
-        start = checked = time.perf_counter()
+        checked = time.perf_counter()
+        start = checked - spun
         while True:
             waiting = [r for r in waiting if words[flag[r]] < seq]
             if not waiting:
