@@ -15,7 +15,11 @@ share is rank 0's time inside all-reduce and all-gather over its time in steps, 
 the other rank included (that is what a step pays). ``identical``: kvserve -tp 2 gave the
 -tp 1 tokens for every model (in float32 they must; in bfloat16 the sums of partial products
 round differently and may flip a near-tie; null where -tp 2 could not run, as for a model
-whose attention heads do not divide by 2). The last line is one JSON object.
+whose attention heads do not divide by 2). ``memory_gb_s``: one core's read bandwidth over a
+buffer larger than the cache, measured before each model's rounds: on a memory-bound decode
+both engines stream the same weight bytes per step, so a shared host's bandwidth of the moment
+moves both figures (and their ratio towards 1 when it is low). The last line is one JSON
+object.
 """
 
 from __future__ import annotations
@@ -97,6 +101,20 @@ def child(model: str, prompt_file: str, max_tokens: int, dtype: str, tp: int,
     print(json.dumps(out))
 
 
+def one_core_bandwidth() -> float:
+    """GB/s one thread reads from memory now (the best of a few passes over 256 MiB)."""
+    import torch
+
+    from kvserve.worker.bandwidth import measure_peak_bandwidth
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return measure_peak_bandwidth(torch.device("cpu")) / 1e9
+    finally:
+        torch.set_num_threads(threads)
+
+
 def rank_lists(world_size: int) -> str:
     """The CPUs this process may use split into one list per rank, vLLM's ``0|1`` form."""
     cpus = sorted(os.sched_getaffinity(0))
@@ -154,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
             vl = [args.vllm_python, runner, *work, "", "--tp=2", f"--repeats={args.repeats}"]
             engines["vLLM -tp 2"] = (vl, vl_env)
         got: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
+        bandwidth = one_core_bandwidth()
         try:
             for rnd in range(args.rounds):
                 for name, (cmd, cenv) in engines.items():
@@ -175,6 +194,7 @@ def main(argv: list[str] | None = None) -> None:
             "vllm_tok_s": median([r["vllm_tok_s"] for r in vl]) if vl else None,
             "collective_share": median([r["collective_share"] for r in two]) if two else None,
             "identical": same,
+            "memory_gb_s": round(bandwidth, 1),
         }
         if figures["kvserve_tok_s"] and figures["vllm_tok_s"]:
             figures["kvserve_over_vllm"] = figures["kvserve_tok_s"] / figures["vllm_tok_s"]
@@ -184,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.max_tokens} out, medians of {args.rounds} round(s) of "
           f"{args.repeats} pass(es)")  # fmt: skip
     cols = ["model", "kvserve_tok_s", "vllm_tok_s", "tp1_tok_s", "collective_share",
-            "kvserve_over_vllm", "identical"]  # fmt: skip
+            "kvserve_over_vllm", "identical", "memory_gb_s"]  # fmt: skip
     print(table(rows, [c for c in cols if any(c in r for r in rows)]))
     emit({"bench": "tp", "dtype": args.dtype, "identical": identical, "by_model": by_model})
 
