@@ -42,8 +42,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO, bench_model, emit, random_prompts, vocab_size, wait_ready
+from benchmarks.common import REPO, bench_model, emit, random_prompts, vocab_size
 from kvserve.distributed import free_port
+from kvserve.sim.serving import start_kvserve, stop_process, stream_times
 
 FORMATS = ["bfloat16", "float32", "fp8_e4m3", "fp8_e5m2", "int8", "kivi4", "kivi2"]
 BS = 16
@@ -258,37 +259,17 @@ class _Lossy:
 def _serve(model: str, cpus: set[int], args: list[str]) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "KVSERVE_CPU_OMP_THREADS_BIND": "auto", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "kvserve.cli", "serve", model, "--port", str(port),
-           "--disable-access-log", *args]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL,
-                            preexec_fn=lambda: os.sched_setaffinity(0, cpus))  # fmt: skip
-    wait_ready(port, proc=proc)
+    proc = start_kvserve(["serve", model, "--disable-access-log", *args], port, cpus, env=env,
+                         cwd=REPO, timeout=120)  # fmt: skip
     return proc, f"http://127.0.0.1:{port}"
 
 
 def _proxy(prefill: str, decode: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "kvserve.cli", "proxy", "--prefill", prefill, "--decode",
-           decode, "--port", str(port)]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    wait_ready(port, proc=proc)
+    proc = start_kvserve(["proxy", "--prefill", prefill, "--decode", decode], port,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO,
+                         timeout=120)  # fmt: skip
     return proc, f"http://127.0.0.1:{port}"
-
-
-async def _stream(client: Any, url: str, prompt: list[int], max_tokens: int) -> list[float]:
-    """Arrival times of a streamed completion's chunks (the send time first)."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}  # fmt: skip
-    times = [time.perf_counter()]
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
-        async for line in r.aiter_lines():
-            if line.startswith("data: {"):
-                if '"error"' in line:
-                    raise RuntimeError(line)
-                times.append(time.perf_counter())
-    return times
 
 
 async def burst_workload(url: str, w: dict[str, Any], vocab: int) -> dict[str, float]:
@@ -300,14 +281,14 @@ async def burst_workload(url: str, w: dict[str, Any], vocab: int) -> dict[str, f
     tokens = 0
     async with httpx.AsyncClient(timeout=600) as client:
         warm = [[rng.randrange(vocab) for _ in range(n)] for n in (w["long_prompt"], 32)]
-        await asyncio.gather(*(_stream(client, url, p, 8) for p in warm))  # compile, fault in
+        await asyncio.gather(*(stream_times(client, url, p, 8) for p in warm))  # compile, fault in
         stop_at = time.perf_counter() + w["seconds"]
 
         async def steady(i: int) -> None:
             nonlocal tokens
             while time.perf_counter() < stop_at:
                 prompt = [rng.randrange(vocab) for _ in range(w["short_prompt"])]
-                t = await _stream(client, url, prompt, w["decode_tokens"])
+                t = await stream_times(client, url, prompt, w["decode_tokens"])
                 itl.extend(b - a for a, b in zip(t[2:], t[3:], strict=False))
                 tokens += len(t) - 1
 
@@ -317,7 +298,7 @@ async def burst_workload(url: str, w: dict[str, Any], vocab: int) -> dict[str, f
             while time.perf_counter() < stop_at - w["period"] / 2:
                 prompts = [[rng.randrange(vocab) for _ in range(w["long_prompt"])]
                            for _ in range(w["burst"])]  # fmt: skip
-                outs = await asyncio.gather(*(_stream(client, url, p, w["burst_tokens"])
+                outs = await asyncio.gather(*(stream_times(client, url, p, w["burst_tokens"])
                                               for p in prompts))  # fmt: skip
                 for t in outs:
                     ttft.append(t[1] - t[0])
@@ -344,8 +325,7 @@ def pd_burst(model: str, w: dict[str, Any], dtype: str) -> dict[str, Any]:
         proc, url = _serve(path, {0, 1}, base)
         procs.append(proc)
         out["colocated"] = asyncio.run(burst_workload(url, w, vocab))
-        proc.terminate()
-        proc.wait(30)
+        stop_process(proc)
         kv_port = free_port()
         pp, purl = _serve(path, {0}, [*base, "--kv-transfer-config",
                                       json.dumps(tc("kv_producer", kv_port))])  # fmt: skip
@@ -358,13 +338,7 @@ def pd_burst(model: str, w: dict[str, Any], dtype: str) -> dict[str, Any]:
         out["disaggregated"] = asyncio.run(burst_workload(xurl, w, vocab))
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+            stop_process(p)
     for name, r in out.items():
         print(f"{name:14s} " + "  ".join(f"{k} {v:.3f}" for k, v in r.items()), flush=True)
     return out

@@ -29,7 +29,8 @@ import time
 from typing import Any
 
 from benchmarks.common import bench_model, emit, random_prompts, vocab_size
-from benchmarks.pd import BS, _proxy, _serve, _stream, free_port, tc
+from benchmarks.pd import BS, _proxy, _serve, free_port, tc
+from kvserve.sim.serving import stop_process, stream_times
 
 STREAMS, PROMPT, TOKENS = 4, 32, 128
 TICK = os.sysconf("SC_CLK_TCK")
@@ -86,7 +87,7 @@ async def streams(url: str, vocab: int, seconds: float) -> tuple[float, int]:
     tokens = 0
     async with httpx.AsyncClient(timeout=300) as client:
         warm = random_prompts(STREAMS, PROMPT, PROMPT, vocab, seed=99)
-        await asyncio.gather(*(_stream(client, url, p, 8) for p in warm))
+        await asyncio.gather(*(stream_times(client, url, p, 8) for p in warm))
         stop = time.perf_counter() + seconds
 
         async def user(i: int) -> None:
@@ -95,7 +96,7 @@ async def streams(url: str, vocab: int, seconds: float) -> tuple[float, int]:
             while time.perf_counter() < stop:
                 k += 1
                 (ids,) = random_prompts(1, PROMPT, PROMPT, vocab, seed=1000 * i + k)
-                t = await _stream(client, url, ids, TOKENS)
+                t = await stream_times(client, url, ids, TOKENS)
                 gaps.extend(b - a for a, b in zip(t[1:], t[2:], strict=False))
                 tokens += len(t) - 1
 
@@ -136,8 +137,7 @@ def main() -> None:
         procs.append(proc)
         out["served"] = measured(url, vocab, a.seconds, {"server": proc.pid})
         print(out["served"], flush=True)
-        proc.terminate()
-        proc.wait(30)
+        stop_process(proc)
         pp, purl = _serve(path, {0}, [*base, "--kv-transfer-config",
                                       json.dumps(tc("kv_producer", free_port()))])  # fmt: skip
         procs.append(pp)
@@ -154,9 +154,7 @@ def main() -> None:
         print(out["via_proxy"], flush=True)
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.terminate()
-                p.wait(30)
+            stop_process(p)
     emit(out)
 
 

@@ -124,17 +124,20 @@ def serve_flags(kw: dict[str, Any]) -> list[str]:
     return out
 
 
-def _start(cmd: list[str], port: int, cpus: set[int], timeout: float = 180.0
-           ) -> subprocess.Popen:  # fmt: skip
-    """A kvserve command as a child process on ``cpus``, once its /health answers."""
-    # the child inherits this environment (its thread binding: KVSERVE_CPU_OMP_THREADS_BIND)
-    proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", *cmd, "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            preexec_fn=lambda: os.sched_setaffinity(0, cpus))  # fmt: skip
+def start_kvserve(args: list[str], port: int, cpus: set[int] | None = None,
+                  env: dict[str, str] | None = None, cwd: Any = None,
+                  timeout: float = 180.0) -> subprocess.Popen:  # fmt: skip
+    """``kvserve ARGS --port PORT`` as a child process (on ``cpus``; in ``env``, else this
+    process's environment, whose thread binding, KVSERVE_CPU_OMP_THREADS_BIND, it inherits),
+    once its /health answers; stopped and RuntimeError if it exits or is not ready in time."""
+    pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
+    proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", *args, "--port", str(port)],
+                            env=env, cwd=cwd, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, preexec_fn=pin)  # fmt: skip
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"serving calibration: `kvserve {cmd[0]}` exited with code "
+            raise RuntimeError(f"`kvserve {args[0]}` on port {port} exited with code "
                                f"{proc.returncode} before it was ready")  # fmt: skip
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
@@ -143,11 +146,12 @@ def _start(cmd: list[str], port: int, cpus: set[int], timeout: float = 180.0
         except (urllib.error.URLError, OSError):
             pass
         time.sleep(0.2)
-    _stop(proc)
-    raise RuntimeError(f"serving calibration: `kvserve {cmd[0]}` not ready in {timeout:.0f} s")
+    stop_process(proc)
+    raise RuntimeError(f"`kvserve {args[0]}` on port {port} not ready in {timeout:.0f} s")
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def stop_process(proc: subprocess.Popen) -> None:
+    """Terminate ``proc`` if it runs; kill it if it has not exited 30 s later."""
     if proc.poll() is None:
         proc.terminate()
         try:
@@ -157,16 +161,20 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-async def _stream(client: Any, url: str, prompt: list[int], max_tokens: int) -> list[float]:
-    """A streamed completion's chunk arrival times, the send time first."""
+async def stream_times(client: Any, url: str, prompt: list[int], max_tokens: int
+                       ) -> list[float]:  # fmt: skip
+    """A streamed greedy completion's chunk arrival times, the send time first; RuntimeError
+    on an HTTP error or an error chunk."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True}  # fmt: skip
     times = [time.perf_counter()]
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
-            raise RuntimeError(f"serving calibration: HTTP {r.status_code} from {url}")
+            raise RuntimeError(f"HTTP {r.status_code} from {url}")
         async for line in r.aiter_lines():
             if line.startswith("data: {"):
+                if '"error"' in line:
+                    raise RuntimeError(line)
                 times.append(time.perf_counter())
     return times
 
@@ -193,17 +201,17 @@ async def _measure(url: str, vocab: int, seed: int) -> tuple[dict[int, float], f
 
     gaps: dict[int, float] = {}
     async with httpx.AsyncClient(timeout=300) as client:
-        t = await _stream(client, url, prompt(), 2)  # the fresh server's first request
+        t = await stream_times(client, url, prompt(), 2)  # the fresh server's first request
         first = t[1] - t[0]
-        await asyncio.gather(*(_stream(client, url, prompt(), 8) for _ in range(max(STREAMS))))
+        await asyncio.gather(*(stream_times(client, url, prompt(), 8) for _ in range(max(STREAMS))))
         ttft = []
         for _ in range(SOLO):
-            t = await _stream(client, url, prompt(), 2)
+            t = await stream_times(client, url, prompt(), 2)
             ttft.append(t[1] - t[0])
         for b in STREAMS:
             got = []
             for _ in range(ROUNDS):
-                outs = await asyncio.gather(*(_stream(client, url, prompt(), DECODE_TOKENS)
+                outs = await asyncio.gather(*(stream_times(client, url, prompt(), DECODE_TOKENS)
                                               for _ in range(b)))  # fmt: skip
                 got += [_gap(t) for t in outs]
             gaps[b] = statistics.fmean(got)
@@ -224,11 +232,11 @@ async def _measure_share_run(url: str, vocab: int, seed: int) -> float:
 
         async def lone() -> None:
             for _ in range(SHARE_INJECT):
-                await _stream(client, url, prompt(), 1)
+                await stream_times(client, url, prompt(), 1)
 
         for _ in range(ROUNDS):
             outs = await asyncio.gather(
-                *(_stream(client, url, prompt(), SHARE_TOKENS) for _ in range(SHARE_STREAMS)),
+                *(stream_times(client, url, prompt(), SHARE_TOKENS) for _ in range(SHARE_STREAMS)),
                 lone(),
             )
             got += [_gap(t) for t in outs[:SHARE_STREAMS]]
@@ -347,7 +355,7 @@ def measure_serving(kw: dict[str, Any], profile: Profile, vocab: int, seed: int 
     anywhere = set(range(os.cpu_count() or 1))
     try:
         port = free_port()
-        procs.append(_start(["serve", *serve_flags(kw), "--disable-access-log"], port, mine))
+        procs.append(start_kvserve(["serve", *serve_flags(kw), "--disable-access-log"], port, mine))
         try:
             os.sched_setaffinity(0, anywhere)
         except OSError:
@@ -359,13 +367,13 @@ def measure_serving(kw: dict[str, Any], profile: Profile, vocab: int, seed: int 
         hop_ttft = ttft
         if hop:
             rport = free_port()
-            procs.append(_start(["router", "--replica", url, "--routing-logic",
+            procs.append(start_kvserve(["router", "--replica", url, "--routing-logic",
                                  "round_robin"], rport, anywhere))  # fmt: skip
             hop_gaps, hop_ttft, _ = asyncio.run(_measure(f"http://127.0.0.1:{rport}", vocab,
                                                          seed + 1))  # fmt: skip
     finally:
         for p in reversed(procs):
-            _stop(p)
+            stop_process(p)
         os.sched_setaffinity(0, mine)
     points = [ServingPoint(b, gaps[b], engine_gaps[b]) for b in STREAMS]
     profile.serve_step_s, profile.serve_token_s = fit_serving(points)
