@@ -201,20 +201,23 @@ def test_greedy_rescoring_picks_the_exact_best_of_the_top_candidates(penalised_r
 
 
 def test_greedy_rows_take_the_first_of_equal_maxima_as_torch_argmax_does():
-    """Greedy without rescoring goes through the native top-1 (a float32 row) or
-    torch.argmax (a NaN row): either way each row's token is torch.argmax's, ties going to
-    the lowest index, a fully masked row to token 0."""
+    """Greedy without rescoring goes through the native top-1 (float32 rows) or torch.argmax
+    (a batch with a NaN): either way each row's token is torch.argmax's, ties going to the
+    lowest index, a fully masked row to token 0."""
     g = torch.Generator().manual_seed(5)
     v = 1000
-    logits = torch.randn(6, v, generator=g)
+    logits = torch.randn(5, v, generator=g)
     logits[0, [17, 400, 999]] = 9.0  # a three-way tie for the maximum
     logits[1, [998, 999]] = 7.0  # the tie at the end of the row, past the vector body
     logits[2] = float("-inf")  # every token masked
     logits[3, 300:] = float("-inf")
-    logits[4, 123] = float("nan")  # torch.argmax takes the NaN: the native path gives way
+    with_nan = logits.clone()
+    with_nan[4, 123] = float("nan")  # torch.argmax takes the NaN: the native path gives way
     sampler = Sampler(v)
     params = SamplingParams(temperature=0, max_tokens=4)
-    states = [sampler.add_request(params, [1, 2, 3]) for _ in range(6)]
-    got = sampler(logits.clone(), states).token_ids
-    assert got == [int(row.argmax()) for row in logits]
-    assert got[:3] == [17, 998, 0]
+    for batch in (logits, with_nan):
+        states = [sampler.add_request(params, [1, 2, 3]) for _ in range(5)]
+        got = sampler(batch.clone(), states).token_ids
+        assert got == [int(row.argmax()) for row in batch]
+        assert got[:3] == [17, 998, 0]
+    assert int(with_nan[4].argmax()) == 123

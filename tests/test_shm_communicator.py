@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from kvserve.distributed import DistributedInit, free_port, init_distributed
 from kvserve.distributed.communicator import TorchDistCommunicator
-from kvserve.distributed.shm_communicator import PeerGoneError, ShmCommunicator
+from kvserve.distributed.shm_communicator import SPIN_S, PeerGoneError, ShmCommunicator
+from kvserve.kernels import collectives
 
 # (shape, dtype): a decode step's hidden rows, odd sizes, half precision, integers
 CASES = [
@@ -65,7 +66,8 @@ def _rank(rank: int, port: int, out: Any) -> None:
                                        buffer_bytes=BUFFER, native=False)  # fmt: skip
     shm = (comm, small, torch_ops)
     result: dict[str, Any] = {"chosen": type(comm).__name__, "reduced": [], "gathered": [],
-                              "native": [c._native is not None for c in shm]}  # fmt: skip
+                              "native": [c._native is not None for c in shm],
+                              "built": collectives.shm_collective() is not None}  # fmt: skip
     for case in range(len(CASES)):
         x = tensor_of(rank, case)
         result["reduced"].append(
@@ -109,8 +111,9 @@ def test_shared_memory_collectives_equal_glooes_and_a_naive_sum():
     assert set(results) == set(range(WORLD))
     for rank, res in results.items():
         assert res["chosen"] == "ShmCommunicator", "ranks on one CPU host use shared memory"
-        # this machine builds the native call; the third communicator runs the torch ops
-        assert res["native"] == [True, True, False]
+        # the native call wherever it is built; the third communicator runs the torch ops
+        built = res["built"]
+        assert res["native"] == [built, built, False]
         for case, (gloo, *shm) in enumerate(res["reduced"]):
             want = naive_sum(case)
             for got in shm:  # default buffers, 4 KiB buffers (chunked), torch ops
@@ -140,6 +143,39 @@ def test_a_peer_that_never_arrives_is_a_timeout_naming_it():
         with pytest.raises(TimeoutError, match=r"tensor-parallel ranks \[1\] did not reach"):
             ranks[0].all_reduce(torch.ones(3))
         assert 0.2 <= time.monotonic() - t0 < 2.0
+
+
+def test_a_peer_later_than_the_spin_is_awaited_then_summed():
+    """Rank 1 arrives well after rank 0's native spin has given up: rank 0 waits in Python,
+    then sums; both get the naive sum (float32 and bfloat16), and an empty tensor is no
+    collective on either rank (the next one still pairs up)."""
+    import threading
+
+    with tempfile.NamedTemporaryFile(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as f:
+        f.truncate(2 * 64 + 2 * 2 * BUFFER)
+        f.flush()
+        ranks = [ShmCommunicator(r, 2, torch.device("cpu"), f.name, 5.0, BUFFER) for r in (0, 1)]
+        for dtype in (torch.float32, torch.bfloat16):
+            g = torch.Generator().manual_seed(7)
+            x = [torch.randn(8, 64, generator=g).to(dtype) for _ in range(2)]
+            got: list[torch.Tensor] = []
+            early = threading.Thread(
+                target=lambda out, t: out.append(ranks[0].all_reduce(t)), args=(got, x[0].clone())
+            )
+            early.start()
+            time.sleep(20 * SPIN_S)  # rank 0 is past its spin, in the Python wait
+            assert early.is_alive()
+            late = ranks[1].all_reduce(x[1].clone())
+            early.join(timeout=10)
+            assert not early.is_alive()
+            want = x[0] + x[1]
+            assert torch.equal(got[0], want) and torch.equal(late, want), dtype
+        for r in ranks:
+            assert r.all_reduce(torch.ones(0)).numel() == 0
+        t = threading.Thread(target=lambda: ranks[0].all_reduce(torch.ones(3)))
+        t.start()
+        assert torch.equal(ranks[1].all_reduce(torch.ones(3)), torch.full((3,), 2.0))
+        t.join(timeout=10)
 
 
 def _creator_killed_before_the_barrier(rank: int, port: int, out: Any) -> None:

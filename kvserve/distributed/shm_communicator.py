@@ -152,6 +152,8 @@ class ShmCommunicator:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of ``x``, in rank order (the same bits on every rank), in place
         where ``x`` is contiguous."""
+        if x.numel() == 0:  # no collective on any path: the ranks' sequences stay equal
+            return x
         code = collectives.SUM_DTYPES.get(x.dtype) if self._native is not None else None
         if code is not None and x.is_contiguous():  # a decode step's rows: one call
             nbytes = x.numel() * x.element_size()
@@ -214,8 +216,8 @@ class ShmCommunicator:
                     collectives.PUBLISH | collectives.AWAIT | reduce)  # fmt: skip
         if rc == 1:  # a peer is further away than the spin: wait as the reference does
             self._wait(seq, spun=SPIN_S)
-            if reduce:
-                rc = native(self._layout, seq, data, nbytes, code, reduce)
+            if reduce:  # the flags are up: AWAIT only loads them again, with acquire order
+                rc = native(self._layout, seq, data, nbytes, code, collectives.AWAIT | reduce)
         if rc not in (0, 1):
             raise RuntimeError(f"shared-memory collective {seq}: native call failed ({rc})")
 

@@ -4,9 +4,9 @@
  * rank order into the tensor.
  *
  * The same steps written as torch ops in Python (slice views of the segment, copy_, a flag
- * store through a memoryview, torch.add) cost tens of microseconds of interpreter and
- * dispatcher time per collective, several times the copy and the sum themselves on a decode
- * step's few kilobytes, and a tensor-parallel decode step runs two collectives per layer.
+ * store through a memoryview, torch.add) spend more time in the interpreter and the
+ * dispatcher than in the copy and the sum of a decode step's few kilobytes, and a
+ * tensor-parallel decode step runs two collectives per layer.
  *
  * The segment's layout is the communicator's: world_size header slots of `slot` bytes (a
  * rank's flag is the first int64 of its slot), then two sets of world_size buffers of

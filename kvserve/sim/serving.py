@@ -173,7 +173,7 @@ async def stream_times(client: Any, url: str, prompt: list[int], max_tokens: int
             raise RuntimeError(f"HTTP {r.status_code} from {url}")
         async for line in r.aiter_lines():
             if line.startswith("data: {"):
-                if '"error"' in line:
+                if line.startswith('data: {"error"'):  # the error event, not a token's text
                     raise RuntimeError(line)
                 times.append(time.perf_counter())
     return times
@@ -368,7 +368,7 @@ def measure_serving(kw: dict[str, Any], profile: Profile, vocab: int, seed: int 
         if hop:
             rport = free_port()
             procs.append(start_kvserve(["router", "--replica", url, "--routing-logic",
-                                 "round_robin"], rport, anywhere))  # fmt: skip
+                                        "round_robin"], rport, anywhere))  # fmt: skip
             hop_gaps, hop_ttft, _ = asyncio.run(_measure(f"http://127.0.0.1:{rport}", vocab,
                                                          seed + 1))  # fmt: skip
     finally:
