@@ -18,6 +18,7 @@ import torch
 
 from kvserve import envs
 from kvserve.config import user_cache_dir
+from kvserve.sim.serving import wait_ready  # noqa: F401 - the benchmarks' name for it
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_CACHE = user_cache_dir() / "bench-models"
@@ -119,26 +120,6 @@ def sync(device: str | torch.device) -> None:
     that a wall-clock timer around it measures the work, not its launch."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def wait_ready(port: int, timeout: float = 120.0, proc: Any = None) -> float:
-    """Seconds until the server on ``port`` answers ``/health`` with 200 (kvserve and vLLM
-    both serve it); RuntimeError if ``proc`` (its Popen) exits first or time runs out."""
-    import urllib.error
-    import urllib.request
-
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < timeout:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited with code {proc.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return time.perf_counter() - t0
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"server on port {port} not ready after {timeout:.0f} s")
 
 
 def table(rows: list[dict[str, Any]], cols: list[str]) -> str:

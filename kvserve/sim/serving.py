@@ -33,6 +33,7 @@ profile itself is.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import random
@@ -124,6 +125,23 @@ def serve_flags(kw: dict[str, Any]) -> list[str]:
     return out
 
 
+def wait_ready(port: int, timeout: float = 120.0, proc: Any = None) -> float:
+    """Seconds until the server on ``port`` answers ``/health`` with 200 (kvserve and vLLM
+    both serve it); RuntimeError if ``proc`` (its Popen) exits first or time runs out."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return time.perf_counter() - t0
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"server on port {port} not ready after {timeout:.0f} s")
+
+
 def start_kvserve(args: list[str], port: int, cpus: set[int] | None = None,
                   env: dict[str, str] | None = None, cwd: Any = None,
                   timeout: float = 180.0) -> subprocess.Popen:  # fmt: skip
@@ -134,20 +152,12 @@ def start_kvserve(args: list[str], port: int, cpus: set[int] | None = None,
     proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", *args, "--port", str(port)],
                             env=env, cwd=cwd, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, preexec_fn=pin)  # fmt: skip
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"`kvserve {args[0]}` on port {port} exited with code "
-                               f"{proc.returncode} before it was ready")  # fmt: skip
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.2)
-    stop_process(proc)
-    raise RuntimeError(f"`kvserve {args[0]}` on port {port} not ready in {timeout:.0f} s")
+    try:
+        wait_ready(port, timeout, proc)
+    except RuntimeError as e:
+        stop_process(proc)
+        raise RuntimeError(f"`kvserve {args[0]}`: {e}") from None
+    return proc
 
 
 def stop_process(proc: subprocess.Popen) -> None:
@@ -194,10 +204,7 @@ async def _measure(url: str, vocab: int, seed: int) -> tuple[dict[int, float], f
     server at ``url``."""
     import httpx
 
-    rng = random.Random(seed)
-
-    def prompt() -> list[int]:
-        return _prompt(rng, vocab)
+    prompt = functools.partial(_prompt, random.Random(seed), vocab)
 
     gaps: dict[int, float] = {}
     async with httpx.AsyncClient(timeout=300) as client:
@@ -222,10 +229,7 @@ async def _measure_share_run(url: str, vocab: int, seed: int) -> float:
     """The streams' mean token gap in the share's run (:class:`_Injected`), over ROUNDS."""
     import httpx
 
-    rng = random.Random(seed)
-
-    def prompt() -> list[int]:
-        return _prompt(rng, vocab)
+    prompt = functools.partial(_prompt, random.Random(seed), vocab)
 
     got: list[float] = []
     async with httpx.AsyncClient(timeout=300) as client:
