@@ -7,7 +7,8 @@ scaled to the machine: ``customers`` long shared contexts, each asked by ``users
 context plus a short question of their own), in a seeded random order at a Poisson rate; each
 replica's pool is sized so the contexts are ``--kv-demand`` (0.7) of the replicas' pools
 together: they fit when each context lives on one replica, not when every replica needs them
-all. Each policy gets fresh replicas (cold caches). The oracle is the precise policy reading
+all. Each policy gets fresh replicas (cold caches), each first warmed up with ``--warmup``
+requests that share no block with the trace. The oracle is the precise policy reading
 an index that has caught up (it waits for the event streams to go quiet before deciding).
 
 Per policy: prefix-cache hit rate (cached / prompt tokens the replicas reported), TTFT p90,
@@ -46,23 +47,45 @@ WORDS = ("cache block model server request queue latency market price river ston
          "paper garden window table light music number letter").split()  # fmt: skip
 
 
+def words(tok: Any, rng: random.Random, n_tokens: int, tag: str) -> str:
+    """About ``n_tokens`` tokens of words that carry ``tag``: texts with different tags share
+    no block."""
+    out: list[str] = []
+    while len(tok.encode(" ".join(out))) < n_tokens:
+        out += [f"{rng.choice(WORDS)}{tag}" for _ in range(8)]
+    return " ".join(out)
+
+
 def make_trace(tok: Any, customers: int, context: int, users: int, question: int,
                seed: int) -> list[tuple[int, str]]:  # fmt: skip
     """(customer, prompt) per request: a customer's context (about ``context`` tokens) and a
     user's question (about ``question``), in a seeded random order."""
     rng = random.Random(seed)
-
-    def text(n_tokens: int, tag: str) -> str:
-        words: list[str] = []
-        while len(tok.encode(" ".join(words))) < n_tokens:
-            words += [f"{rng.choice(WORDS)}{tag}" for _ in range(8)]
-        return " ".join(words)
-
-    contexts = [text(context, f"c{c}") for c in range(customers)]
-    out = [(c, contexts[c] + " question: " + text(question, f"u{c}x{u}"))
+    contexts = [words(tok, rng, context, f"c{c}") for c in range(customers)]
+    out = [(c, contexts[c] + " question: " + words(tok, rng, question, f"u{c}x{u}"))
            for c in range(customers) for u in range(users)]  # fmt: skip
     rng.shuffle(out)
     return out
+
+
+def warmup_prompts(tok: Any, n: int, tokens: int, seed: int) -> list[str]:
+    """``n`` prompts of about a trace request's length that share no block with the trace
+    (nor with each other): a replica's first requests pay for lazy set-up (the allocator's
+    first pages, the kernels' first shapes), which a served replica paid long ago."""
+    rng = random.Random(seed + 1)
+    return [words(tok, rng, tokens, f"w{i}") for i in range(n)]
+
+
+def warm_up(urls: list[str], prompts: list[str], max_tokens: int) -> None:
+    """Each prompt on each replica, one at a time, before the router sees any request."""
+    import httpx
+
+    with httpx.Client(timeout=300) as client:
+        for url in urls:
+            for prompt in prompts:
+                body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens,
+                        "temperature": 0, "ignore_eos": True}  # fmt: skip
+                client.post(url + "/v1/completions", json=body).raise_for_status()
 
 
 class Replicas:
@@ -151,9 +174,12 @@ class Router:
 
 
 async def drive(url: str, trace: list[tuple[int, str]], rate: float, max_tokens: int,
-                seed: int) -> list[dict[str, Any]]:  # fmt: skip
+                seed: int, warm: list[str]) -> list[dict[str, Any]]:  # fmt: skip
     """Open loop: each request at its arrival (the schedule ``kvserve bench`` and the
-    simulator draw for this rate and seed), streamed; TTFT, tokens and hits."""
+    simulator draw for this rate and seed), streamed; TTFT, tokens and hits. The ``warm``
+    prompts go first, one at a time and untimed, through the same client and router: a
+    fresh client's and router's first requests pay for their connections and lazy set-up,
+    which a router that has served for a while paid long ago."""
     import httpx
 
     from kvserve.bench.workloads import arrival_times
@@ -184,6 +210,9 @@ async def drive(url: str, trace: list[tuple[int, str]], rate: float, max_tokens:
             rec["end"] = time.perf_counter()
             out.append(rec)
 
+        for prompt in warm:
+            await one(0.0, prompt)
+        out.clear()
         sends = arrival_times(len(trace), rate, 1.0, seed)
         pairs = zip(trace, sends, strict=True)
         await asyncio.gather(*(one(at, prompt) for (_, prompt), at in pairs))
@@ -191,7 +220,7 @@ async def drive(url: str, trace: list[tuple[int, str]], rate: float, max_tokens:
 
 
 def drive_elsewhere(url: str, trace: list[tuple[int, str]], rate: float, max_tokens: int,
-                    seed: int) -> list[dict[str, Any]]:  # fmt: skip
+                    seed: int, warm: list[str]) -> list[dict[str, Any]]:  # fmt: skip
     """:func:`drive` in a process of its own: sharing the router's process, the client's
     thread would hold the GIL while the router decides (a real router has its process to
     itself), and the decision times would measure the benchmark's client."""
@@ -199,12 +228,12 @@ def drive_elsewhere(url: str, trace: list[tuple[int, str]], rate: float, max_tok
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_drive_sync, url, trace, rate, max_tokens, seed).result()
+        return pool.submit(_drive_sync, url, trace, rate, max_tokens, seed, warm).result()
 
 
 def _drive_sync(url: str, trace: list[tuple[int, str]], rate: float, max_tokens: int,
-                seed: int) -> list[dict[str, Any]]:  # fmt: skip
-    return asyncio.run(drive(url, trace, rate, max_tokens, seed))
+                seed: int, warm: list[str]) -> list[dict[str, Any]]:  # fmt: skip
+    return asyncio.run(drive(url, trace, rate, max_tokens, seed, warm))
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -226,7 +255,8 @@ def figures(recs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def simulate(profile_file: str, replicas: int, serve_kw: dict[str, Any], trace: list,
-             rate: float, max_tokens: int, seed: int, tok: Any) -> dict[str, dict]:  # fmt: skip
+             rate: float, max_tokens: int, seed: int, tok: Any,
+             warm: list[str]) -> dict[str, dict]:  # fmt: skip
     from kvserve.bench.metrics import percentile
     from kvserve.bench.runner import LoadSpec
     from kvserve.bench.workloads import BenchRequest
@@ -235,11 +265,14 @@ def simulate(profile_file: str, replicas: int, serve_kw: dict[str, Any], trace: 
 
     reqs = [BenchRequest(i, "chat", p, max_tokens, len(tok.encode(p)), f"c{c}")
             for i, (c, p) in enumerate(trace)]  # fmt: skip
+    warmup = [
+        BenchRequest(i, "chat", p, max_tokens, len(tok.encode(p))) for i, p in enumerate(warm)
+    ]
     out = {}
     for policy in POLICIES:
         target = SimTarget(dict(serve_kw), Profile.load(profile_file), replicas=replicas,
                            router=policy)  # fmt: skip
-        res, _ = simulate_load(target, reqs, LoadSpec(rate), seed)
+        res, _ = simulate_load(target, reqs, LoadSpec(rate), seed, warmup)
         ok = [r for r in res.records if r.success]
         out[policy] = {
             "hit_rate": sum(r.cached_tokens for r in ok) / max(1, sum(r.prompt_tokens for r in ok)),
@@ -251,7 +284,7 @@ def simulate(profile_file: str, replicas: int, serve_kw: dict[str, Any], trace: 
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a small trace (a smoke run)")
     p.add_argument("--replicas", type=int, default=min(2, len(os.sched_getaffinity(0))))
@@ -274,12 +307,17 @@ def main() -> None:
                    "serves the router first when they keep every core busy, as a core of its "
                    "own would")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=2, help="requests each replica serves before "
+                   "the trace (prompts that share no block with it), one at a time, here and "
+                   "in the simulator")  # fmt: skip
     p.add_argument("--decisions-out", default=None, help="a directory: every routing "
                    "decision's wall and CPU time per policy and rate, as JSON")  # fmt: skip
-    a = p.parse_args()
+    a = p.parse_args(argv)
     bad = [x for x in a.policies.split(",") if x not in POLICIES]
     if bad:
         p.error(f"--policies: unknown {bad}; known: {', '.join(POLICIES)}")
+    if a.warmup < 0:
+        p.error(f"--warmup: must be >= 0, got {a.warmup}")
     if a.replicas < 1:
         p.error(f"--replicas: must be >= 1, got {a.replicas}")
     if not 0 < a.kv_demand <= 1:
@@ -304,6 +342,7 @@ def main() -> None:
     model = default_model()
     tok = Tokenizer(Path(model), ())
     trace = make_trace(tok, customers, context, users, a.question_tokens, a.seed)
+    warm = warmup_prompts(tok, a.warmup, context + a.question_tokens, a.seed)
     bs = a.block_size
     ctx_blocks = customers * math.ceil(context / bs)
     one_request = math.ceil((context + a.question_tokens + max_tokens + 64) / bs)
@@ -323,22 +362,24 @@ def main() -> None:
     )
     curve: dict[str, dict[str, dict[str, Any]]] = {}
     for r in rates:
-        curve[f"{r:g}"] = run_rate(a, r, trace, serve_args, model, max_tokens)
+        curve[f"{r:g}"] = run_rate(a, r, trace, serve_args, model, max_tokens, warm)
     real = curve[f"{rate:g}"]
     sim: dict[str, Any] | None = None
     if a.sim_profile:
         sim = {str(a.replicas): simulate(a.sim_profile, a.replicas, serve_kw, trace, rate,
-                                         max_tokens, a.seed, tok)}  # fmt: skip
+                                         max_tokens, a.seed, tok, warm)}  # fmt: skip
         for n in [int(x) for x in a.sim_replicas.split(",") if x]:
             scale = max(1, n // a.replicas)
             big = make_trace(tok, customers * scale, context, users, a.question_tokens, a.seed)
             sim[str(n)] = simulate(a.sim_profile, n, serve_kw, big, rate * scale, max_tokens,
-                                   a.seed, tok)  # fmt: skip
+                                   a.seed, tok, warm)  # fmt: skip
         sim["error"] = sim_error(sim[str(a.replicas)], real)
         # The curve's other rates at N replicas, and the simulator's error at each.
         sim["curve"] = {}
         for r in rates[1:]:
-            at = simulate(a.sim_profile, a.replicas, serve_kw, trace, r, max_tokens, a.seed, tok)
+            at = simulate(
+                a.sim_profile, a.replicas, serve_kw, trace, r, max_tokens, a.seed, tok, warm
+            )
             sim["curve"][f"{r:g}"] = {"sim": at, "error": sim_error(at, curve[f"{r:g}"])}
         from kvserve.sim.cost import Profile
 
@@ -361,6 +402,14 @@ def main() -> None:
 
 
 FIGURES = ("hit_rate", "ttft_p90_s", "output_tok_s", "failed")
+
+
+def drop_warmup(state: Any, n: int) -> None:
+    """Forget the router's first ``n`` decisions: the warm-up's, not the trace's."""
+    for d in (state.decision_times, state.decision_cpu_times, state.decision_preempted,
+              state.decision_waited):  # fmt: skip
+        for _ in range(min(n, len(d))):
+            d.popleft()
 
 
 def dump_decisions(state: Any, path: Path) -> None:
@@ -404,17 +453,21 @@ def on_core(state: Any) -> dict[str, float]:
 
 
 def run_rate(a: argparse.Namespace, rate: float, trace: list, serve_args: list[str],
-             model: str, max_tokens: int) -> dict[str, dict[str, Any]]:  # fmt: skip
-    """Every policy at one rate, each on fresh replicas; the targets' ratios beside."""
+             model: str, max_tokens: int,
+             warm: list[str]) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """Every policy at one rate, each on fresh replicas warmed up with ``warm``; the targets'
+    ratios beside."""
     out: dict[str, dict[str, Any]] = {}
     for policy in a.policies.split(","):
         with tempfile.TemporaryDirectory() as tmp:
             reps = Replicas(a.replicas, serve_args, tmp, a.replica_nice)
             router = None
             try:
+                warm_up([s.split(",")[0] for s in reps.specs], warm, max_tokens)
                 router = Router(reps.specs, policy, model)
                 cpu0 = cpu_ticks()
-                recs = drive_elsewhere(router.url, trace, rate, max_tokens, a.seed)
+                recs = drive_elsewhere(router.url, trace, rate, max_tokens, a.seed, warm)
+                drop_warmup(router.state, len(warm))
                 res = figures(recs)
                 res["steal_share"] = steal_share(cpu0, cpu_ticks())
                 res["decision_p99_ms"] = (pct(list(router.state.decision_times), 0.99)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import kv_tiers, throughput, tp
+from benchmarks import kv_tiers, routing, throughput, tp
 
 
 @pytest.mark.parametrize(
@@ -83,3 +83,29 @@ def test_pd_refuses_a_burst_period_that_is_not_positive(capsys, period):
         pd.main(["--period", period])
     assert e.value.code == 2
     assert f"--period: must be > 0 seconds, got {float(period)}" in capsys.readouterr().err
+
+
+def test_routing_refuses_a_negative_warmup(capsys):
+    with pytest.raises(SystemExit) as e:
+        routing.main(["--warmup", "-1"])
+    assert e.value.code == 2
+    assert "--warmup: must be >= 0, got -1" in capsys.readouterr().err
+
+
+def test_routing_warmup_shares_no_block_with_the_trace():
+    """A warm-up prompt whose first block differs from every trace prompt's (and from the
+    other warm-ups') can match none of their blocks: each block's hash chains its parent."""
+    from pathlib import Path
+
+    from kvserve.engine_args import default_model
+    from kvserve.model.tokenizer import Tokenizer
+
+    tok = Tokenizer(Path(default_model()), ())
+    trace_ids = [tok.encode(p) for _, p in routing.make_trace(tok, 3, 64, 2, 8, 0)]
+    warm = [tok.encode(p) for p in routing.warmup_prompts(tok, 2, 72, 0)]
+    assert all(len(w) >= 72 for w in warm)
+    firsts = [tuple(ids[:16]) for ids in trace_ids]
+    assert len(set(firsts)) == 3  # the trace itself shares its contexts' blocks
+    for w in warm:
+        assert tuple(w[:16]) not in firsts
+    assert len({tuple(w[:16]) for w in warm}) == 2
