@@ -174,12 +174,13 @@ class Router:
 
 
 async def drive(url: str, trace: list[tuple[int, str]], rate: float, max_tokens: int,
-                seed: int, warm: list[str]) -> list[dict[str, Any]]:  # fmt: skip
+                seed: int, warm: list[str]) -> tuple[list[dict[str, Any]], float]:  # fmt: skip
     """Open loop: each request at its arrival (the schedule ``kvserve bench`` and the
     simulator draw for this rate and seed), streamed; TTFT, tokens and hits. The ``warm``
     prompts go first, one at a time and untimed, through the same client and router: a
     fresh client's and router's first requests pay for their connections and lazy set-up,
-    which a router that has served for a while paid long ago."""
+    which a router that has served for a while paid long ago. Also returns the client's CPU
+    seconds over the trace."""
     import httpx
 
     from kvserve.bench.workloads import arrival_times
@@ -213,14 +214,15 @@ async def drive(url: str, trace: list[tuple[int, str]], rate: float, max_tokens:
         for prompt in warm:
             await one(0.0, prompt)
         out.clear()
+        cpu0 = time.process_time()
         sends = arrival_times(len(trace), rate, 1.0, seed)
         pairs = zip(trace, sends, strict=True)
         await asyncio.gather(*(one(at, prompt) for (_, prompt), at in pairs))
-    return out
+    return out, time.process_time() - cpu0
 
 
 def drive_elsewhere(url: str, trace: list[tuple[int, str]], rate: float, max_tokens: int,
-                    seed: int, warm: list[str]) -> list[dict[str, Any]]:  # fmt: skip
+                    seed: int, warm: list[str]) -> tuple[list[dict[str, Any]], float]:  # fmt: skip
     """:func:`drive` in a process of its own: sharing the router's process, the client's
     thread would hold the GIL while the router decides (a real router has its process to
     itself), and the decision times would measure the benchmark's client."""
@@ -232,7 +234,7 @@ def drive_elsewhere(url: str, trace: list[tuple[int, str]], rate: float, max_tok
 
 
 def _drive_sync(url: str, trace: list[tuple[int, str]], rate: float, max_tokens: int,
-                seed: int, warm: list[str]) -> list[dict[str, Any]]:  # fmt: skip
+                seed: int, warm: list[str]) -> tuple[list[dict[str, Any]], float]:  # fmt: skip
     return asyncio.run(drive(url, trace, rate, max_tokens, seed, warm))
 
 
@@ -430,6 +432,28 @@ def cpu_ticks() -> list[int]:
         return []
 
 
+def proc_cpu_s(pid: int) -> float:
+    """A process's user + system CPU seconds so far (/proc/PID/stat; 0 where there is none)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cores_busy(recs: list[dict[str, Any]], replicas: list[float], router: float,
+               client: float) -> dict[str, Any]:  # fmt: skip
+    """Cores each part kept busy on average over the trace's span (CPU seconds / span): the
+    router and the client share the replicas' cores on a small machine."""
+    ok = [r for r in recs if r["ok"]]
+    span = max(r["end"] for r in ok) - min(r["send"] for r in ok) if ok else 0.0
+    if not span:
+        return {}
+    return {"replicas": [c / span for c in replicas], "router": router / span,
+            "client": client / span}  # fmt: skip
+
+
 def steal_share(before: list[int], after: list[int]) -> float | None:
     """Of the CPU time between two readings, the share the hypervisor gave to other guests
     (steal: a wait no thread of this machine sees as a context switch)."""
@@ -466,10 +490,15 @@ def run_rate(a: argparse.Namespace, rate: float, trace: list, serve_args: list[s
                 warm_up([s.split(",")[0] for s in reps.specs], warm, max_tokens)
                 router = Router(reps.specs, policy, model)
                 cpu0 = cpu_ticks()
-                recs = drive_elsewhere(router.url, trace, rate, max_tokens, a.seed, warm)
+                reps0, router0 = [proc_cpu_s(p.pid) for p in reps.procs], time.process_time()
+                recs, client_cpu = drive_elsewhere(router.url, trace, rate, max_tokens, a.seed,
+                                                   warm)  # fmt: skip
+                router_cpu = time.process_time() - router0
+                reps_cpu = [proc_cpu_s(p.pid) - c for p, c in zip(reps.procs, reps0, strict=True)]
                 drop_warmup(router.state, len(warm))
                 res = figures(recs)
                 res["steal_share"] = steal_share(cpu0, cpu_ticks())
+                res["cores_busy"] = cores_busy(recs, reps_cpu, router_cpu, client_cpu)
                 res["decision_p99_ms"] = (pct(list(router.state.decision_times), 0.99)
                                           or 0.0) * 1000  # fmt: skip
                 res["decision_cpu_p99_ms"] = (pct(list(router.state.decision_cpu_times), 0.99)
