@@ -395,7 +395,8 @@ def predict(model: str, w: dict[str, Any], dtype: str, profile: str, split_profi
     from dataclasses import replace
 
     from kvserve.sim.cost import Profile
-    from kvserve.sim.simulate import SimTarget, simulate_feed
+    from kvserve.sim.engine import SimTarget
+    from kvserve.sim.simulate import simulate_feed
 
     kw = {"model": bench_model(model), "dtype": dtype, "block_size": BS,
           "max_model_len": w["max_len"], "enable_prefix_caching": True}  # fmt: skip

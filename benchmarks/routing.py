@@ -263,7 +263,8 @@ def simulate(profile_file: str, replicas: int, serve_kw: dict[str, Any], trace: 
     from kvserve.bench.runner import LoadSpec
     from kvserve.bench.workloads import BenchRequest
     from kvserve.sim.cost import Profile
-    from kvserve.sim.simulate import SimTarget, simulate_load
+    from kvserve.sim.engine import SimTarget
+    from kvserve.sim.simulate import simulate_load
 
     reqs = [BenchRequest(i, "chat", p, max_tokens, len(tok.encode(p)), f"c{c}")
             for i, (c, p) in enumerate(trace)]  # fmt: skip

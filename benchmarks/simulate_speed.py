@@ -47,7 +47,9 @@ def one_run(model: str, workload: str, n: int, rate: float, out_dir: str) -> dic
     from kvserve.bench.workloads import WorkloadSpec, make_workload
     from kvserve.plan.gpus import get_gpu
     from kvserve.sim.cost import gpu_profile
-    from kvserve.sim.simulate import SimTarget, simulate_load, token_counter
+    from kvserve.sim.engine import SimTarget
+    from kvserve.sim.simulate import simulate_load
+    from kvserve.sim.workload import token_counter
 
     gpu = get_gpu("h100-sxm")
     target = SimTarget({"model": model}, gpu_profile(gpu), gpu)
@@ -67,7 +69,7 @@ def one_run(model: str, workload: str, n: int, rate: float, out_dir: str) -> dic
     streams = jobs > 1 and "records_to" in signature(simulate_load).parameters
     if streams:
         from kvserve.bench.report import RecordEncoder
-        from kvserve.sim.simulate import stream_workload
+        from kvserve.sim.workload import stream_workload
 
         reqs, encoder = stream_workload(target, spec), RecordEncoder(Path(out_dir))
     else:

@@ -45,7 +45,8 @@ from kvserve.bench.runner import LoadSpec, benchmark
 from kvserve.bench.workloads import WorkloadSpec, make_workload
 from kvserve.sim.calibrate import calibrate
 from kvserve.sim.cost import Profile
-from kvserve.sim.simulate import SimTarget, simulate_load
+from kvserve.sim.engine import SimTarget
+from kvserve.sim.simulate import simulate_load
 
 
 @dataclass(slots=True)

@@ -88,7 +88,7 @@ def conserve_blocks_every_step(monkeypatch):
     """Every engine a test builds checks its pool as it steps (at the cadence described
     above), not only at teardown."""
     from kvserve.engine.core import EngineCore
-    from kvserve.sim.simulate import CostModelRunner
+    from kvserve.sim.runner import CostModelRunner
 
     init = EngineCore.__init__
 

@@ -18,8 +18,9 @@ from kvserve.bench.workloads import BenchRequest
 from kvserve.cli import main
 from kvserve.engine_args import default_model
 from kvserve.sim.cost import Profile
+from kvserve.sim.engine import SimTarget, build_engine
 from kvserve.sim.pd import TraceFeed
-from kvserve.sim.simulate import SimTarget, _Trace, build_engine, run_disaggregated, simulate_load
+from kvserve.sim.simulate import _Trace, run_disaggregated, simulate_load
 
 OVERHEAD, PREFILL, PER_TOKEN = 0.01, 0.05, 0.001  # seconds
 BW = 1e6  # bytes/s

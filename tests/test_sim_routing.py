@@ -15,7 +15,8 @@ from kvserve.bench.runner import LoadSpec
 from kvserve.bench.workloads import BenchRequest
 from kvserve.engine_args import default_model
 from kvserve.sim.cost import Profile
-from kvserve.sim.simulate import SimTarget, _run_routed, _Trace, simulate_load
+from kvserve.sim.engine import SimTarget
+from kvserve.sim.simulate import _run_routed, _Trace, simulate_load
 from kvserve.sim.space import parse_search
 
 

@@ -20,8 +20,9 @@ from kvserve.bench.workloads import BenchRequest
 from kvserve.cli import main
 from kvserve.engine_args import default_model
 from kvserve.sim.cost import SERVING_FIELDS, Profile
+from kvserve.sim.engine import SimTarget, build_engine
 from kvserve.sim.serving import ServingPoint, fit_hop, fit_serving, fit_share, serve_flags
-from kvserve.sim.simulate import SimTarget, build_engine, simulate_load
+from kvserve.sim.simulate import simulate_load
 
 OVERHEAD, PREFILL, PER_TOKEN = 0.01, 0.05, 0.001  # seconds
 REQ, STEP, TOKEN = 0.004, 0.002, 0.0005  # the front end's terms

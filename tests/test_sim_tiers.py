@@ -15,7 +15,7 @@ from kvserve.connectors.offload import OffloadConnector
 from kvserve.engine_args import default_model
 from kvserve.sched.request import SamplingParams
 from kvserve.sim.cost import Profile, gpu_profile
-from kvserve.sim.simulate import SimTarget, build_engine
+from kvserve.sim.engine import SimTarget, build_engine
 from kvserve.sim.space import parse_search
 from kvserve.sim.tiers import ModelledTier
 from kvserve.sim.tune import serve_command
@@ -122,7 +122,7 @@ def test_a_load_past_its_timeout_is_a_miss_and_the_prompt_is_computed(monkeypatc
 def test_slower_tier_blocks_go_up_to_the_faster_one():
     t_cpu = ModelledTier("cpu", "kv_offload_cpu", 10, 1.0, 0.0)
     t_disk = ModelledTier("disk", "kv_offload_disk_size", 100, 1.0, 0.0)
-    from kvserve.sim.simulate import VirtualClock
+    from kvserve.sim.runner import VirtualClock
     from kvserve.sim.tiers import SimOffload
 
     clock = VirtualClock()
@@ -264,7 +264,7 @@ def test_a_redis_server_answers_one_load_at_a_time_for_every_replica():
     when the server is done with the first (latency + bytes / bandwidth each), and its
     estimate says so; a host tier (each replica's own) makes no one wait. A cancelled load
     that had not started gives its server time back."""
-    from kvserve.sim.simulate import VirtualClock
+    from kvserve.sim.runner import VirtualClock
     from kvserve.sim.tiers import SimOffload, modelled_tiers
 
     prof = cpu_profile(tier_bandwidth={"redis": 1e6, "cpu": 1e6},
@@ -367,7 +367,7 @@ def test_a_step_loses_the_workers_time_beside_it_by_its_share():
     from kvserve.plan.gpus import get_gpu
     from kvserve.sched.output import ScheduledSeq, SchedulerOutput
     from kvserve.sim.cost import ModelShape
-    from kvserve.sim.simulate import CostModelRunner, VirtualClock
+    from kvserve.sim.runner import CostModelRunner, VirtualClock
     from tests.test_simulator import shape_of
 
     shape: ModelShape = shape_of(json.loads((Path(default_model()) / "config.json").read_text()))

@@ -38,7 +38,9 @@ from kvserve.sim.cost import (
     gpu_profile,
     step_features,
 )
-from kvserve.sim.simulate import HashTokenizer, SimTarget, build_engine, simulate_load
+from kvserve.sim.engine import SimTarget, build_engine
+from kvserve.sim.simulate import simulate_load
+from kvserve.sim.tokenizer import HashTokenizer
 
 SEED_8B = LLAMA_8B  # the seed's example shapes, as the speed benchmark simulates them
 
@@ -760,7 +762,7 @@ def test_a_streamed_workload_replays_as_the_made_one(llama8b):
     records, counters and samples the in-process workload gives (a mixed workload with
     prefixes and multi-turn histories), and hands each request's ids over once."""
     from kvserve.bench.workloads import WorkloadSpec, make_workload
-    from kvserve.sim.simulate import EncodedWorkload, stream_workload, token_counter
+    from kvserve.sim.workload import EncodedWorkload, stream_workload, token_counter
 
     gpu = get_gpu("h100-sxm")
     target = SimTarget(dict(model=llama8b), gpu_profile(gpu), gpu)
@@ -783,7 +785,7 @@ def test_a_streamed_workload_raises_the_producers_errors(llama8b):
     """A bad spec is refused before anything is forked; a prompt too long for the context,
     found by the producer mid-trace, is raised in the replay with the generator's message."""
     from kvserve.bench.workloads import WorkloadSpec
-    from kvserve.sim.simulate import stream_workload
+    from kvserve.sim.workload import stream_workload
 
     gpu = get_gpu("h100-sxm")
     target = SimTarget(dict(model=llama8b), gpu_profile(gpu), gpu)
@@ -901,7 +903,7 @@ def test_new_gemm_shapes_cost_the_profiles_seconds_in_the_simulator():
     GEMMs and the head) at each batch size first seen, and again at each change when the
     cache holds one batch size's six; nothing without the term or under a GEMM's fewest
     rows."""
-    from kvserve.sim.simulate import CostModelRunner, VirtualClock
+    from kvserve.sim.runner import CostModelRunner, VirtualClock
 
     cfg = json.loads((default_model_dir() / "config.json").read_text())
     shape = shape_of(cfg, "float32", "float32")

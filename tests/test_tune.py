@@ -17,9 +17,10 @@ from kvserve.cli import main
 from kvserve.engine_args import default_model
 from kvserve.plan.gpus import get_gpu
 from kvserve.sim.cost import gpu_profile
-from kvserve.sim.simulate import SimTarget, token_counter
+from kvserve.sim.engine import SimTarget
 from kvserve.sim.space import parse_search
 from kvserve.sim.tune import QualityGate, tune
+from kvserve.sim.workload import token_counter
 
 # The bundled model on a GPU so small that its pool holds about four 1.5k-token documents in
 # bfloat16: long-document decoding is then bound by how many sequences fit.

@@ -119,7 +119,7 @@ def add_simulate_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
 
 def sim_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """Engine flags as ``LLM`` keyword arguments; a bare ``config.json`` is a model here."""
-    from kvserve.sim.simulate import model_dir_of
+    from kvserve.sim.engine import model_dir_of
 
     model = model_arg(args)
     if not model:
@@ -138,7 +138,7 @@ def model_name(given: str | None, resolved: str) -> str:
 def sim_target(args: argparse.Namespace, kw: dict[str, Any]) -> Any:
     from kvserve.plan.gpus import GPUS, get_gpu
     from kvserve.sim.cost import Profile, gpu_profile
-    from kvserve.sim.simulate import SimTarget
+    from kvserve.sim.engine import SimTarget
 
     gpu = get_gpu(args.gpu) if args.gpu else None
     if args.profile:
@@ -234,7 +234,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     )
     from kvserve.bench.runner import Progress
     from kvserve.bench.workloads import make_workload
-    from kvserve.sim.simulate import simulate_load, stream_workload, token_counter
+    from kvserve.sim.simulate import simulate_load
+    from kvserve.sim.workload import stream_workload, token_counter
 
     kw = sim_engine_kwargs(args)
     if args.calibrate:

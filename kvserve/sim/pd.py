@@ -158,7 +158,7 @@ def transfer_config() -> dict[str, Any]:
 
 
 def check_roles(target: Any) -> None:
-    """A :class:`~kvserve.sim.simulate.SimTarget`'s disaggregation settings, refused with
+    """A :class:`~kvserve.sim.engine.SimTarget`'s disaggregation settings, refused with
     a message naming the flag."""
     p, d = target.prefill_replicas, target.decode_replicas
     for name, v in (("prefill_replicas", p), ("decode_replicas", d)):

@@ -23,7 +23,7 @@ replay of the same requests does not:
   as ``kvserve proxy``'s decode leg): the gaps' excess over the direct ones is fitted to
   ``b * hop_token_s`` (:func:`fit_hop`), the TTFT's to ``hop_request_s``.
 
-The simulator charges them on the engine's clock (:mod:`kvserve.sim.simulate`): a request's
+The simulator charges them on the engine's clock (:mod:`kvserve.sim.replica`): a request's
 share of its terms when it joins a running engine, a step's after it, before the next step.
 That is the measured effect where the front end shares the engine's cores (a CPU engine
 takes every core), so a profile measured here is for deployments on the same cores, as the
@@ -298,7 +298,8 @@ def fit_share(measured_gap: float, replay: Any) -> float:
 def share_gap(kw: dict[str, Any], profile: Profile, vocab: int, share: float) -> float:
     """The replay's mean stream gap in the share's run, the front end's request time
     taking ``share`` of the engine's when it runs."""
-    from kvserve.sim.simulate import SimTarget, simulate_feed
+    from kvserve.sim.engine import SimTarget
+    from kvserve.sim.simulate import simulate_feed
 
     target = SimTarget(dict(kw), replace(profile, serve_request_share=share), behind_hop=False)
     res, _ = simulate_feed(target, _Injected(vocab))
@@ -333,7 +334,8 @@ class _Lockstep:
 
 def simulated(kw: dict[str, Any], profile: Profile, vocab: int) -> tuple[dict[int, float], float]:
     """:func:`_measure`'s figures as the profile's engine alone gives them (no serving term)."""
-    from kvserve.sim.simulate import SimTarget, simulate_feed
+    from kvserve.sim.engine import SimTarget
+    from kvserve.sim.simulate import simulate_feed
 
     bare = replace(profile, **dict.fromkeys(SERVING_FIELDS, 0.0), serving_measured=False)
     target = SimTarget(dict(kw), bare, behind_hop=False)

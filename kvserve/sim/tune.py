@@ -34,7 +34,8 @@ from kvserve.bench.workloads import BenchRequest
 from kvserve.config import ConfigError, EngineConfig
 from kvserve.config_fields import settings_of
 from kvserve.plan.capacity import PlanError, checkpoint_bytes
-from kvserve.sim.simulate import SimTarget, model_dir_of, simulate_load
+from kvserve.sim.engine import SimTarget, model_dir_of
+from kvserve.sim.simulate import simulate_load
 from kvserve.sim.space import TARGET_KEYS, show_value
 
 DENSE = ("auto", "float32", "bfloat16", "float16")

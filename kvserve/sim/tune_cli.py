@@ -136,7 +136,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from kvserve.bench.metrics import parse_slo
     from kvserve.bench.runner import LoadSpec
     from kvserve.bench.workloads import make_workload
-    from kvserve.sim.simulate import SimTarget, token_counter
+    from kvserve.sim.engine import SimTarget
     from kvserve.sim.space import describe_space, first_pass_size
     from kvserve.sim.tune import (
         QualityGate,
@@ -148,6 +148,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         why_lost,
         why_not_runnable,
     )
+    from kvserve.sim.workload import token_counter
 
     kw = sim_engine_kwargs(args)
     slo = parse_slo(args.slo)
