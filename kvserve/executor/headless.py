@@ -127,39 +127,42 @@ def _await_start(link: NodeLink, nnodes: int, wait_s: float) -> tuple[Any, ...] 
 
 
 def _relay(link: NodeLink, procs: list[Any], conns: list[Connection], first: int) -> int:
-    """Pass calls to the local ranks and their replies back until the group ends."""
+    """Pass calls to the local ranks and their replies back until the group ends; each wake-up
+    looks only at what fired (replies before deaths: a rank's last reply still goes back)."""
     poller = zmq.Poller()
     link.register(poller)
-    for proc, conn in zip(procs, conns, strict=True):
-        poller.register(conn.fileno(), zmq.POLLIN)
-        poller.register(proc.sentinel, zmq.POLLIN)
+    by_pipe = {conn.fileno(): i for i, conn in enumerate(conns)}
+    by_sentinel = {proc.sentinel: i for i, proc in enumerate(procs)}
+    for fd in (*by_pipe, *by_sentinel):
+        poller.register(fd, zmq.POLLIN)
     while True:
-        poller.poll()
-        while (msg := link.recv(0)) is not None:
-            if msg[0] == CALL:
-                for i, conn in enumerate(conns):
-                    try:
-                        conn.send_bytes(msg[1])
-                    except OSError:  # a closed pipe: the worker is gone
-                        return _died(link, procs, first, i)
-            elif msg[0] == STOP:
-                why = msg[1].decode()
-                if why:
-                    log.error("node 0's engine stopped the group: %s", why)
-                    return 1
-                log.info("node 0's engine shut down; stopping this node's workers")
-                return 0
-        for i, conn in enumerate(conns):
-            if conn.poll(0):
+        fired = dict(poller.poll())
+        if link.sock in fired:
+            while (msg := link.recv(0)) is not None:
+                if msg[0] == CALL:
+                    for i, conn in enumerate(conns):
+                        try:
+                            conn.send_bytes(msg[1])
+                        except OSError:  # a closed pipe: the worker is gone
+                            return _died(link, procs, first, i)
+                elif msg[0] == STOP:
+                    why = msg[1].decode()
+                    if why:
+                        log.error("node 0's engine stopped the group: %s", why)
+                        return 1
+                    log.info("node 0's engine shut down; stopping this node's workers")
+                    return 0
+        for fd, i in by_pipe.items():
+            if fd in fired:
                 try:
-                    data = conn.recv_bytes()
+                    data = conns[i].recv_bytes()
                 except (EOFError, OSError):
                     return _died(link, procs, first, i)
                 link.send(REPLY, str(first + i).encode(), data)
-        for i, proc in enumerate(procs):
-            if proc.exitcode is not None:
+        for fd, i in by_sentinel.items():
+            if fd in fired:
                 return _died(link, procs, first, i)
-        if link.check():
+        if link.monitor in fired and link.check():
             log.error("lost node 0's engine at %s: its process ended or it answered no "
                       "heartbeat for %g s; stopping this node's workers", link.endpoint,
                       HEARTBEAT_TIMEOUT_S)  # fmt: skip
