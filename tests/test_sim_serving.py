@@ -12,6 +12,7 @@ import json
 import math
 import random
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -175,6 +176,17 @@ def test_the_share_is_the_grid_value_whose_replay_meets_the_measured_gap():
 
     assert fit_share(0.002 + 0.004 * 0.37, replay) == pytest.approx(0.35)
     assert fit_share(0.0, replay) == 0.0 and fit_share(1.0, replay) == 1.0
+
+
+def test_the_share_replay_is_of_a_warm_server():
+    """The share's measured run follows others on the same server: its replay pays no
+    first-request term, whatever the profile's."""
+    from kvserve.sim.serving import share_gap
+
+    vocab = json.loads((Path(default_model()) / "config.json").read_text())["vocab_size"]
+    warm = profile(serve_request_s=REQ, serve_token_s=TOKEN)
+    cold = replace(warm, serve_first_request_s=0.5)
+    assert share_gap(KW, cold, vocab, 0.5) == share_gap(KW, warm, vocab, 0.5)
 
 
 def test_a_profile_written_before_the_term_loads_with_it_off_and_says_so(tmp_path):

@@ -297,11 +297,13 @@ def fit_share(measured_gap: float, replay: Any) -> float:
 
 def share_gap(kw: dict[str, Any], profile: Profile, vocab: int, share: float) -> float:
     """The replay's mean stream gap in the share's run, the front end's request time
-    taking ``share`` of the engine's when it runs."""
+    taking ``share`` of the engine's when it runs. The measured run comes after others on
+    the same server, so its replay's server is warm: no first-request term."""
     from kvserve.sim.engine import SimTarget
     from kvserve.sim.simulate import simulate_feed
 
-    target = SimTarget(dict(kw), replace(profile, serve_request_share=share), behind_hop=False)
+    warm = replace(profile, serve_request_share=share, serve_first_request_s=0.0)
+    target = SimTarget(dict(kw), warm, behind_hop=False)
     res, _ = simulate_feed(target, _Injected(vocab))
     return _mean_gap(res.records, "s")
 
