@@ -109,6 +109,9 @@ def test_router_routes_by_prefix_keeps_tenants_apart_and_survives_a_replica(clus
     idx, url = state.index, router.url
     shared, tail, other = prompts_of_lengths([100, 20, 60], vocab=300, seed=11)
 
+    # 0. The router read each replica's pool from its metrics (--num-gpu-blocks 96).
+    _until(lambda: [r.pool_blocks for r in state.replicas] == [96, 96], 10, "the pools")
+
     # 1. The first request lands somewhere; its blocks reach the index from the events.
     complete(url, shared, "key-a")
     salt_a = state.tenants.cache_salt("tenant-a", None)

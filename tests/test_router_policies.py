@@ -148,6 +148,47 @@ def test_prefix_approx_remembers_what_it_sent_up_to_its_capacity():
     assert policy.choose(same_prefix, loads).hit_blocks == 0
 
 
+def test_prefix_approx_keeps_at_most_each_replicas_pool_once_it_is_known():
+    """With no capacity given, each replica's history is bounded by the pool it reported
+    (replica 0: 3 blocks), a replica that has not reported keeps everything, and a replica
+    that went down forgets its pool with its history."""
+    policy = make_policy("prefix_approx", block_size=BS)
+    scorer = policy.scorer
+    loads = [ReplicaLoad(), ReplicaLoad()]
+    old, new = RouteRequest(TOKENS, "A"), RouteRequest([9] * 8, "A")  # 3 and 2 blocks
+    for r in (0, 1):
+        policy.routed(old, r)
+        policy.routed(new, r)
+    scorer.learn_pool(0, 3)  # 5 blocks sent, 3 kept: the 2 most recent and old's last
+    assert scorer.match(RouteRequest(TOKENS, "A"), 2) == [(0, 0.0), (3, 3.0)]
+    assert scorer.match(RouteRequest([9] * 8, "A"), 2) == [(2, 2.0), (2, 2.0)]
+    assert policy.choose(RouteRequest(TOKENS, "A"), loads).replica == 1
+    scorer.forget(0)
+    policy.routed(old, 0)
+    policy.routed(new, 0)  # no pool known again: nothing forgotten
+    assert scorer.match(RouteRequest(TOKENS, "A"), 2)[0] == (3, 3.0)
+    fixed = make_policy("prefix_approx", block_size=BS, approx_capacity_blocks=10).scorer
+    fixed.learn_pool(0, 3)  # the operator's capacity wins over the pool
+    assert fixed.capacity(0) == 10
+
+
+def test_pool_blocks_reads_vllm_cache_config_info():
+    from kvserve.router.app import pool_blocks
+
+    page = (
+        "# HELP vllm:cache_config_info The KV cache configuration.\n"
+        "# TYPE vllm:cache_config_info gauge\n"
+        'vllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="823"} 1.0\n'
+        "# HELP vllm:num_requests_running Running.\n"
+        "# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{model_name="m"} 0.0\n'
+    )
+    assert pool_blocks(page) == 823
+    assert pool_blocks(page.replace('"823"', '"None"')) is None  # vLLM before profiling
+    assert pool_blocks("vllm:num_requests_running 0.0\n") is None
+    assert pool_blocks("not { a page") is None
+
+
 def test_round_robin_least_load_and_session_over_healthy_replicas():
     loads = [ReplicaLoad(), ReplicaLoad(healthy=False), ReplicaLoad()]
     rr = make_policy("round_robin")

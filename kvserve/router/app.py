@@ -62,6 +62,7 @@ class Replica:
     events: str | None = None
     replay: str | None = None
     load: ReplicaLoad = field(default_factory=ReplicaLoad)
+    pool_blocks: int | None = None  # its KV pool, from its metrics (None: not read yet)
 
 
 def parse_replica(spec: str) -> tuple[str, str | None, str | None]:
@@ -180,6 +181,7 @@ class RouterState:
         self.metrics.healthy.labels(r.name).set(0)
         if self.subscriber is not None:
             self.subscriber.reset(i)
+        r.pool_blocks = None  # it may come back with another pool
         scorer = getattr(self.policy, "scorer", None)
         if isinstance(scorer, HistoryScorer):
             scorer.forget(i)
@@ -207,8 +209,30 @@ class RouterState:
                 except httpx.HTTPError as e:
                     ok, why = False, f"{type(e).__name__}"
             self.mark_up(i) if ok else self.mark_down(i, why)
+            if ok and r.pool_blocks is None:
+                await self.read_pool(i, r)
 
         await asyncio.gather(*(one(i, r) for i, r in enumerate(self.replicas)))
+
+    async def read_pool(self, i: int, r: Replica) -> None:
+        """The replica's KV pool in blocks, from ``vllm:cache_config_info``'s
+        ``num_gpu_blocks`` label on its ``/metrics`` (kvserve and vLLM both publish it), for
+        the approximate policy's capacity. A replica that does not say is asked again at the
+        next health check."""
+        assert self.client is not None
+        try:
+            resp = await self.client.get(r.url + "/metrics", timeout=2.0)
+        except httpx.HTTPError:
+            return
+        if resp.status_code != 200:
+            return
+        blocks = pool_blocks(resp.text)
+        if blocks is None:
+            return
+        r.pool_blocks = blocks
+        scorer = getattr(self.policy, "scorer", None)
+        if isinstance(scorer, HistoryScorer):
+            scorer.learn_pool(i, blocks)
 
     async def health_loop(self) -> None:
         while True:
@@ -218,6 +242,22 @@ class RouterState:
     async def aclose(self) -> None:
         if self.subscriber is not None:
             await self.subscriber.aclose()
+
+
+def pool_blocks(metrics_text: str) -> int | None:
+    """``num_gpu_blocks`` of the ``vllm:cache_config_info`` sample in a Prometheus text page
+    (None where there is none or it is not a positive integer)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        for fam in text_string_to_metric_families(metrics_text):
+            for sample in fam.samples:
+                if sample.name.startswith("vllm:cache_config_info"):
+                    blocks = int(sample.labels.get("num_gpu_blocks", ""))
+                    return blocks if blocks > 0 else None
+    except ValueError:
+        return None
+    return None
 
 
 def _error(status: int, message: str, code: str | None = None) -> JSONResponse:

@@ -61,9 +61,10 @@ def add_router_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
         default=16,
         help="prefix_approx: the replicas' block size (default: %(default)s)",
     )
-    p.add_argument("--approx-capacity-blocks", type=int, default=1 << 16,
-                   help="prefix_approx: blocks a replica is assumed to keep (default: "
-                   "%(default)s)")  # fmt: skip
+    p.add_argument("--approx-capacity-blocks", type=int, default=None,
+                   help="prefix_approx: blocks a replica is assumed to keep (default: each "
+                   "replica's KV pool, from vllm:cache_config_info's num_gpu_blocks on its "
+                   "/metrics; 65536 until it says)")  # fmt: skip
     p.add_argument(
         "--kv-events-topic",
         default="",
@@ -101,7 +102,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         if getattr(args, name) <= 0:
             raise ValueError(f"{name}: must be > 0, got {getattr(args, name)}")
     for name in ("block_size", "approx_capacity_blocks"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"{name}: must be >= 1, got {getattr(args, name)}")
     if args.balance_abs_threshold < 0:
         raise ValueError(f"balance_abs_threshold: must be >= 0, got {args.balance_abs_threshold}")

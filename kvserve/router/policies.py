@@ -9,8 +9,9 @@ flight, whether it is healthy) and returns a :class:`Decision`. The prefix polic
 - ``prefix`` (precise): the :class:`~kvserve.router.index.PrefixIndex` built from the
   replicas' KV events, each block credited by its medium.
 - ``prefix_approx``: the router's own routing history (SGLang's approximate tree): a
-  replica is assumed to hold the prompts it was sent, up to a capacity, least recently sent
-  forgotten first. For replicas that publish no events.
+  replica is assumed to hold the prompts it was sent, up to its pool's size (read from its
+  metrics) or a capacity the operator sets, least recently sent forgotten first. For
+  replicas that publish no events.
 
 Both use NVIDIA Dynamo's cost: ``overlap_weight * (prompt blocks the replica must compute)
 + (the blocks it would hold: the distinct prompt blocks in flight on it, and this prompt's
@@ -210,14 +211,42 @@ class InFlight:
         return n
 
 
+# Blocks a replica is assumed to keep where neither the operator nor the replica says.
+DEFAULT_CAPACITY_BLOCKS = 1 << 16
+
+
 class HistoryScorer:
     """The approximate scorer: each replica is assumed to hold the blocks of the prompts it
-    was sent, at most ``capacity_blocks`` of them (least recently sent forgotten first)."""
+    was sent, at most its capacity of them (least recently sent forgotten first).
 
-    def __init__(self, block_size: int = 16, capacity_blocks: int = 1 << 16) -> None:
+    The capacity is ``capacity_blocks`` where the operator gives one, else the replica's own
+    pool once the router has read it (:meth:`learn_pool`). A history larger than the pool
+    believes every replica still holds every context it was ever sent; once the load term has
+    spread a context to two replicas, both score alike for it forever, and the policy routes
+    on load alone while the pools evict what it thinks they hold."""
+
+    def __init__(self, block_size: int = 16, capacity_blocks: int | None = None) -> None:
         self.block_size: int | None = block_size
         self.capacity_blocks = capacity_blocks
+        self.pools: dict[int, int] = {}  # replica -> its pool's blocks, as it reported them
         self.sent: list[OrderedDict[bytes, None]] = []
+
+    def capacity(self, replica: int) -> int:
+        if self.capacity_blocks is not None:
+            return self.capacity_blocks
+        return self.pools.get(replica, DEFAULT_CAPACITY_BLOCKS)
+
+    def learn_pool(self, replica: int, blocks: int) -> None:
+        """The replica's pool holds ``blocks`` blocks: keep at most that many of its history
+        (unless the operator fixed the capacity)."""
+        self.pools[replica] = blocks
+        if replica < len(self.sent):
+            self._trim(replica)
+
+    def _trim(self, replica: int) -> None:
+        sent, cap = self.sent[replica], self.capacity(replica)
+        while len(sent) > cap:
+            sent.popitem(last=False)
 
     def _chain(self, req: RouteRequest) -> list[BlockHash]:
         assert self.block_size is not None
@@ -244,10 +273,12 @@ class HistoryScorer:
         for h in self._chain(req):
             sent[h] = None
             sent.move_to_end(h)
-        while len(sent) > self.capacity_blocks:
-            sent.popitem(last=False)
+        self._trim(replica)
 
     def forget(self, replica: int) -> None:
+        """The replica went down: its history, and its pool's size (it may come back with
+        another)."""
+        self.pools.pop(replica, None)
         if replica < len(self.sent):
             self.sent[replica].clear()
 
@@ -324,7 +355,7 @@ def make_policy(
     name: str,
     index: PrefixIndex | None = None,
     block_size: int = 16,
-    approx_capacity_blocks: int = 1 << 16,
+    approx_capacity_blocks: int | None = None,
     scorer: PrefixScorer | None = None,
     **prefix_kw: float,
 ) -> RoutingPolicy:

@@ -23,6 +23,7 @@ from kvserve.kv.hashing import extend_block_hashes
 from kvserve.router.index import PrefixIndex
 from kvserve.router.policies import (
     POLICIES,
+    HistoryScorer,
     ReplicaLoad,
     RouteRequest,
     make_policy,
@@ -70,6 +71,10 @@ def routed_fleet(
         policy.name = "oracle"
     else:
         policy = make_policy(policy_name, index=index, block_size=bs)
+    scorer = getattr(policy, "scorer", None)
+    if isinstance(scorer, HistoryScorer):  # each pool, as the real router reads it
+        for k, eng in enumerate(engines):
+            scorer.learn_pool(k, eng.num_blocks)
     if policy_name == "prefix":
         for eng in engines:
             eng.kv.enable_events("GPU")
