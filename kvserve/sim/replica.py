@@ -274,6 +274,10 @@ class Replica:
         runner = self.sim.runner
         return runner.profile.serving_request_time(runner.hop)
 
+    def sample_from(self, t: float) -> None:
+        """Take the first sample at ``t`` (the replay's start, after the warm-up)."""
+        self._next_sample = t
+
     def _sample(self, eng: LLMEngine) -> None:
         if self.sim.clock.now >= self._next_sample:
             from kvserve.bench.engine_target import engine_snapshot

@@ -176,7 +176,7 @@ def _prepare(
     rep.on_done = progress
     rep.sink = trace.sink
     t0 = sim.clock.now
-    rep._next_sample = t0
+    rep.sample_from(t0)
     before = engine_snapshot(sim.engine)
     mine = list(range(k, len(requests), target.replicas))
     share: Sequence[BenchRequest] = requests  # a lone replica's: taken as it is (streamed)
