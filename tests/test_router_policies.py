@@ -172,8 +172,8 @@ def test_prefix_approx_keeps_at_most_each_replicas_pool_once_it_is_known():
     assert fixed.capacity(0) == 10
 
 
-def test_pool_blocks_reads_vllm_cache_config_info():
-    from kvserve.router.app import pool_blocks
+def test_num_gpu_blocks_of_reads_vllm_cache_config_info():
+    from kvserve.router.app import num_gpu_blocks_of
 
     page = (
         "# HELP vllm:cache_config_info The KV cache configuration.\n"
@@ -183,10 +183,67 @@ def test_pool_blocks_reads_vllm_cache_config_info():
         "# TYPE vllm:num_requests_running gauge\n"
         'vllm:num_requests_running{model_name="m"} 0.0\n'
     )
-    assert pool_blocks(page) == 823
-    assert pool_blocks(page.replace('"823"', '"None"')) is None  # vLLM before profiling
-    assert pool_blocks("vllm:num_requests_running 0.0\n") is None
-    assert pool_blocks("not { a page") is None
+    assert num_gpu_blocks_of(page) == 823
+    assert num_gpu_blocks_of(page.replace('"823"', '"None"')) is None  # vLLM before profiling
+    assert num_gpu_blocks_of(page.replace('"823"', '"0"')) is None
+    assert num_gpu_blocks_of("vllm:num_requests_running 0.0\n") is None
+    assert num_gpu_blocks_of("not { a page") is None
+
+
+def test_the_router_reads_each_pool_for_prefix_approx_once_and_again_after_a_replica_is_down():
+    """Against replicas answering through httpx's mock transport: each healthy replica's pool
+    is read from its /metrics into prefix_approx's history bounds; a replica that gives no
+    pool is asked POOL_READS times and no more; one marked down while its page is on the way
+    keeps nothing of it, and is read again once it is back."""
+    import asyncio
+
+    import httpx
+
+    from kvserve.router.app import POOL_READS, Replica, RouterState
+    from kvserve.router.index import PrefixIndex
+    from kvserve.server.tenants import TenantResolver
+
+    pools = {"r0": 7, "r1": None}  # r1 publishes no cache_config_info
+    reads = {"r0": 0, "r1": 0}
+    state: RouterState
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        reads[host] += 1
+        if on_read is not None:
+            on_read()
+        n = pools[host]
+        line = "" if n is None else f'vllm:cache_config_info{{num_gpu_blocks="{n}"}} 1.0\n'
+        return httpx.Response(200, text=line + "vllm:num_requests_running 0.0\n")
+
+    on_read = None
+    policy = make_policy("prefix_approx", block_size=BS)
+    state = RouterState([Replica("r0", "http://r0"), Replica("r1", "http://r1")], policy,
+                        PrefixIndex(2), TenantResolver.from_args(None, None))  # fmt: skip
+
+    async def checks(n: int) -> None:
+        state.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        for _ in range(n):
+            await state.check_health()
+        await state.client.aclose()
+
+    asyncio.run(checks(POOL_READS + 2))
+    assert policy.scorer.pools == {0: 7}
+    assert reads == {"r0": 1, "r1": POOL_READS}
+    state.mark_down(0, "test")
+    pools["r0"] = 11
+
+    def down_meanwhile() -> None:  # a failed request marks r0 down while its page comes
+        state.mark_down(0, "test")
+
+    on_read = down_meanwhile
+    asyncio.run(checks(1))  # r0 is back (health 200), read, and down again before the answer
+    assert 0 not in policy.scorer.pools
+    on_read = None
+    asyncio.run(checks(1))
+    assert policy.scorer.pools == {0: 11}
 
 
 def test_round_robin_least_load_and_session_over_healthy_replicas():

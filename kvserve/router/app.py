@@ -22,6 +22,7 @@ import contextlib
 import gc
 import json
 import logging
+import re
 import resource
 import time
 from collections import deque
@@ -39,7 +40,7 @@ from kvserve.router.events import EventSubscriber
 from kvserve.router.index import PrefixIndex
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policies import (
-    HistoryScorer,
+    DEFAULT_CAPACITY_BLOCKS,
     NoReplicaError,
     ReplicaLoad,
     RouteRequest,
@@ -50,6 +51,9 @@ from kvserve.server.chat_prompt import render_chat
 from kvserve.server.tenants import TenantResolver
 
 log = logging.getLogger("kvserve.router")
+
+# /metrics pages read per replica for its pool's size before the router stops asking.
+POOL_READS = 3
 _RUSAGE_THREAD: int | None = getattr(resource, "RUSAGE_THREAD", None)  # Linux
 
 HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "accept-encoding"}
@@ -62,7 +66,7 @@ class Replica:
     events: str | None = None
     replay: str | None = None
     load: ReplicaLoad = field(default_factory=ReplicaLoad)
-    pool_blocks: int | None = None  # its KV pool, from its metrics (None: not read yet)
+    pool_reads: int = 0  # /metrics pages read without the pool's size in them
 
 
 def parse_replica(spec: str) -> tuple[str, str | None, str | None]:
@@ -181,10 +185,8 @@ class RouterState:
         self.metrics.healthy.labels(r.name).set(0)
         if self.subscriber is not None:
             self.subscriber.reset(i)
-        r.pool_blocks = None  # it may come back with another pool
-        scorer = getattr(self.policy, "scorer", None)
-        if isinstance(scorer, HistoryScorer):
-            scorer.forget(i)
+        r.pool_reads = 0  # it may come back with another pool, or a newer server
+        self.policy.replica_down(i)
 
     def mark_up(self, i: int) -> None:
         r = self.replicas[i]
@@ -209,7 +211,7 @@ class RouterState:
                 except httpx.HTTPError as e:
                     ok, why = False, f"{type(e).__name__}"
             self.mark_up(i) if ok else self.mark_down(i, why)
-            if ok and r.pool_blocks is None:
+            if ok and r.pool_reads < POOL_READS and self.policy.wants_pool(i):
                 await self.read_pool(i, r)
 
         await asyncio.gather(*(one(i, r) for i, r in enumerate(self.replicas)))
@@ -217,22 +219,28 @@ class RouterState:
     async def read_pool(self, i: int, r: Replica) -> None:
         """The replica's KV pool in blocks, from ``vllm:cache_config_info``'s
         ``num_gpu_blocks`` label on its ``/metrics`` (kvserve and vLLM both publish it), for
-        the approximate policy's capacity. A replica that does not say is asked again at the
-        next health check."""
+        the approximate policy's capacity. A replica that does not say is asked at the next
+        health checks, POOL_READS times in all; one marked down meanwhile keeps nothing of
+        this read (it may come back with another pool)."""
         assert self.client is not None
+        blocks = None
         try:
             resp = await self.client.get(r.url + "/metrics", timeout=2.0)
+            if resp.status_code == 200:
+                blocks = num_gpu_blocks_of(resp.text)
         except httpx.HTTPError:
+            pass
+        if not r.load.healthy:
             return
-        if resp.status_code != 200:
+        if blocks is not None:
+            self.policy.learn_pool(i, blocks)
             return
-        blocks = pool_blocks(resp.text)
-        if blocks is None:
-            return
-        r.pool_blocks = blocks
-        scorer = getattr(self.policy, "scorer", None)
-        if isinstance(scorer, HistoryScorer):
-            scorer.learn_pool(i, blocks)
+        r.pool_reads += 1
+        if r.pool_reads == POOL_READS:
+            log.warning("replica %s (%s) gives no num_gpu_blocks in vllm:cache_config_info on "
+                        "its /metrics: prefix_approx assumes %d blocks for it (set "
+                        "--approx-capacity-blocks)", r.name, r.url,
+                        DEFAULT_CAPACITY_BLOCKS)  # fmt: skip
 
     async def health_loop(self) -> None:
         while True:
@@ -244,20 +252,17 @@ class RouterState:
             await self.subscriber.aclose()
 
 
-def pool_blocks(metrics_text: str) -> int | None:
-    """``num_gpu_blocks`` of the ``vllm:cache_config_info`` sample in a Prometheus text page
-    (None where there is none or it is not a positive integer)."""
-    from prometheus_client.parser import text_string_to_metric_families
+_CACHE_CONFIG = re.compile(r'^vllm:cache_config_info\{[^}\n]*\bnum_gpu_blocks="([^"]*)"', re.M)
 
-    try:
-        for fam in text_string_to_metric_families(metrics_text):
-            for sample in fam.samples:
-                if sample.name.startswith("vllm:cache_config_info"):
-                    blocks = int(sample.labels.get("num_gpu_blocks", ""))
-                    return blocks if blocks > 0 else None
-    except ValueError:
+
+def num_gpu_blocks_of(metrics_text: str) -> int | None:
+    """``num_gpu_blocks`` of the ``vllm:cache_config_info`` sample in a Prometheus text page
+    (None where there is none or it is not a positive integer). One search of the page, not a
+    parse of every family: it runs on the loop that routes."""
+    m = _CACHE_CONFIG.search(metrics_text)
+    if m is None or not m.group(1).isdigit():
         return None
-    return None
+    return int(m.group(1)) or None
 
 
 def _error(status: int, message: str, code: str | None = None) -> JSONResponse:

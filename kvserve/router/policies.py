@@ -86,6 +86,16 @@ class RoutingPolicy(ABC):
     def finished(self, req: RouteRequest, replica: int) -> None:  # noqa: B027 - optional hook
         """The request ended on ``replica`` (served, failed or cut)."""
 
+    def wants_pool(self, replica: int) -> bool:
+        """Whether the policy still needs ``replica``'s KV pool size (:meth:`learn_pool`)."""
+        return False
+
+    def learn_pool(self, replica: int, blocks: int) -> None:  # noqa: B027 - optional hook
+        """``replica``'s KV pool holds ``blocks`` blocks."""
+
+    def replica_down(self, replica: int) -> None:  # noqa: B027 - optional hook
+        """``replica`` went down: whatever the policy believed it held is gone."""
+
 
 class RoundRobin(RoutingPolicy):
     name = "round_robin"
@@ -231,6 +241,9 @@ class HistoryScorer:
         self.pools: dict[int, int] = {}  # replica -> its pool's blocks, as it reported them
         self.sent: list[OrderedDict[bytes, None]] = []
 
+    def wants_pool(self, replica: int) -> bool:
+        return self.capacity_blocks is None and replica not in self.pools
+
     def capacity(self, replica: int) -> int:
         if self.capacity_blocks is not None:
             return self.capacity_blocks
@@ -346,6 +359,17 @@ class PrefixPolicy(RoutingPolicy):
 
     def finished(self, req: RouteRequest, replica: int) -> None:
         self.inflight.remove(req, replica)
+
+    def wants_pool(self, replica: int) -> bool:
+        return isinstance(self.scorer, HistoryScorer) and self.scorer.wants_pool(replica)
+
+    def learn_pool(self, replica: int, blocks: int) -> None:
+        if isinstance(self.scorer, HistoryScorer):
+            self.scorer.learn_pool(replica, blocks)
+
+    def replica_down(self, replica: int) -> None:
+        if isinstance(self.scorer, HistoryScorer):
+            self.scorer.forget(replica)
 
 
 POLICIES = ("round_robin", "least_load", "session", "prefix", "prefix_approx")

@@ -23,7 +23,6 @@ from kvserve.kv.hashing import extend_block_hashes
 from kvserve.router.index import PrefixIndex
 from kvserve.router.policies import (
     POLICIES,
-    HistoryScorer,
     ReplicaLoad,
     RouteRequest,
     make_policy,
@@ -71,10 +70,9 @@ def routed_fleet(
         policy.name = "oracle"
     else:
         policy = make_policy(policy_name, index=index, block_size=bs)
-    scorer = getattr(policy, "scorer", None)
-    if isinstance(scorer, HistoryScorer):  # each pool, as the real router reads it
-        for k, eng in enumerate(engines):
-            scorer.learn_pool(k, eng.num_blocks)
+    for k, eng in enumerate(engines):  # each pool, as the real router reads it
+        if policy.wants_pool(k):
+            policy.learn_pool(k, eng.num_blocks)
     if policy_name == "prefix":
         for eng in engines:
             eng.kv.enable_events("GPU")
