@@ -35,10 +35,21 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import emit, table, wait_ready
+from benchmarks.routing_stats import (
+    cores_busy,
+    cpu_ticks,
+    dump_decisions,
+    figures,
+    on_core,
+    pct,
+    proc_cpu_s,
+    steal_share,
+)
 from kvserve.distributed import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -174,13 +185,11 @@ class Router:
 
 
 async def drive(url: str, trace: list[tuple[int, str]], rate: float, max_tokens: int,
-                seed: int, warm: list[str]) -> tuple[list[dict[str, Any]], float]:  # fmt: skip
+                seed: int) -> tuple[list[dict[str, Any]], float]:  # fmt: skip
     """Open loop: each request at its arrival (the schedule ``kvserve bench`` and the
-    simulator draw for this rate and seed), streamed; TTFT, tokens and hits. The ``warm``
-    prompts go first, one at a time and untimed, through the same client and router: a
-    fresh client's and router's first requests pay for their connections and lazy set-up,
-    which a router that has served for a while paid long ago. Also returns the client's CPU
-    seconds over the trace."""
+    simulator draw for this rate and seed), streamed; TTFT, tokens and hits; and the client's
+    CPU seconds over the trace. With no trace and no rate (:func:`warm_client`), the
+    requests go one after another."""
     import httpx
 
     from kvserve.bench.workloads import arrival_times
@@ -211,10 +220,11 @@ async def drive(url: str, trace: list[tuple[int, str]], rate: float, max_tokens:
             rec["end"] = time.perf_counter()
             out.append(rec)
 
-        for prompt in warm:
-            await one(0.0, prompt)
-        out.clear()
         cpu0 = time.process_time()
+        if rate <= 0:
+            for _, prompt in trace:
+                await one(0.0, prompt)
+            return out, time.process_time() - cpu0
         sends = arrival_times(len(trace), rate, 1.0, seed)
         pairs = zip(trace, sends, strict=True)
         await asyncio.gather(*(one(at, prompt) for (_, prompt), at in pairs))
@@ -222,38 +232,27 @@ async def drive(url: str, trace: list[tuple[int, str]], rate: float, max_tokens:
 
 
 def drive_elsewhere(url: str, trace: list[tuple[int, str]], rate: float, max_tokens: int,
-                    seed: int, warm: list[str]) -> tuple[list[dict[str, Any]], float]:  # fmt: skip
+                    seed: int, warm: list[str],
+                    at_start: Callable[[], None],
+                    ) -> tuple[list[dict[str, Any]], float]:  # fmt: skip
     """:func:`drive` in a process of its own: sharing the router's process, the client's
     thread would hold the GIL while the router decides (a real router has its process to
-    itself), and the decision times would measure the benchmark's client."""
+    itself), and the decision times would measure the benchmark's client. The ``warm``
+    prompts go first, one at a time, from the same process through the same router: a fresh
+    client's and router's first requests pay for imports, connections and lazy set-up, which
+    a router that has served a while paid long ago. ``at_start`` runs between the two."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_drive_sync, url, trace, rate, max_tokens, seed, warm).result()
+        pool.submit(_drive_sync, url, [(0, p) for p in warm], 0.0, max_tokens, seed).result()
+        at_start()
+        return pool.submit(_drive_sync, url, trace, rate, max_tokens, seed).result()
 
 
 def _drive_sync(url: str, trace: list[tuple[int, str]], rate: float, max_tokens: int,
-                seed: int, warm: list[str]) -> tuple[list[dict[str, Any]], float]:  # fmt: skip
-    return asyncio.run(drive(url, trace, rate, max_tokens, seed, warm))
-
-
-def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, math.ceil(q * len(xs)) - 1)]
-
-
-def figures(recs: list[dict[str, Any]]) -> dict[str, Any]:
-    ok = [r for r in recs if r["ok"]]
-    span = max(r["end"] for r in ok) - min(r["send"] for r in ok) if ok else 0.0
-    return {
-        "hit_rate": sum(r["cached"] for r in ok) / max(1, sum(r["prompt"] for r in ok)),
-        "ttft_p90_s": pct([r["ttft"] for r in ok if "ttft" in r], 0.9),
-        "output_tok_s": sum(r["out"] for r in ok) / span if span else 0.0,
-        "failed": len(recs) - len(ok),
-    }
+                seed: int) -> tuple[list[dict[str, Any]], float]:  # fmt: skip
+    return asyncio.run(drive(url, trace, rate, max_tokens, seed))
 
 
 def simulate(profile_file: str, replicas: int, serve_kw: dict[str, Any], trace: list,
@@ -407,76 +406,6 @@ def main(argv: list[str] | None = None) -> None:
 FIGURES = ("hit_rate", "ttft_p90_s", "output_tok_s", "failed")
 
 
-def drop_warmup(state: Any, n: int) -> None:
-    """Forget the router's first ``n`` decisions: the warm-up's, not the trace's."""
-    for d in (state.decision_times, state.decision_cpu_times, state.decision_preempted,
-              state.decision_waited):  # fmt: skip
-        for _ in range(min(n, len(d))):
-            d.popleft()
-
-
-def dump_decisions(state: Any, path: Path) -> None:
-    """Every decision's wall and CPU seconds and whether the OS preempted it or it waited."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({
-        "wall_s": list(state.decision_times), "cpu_s": list(state.decision_cpu_times),
-        "preempted": list(state.decision_preempted), "waited": list(state.decision_waited),
-    }))  # fmt: skip
-
-
-def cpu_ticks() -> list[int]:
-    """The machine's CPU time by kind (/proc/stat's first line; empty where there is none)."""
-    try:
-        with open("/proc/stat") as f:
-            return [int(x) for x in f.readline().split()[1:]]
-    except OSError:
-        return []
-
-
-def proc_cpu_s(pid: int) -> float:
-    """A process's user + system CPU seconds so far (/proc/PID/stat; 0 where there is none)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def cores_busy(recs: list[dict[str, Any]], replicas: list[float], router: float,
-               client: float) -> dict[str, Any]:  # fmt: skip
-    """Cores each part kept busy on average over the trace's span (CPU seconds / span): the
-    router and the client share the replicas' cores on a small machine."""
-    ok = [r for r in recs if r["ok"]]
-    span = max(r["end"] for r in ok) - min(r["send"] for r in ok) if ok else 0.0
-    if not span:
-        return {}
-    return {"replicas": [c / span for c in replicas], "router": router / span,
-            "client": client / span}  # fmt: skip
-
-
-def steal_share(before: list[int], after: list[int]) -> float | None:
-    """Of the CPU time between two readings, the share the hypervisor gave to other guests
-    (steal: a wait no thread of this machine sees as a context switch)."""
-    if len(before) < 8 or len(after) < 8:
-        return None
-    d = [b - a for a, b in zip(before, after, strict=False)]
-    return d[7] / max(1, sum(d[:8]))
-
-
-def on_core(state: Any) -> dict[str, float]:
-    """The decisions' wall p99 over those that ran to the end on their core (no context
-    switch of the router's thread), and the shares the OS preempted and that waited (the GIL,
-    a page): where the replicas keep every core busy, the wall p99 is the wait for a core."""
-    walls = list(state.decision_times)
-    cut, waited = list(state.decision_preempted), list(state.decision_waited)
-    kept = [w for w, c, v in zip(walls, cut, waited, strict=True) if not (c or v)]
-    n = max(1, len(walls))
-    return {"decision_on_core_p99_ms": (pct(kept, 0.99) or 0.0) * 1000,
-            "decision_preempted_share": sum(cut) / n,
-            "decision_waited_share": sum(waited) / n}  # fmt: skip
-
-
 def run_rate(a: argparse.Namespace, rate: float, trace: list, serve_args: list[str],
              model: str, max_tokens: int,
              warm: list[str]) -> dict[str, dict[str, Any]]:  # fmt: skip
@@ -490,15 +419,24 @@ def run_rate(a: argparse.Namespace, rate: float, trace: list, serve_args: list[s
             try:
                 warm_up([s.split(",")[0] for s in reps.specs], warm, max_tokens)
                 router = Router(reps.specs, policy, model)
-                cpu0 = cpu_ticks()
-                reps0, router0 = [proc_cpu_s(p.pid) for p in reps.procs], time.process_time()
+                start: dict[str, Any] = {}
+
+                def at_start(state: Any = router.state, procs: list = reps.procs,
+                             start: dict[str, Any] = start) -> None:  # fmt: skip
+                    # The trace's decisions only, and every CPU reading from its start.
+                    for d in (state.decision_times, state.decision_cpu_times,
+                              state.decision_preempted, state.decision_waited):  # fmt: skip
+                        d.clear()
+                    start.update(ticks=cpu_ticks(), router=time.process_time(),
+                                 replicas=[proc_cpu_s(p.pid) for p in procs])  # fmt: skip
+
                 recs, client_cpu = drive_elsewhere(router.url, trace, rate, max_tokens, a.seed,
-                                                   warm)  # fmt: skip
-                router_cpu = time.process_time() - router0
+                                                   warm, at_start)  # fmt: skip
+                router_cpu = time.process_time() - start["router"]
+                reps0 = start["replicas"]
                 reps_cpu = [proc_cpu_s(p.pid) - c for p, c in zip(reps.procs, reps0, strict=True)]
-                drop_warmup(router.state, len(warm))
                 res = figures(recs)
-                res["steal_share"] = steal_share(cpu0, cpu_ticks())
+                res["steal_share"] = steal_share(start["ticks"], cpu_ticks())
                 res["cores_busy"] = cores_busy(recs, reps_cpu, router_cpu, client_cpu)
                 res["decision_p99_ms"] = (pct(list(router.state.decision_times), 0.99)
                                           or 0.0) * 1000  # fmt: skip

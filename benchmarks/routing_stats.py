@@ -1,0 +1,91 @@
+"""What the routing benchmark measures beside the trace's figures: percentiles and a run's
+figures from its records, the CPU each process kept busy, the machine's steal, and the
+router's decisions that ran on their core."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, math.ceil(q * len(xs)) - 1)]
+
+
+def figures(recs: list[dict[str, Any]]) -> dict[str, Any]:
+    ok = [r for r in recs if r["ok"]]
+    span = max(r["end"] for r in ok) - min(r["send"] for r in ok) if ok else 0.0
+    return {
+        "hit_rate": sum(r["cached"] for r in ok) / max(1, sum(r["prompt"] for r in ok)),
+        "ttft_p90_s": pct([r["ttft"] for r in ok if "ttft" in r], 0.9),
+        "output_tok_s": sum(r["out"] for r in ok) / span if span else 0.0,
+        "failed": len(recs) - len(ok),
+    }
+
+
+def dump_decisions(state: Any, path: Path) -> None:
+    """Every decision's wall and CPU seconds and whether the OS preempted it or it waited."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({
+        "wall_s": list(state.decision_times), "cpu_s": list(state.decision_cpu_times),
+        "preempted": list(state.decision_preempted), "waited": list(state.decision_waited),
+    }))  # fmt: skip
+
+
+def cpu_ticks() -> list[int]:
+    """The machine's CPU time by kind (/proc/stat's first line; empty where there is none)."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return []
+
+
+def proc_cpu_s(pid: int) -> float:
+    """A process's user + system CPU seconds so far (/proc/PID/stat; 0 where there is none)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cores_busy(recs: list[dict[str, Any]], replicas: list[float], router: float,
+               client: float) -> dict[str, Any]:  # fmt: skip
+    """Cores each part kept busy on average over the trace's span (CPU seconds / span): the
+    router and the client share the replicas' cores on a small machine."""
+    ok = [r for r in recs if r["ok"]]
+    span = max(r["end"] for r in ok) - min(r["send"] for r in ok) if ok else 0.0
+    if not span:
+        return {}
+    return {"replicas": [c / span for c in replicas], "router": router / span,
+            "client": client / span}  # fmt: skip
+
+
+def steal_share(before: list[int], after: list[int]) -> float | None:
+    """Of the CPU time between two readings, the share the hypervisor gave to other guests
+    (steal: a wait no thread of this machine sees as a context switch)."""
+    if len(before) < 8 or len(after) < 8:
+        return None
+    d = [b - a for a, b in zip(before, after, strict=False)]
+    return d[7] / max(1, sum(d[:8]))
+
+
+def on_core(state: Any) -> dict[str, float]:
+    """The decisions' wall p99 over those that ran to the end on their core (no context
+    switch of the router's thread), and the shares the OS preempted and that waited (the GIL,
+    a page): where the replicas keep every core busy, the wall p99 is the wait for a core."""
+    walls = list(state.decision_times)
+    cut, waited = list(state.decision_preempted), list(state.decision_waited)
+    kept = [w for w, c, v in zip(walls, cut, waited, strict=True) if not (c or v)]
+    n = max(1, len(walls))
+    return {"decision_on_core_p99_ms": (pct(kept, 0.99) or 0.0) * 1000,
+            "decision_preempted_share": sum(cut) / n,
+            "decision_waited_share": sum(waited) / n}  # fmt: skip
