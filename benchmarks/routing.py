@@ -51,6 +51,7 @@ from benchmarks.routing_stats import (
     steal_share,
 )
 from kvserve.distributed import free_port
+from kvserve.sim.serving import stop_process
 
 REPO = Path(__file__).resolve().parent.parent
 POLICIES = ("oracle", "prefix", "prefix_approx", "round_robin", "least_load")
@@ -89,14 +90,10 @@ def warmup_prompts(tok: Any, n: int, tokens: int, seed: int) -> list[str]:
 
 def warm_up(urls: list[str], prompts: list[str], max_tokens: int) -> None:
     """Each prompt on each replica, one at a time, before the router sees any request."""
-    import httpx
-
-    with httpx.Client(timeout=300) as client:
-        for url in urls:
-            for prompt in prompts:
-                body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens,
-                        "temperature": 0, "ignore_eos": True}  # fmt: skip
-                client.post(url + "/v1/completions", json=body).raise_for_status()
+    for url in urls:
+        recs, _ = asyncio.run(drive(url, [(0, p) for p in prompts], 0.0, max_tokens, 0))
+        if not all(r["ok"] for r in recs):
+            raise RuntimeError(f"the warm-up of the replica at {url} failed")
 
 
 class Replicas:
@@ -136,14 +133,10 @@ class Replicas:
             wait_ready(int(spec.split(",")[0].rsplit(":", 1)[1]), 300, p)
 
     def close(self) -> None:
-        for p in self.procs:
+        for p in self.procs:  # all at once, then each waited for (killed past 30 s)
             p.terminate()
         for p in self.procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
+            stop_process(p)
 
 
 class Router:

@@ -18,9 +18,15 @@ def pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, math.ceil(q * len(xs)) - 1)]
 
 
+def trace_span(recs: list[dict[str, Any]]) -> float:
+    """Seconds from the first successful request's send to the last one's end (0: none)."""
+    ok = [r for r in recs if r["ok"]]
+    return max(r["end"] for r in ok) - min(r["send"] for r in ok) if ok else 0.0
+
+
 def figures(recs: list[dict[str, Any]]) -> dict[str, Any]:
     ok = [r for r in recs if r["ok"]]
-    span = max(r["end"] for r in ok) - min(r["send"] for r in ok) if ok else 0.0
+    span = trace_span(recs)
     return {
         "hit_rate": sum(r["cached"] for r in ok) / max(1, sum(r["prompt"] for r in ok)),
         "ttft_p90_s": pct([r["ttft"] for r in ok if "ttft" in r], 0.9),
@@ -61,8 +67,7 @@ def cores_busy(recs: list[dict[str, Any]], replicas: list[float], router: float,
                client: float) -> dict[str, Any]:  # fmt: skip
     """Cores each part kept busy on average over the trace's span (CPU seconds / span): the
     router and the client share the replicas' cores on a small machine."""
-    ok = [r for r in recs if r["ok"]]
-    span = max(r["end"] for r in ok) - min(r["send"] for r in ok) if ok else 0.0
+    span = trace_span(recs)
     if not span:
         return {}
     return {"replicas": [c / span for c in replicas], "router": router / span,
