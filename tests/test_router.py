@@ -187,7 +187,7 @@ def _metrics(url: str) -> dict:
     return out
 
 
-def test_router_cli_refuses_bad_flags():
+def test_router_cli_refuses_bad_flags(capsys):
     from kvserve.cli import main
 
     with pytest.raises(SystemExit):
@@ -195,3 +195,6 @@ def test_router_cli_refuses_bad_flags():
     # prefix without any events endpoint: a clear error naming the flag, exit 2
     assert main(["router", "--replica", "http://127.0.0.1:1"]) == 2
     assert main(["router", "--replica", "127.0.0.1:1", "--routing-logic", "round_robin"]) == 2
+    assert main(["router", "--replica", "http://127.0.0.1:1", "--routing-logic",
+                 "prefix_approx", "--approx-capacity-blocks", "0"]) == 2  # fmt: skip
+    assert "approx_capacity_blocks: must be >= 1, got 0" in capsys.readouterr().err
