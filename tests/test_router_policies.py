@@ -135,6 +135,20 @@ def test_imbalance_guard_overrides_the_cache():
     assert d.replica == 0 and not d.balanced
 
 
+def test_no_imbalance_guard_unless_asked():
+    """By default the cost alone decides, however unequal the request counts (the guard at
+    16 / 1.5 would send both requests to the replica with 2 in flight)."""
+    policy = make_policy("prefix", index=index_two_replicas())
+    # Tenant B's chain is on replica 1 alone: replica 0 costs 1.0 * 3 + 0 + 3 = 6, replica 1 0.
+    req = RouteRequest(TOKENS, "B")
+    d = policy.choose(req, [ReplicaLoad(requests=2), ReplicaLoad(requests=40)])
+    assert d.replica == 1 and d.hit_blocks == 3 and not d.balanced
+    # Tenant A: replica 0 holds all 3 (cost 0), replica 1 two, 1.8 credited (1.2 + 1 = 2.2).
+    req = RouteRequest(TOKENS, "A")
+    d = policy.choose(req, [ReplicaLoad(requests=40), ReplicaLoad(requests=2)])
+    assert d.replica == 0 and d.hit_blocks == 3 and not d.balanced
+
+
 def test_prefix_approx_remembers_what_it_sent_up_to_its_capacity():
     policy = make_policy("prefix_approx", block_size=BS, approx_capacity_blocks=3)
     loads = [ReplicaLoad(), ReplicaLoad()]

@@ -45,15 +45,15 @@ def add_router_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
         help="weight of the prompt blocks a replica must compute against the blocks "
         "in flight on it (Dynamo's overlap_score_weight) (default: %(default)s)",
     )
-    p.add_argument("--balance-abs-threshold", type=int, default=16,
-                   help="the imbalance guard: route by load alone when the busiest replica "
-                   "has this many more requests in flight than the idlest... "
-                   "(default: %(default)s)")  # fmt: skip
+    p.add_argument("--balance-abs-threshold", type=int, default=None, metavar="N",
+                   help="SGLang's imbalance guard: route by load alone, whatever the cache, "
+                   "when the busiest replica has more than N requests in flight beyond the "
+                   "idlest... (default: no guard; the cost already weighs load)")  # fmt: skip
     p.add_argument(
         "--balance-rel-threshold",
         type=float,
         default=1.5,
-        help="... and this many times as many (default: %(default)s)",
+        help="... and more than this many times as many (default: %(default)s)",
     )
     p.add_argument(
         "--block-size",
@@ -104,7 +104,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     for name in ("block_size", "approx_capacity_blocks"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"{name}: must be >= 1, got {getattr(args, name)}")
-    if args.balance_abs_threshold < 0:
+    if args.balance_abs_threshold is not None and args.balance_abs_threshold < 0:
         raise ValueError(f"balance_abs_threshold: must be >= 0, got {args.balance_abs_threshold}")
     from kvserve.router.serve import run_router
 

@@ -16,9 +16,17 @@ flight, whether it is healthy) and returns a :class:`Decision`. The prefix polic
 Both use NVIDIA Dynamo's cost: ``overlap_weight * (prompt blocks the replica must compute)
 + (the blocks it would hold: the distinct prompt blocks in flight on it, and this prompt's
 that it lacks)``, the lowest wins (a block of a prompt in flight counts as held by its
-replica: it will be, before its event comes); and SGLang's imbalance guard: when the
-busiest replica has more than ``balance_abs`` requests more than the idlest *and* more than
-``balance_rel`` times as many, the request goes to the least loaded one whatever the cache.
+replica: it will be, before its event comes).
+
+SGLang's imbalance guard is there on request (``balance_abs``): when the busiest replica has
+more than ``balance_abs`` requests more than the idlest *and* more than ``balance_rel`` times
+as many, the request goes to the least loaded one whatever the cache. It is off by default
+because Dynamo's cost already weighs load, and a guard that counts requests treats a request
+that must compute its whole context like one that finds it cached. Under saturation it sends
+the busy replica's overflow, context and all, to the other: that replica recomputes contexts
+it does not hold, both pools fill with copies, hits fall, queues grow, and the guard fires
+more (the collapse the routing benchmark measured past capacity). SGLang needs the guard
+because its approximate tree scores the cache alone.
 """
 
 from __future__ import annotations
@@ -297,7 +305,7 @@ class HistoryScorer:
 
 
 class PrefixPolicy(RoutingPolicy):
-    """Dynamo's cost over a scorer, behind SGLang's imbalance guard."""
+    """Dynamo's cost over a scorer, optionally behind SGLang's imbalance guard."""
 
     name = "prefix"
 
@@ -306,11 +314,12 @@ class PrefixPolicy(RoutingPolicy):
         scorer: PrefixScorer,
         name: str = "prefix",
         overlap_weight: float = 1.0,
-        balance_abs: int = 16,
+        balance_abs: int | None = None,
         balance_rel: float = 1.5,
         block_size: int = 16,
     ) -> None:
-        """``block_size``: the replicas', until the scorer has learned it."""
+        """``block_size``: the replicas', until the scorer has learned it; ``balance_abs``:
+        the imbalance guard's threshold (None: no guard)."""
         self.scorer = scorer
         self.block_size = block_size
         self.name = name
@@ -327,10 +336,11 @@ class PrefixPolicy(RoutingPolicy):
     def choose(self, req: RouteRequest, loads: Sequence[ReplicaLoad]) -> Decision:
         healthy = _healthy(loads)
         turn = next(self._turn)
-        busiest = max(loads[i].requests for i in healthy)
-        idlest = min(loads[i].requests for i in healthy)
-        if busiest - idlest > self.balance_abs and busiest > self.balance_rel * idlest:
-            return Decision(least_loaded(loads, turn), self.name, balanced=True)
+        if self.balance_abs is not None:
+            busiest = max(loads[i].requests for i in healthy)
+            idlest = min(loads[i].requests for i in healthy)
+            if busiest - idlest > self.balance_abs and busiest > self.balance_rel * idlest:
+                return Decision(least_loaded(loads, turn), self.name, balanced=True)
         bs = self.inflight.block_size = self.scorer.block_size or self.block_size
         n_blocks = len(req.token_ids) // bs
         matches = self.scorer.match(req, len(loads))
