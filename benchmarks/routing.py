@@ -142,7 +142,8 @@ class Replicas:
 class Router:
     """The router's app under uvicorn in a thread of this process."""
 
-    def __init__(self, specs: list[str], policy: str, tokenizer: str) -> None:
+    def __init__(self, specs: list[str], policy: str, tokenizer: str,
+                 balance_abs: int | None = None) -> None:  # fmt: skip
         import uvicorn
 
         from kvserve.model.tokenizer import Tokenizer
@@ -154,7 +155,8 @@ class Router:
         reps = [Replica(f"r{i}", *parse_replica(s)) for i, s in enumerate(specs)]
         index = PrefixIndex(len(reps))
         name = "prefix" if policy == "oracle" else policy
-        self.state = RouterState(reps, make_policy(name, index=index), index,
+        prefix_kw = {} if balance_abs is None else {"balance_abs": balance_abs}
+        self.state = RouterState(reps, make_policy(name, index=index, **prefix_kw), index,
                                  TenantResolver.from_args(None, None),
                                  Tokenizer(Path(tokenizer), ()),
                                  settle_s=0.02 if policy == "oracle" else 0.0)  # fmt: skip
@@ -301,6 +303,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--replica-nice", type=int, default=0, help="the replicas' niceness: > 0 "
                    "serves the router first when they keep every core busy, as a core of its "
                    "own would")  # fmt: skip
+    p.add_argument("--balance-abs-threshold", type=int, default=None, metavar="N",
+                   help="the router's imbalance guard for the prefix policies and the oracle, "
+                   "as `kvserve router` takes it (default: none); the simulator keeps the "
+                   "default")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=2, help="requests each replica serves before "
                    "the trace (prompts that share no block with it), one at a time, here and "
@@ -313,6 +319,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--policies: unknown {bad}; known: {', '.join(POLICIES)}")
     if a.warmup < 0:
         p.error(f"--warmup: must be >= 0, got {a.warmup}")
+    if a.balance_abs_threshold is not None and a.balance_abs_threshold < 0:
+        p.error(f"--balance-abs-threshold: must be >= 0, got {a.balance_abs_threshold}")
     if a.replicas < 1:
         p.error(f"--replicas: must be >= 1, got {a.replicas}")
     if not 0 < a.kv_demand <= 1:
@@ -411,7 +419,7 @@ def run_rate(a: argparse.Namespace, rate: float, trace: list, serve_args: list[s
             router = None
             try:
                 warm_up([s.split(",")[0] for s in reps.specs], warm, max_tokens)
-                router = Router(reps.specs, policy, model)
+                router = Router(reps.specs, policy, model, a.balance_abs_threshold)
                 start: dict[str, Any] = {}
 
                 def at_start(state: Any = router.state, procs: list = reps.procs,

@@ -92,6 +92,13 @@ def test_routing_refuses_a_negative_warmup(capsys):
     assert "--warmup: must be >= 0, got -1" in capsys.readouterr().err
 
 
+def test_routing_refuses_a_negative_guard(capsys):
+    with pytest.raises(SystemExit) as e:
+        routing.main(["--balance-abs-threshold", "-1"])
+    assert e.value.code == 2
+    assert "--balance-abs-threshold: must be >= 0, got -1" in capsys.readouterr().err
+
+
 def test_routing_warmup_shares_no_block_with_the_trace():
     """A warm-up prompt whose first block differs from every trace prompt's (and from the
     other warm-ups') can match none of their blocks: each block's hash chains its parent."""
