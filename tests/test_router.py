@@ -19,7 +19,7 @@ import pytest
 import uvicorn
 
 from kvserve.distributed import free_port
-from kvserve.router.app import Replica, RouterState, build_app, num_gpu_blocks_of
+from kvserve.router.app import Replica, RouterState, build_app, cache_config_of
 from kvserve.router.index import PrefixIndex
 from kvserve.router.policies import make_policy
 from kvserve.server.tenants import TenantResolver
@@ -109,9 +109,10 @@ def test_router_routes_by_prefix_keeps_tenants_apart_and_survives_a_replica(clus
     idx, url = state.index, router.url
     shared, tail, other = prompts_of_lengths([100, 20, 60], vocab=300, seed=11)
 
-    # 0. A replica's metrics give its pool as prefix_approx reads it (--num-gpu-blocks 96).
+    # 0. A replica's metrics give its pool as prefix_approx reads it (--num-gpu-blocks 96,
+    # --block-size 16).
     page = httpx.get(cluster["servers"][0].url + "/metrics", timeout=10).text
-    assert num_gpu_blocks_of(page) == 96
+    assert cache_config_of(page) == (96, 16)
 
     # 1. The first request lands somewhere; its blocks reach the index from the events.
     complete(url, shared, "key-a")

@@ -173,7 +173,7 @@ def test_prefix_approx_keeps_at_most_each_replicas_pool_once_it_is_known():
     for r in (0, 1):
         policy.routed(old, r)
         policy.routed(new, r)
-    scorer.learn_pool(0, 3)  # 5 blocks sent, 3 kept: the 2 most recent and old's last
+    scorer.learn_pool(0, 3, None)  # 5 blocks sent, 3 kept: the 2 most recent and old's last
     assert scorer.match(RouteRequest(TOKENS, "A"), 2) == [(0, 0.0), (3, 3.0)]
     assert scorer.match(RouteRequest([9] * 8, "A"), 2) == [(2, 2.0), (2, 2.0)]
     assert policy.choose(RouteRequest(TOKENS, "A"), loads).replica == 1
@@ -182,12 +182,40 @@ def test_prefix_approx_keeps_at_most_each_replicas_pool_once_it_is_known():
     policy.routed(new, 0)  # no pool known again: nothing forgotten
     assert scorer.match(RouteRequest(TOKENS, "A"), 2)[0] == (3, 3.0)
     fixed = make_policy("prefix_approx", block_size=BS, approx_capacity_blocks=10).scorer
-    fixed.learn_pool(0, 3)  # the operator's capacity wins over the pool
+    fixed.learn_pool(0, 3, None)  # the operator's capacity wins over the pool
     assert fixed.capacity(0) == 10
 
 
-def test_num_gpu_blocks_of_reads_vllm_cache_config_info():
-    from kvserve.router.app import num_gpu_blocks_of
+def test_prefix_approx_cuts_its_keys_at_the_block_size_the_replicas_report(caplog):
+    """No --block-size: 16 until a replica reports its own, then that one (the history cut
+    at 16 is dropped: its keys match nothing at the new size); a replica reporting another
+    size gets a warning and changes nothing. An operator's size wins over every report."""
+    policy = make_policy("prefix_approx")
+    scorer = policy.scorer
+    loads = [ReplicaLoad(), ReplicaLoad()]
+    assert scorer.block_size == 16 and policy.wants_pool(0)
+    policy.routed(RouteRequest(list(range(32)), "A"), 0)  # two blocks of 16
+    assert scorer.match(RouteRequest(list(range(32)), "A"), 2) == [(2, 2.0), (0, 0.0)]
+    policy.learn_pool(1, None, BS)
+    assert scorer.block_size == BS
+    assert scorer.match(RouteRequest(list(range(32)), "A"), 2) == [(0, 0.0), (0, 0.0)]
+    policy.routed(RouteRequest(TOKENS, "A"), 1)
+    d = policy.choose(RouteRequest(TOKENS, "A"), loads)
+    assert d.replica == 1 and d.hit_blocks == 3  # 14 tokens: 3 full blocks of 4
+    assert policy.wants_pool(1)  # its pool's size is still unknown
+    policy.learn_pool(1, 50, BS)
+    assert not policy.wants_pool(1)
+    with caplog.at_level("WARNING", logger="kvserve.router.policies"):
+        policy.learn_pool(0, 100, 8)
+    assert scorer.block_size == BS and scorer.pools == {0: 100, 1: 50}
+    assert "replica 0 reports block size 8" in caplog.text
+    fixed = make_policy("prefix_approx", block_size=8).scorer
+    fixed.learn_pool(0, 100, BS)
+    assert fixed.block_size == 8
+
+
+def test_cache_config_of_reads_vllm_cache_config_info():
+    from kvserve.router.app import cache_config_of
 
     page = (
         "# HELP vllm:cache_config_info The KV cache configuration.\n"
@@ -197,18 +225,21 @@ def test_num_gpu_blocks_of_reads_vllm_cache_config_info():
         "# TYPE vllm:num_requests_running gauge\n"
         'vllm:num_requests_running{model_name="m"} 0.0\n'
     )
-    assert num_gpu_blocks_of(page) == 823
-    assert num_gpu_blocks_of(page.replace('"823"', '"None"')) is None  # vLLM before profiling
-    assert num_gpu_blocks_of(page.replace('"823"', '"0"')) is None
-    assert num_gpu_blocks_of("vllm:num_requests_running 0.0\n") is None
-    assert num_gpu_blocks_of("not { a page") is None
+    assert cache_config_of(page) == (823, 16)
+    # vLLM before profiling; a zero
+    assert cache_config_of(page.replace('"823"', '"None"')) == (None, 16)
+    assert cache_config_of(page.replace('"823"', '"0"')) == (None, 16)
+    assert cache_config_of(page.replace('block_size="16",', "")) == (823, None)
+    assert cache_config_of("vllm:num_requests_running 0.0\n") == (None, None)
+    assert cache_config_of("not { a page") == (None, None)
 
 
 def test_the_router_reads_each_pool_for_prefix_approx_once_and_again_after_a_replica_is_down():
     """Against replicas answering through httpx's mock transport: each healthy replica's pool
     is read from its /metrics into prefix_approx's history bounds; a replica that gives no
     pool is asked POOL_READS times and no more; one marked down while its page is on the way
-    keeps nothing of it, and is read again once it is back."""
+    keeps nothing of it, and is read again once it is back. The block size comes with the
+    pool."""
     import asyncio
 
     import httpx
@@ -229,11 +260,15 @@ def test_the_router_reads_each_pool_for_prefix_approx_once_and_again_after_a_rep
         if on_read is not None:
             on_read()
         n = pools[host]
-        line = "" if n is None else f'vllm:cache_config_info{{num_gpu_blocks="{n}"}} 1.0\n'
+        line = (
+            ""
+            if n is None
+            else f'vllm:cache_config_info{{block_size="4",num_gpu_blocks="{n}"}} 1.0\n'
+        )
         return httpx.Response(200, text=line + "vllm:num_requests_running 0.0\n")
 
     on_read = None
-    policy = make_policy("prefix_approx", block_size=BS)
+    policy = make_policy("prefix_approx")
     state = RouterState([Replica("r0", "http://r0"), Replica("r1", "http://r1")], policy,
                         PrefixIndex(2), TenantResolver.from_args(None, None))  # fmt: skip
 
@@ -244,7 +279,7 @@ def test_the_router_reads_each_pool_for_prefix_approx_once_and_again_after_a_rep
         await state.client.aclose()
 
     asyncio.run(checks(POOL_READS + 2))
-    assert policy.scorer.pools == {0: 7}
+    assert policy.scorer.pools == {0: 7} and policy.scorer.block_size == 4
     assert reads == {"r0": 1, "r1": POOL_READS}
     state.mark_down(0, "test")
     pools["r0"] = 11

@@ -40,6 +40,7 @@ from kvserve.router.events import EventSubscriber
 from kvserve.router.index import PrefixIndex
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policies import (
+    DEFAULT_BLOCK_SIZE,
     DEFAULT_CAPACITY_BLOCKS,
     NoReplicaError,
     ReplicaLoad,
@@ -217,30 +218,32 @@ class RouterState:
         await asyncio.gather(*(one(i, r) for i, r in enumerate(self.replicas)))
 
     async def read_pool(self, i: int, r: Replica) -> None:
-        """The replica's KV pool in blocks, from ``vllm:cache_config_info``'s
-        ``num_gpu_blocks`` label on its ``/metrics`` (kvserve and vLLM both publish it), for
-        the approximate policy's capacity. A replica that does not say is asked at the next
-        health checks, POOL_READS times in all; one marked down meanwhile keeps nothing of
-        this read (it may come back with another pool)."""
+        """The replica's KV pool, from ``vllm:cache_config_info``'s ``num_gpu_blocks`` and
+        ``block_size`` labels on its ``/metrics`` (kvserve and vLLM both publish them), for
+        the approximate policy's capacity and block keys. A replica that gives no pool size
+        is asked at the next health checks, POOL_READS times in all; one marked down
+        meanwhile keeps nothing of this read (it may come back with another pool)."""
         assert self.client is not None
-        blocks = None
+        blocks = block_size = None
         try:
             resp = await self.client.get(r.url + "/metrics", timeout=2.0)
             if resp.status_code == 200:
-                blocks = num_gpu_blocks_of(resp.text)
+                blocks, block_size = cache_config_of(resp.text)
         except httpx.HTTPError:
             pass
         if not r.load.healthy:
             return
-        if blocks is not None:
-            self.policy.learn_pool(i, blocks)
+        if blocks is not None or block_size is not None:
+            self.policy.learn_pool(i, blocks, block_size)
+        if not self.policy.wants_pool(i):
             return
         r.pool_reads += 1
         if r.pool_reads == POOL_READS:
-            log.warning("replica %s (%s) gives no num_gpu_blocks in vllm:cache_config_info on "
-                        "its /metrics: prefix_approx assumes %d blocks for it (set "
-                        "--approx-capacity-blocks)", r.name, r.url,
-                        DEFAULT_CAPACITY_BLOCKS)  # fmt: skip
+            log.warning("replica %s (%s) gives no num_gpu_blocks or block_size in "
+                        "vllm:cache_config_info on its /metrics: prefix_approx assumes %d "
+                        "blocks of %d tokens where it does not say (set "
+                        "--approx-capacity-blocks, --block-size)", r.name, r.url,
+                        DEFAULT_CAPACITY_BLOCKS, DEFAULT_BLOCK_SIZE)  # fmt: skip
 
     async def health_loop(self) -> None:
         while True:
@@ -252,17 +255,22 @@ class RouterState:
             await self.subscriber.aclose()
 
 
-_CACHE_CONFIG = re.compile(r'^vllm:cache_config_info\{[^}\n]*\bnum_gpu_blocks="([^"]*)"', re.M)
+_CACHE_CONFIG = re.compile(r"^vllm:cache_config_info\{([^}\n]*)\}", re.M)
+_LABEL = re.compile(r'\b(\w+)="([^"]*)"')
 
 
-def num_gpu_blocks_of(metrics_text: str) -> int | None:
-    """``num_gpu_blocks`` of the ``vllm:cache_config_info`` sample in a Prometheus text page
-    (None where there is none or it is not a positive integer). One search of the page, not a
-    parse of every family: it runs on the loop that routes."""
+def cache_config_of(metrics_text: str) -> tuple[int | None, int | None]:
+    """``num_gpu_blocks`` and ``block_size`` of the ``vllm:cache_config_info`` sample in a
+    Prometheus text page (None where there is none or it is not a positive integer). One
+    search of the page, not a parse of every family: it runs on the loop that routes."""
     m = _CACHE_CONFIG.search(metrics_text)
-    if m is None or not m.group(1).isdigit():
-        return None
-    return int(m.group(1)) or None
+    labels = dict(_LABEL.findall(m.group(1))) if m else {}
+
+    def positive(name: str) -> int | None:
+        v = labels.get(name, "")
+        return int(v) or None if v.isdigit() else None
+
+    return positive("num_gpu_blocks"), positive("block_size")
 
 
 def _error(status: int, message: str, code: str | None = None) -> JSONResponse:

@@ -55,12 +55,10 @@ def add_router_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
         default=1.5,
         help="... and more than this many times as many (default: %(default)s)",
     )
-    p.add_argument(
-        "--block-size",
-        type=int,
-        default=16,
-        help="prefix_approx: the replicas' block size (default: %(default)s)",
-    )
+    p.add_argument("--block-size", type=int, default=None,
+                   help="prefix_approx: the replicas' block size (default: the first a replica "
+                   "reports in vllm:cache_config_info's block_size on its /metrics; 16 "
+                   "until one does)")  # fmt: skip
     p.add_argument("--approx-capacity-blocks", type=int, default=None,
                    help="prefix_approx: blocks a replica is assumed to keep (default: each "
                    "replica's KV pool, from vllm:cache_config_info's num_gpu_blocks on its "

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -41,6 +42,8 @@ from typing import Protocol
 
 from kvserve.kv.hashing import BlockHash, extend_block_hashes
 from kvserve.router.index import PrefixIndex
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -95,11 +98,14 @@ class RoutingPolicy(ABC):
         """The request ended on ``replica`` (served, failed or cut)."""
 
     def wants_pool(self, replica: int) -> bool:
-        """Whether the policy still needs ``replica``'s KV pool size (:meth:`learn_pool`)."""
+        """Whether the policy still needs ``replica``'s KV pool: its size or block size
+        (:meth:`learn_pool`)."""
         return False
 
-    def learn_pool(self, replica: int, blocks: int) -> None:  # noqa: B027 - optional hook
-        """``replica``'s KV pool holds ``blocks`` blocks."""
+    def learn_pool(self, replica: int, blocks: int | None,  # noqa: B027 - optional hook
+                   block_size: int | None) -> None:  # fmt: skip
+        """``replica``'s KV pool holds ``blocks`` blocks of ``block_size`` tokens (None: it
+        did not say)."""
 
     def replica_down(self, replica: int) -> None:  # noqa: B027 - optional hook
         """``replica`` went down: whatever the policy believed it held is gone."""
@@ -229,8 +235,10 @@ class InFlight:
         return n
 
 
-# Blocks a replica is assumed to keep where neither the operator nor the replica says.
+# Blocks a replica is assumed to keep, and their size, where neither the operator nor the
+# replica says.
 DEFAULT_CAPACITY_BLOCKS = 1 << 16
+DEFAULT_BLOCK_SIZE = 16
 
 
 class HistoryScorer:
@@ -241,28 +249,53 @@ class HistoryScorer:
     pool once the router has read it (:meth:`learn_pool`). A history larger than the pool
     believes every replica still holds every context it was ever sent; once the load term has
     spread a context to two replicas, both score alike for it forever, and the policy routes
-    on load alone while the pools evict what it thinks they hold."""
+    on load alone while the pools evict what it thinks they hold.
 
-    def __init__(self, block_size: int = 16, capacity_blocks: int | None = None) -> None:
-        self.block_size: int | None = block_size
+    The history's keys are the prompts' full blocks, so they must be cut at the replicas'
+    block size: ``block_size`` where the operator gives one, else the first size a replica
+    reports (:meth:`learn_pool`), else 16. Cut at another size, a prompt sharing only part of
+    a replica's block would score it as held."""
+
+    def __init__(self, block_size: int | None = None, capacity_blocks: int | None = None) -> None:
+        self.fixed_block_size = block_size
+        self.learned_block_size: int | None = None
         self.capacity_blocks = capacity_blocks
         self.pools: dict[int, int] = {}  # replica -> its pool's blocks, as it reported them
         self.sent: list[OrderedDict[bytes, None]] = []
 
+    @property
+    def block_size(self) -> int:
+        return self.fixed_block_size or self.learned_block_size or DEFAULT_BLOCK_SIZE
+
     def wants_pool(self, replica: int) -> bool:
-        return self.capacity_blocks is None and replica not in self.pools
+        size_unknown = self.fixed_block_size is None and self.learned_block_size is None
+        return size_unknown or (self.capacity_blocks is None and replica not in self.pools)
 
     def capacity(self, replica: int) -> int:
         if self.capacity_blocks is not None:
             return self.capacity_blocks
         return self.pools.get(replica, DEFAULT_CAPACITY_BLOCKS)
 
-    def learn_pool(self, replica: int, blocks: int) -> None:
+    def learn_pool(self, replica: int, blocks: int | None, block_size: int | None) -> None:
         """The replica's pool holds ``blocks`` blocks: keep at most that many of its history
-        (unless the operator fixed the capacity)."""
-        self.pools[replica] = blocks
-        if replica < len(self.sent):
-            self._trim(replica)
+        (unless the operator fixed the capacity). Its ``block_size`` cuts the history's keys
+        from now on, unless the operator gave one or another replica spoke first (a fleet
+        whose replicas differ gets a warning: no one size scores them all)."""
+        if block_size is not None:
+            ours = self.fixed_block_size or self.learned_block_size
+            if ours is None:
+                self.learned_block_size = block_size
+                if block_size != DEFAULT_BLOCK_SIZE:  # keys cut at 16 match nothing now
+                    for sent in self.sent:
+                        sent.clear()
+            elif block_size != ours:
+                whose = "--block-size" if self.fixed_block_size else "another replica's"
+                log.warning("replica %d reports block size %d; prefix_approx cuts prompts at "
+                            "%d (%s)", replica, block_size, ours, whose)  # fmt: skip
+        if blocks is not None:
+            self.pools[replica] = blocks
+            if replica < len(self.sent):
+                self._trim(replica)
 
     def _trim(self, replica: int) -> None:
         sent, cap = self.sent[replica], self.capacity(replica)
@@ -270,7 +303,6 @@ class HistoryScorer:
             sent.popitem(last=False)
 
     def _chain(self, req: RouteRequest) -> list[BlockHash]:
-        assert self.block_size is not None
         return chain_of(req, self.block_size)
 
     def match(self, req: RouteRequest, num_replicas: int) -> list[tuple[int, float]]:
@@ -373,9 +405,9 @@ class PrefixPolicy(RoutingPolicy):
     def wants_pool(self, replica: int) -> bool:
         return isinstance(self.scorer, HistoryScorer) and self.scorer.wants_pool(replica)
 
-    def learn_pool(self, replica: int, blocks: int) -> None:
+    def learn_pool(self, replica: int, blocks: int | None, block_size: int | None) -> None:
         if isinstance(self.scorer, HistoryScorer):
-            self.scorer.learn_pool(replica, blocks)
+            self.scorer.learn_pool(replica, blocks, block_size)
 
     def replica_down(self, replica: int) -> None:
         if isinstance(self.scorer, HistoryScorer):
@@ -388,12 +420,14 @@ POLICIES = ("round_robin", "least_load", "session", "prefix", "prefix_approx")
 def make_policy(
     name: str,
     index: PrefixIndex | None = None,
-    block_size: int = 16,
+    block_size: int | None = None,
     approx_capacity_blocks: int | None = None,
     scorer: PrefixScorer | None = None,
     **prefix_kw: float,
 ) -> RoutingPolicy:
-    """The policy named ``name``; ``prefix`` reads ``index`` (or ``scorer``: an oracle's)."""
+    """The policy named ``name``; ``prefix`` reads ``index`` (or ``scorer``: an oracle's).
+    ``block_size``: the replicas' (None: ``prefix`` learns it from the events,
+    ``prefix_approx`` from the replicas' metrics)."""
     simple: dict[str, Callable[[], RoutingPolicy]] = {
         "round_robin": RoundRobin, "least_load": LeastLoad, "session": Session,
     }  # fmt: skip
@@ -404,10 +438,10 @@ def make_policy(
             if index is None:
                 raise ValueError("router: the prefix policy needs the replicas' KV events")
             scorer = EventScorer(index)
-        return PrefixPolicy(scorer, "prefix", block_size=block_size,
+        return PrefixPolicy(scorer, "prefix", block_size=block_size or DEFAULT_BLOCK_SIZE,
                             **prefix_kw)  # type: ignore[arg-type]  # fmt: skip
     if name == "prefix_approx":
         history = HistoryScorer(block_size, approx_capacity_blocks)
-        return PrefixPolicy(history, "prefix_approx", block_size=block_size,
+        return PrefixPolicy(history, "prefix_approx", block_size=history.block_size,
                             **prefix_kw)  # type: ignore[arg-type]  # fmt: skip
     raise ValueError(f"router: policy must be one of {', '.join(POLICIES)}, got {name!r}")

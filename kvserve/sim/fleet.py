@@ -72,7 +72,7 @@ def routed_fleet(
         policy = make_policy(policy_name, index=index, block_size=bs)
     for k, eng in enumerate(engines):  # each pool, as the real router reads it
         if policy.wants_pool(k):
-            policy.learn_pool(k, eng.num_blocks)
+            policy.learn_pool(k, eng.num_blocks, eng.block_size)
     if policy_name == "prefix":
         for eng in engines:
             eng.kv.enable_events("GPU")
