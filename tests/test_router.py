@@ -199,3 +199,9 @@ def test_router_cli_refuses_bad_flags(capsys):
     assert main(["router", "--replica", "http://127.0.0.1:1", "--routing-logic",
                  "prefix_approx", "--approx-capacity-blocks", "0"]) == 2  # fmt: skip
     assert "approx_capacity_blocks: must be >= 1, got 0" in capsys.readouterr().err
+    assert main(["router", "--replica", "http://127.0.0.1:1", "--routing-logic",
+                 "prefix_approx", "--block-size", "0"]) == 2  # fmt: skip
+    assert "block_size: must be >= 1, got 0" in capsys.readouterr().err
+    assert main(["router", "--replica", "http://127.0.0.1:1", "--routing-logic",
+                 "prefix_approx", "--balance-abs-threshold", "-1"]) == 2  # fmt: skip
+    assert "balance_abs_threshold: must be >= 0, got -1" in capsys.readouterr().err
