@@ -155,8 +155,8 @@ class Router:
         reps = [Replica(f"r{i}", *parse_replica(s)) for i, s in enumerate(specs)]
         index = PrefixIndex(len(reps))
         name = "prefix" if policy == "oracle" else policy
-        prefix_kw = {} if balance_abs is None else {"balance_abs": balance_abs}
-        self.state = RouterState(reps, make_policy(name, index=index, **prefix_kw), index,
+        routing = make_policy(name, index=index, balance_abs=balance_abs)
+        self.state = RouterState(reps, routing, index,
                                  TenantResolver.from_args(None, None),
                                  Tokenizer(Path(tokenizer), ()),
                                  settle_s=0.02 if policy == "oracle" else 0.0)  # fmt: skip
@@ -183,8 +183,8 @@ async def drive(url: str, trace: list[tuple[int, str]], rate: float, max_tokens:
                 seed: int) -> tuple[list[dict[str, Any]], float]:  # fmt: skip
     """Open loop: each request at its arrival (the schedule ``kvserve bench`` and the
     simulator draw for this rate and seed), streamed; TTFT, tokens and hits; and the client's
-    CPU seconds over the trace. With no trace and no rate (:func:`warm_client`), the
-    requests go one after another."""
+    CPU seconds over the trace. With a rate <= 0 (a warm-up), the requests go one after
+    another."""
     import httpx
 
     from kvserve.bench.workloads import arrival_times

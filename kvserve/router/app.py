@@ -299,7 +299,7 @@ async def relay(state: RouterState, raw: Request, path: str, chat: bool) -> Resp
     headers = {k: v for k, v in raw.headers.items() if k.lower() not in HOP_HEADERS}
     stream = bool(body.get("stream"))
     m = state.metrics
-    bs = state.index.block_size or 16
+    bs = state.index.block_size or DEFAULT_BLOCK_SIZE
     n_blocks = len(req.token_ids) // bs
     loads = [r.load for r in state.replicas]
     tried: set[int] = set()

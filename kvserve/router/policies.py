@@ -348,7 +348,7 @@ class PrefixPolicy(RoutingPolicy):
         overlap_weight: float = 1.0,
         balance_abs: int | None = None,
         balance_rel: float = 1.5,
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> None:
         """``block_size``: the replicas', until the scorer has learned it; ``balance_abs``:
         the imbalance guard's threshold (None: no guard)."""
@@ -363,7 +363,8 @@ class PrefixPolicy(RoutingPolicy):
         # Dynamo counts its active blocks), and for the precise scorers, which learn a block
         # only once it is computed, blocks about to be cached.
         self.inflight = InFlight(block_size)
-        self._precise = not isinstance(scorer, HistoryScorer)
+        # The approximate scorer, which keeps the routing history (None: a precise one).
+        self._history = scorer if isinstance(scorer, HistoryScorer) else None
 
     def choose(self, req: RouteRequest, loads: Sequence[ReplicaLoad]) -> Decision:
         healthy = _healthy(loads)
@@ -377,7 +378,7 @@ class PrefixPolicy(RoutingPolicy):
         n_blocks = len(req.token_ids) // bs
         matches = self.scorer.match(req, len(loads))
         inflight = self.inflight
-        if self._precise:
+        if self._history is None:
             for i in healthy:
                 pending = inflight.overlap(req, i)
                 if pending > matches[i][0]:
@@ -394,8 +395,8 @@ class PrefixPolicy(RoutingPolicy):
         return Decision(best, self.name, hit_blocks=matches[best][0], scores=costs)
 
     def routed(self, req: RouteRequest, replica: int) -> None:
-        if isinstance(self.scorer, HistoryScorer):
-            self.scorer.remember(req, replica)
+        if self._history is not None:
+            self._history.remember(req, replica)
         self.inflight.block_size = self.scorer.block_size or self.block_size
         self.inflight.add(req, replica)
 
@@ -403,15 +404,15 @@ class PrefixPolicy(RoutingPolicy):
         self.inflight.remove(req, replica)
 
     def wants_pool(self, replica: int) -> bool:
-        return isinstance(self.scorer, HistoryScorer) and self.scorer.wants_pool(replica)
+        return self._history is not None and self._history.wants_pool(replica)
 
     def learn_pool(self, replica: int, blocks: int | None, block_size: int | None) -> None:
-        if isinstance(self.scorer, HistoryScorer):
-            self.scorer.learn_pool(replica, blocks, block_size)
+        if self._history is not None:
+            self._history.learn_pool(replica, blocks, block_size)
 
     def replica_down(self, replica: int) -> None:
-        if isinstance(self.scorer, HistoryScorer):
-            self.scorer.forget(replica)
+        if self._history is not None:
+            self._history.forget(replica)
 
 
 POLICIES = ("round_robin", "least_load", "session", "prefix", "prefix_approx")
@@ -423,7 +424,7 @@ def make_policy(
     block_size: int | None = None,
     approx_capacity_blocks: int | None = None,
     scorer: PrefixScorer | None = None,
-    **prefix_kw: float,
+    **prefix_kw: float | None,
 ) -> RoutingPolicy:
     """The policy named ``name``; ``prefix`` reads ``index`` (or ``scorer``: an oracle's).
     ``block_size``: the replicas' (None: ``prefix`` learns it from the events,
