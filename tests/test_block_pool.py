@@ -100,6 +100,28 @@ def test_lru_order_evicts_tail_first():
     assert pool.get_cached_block(bytes([0]) * 32) is blocks[0]
 
 
+def test_uncached_blocks_are_reused_before_fresh_or_cached_ones():
+    # Without prefix caching, request after request gets the same blocks back: the pool
+    # never walks on into blocks it has not written yet.
+    pool = BlockPool(100, enable_caching=False)
+    first = pool.get_new_blocks(5)
+    pool.free_blocks(reversed(first))
+    again = pool.get_new_blocks(5)
+    assert [b.block_id for b in again] == [0, 1, 2, 3, 4]
+    # With caching: a freed block that holds no hash is taken before a never-used block and
+    # before the cached one, which stays findable by its hash.
+    pool = BlockPool(6)
+    cached, partial = pool.get_new_blocks(2)
+    pool.cache_block(cached, b"\x01" * 32)
+    pool.free_blocks([partial, cached])
+    assert [b.block_id for b in pool.free_queue] == [partial.block_id, 2, 3, 4, 5,
+                                                     cached.block_id]  # fmt: skip
+    assert pool.get_new_blocks(1) == [partial]
+    assert pool.get_new_blocks(4)[-1].block_id == 5
+    assert pool.num_evictions == 0 and pool.get_cached_block(b"\x01" * 32) is cached
+    pool.check_invariants()
+
+
 def test_touch_cached_free_block_is_constant_time_removal():
     pool = BlockPool(1000)
     blocks = pool.get_new_blocks(1000)

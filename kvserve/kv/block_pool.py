@@ -5,6 +5,14 @@ reference goes it returns to the free queue but keeps its hash, so a later reque
 same prefix can take it back (*cached-free*). It loses its hash only when the queue hands it
 out for new content. Conservation: free + cached-free + in-use = total, always.
 
+A freed block that holds nothing cached goes to the head of the queue, not the tail: it is
+handed out again before a never-used block and before any cached one. Taking a cached block
+instead would throw away a prefix a later request may want, for nothing. Taking a never-used
+block means first touching memory the OS has not mapped yet. On a CPU the pool is ordinary
+memory that the OS maps on first write, a 2 MiB huge page at a time, and a virtual machine may
+compact memory to find one. A server without prefix caching would otherwise walk through the
+whole pool, paying those faults in its steps.
+
 The pool records the two transitions others must hear about, as data: blocks whose last
 reference went (``freed``) and cached blocks handed out for new content (``evicted``, with
 their hashes). The KV manager drains both into each step's record. With KV events on
@@ -37,8 +45,8 @@ class KVCacheBlock:
 
 
 class FreeBlockQueue:
-    """Doubly linked list of free blocks: evict from the head, return to the tail, and take a
-    cached block out of the middle, all in O(1)."""
+    """Doubly linked list of free blocks: evict from the head, return to either end, and take
+    a cached block out of the middle, all in O(1)."""
 
     def __init__(self, blocks: list[KVCacheBlock]) -> None:
         self.head = KVCacheBlock(-1)
@@ -69,6 +77,14 @@ class FreeBlockQueue:
         last.next_free = block
         block.prev_free, block.next_free = last, self.tail
         self.tail.prev_free = block
+        self.num_free += 1
+
+    def appendleft(self, block: KVCacheBlock) -> None:
+        first = self.head.next_free
+        assert first is not None
+        first.prev_free = block
+        block.prev_free, block.next_free = self.head, first
+        self.head.next_free = block
         self.num_free += 1
 
     def __iter__(self):
@@ -137,8 +153,9 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free_blocks(self, ordered: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference from each block; blocks reaching zero join the LRU tail in the
-        given order (callers pass a request's blocks tail first, so its tail is evicted first)."""
+        """Drop one reference from each block. Cached blocks reaching zero join the LRU tail
+        in the given order (callers pass a request's blocks tail first, so its tail is evicted
+        first); the others go to the head, to be handed out next (see the module docstring)."""
         for block in ordered:
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"double free of {block}")
@@ -146,7 +163,9 @@ class BlockPool:
             if block.ref_cnt == 0:
                 if block.block_hash is not None:
                     self.num_cached_free += 1
-                self.free_queue.append(block)
+                    self.free_queue.append(block)
+                else:
+                    self.free_queue.appendleft(block)
                 self.freed.append(block.block_id)
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
