@@ -60,6 +60,15 @@ int kvserve_avx512_available(void) { return 1; }
         for (int i = 0; i < MT; i++)                                                          \
             for (int j = 0; j < NT; j++) _mm512_store_ps(c + i * 64 + j * 16, acc[i][j]);     \
     }
+/* Every weight stream is prefetched PREFETCH_BYTES ahead of its loads, one cache line per
+ * line read. A tile of many rows spends longer on each line than one of a few rows, so the
+ * same distance in bytes is further ahead in time; the distance must cover the memory's
+ * latency at the bandwidth the core can draw, which needs more lines in flight on a core
+ * with more bandwidth to draw (an AMD Zen core more than the Xeons measured). A prefetch
+ * past the end of a buffer is harmless: it never faults. */
+enum { PREFETCH_BYTES = 4096 };
+#define PREFETCH_AHEAD(ptr) _mm_prefetch((const char *)(ptr) + PREFETCH_BYTES, _MM_HINT_T0)
+
 /* acc[i][j] += x pair p of row i times the weight vectors w0[j] (k = 2p), w1[j] (2p + 1). */
 #define FMA_PAIR(MT, NT)                                                                      \
     for (int i = 0; i < MT; i++) {                                                            \
@@ -75,6 +84,7 @@ int kvserve_avx512_available(void) { return 1; }
         const float *xp = xt + p * 2 * MT;                                                    \
         __m512 w0[NT], w1[NT];                                                                \
         for (int j = 0; j < NT; j++) {                                                        \
+            PREFETCH_AHEAD((const uint16_t *)w[j] + p * 32);                                  \
             const __m512i v = _mm512_loadu_si512((const uint16_t *)w[j] + p * 32);            \
             w0[j] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));                            \
             w1[j] = _mm512_castsi512_ps(_mm512_and_si512(v, high));                           \
@@ -101,17 +111,15 @@ typedef void (*tile_fn)(const float *, const void *const *, int64_t, float *);
 static const tile_fn TILE_FNS[MT_MAX][4] = TILE_TABLE(tile);
 
 /* The tiles on float32 weights (wf layout): pair p is the two vectors of k = 2p, 2p + 1,
- * 32 consecutive floats, and x's pair is read as the FMA tiles read it. Each stream is
- * prefetched PREFETCH_FLOATS ahead (two cache lines per pair). */
-enum { PREFETCH_FLOATS = 256 };
+ * 32 consecutive floats, and x's pair is read as the FMA tiles read it. */
 #define F32_STEP(MT, NT)                                                                      \
     {                                                                                         \
         const float *xp = xt + p * 2 * MT;                                                    \
         __m512 w0[NT], w1[NT];                                                                \
         for (int j = 0; j < NT; j++) {                                                        \
             const float *wj = (const float *)w[j] + p * 32;                                   \
-            _mm_prefetch((const char *)(wj + PREFETCH_FLOATS), _MM_HINT_T0);                  \
-            _mm_prefetch((const char *)(wj + PREFETCH_FLOATS + 16), _MM_HINT_T0);             \
+            PREFETCH_AHEAD(wj);                                                               \
+            PREFETCH_AHEAD(wj + 16);                                                          \
             w0[j] = _mm512_loadu_ps(wj);                                                      \
             w1[j] = _mm512_loadu_ps(wj + 16);                                                 \
         }                                                                                     \
@@ -147,8 +155,10 @@ static inline __attribute__((always_inline)) void store_epilogue16_f32(
     {                                                                                         \
         const uint32_t *xp = (const uint32_t *)xt + p * MT;                                   \
         __m512bh wv[NT];                                                                      \
-        for (int j = 0; j < NT; j++)                                                          \
+        for (int j = 0; j < NT; j++) {                                                        \
+            PREFETCH_AHEAD((const uint16_t *)w[j] + p * 32);                                  \
             wv[j] = (__m512bh)_mm512_loadu_si512((const uint16_t *)w[j] + p * 32);            \
+        }                                                                                     \
         for (int i = 0; i < MT; i++) {                                                        \
             const __m512bh a = (__m512bh)_mm512_set1_epi32((int)xp[i]);                       \
             for (int j = 0; j < NT; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, wv[j]);   \
