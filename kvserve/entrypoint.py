@@ -12,6 +12,7 @@ itself for anything else.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -53,3 +54,15 @@ def onednn_cache_entries() -> int:
         except ValueError:
             caps.append(ONEDNN_DEFAULT_CAPACITY)
     return max(min(caps), 1)
+
+
+def freeze_startup_heap() -> None:
+    """Put every object alive now (the modules, the model's Python objects, the tokenizer) out
+    of the garbage collector's reach, in a process that runs one engine for its whole life: a
+    server, a worker rank. A full collection scans every object it can reach, and the step
+    that triggers one waits for the scan; a rank's pause stalls the other ranks at their next
+    collective. vLLM freezes its engine process the same way. Not for an ``LLM(...)`` in a
+    user's program, which may drop an engine and build another: frozen objects in a reference
+    cycle are never freed."""
+    gc.collect()
+    gc.freeze()

@@ -22,6 +22,7 @@ from typing import Any
 from kvserve.config import ConfigError, EngineConfig
 from kvserve.distributed import DistributedInit, free_port
 from kvserve.distributed.communicator import COLLECTIVE_TIMEOUT_S, backend_for
+from kvserve.entrypoint import freeze_startup_heap
 from kvserve.executor.abstract import Executor, Method, WorkerDiedError, WorkerError, call_worker
 from kvserve.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvserve.worker.worker import WorkerInfo
@@ -57,6 +58,7 @@ class RayWorkerWrapper:
 
         tp = join_tensor_parallel_group(config, rank, dist_init, place)
         self.worker = Worker(config, num_blocks, max_model_len, rank, tp)
+        freeze_startup_heap()  # an actor's process holds this worker alone
         return self.worker.info()
 
     def call(self, method: Method, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

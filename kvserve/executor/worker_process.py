@@ -24,6 +24,7 @@ from typing import Any
 
 from kvserve.config import EngineConfig
 from kvserve.distributed import DistributedInit, place_local
+from kvserve.entrypoint import freeze_startup_heap
 from kvserve.executor.abstract import call_worker
 
 log = logging.getLogger("kvserve.executor")
@@ -126,6 +127,7 @@ def _worker_main(
         config = dataclasses.replace(config, device=device)
         tp = join_tensor_parallel_group(config, rank, dist_init, place=False)
         worker = Worker(config, num_blocks, max_model_len, rank, tp)
+        freeze_startup_heap()
         _reply(conn, "ok", worker.info())
     except BaseException as e:  # noqa: BLE001 - the engine reports it and stops the process
         _reply(conn, "error", f"could not start: {type(e).__name__}: {e}")

@@ -31,7 +31,7 @@ from kvserve import __version__
 from kvserve.config import ConfigError
 from kvserve.engine import LLMEngine
 from kvserve.engine_args import engine_kwargs
-from kvserve.entrypoint import setup_process
+from kvserve.entrypoint import freeze_startup_heap, setup_process
 from kvserve.server.api_errors import APIError, api_error_from_validation, bad_request
 from kvserve.server.args import DEFAULT_MAX_BODY_BYTES
 from kvserve.server.engine_loop import EngineLoop
@@ -371,6 +371,7 @@ def run_server(args: argparse.Namespace) -> int:
         log.info("hybrid model: %d layer groups of %d layers, windows %s; each group its own "
                  "block table", g.num_groups, g.num_slots,
                  [w or "full" for w in g.windows])  # fmt: skip
+    freeze_startup_heap()
     # uvicorn re-raises a captured SIGTERM/SIGINT after its graceful shutdown; by default that
     # kills the process (-15) or raises KeyboardInterrupt after a clean drain. Exit 0 instead.
     signal.signal(signal.SIGTERM, lambda *_: None)
