@@ -74,6 +74,9 @@ def test_two_ranks_give_the_single_rank_tokens(checkpoint, make_llm, name):
     assert len(pids) == 2 and os.getpid() not in pids
     want, got = tokens(one), tokens(two)
     assert got == want
+    # a rank's start-up objects are out of the garbage collector's reach (a new process
+    # freezes nothing of its own accord)
+    assert all(n > 0 for n in two.engine.executor.collective_rpc(_frozen_objects))
     # each rank computes on its own share of this process's CPUs
     cpus = two.engine.executor.collective_rpc(_cpus_and_threads)
     if len(os.sched_getaffinity(0)) >= 2:
@@ -105,6 +108,12 @@ def test_two_ranks_give_the_single_rank_tokens(checkpoint, make_llm, name):
 
 def _communicator(worker: Worker) -> str:
     return type(worker.tp.communicator).__name__
+
+
+def _frozen_objects(worker: Worker) -> int:
+    import gc
+
+    return gc.get_freeze_count()
 
 
 def _cpus_and_threads(worker: Worker) -> tuple[set[int], int]:
@@ -365,6 +374,7 @@ def test_ray_actors_as_ranks_give_the_single_rank_tokens(checkpoint, make_llm):
         assert len(set(two.engine.executor.pids)) == 2
         assert os.getpid() not in two.engine.executor.pids
         assert tokens(two, PROMPTS[:3]) == want
+        assert all(n > 0 for n in two.engine.executor.collective_rpc(_frozen_objects))
         kill_a_rank_and_check_the_engine_fails_by_name(
             two.engine, two.engine.executor.pids, "worker 1 (Ray actor) died"
         )

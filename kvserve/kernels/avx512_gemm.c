@@ -27,8 +27,8 @@
  * a layout of their own, wf[nb][k][c] = W[16 nb + c][k]: each 16-column block one sequential
  * run of K vectors, read as pairs of k so that x's tile order is the bf16 path's. oneDNN's
  * float32 GEMM at decode sizes read its weights well below the bandwidth one core reaches;
- * software prefetch a kilobyte ahead of each stream is most of what closes that gap here
- * (the hardware prefetcher alone kept a few streams of 64-byte loads short of it).
+ * software prefetch well ahead of each stream (PREFETCH_BYTES) is most of what closes that
+ * gap (the hardware prefetcher alone kept a few streams of 64-byte loads short of it).
  *
  * Returns 0, 1 (nothing written) for shapes it does not take (K or N not a multiple of 32,
  * no rows) or a build without AVX-512, 2 out of memory.
