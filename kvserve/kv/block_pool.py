@@ -9,9 +9,10 @@ A freed block that holds nothing cached goes to the head of the queue, not the t
 handed out again before a never-used block and before any cached one. Taking a cached block
 instead would throw away a prefix a later request may want, for nothing. Taking a never-used
 block means first touching memory the OS has not mapped yet. On a CPU the pool is ordinary
-memory that the OS maps on first write, a 2 MiB huge page at a time, and a virtual machine may
-compact memory to find one. A server without prefix caching would otherwise walk through the
-whole pool, paying those faults in its steps.
+memory that the OS maps on first write (unless ``--kv-cache-prefault`` mapped it all at
+start), a 2 MiB huge page at a time, and a virtual machine may compact memory to find one. A
+server without prefix caching would otherwise walk through the whole pool, paying those faults
+in its steps.
 
 The pool records the two transitions others must hear about, as data: blocks whose last
 reference went (``freed``) and cached blocks handed out for new content (``evicted``, with
