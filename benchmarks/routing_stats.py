@@ -5,17 +5,18 @@ router's decisions that ran on their core."""
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 from typing import Any
 
+from kvserve.bench.metrics import percentile
+
 
 def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, math.ceil(q * len(xs)) - 1)]
+    """The ``q`` quantile (0-1) as the simulator's figures take it (interpolated, as numpy's
+    default), so that a real and a simulated percentile differ only in what they measure;
+    None for no values."""
+    return percentile(xs, q * 100) if xs else None
 
 
 def trace_span(recs: list[dict[str, Any]]) -> float:

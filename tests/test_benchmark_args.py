@@ -116,3 +116,13 @@ def test_routing_warmup_shares_no_block_with_the_trace():
     for w in warm:
         assert tuple(w[:16]) not in firsts
     assert len({tuple(w[:16]) for w in warm}) == 2
+
+
+def test_routing_percentiles_of_real_runs_interpolate_as_the_simulators_do():
+    """The real run's TTFT p90 and the simulated one are compared: both interpolate between
+    ranks as numpy's default does, (n - 1) q."""
+    from benchmarks.routing_stats import pct
+
+    assert pct([4.0, 1.0, 3.0, 2.0], 0.9) == pytest.approx(3.7)  # rank 2.7: 3 + 0.7 (4 - 3)
+    assert pct([5.0], 0.99) == 5.0
+    assert pct([], 0.5) is None
