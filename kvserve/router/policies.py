@@ -366,6 +366,11 @@ class PrefixPolicy(RoutingPolicy):
         # The approximate scorer, which keeps the routing history (None: a precise one).
         self._history = scorer if isinstance(scorer, HistoryScorer) else None
 
+    @property
+    def _prompt_block_size(self) -> int:
+        """The size prompts are cut at: the scorer's once it knows the replicas', else ours."""
+        return self.scorer.block_size or self.block_size
+
     def choose(self, req: RouteRequest, loads: Sequence[ReplicaLoad]) -> Decision:
         healthy = _healthy(loads)
         turn = next(self._turn)
@@ -374,7 +379,7 @@ class PrefixPolicy(RoutingPolicy):
             idlest = min(loads[i].requests for i in healthy)
             if busiest - idlest > self.balance_abs and busiest > self.balance_rel * idlest:
                 return Decision(least_loaded(loads, turn), self.name, balanced=True)
-        bs = self.inflight.block_size = self.scorer.block_size or self.block_size
+        bs = self.inflight.block_size = self._prompt_block_size
         n_blocks = len(req.token_ids) // bs
         matches = self.scorer.match(req, len(loads))
         inflight = self.inflight
@@ -397,7 +402,7 @@ class PrefixPolicy(RoutingPolicy):
     def routed(self, req: RouteRequest, replica: int) -> None:
         if self._history is not None:
             self._history.remember(req, replica)
-        self.inflight.block_size = self.scorer.block_size or self.block_size
+        self.inflight.block_size = self._prompt_block_size
         self.inflight.add(req, replica)
 
     def finished(self, req: RouteRequest, replica: int) -> None:
