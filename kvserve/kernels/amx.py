@@ -168,41 +168,100 @@ def linear(
     with ``residual`` or ``up``): the same bf16 values, stored as float32 (an LM head's
     logits, without a pass converting them). Float32 weights (the ``avx512`` kernel's
     float32 layout): x, ``residual`` and the result float32, nothing rounded, no ``norm``."""
-    if wp.dtype == torch.float32:
-        assert kernel == "avx512" and norm is None  # out_dtype: float32 whatever it says
-        return _linear_f32(x, wp, bias, residual, up)
-    native, entry = _ENTRY[kernel]
-    lib = native.get()
-    assert lib is not None
-    global _mode_decided
-    if kernel == "avx512" and not _mode_decided:
-        avx512_dot_products()  # the kernel's mode, measured before its first GEMM
-        _mode_decided = True
-    fn = getattr(lib, entry)
-    m, k = x.shape
-    n = wp.shape[0] * 16
-    assert wp.shape[1] * 32 == k and x.dtype == torch.bfloat16
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    y = torch.empty(m, n, dtype=out_dtype)
-    epi = EPI_NONE
-    if out_dtype == torch.float32:
-        assert residual is None and up is None
-        epi = EPI_F32
-    else:
-        assert out_dtype == torch.bfloat16
-    epi, res = _epilogue(epi, (m, n), residual, up, torch.bfloat16)
-    aux, ldaux = (None, 0) if res is None else (res.data_ptr(), res.stride(0))
-    b = None if bias is None else bias.float().contiguous()
-    nw, eps = (None, 0.0) if norm is None else (norm[0].data_ptr(), norm[1])
-    if norm is not None:
-        assert norm[0].shape == (k,) and norm[0].dtype == torch.bfloat16
-        assert norm[0].is_contiguous()
-    rc = fn(x.data_ptr(), x.stride(0), m, k, wp.data_ptr(), None if up is None else up.data_ptr(),
-            n, None if b is None else b.data_ptr(), epi, aux, ldaux, y.data_ptr(), n,
-            torch.get_num_threads(), nw, eps)  # fmt: skip
-    _check(rc, kernel, x, wp)
-    return y
+    gemm = PackedLinear(wp, up=up, bias=bias, kernel=kernel, norm=norm, out_dtype=out_dtype,
+                        residual=residual is not None)  # fmt: skip
+    return gemm(x, residual)
+
+
+class PackedLinear:
+    """:func:`linear` for one packed matrix, with everything that stays the same from call
+    to call decided once: the entry point, the epilogue, the bias in float32, the norm.
+
+    A decode step of a small model calls each of its GEMMs once per layer, on a few rows, and
+    the work around a kernel call (choosing the entry point and epilogue, converting the bias,
+    checking the layout) costs as much as the call itself there; a caller that multiplies by
+    the same matrix every step keeps one of these (:class:`kvserve.model.linear_ops.LayerPlan`).
+    The kernel sees the arguments :func:`linear` would give it, so the result is the same.
+    ``residual``: calls pass a residual [M, N] to add (the add epilogue)."""
+
+    __slots__ = ("fn", "wp", "up", "bias", "n", "k", "epi", "norm_w", "eps", "out_dtype", "f32",
+                 "kernel")  # fmt: skip
+
+    def __init__(
+        self,
+        wp: torch.Tensor,
+        up: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        kernel: str = "amx",
+        norm: tuple[torch.Tensor, float] | None = None,
+        out_dtype: torch.dtype = torch.bfloat16,
+        residual: bool = False,
+    ) -> None:
+        self.f32 = wp.dtype == torch.float32
+        self.kernel = kernel
+        if self.f32:
+            assert kernel == "avx512" and norm is None  # out_dtype: float32 whatever it says
+            lib = _LIB512.get()
+            assert lib is not None
+            self.fn = lib.kvserve_avx512_linear_f32
+            self.k, self.out_dtype = wp.shape[1], torch.float32
+        else:
+            native, entry = _ENTRY[kernel]
+            lib = native.get()
+            assert lib is not None
+            global _mode_decided
+            if kernel == "avx512" and not _mode_decided:
+                avx512_dot_products()  # the kernel's mode, measured before its first GEMM
+                _mode_decided = True
+            self.fn = getattr(lib, entry)
+            self.k, self.out_dtype = wp.shape[1] * 32, out_dtype
+            assert out_dtype in (torch.bfloat16, torch.float32)
+        self.n = wp.shape[0] * 16
+        self.wp, self.up = wp, up
+        self.bias = None if bias is None else bias.float().contiguous()
+        wide = self.out_dtype == torch.float32 and not self.f32  # bf16 values in float32
+        assert not wide or (up is None and not residual)
+        if up is not None:
+            self.epi = EPI_SWIGLU
+        elif residual:
+            self.epi = EPI_ADD
+        else:
+            self.epi = EPI_F32 if wide else EPI_NONE
+        self.norm_w, self.eps = (None, 0.0) if norm is None else norm
+        if norm is not None:
+            assert norm[0].shape == (self.k,) and norm[0].dtype == torch.bfloat16
+            assert norm[0].is_contiguous()
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [M, K]``'s product (``residual``: given exactly when the epilogue adds it)."""
+        m, k = x.shape
+        n = self.n
+        assert k == self.k and x.dtype == (torch.float32 if self.f32 else torch.bfloat16)
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        y = torch.empty(m, n, dtype=self.out_dtype)
+        aux, ldaux = None, 0
+        if self.epi == EPI_ADD:
+            assert residual is not None and residual.shape == (m, n)
+            assert residual.dtype == x.dtype
+            if residual.stride(1) != 1:
+                residual = residual.contiguous()
+            aux, ldaux = residual.data_ptr(), residual.stride(0)
+        else:
+            assert residual is None
+        up = None if self.up is None else self.up.data_ptr()
+        b = None if self.bias is None else self.bias.data_ptr()
+        if self.f32:
+            rc = self.fn(x.data_ptr(), x.stride(0), m, k, self.wp.data_ptr(), up, n, b, self.epi,
+                         aux, ldaux, y.data_ptr(), n, torch.get_num_threads())  # fmt: skip
+        else:
+            nw = None if self.norm_w is None else self.norm_w.data_ptr()
+            rc = self.fn(x.data_ptr(), x.stride(0), m, k, self.wp.data_ptr(), up, n, b, self.epi,
+                         aux, ldaux, y.data_ptr(), n, torch.get_num_threads(), nw,
+                         self.eps)  # fmt: skip
+        if rc:
+            _check(rc, self.kernel, x, self.wp)
+        return y
 
 
 def _check(rc: int, kernel: str, x: torch.Tensor, wp: torch.Tensor) -> None:
@@ -211,59 +270,3 @@ def _check(rc: int, kernel: str, x: torch.Tensor, wp: torch.Tensor) -> None:
         raise MemoryError(f"{kernel} linear: could not allocate the packed activations")
     if rc != 0:
         raise RuntimeError(f"{kernel} linear declined x={tuple(x.shape)} w={tuple(wp.shape)}")
-
-
-def _epilogue(
-    epi: int,
-    shape: tuple[int, int],
-    residual: torch.Tensor | None,
-    up: torch.Tensor | None,
-    dtype: torch.dtype,
-) -> tuple[int, torch.Tensor | None]:
-    """The kernel's epilogue for ``up`` (SwiGLU) or ``residual`` (an add), else ``epi``; and
-    the residual as the kernel reads it (rows contiguous; the caller keeps it alive)."""
-    if up is not None:
-        return EPI_SWIGLU, None
-    if residual is None:
-        return epi, None
-    assert residual.shape == shape and residual.dtype == dtype
-    return EPI_ADD, residual if residual.stride(1) == 1 else residual.contiguous()
-
-
-def _linear_f32(
-    x: torch.Tensor,
-    wp: torch.Tensor,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor | None,
-    up: torch.Tensor | None,
-) -> torch.Tensor:
-    """:func:`linear` on float32 weights, with the AVX-512 kernel."""
-    lib = _LIB512.get()
-    assert lib is not None
-    m, k = x.shape
-    n = wp.shape[0] * 16
-    assert wp.shape[1] == k and x.dtype == torch.float32
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    y = torch.empty(m, n, dtype=torch.float32)
-    epi, res = _epilogue(EPI_NONE, (m, n), residual, up, torch.float32)
-    aux, ldaux = (None, 0) if res is None else (res.data_ptr(), res.stride(0))
-    b = None if bias is None else bias.float().contiguous()
-    rc = lib.kvserve_avx512_linear_f32(
-        x.data_ptr(),
-        x.stride(0),
-        m,
-        k,
-        wp.data_ptr(),
-        None if up is None else up.data_ptr(),
-        n,
-        None if b is None else b.data_ptr(),
-        epi,
-        aux,
-        ldaux,
-        y.data_ptr(),
-        n,
-        torch.get_num_threads(),
-    )
-    _check(rc, "avx512", x, wp)
-    return y

@@ -18,6 +18,7 @@ exactness tests against transformers run through the fast path.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,9 @@ from torch import nn
 
 from kvserve import envs
 from kvserve.kernels import amx, best_time, pointwise
+
+if TYPE_CHECKING:
+    from kvserve.model.layers.parallel_state import TensorParallelGroup
 
 # The GEMMs of a step by name: a decoder layer's QKV, output (with the residual add), gate
 # (SiLU), up (product) and down (add) projections, and the LM head's. The simulator's cost
@@ -172,6 +176,11 @@ class TorchOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return rotary(positions, q, k)
 
+    def layer_plan(self, layer: nn.Module) -> LayerPlan | None:
+        """A decoder layer's projections with their dispatch decided once (:class:`LayerPlan`),
+        or None where this backend has none: the layer's modules then run as they are."""
+        return None
+
 
 class OneDNNOps(TorchOps):
     """``prepack``: keep every matrix in oneDNN's blocked layout for this CPU (packed once at
@@ -298,6 +307,38 @@ class PackedOps(OneDNNOps):
         with oneDNN."""
         return layer.__dict__.get(KERNEL_WEIGHTS)
 
+    def layer_plan(self, layer: nn.Module) -> LayerPlan | None:
+        """The plan of a decoder layer whose four matrices this backend packed for its kernel
+        and whose output projections have no bias, for the steps the kernel takes (below
+        :attr:`large_step_rows`, where a subclass has one); None otherwise."""
+        qkv, o = layer.qkv_proj, layer.o_proj
+        gate_up, down = layer.mlp.gate_up_proj, layer.mlp.down_proj
+        kws = [self._kernel_weights(lin) for lin in (qkv, o, gate_up, down)]
+        if self.kernel is None or any(kw is None for kw in kws) or o.bias is not None:
+            return None
+        if down.bias is not None or kws[2][1] is None:
+            return None
+        (wq, _, bq), (wo, _, _), (wg, wu, _), (wd, _, _) = kws
+        norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+        # bf16: the norms run inside the kernel as it copies the rows in, as norm_linear and
+        # norm_swiglu_add do; float32 (no norm in that kernel): on their own, first.
+        in1 = _bf16_norm(norm1, wq) if wq.dtype == torch.bfloat16 else None
+        in2 = _bf16_norm(norm2, wg) if wg.dtype == torch.bfloat16 else None
+        fused = o.fuse_residual
+        k = self.kernel
+        large = self.large_step_rows
+        return LayerPlan(
+            ops=self,
+            qkv=amx.PackedLinear(wq, bias=bq, kernel=k, norm=in1),
+            o=amx.PackedLinear(wo, kernel=k, residual=fused),
+            gate_up=amx.PackedLinear(wg, up=wu, kernel=k, norm=in2),
+            down=amx.PackedLinear(wd, kernel=k, residual=fused),
+            norm1=None if in1 is not None else norm1,
+            norm2=None if in2 is not None else norm2,
+            tp=None if fused else o.tp,
+            max_rows=large - 1 if large else LayerPlan.ANY_ROWS,
+        )
+
     def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         kw = self._kernel_weights(layer)
         if kw is not None:
@@ -408,6 +449,62 @@ def _bf16_norm(norm: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, float] |
     ):
         return None
     return w, norm.eps
+
+
+class LayerPlan:
+    """A decoder layer's four projections on a packing backend's kernel, for steps of at most
+    ``max_rows`` tokens, with the dispatch the module path makes on every call decided once.
+
+    On the module path each GEMM passes through the module's ``__call__``, its ``forward``,
+    the backend's fused method, its checks of which matrices it packed, whether the step is
+    large and whether the norm fits in the kernel, and :func:`kvserve.kernels.amx.linear`'s
+    choice of entry point and epilogue: about a dozen Python calls, as long as the kernel
+    call itself at a small model's decode sizes. The plan keeps one
+    :class:`~kvserve.kernels.amx.PackedLinear` per matrix and calls the kernel with the
+    arguments the module path gives it, in the same order, so the bits are the same (the
+    tests compare the two). ``tp``: the group whose all-reduce stands between each output
+    projection and its residual add (None with one rank: the add is the kernel's epilogue).
+    ``norm1`` / ``norm2``: the RMSNorms run before the QKV and gate/up GEMMs, or None where
+    the kernel applies them."""
+
+    ANY_ROWS = 1 << 62
+
+    __slots__ = ("ops", "qkv", "o", "gate_up", "down", "norm1", "norm2", "tp", "max_rows")
+
+    def __init__(
+        self,
+        ops: TorchOps,
+        qkv: amx.PackedLinear,
+        o: amx.PackedLinear,
+        gate_up: amx.PackedLinear,
+        down: amx.PackedLinear,
+        norm1: nn.Module | None,
+        norm2: nn.Module | None,
+        tp: TensorParallelGroup | None,
+        max_rows: int,
+    ) -> None:
+        self.ops, self.qkv, self.o, self.gate_up, self.down = ops, qkv, o, gate_up, down
+        self.norm1, self.norm2, self.tp, self.max_rows = norm1, norm2, tp, max_rows
+
+    def qkv_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``qkv_proj(x, norm=input_layernorm)``."""
+        if self.norm1 is not None:
+            x = self.ops.rms_norm(self.norm1, x)
+        return self.qkv(x)
+
+    def attention_out(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``o_proj(attn, residual=residual)``."""
+        if self.tp is None:
+            return self.o(attn, residual)
+        return self.tp.all_reduce(self.o(attn)).add_(residual)
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        """``mlp(h, norm=post_attention_layernorm, residual=h)``."""
+        x = h if self.norm2 is None else self.ops.rms_norm(self.norm2, h)
+        g = self.gate_up(x)
+        if self.tp is None:
+            return self.down(g, h)
+        return self.tp.all_reduce(self.down(g)).add_(h)
 
 
 class AMXOps(PackedOps):

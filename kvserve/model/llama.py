@@ -32,7 +32,7 @@ from kvserve.model.layers import (
     VocabParallelEmbedding,
     set_linear_ops,
 )
-from kvserve.model.linear_ops import TorchOps
+from kvserve.model.linear_ops import LayerPlan, TorchOps
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -120,6 +120,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
         self.ops: TorchOps = TorchOps()  # rotary
         self.attn = Attention(attention, self.window)
+        self.plan: LayerPlan | None = None  # the backend's, where it has one (set_ops)
 
     def forward(
         self,
@@ -135,7 +136,13 @@ class DecoderLayer(nn.Module):
         the MLP run only where a later step reads the result."""
         t = x.shape[0]
         ops = self.ops
-        qkv = self.qkv_proj(x, norm=self.input_layernorm)
+        plan = self.plan
+        if plan is not None and t > plan.max_rows:
+            plan = None
+        if plan is not None:  # the same kernel calls as the modules', decided once
+            qkv = plan.qkv_rows(x)
+        else:
+            qkv = self.qkv_proj(x, norm=self.input_layernorm)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
@@ -147,6 +154,8 @@ class DecoderLayer(nn.Module):
             attn, x = attn[rows], x[rows]
             if not x.shape[0]:
                 return x
+        if plan is not None:
+            return plan.mlp(plan.attention_out(attn, x))
         h = self.o_proj(attn, residual=x)
         return self.mlp(h, norm=self.post_attention_layernorm, residual=h)
 
@@ -219,6 +228,7 @@ class LlamaForCausalLM(nn.Module):
         self.ops = ops
         for layer in self.layers:
             layer.ops = ops
+            layer.plan = ops.layer_plan(layer)
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
         """Choose the attention backend of every layer (see :mod:`kvserve.attention`)."""
