@@ -225,6 +225,7 @@ def test_step_input_pickles_and_runs_in_another_process(make_llm, checkpoint):
         assert pickle.loads(blob) == so
         blobs.append(blob)
         out = engine.executor.driver_worker.runner.execute_model(so)
+        assert pickle.loads(pickle.dumps(out)) == out  # the reply of a worker process
         local.append((out.req_ids, out.token_ids))
         sched.update_from_output(so, out, 0.0, 0.0)
     assert any(len(ids) > 1 for ids, _ in local)

@@ -19,8 +19,9 @@ growing while the cache stays short.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+import operator
+from dataclasses import dataclass, field, fields
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -28,7 +29,28 @@ from kvserve.connectors.base import KVConnectorOutput
 from kvserve.kv.ops import KVOps
 from kvserve.sched.request import SamplingParams
 
+_T = TypeVar("_T")
 
+
+def pickled_by_fields(cls: type[_T]) -> type[_T]:
+    """Pickle instances of the dataclass ``cls`` as its constructor and its field values.
+
+    A slots dataclass otherwise pickles through the ``__getstate__`` / ``__setstate__`` that
+    ``dataclass`` writes, which call :func:`dataclasses.fields` on every object, and then
+    spells out each field's name: with another process per rank, every step's message and
+    its reply pay that on both sides, between the steps, on caches the step just filled."""
+    names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+    assert len(names) > 1  # attrgetter of one name returns the value, not a tuple
+    get = operator.attrgetter(*names)
+
+    def __reduce__(self: _T) -> tuple[type[_T], tuple[Any, ...]]:  # noqa: N807
+        return cls, get(self)
+
+    cls.__reduce__ = __reduce__  # type: ignore[method-assign, assignment]
+    return cls
+
+
+@pickled_by_fields
 @dataclass(slots=True)
 class NewRequestData:
     """Sampling state a runner creates the first time it sees a request."""
@@ -40,6 +62,7 @@ class NewRequestData:
     output_token_ids: list[int] = field(default_factory=list)
 
 
+@pickled_by_fields
 @dataclass(slots=True)
 class ScheduledSeq:
     """One request's share of the step."""
@@ -94,6 +117,7 @@ class ScheduledSeq:
         return table[idx // block_size] * block_size + idx % block_size
 
 
+@pickled_by_fields
 @dataclass(slots=True)
 class SchedulerOutput:
     """Everything a runner needs to execute one step."""
@@ -114,6 +138,7 @@ class SchedulerOutput:
         return self.num_prefill_tokens + self.num_decode_tokens
 
 
+@pickled_by_fields
 @dataclass(slots=True)
 class ModelRunnerOutput:
     """Sampled tokens, one per entry of the scheduled sequences' ``sample_ids``."""
