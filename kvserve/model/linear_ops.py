@@ -18,7 +18,7 @@ exactness tests against transformers run through the fast path.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -26,9 +26,6 @@ from torch import nn
 
 from kvserve import envs
 from kvserve.kernels import amx, best_time, pointwise
-
-if TYPE_CHECKING:
-    from kvserve.model.layers.parallel_state import TensorParallelGroup
 
 # The GEMMs of a step by name: a decoder layer's QKV, output (with the residual add), gate
 # (SiLU), up (product) and down (add) projections, and the LM head's. The simulator's cost
@@ -451,6 +448,13 @@ def _bf16_norm(norm: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, float] |
     return w, norm.eps
 
 
+class AllReduce(Protocol):
+    """The group a row-parallel projection's partial products are summed over
+    (:class:`kvserve.model.layers.parallel_state.TensorParallelGroup`)."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
 class LayerPlan:
     """A decoder layer's four projections on a packing backend's kernel, for steps of at most
     ``max_rows`` tokens, with the dispatch the module path makes on every call decided once.
@@ -480,7 +484,7 @@ class LayerPlan:
         down: amx.PackedLinear,
         norm1: nn.Module | None,
         norm2: nn.Module | None,
-        tp: TensorParallelGroup | None,
+        tp: AllReduce | None,
         max_rows: int,
     ) -> None:
         self.ops, self.qkv, self.o, self.gate_up, self.down = ops, qkv, o, gate_up, down
