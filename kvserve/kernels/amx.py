@@ -185,7 +185,7 @@ class PackedLinear:
     ``residual``: calls pass a residual [M, N] to add (the add epilogue)."""
 
     __slots__ = ("fn", "wp", "up", "bias", "n", "k", "epi", "norm_w", "eps", "out_dtype", "f32",
-                 "kernel")  # fmt: skip
+                 "in_dtype", "kernel")  # fmt: skip
 
     def __init__(
         self,
@@ -198,6 +198,7 @@ class PackedLinear:
         residual: bool = False,
     ) -> None:
         self.f32 = wp.dtype == torch.float32
+        self.in_dtype = wp.dtype  # x's: float32 for float32 weights, bf16 for packed bf16
         self.kernel = kernel
         if self.f32:
             assert kernel == "avx512" and norm is None  # out_dtype: float32 whatever it says
@@ -236,7 +237,7 @@ class PackedLinear:
         """``x [M, K]``'s product (``residual``: given exactly when the epilogue adds it)."""
         m, k = x.shape
         n = self.n
-        assert k == self.k and x.dtype == (torch.float32 if self.f32 else torch.bfloat16)
+        assert k == self.k and x.dtype == self.in_dtype
         if x.stride(1) != 1:
             x = x.contiguous()
         y = torch.empty(m, n, dtype=self.out_dtype)

@@ -318,9 +318,9 @@ class PackedOps(OneDNNOps):
         (wq, _, bq), (wo, _, _), (wg, wu, _), (wd, _, _) = kws
         norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
         # bf16: the norms run inside the kernel as it copies the rows in, as norm_linear and
-        # norm_swiglu_add do; float32 (no norm in that kernel): on their own, first.
-        in1 = _bf16_norm(norm1, wq) if wq.dtype == torch.bfloat16 else None
-        in2 = _bf16_norm(norm2, wg) if wg.dtype == torch.bfloat16 else None
+        # norm_swiglu_add do; float32 (no norm in that kernel): on their own, first. The
+        # activations are in the weights' dtype, so the weights stand in for them here.
+        in1, in2 = _bf16_norm(norm1, wq), _bf16_norm(norm2, wg)
         fused = o.fuse_residual
         k = self.kernel
         large = self.large_step_rows
