@@ -516,6 +516,13 @@ class SchedulerConfig:
                   "this step waits one step and hits it, instead of computing it again "
                   "beside it"},
     )  # fmt: skip
+    async_scheduling: bool = field(
+        default=False,
+        metadata={"help": "plan and send each step before the one in flight has landed, so "
+                  "workers in other processes (tensor parallelism, the mp executor) go from "
+                  "step to step without waiting for the engine; a request that ends costs "
+                  "one wasted position; not with a KV connector (vLLM's)"},
+    )  # fmt: skip
     workload_classes: str | None = field(
         default=None,
         metadata={"help": "workload classes (YAML or JSON; 'default' for chat, rag, "
@@ -925,6 +932,14 @@ class EngineConfig:
             raise ConfigError(f"revision: must be a branch, tag or commit, got {self.revision!r}")
         if self.cuda_graph_sizes is not None:
             self.cuda_graph_sizes = parse_capture_sizes(self.cuda_graph_sizes)
+        if self.scheduler.async_scheduling and (
+            self.cache.kv_offload or self.kv_transfer_config.kv_connector
+        ):
+            raise ConfigError(
+                "async_scheduling: not with a KV connector (kv_transfer_config) or an offload "
+                "tier (kv_offload_cpu, kv_offload_disk, kv_offload_redis): their per-step "
+                "reports need the step before to have landed; leave one of them off"
+            )
         if self.attention_backend is not None and (
             not isinstance(self.attention_backend, str) or not self.attention_backend
         ):

@@ -101,9 +101,6 @@ _TABLE = (
     VLLMArg("--limit-mm-per-prompt", NOT_APPLICABLE, "kvserve serves text-only models"),
     VLLMArg("--prefix-caching-hash-algo", UNSUPPORTED, "the block hash is fixed: SHA-256 "
             "chains (docs/router.md)"),
-    VLLMArg("--async-scheduling", PLANNED, "the scheduler plans each step after the one "
-            "before it finished", planned="scheduling the next step while the device runs "
-            "this one"),
     VLLMArg("--disable-sliding-window", UNSUPPORTED, "sliding-window layers always attend "
             "within their window"),
     VLLMArg("--long-prefill-token-threshold", UNSUPPORTED, "chunked prefill splits a prompt "

@@ -17,7 +17,12 @@ from kvserve.engine import EngineCore, EngineCoreRequest
 from kvserve.kv.grouped import GroupedKVCacheManager
 from kvserve.kv.layer_groups import LayerGroups
 from kvserve.kv.manager import KVCacheManager
-from kvserve.sched.output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from kvserve.sched.output import (
+    PENDING_TOKEN_ID,
+    ModelRunnerOutput,
+    ScheduledSeq,
+    SchedulerOutput,
+)
 from kvserve.sched.request import RequestStatus
 from tests.conftest import check_blocks, prompts_of_lengths
 
@@ -45,9 +50,15 @@ class FakeRunner:
         self.windows = windows
         self.drawn: dict[str, int] = {}
         self.calls = 0
+        self.pending_steps = 0  # steps planned before the one before them landed
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.calls += 1
+        self.pending_steps += so.pending_token_ids
+        for seq in so.seqs:  # only a decode token may be pending, and only the last one
+            assert PENDING_TOKEN_ID not in seq.token_ids[:-1]
+            if seq.token_ids[-1] == PENDING_TOKEN_ID:
+                assert so.pending_token_ids and seq.num_tokens == 1 and seq.sample_ids
         for rid in so.finished_req_ids:
             self.drawn.pop(rid, None)
         for nr in so.new_requests:
@@ -101,7 +112,10 @@ def expected_tokens(req_id: str, params: SamplingParams, max_tokens: int) -> lis
 
 
 def run_random_workload(
-    seed: int, num_requests: int = 1000, groups: LayerGroups | None = None
+    seed: int,
+    num_requests: int = 1000,
+    groups: LayerGroups | None = None,
+    async_scheduling: bool = False,
 ) -> dict:
     rng = random.Random(seed)
     block_size, num_blocks = 4, 24
@@ -112,7 +126,8 @@ def run_random_workload(
         kv = GroupedKVCacheManager(groups, num_blocks, block_size, enable_caching=True)
         runner = FakeRunner(num_blocks * groups.num_groups, block_size, groups.windows)
     clock = VirtualClock()
-    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=40)
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=40,
+                             async_scheduling=async_scheduling)  # fmt: skip
     core = EngineCore(config, kv, runner, max_model_len=96, clock=clock)
     prefixes = [[rng.randrange(VOCAB) for _ in range(rng.randrange(4, 24))] for _ in range(6)]
     requests: dict[str, tuple[SamplingParams, int, list]] = {}
@@ -170,6 +185,7 @@ def run_random_workload(
         "hits": kv.stats.hits,
         "steps": steps,
         "aborted": len(aborted),
+        "pending_steps": runner.pending_steps,
     }
 
 
@@ -181,6 +197,17 @@ def test_thousand_random_requests_without_a_model():
     assert first["preemptions"] > 20 and first["hits"] > 0 and first["aborted"] > 10
     assert run_random_workload(seed=7) == first
     assert run_random_workload(seed=8, num_requests=50)["outputs"] != first["outputs"]
+
+
+def test_thousand_random_requests_with_async_scheduling():
+    """The same workload with each step planned before the one in flight has landed: the
+    tokens the fake runner was asked for, blocks checked after every step, no block left
+    held; preemption still happens (with nothing in flight) and aborts land cleanly."""
+    run = run_random_workload(seed=7, async_scheduling=True)
+    assert len(run["outputs"]) == 1000
+    assert run["preemptions"] > 20 and run["hits"] > 0 and run["aborted"] > 10
+    assert run["pending_steps"] > run["steps"] // 2  # most steps went out before a landing
+    assert run_random_workload(seed=7)["pending_steps"] == 0
 
 
 @pytest.mark.parametrize("windows", [(None, 8), (None, None, 6, 6, 6, 6), (12, None, 5)])

@@ -100,7 +100,7 @@ class FakeKV:
     def apply_compaction(self, request) -> int:
         return 0
 
-    def cache_computed_blocks(self, request) -> None:
+    def cache_computed_blocks(self, request, num_tokens=None) -> None:
         pass
 
     def drop_leading_blocks(self, request, first_kept, head=0) -> int:

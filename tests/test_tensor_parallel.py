@@ -106,6 +106,34 @@ def test_two_ranks_give_the_single_rank_tokens(checkpoint, make_llm, name):
         break_a_rank_and_check_the_group_fails_at_once(two.engine, pids)
 
 
+def test_async_scheduling_over_two_ranks_gives_the_single_rank_tokens(checkpoint, make_llm):
+    """The engine sends each step before the ranks' last one has landed (their pipes queue
+    it): the tokens are one rank's, stepped one at a time; a call to the workers made while
+    a step is in flight lands that step first and gets its own answer; a rank killed with a
+    step in flight is named and fails every request."""
+    ckpt = checkpoint("llama_gqa")
+    want = tokens(make_llm(ckpt, **SMALL_POOL))
+    two = make_llm(ckpt, tensor_parallel_size=2, async_scheduling=True, **SMALL_POOL)
+    engine = two.engine
+    overlapped: list[bool] = []
+    answers: list[list[int]] = []
+
+    def hook(core) -> None:  # noqa: ANN001 - an EngineCore
+        overlapped.append(core._in_flight is not None)
+        if core._in_flight is not None and not answers:
+            answers.append(engine.executor.collective_rpc("kv_pool_bytes"))
+
+    engine.core.step_hooks.append(hook)
+    assert tokens(two) == want
+    assert sum(overlapped) > len(overlapped) // 2
+    assert answers == [[pool_bytes_formula("llama_gqa", 1, 24)] * 2]
+    # the pool ran short: requests waited for a step in flight, or were preempted
+    assert engine.scheduler.stats.allocation_failures > 0
+    kill_a_rank_and_check_the_engine_fails_by_name(
+        engine, engine.executor.worker_pids, "worker 1 (pid {pid}) was killed by SIGKILL"
+    )
+
+
 def _communicator(worker: Worker) -> str:
     return type(worker.tp.communicator).__name__
 

@@ -13,6 +13,13 @@ A runner or clock that raises fails only the requests of that step: they finish 
 (:class:`~kvserve.executor.WorkerDiedError`) fails every request instead, with the executor's
 message naming the worker, and the core refuses new ones (:attr:`EngineCore.dead`): no step can
 run any more. ``step_hooks`` run after every step (the tests check block conservation there).
+
+With async scheduling (``SchedulerConfig.async_scheduling``, vLLM's ``--async-scheduling``) a
+step is planned and sent before the one in flight has landed: the workers go from one step to
+the next without waiting for the engine's bookkeeping, and the engine plans while they
+compute (:meth:`EngineCore._step_async`). The scheduler counts the step in flight as done, its
+sampled tokens as pending (:meth:`~kvserve.sched.scheduler.Scheduler.commit`); the runner
+fills them in. A token that ends its request costs one wasted position in the next step.
 """
 
 from __future__ import annotations
@@ -20,10 +27,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
-from kvserve.config import SchedulerConfig
+from kvserve.config import ConfigError, SchedulerConfig
 from kvserve.connectors.base import KVConnector
 from kvserve.engine.inputs import EngineCoreRequest
 from kvserve.executor import Executor, RunnerExecutor, WorkerDiedError
+from kvserve.executor.abstract import StepHandle
 from kvserve.kv.interface import KVManager
 from kvserve.kv.rank_payloads import merge_values
 from kvserve.sched.output import ModelRunnerOutput, Runner, SchedulerOutput
@@ -63,6 +71,11 @@ class EngineCore:
         self.last_step_seconds = 0.0
         self.step_hooks: list[Callable[[EngineCore], None]] = []
         self.dead: str | None = None  # why no step can run any more (a worker died)
+        self.async_scheduling = scheduler_config.async_scheduling
+        if self.async_scheduling and connector is not None:  # EngineConfig refuses it too
+            raise ConfigError("async_scheduling: not with a KV connector")
+        # Async scheduling: the step sent and not landed (its output, when it was sent).
+        self._in_flight: tuple[SchedulerOutput, StepHandle, float] | None = None
 
     def add_request(self, req: EngineCoreRequest) -> list[Request]:
         """Queue a request as its ``n`` samples; sample ``i`` of a seeded request uses seed
@@ -123,10 +136,12 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         """Requests still running or waiting, or finished ones whose blocks a connector holds
         (steps go on until the workers report them sent)."""
-        return bool(self.families) or self.scheduler.has_held_blocks
+        return bool(self.families) or self.scheduler.has_held_blocks or bool(self._in_flight)
 
     def step(self) -> list[Request]:
         """One step; returns the samples that got a token or finished (failed ones too)."""
+        if self.async_scheduling:
+            return self._step_async()
         sched = self.scheduler.schedule(self.clock())
         self.last_step = sched
         refused = self.scheduler.take_refused()
@@ -153,12 +168,48 @@ class EngineCore:
                 updated = self.scheduler.fail_step(sched, f"{type(e).__name__}: {e}", now)
         else:
             updated = self.scheduler.update_from_output(sched, out, started, now)
+        return refused + self._after_step(updated)
+
+    def _after_step(self, updated: list[Request]) -> list[Request]:
         for r in updated:
             if r.status in FINISHED_STATUSES:
                 self._forget_family(r)
         for hook in self.step_hooks:
             hook(self)
-        return refused + updated
+        return updated
+
+    def _step_async(self) -> list[Request]:
+        """Plan and send the next step, then land the one in flight: the samples that got a
+        token or finished come from the step before this one."""
+        landing, self._in_flight = self._in_flight, None
+        sched = self.scheduler.schedule(self.clock())
+        refused = self.scheduler.take_refused()
+        for r in refused:
+            self._forget_family(r)
+        if sched.seqs:
+            self.num_steps += 1
+            self.scheduler.commit(sched)
+            started = self.clock()
+            self._in_flight = (sched, self.executor.execute_model_async(sched), started)
+        if landing is None:
+            return refused
+        sched, handle, started = landing
+        self.last_step = sched
+        try:
+            out = handle.result()
+            now = self.clock()
+            self.last_step_seconds = now - started
+        except Exception as e:  # as in a step of its own: this step's requests fail
+            now = self.clock()
+            if isinstance(e, WorkerDiedError):  # ... or every request: no step lands again
+                self.dead = str(e)
+                self._in_flight = None
+                updated = self.scheduler.fail_all(sched, self.dead, now)
+            else:
+                updated = self.scheduler.fail_step(sched, f"{type(e).__name__}: {e}", now)
+        else:
+            updated = self.scheduler.update_from_output(sched, out, started, now)
+        return refused + self._after_step(updated)
 
     def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """The step on the workers, with the bytes the connector's two sides exchange around

@@ -36,6 +36,33 @@ class WorkerError(RuntimeError):
     """A worker raised while serving a call; the worker itself carries on."""
 
 
+class StepHandle:
+    """A step sent to the workers (:meth:`Executor.execute_model_async`): ``result()`` waits
+    for its output, or raises what the step raised."""
+
+    __slots__ = ("_value", "_error", "_wait")
+
+    def __init__(self, wait: Callable[[], None] | None = None) -> None:
+        self._value: ModelRunnerOutput | None = None
+        self._error: BaseException | None = None
+        self._wait = wait  # lands this step (and any sent before it); None: landed
+
+    def land(self, value: ModelRunnerOutput | None, error: BaseException | None) -> None:
+        self._value, self._error, self._wait = value, error, None
+
+    @property
+    def done(self) -> bool:
+        return self._wait is None
+
+    def result(self) -> ModelRunnerOutput:
+        if self._wait is not None:
+            self._wait()
+        if self._error is not None:
+            raise self._error
+        assert self._value is not None
+        return self._value
+
+
 class Executor(ABC):
     # The workers' model and pool facts, or None for an executor with no worker (a custom
     # runner: the simulator's cost model, a test's fake).
@@ -45,6 +72,17 @@ class Executor(ABC):
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepHandle:
+        """Send a step and return before its output (async scheduling: the engine plans the
+        next step meanwhile). Workers in this process run it now; an executor whose workers
+        run elsewhere returns at once. Steps land in the order they were sent."""
+        handle = StepHandle()
+        try:
+            handle.land(self.execute_model(scheduler_output), None)
+        except Exception as e:  # noqa: BLE001 - raised where the engine takes the output
+            handle.land(None, e)
+        return handle
 
     @abstractmethod
     def collective_rpc(

@@ -30,6 +30,7 @@ import logging
 import pickle
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -40,7 +41,13 @@ from kvserve import envs
 from kvserve.config import ConfigError, EngineConfig
 from kvserve.distributed import DistributedInit, free_port
 from kvserve.distributed.communicator import backend_for
-from kvserve.executor.abstract import Executor, Method, WorkerDiedError, WorkerError
+from kvserve.executor.abstract import (
+    Executor,
+    Method,
+    StepHandle,
+    WorkerDiedError,
+    WorkerError,
+)
 from kvserve.executor.node_link import (
     CALL,
     DIED,
@@ -102,6 +109,7 @@ class MultiprocExecutor(Executor):
         self._nodes: list[RemoteNode] = []
         self._dead: str | None = None
         self._late_death: str | None = None
+        self._in_flight: deque[StepHandle] = deque()  # steps sent, replies not yet taken
         self._ctx: zmq.Context | None = zmq.Context() if par.nnodes > 1 else None
         self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._conns,
                                            self._nodes, self._ctx)  # fmt: skip
@@ -137,11 +145,41 @@ class MultiprocExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.collective_rpc("execute_model", (scheduler_output,))[0]
 
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepHandle:
+        """Send the step and return: every rank reads it from its pipe once it is done with
+        the steps sent before, so the engine's planning of the next step overlaps this one."""
+        handle = StepHandle(self._land_steps)
+        try:
+            self._raise_if_dead()
+            self._send(pickle.dumps(("execute_model", (scheduler_output,), {}),
+                                    pickle.HIGHEST_PROTOCOL))  # fmt: skip
+        except WorkerDiedError as e:
+            handle.land(None, e)
+            return handle
+        self._in_flight.append(handle)
+        return handle
+
+    def _land_steps(self) -> None:
+        """Take the replies of every step in flight, oldest first (a rank answers its calls
+        in order); a step that failed keeps its error for its ``result()``."""
+        while self._in_flight:
+            handle = self._in_flight.popleft()
+            try:
+                self._raise_if_dead()
+                handle.land(self._receive_all()[0], None)
+            except (WorkerDiedError, WorkerError) as e:
+                handle.land(None, e)
+
     def collective_rpc(
         self, method: Method, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> list[Any]:
+        self._land_steps()  # their replies come first
         self._raise_if_dead()
-        message = pickle.dumps((method, args, kwargs or {}), pickle.HIGHEST_PROTOCOL)
+        self._send(pickle.dumps((method, args, kwargs or {}), pickle.HIGHEST_PROTOCOL))
+        return self._receive_all()
+
+    def _send(self, message: bytes) -> None:
+        """One call's message to every rank, local and remote."""
         for rank, conn in enumerate(self._conns):
             try:
                 conn.send_bytes(message)
@@ -150,9 +188,9 @@ class MultiprocExecutor(Executor):
         for node in self._nodes:
             if not node.link.send(CALL, message):  # its connection is gone
                 raise self._fail(self._node_gone(node))
-        return self._receive_all()
 
     def check_health(self) -> None:
+        self._land_steps()  # a reply in flight is a step's, not news of a death
         self._raise_if_dead()
         self._events(set(range(self._world_size)), None)  # a death between calls
 

@@ -260,9 +260,9 @@ class GroupedKVCacheManager:
         for sub in self.subs:
             sub.fork(parent, child)
 
-    def cache_computed_blocks(self, request: KVRequest) -> None:
+    def cache_computed_blocks(self, request: KVRequest, num_tokens: int | None = None) -> None:
         for sub in self.subs:
-            sub.cache_computed_blocks(request)
+            sub.cache_computed_blocks(request, num_tokens)
 
     def free(self, request: KVRequest) -> None:
         for sub in self.subs:

@@ -398,12 +398,15 @@ class KVCacheManager:
         self._block_ids[child.request_id] = list(self._block_ids[parent.request_id])
         self.num_cached_blocks[child.request_id] = self.num_cached_blocks.get(parent.request_id, 0)
 
-    def cache_computed_blocks(self, request: KVRequest) -> None:
-        """Publish the request's full blocks whose K/V have been computed."""
-        full = request.num_computed_tokens // self.block_size
+    def cache_computed_blocks(self, request: KVRequest, num_tokens: int | None = None) -> None:
+        """Publish the request's full blocks whose K/V have been computed: those of its
+        first ``num_tokens`` tokens (None: ``num_computed_tokens``; under async scheduling
+        that count includes a step still in flight, whose blocks are not written yet)."""
+        done = request.num_computed_tokens if num_tokens is None else num_tokens
+        full = done // self.block_size
         if full <= self.num_cached_blocks.get(request.request_id, 0):
             return  # the common decode step: no block filled since the last call
-        n_full, unpublished = self._unpublished(request, request.num_computed_tokens)
+        n_full, unpublished = self._unpublished(request, done)
         if self.pool.events is None:
             for _, block, h in unpublished:
                 self.pool.cache_block(block, h)

@@ -31,6 +31,11 @@ from kvserve.sched.request import SamplingParams
 
 _T = TypeVar("_T")
 
+# Async scheduling: a step planned while the one before it runs feeds each decoding sequence
+# the token that step samples, which the scheduler does not know yet. It sends this in that
+# token's place, and the runner puts its own sample there (every rank holds the same).
+PENDING_TOKEN_ID = -1
+
 
 def pickled_by_fields(cls: type[_T]) -> type[_T]:
     """Pickle instances of the dataclass ``cls`` as its constructor and its field values.
@@ -132,6 +137,8 @@ class SchedulerOutput:
     # What the KV connectors' worker side moves this step (block ids and hashes; None:
     # nothing); see kvserve.connectors.base.
     kv_connector_metadata: Any = None
+    # Some sequence's last token is PENDING_TOKEN_ID (async scheduling).
+    pending_token_ids: bool = False
 
     @property
     def total_tokens(self) -> int:

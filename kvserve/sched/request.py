@@ -279,6 +279,7 @@ class Request:
         "arrival_time",
         "status",
         "num_computed_tokens",
+        "num_pending",
         "num_cached_tokens",
         "num_preemptions",
         "block_hashes",
@@ -337,6 +338,9 @@ class Request:
         self.arrival_time = arrival_time
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        # Async scheduling: tokens a step in flight samples, counted in num_computed_tokens
+        # by the step that feeds them to the model before they are in all_token_ids.
+        self.num_pending = 0
         self.num_cached_tokens = -1  # set at first scheduling
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []

@@ -26,6 +26,7 @@ nowhere else (the engine asks for a stop-string finish through :meth:`finish_req
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 
 from kvserve.config import SchedulerConfig
@@ -34,7 +35,13 @@ from kvserve.kv.interface import KVManager
 from kvserve.sched.admission import Admission
 from kvserve.sched.admission_steps import Admitter
 from kvserve.sched.kv_loads import ConnectorLoads
-from kvserve.sched.output import ModelRunnerOutput, NewRequestData, ScheduledSeq, SchedulerOutput
+from kvserve.sched.output import (
+    PENDING_TOKEN_ID,
+    ModelRunnerOutput,
+    NewRequestData,
+    ScheduledSeq,
+    SchedulerOutput,
+)
 from kvserve.sched.request import Request, RequestStatus
 from kvserve.sched.retention_steps import RetentionSteps
 from kvserve.sched.stats import SchedulerStats
@@ -109,6 +116,10 @@ class Scheduler:
         self._failed_loads: list[Request] = []
         self._invalid_blocks: set[int] = set()  # reported failed, their request not landed
         self._now = 0.0
+        # Async scheduling: the requests of each step committed and not yet landed, oldest
+        # first (a step's output applies to the objects it ran for, never to a later request
+        # that reuses an id).
+        self._steps: deque[list[Request]] = deque()
 
     @property
     def num_preemptions(self) -> int:
@@ -195,9 +206,16 @@ class Scheduler:
         native = retention.native_window
         running, allocate = self.running, self.kv.allocate_slots
         i = 0
+        # A step in flight (async scheduling) holds blocks its requests may still write:
+        # nothing is preempted under it; a request that cannot grow waits for it to land.
+        inflight = bool(self._steps)
+        stalled = False
         while i < len(running) and budget > 0:
             req = running[i]
-            n = len(req.all_token_ids) - req.num_computed_tokens
+            n = len(req.all_token_ids) + req.num_pending - req.num_computed_tokens
+            if req.num_pending and not self._overlaps(req):
+                i += 1  # it goes on once the token in flight lands
+                continue
             if n > budget:
                 n = budget
             retains = req.retention is not None
@@ -213,6 +231,9 @@ class Scheduler:
                 self.stats.allocation_failures += 1
                 if loads is not None and loads.release_one():
                     continue
+                if inflight:
+                    stalled = True
+                    break
                 victim = running.pop()
                 self._preempt(victim, out)
                 picked = [(r, k) for r, k in picked if r is not victim]
@@ -226,7 +247,7 @@ class Scheduler:
             break  # req itself was preempted: nothing newer remains
 
         # 2. Admit waiting requests, unless this step had to preempt (memory is tight).
-        if not out.preempted_req_ids and self.waiting:
+        if not out.preempted_req_ids and not stalled and self.waiting:
             budget = self.admitter.admit(picked, budget)
         if not picked:
             if self.connector is not None and self.awaits_workers:  # a step for the connectors
@@ -256,8 +277,14 @@ class Scheduler:
         """The plain-data view of ``req``'s share of the step (see :mod:`kvserve.sched.output`)."""
         c = req.num_computed_tokens
         rid = req.request_id
+        known = len(req.all_token_ids)
+        if c + n > known:  # the token a step in flight samples: the runner fills it in
+            out.pending_token_ids = True
+            ids = req.all_token_ids[c:] + [PENDING_TOKEN_ID] * (c + n - known)
+            return ScheduledSeq(rid, ids, c, c - req.cache_offset, self.kv.block_ids(req)[:],
+                                (rid,))  # fmt: skip
         if (
-            c + n == len(req.all_token_ids)
+            c + n == known
             and not req.forks
             and req.retention is None
             and not self._multi_table
@@ -303,6 +330,35 @@ class Scheduler:
             seq.compact_block_ids = compact
         return seq
 
+    def _overlaps(self, req: Request) -> bool:
+        """Whether ``req``, whose last token a step in flight samples, may be scheduled now
+        with that token pending. Not when it ends for sure with that token (its length), nor
+        when the token changes more than the next position: an ``n > 1`` request's samples
+        fork on it, a retention policy compacts or observes, a hybrid model's layer groups
+        drop blocks. Those wait one step for it to land."""
+        n_all = len(req.all_token_ids) + req.num_pending
+        return not (
+            n_all - len(req.prompt_token_ids) >= req.max_tokens
+            or n_all >= self.max_model_len
+            or req.forks
+            or req.retention is not None
+            or self._multi_table
+        )
+
+    def commit(self, scheduler_output: SchedulerOutput) -> None:
+        """Async scheduling: the step is on its way to the runner, so the next one is planned
+        as if it had run: its tokens count as computed, and each sampling sequence has one
+        token pending until :meth:`update_from_output` lands it."""
+        requests = self.requests
+        reqs = []
+        for seq in scheduler_output.seqs:
+            req = requests[seq.req_id]
+            req.num_computed_tokens += len(seq.token_ids)
+            if seq.sample_ids:
+                req.num_pending += 1
+            reqs.append(req)
+        self._steps.append(reqs)
+
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
@@ -339,19 +395,27 @@ class Scheduler:
         requests, publish = self.requests, self.kv.cache_computed_blocks
         max_len = self.max_model_len
         generated = 0
-        for seq in scheduler_output.seqs:
-            first = requests[seq.req_id]
+        committed = self._steps.popleft() if self._steps else None
+        for k, seq in enumerate(scheduler_output.seqs):
             n = len(seq.token_ids)
-            c = first.num_computed_tokens
+            if committed is None:
+                first = requests[seq.req_id]
+                c = first.num_computed_tokens
+                first.num_computed_tokens = c + n
+            else:  # counted when committed; finished or aborted since: nothing to land
+                first, c = committed[k], seq.position
+                if seq.sample_ids:
+                    first.num_pending -= 1
+                if first.is_finished:
+                    continue
             p = len(first.prompt_token_ids)
             if c < p:
                 st.prefill_tokens_computed_total += min(n, p - c)
-            first.num_computed_tokens = c + n
             if first.metrics.first_scheduled_time is None:
                 first.metrics.first_scheduled_time = scheduled_at
                 st.queue_time_sum += max(0.0, scheduled_at - first.arrival_time)
                 st.queue_time_count += 1
-            publish(first)
+            publish(first, c + n)
             if seq.compact:
                 self.retention.compacted(first)
             if not seq.sample_ids:
@@ -407,10 +471,11 @@ class Scheduler:
         if self.connector is not None:
             self.connector.step_failed(scheduler_output.kv_connector_metadata)
         self._finished_ids = scheduler_output.finished_req_ids + self._finished_ids
+        committed = self._steps.popleft() if self._steps else None
         failed = []
-        for seq in scheduler_output.seqs:
-            r = self.requests.get(seq.req_id)
-            if r is None:
+        for k, seq in enumerate(scheduler_output.seqs):
+            r = self.requests.get(seq.req_id) if committed is None else committed[k]
+            if r is None or r.is_finished:
                 continue
             for x in (r, *r.forks):
                 x.error = error
@@ -424,6 +489,7 @@ class Scheduler:
         """No step can run any more (a worker died): fail the step's requests as
         :meth:`fail_step` does, then every other unfinished request, waiting ones included."""
         failed = self.fail_step(scheduler_output, error, now)
+        self._steps.clear()  # no step in flight will land
         rest = list(self.requests.values())
         for r in rest:
             r.error = error

@@ -46,7 +46,12 @@ from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import load_kv_scales, load_model
 from kvserve.model.resolve import resolve_model
 from kvserve.sample.sampler import Sampler, SamplingState
-from kvserve.sched.output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from kvserve.sched.output import (
+    PENDING_TOKEN_ID,
+    ModelRunnerOutput,
+    ScheduledSeq,
+    SchedulerOutput,
+)
 from kvserve.structured.compiler import engine_grammar_compiler
 from kvserve.worker.cuda_graphs import (
     CudaGraphRunner,
@@ -140,6 +145,13 @@ class ModelRunner:
         self.storage.copy_blocks(ops.copies)
         if connector is not None:
             connector.start_load_kv()
+        if sched.pending_token_ids:  # planned before the last step sampled them: ours
+            states = self.states
+            for s in sched.seqs:
+                if s.token_ids[-1] == PENDING_TOKEN_ID:
+                    st = states.get(s.req_id)
+                    # no sample: the step before failed, and the engine drops this output
+                    s.token_ids[-1] = st.output_token_ids[-1] if st and st.output_token_ids else 0
 
     def _connector_report(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> None:
         """After the forward pass: the connectors' saves of what this step filled, and their
