@@ -139,3 +139,33 @@ def test_a_failing_step_in_flight_fails_its_requests_only():
         else:
             assert r.output_token_ids == expected_tokens(rid, params, 6)
     assert kv.num_used_blocks == 0
+
+
+def test_a_step_thread_in_the_engines_process_gives_the_same_outputs(
+    checkpoint, make_llm, monkeypatch
+):
+    """The in-process worker on a thread of its own (a GPU's way; forced here on the CPU):
+    the engine's thread plans while the step runs, outputs equal one step at a time, and a
+    call to the worker made while a step is in flight runs after it, on that thread."""
+    import threading
+
+    from kvserve.executor.uniproc import UniProcExecutor
+
+    ckpt = checkpoint("llama_gqa")
+    want = _outputs(make_llm(ckpt, **ENGINE), _params(stop=7))
+    monkeypatch.setattr(UniProcExecutor, "step_thread", True)
+    llm = make_llm(ckpt, async_scheduling=True, **ENGINE)
+    executor = llm.engine.executor
+    asked: list[tuple[str, bool]] = []
+
+    def on_worker(worker) -> tuple[str, bool]:  # noqa: ANN001 - a Worker
+        return threading.current_thread().name, bool(worker.runner.states)
+
+    def hook(core) -> None:  # noqa: ANN001 - an EngineCore
+        if core._in_flight is not None and not asked:
+            asked.append(executor.collective_rpc(on_worker)[0])
+
+    llm.engine.core.step_hooks.append(hook)
+    assert _outputs(llm, _params(stop=7)) == want
+    ((name, busy),) = asked
+    assert name.startswith("kvserve-step") and busy
