@@ -15,11 +15,13 @@ share is rank 0's time inside all-reduce and all-gather over its time in steps, 
 the other rank included (that is what a step pays). ``identical``: kvserve -tp 2 gave the
 -tp 1 tokens for every model (in float32 they must; in bfloat16 the sums of partial products
 round differently and may flip a near-tie; null where -tp 2 could not run, as for a model
-whose attention heads do not divide by 2). ``memory_gb_s``: one core's read bandwidth over a
-buffer larger than the cache, measured before each model's rounds: on a memory-bound decode
-both engines stream the same weight bytes per step, so a shared host's bandwidth of the moment
-moves both figures (and their ratio towards 1 when it is low). The last line is one JSON
-object.
+whose attention heads do not divide by 2). With ``--async-scheduling`` each round also runs
+kvserve -tp 2 with async scheduling: ``async_tok_s``, and ``async_identical``, whether its
+tokens are the default -tp 2 run's (in any dtype: the ranks' arithmetic is the same).
+``memory_gb_s``: one core's read bandwidth over a buffer larger than the cache, measured
+before each model's rounds: on a memory-bound decode both engines stream the same weight
+bytes per step, so a shared host's bandwidth of the moment moves both figures (and their
+ratio towards 1 when it is low). The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -215,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.async_scheduling:
             over = got[ASYNC]
             figures["async_tok_s"] = median([r["tok_s"] for r in over]) if over else None
-            figures["async_identical"] = _same_tokens(one, over)
+            figures["async_identical"] = _same_tokens(two, over)  # same arithmetic: any dtype
         if figures["kvserve_tok_s"] and figures["vllm_tok_s"]:
             figures["kvserve_over_vllm"] = figures["kvserve_tok_s"] / figures["vllm_tok_s"]
         by_model[model] = figures
