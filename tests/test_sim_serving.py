@@ -22,7 +22,14 @@ from kvserve.cli import main
 from kvserve.engine_args import default_model
 from kvserve.sim.cost import SERVING_FIELDS, Profile
 from kvserve.sim.engine import SimTarget, build_engine
-from kvserve.sim.serving import ServingPoint, fit_hop, fit_serving, fit_share, serve_flags
+from kvserve.sim.serving import (
+    ServingPoint,
+    fit_hop,
+    fit_request,
+    fit_serving,
+    fit_share,
+    serve_flags,
+)
 from kvserve.sim.simulate import simulate_load
 
 OVERHEAD, PREFILL, PER_TOKEN = 0.01, 0.05, 0.001  # seconds
@@ -93,6 +100,37 @@ def test_only_a_fresh_engines_first_request_pays_the_first_request_term():
     p1 = OVERHEAD + PREFILL + PER_TOKEN * n
     assert a.ttft == pytest.approx(REQ + first + p1, rel=1e-9)
     assert b.ttft == pytest.approx(REQ + p1, rel=1e-9)
+
+
+@pytest.mark.parametrize("hop", [False, True])
+def test_a_requests_hop_time_grows_with_its_prompt(hop):
+    """Behind a hop, a lone request joins the engine after the front end's and the hop's
+    per-request terms plus the hop's per-prompt-token term times its prompt; without one,
+    after the front end's alone, whatever its length."""
+    hop_per = 7e-6
+    prof = profile(serve_request_s=REQ, hop_request_s=HOP_REQ, hop_request_token_s=hop_per,
+                   serving_measured=True)  # fmt: skip
+    for n_words in (20, 60):
+        ps, n = prompts(n_words)
+        res, _ = simulate_load(SimTarget(dict(KW), prof, behind_hop=hop),
+                               [BenchRequest(0, "chat", ps[0], 2, n)],
+                               LoadSpec(concurrency=1))  # fmt: skip
+        (rec,) = res.records
+        front = REQ + ((HOP_REQ + hop_per * n) if hop else 0.0)
+        assert rec.ttft == pytest.approx(front + OVERHEAD + PREFILL + PER_TOKEN * n, rel=1e-9)
+
+
+def test_the_request_fit_is_the_line_through_two_prompt_lengths():
+    fixed, per = 0.0013, 4.5e-6
+    assert fit_request((32, fixed + per * 32), (1024, fixed + per * 1024)) == pytest.approx(
+        (fixed, per), rel=1e-9
+    )
+    # a long prompt no dearer than a short one: no per-token cost, the short one's excess
+    assert fit_request((32, 0.002), (1024, 0.0015)) == (0.002, 0.0)
+    # the slope alone where the short prompt's excess is below its share of it
+    assert fit_request((100, 0.0001), (1100, 0.0101)) == pytest.approx((0.0, 1e-5), rel=1e-9)
+    with pytest.raises(ValueError, match="longer"):
+        fit_request((64, 0.001), (64, 0.002))
 
 
 def test_a_profile_without_the_term_replays_as_before():
@@ -197,7 +235,7 @@ def test_a_profile_written_before_the_term_loads_with_it_off_and_says_so(tmp_pat
     path = tmp_path / "old.json"
     path.write_text(json.dumps(data))
     p = Profile.load(path)
-    assert [getattr(p, f) for f in SERVING_FIELDS] == [0.0] * 6 and not p.serving_measured
+    assert all(getattr(p, f) == 0.0 for f in SERVING_FIELDS) and not p.serving_measured
     notes = build_engine(SimTarget(dict(KW), p)).notes
     assert any("no serving-overhead term" in n for n in notes)
     measured = replace(p, **SERVING)
@@ -265,3 +303,50 @@ def test_the_measurement_serves_the_engines_flags_and_fills_the_profile(checkpoi
     assert all(getattr(prof, f) >= 0 for f in SERVING_FIELDS)
     assert prof.serve_request_s == pytest.approx(max(rep["ttft_s"] - rep["engine_ttft_s"], 0))
     assert prof.serve_first_request_s == pytest.approx(max(rep["first_ttft_s"] - rep["ttft_s"], 0))
+
+
+def test_the_routers_cpu_per_request_of_two_prompt_lengths_gives_the_hop_terms(monkeypatch):
+    """The bundled model (it has a tokenizer): lone text requests of two lengths through a
+    router that tokenizes them; the hop's per-prompt-token term is the slope of its CPU
+    seconds per request between the two lengths (its per-request term stays the TTFT's
+    excess), and the text prompts are as long as asked."""
+    import kvserve.sim.serving as serving
+    from kvserve.model.tokenizer import Tokenizer
+
+    monkeypatch.setattr(serving, "STREAMS", (1, 2))
+    monkeypatch.setattr(serving, "DECODE_TOKENS", 6)
+    monkeypatch.setattr(serving, "ROUNDS", 1)
+    monkeypatch.setattr(serving, "SOLO", 2)
+    monkeypatch.setattr(serving, "SHARE_TOKENS", 8)
+    monkeypatch.setattr(serving, "SHARE_INJECT", 2)
+    monkeypatch.setattr(serving, "SHARE_GRID", [0.0, 1.0])
+    monkeypatch.setattr(serving, "LONG_PROMPT_TOKENS", 256)
+    monkeypatch.setattr(serving, "TEXT_REQUESTS", 4)
+    model = default_model()
+    tok = Tokenizer(model)
+    kw = dict(model=model, dtype="float32", num_gpu_blocks=64, block_size=BS, max_model_len=512)
+    prof = profile()
+    rep = serving.measure_serving(kw, prof, vocab=tok.vocab_size, tokenizer=tok,
+                                  tokenizer_dir=model, max_model_len=512)  # fmt: skip
+    n_s, n_l = rep["text_prompt_tokens"]
+    assert serving.PROMPT_TOKENS <= n_s < serving.PROMPT_TOKENS + 8
+    assert 256 <= n_l < 256 + 8
+    cpu = rep["router_cpu_s_per_request"]
+    assert len(cpu) == 2 and all(0 < c < 1 for c in cpu)
+    assert prof.hop_request_token_s == pytest.approx(max((cpu[1] - cpu[0]) / (n_l - n_s), 0))
+    assert prof.hop_request_s == pytest.approx(max(rep["hop_ttft_s"] - rep["ttft_s"], 0))
+
+
+def test_cpu_seconds_reads_a_busy_process(tmp_path):
+    """Against the process's own clock: a second of spinning here reads as about a second."""
+    import os
+    import time
+
+    from kvserve.sim.serving import cpu_seconds
+
+    before, own = cpu_seconds(os.getpid()), time.process_time()
+    end = time.perf_counter() + 0.3
+    while time.perf_counter() < end:
+        pass
+    spent, own = cpu_seconds(os.getpid()) - before, time.process_time() - own
+    assert spent == pytest.approx(own, rel=0.2, abs=0.02)

@@ -187,13 +187,17 @@ def _calibrate(args: argparse.Namespace, kw: dict[str, Any]) -> int:
         from kvserve.sim.serving import measure_serving
 
         vocab = target.engine.model_config.vocab_size
+        config = target.engine.config
+        tok_dir = config.tokenizer or config.model
         target.engine.shutdown()  # its threads and pool off the cores the server takes
-        measure_serving(kw, profile, vocab, args.seed)
+        measure_serving(kw, profile, vocab, args.seed, tokenizer=tok, tokenizer_dir=tok_dir,
+                        max_model_len=max_len)  # fmt: skip
         print(
             f"serving over HTTP: {profile.serve_request_s * 1e3:.2f} ms per request, "
             f"{profile.serve_step_s * 1e3:.2f} ms per step + {profile.serve_token_s * 1e3:.3f} "
             f"ms per streamed token; a router/proxy hop {profile.hop_request_s * 1e3:.2f} ms "
-            f"per request + {profile.hop_token_s * 1e3:.3f} ms per token"
+            f"per request + {profile.hop_request_token_s * 1e6:.2f} us per prompt token + "
+            f"{profile.hop_token_s * 1e3:.3f} ms per token"
         )
     out = Path(args.profile_output or DEFAULT_SIM_DIR / "profile.json")
     profile.save(out)

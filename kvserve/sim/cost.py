@@ -66,7 +66,7 @@ OFFLOAD_SECONDS_FIELDS = (
 HOST_SECONDS_FIELDS = ("request_overhead_s", "request_overhead_per_token_s", "loop_gap_s")
 # Serving over HTTP (measured over a real server: kvserve.sim.serving).
 SERVING_FIELDS = ("serve_request_s", "serve_step_s", "serve_token_s", "hop_request_s",
-                  "hop_token_s", "serve_first_request_s")  # fmt: skip
+                  "hop_request_token_s", "hop_token_s", "serve_first_request_s")  # fmt: skip
 # Fields of profiles whose new-shape term counted step row counts instead of GEMM shapes:
 # read, and the term left off.
 RETIRED_SHAPE_FIELDS = ("new_shape_min_tokens", "shape_cache_rows")
@@ -357,11 +357,15 @@ class Profile:
     # the front end (parsing, detokenizing, one SSE event per token per stream), and a proxy
     # or router hop in front of it, cost the engine on the cores they share with it. Per
     # request accepted, per step that streams tokens, per token streamed; the hop's per
-    # request and per token. All 0 in a profile calibrated without it (serving_measured).
+    # request and per token of its prompt (a router tokenizes a text prompt and hashes its
+    # blocks) and per token streamed. All 0 in a profile calibrated without it
+    # (serving_measured); the per-prompt-token term also where the model had no tokenizer
+    # to write text prompts with.
     serve_request_s: float = 0.0
     serve_step_s: float = 0.0
     serve_token_s: float = 0.0
     hop_request_s: float = 0.0
+    hop_request_token_s: float = 0.0
     hop_token_s: float = 0.0
     # A fresh server's first request: the one-time work its first steps do (per-shape kernel
     # state, the allocator's first pages, lazy initialization), past a warm request's time.
@@ -436,9 +440,13 @@ class Profile:
         """Host seconds to accept one request (validation, tokenization) between steps."""
         return self.request_overhead_s + self.request_overhead_per_token_s * prompt_tokens
 
-    def serving_request_time(self, hop: bool) -> float:
-        """Engine seconds a request costs the HTTP front end (and the hop in front of it)."""
-        return self.serve_request_s + (self.hop_request_s if hop else 0.0)
+    def serving_request_time(self, hop: bool, prompt_tokens: int = 0) -> float:
+        """Engine seconds a request of ``prompt_tokens`` costs the HTTP front end (and the
+        hop in front of it)."""
+        t = self.serve_request_s
+        if hop:
+            t += self.hop_request_s + self.hop_request_token_s * prompt_tokens
+        return t
 
     def serving_step_time(self, tokens: int, hop: bool) -> float:
         """Engine seconds the front end (and the hop) take after a step that streamed

@@ -159,7 +159,7 @@ class Replica:
                 _, _, rid, i, ids = heapq.heappop(front)
                 busy = core.has_unfinished_requests()
                 share = self.sim.runner.profile.serve_request_share
-                charge = share * self._serving_cost() if busy else 0.0
+                charge = share * self._serving_cost(requests[i], ids) if busy else 0.0
                 if not self._add(rid, requests[i], records[i], ids, charge):
                     inflight.pop(rid, None)
                     self._done(i, records[i])
@@ -257,7 +257,7 @@ class Replica:
         ids = self.routed_ids.pop(i, None)
         if ids is None and isinstance(requests, EncodedWorkload):
             ids = requests.token_ids(i)
-        cost = self._serving_cost()
+        cost = self._serving_cost(r, ids)
         if cost:  # through the front end first, one request at a time
             ready = max(when, self._front_free) + cost
             self._front_free = ready
@@ -270,9 +270,10 @@ class Replica:
         self._done(i, rec)
         return False
 
-    def _serving_cost(self) -> float:
+    def _serving_cost(self, req: BenchRequest, ids: list[int] | None) -> float:
         runner = self.sim.runner
-        return runner.profile.serving_request_time(runner.hop)
+        tokens = len(ids) if ids is not None else req.input_len
+        return runner.profile.serving_request_time(runner.hop, tokens)
 
     def sample_from(self, t: float) -> None:
         """Take the first sample at ``t`` (the replay's start, after the warm-up)."""

@@ -60,6 +60,13 @@ SOLO = 5  # lone requests for the TTFT (the median)
 # requests (one token each) are sent one after another from the start.
 SHARE_STREAMS, SHARE_TOKENS, SHARE_INJECT = 4, 96, 8
 SHARE_GRID = [i / 20 for i in range(21)]
+# The hop's per-prompt-token term: the router's CPU time over TEXT_REQUESTS lone requests with
+# text prompts of about PROMPT_TOKENS and of LONG_PROMPT_TOKENS tokens (bounded by the model's
+# length), which it tokenizes as it does in front of replicas.
+LONG_PROMPT_TOKENS = 1024
+TEXT_REQUESTS = 16
+TEXT_WORDS = ("cache block model server request queue latency market price river stone "
+              "cloud paper garden window table light music number letter").split()  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -88,6 +95,17 @@ def fit_serving(points: list[ServingPoint]) -> tuple[float, float]:
     if icpt < 0:
         return 0.0, max(float(b @ y / (b @ b)), 0.0)
     return float(icpt), float(slope)
+
+
+def fit_request(short: tuple[int, float], long: tuple[int, float]) -> tuple[float, float]:
+    """(per request, per prompt token): the line through two (prompt tokens, excess
+    seconds) points, neither below 0 (a negative slope: the short point's excess per
+    request; an excess below the slope's share: the slope alone)."""
+    (n0, y0), (n1, y1) = short, long
+    if n1 <= n0:
+        raise ValueError(f"request fit: the long prompt ({n1}) must be longer than {n0}")
+    per_token = max((y1 - y0) / (n1 - n0), 0.0)
+    return max(y0 - per_token * n0, 0.0), per_token
 
 
 def fit_hop(points: list[ServingPoint]) -> float:
@@ -194,9 +212,49 @@ def _gap(times: list[float]) -> float:
     return (times[-1] - times[1]) / max(len(times) - 2, 1)
 
 
-def _prompt(rng: random.Random, vocab: int) -> list[int]:
-    """A random prompt of PROMPT_TOKENS ids (the special tokens' first ids left out)."""
-    return [rng.randrange(3, vocab) for _ in range(PROMPT_TOKENS)]
+def _prompt(rng: random.Random, vocab: int, n: int = PROMPT_TOKENS) -> list[int]:
+    """A random prompt of ``n`` ids (the special tokens' first ids left out)."""
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def text_prompt(tok: Any, rng: random.Random, n_tokens: int) -> str:
+    """At least ``n_tokens`` tokens of random words (a few past it at most), each numbered
+    at random so that no two prompts share a block."""
+    words: list[str] = []
+    while True:
+        words += [f"{rng.choice(TEXT_WORDS)}{rng.randrange(10**6)}" for _ in range(2)]
+        text = " ".join(words)
+        if len(tok.encode(text)) >= n_tokens:
+            return text
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds a process's threads have run, to the nanosecond (each thread's
+    ``/proc/PID/task/TID/schedstat``), or to the clock tick (``/proc/PID/stat``) where the
+    kernel keeps no schedstat."""
+    total = 0
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        return total / 1e9
+    except (OSError, ValueError, IndexError):
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _cpu_per_request(url: str, texts: list[str], pid: int) -> float:
+    """The CPU seconds process ``pid`` spends per request of ``texts``, sent one after
+    another to ``url`` (one token each)."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=300) as client:
+        await stream_times(client, url, texts[0], 1)  # the connection, once
+        before = cpu_seconds(pid)
+        for text in texts[1:]:
+            await stream_times(client, url, text, 1)  # type: ignore[arg-type]
+        return (cpu_seconds(pid) - before) / (len(texts) - 1)
 
 
 async def _measure(url: str, vocab: int, seed: int) -> tuple[dict[int, float], float, float]:
@@ -310,12 +368,14 @@ def share_gap(kw: dict[str, Any], profile: Profile, vocab: int, share: float) ->
 
 class _Lockstep:
     """:func:`_measure`'s requests for the simulator (kvserve.sim.pd.Feed): ``SOLO`` lone
-    requests, then ``ROUNDS`` rounds of ``b`` streams started together."""
+    requests (of ``prompt_tokens``), then ``ROUNDS`` rounds of ``b`` streams started
+    together."""
 
-    def __init__(self, b: int | None, vocab: int) -> None:
+    def __init__(self, b: int | None, vocab: int, prompt_tokens: int = PROMPT_TOKENS) -> None:
         self.b, self.vocab, self.rng = b, vocab, random.Random(1)
         self.left = SOLO if b is None else ROUNDS
         self.open = 0
+        self.prompt_tokens = prompt_tokens
 
     def _round(self, t: float) -> list[tuple[float, Any, list[int]]]:
         from kvserve.bench.workloads import BenchRequest
@@ -323,7 +383,8 @@ class _Lockstep:
         self.left -= 1
         n, tokens = (1, 2) if self.b is None else (self.b, DECODE_TOKENS)
         self.open = n
-        return [(t, BenchRequest(0, "s", "", tokens, PROMPT_TOKENS), _prompt(self.rng, self.vocab))
+        p = self.prompt_tokens
+        return [(t, BenchRequest(0, "s", "", tokens, p), _prompt(self.rng, self.vocab, p))
                 for _ in range(n)]  # fmt: skip
 
     def start(self) -> list[tuple[float, Any, list[int]]]:
@@ -334,15 +395,20 @@ class _Lockstep:
         return self._round(now) if self.open == 0 and self.left > 0 else []
 
 
-def simulated(kw: dict[str, Any], profile: Profile, vocab: int) -> tuple[dict[int, float], float]:
-    """:func:`_measure`'s figures as the profile's engine alone gives them (no serving term)."""
+def _bare(kw: dict[str, Any], profile: Profile) -> Any:
+    """The profile's engine alone (no serving term), as a simulator target."""
     from kvserve.sim.engine import SimTarget
-    from kvserve.sim.simulate import simulate_feed
 
     bare = replace(profile, **dict.fromkeys(SERVING_FIELDS, 0.0), serving_measured=False)
-    target = SimTarget(dict(kw), bare, behind_hop=False)
-    res, _ = simulate_feed(target, _Lockstep(None, vocab))
-    ttft = statistics.median(r.ttft for r in res.records if r.success)
+    return SimTarget(dict(kw), bare, behind_hop=False)
+
+
+def simulated(kw: dict[str, Any], profile: Profile, vocab: int) -> tuple[dict[int, float], float]:
+    """:func:`_measure`'s figures as the profile's engine alone gives them (no serving term)."""
+    from kvserve.sim.simulate import simulate_feed
+
+    target = _bare(kw, profile)
+    ttft = simulated_ttft(kw, profile, vocab, PROMPT_TOKENS)
     gaps = {}
     for b in STREAMS:
         res, _ = simulate_feed(target, _Lockstep(b, vocab))
@@ -350,17 +416,34 @@ def simulated(kw: dict[str, Any], profile: Profile, vocab: int) -> tuple[dict[in
     return gaps, ttft
 
 
+def simulated_ttft(kw: dict[str, Any], profile: Profile, vocab: int, prompt_tokens: int) -> float:
+    """The median TTFT of SOLO lone requests of ``prompt_tokens`` on the profile's engine
+    alone."""
+    from kvserve.sim.simulate import simulate_feed
+
+    res, _ = simulate_feed(_bare(kw, profile), _Lockstep(None, vocab, prompt_tokens))
+    return statistics.median(r.ttft for r in res.records if r.success)
+
+
 def measure_serving(kw: dict[str, Any], profile: Profile, vocab: int, seed: int = 0,
-                    hop: bool = True) -> dict[str, Any]:  # fmt: skip
+                    hop: bool = True, tokenizer: Any = None, tokenizer_dir: str | None = None,
+                    max_model_len: int | None = None) -> dict[str, Any]:  # fmt: skip
     """Measure a real ``kvserve serve`` of ``kw``'s engine (and ``kvserve router`` in front
-    of it), set ``profile``'s serving terms, and return what was measured."""
+    of it), set ``profile``'s serving terms, and return what was measured. With the model's
+    ``tokenizer`` (and its directory, for the router), the router's CPU time per request of
+    text prompts of two lengths gives the hop's term per prompt token (the slope; a lone
+    request's TTFT is too noisy to show it); without, that term stays 0."""
     engine_gaps, engine_ttft = simulated(kw, profile, vocab)
+    texts = None
+    if hop and tokenizer is not None and tokenizer_dir is not None:
+        texts = _text_prompts(tokenizer, max_model_len, seed)
     procs: list[subprocess.Popen] = []
     # The server on this process's cores, as the profile's engine ran; the clients and the
     # router on any core, as a benchmark's clients and its proxy or router run beside pinned
     # engines.
     mine = os.sched_getaffinity(0)
     anywhere = set(range(os.cpu_count() or 1))
+    router_cpu: list[float] = []
     try:
         port = free_port()
         procs.append(start_kvserve(["serve", *serve_flags(kw), "--disable-access-log"], port, mine))
@@ -375,10 +458,15 @@ def measure_serving(kw: dict[str, Any], profile: Profile, vocab: int, seed: int 
         hop_ttft = ttft
         if hop:
             rport = free_port()
-            procs.append(start_kvserve(["router", "--replica", url, "--routing-logic",
-                                        "round_robin"], rport, anywhere))  # fmt: skip
-            hop_gaps, hop_ttft, _ = asyncio.run(_measure(f"http://127.0.0.1:{rport}", vocab,
-                                                         seed + 1))  # fmt: skip
+            tokenizing = ["--tokenizer", str(tokenizer_dir)] if texts is not None else []
+            router = start_kvserve(["router", "--replica", url, "--routing-logic", "round_robin",
+                                    *tokenizing], rport, anywhere)  # fmt: skip
+            procs.append(router)
+            rurl = f"http://127.0.0.1:{rport}"
+            hop_gaps, hop_ttft, _ = asyncio.run(_measure(rurl, vocab, seed + 1))
+            if texts is not None:
+                router_cpu = [asyncio.run(_cpu_per_request(rurl, ts, router.pid))
+                              for ts in texts["prompts"]]  # fmt: skip
     finally:
         for p in reversed(procs):
             stop_process(p)
@@ -390,9 +478,13 @@ def measure_serving(kw: dict[str, Any], profile: Profile, vocab: int, seed: int 
     profile.serve_request_share = fit_share(
         share_measured, lambda s: share_gap(kw, profile, vocab, s)
     )
+    profile.hop_request_token_s = 0.0
     if hop:
         profile.hop_token_s = fit_hop([ServingPoint(b, hop_gaps[b], gaps[b]) for b in STREAMS])
         profile.hop_request_s = max(hop_ttft - ttft, 0.0)
+        if texts is not None:  # the router's work per prompt token, on the request's path
+            (n_s, n_l), (cpu_s, cpu_l) = texts["tokens"], router_cpu
+            profile.hop_request_token_s = fit_request((n_s, cpu_s), (n_l, cpu_l))[1]
     profile.serving_measured = True
     report = {
         "streams": list(STREAMS),
@@ -406,7 +498,25 @@ def measure_serving(kw: dict[str, Any], profile: Profile, vocab: int, seed: int 
         "share_run_gap_s": share_measured,
         "prompt_tokens": PROMPT_TOKENS,
         "decode_tokens": DECODE_TOKENS,
+        "text_prompt_tokens": list(texts["tokens"]) if texts is not None else None,
+        "router_cpu_s_per_request": router_cpu or None,
         "cpus": sorted(os.sched_getaffinity(0)),
     }
     profile.calibration["serving"] = report
     return report
+
+
+def _text_prompts(tok: Any, max_model_len: int | None, seed: int) -> dict[str, Any] | None:
+    """TEXT_REQUESTS text prompts of about PROMPT_TOKENS and as many of LONG_PROMPT_TOKENS
+    tokens (fewer where the model is shorter), and their mean token counts; None where the
+    model is too short for two lengths to tell a per-token cost from noise."""
+    long_n = LONG_PROMPT_TOKENS
+    if max_model_len is not None:
+        long_n = min(long_n, max_model_len - 8)
+    if long_n < 4 * PROMPT_TOKENS:
+        return None
+    rng = random.Random(seed + 3)
+    prompts = [[text_prompt(tok, rng, n) for _ in range(TEXT_REQUESTS)]
+               for n in (PROMPT_TOKENS, long_n)]  # fmt: skip
+    counts = [statistics.fmean(len(tok.encode(t)) for t in ts) for ts in prompts]
+    return {"prompts": prompts, "tokens": tuple(counts)}
