@@ -276,19 +276,23 @@ def test_serving_without_calibrate_is_refused(tmp_path, capsys):
     assert "serving: " in capsys.readouterr().err
 
 
+def _short_calibration(monkeypatch, grid: list[float]) -> None:  # noqa: ANN001
+    """Fewer and shorter streams than a calibration's, and a coarse share grid."""
+    import kvserve.sim.serving as serving
+
+    short = dict(STREAMS=(1, 2), DECODE_TOKENS=6, ROUNDS=1, SOLO=2, SHARE_TOKENS=8,
+                 SHARE_INJECT=2, SHARE_GRID=grid)  # fmt: skip
+    for name, value in short.items():
+        monkeypatch.setattr(serving, name, value)
+
+
 def test_the_measurement_serves_the_engines_flags_and_fills_the_profile(checkpoint, monkeypatch):
     """A real kvserve serve of a tiny model and kvserve router in front of it (fewer and
     shorter streams than a calibration): every figure measured, the terms set, no process
     left behind (the conftest fixture checks)."""
     import kvserve.sim.serving as serving
 
-    monkeypatch.setattr(serving, "STREAMS", (1, 2))
-    monkeypatch.setattr(serving, "DECODE_TOKENS", 6)
-    monkeypatch.setattr(serving, "ROUNDS", 1)
-    monkeypatch.setattr(serving, "SOLO", 2)
-    monkeypatch.setattr(serving, "SHARE_TOKENS", 8)
-    monkeypatch.setattr(serving, "SHARE_INJECT", 2)
-    monkeypatch.setattr(serving, "SHARE_GRID", [0.0, 0.5, 1.0])
+    _short_calibration(monkeypatch, [0.0, 0.5, 1.0])
     kw = dict(model=checkpoint("llama_gqa"), dtype="float32", num_gpu_blocks=64,
               max_model_len=128, block_size=BS)  # fmt: skip
     prof = profile()
@@ -313,13 +317,7 @@ def test_the_routers_cpu_per_request_of_two_prompt_lengths_gives_the_hop_terms(m
     import kvserve.sim.serving as serving
     from kvserve.model.tokenizer import Tokenizer
 
-    monkeypatch.setattr(serving, "STREAMS", (1, 2))
-    monkeypatch.setattr(serving, "DECODE_TOKENS", 6)
-    monkeypatch.setattr(serving, "ROUNDS", 1)
-    monkeypatch.setattr(serving, "SOLO", 2)
-    monkeypatch.setattr(serving, "SHARE_TOKENS", 8)
-    monkeypatch.setattr(serving, "SHARE_INJECT", 2)
-    monkeypatch.setattr(serving, "SHARE_GRID", [0.0, 1.0])
+    _short_calibration(monkeypatch, [0.0, 1.0])
     monkeypatch.setattr(serving, "LONG_PROMPT_TOKENS", 256)
     monkeypatch.setattr(serving, "TEXT_REQUESTS", 4)
     model = default_model()

@@ -151,32 +151,7 @@ class EngineCore:
             if not self.scheduler.awaits_workers:
                 return refused
         self.num_steps += 1
-        try:
-            started = self.clock()
-            out = self._execute(sched)
-            now = self.clock()
-            self.last_step_seconds = now - started
-        except Exception as e:  # the runner's or the clock's failure fails this step only
-            try:
-                now = self.clock()
-            except Exception:
-                now = float("nan")
-            if isinstance(e, WorkerDiedError):  # ... unless no step can run any more
-                self.dead = str(e)
-                updated = self.scheduler.fail_all(sched, self.dead, now)
-            else:
-                updated = self.scheduler.fail_step(sched, f"{type(e).__name__}: {e}", now)
-        else:
-            updated = self.scheduler.update_from_output(sched, out, started, now)
-        return refused + self._after_step(updated)
-
-    def _after_step(self, updated: list[Request]) -> list[Request]:
-        for r in updated:
-            if r.status in FINISHED_STATUSES:
-                self._forget_family(r)
-        for hook in self.step_hooks:
-            hook(self)
-        return updated
+        return refused + self._land(sched, lambda: self._execute(sched))
 
     def _step_async(self) -> list[Request]:
         """Plan and send the next step, then land the one in flight: the samples that got a
@@ -195,21 +170,39 @@ class EngineCore:
             return refused
         sched, handle, started = landing
         self.last_step = sched
+        return refused + self._land(sched, handle.result, started)
+
+    def _land(
+        self, sched: SchedulerOutput, output: Callable[[], ModelRunnerOutput],
+        started: float | None = None,
+    ) -> list[Request]:  # fmt: skip
+        """Apply the step's ``output()`` (timed from ``started``, else from now), or fail its
+        requests if that or the clock raises; the samples that got a token or finished."""
         try:
-            out = handle.result()
+            if started is None:
+                started = self.clock()
+            out = output()
             now = self.clock()
             self.last_step_seconds = now - started
-        except Exception as e:  # as in a step of its own: this step's requests fail
-            now = self.clock()
-            if isinstance(e, WorkerDiedError):  # ... or every request: no step lands again
+        except Exception as e:  # the runner's or the clock's failure fails this step only
+            try:
+                now = self.clock()
+            except Exception:
+                now = float("nan")
+            if isinstance(e, WorkerDiedError):  # ... unless no step can run any more
                 self.dead = str(e)
-                self._in_flight = None
+                self._in_flight = None  # nothing sent lands
                 updated = self.scheduler.fail_all(sched, self.dead, now)
             else:
                 updated = self.scheduler.fail_step(sched, f"{type(e).__name__}: {e}", now)
         else:
             updated = self.scheduler.update_from_output(sched, out, started, now)
-        return refused + self._after_step(updated)
+        for r in updated:
+            if r.status in FINISHED_STATUSES:
+                self._forget_family(r)
+        for hook in self.step_hooks:
+            hook(self)
+        return updated
 
     def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """The step on the workers, with the bytes the connector's two sides exchange around
