@@ -25,7 +25,7 @@ from kvserve.sim.engine import SimTarget, build_engine
 from kvserve.sim.serving import (
     ServingPoint,
     fit_hop,
-    fit_request,
+    fit_prompt_token,
     fit_serving,
     fit_share,
     serve_flags,
@@ -120,17 +120,15 @@ def test_a_requests_hop_time_grows_with_its_prompt(hop):
         assert rec.ttft == pytest.approx(front + OVERHEAD + PREFILL + PER_TOKEN * n, rel=1e-9)
 
 
-def test_the_request_fit_is_the_line_through_two_prompt_lengths():
+def test_the_prompt_token_fit_is_the_slope_between_two_lengths():
     fixed, per = 0.0013, 4.5e-6
-    assert fit_request((32, fixed + per * 32), (1024, fixed + per * 1024)) == pytest.approx(
-        (fixed, per), rel=1e-9
+    assert fit_prompt_token((32, fixed + per * 32), (1024, fixed + per * 1024)) == pytest.approx(
+        per, rel=1e-9
     )
-    # a long prompt no dearer than a short one: no per-token cost, the short one's excess
-    assert fit_request((32, 0.002), (1024, 0.0015)) == (0.002, 0.0)
-    # the slope alone where the short prompt's excess is below its share of it
-    assert fit_request((100, 0.0001), (1100, 0.0101)) == pytest.approx((0.0, 1e-5), rel=1e-9)
+    # a long prompt no dearer than a short one: no per-token cost
+    assert fit_prompt_token((32, 0.002), (1024, 0.0015)) == 0.0
     with pytest.raises(ValueError, match="longer"):
-        fit_request((64, 0.001), (64, 0.002))
+        fit_prompt_token((64, 0.001), (64, 0.002))
 
 
 def test_a_profile_without_the_term_replays_as_before():

@@ -50,10 +50,6 @@ class StepHandle:
     def land(self, value: ModelRunnerOutput | None, error: BaseException | None) -> None:
         self._value, self._error, self._wait = value, error, None
 
-    @property
-    def done(self) -> bool:
-        return self._wait is None
-
     def result(self) -> ModelRunnerOutput:
         if self._wait is not None:
             self._wait()

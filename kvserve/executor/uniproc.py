@@ -35,6 +35,8 @@ class UniProcExecutor(Executor):
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvserve-step")
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self._thread is not None:  # after the steps in flight
+            return self._thread.submit(self.driver_worker.execute_model, scheduler_output).result()
         return self.driver_worker.execute_model(scheduler_output)
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepHandle:

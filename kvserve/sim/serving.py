@@ -97,15 +97,13 @@ def fit_serving(points: list[ServingPoint]) -> tuple[float, float]:
     return float(icpt), float(slope)
 
 
-def fit_request(short: tuple[int, float], long: tuple[int, float]) -> tuple[float, float]:
-    """(per request, per prompt token): the line through two (prompt tokens, excess
-    seconds) points, neither below 0 (a negative slope: the short point's excess per
-    request; an excess below the slope's share: the slope alone)."""
+def fit_prompt_token(short: tuple[float, float], long: tuple[float, float]) -> float:
+    """Seconds per prompt token: the slope between two (prompt tokens, seconds per
+    request) points, not below 0."""
     (n0, y0), (n1, y1) = short, long
     if n1 <= n0:
-        raise ValueError(f"request fit: the long prompt ({n1}) must be longer than {n0}")
-    per_token = max((y1 - y0) / (n1 - n0), 0.0)
-    return max(y0 - per_token * n0, 0.0), per_token
+        raise ValueError(f"prompt-token fit: the long prompt ({n1}) must be longer than {n0}")
+    return max((y1 - y0) / (n1 - n0), 0.0)
 
 
 def fit_hop(points: list[ServingPoint]) -> float:
@@ -212,9 +210,9 @@ def _gap(times: list[float]) -> float:
     return (times[-1] - times[1]) / max(len(times) - 2, 1)
 
 
-def _prompt(rng: random.Random, vocab: int, n: int = PROMPT_TOKENS) -> list[int]:
-    """A random prompt of ``n`` ids (the special tokens' first ids left out)."""
-    return [rng.randrange(3, vocab) for _ in range(n)]
+def _prompt(rng: random.Random, vocab: int) -> list[int]:
+    """A random prompt of PROMPT_TOKENS ids (the special tokens' first ids left out)."""
+    return [rng.randrange(3, vocab) for _ in range(PROMPT_TOKENS)]
 
 
 def text_prompt(tok: Any, rng: random.Random, n_tokens: int) -> str:
@@ -368,14 +366,12 @@ def share_gap(kw: dict[str, Any], profile: Profile, vocab: int, share: float) ->
 
 class _Lockstep:
     """:func:`_measure`'s requests for the simulator (kvserve.sim.pd.Feed): ``SOLO`` lone
-    requests (of ``prompt_tokens``), then ``ROUNDS`` rounds of ``b`` streams started
-    together."""
+    requests, then ``ROUNDS`` rounds of ``b`` streams started together."""
 
-    def __init__(self, b: int | None, vocab: int, prompt_tokens: int = PROMPT_TOKENS) -> None:
+    def __init__(self, b: int | None, vocab: int) -> None:
         self.b, self.vocab, self.rng = b, vocab, random.Random(1)
         self.left = SOLO if b is None else ROUNDS
         self.open = 0
-        self.prompt_tokens = prompt_tokens
 
     def _round(self, t: float) -> list[tuple[float, Any, list[int]]]:
         from kvserve.bench.workloads import BenchRequest
@@ -383,8 +379,7 @@ class _Lockstep:
         self.left -= 1
         n, tokens = (1, 2) if self.b is None else (self.b, DECODE_TOKENS)
         self.open = n
-        p = self.prompt_tokens
-        return [(t, BenchRequest(0, "s", "", tokens, p), _prompt(self.rng, self.vocab, p))
+        return [(t, BenchRequest(0, "s", "", tokens, PROMPT_TOKENS), _prompt(self.rng, self.vocab))
                 for _ in range(n)]  # fmt: skip
 
     def start(self) -> list[tuple[float, Any, list[int]]]:
@@ -395,34 +390,20 @@ class _Lockstep:
         return self._round(now) if self.open == 0 and self.left > 0 else []
 
 
-def _bare(kw: dict[str, Any], profile: Profile) -> Any:
-    """The profile's engine alone (no serving term), as a simulator target."""
-    from kvserve.sim.engine import SimTarget
-
-    bare = replace(profile, **dict.fromkeys(SERVING_FIELDS, 0.0), serving_measured=False)
-    return SimTarget(dict(kw), bare, behind_hop=False)
-
-
 def simulated(kw: dict[str, Any], profile: Profile, vocab: int) -> tuple[dict[int, float], float]:
     """:func:`_measure`'s figures as the profile's engine alone gives them (no serving term)."""
+    from kvserve.sim.engine import SimTarget
     from kvserve.sim.simulate import simulate_feed
 
-    target = _bare(kw, profile)
-    ttft = simulated_ttft(kw, profile, vocab, PROMPT_TOKENS)
+    bare = replace(profile, **dict.fromkeys(SERVING_FIELDS, 0.0), serving_measured=False)
+    target = SimTarget(dict(kw), bare, behind_hop=False)
+    res, _ = simulate_feed(target, _Lockstep(None, vocab))
+    ttft = statistics.median(r.ttft for r in res.records if r.success)
     gaps = {}
     for b in STREAMS:
         res, _ = simulate_feed(target, _Lockstep(b, vocab))
         gaps[b] = _mean_gap(res.records)
     return gaps, ttft
-
-
-def simulated_ttft(kw: dict[str, Any], profile: Profile, vocab: int, prompt_tokens: int) -> float:
-    """The median TTFT of SOLO lone requests of ``prompt_tokens`` on the profile's engine
-    alone."""
-    from kvserve.sim.simulate import simulate_feed
-
-    res, _ = simulate_feed(_bare(kw, profile), _Lockstep(None, vocab, prompt_tokens))
-    return statistics.median(r.ttft for r in res.records if r.success)
 
 
 def measure_serving(kw: dict[str, Any], profile: Profile, vocab: int, seed: int = 0,
@@ -484,7 +465,7 @@ def measure_serving(kw: dict[str, Any], profile: Profile, vocab: int, seed: int 
         profile.hop_request_s = max(hop_ttft - ttft, 0.0)
         if texts is not None:  # the router's work per prompt token, on the request's path
             (n_s, n_l), (cpu_s, cpu_l) = texts["tokens"], router_cpu
-            profile.hop_request_token_s = fit_request((n_s, cpu_s), (n_l, cpu_l))[1]
+            profile.hop_request_token_s = fit_prompt_token((n_s, cpu_s), (n_l, cpu_l))
     profile.serving_measured = True
     report = {
         "streams": list(STREAMS),
