@@ -25,7 +25,7 @@ from kvserve.sim.engine import SimTarget, build_engine
 from kvserve.sim.serving import (
     ServingPoint,
     fit_hop,
-    fit_prompt_token,
+    fit_per_token,
     fit_serving,
     fit_share,
     serve_flags,
@@ -120,15 +120,15 @@ def test_a_requests_hop_time_grows_with_its_prompt(hop):
         assert rec.ttft == pytest.approx(front + OVERHEAD + PREFILL + PER_TOKEN * n, rel=1e-9)
 
 
-def test_the_prompt_token_fit_is_the_slope_between_two_lengths():
+def test_the_per_token_fit_is_the_slope_between_two_lengths():
     fixed, per = 0.0013, 4.5e-6
-    assert fit_prompt_token((32, fixed + per * 32), (1024, fixed + per * 1024)) == pytest.approx(
+    assert fit_per_token((32, fixed + per * 32), (1024, fixed + per * 1024)) == pytest.approx(
         per, rel=1e-9
     )
     # a long prompt no dearer than a short one: no per-token cost
-    assert fit_prompt_token((32, 0.002), (1024, 0.0015)) == 0.0
-    with pytest.raises(ValueError, match="longer"):
-        fit_prompt_token((64, 0.001), (64, 0.002))
+    assert fit_per_token((32, 0.002), (1024, 0.0015)) == 0.0
+    with pytest.raises(ValueError, match="larger"):
+        fit_per_token((64, 0.001), (64, 0.002))
 
 
 def test_a_profile_without_the_term_replays_as_before():
@@ -331,6 +331,13 @@ def test_the_routers_cpu_per_request_of_two_prompt_lengths_gives_the_hop_terms(m
     assert len(cpu) == 2 and all(0 < c < 1 for c in cpu)
     assert prof.hop_request_token_s == pytest.approx(max((cpu[1] - cpu[0]) / (n_l - n_s), 0))
     assert prof.hop_request_s == pytest.approx(max(rep["hop_ttft_s"] - rep["ttft_s"], 0))
+    # per token relayed: the router's CPU per streamed token, unless the gaps show more
+    one, many = rep["router_relay_cpu_s"]
+    assert 0 < one < 1 and 0 < many < 1
+    by_cpu = max((many - one) / (serving.DECODE_TOKENS - 1), 0.0)
+    gaps = zip((1, 2), rep["hop_gap_s"], rep["gap_s"], strict=True)
+    by_gaps = serving.fit_hop([serving.ServingPoint(b, h, g) for b, h, g in gaps])
+    assert prof.hop_token_s == pytest.approx(max(by_cpu, by_gaps))
 
 
 def test_cpu_seconds_reads_a_busy_process(tmp_path):

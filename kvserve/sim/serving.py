@@ -97,12 +97,12 @@ def fit_serving(points: list[ServingPoint]) -> tuple[float, float]:
     return float(icpt), float(slope)
 
 
-def fit_prompt_token(short: tuple[float, float], long: tuple[float, float]) -> float:
-    """Seconds per prompt token: the slope between two (prompt tokens, seconds per
-    request) points, not below 0."""
+def fit_per_token(short: tuple[float, float], long: tuple[float, float]) -> float:
+    """Seconds per token (of a prompt, or streamed): the slope between two (tokens, seconds
+    per request) points, not below 0."""
     (n0, y0), (n1, y1) = short, long
     if n1 <= n0:
-        raise ValueError(f"prompt-token fit: the long prompt ({n1}) must be longer than {n0}")
+        raise ValueError(f"per-token fit: the second count ({n1}) must be larger than {n0}")
     return max((y1 - y0) / (n1 - n0), 0.0)
 
 
@@ -242,17 +242,27 @@ def cpu_seconds(pid: int) -> float:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def _cpu_per_request(url: str, texts: list[str], pid: int) -> float:
-    """The CPU seconds process ``pid`` spends per request of ``texts``, sent one after
-    another to ``url`` (one token each)."""
+async def _cpu_per_request(url: str, prompts: list[Any], pid: int, max_tokens: int = 1) -> float:
+    """The CPU seconds process ``pid`` spends per request of ``prompts`` (texts or token
+    ids), sent one after another to ``url``, each streaming ``max_tokens`` tokens."""
     import httpx
 
     async with httpx.AsyncClient(timeout=300) as client:
-        await stream_times(client, url, texts[0], 1)  # the connection, once
+        await stream_times(client, url, prompts[0], max_tokens)  # the connection, once
         before = cpu_seconds(pid)
-        for text in texts[1:]:
-            await stream_times(client, url, text, 1)  # type: ignore[arg-type]
-        return (cpu_seconds(pid) - before) / (len(texts) - 1)
+        for prompt in prompts[1:]:
+            await stream_times(client, url, prompt, max_tokens)
+        return (cpu_seconds(pid) - before) / (len(prompts) - 1)
+
+
+async def _relay_cpu(url: str, vocab: int, seed: int, pid: int) -> tuple[float, float]:
+    """Process ``pid``'s CPU seconds per request streaming 1 token and DECODE_TOKENS (token-id
+    prompts of PROMPT_TOKENS, TEXT_REQUESTS each)."""
+    rng = random.Random(seed)
+    prompts = [_prompt(rng, vocab) for _ in range(2 * TEXT_REQUESTS)]
+    one = await _cpu_per_request(url, prompts[:TEXT_REQUESTS], pid, 1)
+    many = await _cpu_per_request(url, prompts[TEXT_REQUESTS:], pid, DECODE_TOKENS)
+    return one, many
 
 
 async def _measure(url: str, vocab: int, seed: int) -> tuple[dict[int, float], float, float]:
@@ -425,6 +435,7 @@ def measure_serving(kw: dict[str, Any], profile: Profile, vocab: int, seed: int 
     mine = os.sched_getaffinity(0)
     anywhere = set(range(os.cpu_count() or 1))
     router_cpu: list[float] = []
+    relay_cpu = (0.0, 0.0)
     try:
         port = free_port()
         procs.append(start_kvserve(["serve", *serve_flags(kw), "--disable-access-log"], port, mine))
@@ -445,6 +456,7 @@ def measure_serving(kw: dict[str, Any], profile: Profile, vocab: int, seed: int 
             procs.append(router)
             rurl = f"http://127.0.0.1:{rport}"
             hop_gaps, hop_ttft, _ = asyncio.run(_measure(rurl, vocab, seed + 1))
+            relay_cpu = asyncio.run(_relay_cpu(rurl, vocab, seed + 4, router.pid))
             if texts is not None:
                 router_cpu = [asyncio.run(_cpu_per_request(rurl, ts, router.pid))
                               for ts in texts["prompts"]]  # fmt: skip
@@ -461,11 +473,16 @@ def measure_serving(kw: dict[str, Any], profile: Profile, vocab: int, seed: int 
     )
     profile.hop_request_token_s = 0.0
     if hop:
-        profile.hop_token_s = fit_hop([ServingPoint(b, hop_gaps[b], gaps[b]) for b in STREAMS])
+        # The relay's time per token: what the streams' gaps show through it, or (where that
+        # is less: its spare core hid the work) the CPU it spends per token it relays, which
+        # it takes from the engine's cores when it shares them
+        by_gaps = fit_hop([ServingPoint(b, hop_gaps[b], gaps[b]) for b in STREAMS])
+        by_cpu = fit_per_token((1, relay_cpu[0]), (DECODE_TOKENS, relay_cpu[1]))
+        profile.hop_token_s = max(by_gaps, by_cpu)
         profile.hop_request_s = max(hop_ttft - ttft, 0.0)
         if texts is not None:  # the router's work per prompt token, on the request's path
             (n_s, n_l), (cpu_s, cpu_l) = texts["tokens"], router_cpu
-            profile.hop_request_token_s = fit_prompt_token((n_s, cpu_s), (n_l, cpu_l))
+            profile.hop_request_token_s = fit_per_token((n_s, cpu_s), (n_l, cpu_l))
     profile.serving_measured = True
     report = {
         "streams": list(STREAMS),
@@ -481,6 +498,7 @@ def measure_serving(kw: dict[str, Any], profile: Profile, vocab: int, seed: int 
         "decode_tokens": DECODE_TOKENS,
         "text_prompt_tokens": list(texts["tokens"]) if texts is not None else None,
         "router_cpu_s_per_request": router_cpu or None,
+        "router_relay_cpu_s": list(relay_cpu) if hop else None,
         "cpus": sorted(os.sched_getaffinity(0)),
     }
     profile.calibration["serving"] = report
