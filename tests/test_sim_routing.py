@@ -87,3 +87,34 @@ def test_router_is_checked_where_it_is_given():
         parse_search(["router=nearest"])
     t = SimTarget(dict(KW), cpu_profile(), replicas=2, router="oracle")
     assert dataclasses.replace(t, router="prefix").router == "prefix"
+
+
+def test_a_fleet_whose_replicas_all_wait_routes_each_request_when_it_is_sent(monkeypatch):
+    """Requests two seconds apart, each done long before the next is sent: every replica
+    waits between them, so every decision must see nothing in flight. (Routing the rest of
+    the trace at once the first time both replicas went idle saw the loads grow by one per
+    decision instead.)"""
+    from kvserve.sim import fleet
+
+    seen: list[list[int]] = []
+    make = fleet.make_policy
+
+    def recording(name, **kw):  # noqa: ANN001, ANN003, ANN202
+        policy = make(name, **kw)
+        choose = policy.choose
+
+        def spy(req, loads):  # noqa: ANN001, ANN202
+            seen.append([ld.requests for ld in loads])
+            return choose(req, loads)
+
+        policy.choose = spy
+        return policy
+
+    monkeypatch.setattr(fleet, "make_policy", recording)
+    reqs = trace(groups=3, per_group=4, context_words=20)
+    target = SimTarget(dict(KW), cpu_profile(), replicas=2, router="least_load")
+    res, _ = simulate_load(target, reqs, LoadSpec(0.5), 0)
+    recs = sorted(res.records, key=lambda r: r.send_time)
+    for a, b in zip(recs, recs[1:]):  # the premise: each ends before the next is sent
+        assert a.send_time + a.ttft + sum(a.itl) < b.send_time
+    assert len(seen) == len(reqs) and all(loads == [0, 0] for loads in seen), seen

@@ -14,7 +14,6 @@ a user's next request is routed when its last one finishes, wherever that was.
 from __future__ import annotations
 
 import heapq
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -129,11 +128,12 @@ def routed_fleet(
 
     while True:
         busy = [k for k in range(n) if not idle[k]]
-        now = min((elapsed(k) for k in busy), default=math.inf)
-        while pending and pending[0][0] <= now:
-            route(*heapq.heappop(pending))
-        busy = [k for k in range(n) if not idle[k]]
-        if not busy:
+        if busy:  # route what was sent by the time of the replica furthest behind
+            now = min(elapsed(k) for k in busy)
+            while pending and pending[0][0] <= now:
+                route(*heapq.heappop(pending))
+            busy = [k for k in range(n) if not idle[k]]
+        if not busy:  # every replica waits: the next request, alone, seen as things are now
             if not pending:
                 break
             route(*heapq.heappop(pending))
