@@ -8,6 +8,7 @@ the oracle's; and ``--router`` / ``--search router=...`` are accepted and checke
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 
@@ -115,6 +116,6 @@ def test_a_fleet_whose_replicas_all_wait_routes_each_request_when_it_is_sent(mon
     target = SimTarget(dict(KW), cpu_profile(), replicas=2, router="least_load")
     res, _ = simulate_load(target, reqs, LoadSpec(0.5), 0)
     recs = sorted(res.records, key=lambda r: r.send_time)
-    for a, b in zip(recs, recs[1:]):  # the premise: each ends before the next is sent
+    for a, b in itertools.pairwise(recs):  # the premise: each ends before the next is sent
         assert a.send_time + a.ttft + sum(a.itl) < b.send_time
     assert len(seen) == len(reqs) and all(loads == [0, 0] for loads in seen), seen
