@@ -8,6 +8,7 @@ with messages naming them."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import replace
 
@@ -195,3 +196,19 @@ def test_the_benchmarks_burst_feed_sends_as_its_http_client_does():
     for s in starts[w["streams"] :]:
         assert min(abs(s - e) for e in ends) < 1e-9 and s < w["seconds"]
     assert max(ends) >= w["seconds"]
+
+
+def test_legs_that_all_wait_take_each_request_when_it_is_sent():
+    """Requests two seconds apart, each done before the next is sent, over two prefill
+    engines: every pick sees both idle and takes the first, so the second never runs a step.
+    (Sending the rest of the trace at once the first time every leg was idle spread it over
+    both by their stale loads.)"""
+    out = 3
+    reqs = [BenchRequest(i, "chat", f"{PROMPT} q{i}", out, 42) for i in range(6)]
+    t = target(prefill_replicas=2, decode_replicas=1, kv_transfer_bandwidth=BW)
+    res, (pre0, pre1, dec) = simulate_load(t, reqs, LoadSpec(0.5), seed=0)
+    recs = sorted(res.records, key=lambda r: r.send_time)
+    assert all(r.success for r in recs)
+    for a, b in itertools.pairwise(recs):  # the premise: each ends before the next is sent
+        assert a.send_time + a.ttft + sum(a.itl) < b.send_time
+    assert pre0.runner.steps == len(reqs) and pre1.runner.steps == 0

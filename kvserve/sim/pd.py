@@ -370,11 +370,12 @@ def run_pd(
     queue(feed.start())
     while True:
         busy = [g for g in legs if not g.idle]
-        now = min((g.elapsed() for g in busy), default=math.inf)
-        while pending and pending[0][0] <= now:
-            send(*heapq.heappop(pending))
-        busy = [g for g in legs if not g.idle]
-        if not busy:
+        if busy:  # send what was sent by the time of the leg furthest behind
+            now = min(g.elapsed() for g in busy)
+            while pending and pending[0][0] <= now:
+                send(*heapq.heappop(pending))
+            busy = [g for g in legs if not g.idle]
+        if not busy:  # every leg waits: the next request, alone, seen as things are now
             if not pending:
                 break
             send(*heapq.heappop(pending))
