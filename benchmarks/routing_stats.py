@@ -5,11 +5,11 @@ router's decisions that ran on their core."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from kvserve.bench.metrics import percentile
+from kvserve.sim.serving import stat_cpu_seconds
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -57,11 +57,9 @@ def cpu_ticks() -> list[int]:
 def proc_cpu_s(pid: int) -> float:
     """A process's user + system CPU seconds so far (/proc/PID/stat; 0 where there is none)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+        return stat_cpu_seconds(pid)
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def cores_busy(recs: list[dict[str, Any]], replicas: list[float], router: float,

@@ -142,11 +142,8 @@ class EngineCore:
         """One step; returns the samples that got a token or finished (failed ones too)."""
         if self.async_scheduling:
             return self._step_async()
-        sched = self.scheduler.schedule(self.clock())
+        sched, refused = self._schedule()
         self.last_step = sched
-        refused = self.scheduler.take_refused()
-        for r in refused:  # finished by their refusal
-            self._forget_family(r)
         if not sched.seqs and sched.kv_connector_metadata is None:
             if not self.scheduler.awaits_workers:
                 return refused
@@ -157,10 +154,7 @@ class EngineCore:
         """Plan and send the next step, then land the one in flight: the samples that got a
         token or finished come from the step before this one."""
         landing, self._in_flight = self._in_flight, None
-        sched = self.scheduler.schedule(self.clock())
-        refused = self.scheduler.take_refused()
-        for r in refused:
-            self._forget_family(r)
+        sched, refused = self._schedule()
         if sched.seqs:
             self.num_steps += 1
             self.scheduler.commit(sched)
@@ -171,6 +165,14 @@ class EngineCore:
         sched, handle, started = landing
         self.last_step = sched
         return refused + self._land(sched, handle.result, started)
+
+    def _schedule(self) -> tuple[SchedulerOutput, list[Request]]:
+        """The next step, and the requests admission refused since the last (finished)."""
+        sched = self.scheduler.schedule(self.clock())
+        refused = self.scheduler.take_refused()
+        for r in refused:  # finished by their refusal
+            self._forget_family(r)
+        return sched, refused
 
     def _land(
         self, sched: SchedulerOutput, output: Callable[[], ModelRunnerOutput],

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from kvserve.bench.workloads import BenchRequest
 from kvserve.kv.hashing import extend_block_hashes
@@ -28,6 +28,7 @@ from kvserve.router.policies import (
 )
 
 SIM_POLICIES = (*POLICIES, "oracle")
+_P = TypeVar("_P")  # a replayed engine, as replay_in_time knows it
 IDLE = "idle"  # what a router-fed replica's steps yield while it waits for requests
 
 
@@ -126,27 +127,44 @@ def routed_fleet(
             idle[k] = False
         sh.rep.push(sh.share, req, ids, sh.t0 + when)
 
-    while True:
-        busy = [k for k in range(n) if not idle[k]]
-        if busy:  # route what was sent by the time of the replica furthest behind
-            now = min(elapsed(k) for k in busy)
-            while pending and pending[0][0] <= now:
-                route(*heapq.heappop(pending))
-            busy = [k for k in range(n) if not idle[k]]
-        if not busy:  # every replica waits: the next request, alone, seen as things are now
-            if not pending:
-                break
-            route(*heapq.heappop(pending))
-            continue
-        k = min(busy, key=elapsed)
+    def step(k: int) -> None:
         if next(shares[k].steps) is IDLE:
             idle[k] = True
         if policy_name == "prefix":
             index.apply(k, engines[k].kv.take_events())
+
+    replay_in_time(pending, lambda: [k for k in range(n) if not idle[k]], elapsed, route, step)
     for sh in shares:
         sh.rep.open = False
         for _ in sh.steps:
             pass
+
+
+def replay_in_time(
+    pending: list[tuple[float, int]],
+    busy: Callable[[], list[_P]],
+    elapsed: Callable[[_P], float],
+    send: Callable[[float, int], None],
+    step: Callable[[_P], None],
+) -> None:
+    """Run replayed engines (``busy()``: those not waiting for a request) on one timeline:
+    step the one furthest behind in time; each ``pending`` (send time, index) heap entry is
+    sent once that engine's clock has reached its time; when every engine waits, the next
+    one alone is sent (at its time, seen as things are then). Ends when nothing is pending
+    and every engine waits."""
+    while True:
+        running = busy()
+        if running:
+            now = min(map(elapsed, running))
+            while pending and pending[0][0] <= now:
+                send(*heapq.heappop(pending))
+            running = busy()
+        if not running:
+            if not pending:
+                return
+            send(*heapq.heappop(pending))
+            continue
+        step(min(running, key=elapsed))
 
 
 def check_policy(name: str) -> str:

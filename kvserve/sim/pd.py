@@ -34,7 +34,7 @@ from typing import Any, Protocol
 from kvserve.bench.metrics import RequestRecord
 from kvserve.bench.workloads import BenchRequest
 from kvserve.connectors.base import KVConnector, Role
-from kvserve.sim.fleet import IDLE
+from kvserve.sim.fleet import IDLE, replay_in_time
 
 CONNECTOR = "SimTransferConnector"
 
@@ -368,21 +368,12 @@ def run_pd(
         if pre:
             leg.share.rep.on_send = expect(leg)
     queue(feed.start())
-    while True:
-        busy = [g for g in legs if not g.idle]
-        if busy:  # send what was sent by the time of the leg furthest behind
-            now = min(g.elapsed() for g in busy)
-            while pending and pending[0][0] <= now:
-                send(*heapq.heappop(pending))
-            busy = [g for g in legs if not g.idle]
-        if not busy:  # every leg waits: the next request, alone, seen as things are now
-            if not pending:
-                break
-            send(*heapq.heappop(pending))
-            continue
-        g = min(busy, key=_Leg.elapsed)
+
+    def step(g: _Leg) -> None:
         if next(g.share.steps) is IDLE:
             g.idle = True
+
+    replay_in_time(pending, lambda: [g for g in legs if not g.idle], _Leg.elapsed, send, step)
     for g in legs:
         g.share.rep.open = False
         for _ in g.share.steps:

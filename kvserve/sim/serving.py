@@ -215,15 +215,23 @@ def _prompt(rng: random.Random, vocab: int) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(PROMPT_TOKENS)]
 
 
-def text_prompt(tok: Any, rng: random.Random, n_tokens: int) -> str:
+def text_prompt(tok: Any, rng: random.Random, n_tokens: int) -> tuple[str, int]:
     """At least ``n_tokens`` tokens of random words (a few past it at most), each numbered
-    at random so that no two prompts share a block."""
+    at random so that no two prompts share a block; and its token count."""
     words: list[str] = []
     while True:
         words += [f"{rng.choice(TEXT_WORDS)}{rng.randrange(10**6)}" for _ in range(2)]
         text = " ".join(words)
-        if len(tok.encode(text)) >= n_tokens:
-            return text
+        n = len(tok.encode(text))
+        if n >= n_tokens:
+            return text, n
+
+
+def stat_cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU seconds, to the clock tick (``/proc/PID/stat``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -237,9 +245,7 @@ def cpu_seconds(pid: int) -> float:
                 total += int(f.read().split()[0])
         return total / 1e9
     except (OSError, ValueError, IndexError):
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return stat_cpu_seconds(pid)
 
 
 async def _cpu_per_request(url: str, prompts: list[Any], pid: int, max_tokens: int = 1) -> float:
@@ -515,7 +521,7 @@ def _text_prompts(tok: Any, max_model_len: int | None, seed: int) -> dict[str, A
     if long_n < 4 * PROMPT_TOKENS:
         return None
     rng = random.Random(seed + 3)
-    prompts = [[text_prompt(tok, rng, n) for _ in range(TEXT_REQUESTS)]
-               for n in (PROMPT_TOKENS, long_n)]  # fmt: skip
-    counts = [statistics.fmean(len(tok.encode(t)) for t in ts) for ts in prompts]
-    return {"prompts": prompts, "tokens": tuple(counts)}
+    made = [[text_prompt(tok, rng, n) for _ in range(TEXT_REQUESTS)]
+            for n in (PROMPT_TOKENS, long_n)]  # fmt: skip
+    return {"prompts": [[text for text, _ in ps] for ps in made],
+            "tokens": tuple(statistics.fmean(n for _, n in ps) for ps in made)}  # fmt: skip
