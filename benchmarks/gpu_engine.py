@@ -9,8 +9,9 @@ and fp8 KV, eagerly and with CUDA graphs, and ``transformers``' ``generate`` on 
 Per run: output tokens/s, the median decode step (every request decoding one token), its
 roofline (weight bytes + the KV bytes the step reads, over the measured copy bandwidth) and
 the share of it reached, host time per decode step (the step's wall time less the device's
-kernel time in a profiled window), the pool's size (sized by --gpu-memory-utilization on
-CUDA) and the graphs' capture report. Ends with one JSON line.
+kernel time in a profiled window), how often a decode step waits for the device (once is
+the design: the sampled tokens), the pool's size (sized by --gpu-memory-utilization on CUDA)
+and the graphs' capture report. Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -91,6 +92,22 @@ def device_kernel_seconds(fn: Any, steps: int) -> float:
     return us / 1e6 / steps
 
 
+def syncs_per_call(fn: Any, calls: int) -> float:
+    """How often per call of ``fn`` the host waited for the device: torch's sync debug mode
+    warns at every synchronizing CUDA operation (a value read, a blocking copy)."""
+    import warnings
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(calls):
+                fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught) / calls
+
+
 def run_engine(args: argparse.Namespace, path: str, kv: str, mode: str,
                prompts: list[list[int]], bandwidth: float) -> dict[str, Any]:  # fmt: skip
     from kvserve import LLM, SamplingParams
@@ -105,12 +122,13 @@ def run_engine(args: argparse.Namespace, path: str, kv: str, mode: str,
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, sp)
     decode, t0 = [], time.perf_counter()
-    profiled = None
+    profiled = syncs = None
     while engine.has_unfinished_requests():
         last = engine.core.last_step
         in_decode = last is not None and last.num_prefill_tokens == 0 and decode
         if in_decode and profiled is None and args.device == "cuda" and args.profile_steps:
             profiled = device_kernel_seconds(engine.step, args.profile_steps)
+            syncs = syncs_per_call(engine.step, args.profile_steps)
             continue
         ts = time.perf_counter()
         engine.step()
@@ -136,6 +154,7 @@ def run_engine(args: argparse.Namespace, path: str, kv: str, mode: str,
     if profiled is not None:
         row["device_ms_per_step"] = profiled * 1e3
         row["host_ms_per_step"] = max(0.0, step - profiled) * 1e3
+        row["host_syncs_per_decode_step"] = syncs
     engine.shutdown()  # the next run sizes its pool from what this one leaves: nothing
     del llm, engine
     gc.collect()

@@ -14,7 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
+
+from kvserve.kernels.host_device import to_device
 
 # Chunks over a cached context up to this many queries join the decode rows in the paged
 # group (one fused kernel call where a backend has one); longer ones are better served by
@@ -102,6 +105,8 @@ class ObservedDecode:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat slot index of each new token
     block_size: int
+    # The same on the host, where a format that plans its step reads it (KVStorage.begin_step)
+    slot_mapping_host: np.ndarray | None = None
     num_decode: int = 0
     decode_block_tables: torch.Tensor | None = None  # [Bd, max_blocks]
     decode_seq_lens: torch.Tensor | None = None  # [Bd] cache entries incl. the new one
@@ -141,10 +146,12 @@ class AttentionMetadata:
 
     def kept_blocks(
         self, p: PrefillChunk, window: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    ) -> tuple[torch.Tensor, np.ndarray, torch.Tensor] | None:
         """Under retention, the chunk's kept table entries (sink blocks and the oldest query's
-        window), the cache entry of each kept row and which rows are written; once per step,
-        shared by the layers. None when nothing before the chunk is kept."""
+        window), the cache entry of each written row of theirs (on the host) and those rows'
+        indices among the gathered ones; once per step, shared by the layers. None when
+        nothing before the chunk is kept. Built on the host from the chunk's plain numbers,
+        so that no layer picks rows by a mask (a read back from a GPU)."""
         key = ("kept", p.q_start, window)
         if key not in self._masks:
             bs, c0 = self.block_size, p.ctx_len
@@ -153,10 +160,10 @@ class AttentionMetadata:
             out = None
             if keep and p.block_table is not None:
                 dev = self.slot_mapping.device
-                idx = torch.tensor(sorted(keep), dtype=torch.long, device=dev)
-                rows = (idx[:, None] * bs + torch.arange(bs, device=dev)[None, :]).reshape(-1)
-                live = rows < c0  # the last block's unwritten tail
-                out = (idx, rows[live], live)
+                idx = np.array(sorted(keep), dtype=np.int64)
+                rows = (idx[:, None] * bs + np.arange(bs)[None, :]).reshape(-1)
+                live = np.flatnonzero(rows < c0)  # not the last block's unwritten tail
+                out = (to_device(idx, dev), rows[live], to_device(live, dev))
             self._masks[key] = out
         return self._masks[key]
 

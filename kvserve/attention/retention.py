@@ -16,6 +16,7 @@ policy's side lives in :mod:`kvserve.sched.retention`.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -26,6 +27,7 @@ from kvserve.attention.metadata import (
     combine_windows,
 )
 from kvserve.attention.rotary import rotate_back
+from kvserve.kernels.host_device import to_device
 from kvserve.kv.storage import KVStorage
 
 
@@ -56,12 +58,13 @@ def retained_attention(
         idx, kpos, live = kept
         kc, vc = storage.gather(layer, p.block_table[idx][None])  # [1, KVH, len*bs, D]
         kpos_parts.append(kpos)
-        k_parts.append(kc[0][:, live].transpose(0, 1).to(q.dtype))  # [N, KVH, D]
-        v_parts.append(vc[0][:, live].transpose(0, 1).to(q.dtype))
-    kpos_parts.append(torch.arange(c0, c0 + n, device=dev))
+        k_parts.append(kc[0].index_select(1, live).transpose(0, 1).to(q.dtype))  # [N, KVH, D]
+        v_parts.append(vc[0].index_select(1, live).transpose(0, 1).to(q.dtype))
+    kpos_parts.append(np.arange(c0, c0 + n))
     k_parts.append(k)
     v_parts.append(v)
-    kpos = torch.cat(kpos_parts)
+    kpos_host = np.concatenate(kpos_parts)
+    kpos = to_device(kpos_host, dev)
     keys, values = torch.cat(k_parts), torch.cat(v_parts)
     group = q.shape[1] // keys.shape[1]
     kr = keys.repeat_interleave(group, dim=1).float()
@@ -72,13 +75,15 @@ def retained_attention(
     qpos = torch.arange(c0, c0 + n, device=dev)
     seen = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - w)
     if p.sinks:
-        is_sink = kpos < p.sinks
-        seen |= is_sink[None, :] & (kpos[None, :] <= qpos[:, None])
-        shift = (qpos - p.sinks - w + 1).clamp(min=0)
-        if bool(shift.any()) and bool(is_sink.any()):
+        seen |= (kpos < p.sinks)[None, :] & (kpos[None, :] <= qpos[:, None])
+        sinks = np.flatnonzero(kpos_host < p.sinks)
+        # the newest query is the furthest past its window: if it needs no shift, none does
+        if c0 + n - p.sinks - w > 0 and len(sinks):
+            shift = (qpos - p.sinks - w + 1).clamp(min=0)
+            at = to_device(sinks, dev)
             q_back = rotate_back(qf, shift, meta.rotary)  # R(-shift) q
-            sink_scores = torch.einsum("lhd,shd->hls", q_back, kr[is_sink]) * scale
-            scores[:, :, is_sink] = sink_scores
+            sink_scores = torch.einsum("lhd,shd->hls", q_back, kr.index_select(0, at)) * scale
+            scores.index_copy_(2, at, sink_scores)
     scores = scores.masked_fill(~seen[None], float("-inf"))
     return torch.einsum("hls,shd->lhd", scores.softmax(-1), vr).to(q.dtype)
 

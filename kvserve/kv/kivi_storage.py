@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvserve.kernels.host_device import to_device
 from kvserve.kv import codecs
 from kvserve.kv.storage import BlockPayload, KVStorage
 
@@ -240,7 +241,7 @@ class KiviKVStorage(KVStorage):
             self._free_res.append(s)
 
     def _sync_residual_map(self) -> None:
-        self.res_of_block_t = torch.from_numpy(self.res_of_block.copy()).to(self.device)
+        self.res_of_block_t = to_device(self.res_of_block.copy(), self.device)
 
     def release_blocks(self, block_ids: list[int]) -> None:
         """Reclaim the residual slots of blocks freed while partial. Pending full blocks keep
@@ -251,15 +252,17 @@ class KiviKVStorage(KVStorage):
         if block_ids:
             self._sync_residual_map()
 
-    def begin_step(self, slot_mapping: torch.Tensor) -> None:
-        """Decide which blocks are quantized this step and where the other tokens go.
+    def begin_step(self, slot_mapping: np.ndarray | torch.Tensor) -> None:
+        """Decide which blocks are quantized this step and where the other tokens go, from
+        the step's slot mapping on the host (the runner's NumPy copy: a device tensor would
+        have to be read back, a wait for the device every step).
 
         Each layer's write then runs in this order: quantize the flushed blocks from their
         residual slots, quantize blocks that start and fill within this write straight from
         the write, and only then write the remaining tokens into residual slots. Reading
         before writing is what lets a slot freed by a flush be reused in the same step."""
         bs = self.block_size
-        slots = slot_mapping.cpu().numpy()
+        slots = slot_mapping if isinstance(slot_mapping, np.ndarray) else slot_mapping.cpu().numpy()
         blk, off = slots // bs, slots % bs
         fresh = np.unique(blk[off == 0])
         full = np.unique(blk[off == bs - 1])
@@ -294,7 +297,7 @@ class KiviKVStorage(KVStorage):
         self.tokens_written += len(slots)
 
         def t(a: np.ndarray | list[int]) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)
+            return to_device(np.asarray(a, dtype=np.int64), self.device)
 
         tok = np.arange(len(slots))
         self._plan = _WritePlan(
@@ -330,8 +333,8 @@ class KiviKVStorage(KVStorage):
             return
         for b in todo:
             del self.pending[b]
-        slots = torch.from_numpy(self.res_of_block[todo].copy()).to(self.device)
-        idx = torch.tensor(todo, device=self.device)
+        slots = to_device(self.res_of_block[todo], self.device)
+        idx = to_device(todo, self.device, torch.long)
         for layer in range(self.num_layers):
             self._quantize(layer, idx, self.res_k[layer][slots].float(),
                            self.res_v[layer][slots].float())  # fmt: skip
@@ -384,11 +387,13 @@ class KiviKVStorage(KVStorage):
             self.v_codes[layer][blocks], self.v_scale[layer][blocks], self.v_zero[layer][blocks],
             self.bits, self.dtype,
         )  # fmt: skip
+        # Blocks still filling read their residual slot instead, chosen by a select: picking
+        # the rows that have one (nonzero) would read the choice back to the host every layer.
         res = self.res_of_block_t[blocks]
-        idx = (res >= 0).nonzero().squeeze(1)
-        if idx.numel():
-            k[idx] = self.res_k[layer][res[idx]].to(k.dtype)
-            v[idx] = self.res_v[layer][res[idx]].to(v.dtype)
+        live = (res >= 0)[:, None, None, None]
+        slot = res.clamp(min=0)
+        k = torch.where(live, self.res_k[layer][slot].to(k.dtype), k)
+        v = torch.where(live, self.res_v[layer][slot].to(v.dtype), v)
         return k, v
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

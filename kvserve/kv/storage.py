@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvserve.kernels.host_device import to_device
 from kvserve.kv.host_copies import HostCopies
 
 TORCH_DTYPES = {
@@ -285,9 +286,10 @@ class KVStorage(ABC):
         return touched
 
     # -- the step ------------------------------------------------------------------------------
-    def begin_step(self, slot_mapping: torch.Tensor) -> None:  # noqa: B027 - optional hook
-        """Called once per step with the step's flat slot mapping, before the first layer's
-        write. Formats that plan a step (KIVI) do it here; the default has nothing to plan."""
+    def begin_step(self, slot_mapping: np.ndarray | torch.Tensor) -> None:  # noqa: B027 - optional hook
+        """Called once per step with the step's flat slot mapping on the host (the runner
+        passes its NumPy copy), before the first layer's write. Formats that plan a step
+        (KIVI) do it here; the default has nothing to plan."""
 
     def release_blocks(self, block_ids: list[int]) -> None:  # noqa: B027 - optional hook
         """Blocks whose last reference went (they are free or cached-free now). A format that
@@ -298,8 +300,7 @@ class KVStorage(ABC):
         """Copy whole blocks ``(src, dst)`` (copy-on-write of a shared partial block)."""
         if not pairs:
             return
-        src = torch.tensor([s for s, _ in pairs], device=self.device)
-        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        src, dst = to_device(pairs, self.device, torch.long).T
         for ts in self.distinct_block_tensors().values():
             for t in ts:
                 t[dst] = t[src]
@@ -347,7 +348,7 @@ class KVStorage(ABC):
         decoding them needs. From a GPU pool the copy to (pinned) host memory is still under
         way when this returns: read the payload after :meth:`BlockPayload.wait`."""
         self._check_ids(block_ids, "export_blocks")
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        idx = to_device(block_ids, self.device, torch.long)
         tensors = {}
         for name, ts in self.block_tensors().items():
             if ts[0].device.type == "cpu":  # one copy, straight into the payload
@@ -377,7 +378,7 @@ class KVStorage(ABC):
                 f"{len(block_ids)} ids given"
             )
         self._import_pool(payload.pool)
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        idx = to_device(block_ids, self.device, torch.long)
         payload.wait()
         for name, ts in self.block_tensors().items():
             src = payload.tensors[name]
@@ -516,7 +517,7 @@ class KVStorageWrapper(KVStorage):
     def fixed_tensors(self) -> list[torch.Tensor]:
         return self.inner.fixed_tensors()
 
-    def begin_step(self, slot_mapping: torch.Tensor) -> None:
+    def begin_step(self, slot_mapping: np.ndarray | torch.Tensor) -> None:
         self.inner.begin_step(slot_mapping)
 
     def release_blocks(self, block_ids: list[int]) -> None:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from itertools import chain
 
+import numpy as np
 import torch
 
+from kvserve.kernels.host_device import to_device
 from kvserve.sample.logits_processors import (
     LogitsProcessor,
     LogitsProcessors,
@@ -53,7 +55,7 @@ class PenaltiesLogitsProcessor(LogitsProcessor[Penalties]):
         prompt = None
         if p.repetition_penalty != 1.0:
             ids = sorted({t for t in request.prompt_token_ids if 0 <= t < self.vocab_size})
-            prompt = torch.tensor(ids, dtype=torch.long, device=self.device)
+            prompt = to_device(ids, self.device, torch.long)
         return Penalties(p.repetition_penalty, p.frequency_penalty, p.presence_penalty, prompt,
                          request.output_token_ids)  # fmt: skip
 
@@ -62,24 +64,23 @@ class PenaltiesLogitsProcessor(LogitsProcessor[Penalties]):
         x, index = select_rows(logits, rows)
         counts = torch.zeros(n, v, device=dev)
         lens = [len(s.output) for s in states]
-        if sum(lens):
-            tok = torch.tensor(list(chain.from_iterable(s.output for s in states)), device=dev)
-            row = torch.repeat_interleave(torch.arange(n, device=dev),
-                                          torch.tensor(lens, device=dev))  # fmt: skip
+        total = sum(lens)
+        if total:
+            # the row of each token, built on the host: a device-side repeat would have to
+            # read its output size back first
+            tok = to_device(list(chain.from_iterable(s.output for s in states)), dev, torch.long)
+            row = to_device(np.repeat(np.arange(n), lens), dev)
             counts.index_put_((row, tok), torch.ones((), device=dev), accumulate=True)
         seen = counts > 0
         prompts = [(i, s.prompt_ids) for i, s in enumerate(states) if s.prompt_ids is not None]
         if prompts:
             ids = torch.cat([t for _, t in prompts])
-            row = torch.repeat_interleave(
-                torch.tensor([i for i, _ in prompts], device=dev),
-                torch.tensor([len(t) for _, t in prompts], device=dev),
-            )
+            row = to_device(np.repeat([i for i, _ in prompts], [len(t) for _, t in prompts]),
+                            dev)  # fmt: skip
             seen.index_put_((row, ids), torch.ones((), dtype=torch.bool, device=dev))
-        rep, freq, pres = (
-            torch.tensor([getattr(s, name) for s in states], device=dev)[:, None]
-            for name in ("repetition", "frequency", "presence")
-        )
+        names = ("repetition", "frequency", "presence")
+        rep, freq, pres = to_device([[getattr(s, a) for s in states] for a in names], dev,
+                                    torch.float32)[:, :, None]  # fmt: skip
         penalised = torch.where(x > 0, x / rep, x * rep)
         x = torch.where(seen, penalised, x)
         x = x - freq * counts - pres * (counts > 0).float()
@@ -114,8 +115,8 @@ class MinTokensLogitsProcessor(LogitsProcessor[MinTokens]):
         r = [row for row, s in zip(rows, states, strict=True) for _ in s.stop_ids]
         c = [t for s in states for t in s.stop_ids]
         dev = logits.device
-        idx = (torch.tensor(r, device=dev), torch.tensor(c, device=dev))
-        return logits.index_put_(idx, torch.tensor(float("-inf"), device=dev))
+        idx = to_device([r, c], dev, torch.long)
+        return logits.index_put_((idx[0], idx[1]), torch.full((), float("-inf"), device=dev))
 
 
 class LogitBias(RequestLogitsState):
@@ -136,14 +137,13 @@ class LogitBiasLogitsProcessor(LogitsProcessor[LogitBias]):
         items = sorted((t, float(b)) for t, b in bias.items() if 0 <= t < self.vocab_size)
         if not items:
             return None
-        ids = torch.tensor([t for t, _ in items], dtype=torch.long, device=self.device)
-        return LogitBias(ids, torch.tensor([b for _, b in items], device=self.device))
+        ids = to_device([t for t, _ in items], self.device, torch.long)
+        return LogitBias(ids, to_device([b for _, b in items], self.device, torch.float32))
 
     def apply(self, logits: torch.Tensor, rows: list[int], states: list[LogitBias]) -> torch.Tensor:
         dev = logits.device
         ids = [s.token_ids for s in states]
-        row = torch.repeat_interleave(torch.tensor(rows, device=dev),
-                                      torch.tensor([len(t) for t in ids], device=dev))  # fmt: skip
+        row = to_device(np.repeat(rows, [len(t) for t in ids]), dev)
         values = torch.cat([s.values for s in states])
         return logits.index_put_((row, torch.cat(ids)), values, accumulate=True)
 

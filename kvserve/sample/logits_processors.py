@@ -43,6 +43,7 @@ from typing import ClassVar, Generic, Protocol, TypeVar
 
 import torch
 
+from kvserve.kernels.host_device import to_device
 from kvserve.sched.request import SamplingParams
 
 
@@ -196,7 +197,7 @@ def select_rows(logits: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, to
     processor. Pair with :func:`put_rows`."""
     if len(rows) == logits.shape[0]:
         return logits, None
-    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    index = to_device(rows, logits.device, torch.long)
     return logits.index_select(0, index), index
 
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from kvserve.kernels.host_device import to_device, to_host
 from kvserve.kernels.pointwise import topk_rows
 from kvserve.sample.builtin_processors import build_logits_processors
 from kvserve.sample.logits_processors import LogitsProcessors, StepPlan
@@ -174,28 +175,29 @@ class Sampler:
 
         want = [p.logprobs for p in params]
         logprobs: list[dict[int, float] | None] = [None] * len(requests)
-        sampled_lp: list[float] | None = None
-        if any(n is not None for n in want):
-            base = raw if plan is None else plan.logprobs_base(raw)
-            lsm = torch.log_softmax(base.float(), dim=-1)
-            chosen = lsm.gather(1, token_ids[:, None])[:, 0].tolist()
-            k = max(n or 0 for n in want)
-            top_val, top_idx = lsm.topk(k, dim=-1) if k else (None, None)
-            sampled_lp = chosen
-            ids = token_ids.tolist()
-            for row, n in enumerate(want):
-                if n is None:
-                    continue
-                entry = {ids[row]: chosen[row]}
-                if n and top_idx is not None:
-                    for t, v in zip(
-                        top_idx[row, :n].tolist(), top_val[row, :n].tolist(), strict=True
-                    ):
-                        if v != float("-inf"):  # a masked token is no candidate
-                            entry.setdefault(t, v)
-                logprobs[row] = entry
-            return SamplerOutput(ids, logprobs, sampled_lp)
-        return SamplerOutput(token_ids.tolist(), logprobs, sampled_lp)
+        if all(n is None for n in want):
+            (ids,) = to_host(token_ids)  # the step's one wait for the device
+            return SamplerOutput(ids, logprobs, None)
+        base = raw if plan is None else plan.logprobs_base(raw)
+        lsm = torch.log_softmax(base.float(), dim=-1)
+        chosen = lsm.gather(1, token_ids[:, None])[:, 0]
+        k = max(n or 0 for n in want)
+        if not k:
+            ids, sampled_lp = to_host(token_ids, chosen)
+            top_idx = top_val = None
+        else:
+            top_v, top_i = lsm.topk(k, dim=-1)
+            ids, sampled_lp, top_val, top_idx = to_host(token_ids, chosen, top_v, top_i)
+        for row, n in enumerate(want):
+            if n is None:
+                continue
+            entry = {ids[row]: sampled_lp[row]}
+            if n:
+                for t, v in zip(top_idx[row][:n], top_val[row][:n], strict=True):
+                    if v != float("-inf"):  # a masked token is no candidate
+                        entry.setdefault(t, v)
+            logprobs[row] = entry
+        return SamplerOutput(ids, logprobs, sampled_lp)
 
     # -- steps ----------------------------------------------------------------------
     @staticmethod
@@ -221,8 +223,8 @@ class Sampler:
             exact = _processed(rescore(r, top_i), top_v, top_i, raw)
             return top_i.gather(1, exact.argmax(dim=-1, keepdim=True))[:, 0]
         best = _argmax(logits)
-        r = torch.tensor(rows, device=logits.device)
-        top_v, top_i = _top(logits[r], k)
+        r = to_device(rows, logits.device, torch.long)
+        top_v, top_i = _top(logits.index_select(0, r), k)
         exact = _processed(rescore(r, top_i), top_v, top_i, None if raw is None else raw[r])
         best[r] = top_i.gather(1, exact.argmax(dim=-1, keepdim=True))[:, 0]
         return best
@@ -236,8 +238,8 @@ class Sampler:
     ) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
         dev = logits.device
-        greedy = torch.tensor([p.greedy for p in params], device=dev)
-        temp = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
+        greedy = to_device([p.greedy for p in params], dev)
+        temp = to_device([1.0 if p.greedy else p.temperature for p in params], dev)
         scaled = logits / temp[:, None]
         if plan is not None:
             scaled = plan.apply(scaled, argmax_invariant=True)
@@ -245,7 +247,7 @@ class Sampler:
             scaled = _top_k_top_p(scaled, params)
         probs = scaled.softmax(dim=-1)
         if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=dev)
+            min_p = to_device([p.min_p for p in params], dev)
             cut = probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(cut, 0.0)
         noise = torch.empty_like(probs)
@@ -273,8 +275,8 @@ def _processed(
 def _top_k_top_p(logits: torch.Tensor, params: list) -> torch.Tensor:
     dev = logits.device
     v = logits.shape[1]
-    k = torch.tensor([p.top_k if p.top_k > 0 else v for p in params], device=dev).clamp(max=v)
-    top_p = torch.tensor([p.top_p for p in params], device=dev)
+    k = to_device([min(p.top_k, v) if p.top_k > 0 else v for p in params], dev)
+    top_p = to_device([p.top_p for p in params], dev)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(v, device=dev)[None, :]
     drop = ranks >= k[:, None]

@@ -23,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from kvserve.errors import InvalidRequestError
+from kvserve.kernels.host_device import to_device
 from kvserve.sample.logits_processors import RequestView
 from kvserve.sample.token_bitmask import (
     TokenBitmaskLogitsProcessor,
@@ -126,8 +127,8 @@ class StructuredOutputsLogitsProcessor(TokenBitmaskLogitsProcessor[GrammarState]
             eos = list(self.compiler.backend().eos_token_ids)
             forced = torch.full((len(ended), logits.shape[1]), float("-inf"),
                                 dtype=logits.dtype, device=logits.device)  # fmt: skip
-            forced[:, eos] = 0.0
-            logits.index_copy_(0, torch.tensor(ended, device=logits.device), forced)
+            forced.index_fill_(1, to_device(eos, logits.device, torch.long), 0.0)
+            logits.index_copy_(0, to_device(ended, logits.device, torch.long), forced)
         return logits
 
     def prepare(self, rows: list[int], states: list[GrammarState]) -> None:
@@ -148,6 +149,6 @@ class StructuredOutputsLogitsProcessor(TokenBitmaskLogitsProcessor[GrammarState]
             mask = pending[1].result()
         else:
             mask = self._fill(states)
-        mask = mask.to(self.device)
+        mask = to_device(mask, self.device)
         self._last = (states, mask)
         return mask

@@ -18,6 +18,7 @@ from typing import TypeVar
 
 import torch
 
+from kvserve.kernels.host_device import to_device
 from kvserve.sample.logits_processors import (
     LogitsProcessor,
     RequestLogitsState,
@@ -109,7 +110,7 @@ class AllowedTokenIdsLogitsProcessor(TokenBitmaskLogitsProcessor[AllowedTokens])
         ids = request.sampling_params.allowed_token_ids
         if ids is None:
             return None
-        return AllowedTokens(token_ids_to_bitmask(ids, self.vocab_size).to(self.device))
+        return AllowedTokens(to_device(token_ids_to_bitmask(ids, self.vocab_size), self.device))
 
     def bitmask(self, states: list[AllowedTokens]) -> torch.Tensor:
         """Fixed rows: stacked in one op rather than filled row by row."""

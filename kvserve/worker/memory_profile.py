@@ -54,7 +54,7 @@ def profile_forward(runner, seqs: list[ScheduledSeq]) -> None:  # noqa: ANN001 -
     with torch.inference_mode():
         items = runner._order(seqs)
         input_ids, positions, meta = runner._prepare(items)
-        runner.storage.begin_step(meta.slot_mapping)
+        runner.storage.begin_step(meta.slot_mapping_host)
         rows = []
         t = 0
         for s in items:

@@ -35,6 +35,7 @@ from kvserve.attention.registry import make_backend
 from kvserve.config import EngineConfig, ModelConfig
 from kvserve.connectors.base import KVConnector, KVConnectorOutput
 from kvserve.kernels.allocator import tune_host_allocator
+from kvserve.kernels.host_device import to_device
 from kvserve.kernels.openmp import ThreadBinding
 from kvserve.kv.formats import canonical_kv_format, make_kv_storage
 from kvserve.kv.gpu_budget import gpu_num_blocks
@@ -227,12 +228,12 @@ class ModelRunner:
         if self.connector is not None and self.connector.layer_wise:
             for m in meta.by_layer or (meta,):
                 m.layer_connector = self.connector
-        self.storage.begin_step(meta.slot_mapping)
+        self.storage.begin_step(meta.slot_mapping_host)
         # only the rows read below leave the last layer (``hidden[i]`` is token ``rows[i]``);
         # a decode step reads every row in order and selects none
         keep = None
         if len(rows) != len(input_ids) or rows != list(range(len(rows))):
-            keep = torch.tensor(rows, dtype=torch.long, device=self.device)
+            keep = to_device(rows, self.device, torch.long)
         return self.model(input_ids, positions, self.storage, meta, keep)
 
     def _replay(self, items: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -320,11 +321,11 @@ class ModelRunner:
             pos_chunks.append(np.fromiter((s.position for s in dec), np.int64, nd))
             slot_chunks.append(table[np.arange(nd), ctx // bs] * bs + ctx % bs)
             meta.num_decode = nd
-            meta.decode_block_tables = torch.from_numpy(table).to(dev)
-            meta.decode_seq_lens = torch.from_numpy(ctx + 1).to(dev)
+            meta.decode_block_tables = to_device(table, dev)
+            meta.decode_seq_lens = to_device(ctx + 1, dev)
             if any(s.window for s in dec):
                 wins = np.fromiter((s.window for s in dec), np.int32, nd)
-                meta.decode_windows = torch.from_numpy(wins).to(dev)
+                meta.decode_windows = to_device(wins, dev)
             group_rows += [(i, 1, int(ctx[i]), dec[i].window, 0, dec[i].block_ids)
                            for i in range(nd)]  # fmt: skip
 
@@ -338,7 +339,7 @@ class ModelRunner:
             pos_chunks.append(np.arange(s.position, s.position + n, dtype=np.int64))
             slot_chunks.append(s.cache_slots(bs))
             bt = np.asarray(s.block_ids, dtype=np.int64)
-            table = torch.from_numpy(bt[: -(-(c + n) // bs)]).to(dev) if c else None
+            table = to_device(bt[: -(-(c + n) // bs)], dev) if c else None
             in_group = bool(c) and n <= KERNEL_MAX_QUERY and not s.per_sequence
             # Retention windows (with StreamingLLM's sinks or without) over a cached context,
             # long chunks too: the kernel reads only the sink and window blocks, where the
@@ -369,16 +370,17 @@ class ModelRunner:
                 meta.paged.votes = _group_votes(voting, len(group_rows), heads, 2 * bs, dev)
         if observed:
             meta.observed = ObservedDecode(
-                torch.tensor([r for r, *_ in observed], device=dev),
-                torch.from_numpy(padded_tables([b for _, _, b, _ in observed], null)).to(dev),
-                torch.tensor([e for _, e, _, _ in observed], device=dev),
+                to_device([r for r, *_ in observed], dev, torch.long),
+                to_device(padded_tables([b for _, _, b, _ in observed], null), dev),
+                to_device([e for _, e, _, _ in observed], dev, torch.long),
                 [e for _, e, _, _ in observed],
                 [m for *_, m in observed],
             )  # fmt: skip
 
-        meta.slot_mapping = torch.from_numpy(np.concatenate(slot_chunks)).to(dev)
-        positions = torch.from_numpy(np.concatenate(pos_chunks)).to(dev)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        meta.slot_mapping_host = np.concatenate(slot_chunks)
+        meta.slot_mapping = to_device(meta.slot_mapping_host, dev)
+        positions = to_device(np.concatenate(pos_chunks), dev)
+        input_ids = to_device(ids, dev, torch.long)
         return input_ids, positions, meta
 
 
@@ -477,7 +479,7 @@ def _group_votes(
             m = mass[layer] = _grown(prev, c + n, heads, spare, dev)
             ptrs[layer, row], strides[layer, row] = m.data_ptr(), m.stride(0)
             keep.append(m)
-    return GroupVotes(torch.from_numpy(ptrs).to(dev), torch.from_numpy(strides).to(dev), keep)
+    return GroupVotes(to_device(ptrs, dev), to_device(strides, dev), keep)
 
 
 def _grown(
@@ -510,8 +512,8 @@ def _compaction(s: ScheduledSeq, bs: int, dev: torch.device) -> Compaction:
     src, dst = np.arange(n), np.arange(kept)
     return Compaction(
         kind, budget, a, b,
-        torch.from_numpy(table[src // bs] * bs + src % bs).to(dev),
-        torch.from_numpy(fresh[dst // bs] * bs + dst % bs).to(dev),
+        to_device(table[src // bs] * bs + src % bs, dev),
+        to_device(fresh[dst // bs] * bs + dst % bs, dev),
     )  # fmt: skip
 
 
@@ -525,19 +527,19 @@ def _paged_group(
     num_rows = int(arr[-1, 0] + arr[-1, 1])
     windows = sinks = shift = None
     if arr[:, 3].any():
-        windows = torch.from_numpy(arr[:, 3].astype(np.int32)).to(dev)
+        windows = to_device(arr[:, 3].astype(np.int32), dev)
     if arr[:, 4].any():  # a query at cache entry c sees its sinks shifted by c - S - w + 1
-        sinks = torch.from_numpy(arr[:, 4].astype(np.int32)).to(dev)
+        sinks = to_device(arr[:, 4].astype(np.int32), dev)
         rot = np.zeros(num_rows, dtype=np.int64)
         for q0, n, c, w, s in arr[arr[:, 4] > 0]:
             rot[q0 : q0 + n] = np.maximum(np.arange(c, c + n) - s - w + 1, 0)
-        shift = torch.from_numpy(rot).to(dev)
+        shift = to_device(rot, dev)
     return PagedGroup(
         num_rows=num_rows,
-        q_start=torch.from_numpy(np.ascontiguousarray(arr[:, 0])).to(dev),
-        q_len=torch.from_numpy(np.ascontiguousarray(arr[:, 1])).to(dev),
-        ctx_len=torch.from_numpy(np.ascontiguousarray(arr[:, 2])).to(dev),
-        block_tables=torch.from_numpy(table).to(dev),
+        q_start=to_device(np.ascontiguousarray(arr[:, 0]), dev),
+        q_len=to_device(np.ascontiguousarray(arr[:, 1]), dev),
+        ctx_len=to_device(np.ascontiguousarray(arr[:, 2]), dev),
+        block_tables=to_device(table, dev),
         windows=windows,
         sinks=sinks,
         sink_shift=shift,
