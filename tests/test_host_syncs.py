@@ -19,6 +19,7 @@ import torch
 
 from kvserve import SamplingParams
 from kvserve.kernels import host_device
+from kvserve.kv.kivi_storage import KiviKVStorage
 from kvserve.structured.params import StructuredOutputsParams
 from tests.sync_audit import SyncAudit
 
@@ -85,6 +86,9 @@ def test_a_step_reads_the_device_once(checkpoint, make_llm, backend, fmt):
                    kv_cache_dtype=fmt, num_gpu_blocks=64, block_size=8,
                    max_num_batched_tokens=32, enable_prefix_caching=True)  # fmt: skip
     steps = _audit_steps(llm)
+    storage = llm.engine.executor.driver_worker.runner.storage
+    if fmt == "kivi4":  # the GPU's overlay of residual blocks (see the test below)
+        storage.overlay_by_select = True
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], MIXED)
     assert all(len(c.token_ids) == 10 for o in outs for c in o.outputs)
     assert llm.engine.kv.stats.hits > 0
@@ -117,6 +121,32 @@ def test_a_grammar_step_reads_the_device_once(make_llm):
     outs = llm.generate(["A JSON object:", "A word:", "Hello"], params)
     assert outs[0].outputs[0].text.startswith("{")
     _check(steps)
+
+
+def test_kivi_overlays_residual_blocks_alike_by_select_and_by_picking():
+    """A GPU's KIVI read overlays the blocks still filling (in their residual slots) by a
+    select over every block, a CPU's by picking them: the same values, equal to the slot."""
+    st = KiviKVStorage(2, 16, 4, 2, 8, torch.float32, bits=4, num_residual=4)
+    torch.manual_seed(0)
+    for layer in range(2):
+        st.k_codes[layer].random_(0, 255)
+        st.v_codes[layer].random_(0, 255)
+        st.res_k[layer].normal_()
+        st.res_v[layer].normal_()
+    st.res_of_block[[5, 9]] = [2, 0]  # blocks 5 and 9 are filling, in slots 2 and 0
+    st._sync_residual_map()
+    blocks = torch.tensor([3, 5, 9, 5, 0, 12])  # a block twice, as shared tables give it
+    for layer in range(2):
+        st.overlay_by_select = False
+        picked = st.dequantize_blocks(layer, blocks)
+        st.overlay_by_select = True
+        selected = st.dequantize_blocks(layer, blocks)
+        for a, b in zip(picked, selected, strict=True):
+            assert torch.equal(a, b)
+        assert torch.equal(selected[0][1], st.res_k[layer][2])
+        assert torch.equal(selected[0][3], st.res_k[layer][2])
+        assert torch.equal(selected[1][2], st.res_v[layer][0])
+        assert not torch.equal(selected[0][0], st.res_k[layer][2])
 
 
 def test_the_audit_sees_each_kind_of_wait():

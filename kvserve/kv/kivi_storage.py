@@ -129,6 +129,10 @@ class KiviKVStorage(KVStorage):
         self.v_scale = self.per_layer(nb, kvh, bs, ng, dtype=f16)
         self.v_zero = self.per_layer(nb, kvh, bs, ng, dtype=f16)
         self.num_residual = max(1, num_residual)
+        # How a read overlays the residual blocks: picking them (nonzero) reads the choice
+        # back to the host, a wait for a GPU every layer; a select over every block reads a
+        # residual slot per block, several times the overlay's bytes, which a CPU need not pay.
+        self.overlay_by_select = torch.device(device).type != "cpu"
         self.res_k = self.per_layer(self.num_residual, kvh, bs, d, dtype=dtype)
         self.res_v = self.per_layer(self.num_residual, kvh, bs, d, dtype=dtype)
         # Host bookkeeping: residual slot of each block (-1: none, the block is quantized).
@@ -387,13 +391,18 @@ class KiviKVStorage(KVStorage):
             self.v_codes[layer][blocks], self.v_scale[layer][blocks], self.v_zero[layer][blocks],
             self.bits, self.dtype,
         )  # fmt: skip
-        # Blocks still filling read their residual slot instead, chosen by a select: picking
-        # the rows that have one (nonzero) would read the choice back to the host every layer.
+        # Blocks still filling read their residual slot instead.
         res = self.res_of_block_t[blocks]
-        live = (res >= 0)[:, None, None, None]
-        slot = res.clamp(min=0)
-        k = torch.where(live, self.res_k[layer][slot].to(k.dtype), k)
-        v = torch.where(live, self.res_v[layer][slot].to(v.dtype), v)
+        if self.overlay_by_select:
+            live = (res >= 0)[:, None, None, None]
+            slot = res.clamp(min=0)
+            k = torch.where(live, self.res_k[layer][slot].to(k.dtype), k)
+            v = torch.where(live, self.res_v[layer][slot].to(v.dtype), v)
+            return k, v
+        idx = (res >= 0).nonzero().squeeze(1)
+        if idx.numel():
+            k[idx] = self.res_k[layer][res[idx]].to(k.dtype)
+            v[idx] = self.res_v[layer][res[idx]].to(v.dtype)
         return k, v
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
