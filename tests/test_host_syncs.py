@@ -75,18 +75,24 @@ def _check(steps: list[tuple[list, int, bool]]) -> None:
 
 
 # Every format on the torch and CPU backends; Triton (in its slow interpreter here) on a
-# dense and a KIVI pool, whose kernels differ the most.
-COMBOS = [(b, f) for b in ("torch", "cpu") for f in ("auto", "fp8_e4m3", "int8", "kivi4")]
-COMBOS += [("triton", "auto"), ("triton", "kivi4")]
+# dense and a KIVI pool, whose kernels differ the most; bf16 models, whose greedy rows are
+# re-scored by the float32 LM head.
+COMBOS = [
+    (b, f, "float32") for b in ("torch", "cpu") for f in ("auto", "fp8_e4m3", "int8", "kivi4")
+]
+COMBOS += [("triton", "auto", "float32"), ("triton", "kivi4", "float32")]
+COMBOS += [("torch", "auto", "bfloat16"), ("cpu", "auto", "bfloat16")]
 
 
-@pytest.mark.parametrize(("backend", "fmt"), COMBOS)
-def test_a_step_reads_the_device_once(checkpoint, make_llm, backend, fmt):
-    llm = make_llm(checkpoint("llama_gqa"), dtype="float32", attention_backend=backend,
+@pytest.mark.parametrize(("backend", "fmt", "dtype"), COMBOS)
+def test_a_step_reads_the_device_once(checkpoint, make_llm, backend, fmt, dtype):
+    llm = make_llm(checkpoint("llama_gqa"), dtype=dtype, attention_backend=backend,
                    kv_cache_dtype=fmt, num_gpu_blocks=64, block_size=8,
                    max_num_batched_tokens=32, enable_prefix_caching=True)  # fmt: skip
+    runner = llm.engine.executor.driver_worker.runner
+    assert (runner._rescore(None) is not None) == (dtype == "bfloat16")
     steps = _audit_steps(llm)
-    storage = llm.engine.executor.driver_worker.runner.storage
+    storage = runner.storage
     if fmt == "kivi4":  # the GPU's overlay of residual blocks (see the test below)
         storage.overlay_by_select = True
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], MIXED)
