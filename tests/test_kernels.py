@@ -343,3 +343,21 @@ def test_packed_rows_against_a_naive_definition(make):
         )
         expected = offsets == list(range(inner)) and x.stride(0) >= inner
     assert kernels.packed_rows(x, dtypes) == expected
+
+
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_a_table_narrower_than_the_context_is_refused_before_any_read(q_len):
+    """A sequence whose keys run past its block table would read past the table's row (a
+    neighbour's blocks, or past the tensor): the kernel refuses the call, naming the table."""
+    bs, d = 4, 16
+    storage = DenseKVStorage(1, 8, bs, 2, d, torch.float32)
+    group = SimpleNamespace(
+        num_rows=q_len, q_start=torch.tensor([0]), q_len=torch.tensor([q_len]),
+        ctx_len=torch.tensor([2 * bs - q_len + 1]),  # one key past the table's two blocks
+        block_tables=torch.tensor([[1, 2]]), windows=None,
+    )  # fmt: skip
+    q = torch.randn(q_len, 4, d)
+    with pytest.raises(RuntimeError, match="passes its block table's 2 blocks of 4"):
+        kernels.paged_attention(q, storage.k[0], storage.v[0], group, None, torch.empty_like(q))
+    group.ctx_len = torch.tensor([2 * bs - q_len])  # exactly full: fine
+    kernels.paged_attention(q, storage.k[0], storage.v[0], group, None, torch.empty_like(q))

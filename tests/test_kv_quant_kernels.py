@@ -67,3 +67,14 @@ def test_attention_kernels_benchmark_rejects_non_positive_sizes(flag, mode, caps
         main([*mode, flag, "0"])
     assert e.value.code == 2
     assert f"{flag} must be >= 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", ["int8", "kivi4"])
+def test_a_table_narrower_than_a_sequence_is_refused(fmt):
+    """A length past the block table would read past the table's row: refused, naming it."""
+    st = make_kv_storage(fmt, 1, 8, 4, 2, 64, torch.float32)
+    q = torch.randn(1, 4, 64)
+    tables = torch.tensor([[1, 2]])
+    with pytest.raises(RuntimeError, match="passes its block table's 2 blocks of 4"):
+        CpuBackend().decode(0, q, st, tables, torch.tensor([9]), None, None)
+    assert CpuBackend().decode(0, q, st, tables, torch.tensor([8]), None, None) is not None

@@ -248,6 +248,11 @@ def paged_attention(
         None if sinks is None else sinks.data_ptr(),
         None if sinks is None else q_back.data_ptr(),
     )
+    if rc == -3:
+        raise RuntimeError(
+            f"paged attention: a sequence's context (ctx_len + q_len) passes its block table's "
+            f"{bt.shape[1]} blocks of {bs}"
+        )
     if rc != 0:
         raise RuntimeError(f"paged attention kernel failed (code {rc}) for q={tuple(q.shape)}")
     if not direct:

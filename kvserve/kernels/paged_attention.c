@@ -570,6 +570,9 @@ int kvserve_paged_attention(const void *q, const void *k_cache, const void *v_ca
         return -1;
     if (H % KVH) return -1;
     if (vote_ptrs && bs > 256) return -1;
+    /* Every key a row reads must be in the table: a narrower one would read past its row. */
+    for (int b = 0; b < B; b++)
+        if (ctx_len[b] < 0 || q_len[b] < 0 || ctx_len[b] + q_len[b] > bt_stride * bs) return -3;
     const int G = H / KVH;
     int use_bf16 = 0;
 #ifdef HAVE_BF16_PATH

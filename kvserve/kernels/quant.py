@@ -211,6 +211,11 @@ def decode(
         torch.get_num_threads(),
     )
     del extra  # tensors whose pointers the call used stay alive until here
+    if rc == -3:
+        raise RuntimeError(
+            f"quantized decode: a sequence's length passes its block table's {bt.shape[1]} "
+            f"blocks of {c.bs}"
+        )
     if rc != 0:
         raise RuntimeError(f"quantized decode kernel rejected shapes q={tuple(q.shape)}")
     return out.to(q.dtype)

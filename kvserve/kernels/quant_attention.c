@@ -434,6 +434,8 @@ int kvserve_quant_decode(const float *q, float *out, const int64_t *block_tables
     const int KVH = c->KVH, D = c->D, bs = c->bs;
     if (H % KVH || H / KVH > MAX_G || D > MAX_D || bs > MAX_BS) return -1;
     if (c->fmt == FMT_KIVI && (D % (8 / c->bits) || D % c->group)) return -1;
+    for (int b = 0; b < B; b++) /* every key read must be in the table */
+        if (seq_lens[b] < 0 || seq_lens[b] > bt_stride * bs) return -3;
     const int G = H / KVH;
 #ifdef HAVE_AVX512_PATH
     /* KIVI lanes interleave the channels of 16-byte code chunks: D a multiple of 16 x codes
