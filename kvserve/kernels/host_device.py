@@ -33,6 +33,8 @@ def _on_host(data: Data, dtype: torch.dtype | None) -> torch.Tensor:
 
 
 def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if host.device.type != "cpu":  # already on a device: no staging
+        return host.to(device, non_blocking=True)
     return host.pin_memory().to(device, non_blocking=True)
 
 

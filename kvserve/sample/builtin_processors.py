@@ -64,8 +64,7 @@ class PenaltiesLogitsProcessor(LogitsProcessor[Penalties]):
         x, index = select_rows(logits, rows)
         counts = torch.zeros(n, v, device=dev)
         lens = [len(s.output) for s in states]
-        total = sum(lens)
-        if total:
+        if sum(lens):
             # the row of each token, built on the host: a device-side repeat would have to
             # read its output size back first
             tok = to_device(list(chain.from_iterable(s.output for s in states)), dev, torch.long)
