@@ -228,7 +228,7 @@ async def drive(url: str, trace: list[tuple[int, str]], rate: float, max_tokens:
 
 def drive_elsewhere(url: str, trace: list[tuple[int, str]], rate: float, max_tokens: int,
                     seed: int, warm: list[str],
-                    at_start: Callable[[], None],
+                    at_start: Callable[[], None], nice: int = 0,
                     ) -> tuple[list[dict[str, Any]], float]:  # fmt: skip
     """:func:`drive` in a process of its own: sharing the router's process, the client's
     thread would hold the GIL while the router decides (a real router has its process to
@@ -239,7 +239,8 @@ def drive_elsewhere(url: str, trace: list[tuple[int, str]], rate: float, max_tok
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=spawn, initializer=os.nice, initargs=(nice,)) as pool:
         pool.submit(_drive_sync, url, [(0, p) for p in warm], 0.0, max_tokens, seed).result()
         at_start()
         return pool.submit(_drive_sync, url, trace, rate, max_tokens, seed).result()
@@ -303,6 +304,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--replica-nice", type=int, default=0, help="the replicas' niceness: > 0 "
                    "serves the router first when they keep every core busy, as a core of its "
                    "own would")  # fmt: skip
+    p.add_argument("--client-nice", type=int, default=0, help="the load generator's "
+                   "niceness: with --replica-nice, the router (this process) alone is served "
+                   "first, as on a host of its own")  # fmt: skip
     p.add_argument("--balance-abs-threshold", type=int, default=None, metavar="N",
                    help="the router's imbalance guard for the prefix policies and the oracle, "
                    "as `kvserve router` takes it (default: none); the simulator keeps the "
@@ -323,6 +327,9 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--balance-abs-threshold: must be >= 0, got {a.balance_abs_threshold}")
     if a.replicas < 1:
         p.error(f"--replicas: must be >= 1, got {a.replicas}")
+    for flag, nice in (("--replica-nice", a.replica_nice), ("--client-nice", a.client_nice)):
+        if not 0 <= nice <= 19:
+            p.error(f"{flag}: must be in [0, 19] (a niceness this process may set), got {nice}")
     if not 0 < a.kv_demand <= 1:
         p.error(f"--kv-demand: must be in (0, 1], got {a.kv_demand}")
     quick = a.quick
@@ -393,6 +400,7 @@ def main(argv: list[str] | None = None) -> None:
     emit({
         "benchmark": "routing", "replicas": a.replicas, "requests": len(trace), "rate": rate,
         "replica_nice": a.replica_nice,
+        "client_nice": a.client_nice,
         "policies": {k: {f: v[f] for f in FIGURES} for k, v in real.items()},
         "decision_p99_ms": real.get("prefix", {}).get("decision_p99_ms"),
         "decision_p99_ms_by_policy": {k: v["decision_p99_ms"] for k, v in real.items()},
@@ -432,7 +440,7 @@ def run_rate(a: argparse.Namespace, rate: float, trace: list, serve_args: list[s
                                  replicas=[proc_cpu_s(p.pid) for p in procs])  # fmt: skip
 
                 recs, client_cpu = drive_elsewhere(router.url, trace, rate, max_tokens, a.seed,
-                                                   warm, at_start)  # fmt: skip
+                                                   warm, at_start, a.client_nice)  # fmt: skip
                 router_cpu = time.process_time() - start["router"]
                 reps0 = start["replicas"]
                 reps_cpu = [proc_cpu_s(p.pid) - c for p, c in zip(reps.procs, reps0, strict=True)]

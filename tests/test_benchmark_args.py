@@ -92,6 +92,17 @@ def test_routing_refuses_a_negative_warmup(capsys):
     assert "--warmup: must be >= 0, got -1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--replica-nice", "--client-nice"])
+@pytest.mark.parametrize("value", ["-1", "20"])
+def test_routing_refuses_a_niceness_it_cannot_set(capsys, flag, value):
+    with pytest.raises(SystemExit) as e:
+        routing.main([flag, value])
+    assert e.value.code == 2
+    assert f"{flag}: must be in [0, 19] (a niceness this process may set), got {value}" in (
+        capsys.readouterr().err
+    )
+
+
 def test_routing_refuses_a_negative_guard(capsys):
     with pytest.raises(SystemExit) as e:
         routing.main(["--balance-abs-threshold", "-1"])
