@@ -28,24 +28,12 @@ PROMPTS = [PREFIX + [(7 * i + j) % 250 + 3 for i in range(6 + 5 * j)] for j in r
 MIXED = [
     SamplingParams(temperature=0, max_tokens=10, logprobs=2),
     SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=3, max_tokens=10),
-    SamplingParams(
-        temperature=0.7,
-        min_p=0.1,
-        max_tokens=10,
-        repetition_penalty=1.2,
-        presence_penalty=0.3,
-        frequency_penalty=0.2,
-    ),  # fmt: skip
-    SamplingParams(
-        temperature=0,
-        max_tokens=10,
-        logit_bias={5: 3.0},
-        min_tokens=4,
-        allowed_token_ids=list(range(3, 200)),
-        logprobs=0,
-    ),  # fmt: skip
+    SamplingParams(temperature=0.7, min_p=0.1, max_tokens=10, repetition_penalty=1.2,
+                   presence_penalty=0.3, frequency_penalty=0.2),
+    SamplingParams(temperature=0, max_tokens=10, logit_bias={5: 3.0}, min_tokens=4,
+                   allowed_token_ids=list(range(3, 200)), logprobs=0),
     SamplingParams(temperature=1.0, max_tokens=10, seed=9, n=2),
-]
+]  # fmt: skip
 
 
 def _audit_steps(llm) -> list[tuple[list, int, bool]]:  # noqa: ANN001
