@@ -18,7 +18,8 @@
 # ./gpu_check.json. The engine imports msgspec and pyzmq, which a GPU image may lack: wheels
 # in .whl/ are installed first (for a CPython 3.12 image: `python3 -m pip download --no-deps
 # --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 --platform
-# manylinux2014_x86_64 -d .whl msgspec pyzmq`).
+# manylinux2014_x86_64 -d .whl msgspec pyzmq`, with .whl/ kept out of git and carried to the
+# GPU machine beside the working tree).
 set -uo pipefail
 if [ -n "${1:-}" ]; then
   JSON=$1
