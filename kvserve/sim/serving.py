@@ -319,21 +319,39 @@ async def _measure_share_run(url: str, vocab: int, seed: int) -> float:
     return statistics.fmean(got)
 
 
-class _Injected:
-    """:func:`_measure_share_run`'s requests for the simulator: ROUNDS rounds of
-    SHARE_STREAMS streams, each beside SHARE_INJECT lone one-token requests sent one after
-    another from its start."""
+class _Rounds:
+    """A replay's requests in rounds (kvserve.sim.pd.Feed): a round's requests start
+    together, and the next round starts when the last of them ends."""
 
-    def __init__(self, vocab: int) -> None:
-        self.vocab, self.rng = vocab, random.Random(2)
-        self.left = ROUNDS
+    def __init__(self, vocab: int, seed: int, rounds: int) -> None:
+        self.vocab, self.rng = vocab, random.Random(seed)
+        self.left = rounds
         self.open = 0
-        self.lone = 0
 
     def _req(self, t: float, kind: str, tokens: int) -> tuple[float, Any, list[int]]:
         from kvserve.bench.workloads import BenchRequest
 
         return t, BenchRequest(0, kind, "", tokens, PROMPT_TOKENS), _prompt(self.rng, self.vocab)
+
+    def _round(self, t: float) -> list[tuple[float, Any, list[int]]]:
+        raise NotImplementedError
+
+    def start(self) -> list[tuple[float, Any, list[int]]]:
+        return self._round(0.0)
+
+    def done(self, req: Any, rec: Any, now: float) -> list[tuple[float, Any, list[int]]]:
+        self.open -= 1
+        return self._round(now) if self.open == 0 and self.left > 0 else []
+
+
+class _Injected(_Rounds):
+    """:func:`_measure_share_run`'s requests for the simulator: ROUNDS rounds of
+    SHARE_STREAMS streams, each beside SHARE_INJECT lone one-token requests sent one after
+    another from its start."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__(vocab, 2, ROUNDS)
+        self.lone = 0
 
     def _round(self, t: float) -> list[tuple[float, Any, list[int]]]:
         self.left -= 1
@@ -343,15 +361,11 @@ class _Injected:
             self._req(t, "lone", 1)
         ]
 
-    def start(self) -> list[tuple[float, Any, list[int]]]:
-        return self._round(0.0)
-
     def done(self, req: Any, rec: Any, now: float) -> list[tuple[float, Any, list[int]]]:
         if req.kind == "lone" and self.lone > 0:
             self.lone -= 1
             return [self._req(now, "lone", 1)]
-        self.open -= 1
-        return self._round(now) if self.open == 0 and self.left > 0 else []
+        return super().done(req, rec, now)
 
 
 def _mean_gap(records: list[Any], kind: str | None = None) -> float:
@@ -380,30 +394,19 @@ def share_gap(kw: dict[str, Any], profile: Profile, vocab: int, share: float) ->
     return _mean_gap(res.records, "s")
 
 
-class _Lockstep:
-    """:func:`_measure`'s requests for the simulator (kvserve.sim.pd.Feed): ``SOLO`` lone
-    requests, then ``ROUNDS`` rounds of ``b`` streams started together."""
+class _Lockstep(_Rounds):
+    """:func:`_measure`'s requests for the simulator: ``SOLO`` lone requests, then ``ROUNDS``
+    rounds of ``b`` streams started together."""
 
     def __init__(self, b: int | None, vocab: int) -> None:
-        self.b, self.vocab, self.rng = b, vocab, random.Random(1)
-        self.left = SOLO if b is None else ROUNDS
-        self.open = 0
+        super().__init__(vocab, 1, SOLO if b is None else ROUNDS)
+        self.b = b
 
     def _round(self, t: float) -> list[tuple[float, Any, list[int]]]:
-        from kvserve.bench.workloads import BenchRequest
-
         self.left -= 1
         n, tokens = (1, 2) if self.b is None else (self.b, DECODE_TOKENS)
         self.open = n
-        return [(t, BenchRequest(0, "s", "", tokens, PROMPT_TOKENS), _prompt(self.rng, self.vocab))
-                for _ in range(n)]  # fmt: skip
-
-    def start(self) -> list[tuple[float, Any, list[int]]]:
-        return self._round(0.0)
-
-    def done(self, req: Any, rec: Any, now: float) -> list[tuple[float, Any, list[int]]]:
-        self.open -= 1
-        return self._round(now) if self.open == 0 and self.left > 0 else []
+        return [self._req(t, "s", tokens) for _ in range(n)]
 
 
 def simulated(kw: dict[str, Any], profile: Profile, vocab: int) -> tuple[dict[int, float], float]:
