@@ -301,7 +301,7 @@ class KiviKVStorage(KVStorage):
         self.tokens_written += len(slots)
 
         def t(a: np.ndarray | list[int]) -> torch.Tensor:
-            return to_device(np.asarray(a, dtype=np.int64), self.device)
+            return to_device(a, self.device, torch.long)
 
         tok = np.arange(len(slots))
         self._plan = _WritePlan(
