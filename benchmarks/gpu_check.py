@@ -6,7 +6,8 @@
    float32 through ``triton`` against ``torch`` among them; then the kernels at GPU sizes:
    each format's decode through the ``triton`` backend against the ``torch`` backend (gather +
    SDPA) over the same stored codes, windows on half the rows, a forced split-KV, and the
-   write kernels against the storages' writes, bit for bit;
+   write kernels against the storages' writes, bit for bit; KIVI's write kernels against the
+   storage's torch ops (a prefill and a decode step), seconds per call;
 3. decode bandwidth per format at batch ``--batch`` x contexts ``--contexts`` (one layer of a
    Llama-8B-shaped model: 32 query heads, 8 KV heads, head size 128, bf16): the kernel alone,
    bytes of KV read per second as a share of the measured copy bandwidth and of the
@@ -245,6 +246,38 @@ def measure(backend, fmt: str, batch: int, ctx: int, iters: int) -> tuple[int, f
     return kv_bytes(st, batch, ctx), t_kernel, t_torch
 
 
+def kivi_write_speed(iters: int) -> list[dict]:
+    """KIVI's write of one layer through the Triton kernels against the storage's torch ops,
+    for a prefill (whole blocks quantized at once) and a decode step (tokens into their
+    residual slots): seconds per call each and the ratio. The step plan is made once, outside
+    the timing, as the runner makes it once per step for every layer."""
+    import numpy as np
+
+    from kvserve.attention.triton_backend import TritonBackend
+    from kvserve.kv.formats import make_kv_storage
+
+    big = DEV.type == "cuda"
+    seqs, prompt = (64, 512) if big else (2, 32)
+    nblk = -(-prompt // BS) + 1
+    out = []
+    backend = TritonBackend()
+    for fmt in ("kivi4", "kivi2"):
+        st = make_kv_storage(fmt, 1, seqs * nblk + 1, BS, KV_HEADS, D, torch.bfloat16, DEV,
+                             max_num_seqs=seqs)  # fmt: skip
+        base = np.arange(seqs)[:, None] * nblk * BS
+        prefill = (base + np.arange(prompt)).reshape(-1)
+        decode = base[:, 0] + prompt  # the next entry of each sequence: a residual block
+        for name, slots in (("prefill", prefill), ("decode", decode)):
+            st.begin_step(slots)
+            s = torch.from_numpy(slots).to(DEV)
+            k = torch.randn(len(slots), KV_HEADS, D, device=DEV, dtype=torch.bfloat16)
+            ref = timed(lambda st=st, s=s, k=k: st.write(0, s, k, k), iters)
+            tri = timed(lambda st=st, s=s, k=k: backend.write_kv(0, st, s, k, k), iters)
+            out.append({"format": fmt, "step": name, "tokens": len(slots),
+                        "torch_s": ref, "triton_s": tri, "speedup": ref / tri})  # fmt: skip
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     plan = {"formats": args.formats, "batch": args.batch, "contexts": args.contexts,
@@ -264,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({k: v for k, v in result["checks"][0].items() if k != "tail"})
           if result["checks"] else "{}", flush=True)  # fmt: skip
     result["checks"] += check_kernels(args.formats, args.check_batch, args.check_context)
+    result["kivi_write"] = kivi_write_speed(args.iters)
     result["bandwidth"] = bandwidth(args.formats, args.batch, args.contexts, args.iters,
                                     copy_bw, args.peak)  # fmt: skip
     by = {(r["format"], r["context"]): r for r in result["bandwidth"]}

@@ -34,7 +34,8 @@ def test_every_variant_compiles_for_sm90_and_sm80_within_shared_memory():
     assert {"float32", "bfloat16", "float16"} <= {v.split("-")[2] for v in attention}
     kernels = {(r["kernel"], r["arch"]) for r in records}
     assert kernels == {(k, a) for k in ("paged_attention_kernel", "merge_splits_kernel",
-                                        "kv_write_kernel") for a in limit}  # fmt: skip
+                                        "kv_write_kernel", "kivi_quantize_kernel")
+                       for a in limit}  # fmt: skip
     per_arch = {a: sorted((r["variant"], r["kernel"]) for r in records if r["arch"] == a)
                 for a in limit}  # fmt: skip
     assert per_arch["sm_90"] == per_arch["sm_80"]

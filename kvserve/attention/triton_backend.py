@@ -11,9 +11,9 @@ What it serves, call by call:
   StreamingLLM's sinks (scored with the queries rotated back) and H2O's attention mass (a
   second pass over the keys adds each entry's probability); a lossy format's chunk attends its
   own fresh K/V on the reference path, as the reference defines it;
-- the KV write of the dense, fp8 and int8 formats (:mod:`kvserve.kernels.triton_kv_write`),
-  one kernel per layer driven by the slot mapping; KIVI's block-wise write stays the
-  storage's.
+- the KV write of every format (:mod:`kvserve.kernels.triton_kv_write`) driven by the slot
+  mapping: one kernel per layer for dense, fp8 and int8; for KIVI one that quantizes the
+  step's whole blocks and one that fills the residual, following the storage's step plan.
 
 Prefill chunks that start a sequence, long chunks and the lossy formats' retention rows take
 the reference paths. It runs on CUDA, and on a CPU only under
@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvserve.attention.torch_backend import TorchBackend
+from kvserve.kv.codecs import KEY_SCALE_STEPS
 from kvserve.kv.kivi_storage import KiviKVStorage
 from kvserve.kv.quant_storage import Fp8KVStorage, Int8KVStorage
 from kvserve.kv.storage import DenseKVStorage, KVStorage
@@ -96,6 +97,7 @@ class TritonBackend(TorchBackend):
         self._workspace: dict[torch.device, torch.Tensor] = {}
         self._rows: dict[torch.device, torch.Tensor] = {}
         self._ones: dict[torch.device, torch.Tensor] = {}
+        self._key_scales: dict[torch.device, torch.Tensor] = {}
 
     @classmethod
     def runs_on(cls, device: torch.device) -> bool:
@@ -154,8 +156,12 @@ class TritonBackend(TorchBackend):
     # -- the hooks -------------------------------------------------------------------------
     def write_kv(self, layer, storage, slot_mapping, k, v) -> bool:  # noqa: ANN001
         """Dense, fp8 (once the layer's scales are calibrated: calibration reads the first
-        prefill's amax on the host) and int8; KIVI's block-wise write is the storage's."""
+        prefill's amax on the host), int8, and KIVI at block sizes of 16 and up (its step
+        plan, made on the host by ``begin_step``, says which blocks are quantized whole and
+        which tokens wait in the residual)."""
         kind = type(storage)
+        if kind is KiviKVStorage:
+            return self._write_kivi(layer, storage, k, v)
         if kind not in (DenseKVStorage, Fp8KVStorage, Int8KVStorage):
             return False
         if kind is Fp8KVStorage and not storage.calibrated[layer]:
@@ -167,6 +173,29 @@ class TritonBackend(TorchBackend):
 
         kv_write(cache, slot_mapping, k, v)
         return True
+
+    def _write_kivi(
+        self, layer: int, storage: KiviKVStorage, k: torch.Tensor, v: torch.Tensor
+    ) -> bool:
+        bs = storage.block_size
+        cache = paged_cache(storage, layer)
+        if cache is None or bs < 16 or bs & (bs - 1):
+            return False
+        from kvserve.kernels.triton_kv_write import KiviStep, kivi_write
+
+        p = storage.step_plan(k.shape[0])
+        step = KiviStep(p.quant_blocks, p.quant_src, p.res_dst)
+        kivi_write(cache, step, k, v, self.key_scales(k.device))
+        return True
+
+    def key_scales(self, device: torch.device) -> torch.Tensor:
+        """KIVI's 256 key-scale factors ``2 ** (-code / 8)`` by torch's ``exp2`` on
+        ``device``, as the storage computes them."""
+        table = self._key_scales.get(device)
+        if table is None:
+            steps = torch.arange(256, dtype=torch.float32, device=device)
+            table = self._key_scales[device] = torch.exp2(-steps / KEY_SCALE_STEPS)
+        return table
 
     def decode(self, layer, q, storage, block_tables, seq_lens, window, seq_windows):  # noqa: ANN001, ANN201
         cache = paged_cache(storage, layer)

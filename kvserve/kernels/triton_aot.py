@@ -96,7 +96,8 @@ def attention_variants(full: bool = False) -> Iterator[tuple[str, list]]:
 
 
 def write_variants() -> Iterator[tuple[str, list]]:
-    """(name, launches) of the KV write kernels: each format and compute dtype."""
+    """(name, launches) of the KV write kernels: each format and compute dtype (KIVI: its
+    quantizing kernel and the residual's dense write)."""
     t, kvh, d = 16, 8, 128
     for fmt, dt in [("dense", torch.bfloat16), ("dense", torch.float32),
                     ("fp8_e4m3", torch.bfloat16), ("fp8_e5m2", torch.bfloat16),
@@ -105,6 +106,13 @@ def write_variants() -> Iterator[tuple[str, list]]:
         x = _t(t, kvh, d, dtype=dt)
         launches = tw.write_launches(cache, _t(t, dtype=torch.int64), x, x)
         yield f"write-{fmt}-{str(dt).removeprefix('torch.')}", launches
+    i64, bf16 = torch.int64, torch.bfloat16
+    for fmt in ("kivi4", "kivi2"):
+        x = _t(t, kvh, d, dtype=bf16)
+        step = tw.KiviStep(_t(4, dtype=i64), _t(4, 16, dtype=i64), _t(t, dtype=i64))
+        launches = tw.kivi_launches(_cache(fmt, bf16, kvh, d), step, x, x,
+                                    _t(256, dtype=torch.float32))  # fmt: skip
+        yield f"write-{fmt}-bfloat16", launches
 
 
 def signature(kernel, args: list, constexprs: dict) -> tuple[dict, dict]:  # noqa: ANN001
@@ -147,8 +155,8 @@ def compile_one(job: tuple[str, int, int], full: bool) -> dict:
     start = time.perf_counter()
     try:
         src = ASTSource(fn=kernel, signature=sig, constexprs=consts)
-        k = triton_compile(src, target=GPUTarget("cuda", arch, 32),
-                           options={"num_warps": ta.NUM_WARPS})  # fmt: skip
+        options = {"num_warps": ta.NUM_WARPS, **tw.LAUNCH_OPTIONS.get(kernel.fn.__name__, {})}
+        k = triton_compile(src, target=GPUTarget("cuda", arch, 32), options=options)
         rec.update(ok=k.metadata.shared <= SHARED_LIMIT[arch] and bool(k.asm.get("cubin")),
                    shared=k.metadata.shared, limit=SHARED_LIMIT[arch],
                    cubin_bytes=len(k.asm.get("cubin", b"")))  # fmt: skip

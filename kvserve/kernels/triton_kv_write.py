@@ -18,11 +18,13 @@ shapes, no host synchronisation, no allocation.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels.triton_attention import DENSE, FP8, INT8, NUM_WARPS, PagedCache
+from kvserve.kernels.triton_attention import DENSE, FP8, INT8, KIVI, NUM_WARPS, PagedCache
 from kvserve.kernels.triton_attention_kernels import _DENSE, _FP8
 
 FP16_MAX = tl.constexpr(65504.0)
@@ -144,3 +146,189 @@ def kv_write(cache: PagedCache, slots: torch.Tensor, k: torch.Tensor, v: torch.T
         return
     for kernel, grid, args, meta in write_launches(cache, slots, k, v):
         kernel[grid](*args, **meta, num_warps=NUM_WARPS)
+
+
+# -- KIVI: whole blocks quantized at once, the other tokens into their residual slots ------------
+KEY_MAX = tl.constexpr(2.0**100)
+
+
+@triton.jit
+def _fp16_up(x):
+    """The smallest float16 >= ``x`` (``x`` > 0, at most FP16_MAX)."""
+    h = x.to(tl.float16)
+    bits = h.to(tl.int16, bitcast=True)
+    return tl.where(h.to(tl.float32) < x, (bits + 1).to(tl.float16, bitcast=True), h)
+
+
+@triton.jit
+def _fp16_down(x):
+    """The largest float16 <= ``x`` (``x`` within +-FP16_MAX): one step towards -inf where
+    the cast rounded up (a positive code down, a negative one or a zero away from zero)."""
+    h = x.to(tl.float16)
+    bits = h.to(tl.int16, bitcast=True).to(tl.int32)
+    pos = h.to(tl.float32) > 0.0
+    stepped = tl.where(pos, bits - 1, tl.where(bits == 0, -32767, bits + 1))  # -32767: -tiny
+    lower = stepped.to(tl.int16).to(tl.float16, bitcast=True)
+    return tl.where(h.to(tl.float32) > x, lower, h)
+
+
+@triton.jit
+def _pack(q, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BITS: tl.constexpr):
+    """Codes ``q`` ``[ROWS, HEAD_DIM]`` (int32 < 2**BITS) packed ``8 // BITS`` to a byte,
+    lowest first (:func:`kvserve.kv.codecs.pack_bits`)."""
+    PER: tl.constexpr = 8 // BITS
+    shifts = tl.arange(0, PER) * BITS
+    q3 = tl.reshape(q, (ROWS, HEAD_DIM // PER, PER))
+    return tl.sum(q3 << shifts[None, None, :], axis=2).to(tl.uint8)
+
+
+@triton.jit
+def kivi_quantize_kernel(
+    blocks_ptr, src_ptr, k_ptr, v_ptr, rk_ptr, rv_ptr, rot_ptr, exp2_ptr,
+    kc_ptr, vc_ptr, km_ptr, kb_ptr, vs_ptr, vz_ptr,
+    s_kt, s_kh, s_vt, s_vh, s_rb, s_rh, s_rt, s_cb, s_ch, s_ct, s_mb, s_mh, s_mr, s_bb, s_bh,
+    s_sb, s_sh, s_st,
+    BS: tl.constexpr, HEAD_DIM: tl.constexpr, BITS: tl.constexpr, VGROUP: tl.constexpr,
+    ROTATE: tl.constexpr,
+):  # fmt: skip
+    """One whole block of one KV head, quantized into its codes
+    (:func:`~kvserve.kv.codecs.kivi_quantize_keys` and ``kivi_quantize_values``, step for
+    step). Its tokens come from ``src_ptr[i, :]``: a token of the step's K/V (>= 0), or a
+    residual entry ``e`` coded ``-1 - e`` (a full block flushed from the residual)."""
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    blk = tl.load(blocks_ptr + i)
+    t = tl.arange(0, BS)
+    d = tl.arange(0, HEAD_DIM)
+    src = tl.load(src_ptr + i * BS + t)
+    entry = tl.where(src < 0, -1 - src, 0)
+    tok = tl.where(src < 0, 0, src)
+    from_res = (src < 0)[:, None] & (d[None, :] >= 0)
+    res_off = (entry // BS)[:, None] * s_rb + h * s_rh + (entry % BS)[:, None] * s_rt + d[None, :]
+    k = tl.where(
+        from_res,
+        tl.load(rk_ptr + res_off, mask=from_res, other=0.0).to(tl.float32),
+        tl.load(k_ptr + tok[:, None] * s_kt + h * s_kh + d[None, :], mask=~from_res,
+                other=0.0).to(tl.float32),
+    )  # fmt: skip
+    v = tl.where(
+        from_res,
+        tl.load(rv_ptr + res_off, mask=from_res, other=0.0).to(tl.float32),
+        tl.load(v_ptr + tok[:, None] * s_vt + h * s_vh + d[None, :], mask=~from_res,
+                other=0.0).to(tl.float32),
+    )  # fmt: skip
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+    # Keys: rotated, then per channel over the block's tokens; each channel's (zero, scale)
+    # coded against the block's base (z0, zstep, smax).
+    if ROTATE:
+        rot = tl.load(rot_ptr + d[:, None] * HEAD_DIM + d[None, :])
+        k = tl.dot(k, rot, input_precision="ieee")
+    x = tl.where(k != k, 0.0, k)
+    x = tl.minimum(tl.maximum(x, -KEY_MAX), KEY_MAX)
+    mn = tl.min(x, 0)
+    mx = tl.max(x, 0)
+    z0 = tl.min(mn, 0)
+    zstep = tl.math.div_rn(tl.max(mn, 0) - z0, 255.0)
+    safe = tl.where(zstep > 0.0, zstep, 1.0)
+    zc = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(mn - z0, safe)), 0.0), 255.0)
+    zc = tl.where(zstep > 0.0, zc, 0.0)
+    zero = z0 + zc * zstep
+    zc = tl.where(zero > mn, tl.maximum(zc - 1.0, 0.0), zc)  # float rounding: stay below mn
+    zero = z0 + zc * zstep
+    need = tl.math.div_rn(mx - zero, LEVELS * 1.0)
+    smax = tl.max(need, 0)
+    smax = tl.where(smax > 0.0, smax, FP16_TINY)
+    sc = tl.ceil(-8.0 * tl.log2(tl.math.div_rn(need, smax)))
+    sc = tl.minimum(tl.maximum(sc, 0.0), 255.0)
+    scale = smax * tl.load(exp2_ptr + sc.to(tl.int32))  # 2 ** (-sc / 8), as torch has it
+    sc = tl.where(scale < need, tl.maximum(sc - 1.0, 0.0), sc)  # float rounding: stay above
+    scale = smax * tl.load(exp2_ptr + sc.to(tl.int32))
+    q = _round_half_even(tl.math.div_rn(x - zero[None, :], scale[None, :]))
+    q = tl.minimum(tl.maximum(q, 0.0), LEVELS * 1.0).to(tl.int32)
+    P: tl.constexpr = HEAD_DIM * BITS // 8
+    p = tl.arange(0, P)
+    codes_off = blk * s_cb + h * s_ch + t[:, None] * s_ct + p[None, :]
+    tl.store(kc_ptr + codes_off, _pack(q, BS, HEAD_DIM, BITS))
+    tl.store(km_ptr + blk * s_mb + h * s_mh + d, zc.to(tl.uint8))
+    tl.store(km_ptr + blk * s_mb + h * s_mh + s_mr + d, sc.to(tl.uint8))
+    base = kb_ptr + blk * s_bb + h * s_bh
+    tl.store(base, z0)
+    tl.store(base + 1, zstep)
+    tl.store(base + 2, smax)
+    # Values: per token over groups of VGROUP channels, float16 (scale, zero) per group.
+    NG: tl.constexpr = HEAD_DIM // VGROUP
+    y = tl.where(v != v, 0.0, v)
+    y = tl.reshape(tl.minimum(tl.maximum(y, -FP16_MAX), FP16_MAX), (BS, NG, VGROUP))
+    vzero = _fp16_down(tl.min(y, 2))
+    span = tl.max(y, 2) - vzero.to(tl.float32)
+    vscale = _fp16_up(tl.minimum(tl.maximum(tl.math.div_rn(span, LEVELS * 1.0), FP16_TINY),
+                                 FP16_MAX))  # fmt: skip
+    vq = _round_half_even(tl.math.div_rn(y - vzero.to(tl.float32)[:, :, None],
+                                         vscale.to(tl.float32)[:, :, None]))  # fmt: skip
+    vq = tl.reshape(tl.minimum(tl.maximum(vq, 0.0), LEVELS * 1.0).to(tl.int32), (BS, HEAD_DIM))
+    tl.store(vc_ptr + codes_off, _pack(vq, BS, HEAD_DIM, BITS))
+    g = tl.arange(0, NG)
+    meta_off = blk * s_sb + h * s_sh + t[:, None] * s_st + g[None, :]
+    tl.store(vs_ptr + meta_off, vscale)
+    tl.store(vz_ptr + meta_off, vzero)
+
+
+@dataclass(slots=True)
+class KiviStep:
+    """Where one step's tokens go in a KIVI pool (the storage's plan, on the device):
+    ``quant_blocks`` ``[n]`` quantized this step, each from its ``quant_src`` ``[n,
+    block_size]`` (a token of the write, or ``-1 - e`` for entry ``e`` of the residual: a full
+    block flushed from there); every other token to its residual entry ``res_dst`` ``[T]``
+    (flat ``slot * block_size + offset``; -1 for the quantized blocks' tokens)."""
+
+    quant_blocks: torch.Tensor
+    quant_src: torch.Tensor
+    res_dst: torch.Tensor
+
+
+# Launch options beside the constexprs: KIVI's metadata arithmetic (z0 + zc * zstep) must
+# round as the storage's does, so no multiply-add is fused into one rounding.
+LAUNCH_OPTIONS: dict[str, dict[str, bool]] = {"kivi_quantize_kernel": {"enable_fp_fusion": False}}
+
+
+def kivi_launches(
+    cache: PagedCache, step: KiviStep, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor
+) -> list[tuple]:
+    """The launches of a KIVI layer's write: the blocks quantized this step (first: a flushed
+    block's residual slot may take a token of this very step), then the residual entries of
+    every other token (:func:`kv_write_kernel` over the residual, a dense pool)."""
+    if cache.fmt != KIVI or cache.rk is None or cache.rv is None:
+        raise ValueError("kv write: the KIVI write needs a KIVI cache with its residual")
+    bs, d = cache.block_size, k.shape[2]
+    if bs < 16 or bs & (bs - 1):
+        raise ValueError(f"kv write: KIVI's kernel takes block sizes 16, 32, 64...; got {bs}")
+    out: list[tuple] = []
+    n = step.quant_blocks.shape[0]
+    if n:
+        assert cache.ks is not None and cache.vs is not None and cache.kz is not None
+        assert cache.vz is not None
+        rot = cache.rotation if cache.rotation is not None else table
+        args = [step.quant_blocks, step.quant_src, k, v, cache.rk, cache.rv, rot, table,
+                cache.k, cache.v, cache.ks, cache.kz, cache.vs, cache.vz,
+                k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                *cache.rk.stride()[:3], *cache.k.stride()[:3], *cache.ks.stride()[:3],
+                *cache.kz.stride()[:2], *cache.vs.stride()[:3]]  # fmt: skip
+        meta = dict(BS=bs, HEAD_DIM=d, BITS=cache.bits, VGROUP=cache.vgroup,
+                    ROTATE=cache.rotation is not None)  # fmt: skip
+        out.append((kivi_quantize_kernel, (n, k.shape[1]), args, meta))
+    residual = PagedCache(DENSE, cache.rk, cache.rv)
+    out += write_launches(residual, step.res_dst, k, v)
+    return out
+
+
+def kivi_write(
+    cache: PagedCache, step: KiviStep, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor
+) -> None:
+    """Write a step's K/V into a KIVI layer (see :func:`kivi_launches`); ``table``: ``2 **
+    (-s / 8)`` for the 256 key-scale codes, as the storage computes them (its scales are
+    then the storage's, bit for bit)."""
+    if k.shape[0] == 0:
+        return
+    for kernel, grid, args, meta in kivi_launches(cache, step, k, v, table):
+        opts = LAUNCH_OPTIONS.get(kernel.fn.__name__, {})
+        kernel[grid](*args, **meta, **opts, num_warps=NUM_WARPS)

@@ -87,6 +87,11 @@ class _WritePlan:
     res_tok: torch.Tensor  # every other token -> its block's residual slot
     res_slot: torch.Tensor
     res_off: torch.Tensor
+    # The same for a fused kernel: each quantized block's sources by offset (a token of the
+    # write, or -1 - e for entry e of the residual), and each token's flat residual entry
+    # (slot * block_size + offset; -1 for a directly quantized block's tokens).
+    quant_src: torch.Tensor
+    res_dst: torch.Tensor
 
 
 class KiviKVStorage(KVStorage):
@@ -304,6 +309,11 @@ class KiviKVStorage(KVStorage):
             return to_device(a, self.device, torch.long)
 
         tok = np.arange(len(slots))
+        quant_src = np.empty((len(flush) + len(direct), bs), np.int64)
+        quant_src[: len(flush)] = -1 - (flush_slots[:, None] * bs + np.arange(bs))
+        quant_src[len(flush) + rows, off[in_direct]] = tok[in_direct]
+        res_dst = np.full(len(slots), -1, np.int64)
+        res_dst[~in_direct] = self.res_of_block[res_blk] * bs + off[~in_direct]
         self._plan = _WritePlan(
             num_tokens=len(slots),
             quant_blocks=t(np.concatenate([np.asarray(flush, np.int64), direct])),
@@ -314,6 +324,8 @@ class KiviKVStorage(KVStorage):
             res_tok=t(tok[~in_direct]),
             res_slot=t(self.res_of_block[res_blk]),
             res_off=t(off[~in_direct]),
+            quant_src=t(quant_src),
+            res_dst=t(res_dst),
         )
 
     def _quantize(self, layer: int, blocks: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -347,6 +359,17 @@ class KiviKVStorage(KVStorage):
         self.blocks_quantized += len(todo)
         self._sync_residual_map()
 
+    def step_plan(self, num_tokens: int) -> _WritePlan:
+        """The plan :meth:`begin_step` made for this step, which every layer's write follows
+        (the storage's own, or a kernel's)."""
+        p = self._plan
+        if p is None or p.num_tokens != num_tokens:
+            raise RuntimeError(
+                "KIVI write: begin_step(slot_mapping) must be called with this step's "
+                f"{num_tokens} slots before the layers write"
+            )
+        return p
+
     # -- the storage interface ----------------------------------------------------------------
     def write(
         self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -356,12 +379,7 @@ class KiviKVStorage(KVStorage):
         precision, still read from the residual) until a batch of them is quantized together.
         Either way each token is quantized exactly once. Every layer of a step follows the
         plan :meth:`begin_step` made for that step's slot mapping."""
-        p = self._plan
-        if p is None or p.num_tokens != k.shape[0]:
-            raise RuntimeError(
-                "KIVI write: begin_step(slot_mapping) must be called with this step's "
-                f"{k.shape[0]} slots before the layers write"
-            )
+        p = self.step_plan(k.shape[0])
         rk, rv = self.res_k[layer], self.res_v[layer]
         if p.quant_blocks.numel():
             nd = p.quant_blocks.numel() - p.flush_slots.numel()
