@@ -85,7 +85,7 @@ def filler(policy, replica: int, blocks: int, seed: int) -> RouteRequest:  # noq
 
 def test_dynamo_cost_weighs_prefill_blocks_against_blocks_held():
     idx = index_two_replicas()
-    policy = make_policy("prefix", index=idx)
+    policy = make_policy("prefix", index=idx, overlap_weight=1.0)
     req = RouteRequest(TOKENS, "A")
     two = [ReplicaLoad(requests=1), ReplicaLoad(requests=1)]
     f0, f1 = filler(policy, 0, 5, 1), filler(policy, 1, 2, 2)
@@ -115,7 +115,7 @@ def test_a_prompt_in_flight_counts_as_held_before_its_events():
     loads = [ReplicaLoad(), ReplicaLoad()]
     first = RouteRequest(TOKENS, "A")
     policy.routed(first, 1)
-    # replica 0: 3 + 0 + 3 = 6; replica 1: 0 + 3 + 0 = 3 (its blocks are being computed)
+    # replica 0: w * 3 + 0 + 3; replica 1: 0 + 3 + 0 = 3 (its blocks are being computed)
     d = policy.choose(RouteRequest(TOKENS, "A"), loads)
     assert d.replica == 1 and d.hit_blocks == 3
     assert policy.choose(RouteRequest(TOKENS, "B"), loads).hit_blocks == 0  # other tenant
@@ -139,11 +139,11 @@ def test_no_imbalance_guard_unless_asked():
     """By default the cost alone decides, however unequal the request counts (the guard at
     16 / 1.5 would send both requests to the replica with 2 in flight)."""
     policy = make_policy("prefix", index=index_two_replicas())
-    # Tenant B's chain is on replica 1 alone: replica 0 costs 1.0 * 3 + 0 + 3 = 6, replica 1 0.
+    # Tenant B's chain is on replica 1 alone: replica 0 costs w * 3 + 0 + 3, replica 1 0.
     req = RouteRequest(TOKENS, "B")
     d = policy.choose(req, [ReplicaLoad(requests=2), ReplicaLoad(requests=40)])
     assert d.replica == 1 and d.hit_blocks == 3 and not d.balanced
-    # Tenant A: replica 0 holds all 3 (cost 0), replica 1 two, 1.8 credited (1.2 + 1 = 2.2).
+    # Tenant A: replica 0 holds all 3 (cost 0), replica 1 two, 1.8 credited (w * 1.2 + 1).
     req = RouteRequest(TOKENS, "A")
     d = policy.choose(req, [ReplicaLoad(requests=40), ReplicaLoad(requests=2)])
     assert d.replica == 0 and d.hit_blocks == 3 and not d.balanced

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from kvserve.router.policies import POLICIES
+from kvserve.router.policies import DEFAULT_OVERLAP_WEIGHT, POLICIES
 
 
 def add_router_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
@@ -41,9 +41,10 @@ def add_router_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
     p.add_argument(
         "--overlap-weight",
         type=float,
-        default=1.0,
+        default=DEFAULT_OVERLAP_WEIGHT,
         help="weight of the prompt blocks a replica must compute against the blocks "
-        "in flight on it (Dynamo's overlap_score_weight) (default: %(default)s)",
+        "in flight on it (Dynamo's overlap_score_weight, whose default is 1) "
+        "(default: %(default)s)",
     )
     p.add_argument("--balance-abs-threshold", type=int, default=None, metavar="N",
                    help="SGLang's imbalance guard: route by load alone, whatever the cache, "

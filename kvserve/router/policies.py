@@ -16,7 +16,12 @@ flight, whether it is healthy) and returns a :class:`Decision`. The prefix polic
 Both use NVIDIA Dynamo's cost: ``overlap_weight * (prompt blocks the replica must compute)
 + (the blocks it would hold: the distinct prompt blocks in flight on it, and this prompt's
 that it lacks)``, the lowest wins (a block of a prompt in flight counts as held by its
-replica: it will be, before its event comes).
+replica: it will be, before its event comes). The default weight is
+:data:`DEFAULT_OVERLAP_WEIGHT`, not Dynamo's 1: counting *distinct* blocks, a replica that
+serves many contexts at once looks loaded however few requests it runs, and at weight 1 that
+sent a context's requests to a replica lacking it whenever the other held a couple of more
+contexts in flight, computing the context there again (the routing benchmark's sweep over
+the weight, in BENCHMARKS.md).
 
 SGLang's imbalance guard is there on request (``balance_abs``): when the busiest replica has
 more than ``balance_abs`` requests more than the idlest *and* more than ``balance_rel`` times
@@ -44,6 +49,9 @@ from kvserve.kv.hashing import BlockHash, extend_block_hashes
 from kvserve.router.index import PrefixIndex
 
 log = logging.getLogger(__name__)
+
+# The weight of the prompt blocks a replica must compute, against the blocks in flight on it.
+DEFAULT_OVERLAP_WEIGHT = 5.0
 
 
 @dataclass(slots=True)
@@ -345,7 +353,7 @@ class PrefixPolicy(RoutingPolicy):
         self,
         scorer: PrefixScorer,
         name: str = "prefix",
-        overlap_weight: float = 1.0,
+        overlap_weight: float = DEFAULT_OVERLAP_WEIGHT,
         balance_abs: int | None = None,
         balance_rel: float = 1.5,
         block_size: int = DEFAULT_BLOCK_SIZE,
