@@ -51,6 +51,7 @@ from benchmarks.routing_stats import (
     steal_share,
 )
 from kvserve.distributed import free_port
+from kvserve.router.policies import DEFAULT_OVERLAP_WEIGHT
 from kvserve.sim.serving import stop_process
 
 REPO = Path(__file__).resolve().parent.parent
@@ -68,14 +69,29 @@ def words(tok: Any, rng: random.Random, n_tokens: int, tag: str) -> str:
     return " ".join(out)
 
 
+def customer_requests(customers: int, users: int, skew: float) -> list[int]:
+    """Requests per customer, ``customers * users`` in all: equal with ``skew`` 0, else in
+    proportion to ``1 / rank ** skew`` (Zipf), at least one each."""
+    total = customers * users
+    w = [1 / (c + 1) ** skew for c in range(customers)]
+    n = [max(1, int(total * x / sum(w))) for x in w]
+    while sum(n) > total:  # the ones raised to one came from the most popular
+        n[n.index(max(n))] -= 1
+    for c in range(total - sum(n)):  # the remainder to the most popular, in turn
+        n[c % customers] += 1
+    return n
+
+
 def make_trace(tok: Any, customers: int, context: int, users: int, question: int,
-               seed: int) -> list[tuple[int, str]]:  # fmt: skip
+               seed: int, skew: float = 0.0) -> list[tuple[int, str]]:  # fmt: skip
     """(customer, prompt) per request: a customer's context (about ``context`` tokens) and a
-    user's question (about ``question``), in a seeded random order."""
+    user's question (about ``question``), in a seeded random order; ``users`` requests per
+    customer on average, spread by :func:`customer_requests`."""
     rng = random.Random(seed)
     contexts = [words(tok, rng, context, f"c{c}") for c in range(customers)]
+    counts = customer_requests(customers, users, skew)
     out = [(c, contexts[c] + " question: " + words(tok, rng, question, f"u{c}x{u}"))
-           for c in range(customers) for u in range(users)]  # fmt: skip
+           for c in range(customers) for u in range(counts[c])]  # fmt: skip
     rng.shuffle(out)
     return out
 
@@ -143,7 +159,8 @@ class Router:
     """The router's app under uvicorn in a thread of this process."""
 
     def __init__(self, specs: list[str], policy: str, tokenizer: str,
-                 balance_abs: int | None = None) -> None:  # fmt: skip
+                 balance_abs: int | None = None,
+                 overlap_weight: float = DEFAULT_OVERLAP_WEIGHT) -> None:  # fmt: skip
         import uvicorn
 
         from kvserve.model.tokenizer import Tokenizer
@@ -155,7 +172,8 @@ class Router:
         reps = [Replica(f"r{i}", *parse_replica(s)) for i, s in enumerate(specs)]
         index = PrefixIndex(len(reps))
         name = "prefix" if policy == "oracle" else policy
-        routing = make_policy(name, index=index, balance_abs=balance_abs)
+        kw = {"overlap_weight": overlap_weight} if name.startswith("prefix") else {}
+        routing = make_policy(name, index=index, balance_abs=balance_abs, **kw)
         self.state = RouterState(reps, routing, index,
                                  TenantResolver.from_args(None, None),
                                  Tokenizer(Path(tokenizer), ()),
@@ -201,10 +219,14 @@ async def drive(url: str, trace: list[tuple[int, str]], rate: float, max_tokens:
             t0 = time.perf_counter()
             rec: dict[str, Any] = {"send": t0, "ok": False}
             async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    rec["error"] = f"{resp.status_code}: {(await resp.aread())[:300]!r}"
                 async for line in resp.aiter_lines():
                     if not line.startswith("data: {"):
                         continue
                     data = json.loads(line[6:])
+                    if "error" in data:
+                        rec["error"] = str(data["error"])[:300]
                     if "ttft" not in rec and data.get("choices"):
                         rec["ttft"] = time.perf_counter() - t0
                     if data.get("usage"):
@@ -213,6 +235,8 @@ async def drive(url: str, trace: list[tuple[int, str]], rate: float, max_tokens:
                                    out=u["completion_tokens"],
                                    cached=u["prompt_tokens_details"]["cached_tokens"])  # fmt: skip
             rec["end"] = time.perf_counter()
+            if not rec["ok"]:
+                rec.setdefault("error", "the stream ended without its usage chunk")
             out.append(rec)
 
         cpu0 = time.process_time()
@@ -290,6 +314,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--context-tokens", type=int, default=None)
     p.add_argument("--users", type=int, default=None)
     p.add_argument("--question-tokens", type=int, default=32)
+    p.add_argument("--customer-skew", type=float, default=0.0, metavar="S",
+                   help="customers' shares of the requests in proportion to 1 / rank ** S "
+                   "(Zipf; default 0: equal)")  # fmt: skip
+    p.add_argument("--overlap-weight", type=float, default=DEFAULT_OVERLAP_WEIGHT,
+                   help="the prefix policies' --overlap-weight (default: %(default)s, "
+                   "kvserve router's)")  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--rate", type=float, default=None, help="requests per second (the JSON "
                    "line's policies, and the simulator's trace)")  # fmt: skip
@@ -327,6 +357,13 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--balance-abs-threshold: must be >= 0, got {a.balance_abs_threshold}")
     if a.replicas < 1:
         p.error(f"--replicas: must be >= 1, got {a.replicas}")
+    if a.customer_skew < 0:
+        p.error(f"--customer-skew: must be >= 0, got {a.customer_skew}")
+    if not a.overlap_weight > 0:
+        p.error(f"--overlap-weight: must be > 0, got {a.overlap_weight}")
+    if a.sim_profile and a.overlap_weight != DEFAULT_OVERLAP_WEIGHT:
+        p.error("--overlap-weight: the simulator routes with the router's default weight; "
+                "leave out --sim-profile to run another")  # fmt: skip
     for flag, nice in (("--replica-nice", a.replica_nice), ("--client-nice", a.client_nice)):
         if not 0 <= nice <= 19:
             p.error(f"{flag}: must be in [0, 19] (a niceness this process may set), got {nice}")
@@ -351,7 +388,8 @@ def main(argv: list[str] | None = None) -> None:
 
     model = default_model()
     tok = Tokenizer(Path(model), ())
-    trace = make_trace(tok, customers, context, users, a.question_tokens, a.seed)
+    trace = make_trace(tok, customers, context, users, a.question_tokens, a.seed,
+                       a.customer_skew)  # fmt: skip
     warm = warmup_prompts(tok, a.warmup, context + a.question_tokens, a.seed)
     bs = a.block_size
     ctx_blocks = customers * math.ceil(context / bs)
@@ -380,7 +418,8 @@ def main(argv: list[str] | None = None) -> None:
                                          max_tokens, a.seed, tok, warm)}  # fmt: skip
         for n in [int(x) for x in a.sim_replicas.split(",") if x]:
             scale = max(1, n // a.replicas)
-            big = make_trace(tok, customers * scale, context, users, a.question_tokens, a.seed)
+            big = make_trace(tok, customers * scale, context, users, a.question_tokens, a.seed,
+                             a.customer_skew)  # fmt: skip
             sim[str(n)] = simulate(a.sim_profile, n, serve_kw, big, rate * scale, max_tokens,
                                    a.seed, tok, warm)  # fmt: skip
         sim["error"] = sim_error(sim[str(a.replicas)], real)
@@ -412,7 +451,7 @@ def main(argv: list[str] | None = None) -> None:
     })  # fmt: skip
 
 
-FIGURES = ("hit_rate", "ttft_p90_s", "output_tok_s", "failed")
+FIGURES = ("hit_rate", "ttft_p90_s", "tpot_p90_s", "output_tok_s", "failed")
 
 
 def run_rate(a: argparse.Namespace, rate: float, trace: list, serve_args: list[str],
@@ -427,7 +466,8 @@ def run_rate(a: argparse.Namespace, rate: float, trace: list, serve_args: list[s
             router = None
             try:
                 warm_up([s.split(",")[0] for s in reps.specs], warm, max_tokens)
-                router = Router(reps.specs, policy, model, a.balance_abs_threshold)
+                router = Router(reps.specs, policy, model, a.balance_abs_threshold,
+                                a.overlap_weight)  # fmt: skip
                 start: dict[str, Any] = {}
 
                 def at_start(state: Any = router.state, procs: list = reps.procs,
@@ -465,10 +505,10 @@ def run_rate(a: argparse.Namespace, rate: float, trace: list, serve_args: list[s
                 reps.close()
         print(f"# rate {rate:g}/s {policy}: {out[policy]}", flush=True)
     rows = [{"rate": rate, "policy": k, **v} for k, v in out.items()]
-    print(table(rows, ["rate", "policy", "hit_rate", "ttft_p90_s", "output_tok_s", "failed",
-                       "decision_p99_ms", "decision_cpu_p99_ms", "decision_on_core_p99_ms",
-                       "decision_preempted_share", "decision_waited_share",
-                       "steal_share", "index_slice_p99_ms"]),
+    print(table(rows, ["rate", "policy", "hit_rate", "ttft_p90_s", "tpot_p90_s", "output_tok_s",
+                       "failed", "decision_p99_ms", "decision_cpu_p99_ms",
+                       "decision_on_core_p99_ms", "decision_preempted_share",
+                       "decision_waited_share", "steal_share", "index_slice_p99_ms"]),
           flush=True)  # fmt: skip
     pre, rr, ll = out.get("prefix"), out.get("round_robin"), out.get("least_load")
     if pre and rr and pre["ttft_p90_s"] and rr["ttft_p90_s"]:

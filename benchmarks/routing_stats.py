@@ -5,6 +5,7 @@ router's decisions that ran on their core."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +29,26 @@ def trace_span(recs: list[dict[str, Any]]) -> float:
 def figures(recs: list[dict[str, Any]]) -> dict[str, Any]:
     ok = [r for r in recs if r["ok"]]
     span = trace_span(recs)
-    return {
+    out = {
         "hit_rate": sum(r["cached"] for r in ok) / max(1, sum(r["prompt"] for r in ok)),
         "ttft_p90_s": pct([r["ttft"] for r in ok if "ttft" in r], 0.9),
         "output_tok_s": sum(r["out"] for r in ok) / span if span else 0.0,
+        # Each request's mean time between its output tokens: what a replica that takes more
+        # than its share of the load costs the requests decoding on it.
+        "tpot_p90_s": pct(
+            [
+                (r["end"] - r["send"] - r["ttft"]) / (r["out"] - 1)
+                for r in ok
+                if "ttft" in r and r["out"] > 1
+            ],
+            0.9,
+        ),
         "failed": len(recs) - len(ok),
     }
+    if out["failed"]:  # what the failed requests were told, most common first
+        told = Counter(r.get("error", "unknown") for r in recs if not r["ok"])
+        out["errors"] = [f"{n}x {e}" for e, n in told.most_common(3)]
+    return out
 
 
 def dump_decisions(state: Any, path: Path) -> None:

@@ -110,6 +110,35 @@ def test_routing_refuses_a_negative_guard(capsys):
     assert "--balance-abs-threshold: must be >= 0, got -1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--customer-skew", "-0.5"], "--customer-skew: must be >= 0, got -0.5"),
+        (["--overlap-weight", "0"], "--overlap-weight: must be > 0, got 0.0"),
+        (["--overlap-weight", "2", "--sim-profile", "p.json"],
+         "--overlap-weight: the simulator routes with the router's default weight"),
+    ],
+)  # fmt: skip
+def test_routing_names_the_bad_flag(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        routing.main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_routing_skew_shares_requests_as_zipf():
+    """Equal shares with no skew; with skew 1 the first customer's share is 1 / H(n) of the
+    requests (the harmonic number), each later one's in proportion to 1 / rank, all
+    customers * users of them, each customer asked at least once."""
+    assert routing.customer_requests(4, 8, 0.0) == [8, 8, 8, 8]
+    n = routing.customer_requests(12, 64, 1.0)
+    assert sum(n) == 768 and min(n) >= 1
+    harmonic = sum(1 / r for r in range(1, 13))
+    assert abs(n[0] - 768 / harmonic) <= 1
+    assert all(abs(n[c] - 768 / harmonic / (c + 1)) <= 1 for c in range(12))
+    assert routing.customer_requests(3, 1, 4.0) == [1, 1, 1]
+
+
 def test_routing_warmup_shares_no_block_with_the_trace():
     """A warm-up prompt whose first block differs from every trace prompt's (and from the
     other warm-ups') can match none of their blocks: each block's hash chains its parent."""
