@@ -18,8 +18,13 @@ from benchmarks import kv_tiers, routing, throughput, tp
     ],
 )  # fmt: skip
 def test_throughput_names_the_bad_flag(capsys, argv, message):
+    assert_refused(capsys, throughput.main, argv, message)
+
+
+def assert_refused(capsys, main, argv, message):  # noqa: ANN001
+    """``main(argv)`` exits with argparse's status 2, ``message`` on stderr."""
     with pytest.raises(SystemExit) as e:
-        throughput.main(argv)
+        main(argv)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
 
@@ -120,10 +125,7 @@ def test_routing_refuses_a_negative_guard(capsys):
     ],
 )  # fmt: skip
 def test_routing_names_the_bad_flag(capsys, argv, message):
-    with pytest.raises(SystemExit) as e:
-        routing.main(argv)
-    assert e.value.code == 2
-    assert message in capsys.readouterr().err
+    assert_refused(capsys, routing.main, argv, message)
 
 
 def test_routing_skew_shares_requests_as_zipf():

@@ -183,6 +183,14 @@ def _pack(q, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _block_rows(res_ptrs, write_ptrs, from_res):
+    """A block's rows in float32: from the residual where ``from_res``, else from the
+    write."""
+    res = tl.load(res_ptrs, mask=from_res, other=0.0).to(tl.float32)
+    return tl.where(from_res, res, tl.load(write_ptrs, mask=~from_res, other=0.0).to(tl.float32))
+
+
+@triton.jit
 def kivi_quantize_kernel(
     blocks_ptr, src_ptr, k_ptr, v_ptr, rk_ptr, rv_ptr, rot_ptr, exp2_ptr,
     kc_ptr, vc_ptr, km_ptr, kb_ptr, vs_ptr, vz_ptr,
@@ -205,18 +213,10 @@ def kivi_quantize_kernel(
     tok = tl.where(src < 0, 0, src)
     from_res = (src < 0)[:, None] & (d[None, :] >= 0)
     res_off = (entry // BS)[:, None] * s_rb + h * s_rh + (entry % BS)[:, None] * s_rt + d[None, :]
-    k = tl.where(
-        from_res,
-        tl.load(rk_ptr + res_off, mask=from_res, other=0.0).to(tl.float32),
-        tl.load(k_ptr + tok[:, None] * s_kt + h * s_kh + d[None, :], mask=~from_res,
-                other=0.0).to(tl.float32),
-    )  # fmt: skip
-    v = tl.where(
-        from_res,
-        tl.load(rv_ptr + res_off, mask=from_res, other=0.0).to(tl.float32),
-        tl.load(v_ptr + tok[:, None] * s_vt + h * s_vh + d[None, :], mask=~from_res,
-                other=0.0).to(tl.float32),
-    )  # fmt: skip
+    k = _block_rows(rk_ptr + res_off, k_ptr + tok[:, None] * s_kt + h * s_kh + d[None, :],
+                    from_res)  # fmt: skip
+    v = _block_rows(rv_ptr + res_off, v_ptr + tok[:, None] * s_vt + h * s_vh + d[None, :],
+                    from_res)  # fmt: skip
     LEVELS: tl.constexpr = (1 << BITS) - 1
     # Keys: rotated, then per channel over the block's tokens; each channel's (zero, scale)
     # coded against the block's base (z0, zstep, smax).
