@@ -19,7 +19,7 @@ that it lacks)``, the lowest wins (a block of a prompt in flight counts as held 
 replica: it will be, before its event comes). The default weight is
 :data:`DEFAULT_OVERLAP_WEIGHT`, not Dynamo's 1: counting *distinct* blocks, a replica that
 serves many contexts at once looks loaded however few requests it runs, and at weight 1 that
-sent a context's requests to a replica lacking it whenever the other held a couple of more
+sent a context's requests to a replica lacking it whenever the other held a couple more
 contexts in flight, computing the context there again (the routing benchmark's sweep over
 the weight, in BENCHMARKS.md).
 
