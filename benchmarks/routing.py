@@ -197,6 +197,27 @@ class Router:
         self.thread.join(30)
 
 
+async def _stream_into(client: Any, url: str, body: dict[str, Any], rec: dict[str, Any],
+                       t0: float) -> None:  # fmt: skip
+    """One streamed completion into ``rec``: its TTFT, token counts and cached tokens once its
+    usage chunk comes (``ok``), or what it was told instead (``error``)."""
+    async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            rec["error"] = f"{resp.status_code}: {(await resp.aread())[:300]!r}"
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            data = json.loads(line[6:])
+            if "error" in data:
+                rec["error"] = str(data["error"])[:300]
+            if "ttft" not in rec and data.get("choices"):
+                rec["ttft"] = time.perf_counter() - t0
+            if data.get("usage"):
+                u = data["usage"]
+                rec.update(ok=True, prompt=u["prompt_tokens"], out=u["completion_tokens"],
+                           cached=u["prompt_tokens_details"]["cached_tokens"])  # fmt: skip
+
+
 async def drive(url: str, trace: list[tuple[int, str]], rate: float, max_tokens: int,
                 seed: int) -> tuple[list[dict[str, Any]], float]:  # fmt: skip
     """Open loop: each request at its arrival (the schedule ``kvserve bench`` and the
@@ -218,22 +239,10 @@ async def drive(url: str, trace: list[tuple[int, str]], rate: float, max_tokens:
                     "stream_options": {"include_usage": True}}  # fmt: skip
             t0 = time.perf_counter()
             rec: dict[str, Any] = {"send": t0, "ok": False}
-            async with client.stream("POST", url + "/v1/completions", json=body) as resp:
-                if resp.status_code != 200:
-                    rec["error"] = f"{resp.status_code}: {(await resp.aread())[:300]!r}"
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    data = json.loads(line[6:])
-                    if "error" in data:
-                        rec["error"] = str(data["error"])[:300]
-                    if "ttft" not in rec and data.get("choices"):
-                        rec["ttft"] = time.perf_counter() - t0
-                    if data.get("usage"):
-                        u = data["usage"]
-                        rec.update(ok=True, prompt=u["prompt_tokens"],
-                                   out=u["completion_tokens"],
-                                   cached=u["prompt_tokens_details"]["cached_tokens"])  # fmt: skip
+            try:
+                await _stream_into(client, url, body, rec, t0)
+            except httpx.HTTPError as e:  # the connection failed: this request, not the run
+                rec.update(ok=False, error=f"{type(e).__name__}: {str(e)[:200]}")
             rec["end"] = time.perf_counter()
             if not rec["ok"]:
                 rec.setdefault("error", "the stream ended without its usage chunk")
