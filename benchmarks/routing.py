@@ -285,8 +285,8 @@ def _drive_sync(url: str, trace: list[tuple[int, str]], rate: float, max_tokens:
 
 
 def simulate(profile_file: str, replicas: int, serve_kw: dict[str, Any], trace: list,
-             rate: float, max_tokens: int, seed: int, tok: Any,
-             warm: list[str]) -> dict[str, dict]:  # fmt: skip
+             rate: float, max_tokens: int, seed: int, tok: Any, warm: list[str],
+             overlap_weight: float = DEFAULT_OVERLAP_WEIGHT) -> dict[str, dict]:  # fmt: skip
     from kvserve.bench.metrics import percentile
     from kvserve.bench.runner import LoadSpec
     from kvserve.bench.workloads import BenchRequest
@@ -302,7 +302,7 @@ def simulate(profile_file: str, replicas: int, serve_kw: dict[str, Any], trace: 
     out = {}
     for policy in POLICIES:
         target = SimTarget(dict(serve_kw), Profile.load(profile_file), replicas=replicas,
-                           router=policy)  # fmt: skip
+                           router=policy, overlap_weight=overlap_weight)  # fmt: skip
         res, _ = simulate_load(target, reqs, LoadSpec(rate), seed, warmup)
         ok = [r for r in res.records if r.success]
         out[policy] = {
@@ -370,9 +370,6 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--customer-skew: must be >= 0, got {a.customer_skew}")
     if not a.overlap_weight > 0:
         p.error(f"--overlap-weight: must be > 0, got {a.overlap_weight}")
-    if a.sim_profile and a.overlap_weight != DEFAULT_OVERLAP_WEIGHT:
-        p.error("--overlap-weight: the simulator routes with the router's default weight; "
-                "leave out --sim-profile to run another")  # fmt: skip
     for flag, nice in (("--replica-nice", a.replica_nice), ("--client-nice", a.client_nice)):
         if not 0 <= nice <= 19:
             p.error(f"{flag}: must be in [0, 19] (a niceness this process may set), got {nice}")
@@ -423,20 +420,21 @@ def main(argv: list[str] | None = None) -> None:
     real = curve[f"{rate:g}"]
     sim: dict[str, Any] | None = None
     if a.sim_profile:
+        ow = a.overlap_weight
         sim = {str(a.replicas): simulate(a.sim_profile, a.replicas, serve_kw, trace, rate,
-                                         max_tokens, a.seed, tok, warm)}  # fmt: skip
+                                         max_tokens, a.seed, tok, warm, ow)}  # fmt: skip
         for n in [int(x) for x in a.sim_replicas.split(",") if x]:
             scale = max(1, n // a.replicas)
             big = make_trace(tok, customers * scale, context, users, a.question_tokens, a.seed,
                              a.customer_skew)  # fmt: skip
             sim[str(n)] = simulate(a.sim_profile, n, serve_kw, big, rate * scale, max_tokens,
-                                   a.seed, tok, warm)  # fmt: skip
+                                   a.seed, tok, warm, ow)  # fmt: skip
         sim["error"] = sim_error(sim[str(a.replicas)], real)
         # The curve's other rates at N replicas, and the simulator's error at each.
         sim["curve"] = {}
         for r in rates[1:]:
             at = simulate(
-                a.sim_profile, a.replicas, serve_kw, trace, r, max_tokens, a.seed, tok, warm
+                a.sim_profile, a.replicas, serve_kw, trace, r, max_tokens, a.seed, tok, warm, ow
             )
             sim["curve"][f"{r:g}"] = {"sim": at, "error": sim_error(at, curve[f"{r:g}"])}
         from kvserve.sim.cost import Profile

@@ -120,8 +120,6 @@ def test_routing_refuses_a_negative_guard(capsys):
     [
         (["--customer-skew", "-0.5"], "--customer-skew: must be >= 0, got -0.5"),
         (["--overlap-weight", "0"], "--overlap-weight: must be > 0, got 0.0"),
-        (["--overlap-weight", "2", "--sim-profile", "p.json"],
-         "--overlap-weight: the simulator routes with the router's default weight"),
     ],
 )  # fmt: skip
 def test_routing_names_the_bad_flag(capsys, argv, message):

@@ -119,3 +119,27 @@ def test_a_fleet_whose_replicas_all_wait_routes_each_request_when_it_is_sent(mon
     for a, b in itertools.pairwise(recs):  # the premise: each ends before the next is sent
         assert a.send_time + a.ttft + sum(a.itl) < b.send_time
     assert len(seen) == len(reqs) and all(loads == [0, 0] for loads in seen), seen
+
+
+def test_the_overlap_weight_reaches_the_simulated_router(monkeypatch):
+    """``--overlap-weight`` (SimTarget.overlap_weight) is the weight the simulated prefix
+    policies and the oracle route with, as kvserve router's flag is; load-only policies take
+    none; a weight that is not positive is refused, naming the field."""
+    from kvserve.router import policies
+    from kvserve.sim import fleet
+
+    made: list[tuple[str, float | None]] = []
+
+    def spy(name, **kw):  # noqa: ANN001, ANN202
+        policy = policies.make_policy(name, **kw)
+        made.append((name, getattr(policy, "overlap_weight", None)))
+        return policy
+
+    monkeypatch.setattr(fleet, "make_policy", spy)
+    reqs = trace(groups=2, per_group=2, context_words=20)
+    for router in ("prefix", "prefix_approx", "oracle", "least_load"):
+        target = SimTarget(dict(KW), cpu_profile(), replicas=2, router=router, overlap_weight=3.5)
+        simulate_load(target, reqs, LoadSpec(8.0), 1)
+    assert made == [("prefix", 3.5), ("prefix_approx", 3.5), ("prefix", 3.5), ("least_load", None)]
+    with pytest.raises(ValueError, match="overlap_weight: must be > 0, got 0"):
+        SimTarget(dict(KW), cpu_profile(), replicas=2, router="prefix", overlap_weight=0)

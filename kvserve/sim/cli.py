@@ -31,6 +31,7 @@ from kvserve.engine_args import (
     model_arg,
 )
 from kvserve.kernels.openmp import usable_cpus
+from kvserve.router.policies import DEFAULT_OVERLAP_WEIGHT
 from kvserve.sim.fleet import SIM_POLICIES
 
 DEFAULT_SIM_DIR = Path("reports") / "sim"
@@ -57,6 +58,9 @@ def add_sim_target_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--router", default="round_robin", choices=SIM_POLICIES,
                    help="how requests are dealt to the replicas: a kvserve router policy, or "
                    "oracle (each replica's cache asked directly)")  # fmt: skip
+    g.add_argument("--overlap-weight", type=float, default=DEFAULT_OVERLAP_WEIGHT,
+                   help="the prefix policies' and the oracle's weight of the prompt blocks a "
+                   "replica must compute, as kvserve router's (default: %(default)s)")  # fmt: skip
     g.add_argument(
         "--jobs",
         type=int,
@@ -161,7 +165,9 @@ def sim_target(args: argparse.Namespace, kw: dict[str, Any]) -> Any:
     kw["tensor_parallel_size"] = tp  # the engine checks the model splits over tp ranks
     roles = {k: getattr(args, k) for k in ROLE_FLAGS if hasattr(args, k)}  # simulate's own
     return SimTarget(kw, profile, gpu, tp, args.replicas, args.gpu_memory_utilization,
-                     router=args.router, **roles)  # fmt: skip
+                     router=args.router,
+                     overlap_weight=getattr(args, "overlap_weight", DEFAULT_OVERLAP_WEIGHT),
+                     **roles)  # fmt: skip
 
 
 def _calibrate(args: argparse.Namespace, kw: dict[str, Any]) -> int:
@@ -316,6 +322,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             "tp": target.tp,
             "replicas": target.replicas,
             "router": target.router,
+            "overlap_weight": target.overlap_weight,
             "prefill_replicas": target.prefill_replicas,
             "decode_replicas": target.decode_replicas,
             "kv_transfer_bandwidth": target.kv_transfer_bandwidth,

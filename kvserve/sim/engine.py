@@ -21,6 +21,7 @@ from kvserve.engine.offload import LOAD_TIMEOUTS
 from kvserve.llm import engine_config
 from kvserve.plan.capacity import PlanError, capacity, load_arch, load_config
 from kvserve.plan.gpus import GPU
+from kvserve.router.policies import DEFAULT_OVERLAP_WEIGHT
 from kvserve.sim.cost import ModelShape, Profile
 from kvserve.sim.fleet import check_policy
 from kvserve.sim.pd import check_roles
@@ -44,6 +45,9 @@ class SimTarget:
     # How requests are dealt to the replicas: a policy of kvserve.router.policies, or
     # "oracle" (each engine's pool asked directly); see kvserve.sim.fleet.
     router: str = "round_robin"
+    # The prefix policies' (and the oracle's) weight of the blocks a replica must compute,
+    # as kvserve router's --overlap-weight.
+    overlap_weight: float = DEFAULT_OVERLAP_WEIGHT
     # Disaggregated prefill/decode (kvserve.sim.pd): replicas of each role (0: colocated
     # engines), and the decode side's pull rate in bytes/s.
     prefill_replicas: int = 0
@@ -64,6 +68,8 @@ class SimTarget:
                 f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}"
             )
         check_policy(self.router)
+        if not self.overlap_weight > 0:
+            raise ValueError(f"overlap_weight: must be > 0, got {self.overlap_weight}")
         if self.tp > 1 and self.gpu is None:
             raise ValueError("tp: tensor parallelism is simulated on a --gpu only")
 

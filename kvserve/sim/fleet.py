@@ -21,6 +21,7 @@ from kvserve.bench.workloads import BenchRequest
 from kvserve.kv.hashing import extend_block_hashes
 from kvserve.router.index import PrefixIndex
 from kvserve.router.policies import (
+    DEFAULT_OVERLAP_WEIGHT,
     POLICIES,
     ReplicaLoad,
     RouteRequest,
@@ -57,17 +58,22 @@ def routed_fleet(
     concurrency: int | None,
     policy_name: str,
     encode: Callable[[BenchRequest, int], list[int]],
+    overlap_weight: float = DEFAULT_OVERLAP_WEIGHT,
 ) -> None:
     """Replay ``requests`` on the replicas of ``shares`` (``kvserve.sim.simulate._Share``,
-    each fed by its ``rep.push``), routed by ``policy_name``. ``sends``: open-loop send
-    offsets from each share's ``t0`` (None: a closed loop of ``concurrency`` users)."""
+    each fed by its ``rep.push``), routed by ``policy_name`` (the prefix policies and the
+    oracle with ``overlap_weight``). ``sends``: open-loop send offsets from each share's
+    ``t0`` (None: a closed loop of ``concurrency`` users)."""
     n = len(shares)
     engines = [sh.sim.engine for sh in shares]
     bs = engines[0].block_size
     index = PrefixIndex(n)
     if policy_name == "oracle":
-        policy = make_policy("prefix", scorer=ExactScorer(engines))
+        policy = make_policy("prefix", scorer=ExactScorer(engines), overlap_weight=overlap_weight)
         policy.name = "oracle"
+    elif policy_name.startswith("prefix"):
+        policy = make_policy(policy_name, index=index, block_size=bs,
+                             overlap_weight=overlap_weight)  # fmt: skip
     else:
         policy = make_policy(policy_name, index=index, block_size=bs)
     for k, eng in enumerate(engines):  # each pool, as the real router reads it

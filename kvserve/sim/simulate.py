@@ -290,7 +290,7 @@ def _run_routed(
                   for k, sim in enumerate(sims)]  # fmt: skip
         _start_shared_tiers(target, shares)
         routed_fleet(shares, requests, trace.offsets, trace.load.concurrency, target.router,
-                     encode)  # fmt: skip
+                     encode, target.overlap_weight)  # fmt: skip
         return [_finish(sh) for sh in shares]
 
 

@@ -170,7 +170,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         replicas = replicas if "replicas" in space else args.replicas
         router = router if "router" in space else args.router
         return SimTarget(engine, base.profile, base.gpu, tp, replicas,
-                         args.gpu_memory_utilization, router=router)  # fmt: skip
+                         args.gpu_memory_utilization, router=router,
+                         overlap_weight=base.overlap_weight)  # fmt: skip
 
     count, max_len = token_counter(base)
     reqs = make_workload(workload_spec(args, args.seed, max_len), count)
