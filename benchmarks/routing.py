@@ -172,8 +172,8 @@ class Router:
         reps = [Replica(f"r{i}", *parse_replica(s)) for i, s in enumerate(specs)]
         index = PrefixIndex(len(reps))
         name = "prefix" if policy == "oracle" else policy
-        kw = {"overlap_weight": overlap_weight} if name.startswith("prefix") else {}
-        routing = make_policy(name, index=index, balance_abs=balance_abs, **kw)
+        routing = make_policy(name, index=index, balance_abs=balance_abs,
+                              overlap_weight=overlap_weight)  # fmt: skip
         self.state = RouterState(reps, routing, index,
                                  TenantResolver.from_args(None, None),
                                  Tokenizer(Path(tokenizer), ()),

@@ -184,7 +184,7 @@ class TritonBackend(TorchBackend):
         from kvserve.kernels.triton_kv_write import KiviStep, kivi_write
 
         p = storage.step_plan(k.shape[0])
-        step = KiviStep(p.quant_blocks, p.quant_src, p.res_dst)
+        step = KiviStep(*(p.on_device(n) for n in ("quant_blocks", "quant_src", "res_dst")))
         kivi_write(cache, step, k, v, self.key_scales(k.device))
         return True
 

@@ -37,7 +37,7 @@ pending blocks can always be flushed.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -76,22 +76,33 @@ def value_group(head_dim: int, group: int = DEFAULT_VALUE_GROUP) -> int:
 
 @dataclass(slots=True)
 class _WritePlan:
-    """Where one step's tokens go; shared by every layer's write in that step."""
+    """Where one step's tokens go; shared by every layer's write in that step. Made on the
+    host; each index list is copied to the device the first time a layer's write asks for it
+    (:meth:`on_device`): the storage's own write and the Triton kernels read different ones.
+
+    ``host`` holds, as int64 arrays:
+
+    - ``quant_blocks``: blocks quantized in this step, flushed ones then direct ones;
+    - ``flush_slots``: residual slots of the flushed blocks (complete before the step);
+    - ``direct_tok``, ``direct_row``, ``direct_off``: tokens of blocks that start and fill
+      within this write, their block's row among the direct ones and their offset;
+    - ``res_tok``, ``res_slot``, ``res_off``: every other token, its block's residual slot
+      and offset;
+    - for a fused kernel, ``quant_src``: each quantized block's sources by offset (a token of
+      the write, or ``-1 - e`` for entry ``e`` of the residual), and ``res_dst``: each
+      token's flat residual entry (``slot * block_size + offset``; -1 for a directly
+      quantized block's tokens)."""
 
     num_tokens: int
-    quant_blocks: torch.Tensor  # blocks quantized in this step: flushed ones, then direct ones
-    flush_slots: torch.Tensor  # residual slots of the flushed blocks (complete before the step)
-    direct_tok: torch.Tensor  # tokens of blocks that start and fill within this write
-    direct_row: torch.Tensor
-    direct_off: torch.Tensor
-    res_tok: torch.Tensor  # every other token -> its block's residual slot
-    res_slot: torch.Tensor
-    res_off: torch.Tensor
-    # The same for a fused kernel: each quantized block's sources by offset (a token of the
-    # write, or -1 - e for entry e of the residual), and each token's flat residual entry
-    # (slot * block_size + offset; -1 for a directly quantized block's tokens).
-    quant_src: torch.Tensor
-    res_dst: torch.Tensor
+    device: torch.device
+    host: dict[str, np.ndarray]
+    copied: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def on_device(self, name: str) -> torch.Tensor:
+        t = self.copied.get(name)
+        if t is None:
+            t = self.copied[name] = to_device(self.host[name], self.device, torch.long)
+        return t
 
 
 class KiviKVStorage(KVStorage):
@@ -305,28 +316,24 @@ class KiviKVStorage(KVStorage):
         self.blocks_quantized += len(flush) + len(direct)
         self.tokens_written += len(slots)
 
-        def t(a: np.ndarray | list[int]) -> torch.Tensor:
-            return to_device(a, self.device, torch.long)
-
         tok = np.arange(len(slots))
         quant_src = np.empty((len(flush) + len(direct), bs), np.int64)
         quant_src[: len(flush)] = -1 - (flush_slots[:, None] * bs + np.arange(bs))
         quant_src[len(flush) + rows, off[in_direct]] = tok[in_direct]
         res_dst = np.full(len(slots), -1, np.int64)
         res_dst[~in_direct] = self.res_of_block[res_blk] * bs + off[~in_direct]
-        self._plan = _WritePlan(
-            num_tokens=len(slots),
-            quant_blocks=t(np.concatenate([np.asarray(flush, np.int64), direct])),
-            flush_slots=t(flush_slots),
-            direct_tok=t(tok[in_direct]),
-            direct_row=t(rows),
-            direct_off=t(off[in_direct]),
-            res_tok=t(tok[~in_direct]),
-            res_slot=t(self.res_of_block[res_blk]),
-            res_off=t(off[~in_direct]),
-            quant_src=t(quant_src),
-            res_dst=t(res_dst),
-        )
+        self._plan = _WritePlan(len(slots), self.device, {
+            "quant_blocks": np.concatenate([np.asarray(flush, np.int64), direct]),
+            "flush_slots": flush_slots,
+            "direct_tok": tok[in_direct],
+            "direct_row": rows,
+            "direct_off": off[in_direct],
+            "res_tok": tok[~in_direct],
+            "res_slot": self.res_of_block[res_blk],
+            "res_off": off[~in_direct],
+            "quant_src": quant_src,
+            "res_dst": res_dst,
+        })  # fmt: skip
 
     def _quantize(self, layer: int, blocks: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize whole blocks ``[n, kv_heads, block_size, head_dim]`` into ``blocks``."""
@@ -380,19 +387,20 @@ class KiviKVStorage(KVStorage):
         Either way each token is quantized exactly once. Every layer of a step follows the
         plan :meth:`begin_step` made for that step's slot mapping."""
         p = self.step_plan(k.shape[0])
+        d = p.on_device
         rk, rv = self.res_k[layer], self.res_v[layer]
-        if p.quant_blocks.numel():
-            nd = p.quant_blocks.numel() - p.flush_slots.numel()
+        if len(p.host["quant_blocks"]):
+            nd = len(p.host["quant_blocks"]) - len(p.host["flush_slots"])
             shape = (nd, self.num_kv_heads, self.block_size, self.head_dim)
             bufs = []
             for x, res in ((k, rk), (v, rv)):
                 direct = torch.zeros(shape, dtype=torch.float32, device=self.device)
-                direct[p.direct_row, :, p.direct_off] = x[p.direct_tok].float()
-                bufs.append(torch.cat([res[p.flush_slots].float(), direct]))
-            self._quantize(layer, p.quant_blocks, bufs[0], bufs[1])
-        if p.res_tok.numel():
-            rk[p.res_slot, :, p.res_off] = k[p.res_tok].to(self.dtype)
-            rv[p.res_slot, :, p.res_off] = v[p.res_tok].to(self.dtype)
+                direct[d("direct_row"), :, d("direct_off")] = x[d("direct_tok")].float()
+                bufs.append(torch.cat([res[d("flush_slots")].float(), direct]))
+            self._quantize(layer, d("quant_blocks"), bufs[0], bufs[1])
+        if len(p.host["res_tok"]):
+            rk[d("res_slot"), :, d("res_off")] = k[d("res_tok")].to(self.dtype)
+            rv[d("res_slot"), :, d("res_off")] = v[d("res_tok")].to(self.dtype)
 
     def dequantize_blocks(
         self, layer: int, blocks: torch.Tensor

@@ -441,7 +441,8 @@ def make_policy(
 ) -> RoutingPolicy:
     """The policy named ``name``; ``prefix`` reads ``index`` (or ``scorer``: an oracle's).
     ``block_size``: the replicas' (None: ``prefix`` learns it from the events,
-    ``prefix_approx`` from the replicas' metrics)."""
+    ``prefix_approx`` from the replicas' metrics). ``prefix_kw`` (the overlap weight, the
+    imbalance guard) sets the prefix policies; the others take none and ignore it."""
     simple: dict[str, Callable[[], RoutingPolicy]] = {
         "round_robin": RoundRobin, "least_load": LeastLoad, "session": Session,
     }  # fmt: skip

@@ -71,11 +71,9 @@ def routed_fleet(
     if policy_name == "oracle":
         policy = make_policy("prefix", scorer=ExactScorer(engines), overlap_weight=overlap_weight)
         policy.name = "oracle"
-    elif policy_name.startswith("prefix"):
+    else:
         policy = make_policy(policy_name, index=index, block_size=bs,
                              overlap_weight=overlap_weight)  # fmt: skip
-    else:
-        policy = make_policy(policy_name, index=index, block_size=bs)
     for k, eng in enumerate(engines):  # each pool, as the real router reads it
         if policy.wants_pool(k):
             policy.learn_pool(k, eng.num_blocks, eng.block_size)
