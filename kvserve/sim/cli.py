@@ -36,6 +36,8 @@ from kvserve.sim.fleet import SIM_POLICIES
 
 DEFAULT_SIM_DIR = Path("reports") / "sim"
 ROLE_FLAGS = ("prefill_replicas", "decode_replicas", "kv_transfer_bandwidth")
+# A router process busier than this share of the run is reported: its queue is growing.
+ROUTER_BUSY_NOTE = 0.9
 
 
 def add_sim_target_args(p: argparse.ArgumentParser) -> None:
@@ -61,6 +63,11 @@ def add_sim_target_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--overlap-weight", type=float, default=DEFAULT_OVERLAP_WEIGHT,
                    help="the prefix policies' and the oracle's weight of the prompt blocks a "
                    "replica must compute, as kvserve router's (default: %(default)s)")  # fmt: skip
+    g.add_argument("--router-processes", type=int, default=0, metavar="N",
+                   help="kvserve router's own processes on cores of their own, the requests "
+                   "dealt among them: each request waits for its process, which costs the "
+                   "profile's hop terms (default: 0, the router's work charged to the "
+                   "replicas' cores, as on one host)")  # fmt: skip
     g.add_argument(
         "--jobs",
         type=int,
@@ -167,6 +174,7 @@ def sim_target(args: argparse.Namespace, kw: dict[str, Any]) -> Any:
     return SimTarget(kw, profile, gpu, tp, args.replicas, args.gpu_memory_utilization,
                      router=args.router,
                      overlap_weight=getattr(args, "overlap_weight", DEFAULT_OVERLAP_WEIGHT),
+                     router_processes=getattr(args, "router_processes", 0),
                      **roles)  # fmt: skip
 
 
@@ -316,6 +324,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         )
         s["load"] = load.describe()
         s["seed"] = args.seed + i
+        busy = sim.router.busy() if sim.router else None
+        if busy and max(busy) >= ROUTER_BUSY_NOTE:
+            sim.notes.append(
+                f"a router process was busy {max(busy):.0%} of the run: requests queue in "
+                "front of it; give --router-processes more"
+            )
         s["simulation"] = {
             "profile": target.profile.to_json(),
             "gpu": target.gpu.key if target.gpu else None,
@@ -323,6 +337,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             "replicas": target.replicas,
             "router": target.router,
             "overlap_weight": target.overlap_weight,
+            "router_processes": target.router_processes,
+            "router_busy": busy,
             "prefill_replicas": target.prefill_replicas,
             "decode_replicas": target.decode_replicas,
             "kv_transfer_bandwidth": target.kv_transfer_bandwidth,

@@ -23,7 +23,7 @@ from kvserve.plan.capacity import PlanError, capacity, load_arch, load_config
 from kvserve.plan.gpus import GPU
 from kvserve.router.policies import DEFAULT_OVERLAP_WEIGHT
 from kvserve.sim.cost import ModelShape, Profile
-from kvserve.sim.fleet import check_policy
+from kvserve.sim.fleet import RouterProcesses, check_policy
 from kvserve.sim.pd import check_roles
 from kvserve.sim.runner import CostModelRunner, VirtualClock
 from kvserve.sim.tiers import SimOffload, modelled_tiers
@@ -48,6 +48,11 @@ class SimTarget:
     # The prefix policies' (and the oracle's) weight of the blocks a replica must compute,
     # as kvserve router's --overlap-weight.
     overlap_weight: float = DEFAULT_OVERLAP_WEIGHT
+    # Where the router's own work runs (the profile's hop terms): 0, on the replicas' cores,
+    # each replica charged for the requests and tokens it serves (a benchmark on one host);
+    # N, in N router processes on cores of their own, which the requests queue for
+    # (kvserve.sim.fleet.RouterProcesses).
+    router_processes: int = 0
     # Disaggregated prefill/decode (kvserve.sim.pd): replicas of each role (0: colocated
     # engines), and the decode side's pull rate in bytes/s.
     prefill_replicas: int = 0
@@ -70,6 +75,20 @@ class SimTarget:
         check_policy(self.router)
         if not self.overlap_weight > 0:
             raise ValueError(f"overlap_weight: must be > 0, got {self.overlap_weight}")
+        if not isinstance(self.router_processes, int) or self.router_processes < 0:
+            raise ValueError(
+                f"router_processes: must be an integer >= 0, got {self.router_processes!r}"
+            )
+        if self.router_processes and self.disaggregated:
+            raise ValueError(
+                "router_processes: models kvserve router in front of colocated "
+                "replicas; a disaggregated run's proxy is charged as a hop"
+            )
+        if self.router_processes and self.replicas < 2:
+            raise ValueError(
+                "router_processes: models kvserve router in front of two or "
+                f"more replicas, not {self.replicas}"
+            )
         if self.tp > 1 and self.gpu is None:
             raise ValueError("tp: tensor parallelism is simulated on a --gpu only")
 
@@ -79,8 +98,12 @@ class SimTarget:
 
     @property
     def hop(self) -> bool:
+        """Whether each replica is charged the hop in front of it: not when the router has
+        cores of its own (``router_processes``)."""
         if self.behind_hop is not None:
             return self.behind_hop
+        if self.router_processes:
+            return False
         return self.disaggregated or self.replicas > 1
 
     @property
@@ -101,6 +124,8 @@ class SimEngine:
     num_blocks: int
     notes: list[str] = field(default_factory=list)
     offload: SimOffload | None = None  # the modelled tiers, with --kv-offload-*
+    # The router's processes when they have cores of their own (one object for the fleet).
+    router: RouterProcesses | None = None
 
 
 def model_dir_of(model: str) -> str:

@@ -50,6 +50,7 @@ class Replica:
         self.open = False
         self.on_finish: Callable[[int], None] | None = None
         self.routed_ids: dict[int, list[int]] = {}
+        self._sent_at: dict[int, float] = {}  # by index: sent before it reached this replica
         self.on_send: Callable[[str, int], None] | None = None  # (engine's id, share index)
         self._due: list[tuple[float, int]] = []
         # The HTTP front end (the profile's serving request terms): one event loop, so the
@@ -219,13 +220,17 @@ class Replica:
                     heapq.heappush(due, (clock.now, queued.pop()))
 
     def push(self, share: list[BenchRequest], req: BenchRequest, ids: list[int],
-             when: float) -> None:  # fmt: skip
-        """A router's request for this replica, sent at ``when`` (it joins ``share``, the
-        list :meth:`steps` replays)."""
+             when: float, arrive: float | None = None) -> None:  # fmt: skip
+        """A router's request for this replica, sent at ``when`` and reaching it at
+        ``arrive`` (the router's time in between; None: at once). It joins ``share``, the
+        list :meth:`steps` replays."""
         i = len(share)
         share.append(req)
         self.records.append(None)  # type: ignore[arg-type]
         self.routed_ids[i] = ids
+        if arrive is not None and arrive > when:
+            self._sent_at[i] = when
+            when = arrive
         heapq.heappush(self._due, (when, i))
 
     def _done(self, i: int, rec: RequestRecord) -> None:
@@ -249,7 +254,7 @@ class Replica:
         r = requests[i]
         records[i] = rec = RequestRecord(r.index, r.kind, r.prefix_group, r.input_len,
                                          r.max_tokens)  # fmt: skip
-        rec.send_time = when
+        rec.send_time = self._sent_at.pop(i, when)
         self._sent += 1
         rid = f"sim-{self._sent}"
         if self.on_send is not None:

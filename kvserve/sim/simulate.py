@@ -25,7 +25,7 @@ from kvserve.bench.report import RecordEncoder
 from kvserve.bench.runner import LoadSpec, RunResult
 from kvserve.bench.workloads import BenchRequest, arrival_times
 from kvserve.sim.engine import SimEngine, SimTarget, build_engine
-from kvserve.sim.fleet import routed_fleet
+from kvserve.sim.fleet import RouterProcesses, routed_fleet
 from kvserve.sim.pd import Feed, TraceFeed, run_pd, transfer_config
 from kvserve.sim.replica import Replica
 from kvserve.sim.tiers import SERVER_TIERS
@@ -75,7 +75,7 @@ def simulate_load(
     def one(k: int, report: Callable[[bool], None] | None) -> _ReplicaRun:
         return _run_replica(target, trace, k, report)
 
-    if target.replicas > 1 and target.router != "round_robin":
+    if target.replicas > 1 and (target.router != "round_robin" or target.router_processes):
         runs = _run_routed(target, trace, progress)
     elif target.replicas > 1 and shares_tiers(target):
         runs = _run_fleet(target, trace, progress)
@@ -289,8 +289,13 @@ def _run_routed(
         shares = [_prepare(sim, target, trace, k, progress, routed=True)
                   for k, sim in enumerate(sims)]  # fmt: skip
         _start_shared_tiers(target, shares)
+        router = None
+        if target.router_processes:
+            router = RouterProcesses.of(target.router_processes, target.profile)
+            for sim in sims:
+                sim.router = router
         routed_fleet(shares, requests, trace.offsets, trace.load.concurrency, target.router,
-                     encode, target.overlap_weight)  # fmt: skip
+                     encode, target.overlap_weight, router)  # fmt: skip
         return [_finish(sh) for sh in shares]
 
 
