@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import os
@@ -286,7 +287,11 @@ def _drive_sync(url: str, trace: list[tuple[int, str]], rate: float, max_tokens:
 
 def simulate(profile_file: str, replicas: int, serve_kw: dict[str, Any], trace: list,
              rate: float, max_tokens: int, seed: int, tok: Any, warm: list[str],
-             overlap_weight: float = DEFAULT_OVERLAP_WEIGHT) -> dict[str, dict]:  # fmt: skip
+             overlap_weight: float = DEFAULT_OVERLAP_WEIGHT,
+             policies: tuple[str, ...] = POLICIES,
+             router_processes: int = 0) -> dict[str, dict]:  # fmt: skip
+    """Every policy of ``policies`` on the simulator; ``router_processes``: the router on
+    processes of its own (then each policy's ``router_busy``), else on the replicas' cores."""
     from kvserve.bench.metrics import percentile
     from kvserve.bench.runner import LoadSpec
     from kvserve.bench.workloads import BenchRequest
@@ -300,10 +305,11 @@ def simulate(profile_file: str, replicas: int, serve_kw: dict[str, Any], trace: 
         BenchRequest(i, "chat", p, max_tokens, len(tok.encode(p))) for i, p in enumerate(warm)
     ]
     out = {}
-    for policy in POLICIES:
+    for policy in policies:
         target = SimTarget(dict(serve_kw), Profile.load(profile_file), replicas=replicas,
-                           router=policy, overlap_weight=overlap_weight)  # fmt: skip
-        res, _ = simulate_load(target, reqs, LoadSpec(rate), seed, warmup)
+                           router=policy, overlap_weight=overlap_weight,
+                           router_processes=router_processes)  # fmt: skip
+        res, sims = simulate_load(target, reqs, LoadSpec(rate), seed, warmup)
         ok = [r for r in res.records if r.success]
         out[policy] = {
             "hit_rate": sum(r.cached_tokens for r in ok) / max(1, sum(r.prompt_tokens for r in ok)),
@@ -312,6 +318,25 @@ def simulate(profile_file: str, replicas: int, serve_kw: dict[str, Any], trace: 
             else None,
             "output_tok_s": sum(r.output_tokens for r in ok) / res.duration,
         }
+        if sims[0].router is not None:
+            out[policy]["router_busy"] = max(sims[0].router.busy())
+    return out
+
+
+ROUTER_BUSY_TARGET = 0.7  # a router process's busy share with room for bursts
+
+
+def router_sizes(profile_file: str, replicas: int, serve_kw: dict[str, Any], trace: list,
+                 rate: float, max_tokens: int, seed: int, tok: Any, warm: list[str],
+                 overlap_weight: float) -> dict[str, dict]:  # fmt: skip
+    """``prefix`` behind one router process on a core of its own, and, where that one is
+    busier than :data:`ROUTER_BUSY_TARGET`, behind as many as bring each under it."""
+    run = functools.partial(simulate, profile_file, replicas, serve_kw, trace, rate,
+                            max_tokens, seed, tok, warm, overlap_weight, ("prefix",))  # fmt: skip
+    out = {"1": run(router_processes=1)}
+    need = math.ceil(out["1"]["prefix"]["router_busy"] / ROUTER_BUSY_TARGET)
+    if need > 1:
+        out[str(need)] = run(router_processes=need)
     return out
 
 
@@ -423,12 +448,15 @@ def main(argv: list[str] | None = None) -> None:
         ow = a.overlap_weight
         sim = {str(a.replicas): simulate(a.sim_profile, a.replicas, serve_kw, trace, rate,
                                          max_tokens, a.seed, tok, warm, ow)}  # fmt: skip
+        routers: dict[str, dict[str, dict]] = {}
         for n in [int(x) for x in a.sim_replicas.split(",") if x]:
             scale = max(1, n // a.replicas)
             big = make_trace(tok, customers * scale, context, users, a.question_tokens, a.seed,
                              a.customer_skew)  # fmt: skip
             sim[str(n)] = simulate(a.sim_profile, n, serve_kw, big, rate * scale, max_tokens,
                                    a.seed, tok, warm, ow)  # fmt: skip
+            routers[str(n)] = router_sizes(a.sim_profile, n, serve_kw, big, rate * scale,
+                                           max_tokens, a.seed, tok, warm, ow)  # fmt: skip
         sim["error"] = sim_error(sim[str(a.replicas)], real)
         # The curve's other rates at N replicas, and the simulator's error at each.
         sim["curve"] = {}
@@ -443,6 +471,12 @@ def main(argv: list[str] | None = None) -> None:
         print(table([{"replicas": n, "policy": k, **v} for n, res in sim.items()
                      if n not in ("error", "curve", "serving") for k, v in res.items()],
                     ["replicas", "policy", "hit_rate", "ttft_p90_s", "output_tok_s"]))  # fmt: skip
+        sim["router_processes"] = routers
+        if routers:
+            print(table([{"replicas": n, "router_processes": k, **v["prefix"]}
+                         for n, by in routers.items() for k, v in by.items()],
+                        ["replicas", "router_processes", "router_busy", "ttft_p90_s",
+                         "output_tok_s"]))  # fmt: skip
     emit({
         "benchmark": "routing", "replicas": a.replicas, "requests": len(trace), "rate": rate,
         "replica_nice": a.replica_nice,
@@ -458,7 +492,7 @@ def main(argv: list[str] | None = None) -> None:
     })  # fmt: skip
 
 
-FIGURES = ("hit_rate", "ttft_p90_s", "tpot_p90_s", "output_tok_s", "failed")
+FIGURES = ("hit_rate", "ttft_p90_s", "tpot_p90_s", "output_tok_s", "failed", "router_cpu_ms")
 
 
 def run_rate(a: argparse.Namespace, rate: float, trace: list, serve_args: list[str],
@@ -494,6 +528,9 @@ def run_rate(a: argparse.Namespace, rate: float, trace: list, serve_args: list[s
                 res = figures(recs)
                 res["steal_share"] = steal_share(start["ticks"], cpu_ticks())
                 res["cores_busy"] = cores_busy(recs, reps_cpu, router_cpu, client_cpu)
+                # The router process's CPU per request (routing, forwarding, relaying the
+                # stream, reading events): what one router process can take per core.
+                res["router_cpu_ms"] = router_cpu / max(1, len(recs)) * 1000
                 res["decision_p99_ms"] = (pct(list(router.state.decision_times), 0.99)
                                           or 0.0) * 1000  # fmt: skip
                 res["decision_cpu_p99_ms"] = (pct(list(router.state.decision_cpu_times), 0.99)
@@ -513,7 +550,7 @@ def run_rate(a: argparse.Namespace, rate: float, trace: list, serve_args: list[s
         print(f"# rate {rate:g}/s {policy}: {out[policy]}", flush=True)
     rows = [{"rate": rate, "policy": k, **v} for k, v in out.items()]
     print(table(rows, ["rate", "policy", "hit_rate", "ttft_p90_s", "tpot_p90_s", "output_tok_s",
-                       "failed", "decision_p99_ms", "decision_cpu_p99_ms",
+                       "failed", "router_cpu_ms", "decision_p99_ms", "decision_cpu_p99_ms",
                        "decision_on_core_p99_ms", "decision_preempted_share",
                        "decision_waited_share", "steal_share", "index_slice_p99_ms"]),
           flush=True)  # fmt: skip
