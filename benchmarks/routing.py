@@ -323,14 +323,14 @@ def simulate(profile_file: str, replicas: int, serve_kw: dict[str, Any], trace: 
     return out
 
 
-ROUTER_BUSY_TARGET = 0.7  # a router process's busy share with room for bursts
+ROUTER_BUSY_TARGET = 0.7  # the share of a core a router process may need, with room for bursts
 
 
 def router_sizes(profile_file: str, replicas: int, serve_kw: dict[str, Any], trace: list,
                  rate: float, max_tokens: int, seed: int, tok: Any, warm: list[str],
                  overlap_weight: float) -> dict[str, dict]:  # fmt: skip
-    """``prefix`` behind one router process on a core of its own, and, where that one is
-    busier than :data:`ROUTER_BUSY_TARGET`, behind as many as bring each under it."""
+    """``prefix`` behind one router process on a core of its own, and, where that one needs
+    more than :data:`ROUTER_BUSY_TARGET` of its core, behind as many as bring each under it."""
     run = functools.partial(simulate, profile_file, replicas, serve_kw, trace, rate,
                             max_tokens, seed, tok, warm, overlap_weight, ("prefix",))  # fmt: skip
     out = {"1": run(router_processes=1)}

@@ -36,7 +36,7 @@ from kvserve.sim.fleet import SIM_POLICIES
 
 DEFAULT_SIM_DIR = Path("reports") / "sim"
 ROLE_FLAGS = ("prefill_replicas", "decode_replicas", "kv_transfer_bandwidth")
-# A router process busier than this share of the run is reported: its queue is growing.
+# A router process with more than this share of a core's work is noted: its queue grows.
 ROUTER_BUSY_NOTE = 0.9
 
 
@@ -327,8 +327,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         busy = sim.router.busy() if sim.router else None
         if busy and max(busy) >= ROUTER_BUSY_NOTE:
             sim.notes.append(
-                f"a router process was busy {max(busy):.0%} of the run: requests queue in "
-                "front of it; give --router-processes more"
+                f"a router process had {max(busy):.0%} of a core's work while the requests "
+                "were sent: requests queue in front of it; give --router-processes more"
             )
         s["simulation"] = {
             "profile": target.profile.to_json(),

@@ -71,7 +71,8 @@ class RouterProcesses:
     free: list[float] = field(default_factory=list)  # when each is next idle (replay time)
     work: list[float] = field(default_factory=list)  # seconds each has worked
     turn: int = 0
-    first: float = math.inf  # the first request's send time
+    first: float = math.inf  # the first and last requests' send times
+    last: float = -math.inf
     # Relays not yet served, (step end, seconds) per process: a replica ahead in time
     # reports its steps before requests sent earlier reach the router, so each process
     # serves its relays in time order as its requests come.
@@ -91,7 +92,7 @@ class RouterProcesses:
 
     def admit(self, when: float, prompt_tokens: int) -> float:
         """A request sent at ``when``: when its process has routed and forwarded it."""
-        self.first = min(self.first, when)
+        self.first, self.last = min(self.first, when), max(self.last, when)
         p = self.turn
         self.turn = (p + 1) % self.n
         self._serve_relays(p, when)
@@ -122,10 +123,13 @@ class RouterProcesses:
         return list(self.work)
 
     def busy(self) -> list[float]:
-        """Each process's share of the router's span (from the first request sent to the
-        last piece of work done) spent working: near 1, its queue grows."""
+        """Each process's seconds of work per second over which the requests were sent:
+        the share of a core it needs to keep up. Past 1 it cannot, and its queue grows for
+        as long as the load lasts."""
         work = self.worked()
-        span = max(self.free) - self.first
+        span = self.last - self.first
+        if span <= 0:  # one send time: the router's own span instead
+            span = max(self.free) - self.first
         return [w / span if span > 0 else 0.0 for w in work]
 
 
