@@ -384,3 +384,28 @@ def test_cli_simulate_sweep_points_side_by_side_equal_one_at_a_time(capsys, tmp_
     assert [s["sweep_value"] for s in runs[1]["sweep"]] == [3.0, 20.0, math.inf]
     code, _, err = cli(capsys, "simulate", "--model", llama8b, "--gpu", "h100-sxm", "--jobs", "0")
     assert code == 2 and "jobs: must be an integer >= 1" in err
+
+
+def test_router_processes_reach_the_candidates_with_a_router(capsys, tmp_path, llama8b,
+                                                            monkeypatch):  # fmt: skip
+    """``--router-processes`` is every two-replica candidate's; a one-replica candidate has
+    no router, so none (it would be refused)."""
+    from kvserve.sim import engine
+
+    made: list[tuple[int, int]] = []
+
+    def spy(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+        t = SimTarget(*a, **kw)
+        made.append((t.replicas, t.router_processes))
+        return t
+
+    monkeypatch.setattr(engine, "SimTarget", spy)
+    code, out, err = cli(
+        capsys, "tune", llama8b, "--gpu", "h100-sxm", "--workload", "rag", "--num-prompts",
+        "8", "--slo", "ttft=10s", "--gpu-hour-cost", "2", "--search", "replicas=1,2",
+        "--router", "prefix", "--router-processes", "3", "--no-plots", "--output-dir",
+        str(tmp_path), "--label", "x",
+    )  # fmt: skip
+    assert code == 0, err
+    assert {(1, 0), (2, 3)} <= set(made), made
+    assert all(p == (3 if n > 1 else 0) for n, p in made), made

@@ -160,6 +160,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
     gate = QualityGate.load(
         args.quality_report or [], kw["model"], args.quality_accept_inconclusive
     )
+    # The router's processes exist only in front of two or more replicas: a candidate of
+    # one replica has none, whatever --router-processes says.
+    processes = args.router_processes
+    args.router_processes = processes if args.replicas > 1 else 0
     base = sim_target(args, kw)
 
     def make_target(
@@ -171,7 +175,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         router = router if "router" in space else args.router
         return SimTarget(engine, base.profile, base.gpu, tp, replicas,
                          args.gpu_memory_utilization, router=router,
-                         overlap_weight=base.overlap_weight)  # fmt: skip
+                         overlap_weight=base.overlap_weight,
+                         router_processes=processes if replicas > 1 else 0)  # fmt: skip
 
     count, max_len = token_counter(base)
     reqs = make_workload(workload_spec(args, args.seed, max_len), count)
