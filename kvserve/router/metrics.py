@@ -2,12 +2,14 @@
 
 Labelled by replica and policy only, never by tenant, prompt or block: what one tenant sends
 cannot show through them to another (nor through the router's responses, which are the
-replicas' own, or its errors, which name replicas, not prefixes).
+replicas' own, or its errors, which name replicas, not prefixes). The process's own
+``process_*`` families come too, as on a server: its CPU seconds over its decisions are
+what one router process spends per request, which says how many processes a load needs.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 PREFIX = "kvserve:router_"
 
@@ -48,6 +50,7 @@ class RouterMetrics:
         self.failed = Counter(PREFIX + "failed_requests", "Requests that failed after their "
                               "replica started them (a clear error to the client).",
                               ["replica"], registry=r)  # fmt: skip
+        ProcessCollector(registry=r)
         for name in replicas:
             self.healthy.labels(name).set(1)
             self.in_flight.labels(name).set(0)
