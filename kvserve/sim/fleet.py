@@ -96,9 +96,7 @@ class RouterProcesses:
         p = self.turn
         self.turn = (p + 1) % self.n
         self._serve_relays(p, when)
-        cost = self.request_s + self.request_token_s * prompt_tokens
-        self.free[p] = max(self.free[p], when) + cost
-        self.work[p] += cost
+        self._work(p, when, self.request_s + self.request_token_s * prompt_tokens)
         return self.free[p]
 
     def relay(self, when: float, tokens: int) -> None:
@@ -112,9 +110,12 @@ class RouterProcesses:
     def _serve_relays(self, p: int, until: float) -> None:
         queue = self.relays[p]
         while queue and queue[0][0] <= until:
-            at, seconds = heapq.heappop(queue)
-            self.free[p] = max(self.free[p], at) + seconds
-            self.work[p] += seconds
+            self._work(p, *heapq.heappop(queue))
+
+    def _work(self, p: int, at: float, seconds: float) -> None:
+        """Process ``p`` takes ``seconds`` of work that came at ``at``, after what it has."""
+        self.free[p] = max(self.free[p], at) + seconds
+        self.work[p] += seconds
 
     def worked(self) -> list[float]:
         """Each process's seconds of work, every relay reported so far served."""

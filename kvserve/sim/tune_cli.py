@@ -160,11 +160,16 @@ def cmd_tune(args: argparse.Namespace) -> int:
     gate = QualityGate.load(
         args.quality_report or [], kw["model"], args.quality_accept_inconclusive
     )
-    # The router's processes exist only in front of two or more replicas: a candidate of
-    # one replica has none, whatever --router-processes says.
-    processes = args.router_processes
-    args.router_processes = processes if args.replicas > 1 else 0
-    base = sim_target(args, kw)
+
+    def router_processes(replicas: int) -> int:
+        # Only two or more replicas have a router in front: a candidate of one has none,
+        # whatever --router-processes says.
+        return args.router_processes if replicas > 1 else 0
+
+    base = sim_target(
+        argparse.Namespace(**{**vars(args), "router_processes": router_processes(args.replicas)}),
+        kw,
+    )
 
     def make_target(
         engine: dict[str, Any], tp: int, replicas: int, router: str = "round_robin"
@@ -176,7 +181,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         return SimTarget(engine, base.profile, base.gpu, tp, replicas,
                          args.gpu_memory_utilization, router=router,
                          overlap_weight=base.overlap_weight,
-                         router_processes=processes if replicas > 1 else 0)  # fmt: skip
+                         router_processes=router_processes(replicas))  # fmt: skip
 
     count, max_len = token_counter(base)
     reqs = make_workload(workload_spec(args, args.seed, max_len), count)
