@@ -334,3 +334,53 @@ def test_recall_plumbing_counts_hits_per_cell_and_group(checkpoint):
     early = [run.hits[i] for i in groups["needle_depth_0_10"]]
     assert early and all(early)
     assert not any(run.hits[i] for i in groups["multi_turn"] + groups["multi_needle"])
+
+
+def test_tasks_run_a_subset_with_the_whole_suites_prompts(checkpoint):
+    """--tasks builds only the named groups, and each keeps the prompts the whole suite gives
+    it (own seeds per prompt), at any --prompts: a larger run of one group extends the
+    whole suite's group rather than drawing a new one."""
+    from kvserve.model.tokenizer import Tokenizer
+    from kvserve.quality.suite import TASKS
+
+    tok = Tokenizer(checkpoint("llama_gqa"))
+    whole = build_suite(tok, TINY, 2048)
+    some = build_suite(tok, TINY.with_tasks(("instruction", "multi_turn")), 2048)
+    assert {i.kind for i in some.items} == {"instruction", "multi_turn"}
+    for kind in ("instruction", "multi_turn"):
+        assert [i.prompt_ids for i in some.items if i.kind == kind] == [
+            i.prompt_ids for i in whole.items if i.kind == kind
+        ]
+    assert some.passages == [] and TINY.with_tasks(("needle",)).passages == 0
+    grown = build_suite(tok, TINY.with_tasks(("instruction",)).with_prompts(15), 2048)
+    mine = [i.prompt_ids for i in whole.items if i.kind == "instruction"]
+    assert len(grown.items) == 15 and [i.prompt_ids for i in grown.items[:10]] == mine
+    only = build_suite(tok, TINY.with_tasks(("passages", "needle")), 2048)
+    assert only.passages == whole.passages and {i.kind for i in only.items} == {"needle"}
+    assert TINY.with_tasks(("passages", "needle")).tasks == ("needle", "passages")
+    assert set(SuiteSpec().tasks) == set(TASKS)
+    for bad, named in ((("needle", "ifeval"),), "ifeval"), (((),), "none given"):
+        with pytest.raises(ConfigError, match=f"tasks: {named}; choose from needle, multi_needle"):
+            TINY.with_tasks(*bad)
+
+
+def test_a_subset_gate_judges_only_its_tasks(checkpoint, tmp_path, capsys):
+    """Without passages there are no perplexity, agreement or KL rows (not INCONCLUSIVE rows
+    of zero passages); the table and the file name say which tasks ran."""
+    from kvserve.cli import main
+
+    model = checkpoint("llama_gqa")
+    argv = ["quality", "--model", model, "--quick", "--kv-cache-dtype", "int8", "--tasks",
+            "variable_tracking, needle", "--json", "--out", str(tmp_path)]  # fmt: skip
+    assert main(argv) == 3
+    lines = capsys.readouterr().out.strip().splitlines()
+    report = json.loads(lines[-1])
+    keys = [m["key"] for m in report["metrics"]]
+    assert keys == ["recall_needle", "recall_needle_depth_0_10", "recall_variable_tracking"]
+    assert report["suite"]["tasks"] == ["needle", "variable_tracking"]
+    assert report["suite"]["passages"] == 0 and report["suite"]["generation_prompts"] == 36
+    assert "tasks: needle, variable_tracking only (--tasks)" in "\n".join(lines)
+    assert (tmp_path / "int8-quick-needle-variable_tracking.json").exists()
+    assert main(["quality", "--model", model, "--quick", "--kv-cache-dtype", "int8", "--tasks",
+                 "needles"]) == 2  # fmt: skip
+    assert "tasks: needles; choose from" in capsys.readouterr().err

@@ -32,6 +32,7 @@ GATE_MAX_NUM_SEQS = 16
 
 def add_quality_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
     """Register ``quality`` on the CLI's subparsers; returns its handler."""
+    from kvserve.quality.suite import TASKS
     from kvserve.quality.thresholds import Thresholds
 
     th = Thresholds()
@@ -61,6 +62,10 @@ def add_quality_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
     g.add_argument("--prompts", type=int, default=None, metavar="N",
                    help="prompts per judged group (scales the chosen suite; one held-out "
                    "passage per 4 prompts)")  # fmt: skip
+    g.add_argument("--tasks", default=None, metavar="TASK[,TASK...]",
+                   help="run only these of the suite's tasks (" + ", ".join(TASKS) + "), e.g. "
+                   "to grow a group the whole suite left INCONCLUSIVE with --prompts; the "
+                   "verdict covers them only (default: all)")  # fmt: skip
     g.add_argument("--json", action="store_true", help="print the report as JSON on the last line")
     g.add_argument(
         "--max-recall-drop",
@@ -138,6 +143,8 @@ def cmd_quality(args: argparse.Namespace) -> int:
     spec = SuiteSpec.quick() if args.quick else SuiteSpec.full() if args.full else SuiteSpec()
     if args.prompts is not None:
         spec = spec.with_prompts(args.prompts)
+    if args.tasks is not None:
+        spec = spec.with_tasks(tuple(t.strip() for t in args.tasks.split(",") if t.strip()))
     t0 = time.perf_counter()
     kwargs = engine_kwargs(args)
     candidates: list[dict] = [{}]
@@ -180,6 +187,8 @@ def _emit(report: dict, args: argparse.Namespace, seconds: float) -> None:
     report["suite"]["name"] = "quick" if args.quick else "full" if args.full else "default"
     report["threads"] = args.threads
     name = slug(report["label"]) + ("-quick" if args.quick else "-full" if args.full else "")
+    if args.tasks is not None:  # beside the whole suite's report, not over it
+        name += "-" + "-".join(report["suite"]["tasks"])
     png = plot_recall_heatmap(report, args.out / f"{name}-recall.png")
     report["files"] = {"json": str(args.out / f"{name}.json"), "heatmap": png and str(png)}
     write_report(report, args.out / f"{name}.json")

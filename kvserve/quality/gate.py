@@ -239,6 +239,8 @@ def _judge(
     for key, idx in recall_groups(suite).items():
         hits = [(base.hits[i], cand.hits[i]) for i in idx]
         rows.append(judge_recall(f"recall_{key}", RECALL_LABELS[key], hits, th))
+    if not suite.passages:  # --tasks left them out: no perplexity, agreement or KL rows
+        return rows
     units = [
         (base.nll[n], cand.nll[n], base.ppl_tokens[n], cmp.agree.get(n, 0),
          cmp.positions.get(n, 0), cmp.kl_sum.get(n, 0.0))

@@ -14,6 +14,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from kvserve.quality.suite import TASKS
+
 HEATMAP_MISSING = "heatmap skipped: matplotlib is not installed (pip install 'kvserve[plots]')"
 
 
@@ -90,6 +92,12 @@ def format_table(report: dict[str, Any]) -> str:
         f"{s['passages']} held-out passages, {s['prompt_tokens_per_run']} prompt tokens per "
         f"run; chat template: {s['chat_template']}{skip}"
     )
+    tasks = s.get("tasks")
+    if tasks is not None and set(tasks) != set(TASKS):
+        lines.append(
+            f"tasks: {', '.join(tasks)} only (--tasks); the verdict covers these, not the "
+            f"whole suite"
+        )
     head = ("metric", "n", "baseline", "candidate", "change", "bounds", "rule", "verdict", "")
     rows = [head]
     for m in report["metrics"]:

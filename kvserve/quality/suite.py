@@ -23,6 +23,18 @@ from kvserve.quality import instructions as I
 from kvserve.quality import tasks as T
 
 EARLY_DEPTH = 10.0  # depth band reported on its own: "important information appears early"
+# The suite's tasks, as --tasks names them: the generation groups and the held-out passages
+# (perplexity, agreement and KL read them)
+TASKS = ("needle", "multi_needle", "variable_tracking", "multi_turn", "instruction", "passages")
+PASSAGE_METRICS = ("perplexity", "teacher_forced_agreement", "mean_kl")
+
+
+def metric_task(key: str) -> str:
+    """The task (as --tasks names it) that a report row's metric ``key`` is read from."""
+    if key in PASSAGE_METRICS:
+        return "passages"
+    task = key.removeprefix("recall_")
+    return "needle" if task == "needle_depth_0_10" else task
 
 
 class TokenizerLike(Protocol):
@@ -47,7 +59,11 @@ class SuiteSpec:
     bounds, a group whose prompts all agree on both sides decides at 52 (see
     :mod:`kvserve.quality.stats`). ``quick()`` (12) can only FAIL a gross loss: it reports
     INCONCLUSIVE for anything else. ``default()`` (64) can pass a format that changes almost
-    no answer; ``full()`` (192) one whose answers flip both ways at a few percent."""
+    no answer; ``full()`` (192) one whose answers flip both ways at a few percent.
+
+    ``tasks`` runs a subset of :data:`TASKS`: a group the whole suite left INCONCLUSIVE can
+    grow to the size that decides it without rerunning the groups that already decided (their
+    prompts do not change: each has its own seeds). A verdict covers the tasks that ran."""
 
     prompts: int = 64
     lengths: tuple[int, ...] = (256, 512, 1024)
@@ -62,10 +78,16 @@ class SuiteSpec:
     passage_length: int = 512
     prompts_per_passage: int = 4
     seed: int = 0
+    tasks: tuple[str, ...] = TASKS
 
     def __post_init__(self) -> None:
         if self.prompts < 1:
             raise ConfigError(f"prompts: must be >= 1, got {self.prompts}")
+        bad = [t for t in self.tasks if t not in TASKS]
+        if bad or not self.tasks:
+            raise ConfigError(
+                f"tasks: {', '.join(bad) or 'none given'}; choose from {', '.join(TASKS)}"
+            )
         if max(self.early_depths) > EARLY_DEPTH or min(self.late_depths) <= EARLY_DEPTH:
             raise ConfigError(
                 f"early_depths: must be <= {EARLY_DEPTH:g} % and late_depths above it, got "
@@ -96,10 +118,21 @@ class SuiteSpec:
 
     @property
     def passages(self) -> int:
+        if "passages" not in self.tasks:
+            return 0
         return max(1, self.prompts // self.prompts_per_passage)
+
+    @property
+    def all_tasks(self) -> bool:
+        return set(self.tasks) == set(TASKS)
 
     def with_prompts(self, prompts: int) -> SuiteSpec:
         return replace(self, prompts=prompts)
+
+    def with_tasks(self, tasks: tuple[str, ...]) -> SuiteSpec:
+        """The same suite with only ``tasks``, in :data:`TASKS`' order."""
+        replace(self, tasks=tuple(tasks))  # refused here, naming the field, if one is unknown
+        return replace(self, tasks=tuple(t for t in TASKS if t in tasks))
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "passages": self.passages}
@@ -184,7 +217,10 @@ def build_suite(tok: TokenizerLike, spec: SuiteSpec, max_model_len: int) -> Suit
         return TaskItem(p.kind, ids, p.answer, n_ans + 2, dict(p.meta))
 
     def group(name: str, length: int, make: Callable[[int], TaskItem], n: int) -> list[TaskItem]:
-        """``n`` items of one task at one length, or none (and why) if it cannot be built."""
+        """``n`` items of one task at one length, or none (and why) if it cannot be built;
+        none when the spec leaves the task out."""
+        if name not in spec.tasks:
+            return []
         if length > room:
             skipped[f"{name}@{length}"] = f"longer than max_model_len - 64 ({room})"
             return []
@@ -216,7 +252,9 @@ def build_suite(tok: TokenizerLike, spec: SuiteSpec, max_model_len: int) -> Suit
         return out
 
     n = spec.prompts
-    items = needles(spec.early_depths) + needles(spec.late_depths)
+    items = []
+    if "needle" in spec.tasks:
+        items = needles(spec.early_depths) + needles(spec.late_depths)
     ln, k = spec.multi_needle_length, spec.num_needles
     items += group(
         "multi_needle",
@@ -253,8 +291,10 @@ def build_suite(tok: TokenizerLike, spec: SuiteSpec, max_model_len: int) -> Suit
     items += group("instruction", l4, instruction, n)
 
     plen = min(spec.passage_length, room)
-    texts = T.heldout_passages(spec.passages, plen, count, seed=_seed(spec, "ppl"))
-    passages = [tok.encode(t, add_special_tokens=True) for t in texts]
+    passages = []
+    if spec.passages:
+        texts = T.heldout_passages(spec.passages, plen, count, seed=_seed(spec, "ppl"))
+        passages = [tok.encode(t, add_special_tokens=True) for t in texts]
     return Suite(spec, items, passages, chat, skipped)
 
 
