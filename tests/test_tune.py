@@ -136,6 +136,63 @@ def test_memory_bound_long_context_keeps_exact_kv_without_a_passing_report(tmp_p
         assert "--quality-accept-inconclusive" in fp8.excluded
 
 
+def rows_report(tmp_path: Path, name: str, rows: dict[str, tuple[int, str]],
+                tasks: list[str] | None = None) -> str:  # fmt: skip
+    """A `kvserve quality --json` report for fp8_e4m3 with metric rows {key: (n, verdict)},
+    its verdict theirs, over ``tasks`` (None: the whole suite)."""
+    from kvserve.quality.stats import overall
+    from kvserve.quality.suite import TASKS
+
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps({
+        "verdict": overall([v for _, v in rows.values()]), "model": "/models/kvserve-ref",
+        "candidate": {"engine": {"kv_cache_dtype": "fp8_e4m3", "kv_retention": None}},
+        "suite": {"tasks": list(tasks or TASKS)},
+        "metrics": [{"key": k, "n": n, "verdict": v} for k, (n, v) in rows.items()],
+    }))  # fmt: skip
+    return str(path)
+
+
+WHOLE_ROWS = {"recall_needle": (384, "PASS"), "recall_needle_depth_0_10": (192, "PASS"),
+              "recall_multi_needle": (192, "PASS"), "recall_multi_turn": (192, "PASS"),
+              "recall_variable_tracking": (192, "PASS"),
+              "recall_instruction": (192, "INCONCLUSIVE"), "perplexity": (48, "PASS"),
+              "teacher_forced_agreement": (48, "PASS"), "mean_kl": (48, "PASS")}  # fmt: skip
+
+
+@pytest.mark.parametrize("subset, expected", [
+    ((1200, "PASS"), None),  # the larger run decides the whole suite's open task
+    ((1200, "FAIL"), "quality gate FAILED"),
+    ((1200, "INCONCLUSIVE"), "quality gate INCONCLUSIVE"),
+    ((96, "PASS"), "quality gate INCONCLUSIVE"),  # smaller than the whole suite's group
+    ((192, "PASS"), "quality gate INCONCLUSIVE"),  # as large: the worse verdict
+])  # fmt: skip
+def test_reports_combine_task_by_task_the_largest_run_deciding(tmp_path, subset, expected):
+    whole = rows_report(tmp_path, "whole", WHOLE_ROWS)
+    part = rows_report(tmp_path, "part", {"recall_instruction": subset}, ["instruction"])
+    gate = QualityGate.load([whole, part], default_model())
+    said = gate.verdict({"kv_cache_dtype": "fp8_e4m3"})
+    assert said is None if expected is None else expected in said
+    # In either order
+    again = QualityGate.load([part, whole], default_model())
+    assert again.verdict({"kv_cache_dtype": "fp8_e4m3"}) == said
+
+
+def test_task_subsets_alone_never_pass(tmp_path):
+    """Every --tasks run passing is not the whole suite passing: the tasks not run were never
+    judged. A FAIL in a subset is a FAIL."""
+    a = rows_report(tmp_path, "a", {"recall_instruction": (1200, "PASS")}, ["instruction"])
+    b = rows_report(tmp_path, "b", {"perplexity": (48, "PASS")}, ["passages"])
+    said = QualityGate.load([a, b], default_model()).verdict({"kv_cache_dtype": "fp8_e4m3"})
+    assert said == (
+        "quality reports for kv_cache_dtype=fp8_e4m3 cover only instruction, passages "
+        "(kvserve quality --tasks); the whole suite must have run too"
+    )
+    c = rows_report(tmp_path, "c", {"recall_multi_turn": (400, "FAIL")}, ["multi_turn"])
+    said = QualityGate.load([a, c], default_model()).verdict({"kv_cache_dtype": "fp8_e4m3"})
+    assert said == "quality gate FAILED for kv_cache_dtype=fp8_e4m3"
+
+
 def test_report_for_another_model_is_refused(tmp_path):
     with pytest.raises(ValueError, match="is for model 'smollm2'.*tuned model is 'kvserve-ref'"):
         QualityGate.load([report(tmp_path, "fp8_e4m3", "PASS", "smollm2")], default_model())

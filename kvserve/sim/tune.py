@@ -49,17 +49,31 @@ def is_lossy(settings: dict[str, Any]) -> bool:
 class QualityGate:
     """``kvserve quality`` verdicts by (KV format, retention policy). INCONCLUSIVE (the gate's
     suite could not tell) does not let a lossy setting compete unless ``accept_inconclusive``
-    (``--quality-accept-inconclusive``): no evidence of harm is not evidence of none."""
+    (``--quality-accept-inconclusive``): no evidence of harm is not evidence of none.
+
+    Several reports for one setting combine task by task: each task's verdict is the one of
+    the report that judged it on the most prompts (a group's prompts are the same at every
+    size, so the larger run contains the smaller), the worst where two are as large. So a
+    whole-suite report INCONCLUSIVE on one task and a ``--tasks`` run that decides that task
+    make a verdict together. A setting passes only if some report ran the whole suite."""
 
     passed: set[tuple[str, str | None]] = field(default_factory=set)
     failed: set[tuple[str, str | None]] = field(default_factory=set)
     inconclusive: set[tuple[str, str | None]] = field(default_factory=set)
+    # Settings whose every judged task passed, but only in --tasks runs: the tasks they cover
+    partial: dict[tuple[str, str | None], tuple[str, ...]] = field(default_factory=dict)
     accept_inconclusive: bool = False
 
     @classmethod
     def load(cls, paths: list[str], model: str, accept_inconclusive: bool = False) -> QualityGate:
         """Reports must be for ``model`` (same directory name); anything else is an error."""
+        from kvserve.quality.stats import overall
+        from kvserve.quality.suite import TASKS, metric_task
+
         gate = cls(accept_inconclusive=accept_inconclusive)
+        # setting -> task -> (prompts, verdict) of the report that judged it on the most
+        judged: dict[tuple[str, str | None], dict[str, tuple[float, str]]] = {}
+        whole: set[tuple[str, str | None]] = set()
         for path in paths:
             p = Path(path)
             if not p.is_file():
@@ -69,7 +83,12 @@ class QualityGate:
                 eng = rep["candidate"]["engine"]
                 key = (str(eng.get("kv_cache_dtype") or "auto"), eng.get("kv_retention") or None)
                 verdict, rep_model = rep["verdict"], str(rep["model"])
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                tasks = (rep.get("suite") or {}).get("tasks") or TASKS
+                # A report's rows by task (a report without rows: its verdict, on everything)
+                rows: dict[str, list[tuple[float, str]]] = {}
+                for m in rep.get("metrics") or []:
+                    rows.setdefault(metric_task(m["key"]), []).append((m["n"], m["verdict"]))
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
                 raise ValueError(
                     f"quality_report: {p} is not a `kvserve quality --json` report with a "
                     f"verdict ({e}); rerun kvserve quality"
@@ -83,6 +102,20 @@ class QualityGate:
                     f"quality_report: {p} is for model {Path(rep_model).name!r}, but the "
                     f"tuned model is {Path(model).name!r}"
                 )
+            if set(tasks) >= set(TASKS):
+                whole.add(key)
+            best = judged.setdefault(key, {})
+            for task, row in (rows or {"*": [(math.inf, verdict)]}).items():
+                mine = (max(n for n, _ in row), overall([v for _, v in row]))
+                if task not in best or mine[0] > best[task][0]:
+                    best[task] = mine
+                elif mine[0] == best[task][0]:
+                    best[task] = (mine[0], overall([mine[1], best[task][1]]))
+        for key, best in judged.items():
+            verdict = overall([v for _, v in best.values()])
+            if verdict == "PASS" and key not in whole:
+                gate.partial[key] = tuple(t for t in TASKS if t in best)
+                continue
             {"PASS": gate.passed, "FAIL": gate.failed, "INCONCLUSIVE": gate.inconclusive}[
                 verdict
             ].add(key)
@@ -98,6 +131,11 @@ class QualityGate:
             return f"quality gate FAILED for {what}"
         if key in self.passed:
             return None
+        if key in self.partial:
+            return (
+                f"quality reports for {what} cover only {', '.join(self.partial[key])} "
+                "(kvserve quality --tasks); the whole suite must have run too"
+            )
         if key in self.inconclusive:
             if self.accept_inconclusive:
                 return None
