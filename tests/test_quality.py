@@ -380,6 +380,7 @@ def test_a_subset_gate_judges_only_its_tasks(checkpoint, tmp_path, capsys):
     assert report["suite"]["tasks"] == ["needle", "variable_tracking"]
     assert report["suite"]["passages"] == 0 and report["suite"]["generation_prompts"] == 36
     assert "tasks: needle, variable_tracking only (--tasks)" in "\n".join(lines)
+    assert "teacher-forced" not in "\n".join(lines)  # no passages: nothing to explain
     assert (tmp_path / "int8-quick-needle-variable_tracking.json").exists()
     assert main(["quality", "--model", model, "--quick", "--kv-cache-dtype", "int8", "--tasks",
                  "needles"]) == 2  # fmt: skip

@@ -129,10 +129,14 @@ def format_table(report: dict[str, Any]) -> str:
         "over passages. PASS: the whole interval is within the margin; FAIL: wholly beyond "
         "it; INCONCLUSIVE: the suite is too small to tell (n: what would decide at the "
         "observed rates).",
-        "teacher-forced next-token agreement: both runs score the same passages and the top-1 "
-        "next token is compared at every position (not `make run`'s sequence agreement, which "
-        "compares free-running greedy outputs up to their first different token).",
     ]
+    if any(m["unit"] == "passages" for m in report["metrics"]):
+        lines.append(
+            "teacher-forced next-token agreement: both runs score the same passages and the "
+            "top-1 next token is compared at every position (not `make run`'s sequence "
+            "agreement, which compares free-running greedy outputs up to their first different "
+            "token)."
+        )
     if report.get("greedy_answers_identical") is not None:
         lines.append(
             "(info) greedy answers identical to the baseline: "
