@@ -381,7 +381,12 @@ def test_a_subset_gate_judges_only_its_tasks(checkpoint, tmp_path, capsys):
     assert report["suite"]["passages"] == 0 and report["suite"]["generation_prompts"] == 36
     assert "tasks: needle, variable_tracking only (--tasks)" in "\n".join(lines)
     assert "teacher-forced" not in "\n".join(lines)  # no passages: nothing to explain
-    assert (tmp_path / "int8-quick-needle-variable_tracking.json").exists()
+    saved = tmp_path / "int8-quick-needle-variable_tracking.json"
+    # tune reads the real report: its rows by task, INCONCLUSIVE here (--quick cannot decide)
+    from kvserve.sim.tune import QualityGate
+
+    said = QualityGate.load([str(saved)], model).verdict({"kv_cache_dtype": "int8"})
+    assert said is not None and "quality gate INCONCLUSIVE for kv_cache_dtype=int8" in said
     assert main(["quality", "--model", model, "--quick", "--kv-cache-dtype", "int8", "--tasks",
                  "needles"]) == 2  # fmt: skip
     assert "tasks: needles; choose from" in capsys.readouterr().err
