@@ -141,7 +141,8 @@ class QualityGate:
                 return None
             return (
                 f"quality gate INCONCLUSIVE for {what} (its suite could not tell; a larger "
-                "`kvserve quality --prompts N` decides, or --quality-accept-inconclusive)"
+                "`kvserve quality --prompts N`, or `--tasks` of the undecided tasks with it, "
+                "decides; or --quality-accept-inconclusive)"
             )
         return f"no passing quality report for {what} (lossy; run kvserve quality --json)"
 
