@@ -199,6 +199,14 @@ def test_exact_baseline_against_itself_is_refused_unless_a_setup_makes_it_a_cand
     assert needle["verdict"] == "INCONCLUSIVE" and needle["lost"] == needle["gained"] == 0
     assert needle["needed"] == 52  # an identical group decides at 52 prompts (test_quality_stats)
     assert report["needed_prompts"] == 52  # the early-depth group has `prompts`: 52 needed
+    # Each undecided task alone (--tasks): the groups that no prompt passes on either side need
+    # 52 as above; instruction following (a random model follows a few instructions on both
+    # sides) needs what its own row says, its group being `prompts` large
+    tasks = ("needle", "multi_needle", "variable_tracking", "multi_turn")
+    instruction = metric(report, "recall_instruction")
+    assert instruction["n"] == TINY.prompts and instruction["needed"] is not None
+    assert report["needed_by_task"] == {**dict.fromkeys(tasks, 52),
+                                        "instruction": instruction["needed"]}  # fmt: skip
     assert report["greedy_answers_identical"] == 1.0
     # Same requests, same pool, same scheduler: the same batches step for step.
     assert report["steps"]["baseline"] == report["steps"]["candidate"]
@@ -255,6 +263,9 @@ def test_cli_exit_codes_json_and_files(checkpoint, tmp_path, capsys):
     table = "\n".join(lines[:-1])
     assert "quality gate: INCONCLUSIVE" in table and "PASS" not in table.splitlines()[-3]
     assert f"about --prompts {report['needed_prompts']} would decide" in table
+    alone = next(x for x in table.splitlines() if "each alone:" in x)
+    for task, n in report["needed_by_task"].items():
+        assert f"--tasks {task} --prompts {n}" in alone
     assert "teacher-forced next-token agreement" in table and "sequence agreement" in table
     saved = json.loads((out / "int8-quick.json").read_text())
     assert saved["metrics"] == report["metrics"]

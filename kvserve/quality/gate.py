@@ -49,7 +49,7 @@ from kvserve.quality.stats import (
     passages_needed,
     prompts_needed,
 )
-from kvserve.quality.suite import Suite, SuiteSpec, build_suite
+from kvserve.quality.suite import Suite, SuiteSpec, build_suite, metric_task
 from kvserve.quality.thresholds import Thresholds
 
 CandidateSetup = Callable[[Any], None]
@@ -200,6 +200,7 @@ def run_gates(
             "verdict": verdict,
             "exit_code": EXIT_CODES[verdict],
             "needed_prompts": needed_prompts(metrics, spec) if verdict == INCONCLUSIVE else None,
+            "needed_by_task": needed_by_task(metrics, spec) if verdict == INCONCLUSIVE else None,
             "model": str(cand_kw["model"]),
             "label": label or describe(cand_kw) + ("+setup" if setup else ""),
             "baseline": {"kv_format": base_fmt, "engine": _jsonable(base_kw)},
@@ -339,6 +340,22 @@ def needed_prompts(rows: list[dict[str, Any]], spec: SuiteSpec) -> int | None:
         if r["needed"] is None or not r["n"]:
             return None
         out = max(out, math.ceil(r["needed"] * spec.prompts / r["n"] - 1e-9))
+    return out
+
+
+def needed_by_task(rows: list[dict[str, Any]], spec: SuiteSpec) -> dict[str, int | None]:
+    """Per task with an INCONCLUSIVE row, the ``--prompts`` that would decide it at the
+    observed rates when run alone (``--tasks``); None where no size would."""
+    out: dict[str, int | None] = {}
+    for r in rows:
+        if r["verdict"] != INCONCLUSIVE:
+            continue
+        task = metric_task(r["key"])
+        if r["needed"] is None or not r["n"]:
+            out[task] = None
+        elif task not in out or out[task] is not None:
+            need = math.ceil(r["needed"] * spec.prompts / r["n"] - 1e-9)
+            out[task] = max(out.get(task) or 0, need)
     return out
 
 

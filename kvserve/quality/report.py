@@ -170,6 +170,10 @@ def format_table(report: dict[str, Any]) -> str:
             else "no suite size decides at the observed rates"
         )
         lines.append(f"quality gate: INCONCLUSIVE ({', '.join(open_)}): {more}{tail}")
+        by_task = report.get("needed_by_task") or {}
+        alone = [f"--tasks {t} --prompts {n}" for t, n in by_task.items() if n is not None]
+        if alone:
+            lines.append("  or only the undecided tasks, each alone: " + "; ".join(alone))
     return "\n".join(lines)
 
 
