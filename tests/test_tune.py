@@ -188,6 +188,10 @@ def test_task_subsets_alone_never_pass(tmp_path):
         "quality reports for kv_cache_dtype=fp8_e4m3 cover only instruction, passages "
         "(kvserve quality --tasks); the whole suite must have run too"
     )
+    # Nor does accepting INCONCLUSIVE let a subset stand for the whole suite
+    d = rows_report(tmp_path, "d", {"recall_instruction": (64, "INCONCLUSIVE")}, ["instruction"])
+    gate = QualityGate.load([d], default_model(), accept_inconclusive=True)
+    assert "cover only instruction" in gate.verdict({"kv_cache_dtype": "fp8_e4m3"})
     c = rows_report(tmp_path, "c", {"recall_multi_turn": (400, "FAIL")}, ["multi_turn"])
     said = QualityGate.load([a, c], default_model()).verdict({"kv_cache_dtype": "fp8_e4m3"})
     assert said == "quality gate FAILED for kv_cache_dtype=fp8_e4m3"

@@ -60,7 +60,7 @@ class QualityGate:
     passed: set[tuple[str, str | None]] = field(default_factory=set)
     failed: set[tuple[str, str | None]] = field(default_factory=set)
     inconclusive: set[tuple[str, str | None]] = field(default_factory=set)
-    # Settings whose every judged task passed, but only in --tasks runs: the tasks they cover
+    # Settings judged only in --tasks runs and not failed there: the tasks those covered
     partial: dict[tuple[str, str | None], tuple[str, ...]] = field(default_factory=dict)
     accept_inconclusive: bool = False
 
@@ -113,7 +113,7 @@ class QualityGate:
                     best[task] = (mine[0], overall([mine[1], best[task][1]]))
         for key, best in judged.items():
             verdict = overall([v for _, v in best.values()])
-            if verdict == "PASS" and key not in whole:
+            if verdict != "FAIL" and key not in whole:  # the tasks not run were not judged
                 gate.partial[key] = tuple(t for t in TASKS if t in best)
                 continue
             {"PASS": gate.passed, "FAIL": gate.failed, "INCONCLUSIVE": gate.inconclusive}[
