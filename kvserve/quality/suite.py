@@ -122,10 +122,6 @@ class SuiteSpec:
             return 0
         return max(1, self.prompts // self.prompts_per_passage)
 
-    @property
-    def all_tasks(self) -> bool:
-        return set(self.tasks) == set(TASKS)
-
     def with_prompts(self, prompts: int) -> SuiteSpec:
         return replace(self, prompts=prompts)
 
