@@ -186,6 +186,11 @@ def _emit(report: dict, args: argparse.Namespace, seconds: float) -> None:
     report["seconds"]["total"] = round(seconds, 2)
     report["suite"]["name"] = "quick" if args.quick else "full" if args.full else "default"
     report["threads"] = args.threads
+    # Greedy answers differ between CPUs (their kernels sum in other orders), so reports meant
+    # to be read together (kvserve tune) should come from one machine: each says which.
+    from kvserve.sim.calibrate import device_name
+
+    report["device"] = device_name(str(args.device or "cpu"))
     name = slug(report["label"]) + ("-quick" if args.quick else "-full" if args.full else "")
     if args.tasks is not None:  # beside the whole suite's report, not over it
         name += "-" + "-".join(report["suite"]["tasks"])

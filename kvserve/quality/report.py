@@ -74,6 +74,8 @@ def format_table(report: dict[str, Any]) -> str:
         f"baseline : kv_cache_dtype=auto ({b['kv_format']}), exact",
         f"candidate: {report['label']} ({c['kv_format']})",
     ]
+    if report.get("device"):
+        lines.append(f"device: {report['device']}")
     if cr["chunked_prefill"]:
         lines.append(
             f"chunked prefill, {cr['prefill_chunk_tokens']} tokens per step in both runs: "
