@@ -188,7 +188,7 @@ def _emit(report: dict, args: argparse.Namespace, seconds: float) -> None:
     report["threads"] = args.threads
     # Greedy answers differ between CPUs (their kernels sum in other orders), so reports meant
     # to be read together (kvserve tune) should come from one machine: each says which.
-    from kvserve.sim.calibrate import device_name
+    from kvserve.worker.bandwidth import device_name
 
     report["device"] = device_name(str(args.device or "cpu"))
     name = slug(report["label"]) + ("-quick" if args.quick else "-full" if args.full else "")

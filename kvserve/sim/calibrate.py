@@ -24,11 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import math
-import platform
 import tempfile
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -55,7 +53,7 @@ from kvserve.sim.cost import (
     fit_profile,
 )
 from kvserve.sim.cost import step_features as features_of
-from kvserve.worker.bandwidth import measure_peak_bandwidth
+from kvserve.worker.bandwidth import device_name, measure_peak_bandwidth
 
 
 def measure_gemm_peak(dtype: torch.dtype, hidden: int, device: str = "cpu") -> float:
@@ -245,19 +243,6 @@ def solo_prefill_lengths(budget: int, max_model_len: int, num_blocks: int, block
     room = min(budget, max_model_len - 1, (num_blocks * block_size) // 2)
     lengths = [int(room * share) for share in SOLO_PREFILL_SHARES]
     return [n for n in lengths if n >= SOLO_PREFILL_MIN_TOKENS]
-
-
-def device_name(device: str = "cpu") -> str:
-    """The CPU's model name (lscpu's), or the CUDA device's."""
-    if device.startswith("cuda"):
-        return torch.cuda.get_device_name(torch.device(device))
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip() + f" ({torch.get_num_threads()} threads)"
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
 
 
 def fit_shape_cache(

@@ -1,14 +1,30 @@
 """What a worker measures for the engine's bandwidth meter (:mod:`kvserve.engine.bandwidth`): the
-device's peak read bandwidth, and the bytes of weights one step reads."""
+device's peak read bandwidth, and the bytes of weights one step reads; and the device's name,
+which the reports that carry such measurements (a calibrated profile, a quality report) give."""
 
 from __future__ import annotations
 
+import platform
 import time
+from pathlib import Path
 
 import torch
 
 PROBE_BYTES = 256 * 2**20
 PROBE_REPEATS = 3
+
+
+def device_name(device: str = "cpu") -> str:
+    """The CPU's model name (lscpu's), or the CUDA device's."""
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip() + f" ({torch.get_num_threads()} threads)"
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
 
 
 def measure_peak_bandwidth(device: torch.device, nbytes: int = PROBE_BYTES) -> float:
