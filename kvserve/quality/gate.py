@@ -330,32 +330,34 @@ def judge_passages(
     }  # fmt: skip
 
 
+def _row_prompts(r: dict[str, Any], spec: SuiteSpec) -> int | None:
+    """The ``--prompts`` at which row ``r`` would decide at its observed rates (its group's
+    size is proportional to ``spec.prompts``); None if no size would."""
+    if r["needed"] is None or not r["n"]:
+        return None
+    return math.ceil(r["needed"] * spec.prompts / r["n"] - 1e-9)
+
+
 def needed_prompts(rows: list[dict[str, Any]], spec: SuiteSpec) -> int | None:
-    """The ``--prompts`` that would decide every INCONCLUSIVE row at the observed rates (each
-    group's size is proportional to ``spec.prompts``); None if some row cannot be decided."""
-    out = spec.prompts
-    for r in rows:
-        if r["verdict"] != INCONCLUSIVE:
-            continue
-        if r["needed"] is None or not r["n"]:
-            return None
-        out = max(out, math.ceil(r["needed"] * spec.prompts / r["n"] - 1e-9))
-    return out
+    """The ``--prompts`` that would decide every INCONCLUSIVE row at the observed rates; None
+    if some row cannot be decided."""
+    needs = [_row_prompts(r, spec) for r in rows if r["verdict"] == INCONCLUSIVE]
+    if None in needs:
+        return None
+    return max([spec.prompts, *needs])
 
 
 def needed_by_task(rows: list[dict[str, Any]], spec: SuiteSpec) -> dict[str, int | None]:
     """Per task with an INCONCLUSIVE row, the ``--prompts`` that would decide it at the
     observed rates when run alone (``--tasks``); None where no size would."""
-    out: dict[str, int | None] = {}
+    by_task: dict[str, list[int | None]] = {}
     for r in rows:
-        if r["verdict"] != INCONCLUSIVE:
-            continue
-        task = metric_task(r["key"])
-        if r["needed"] is None or not r["n"]:
-            out[task] = None
-        elif task not in out or out[task] is not None:
-            need = math.ceil(r["needed"] * spec.prompts / r["n"] - 1e-9)
-            out[task] = max(out.get(task) or 0, need)
+        if r["verdict"] == INCONCLUSIVE:
+            by_task.setdefault(metric_task(r["key"]), []).append(_row_prompts(r, spec))
+    out: dict[str, int | None] = {}
+    for task, needs in by_task.items():
+        known = [n for n in needs if n is not None]
+        out[task] = max(known) if len(known) == len(needs) else None
     return out
 
 

@@ -126,9 +126,11 @@ class SuiteSpec:
         return replace(self, prompts=prompts)
 
     def with_tasks(self, tasks: tuple[str, ...]) -> SuiteSpec:
-        """The same suite with only ``tasks``, in :data:`TASKS`' order."""
-        replace(self, tasks=tuple(tasks))  # refused here, naming the field, if one is unknown
-        return replace(self, tasks=tuple(t for t in TASKS if t in tasks))
+        """The same suite with only ``tasks``, in :data:`TASKS`' order (an unknown name first,
+        so that the spec refuses it, naming the field)."""
+        order = {t: i for i, t in enumerate(TASKS)}
+        named = sorted(dict.fromkeys(tasks), key=lambda t: order.get(t, -1))
+        return replace(self, tasks=tuple(named))
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "passages": self.passages}
