@@ -8,6 +8,7 @@ must be visible (the gate really reads the stored cache), and a corrupted cache 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from kvserve.config import ConfigError
 from kvserve.kv.storage import KVStorageWrapper
 from kvserve.quality.gate import run_gate, wrap_kv_storage
 from kvserve.quality.metrics import LogitComparison, passage_nll
-from kvserve.quality.stats import MIN_PASSAGES
+from kvserve.quality.stats import INCONCLUSIVE, MIN_PASSAGES
 from kvserve.quality.suite import SuiteSpec, answers_match, build_suite
 
 # Ten prompts per group and one passage each: enough passages for the bootstrap to decide
@@ -265,10 +266,12 @@ def test_cli_exit_codes_json_and_files(checkpoint, tmp_path, capsys):
     assert report["needed_prompts"] > 12
     table = "\n".join(lines[:-1])
     assert "quality gate: INCONCLUSIVE" in table and "PASS" not in table.splitlines()[-3]
-    assert f"about --prompts {report['needed_prompts']} would decide" in table
+    # the advice repeats --quick: its contexts are the quick suite's, not the default's
+    assert f"about --quick --prompts {report['needed_prompts']} would decide" in table
+    assert "suite: --quick --prompts 12: " in table
     alone = next(x for x in table.splitlines() if "each alone:" in x)
     for task, n in report["needed_by_task"].items():
-        assert f"--tasks {task} --prompts {n}" in alone
+        assert f"--quick --tasks {task} --prompts {n}" in alone
     assert "teacher-forced next-token agreement" in table and "sequence agreement" in table
     saved = json.loads((out / "int8-quick.json").read_text())
     assert saved["metrics"] == report["metrics"]
@@ -376,6 +379,44 @@ def test_tasks_run_a_subset_with_the_whole_suites_prompts(checkpoint):
     for bad, named in ((("needle", "ifeval"),), "ifeval"), (((),), "none given"):
         with pytest.raises(ConfigError, match=f"tasks: {named}; choose from needle, multi_needle"):
             TINY.with_tasks(*bad)
+
+
+def test_weights_grow_some_groups_and_prompts_scales_them_all(checkpoint):
+    """A weighted group is the unweighted suite's group extended (the same first prompts), and
+    --prompts keeps the weights; the --prompts that decides a row is counted in the weighted
+    suite's units, so the advice `--full --tasks T --prompts N` gives the group its size."""
+    from kvserve.model.tokenizer import Tokenizer
+    from kvserve.quality.gate import needed_by_task, needed_prompts
+
+    tok = Tokenizer(checkpoint("llama_gqa"))
+    plain = build_suite(tok, TINY, 2048)
+    heavy = replace(TINY, weights=(("multi_turn", 2), ("instruction", 3)))
+    suite = build_suite(tok, heavy, 2048)
+    n = TINY.prompts
+    counts = {k: sum(i.kind == k for i in suite.items) for k in {i.kind for i in suite.items}}
+    assert counts == {"needle": 2 * n, "multi_needle": n, "variable_tracking": n,
+                      "multi_turn": 2 * n, "instruction": 3 * n}  # fmt: skip
+    for kind in ("multi_turn", "instruction", "needle"):
+        mine = [i.prompt_ids for i in suite.items if i.kind == kind]
+        theirs = [i.prompt_ids for i in plain.items if i.kind == kind]
+        assert mine[: len(theirs)] == theirs
+    assert heavy.with_prompts(4).prompts_of("instruction") == 12  # scaled, weights kept
+    rows = [
+        {"key": "recall_instruction", "verdict": INCONCLUSIVE, "needed": 60, "n": 3 * n},
+        {"key": "recall_multi_turn", "verdict": INCONCLUSIVE, "needed": 50, "n": 2 * n},
+        {"key": "recall_needle", "verdict": INCONCLUSIVE, "needed": 30, "n": 2 * n},
+    ]
+    # instruction: 60 prompts = 3 x 20; multi-turn: 50 = 2 x 25; needles: 30 = 2 x 15
+    assert needed_by_task(rows, heavy) == {"instruction": 20, "multi_turn": 25, "needle": 15}
+    assert needed_prompts(rows, heavy) == 25
+    full = SuiteSpec.full()  # the group sizes at which fp8_e4m3 decided on SmolLM2
+    assert full.name == "full" and full.lengths == SuiteSpec().lengths
+    assert full.prompts_of("instruction") >= 1200 and full.prompts_of("multi_turn") >= 400
+    assert full.prompts_of("multi_needle") >= 600 and full.passages == full.prompts // 4
+    with pytest.raises(ConfigError, match="weights: instructions x2; tasks from needle"):
+        replace(TINY, weights=(("instructions", 2),))
+    with pytest.raises(ConfigError, match="weights: needle x0"):
+        replace(TINY, weights=(("needle", 0),))
 
 
 def test_a_subset_gate_judges_only_its_tasks(checkpoint, tmp_path, capsys):

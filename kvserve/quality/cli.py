@@ -57,7 +57,8 @@ def add_quality_parser(sub: Any) -> Callable[[argparse.Namespace], int]:
     size.add_argument(
         "--full",
         action="store_true",
-        help="192 prompts per group (default: 64), contexts up to 1,024 tokens as the default",
+        help="200 prompts per group (default: 64), and 3x for multi-needle, 2x for multi-turn, "
+        "6x for instruction following, whose answers flip both ways; contexts as the default",
     )
     g.add_argument("--prompts", type=int, default=None, metavar="N",
                    help="prompts per judged group (scales the chosen suite; one held-out "
@@ -184,7 +185,6 @@ def _emit(report: dict, args: argparse.Namespace, seconds: float) -> None:
     from kvserve.quality.report import write_json as write_report
 
     report["seconds"]["total"] = round(seconds, 2)
-    report["suite"]["name"] = "quick" if args.quick else "full" if args.full else "default"
     report["threads"] = args.threads
     # Greedy answers differ between CPUs (their kernels sum in other orders), so reports meant
     # to be read together (kvserve tune) should come from one machine: each says which.

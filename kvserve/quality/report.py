@@ -89,10 +89,12 @@ def format_table(report: dict[str, Any]) -> str:
         )
     s = report["suite"]
     skip = "".join(f"\n  skipped {task}: {why}" for task, why in s["skipped"].items())
+    size = _size_flag(report)
+    weights = "".join(f", {task} x{w}" for task, w in s.get("weights", ()))
     lines.append(
-        f"suite: --prompts {s['prompts']}: {s['generation_prompts']} greedy prompts + "
-        f"{s['passages']} held-out passages, {s['prompt_tokens_per_run']} prompt tokens per "
-        f"run; chat template: {s['chat_template']}{skip}"
+        f"suite: {size}--prompts {s['prompts']}{weights}: {s['generation_prompts']} greedy "
+        f"prompts + {s['passages']} held-out passages, {s['prompt_tokens_per_run']} prompt "
+        f"tokens per run; chat template: {s['chat_template']}{skip}"
     )
     tasks = s.get("tasks")
     if tasks is not None and set(tasks) != set(TASKS):
@@ -167,16 +169,24 @@ def format_table(report: dict[str, Any]) -> str:
         open_ = [m["label"] for m in report["metrics"] if m["verdict"] == "INCONCLUSIVE"]
         need = report.get("needed_prompts")
         more = (
-            f"about --prompts {need} would decide at the observed rates"
+            f"about {_size_flag(report)}--prompts {need} would decide at the observed rates"
             if need
             else "no suite size decides at the observed rates"
         )
         lines.append(f"quality gate: INCONCLUSIVE ({', '.join(open_)}): {more}{tail}")
         by_task = report.get("needed_by_task") or {}
-        alone = [f"--tasks {t} --prompts {n}" for t, n in by_task.items() if n is not None]
+        size = _size_flag(report)
+        alone = [f"{size}--tasks {t} --prompts {n}" for t, n in by_task.items() if n is not None]
         if alone:
             lines.append("  or only the undecided tasks, each alone: " + "; ".join(alone))
     return "\n".join(lines)
+
+
+def _size_flag(report: dict[str, Any]) -> str:
+    """The suite-size flag a larger run must repeat to extend this report's groups: the
+    contexts (``--quick``) and group weights (``--full``) are the size's, not ``--prompts``'."""
+    name = report["suite"].get("name", "default")
+    return "" if name == "default" else f"--{name} "
 
 
 def slug(label: str) -> str:

@@ -27,6 +27,10 @@ EARLY_DEPTH = 10.0  # depth band reported on its own: "important information app
 # (perplexity, agreement and KL read them)
 TASKS = ("needle", "multi_needle", "variable_tracking", "multi_turn", "instruction", "passages")
 PASSAGE_METRICS = ("perplexity", "teacher_forced_agreement", "mean_kl")
+# --full's groups, in multiples of its ``prompts``: the groups whose answers flip both ways
+# under a lossless format (a free-form instruction answer changes with any token, a multi-turn
+# or multi-needle answer with a few) need several times the prompts to decide; the rest do not
+FULL_WEIGHTS = (("multi_needle", 3), ("multi_turn", 2), ("instruction", 6))
 
 
 def metric_task(key: str) -> str:
@@ -49,21 +53,26 @@ class TokenizerLike(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class SuiteSpec:
-    """What the gate runs. ``prompts`` is the size of every judged group: needles at depths
-    0-10 %, needles deeper (so needle recall as a whole has twice as many), multi-needle,
-    multi-turn, variable tracking and instruction following; one held-out passage per
+    """What the gate runs. ``prompts`` sizes every judged group: needles at depths 0-10 %,
+    needles deeper (so needle recall as a whole has twice as many), multi-needle, multi-turn,
+    variable tracking and instruction following; one held-out passage per
     ``prompts_per_passage`` prompts. Needles go round-robin over the (length, depth) cells.
+    ``weights`` multiplies some groups: a group has ``prompts_of(task)`` prompts, so
+    ``--prompts N`` scales the whole suite and keeps its proportions.
 
-    Why one number: a paired interval narrows with the prompts of its own group, so every
-    group needs about as many as the one that must decide; with 5-point margins and 95 %
-    bounds, a group whose prompts all agree on both sides decides at 52 (see
-    :mod:`kvserve.quality.stats`). ``quick()`` (12) can only FAIL a gross loss: it reports
-    INCONCLUSIVE for anything else. ``default()`` (64) can pass a format that changes almost
-    no answer; ``full()`` (192) one whose answers flip both ways at a few percent.
+    Why per group: a paired interval narrows with the prompts of its own group; with 5-point
+    margins and 95 % bounds, a group whose prompts all agree on both sides decides at 52 (see
+    :mod:`kvserve.quality.stats`), a group whose answers flip both ways at a few percent needs
+    hundreds. ``quick()`` (12) can only FAIL a gross loss: it reports INCONCLUSIVE for anything
+    else. ``default()`` (64) can pass a format that changes almost no answer; ``full()`` sizes
+    each group for a format that changes answers both ways without a loss (fp8 on a small
+    instruct model), :data:`FULL_WEIGHTS`.
 
     ``tasks`` runs a subset of :data:`TASKS`: a group the whole suite left INCONCLUSIVE can
     grow to the size that decides it without rerunning the groups that already decided (their
-    prompts do not change: each has its own seeds). A verdict covers the tasks that ran."""
+    prompts do not change: each has its own seeds). A verdict covers the tasks that ran.
+    ``name`` is the size's flag (``quick``, ``default``, ``full``): the contexts and weights
+    that a run of more prompts must repeat to extend this one's groups."""
 
     prompts: int = 64
     lengths: tuple[int, ...] = (256, 512, 1024)
@@ -79,10 +88,17 @@ class SuiteSpec:
     prompts_per_passage: int = 4
     seed: int = 0
     tasks: tuple[str, ...] = TASKS
+    weights: tuple[tuple[str, int], ...] = ()
+    name: str = "default"
 
     def __post_init__(self) -> None:
         if self.prompts < 1:
             raise ConfigError(f"prompts: must be >= 1, got {self.prompts}")
+        for task, w in self.weights:
+            if task not in TASKS or w < 1:
+                raise ConfigError(
+                    f"weights: {task} x{w}; tasks from {', '.join(TASKS)}, weights >= 1"
+                )
         bad = [t for t in self.tasks if t not in TASKS]
         if bad or not self.tasks:
             raise ConfigError(
@@ -101,6 +117,7 @@ class SuiteSpec:
     @classmethod
     def quick(cls) -> SuiteSpec:
         return cls(
+            name="quick",
             prompts=12,
             lengths=(256, 1024),
             multi_needle_length=256,
@@ -112,15 +129,19 @@ class SuiteSpec:
 
     @classmethod
     def full(cls) -> SuiteSpec:
-        """The default's contexts with three times the prompts: what a small model's noisier
-        groups need (answers a 4-bit cache flips both ways, a few percent of prompts each)."""
-        return cls(prompts=192)
+        """The default's contexts with about three times the prompts per group, and several
+        times that in the groups whose answers flip both ways (:data:`FULL_WEIGHTS`)."""
+        return cls(name="full", prompts=200, weights=FULL_WEIGHTS)
+
+    def prompts_of(self, task: str) -> int:
+        """The prompts of ``task``'s group (of each depth band for ``needle``)."""
+        return self.prompts * dict(self.weights).get(task, 1)
 
     @property
     def passages(self) -> int:
         if "passages" not in self.tasks:
             return 0
-        return max(1, self.prompts // self.prompts_per_passage)
+        return max(1, self.prompts_of("passages") // self.prompts_per_passage)
 
     def with_prompts(self, prompts: int) -> SuiteSpec:
         return replace(self, prompts=prompts)
@@ -214,22 +235,23 @@ def build_suite(tok: TokenizerLike, spec: SuiteSpec, max_model_len: int) -> Suit
         # +2: room to see that the answer is not continued ("... 4831907" then "2")
         return TaskItem(p.kind, ids, p.answer, n_ans + 2, dict(p.meta))
 
-    def group(name: str, length: int, make: Callable[[int], TaskItem], n: int) -> list[TaskItem]:
-        """``n`` items of one task at one length, or none (and why) if it cannot be built;
-        none when the spec leaves the task out."""
+    def group(name: str, length: int, make: Callable[[int], TaskItem]) -> list[TaskItem]:
+        """The task's items at one length, or none (and why) if it cannot be built; none when
+        the spec leaves the task out."""
         if name not in spec.tasks:
             return []
         if length > room:
             skipped[f"{name}@{length}"] = f"longer than max_model_len - 64 ({room})"
             return []
         try:
-            return [make(i) for i in range(n)]
+            return [make(i) for i in range(spec.prompts_of(name))]
         except ValueError as e:  # too short for the task's fixed text in this tokenizer
             skipped[f"{name}@{length}"] = str(e)
             return []
 
     def needles(depths: tuple[float, ...]) -> list[TaskItem]:
-        """``spec.prompts`` needles round-robin over the cells (length, depth) that fit."""
+        """``prompts_of("needle")`` needles round-robin over the cells (length, depth) that
+        fit."""
         cells = []
         for length in spec.lengths:
             if length > room:
@@ -237,7 +259,7 @@ def build_suite(tok: TokenizerLike, spec: SuiteSpec, max_model_len: int) -> Suit
             else:
                 cells += [(length, depth) for depth in depths]
         out: list[TaskItem] = []
-        for i in range(spec.prompts if cells else 0):
+        for i in range(spec.prompts_of("needle") if cells else 0):
             length, depth = cells[i % len(cells)]
             seed = _seed(spec, "needle", length, depth, i // len(cells))
             try:
@@ -249,7 +271,6 @@ def build_suite(tok: TokenizerLike, spec: SuiteSpec, max_model_len: int) -> Suit
             out.append(it)
         return out
 
-    n = spec.prompts
     items = []
     if "needle" in spec.tasks:
         items = needles(spec.early_depths) + needles(spec.late_depths)
@@ -258,14 +279,12 @@ def build_suite(tok: TokenizerLike, spec: SuiteSpec, max_model_len: int) -> Suit
         "multi_needle",
         ln,
         lambda i: item(T.multi_needle_prompt(_seed(spec, "mn", i), ln, count, num_needles=k), True),
-        n,
     )
     l2 = spec.variable_tracking_length
     items += group(
         "variable_tracking",
         l2,
         lambda i: item(T.variable_tracking_prompt(_seed(spec, "vt", i), l2, count), True),
-        n,
     )
     render, special, chat = _chat_renderer(tok)
     turn_count: Callable[[str], int] = count if special else count_raw
@@ -276,7 +295,6 @@ def build_suite(tok: TokenizerLike, spec: SuiteSpec, max_model_len: int) -> Suit
         lambda i: item(
             T.multi_turn_prompt(_seed(spec, "mt", i), l3, turn_count, render=render), special
         ),
-        n,
     )
     l4 = spec.instruction_length
 
@@ -286,7 +304,7 @@ def build_suite(tok: TokenizerLike, spec: SuiteSpec, max_model_len: int) -> Suit
         it.max_tokens = spec.instruction_max_tokens
         return it
 
-    items += group("instruction", l4, instruction, n)
+    items += group("instruction", l4, instruction)
 
     plen = min(spec.passage_length, room)
     passages = []
