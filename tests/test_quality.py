@@ -419,6 +419,23 @@ def test_weights_grow_some_groups_and_prompts_scales_them_all(checkpoint):
         replace(TINY, weights=(("needle", 0),))
 
 
+def test_each_report_is_handed_over_before_the_next_candidate_runs(checkpoint):
+    from kvserve.quality.gate import run_gates
+
+    model = checkpoint("llama_gqa")
+    got: list[dict] = []
+    seen: list[int] = []  # reports handed over when the second candidate's engine was built
+    reports = run_gates(
+        engine_kwargs(model),
+        [{"kv_cache_dtype": "int8"}, {"kv_cache_dtype": "fp8_e4m3"}],
+        TINY.with_tasks(("variable_tracking",)),
+        candidate_setup=[None, lambda llm: seen.append(len(got))],
+        on_report=got.append,
+    )
+    assert seen == [1] and got == reports
+    assert [r["candidate"]["kv_format"] for r in got] == ["int8", "fp8_e4m3"]
+
+
 def test_a_subset_gate_judges_only_its_tasks(checkpoint, tmp_path, capsys):
     """Without passages there are no perplexity, agreement or KL rows (not INCONCLUSIVE rows
     of zero passages); the table and the file name say which tasks ran."""

@@ -174,9 +174,8 @@ def cmd_quality(args: argparse.Namespace) -> int:
         thresholds,
         labels=[args.label if len(candidates) == 1 else None] * len(candidates),
         log=lambda m: print(f"[quality] {m}", file=sys.stderr, flush=True),
+        on_report=lambda report: _emit(report, args, time.perf_counter() - t0),
     )
-    for report in reports:
-        _emit(report, args, time.perf_counter() - t0)
     return EXIT_CODES[overall([r["verdict"] for r in reports])]
 
 
@@ -205,3 +204,4 @@ def _emit(report: dict, args: argparse.Namespace, seconds: float) -> None:
         print(HEATMAP_MISSING if report["grid"]["baseline"] else "heatmap skipped: no needle grid")
     if args.json:
         print(json.dumps(report, default=str))
+    sys.stdout.flush()  # each candidate's result is out before the next one's run

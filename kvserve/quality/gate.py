@@ -136,12 +136,15 @@ def run_gates(
     candidate_setup: CandidateSetup | list[CandidateSetup | None] | None = None,
     labels: list[str | None] | None = None,
     log: Callable[[str], None] | None = None,
+    on_report: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """One baseline run, then each candidate (``engine_kwargs`` updated by one dict of
     ``candidates``, e.g. ``{"kv_cache_dtype": "int8"}``) judged against it: one report each,
     as :func:`run_gate` returns. Gating several formats this way runs the baseline once.
     ``candidate_setup`` is one callable for every candidate or a list, one per candidate.
-    A candidate with no lossy option and no setup is the baseline itself: refused."""
+    A candidate with no lossy option and no setup is the baseline itself: refused.
+    ``on_report`` gets each report as soon as its candidate is judged: a large suite takes
+    an hour per candidate, and a run stopped later should not lose the ones already done."""
     from kvserve import LLM
 
     spec = spec or SuiteSpec.default()
@@ -228,6 +231,8 @@ def run_gates(
             "seconds": {"baseline": round(base.seconds, 2), "candidate": round(cand.seconds, 2)},
             "steps": {"baseline": base.steps, "candidate": cand.steps},
         })  # fmt: skip
+        if on_report is not None:
+            on_report(reports[-1])
     return reports
 
 
