@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -53,11 +53,15 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
+        use_tqdm: bool | Callable[..., Any] = False,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns one output per prompt, in order. A prompt that
         fails validation raises before any is queued, so nothing is half-submitted.
         ``priority`` (vLLM's: lower is served first) matters under
-        ``scheduling_policy="priority"``."""
+        ``scheduling_policy="priority"``. ``use_tqdm`` (vLLM's): True shows a tqdm bar of
+        the finished prompts on stderr; a callable makes the bar, as ``tqdm`` is called
+        (``use_tqdm(total=N, desc=...)``, anything with ``update(n)`` and ``close()``). Off
+        by default, unlike vLLM's: a library call should not write to the terminal."""
         if isinstance(prompts, str | dict) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -87,10 +91,17 @@ class LLM:
             self.engine.abort_request(ids)
             raise
         results: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    results[out.request_id] = out
+        bar = _progress_bar(use_tqdm, len(ids))
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
         return [results[i] for i in ids]
 
     def chat(
@@ -110,3 +121,13 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
+
+
+def _progress_bar(use_tqdm: bool | Callable[..., Any], total: int) -> Any:
+    if not use_tqdm:
+        return None
+    if callable(use_tqdm):
+        return use_tqdm(total=total, desc="Processed prompts")
+    from tqdm import tqdm  # huggingface_hub's dependency, so always installed with kvserve
+
+    return tqdm(total=total, desc="Processed prompts", unit="prompt")

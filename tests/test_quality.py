@@ -436,6 +436,25 @@ def test_each_report_is_handed_over_before_the_next_candidate_runs(checkpoint):
     assert [r["candidate"]["kv_format"] for r in got] == ["int8", "fp8_e4m3"]
 
 
+def test_progress_log_says_how_far_and_how_long_at_most_once_a_period():
+    from kvserve.quality.metrics import ProgressLog
+
+    t = [0.0]
+    said: list[str] = []
+    bar = ProgressLog(10, say=said.append, label="baseline", every_s=60, clock=lambda: t[0])
+    for _ in range(10):  # one prompt finishes every 30 s
+        t[0] += 30
+        bar.update(1)
+    bar.close()
+    # at 60 s: 2 done, 8 left at 30 s each; at 120 s: 4 done; ... none once all are done
+    assert said == [
+        "baseline: 2/10 prompts in 1.0 min, about 4.0 min left",
+        "baseline: 4/10 prompts in 2.0 min, about 3.0 min left",
+        "baseline: 6/10 prompts in 3.0 min, about 2.0 min left",
+        "baseline: 8/10 prompts in 4.0 min, about 1.0 min left",
+    ]
+
+
 def test_a_subset_gate_judges_only_its_tasks(checkpoint, tmp_path, capsys):
     """Without passages there are no perplexity, agreement or KL rows (not INCONCLUSIVE rows
     of zero passages); the table and the file name say which tasks ran."""

@@ -174,7 +174,7 @@ def run_gates(
     say("baseline run ...")
     base_llm = LLM(**base_kw)
     num_blocks = base_llm.engine.num_blocks
-    base = run_suite(base_llm, suite, keep_logits=True)
+    base = run_suite(base_llm, suite, keep_logits=True, progress=say, label="baseline")
     base_fmt = base_llm.engine.kv_cache_dtype
     del base_llm
     say(f"baseline: {base.seconds:.1f}s, {base.steps} steps")
@@ -189,7 +189,11 @@ def run_gates(
             setup(cand_llm)
         cmp = LogitComparison()
         cand = run_suite(
-            cand_llm, suite, on_logits=lambda n, lg, cmp=cmp: cmp.add(n, base.logits[n], lg)
+            cand_llm,
+            suite,
+            on_logits=lambda n, lg, cmp=cmp: cmp.add(n, base.logits[n], lg),
+            progress=say,
+            label="candidate",
         )
         cand_fmt = cand_llm.engine.kv_cache_dtype
         chunk = cand_llm.engine.config.scheduler.max_num_batched_tokens

@@ -94,21 +94,62 @@ def passage_nll(logits: torch.Tensor, ids: list[int]) -> tuple[float, int]:
     return float(-rows.gather(1, target[:, None]).sum()), len(ids) - 1
 
 
+class ProgressLog:
+    """A progress bar for :meth:`kvserve.LLM.generate`'s ``use_tqdm`` that says, at most once
+    every ``every_s``, how many prompts are done and how long the rest should take at the pace
+    so far: a large suite runs for an hour, and is otherwise silent all that time."""
+
+    def __init__(
+        self,
+        total: int,
+        desc: str = "",
+        *,
+        say: Callable[[str], None],
+        label: str,
+        every_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.total, self.say, self.label = total, say, label
+        self.every_s, self.clock = every_s, clock
+        self.done = 0
+        self.start = self.last = clock()
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        now = self.clock()
+        if now - self.last < self.every_s or self.done >= self.total:
+            return
+        self.last = now
+        elapsed = now - self.start
+        left = elapsed / self.done * (self.total - self.done)
+        self.say(f"{self.label}: {self.done:,}/{self.total:,} prompts in {elapsed / 60:.1f} "
+                 f"min, about {left / 60:.1f} min left")  # fmt: skip
+
+    def close(self) -> None:
+        pass
+
+
 def run_suite(
     llm: Any,
     suite: Suite,
     keep_logits: bool = False,
     on_logits: LogitsFn | None = None,
+    progress: Callable[[str], None] | None = None,
+    label: str = "run",
 ) -> RunResult:
     """Run the suite on ``llm`` (a :class:`kvserve.LLM`). ``on_logits(i, logits)`` sees each
-    passage's prompt log-softmax as soon as its request finishes."""
+    passage's prompt log-softmax as soon as its request finishes; ``progress`` gets a line
+    now and then on how far the generation prompts are (:class:`ProgressLog`)."""
+    from functools import partial
+
     from kvserve import SamplingParams
 
     t0 = time.perf_counter()
     steps0 = llm.engine.num_steps
     params = [SamplingParams(temperature=0.0, max_tokens=i.max_tokens) for i in suite.items]
     prompts = [{"prompt_token_ids": i.prompt_ids} for i in suite.items]
-    outs = llm.generate(prompts, params) if prompts else []
+    bar = progress and partial(ProgressLog, say=progress, label=label)
+    outs = llm.generate(prompts, params, use_tqdm=bar or False) if prompts else []
     texts = [o.outputs[0].text for o in outs]
     hits = [item_hit(t, i) for t, i in zip(texts, suite.items, strict=True)]
 
