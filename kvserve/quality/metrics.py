@@ -148,8 +148,8 @@ def run_suite(
     steps0 = llm.engine.num_steps
     params = [SamplingParams(temperature=0.0, max_tokens=i.max_tokens) for i in suite.items]
     prompts = [{"prompt_token_ids": i.prompt_ids} for i in suite.items]
-    bar = progress and partial(ProgressLog, say=progress, label=label)
-    outs = llm.generate(prompts, params, use_tqdm=bar or False) if prompts else []
+    bar = partial(ProgressLog, say=progress, label=label) if progress else False
+    outs = llm.generate(prompts, params, use_tqdm=bar) if prompts else []
     texts = [o.outputs[0].text for o in outs]
     hits = [item_hit(t, i) for t, i in zip(texts, suite.items, strict=True)]
 

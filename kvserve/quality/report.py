@@ -169,13 +169,12 @@ def format_table(report: dict[str, Any]) -> str:
         open_ = [m["label"] for m in report["metrics"] if m["verdict"] == "INCONCLUSIVE"]
         need = report.get("needed_prompts")
         more = (
-            f"about {_size_flag(report)}--prompts {need} would decide at the observed rates"
+            f"about {size}--prompts {need} would decide at the observed rates"
             if need
             else "no suite size decides at the observed rates"
         )
         lines.append(f"quality gate: INCONCLUSIVE ({', '.join(open_)}): {more}{tail}")
         by_task = report.get("needed_by_task") or {}
-        size = _size_flag(report)
         alone = [f"{size}--tasks {t} --prompts {n}" for t, n in by_task.items() if n is not None]
         if alone:
             lines.append("  or only the undecided tasks, each alone: " + "; ".join(alone))
