@@ -330,7 +330,7 @@ def test_recall_plumbing_counts_hits_per_cell_and_group(checkpoint):
     class StandIn:
         engine = SimpleNamespace(num_steps=0, has_unfinished_requests=lambda: False)
 
-        def generate(self, prompts, params):
+        def generate(self, prompts, params, use_tqdm=False):
             assert [p.max_tokens for p in params] == [i.max_tokens for i in suite.items]
             texts = []
             for it in suite.items:
