@@ -28,8 +28,9 @@ EARLY_DEPTH = 10.0  # depth band reported on its own: "important information app
 TASKS = ("needle", "multi_needle", "variable_tracking", "multi_turn", "instruction", "passages")
 PASSAGE_METRICS = ("perplexity", "teacher_forced_agreement", "mean_kl")
 # --full's groups, in multiples of its ``prompts``: the groups whose answers flip both ways
-# under a lossless format (a free-form instruction answer changes with any token, a multi-turn
-# or multi-needle answer with a few) need several times the prompts to decide; the rest do not
+# under a format that loses little (a free-form instruction answer changes with any token, a
+# multi-turn or multi-needle answer with a few) need several times the prompts to decide; the
+# rest do not
 FULL_WEIGHTS = (("multi_needle", 3), ("multi_turn", 2), ("instruction", 6))
 
 
@@ -65,8 +66,9 @@ class SuiteSpec:
     :mod:`kvserve.quality.stats`), a group whose answers flip both ways at a few percent needs
     hundreds. ``quick()`` (12) can only FAIL a gross loss: it reports INCONCLUSIVE for anything
     else. ``default()`` (64) can pass a format that changes almost no answer; ``full()`` sizes
-    each group for a format that changes answers both ways without a loss (fp8 on a small
-    instruct model), :data:`FULL_WEIGHTS`.
+    each group for a format that flips answers both ways with no loss or one well inside the
+    margin (:data:`FULL_WEIGHTS`); a loss nearer the margin needs a larger group of its own
+    (``tasks``).
 
     ``tasks`` runs a subset of :data:`TASKS`: a group the whole suite left INCONCLUSIVE can
     grow to the size that decides it without rerunning the groups that already decided (their
